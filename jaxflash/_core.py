@@ -1,0 +1,119 @@
+"""What all backends share: the custom VJP around them and the per-tile logit math.
+
+A backend supplies two functions over normalised inputs:
+
+- ``forward(inputs, params) -> (out, lse2)``: ``out`` [B, T, N, H] in the query dtype and
+  ``lse2`` float32 [B, N, T], the logsumexp of the *base-2* logits (``log2(e) * logits``), set to
+  ``+inf`` on rows that see no key. ``+inf`` makes ``exp2(s - lse2)`` exactly 0 on such rows, so
+  the backward needs no special case for them; users see ``-inf`` (see `user_lse`).
+- ``backward(inputs, params, out, lse2, d_out, delta) -> (dq, dk, dv)`` where ``delta`` =
+  rowsum(dO * O) - d_lse, float32 [B, N, T]: the residuals are only the inputs, O and the LSE;
+  S and P are recomputed block by block.
+
+`Inputs` bundles the arrays; everything static lives in `Params`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxflash import masking
+
+LOG2_E = math.log2(math.e)
+
+
+class Inputs(NamedTuple):
+  """Normalised arrays of one attention call (a pytree; optional ones may be None)."""
+
+  query: jax.Array  # [B, T, N, H]
+  key: jax.Array  # [B, S, K, H]
+  value: jax.Array  # [B, S, K, H]
+  lengths: jax.Array  # int32 [B, 2]: (q_len, kv_len) per batch row, clipped to [0, T] / [0, S]
+  bias: jax.Array | None = None  # [B or 1, N or 1, T, S] float
+  mask: jax.Array | None = None  # [B or 1, N or 1, T, S] bool
+  q_segment_ids: jax.Array | None = None  # int32 [B, T]
+  kv_segment_ids: jax.Array | None = None  # int32 [B, S]
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+  """Static description of the attention function (hashable: used as a jit/vjp static arg)."""
+
+  scale: float
+  window: masking.Window
+  logits_soft_cap: float | None = None
+  interpret: bool = False
+  block_sizes: object = None  # backend-specific tile sizes; None = the backend's defaults
+
+
+def user_lse(lse2: jax.Array) -> jax.Array:
+  """Internal base-2 LSE (+inf on empty rows) -> natural-log LSE (-inf on empty rows)."""
+  return jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * (1.0 / LOG2_E))
+
+
+def build(forward: Callable, backward: Callable) -> Callable:
+  """Wraps a backend's forward/backward into ``f(inputs, params) -> (out, natural lse [B,N,T])``."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+  def attention(inputs: Inputs, params: Params):
+    out, lse2 = forward(inputs, params)
+    return out, user_lse(lse2)
+
+  def attention_fwd(inputs, params):
+    if inputs.bias is not None and inputs.bias.perturbed:
+      raise NotImplementedError(
+          "jaxflash does not differentiate with respect to `bias` yet; wrap the bias in "
+          "jax.lax.stop_gradient if its gradient is not needed")
+    inputs = jax.tree.map(lambda p: p.value, inputs,
+                          is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal))
+    out, lse2 = forward(inputs, params)
+    return (out, user_lse(lse2)), (inputs, out, lse2)
+
+  def attention_bwd(params, residuals, cotangents):
+    inputs, out, lse2 = residuals
+    d_out, d_lse = cotangents
+    if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
+      d_out = jnp.zeros(out.shape, out.dtype)
+    # delta = rowsum(dO * O): the softmax Jacobian's correction term. A cotangent on the LSE adds
+    # P * d_lse to dS, which is the same as subtracting d_lse from delta.
+    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
+      delta = delta - jnp.where(jnp.isfinite(d_lse), d_lse, 0.0)
+    dq, dk, dv = backward(inputs, params, out, lse2, d_out, delta)
+    # Integer inputs, the boolean mask and (checked in the forward) the bias get no cotangent.
+    return (Inputs(query=dq, key=dk, value=dv, lengths=None),)
+
+  attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
+  return attention
+
+
+def logits_base2(qk: jax.Array, params: Params, bias: jax.Array | None):
+  """Raw ``q @ k.T`` tile (float32) -> base-2 logits, plus what the backward needs of the cap.
+
+  Natural logits are ``z = cap * tanh(scale * qk / cap) + bias`` (cap and bias optional); the
+  kernels work with ``z * log2(e)`` so the softmax uses ``exp2``. Returns ``(s2, tanh_or_None)``.
+  """
+  if params.logits_soft_cap is None and bias is None:
+    return qk * (params.scale * LOG2_E), None  # one multiply on the common path
+  z = qk * params.scale
+  t = None
+  if params.logits_soft_cap is not None:
+    t = jnp.tanh(z * (1.0 / params.logits_soft_cap))
+    z = t * params.logits_soft_cap
+  if bias is not None:
+    z = z + bias.astype(jnp.float32)
+  return z * LOG2_E, t
+
+
+def dlogits_to_dqk(ds: jax.Array, t: jax.Array | None) -> jax.Array:
+  """Chain rule through the soft cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2.
+
+  The remaining factor ``scale`` is applied once to the accumulated dQ and dK, not per tile.
+  """
+  return ds if t is None else ds * (1.0 - t * t)

@@ -1,0 +1,317 @@
+"""The public entry point: check arguments, normalise them, pick a backend.
+
+Nothing here computes attention. Every check runs on shapes and dtypes before any kernel is traced,
+so bad input fails with a `ValueError` that names the argument, inside `jit` or not.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflash import _core
+from jaxflash import masking
+
+Implementation = Literal["triton", "xla"]
+_IMPLEMENTATIONS = ("triton", "xla")
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+# Largest head dim the Triton kernels take: a 256-wide tile of Q plus K/V tiles must fit in
+# shared memory; wider heads would need a split over the head dimension.
+MAX_TRITON_HEAD_DIM = 256
+
+
+def flash_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    return_residual: bool = False,
+    implementation: Implementation | None = None,
+    interpret: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Exact scaled dot-product attention in O(T + S) memory (FlashAttention).
+
+  A drop-in for `jax.nn.dot_product_attention`: the arguments they share mean the same thing.
+  The softmax is computed blockwise with an online max/sum, so neither the logits nor the
+  probabilities are ever stored; the backward pass recomputes them from the inputs and the
+  logsumexp saved by the forward pass.
+
+  Notation: B batch, T query length, S key/value length, N query heads, K key/value heads
+  (N % K == 0: grouped-query attention when K < N), H head dim.
+
+  Args:
+    query: [B, T, N, H] or unbatched [T, N, H]; float16, bfloat16 or float32.
+    key: [B, S, K, H] (or [S, K, H]), same dtype as ``query``.
+    value: [B, S, K, H] (or [S, K, H]), same dtype as ``query``.
+    bias: optional additive bias, broadcastable to [B, N, T, S] (or [N, T, S] when unbatched),
+      added to the scaled (and soft-capped) logits. Not differentiable yet.
+    mask: optional boolean mask broadcastable to [B, N, T, S]; True means "may attend".
+    scale: multiplier of ``query @ key``; defaults to ``1 / sqrt(H)``.
+    is_causal: top-left aligned causal mask (query ``t`` sees keys ``s <= t``).
+    query_seq_lengths: int [B]; query rows at or past the length are padding and give zeros.
+    key_value_seq_lengths: int [B]; keys at or past the length are ignored.
+    local_window_size: ``w`` or ``(left, right)``: query ``t`` sees keys
+      ``t - left <= s <= t + right``; combines with ``is_causal``.
+    segment_ids: int [B, T] for self-attention (T == S), or a pair ``(q_segment_ids [B, T],
+      kv_segment_ids [B, S])``; a query sees only keys with the same segment id.
+    logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` after scaling and before
+      the bias.
+    dropout_rate: attention dropout probability (not implemented yet; must be 0).
+    dropout_rng: PRNG key for dropout (not used yet).
+    return_residual: also return the logsumexp of the logits, float32 [B, T, N] (natural log,
+      ``-inf`` for rows that see no key).
+    implementation: ``"triton"`` (Pallas kernels lowered through Triton, NVIDIA GPUs),
+      ``"xla"`` (blockwise pure JAX, any backend) or ``None``: Triton on an NVIDIA GPU when the
+      head dim allows it, XLA elsewhere.
+    interpret: run the Pallas kernels in interpret mode (works on a CPU; for testing).
+
+  Returns:
+    The attention output, shaped and typed like ``query``; with ``return_residual`` the pair
+    ``(output, logsumexp)``. Query rows that can see no key produce zeros and zero gradients.
+
+  Raises:
+    ValueError: an argument has the wrong shape, dtype or value (raised before any kernel runs).
+  """
+  if implementation is not None and implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {(None,) + _IMPLEMENTATIONS}, "
+                     f"got {implementation!r}")
+  query, key, value = (_as_array(x, name) for x, name in
+                       ((query, "query"), (key, "key"), (value, "value")))
+  unbatched = _check_qkv(query, key, value)
+  if unbatched:
+    query, key, value = query[None], key[None], value[None]
+  b, t, n, h = query.shape
+  s, kh = key.shape[1], key.shape[2]
+
+  scale = _check_scale(scale, h)
+  window = masking.make_window(bool(is_causal), _check_window(local_window_size))
+  logits_soft_cap = _check_soft_cap(logits_soft_cap)
+  _check_dropout(dropout_rate, dropout_rng)
+
+  mask = _check_dense(mask, "mask", (b, n, t, s), unbatched, want_bool=True)
+  bias = _check_dense(bias, "bias", (b, n, t, s), unbatched, want_bool=False)
+  q_lens = _check_lengths(query_seq_lengths, "query_seq_lengths", b, unbatched)
+  kv_lens = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, unbatched)
+  segments = _check_segments(segment_ids, b, t, s, unbatched)
+
+  implementation = _pick_implementation(implementation, h, interpret)
+  if implementation == "triton":
+    if h > MAX_TRITON_HEAD_DIM:
+      raise ValueError(f"implementation='triton' supports head dims up to "
+                       f"{MAX_TRITON_HEAD_DIM}, got query.shape[-1] = {h}; use 'xla'")
+    from jaxflash import triton as backend
+  else:
+    from jaxflash import xla as backend
+
+  inputs = _core.Inputs(
+      query=query, key=key, value=value, lengths=_lengths(q_lens, kv_lens, b, t, s),
+      bias=bias, mask=mask, q_segment_ids=None if segments is None else segments[0],
+      kv_segment_ids=None if segments is None else segments[1])
+  params = _core.Params(scale=scale, window=window, logits_soft_cap=logits_soft_cap,
+                        interpret=bool(interpret))
+  out, lse = backend.attention(inputs, params)
+  lse = jnp.transpose(lse, (0, 2, 1))  # [B, N, T] -> [B, T, N], as jax.nn returns it
+  if unbatched:
+    out, lse = out[0], lse[0]
+  return (out, lse) if return_residual else out
+
+
+dot_product_attention = flash_attention
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks. Each raises ValueError naming the argument; each returns the normalised value.
+
+
+def _as_array(x, name: str) -> jax.Array:
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+  return x
+
+
+def _check_qkv(query, key, value) -> bool:
+  """Checks ranks, dtypes and shapes of query/key/value; returns True for unbatched inputs."""
+  if query.ndim not in (3, 4):
+    raise ValueError(f"query must have rank 4 [B, T, N, H] or 3 [T, N, H], "
+                     f"got shape {query.shape}")
+  for name, x in (("key", key), ("value", value)):
+    if x.ndim != query.ndim:
+      raise ValueError(f"{name} must have the same rank as query ({query.ndim}), "
+                       f"got shape {x.shape} for query shape {query.shape}")
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.dtype not in _FLOAT_DTYPES:
+      raise ValueError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+  if not key.dtype == value.dtype == query.dtype:
+    raise ValueError(f"query, key and value must share one dtype, got "
+                     f"{query.dtype}, {key.dtype}, {value.dtype}")
+  if key.shape != value.shape:
+    raise ValueError(f"key and value must have the same shape, got key {key.shape} and "
+                     f"value {value.shape}")
+  q4 = query.shape if query.ndim == 4 else (1,) + query.shape
+  k4 = key.shape if key.ndim == 4 else (1,) + key.shape
+  if q4[0] != k4[0]:
+    raise ValueError(f"query and key must have the same batch size, got query {query.shape} "
+                     f"and key {key.shape}")
+  if q4[3] != k4[3]:
+    raise ValueError(f"query and key must have the same head dim (last axis), got query "
+                     f"{query.shape} and key {key.shape}")
+  if q4[3] == 0 or q4[2] == 0 or k4[2] == 0:
+    raise ValueError(f"head counts and head dim must be positive, got query {query.shape} and "
+                     f"key {key.shape}")
+  if q4[2] % k4[2] != 0:
+    raise ValueError(f"the number of query heads ({q4[2]}) must be a multiple of the number of "
+                     f"key/value heads ({k4[2]}); got query {query.shape}, key {key.shape}")
+  if q4[1] == 0 or k4[1] == 0:
+    raise ValueError(f"sequence lengths must be positive, got query {query.shape} and key "
+                     f"{key.shape}")
+  return query.ndim == 3
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_scale(scale, head_dim: int) -> float:
+  if scale is None:
+    return float(head_dim) ** -0.5
+  if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not np.isfinite(scale):
+    raise ValueError(f"scale must be a finite Python number, got {scale!r}")
+  return float(scale)
+
+
+def _check_window(window) -> tuple[int, int] | None:
+  if window is None:
+    return None
+  if _is_int(window):
+    window = (window, window)
+  if (not isinstance(window, Sequence) or len(window) != 2
+      or not all(_is_int(w) for w in window)):
+    raise ValueError(f"local_window_size must be an int or a pair of ints (left, right), "
+                     f"got {window!r}")
+  if window[0] < 0 or window[1] < 0:
+    raise ValueError(f"local_window_size must be non-negative, got {tuple(window)}")
+  return int(window[0]), int(window[1])
+
+
+def _check_soft_cap(cap) -> float | None:
+  if cap is None:
+    return None
+  if (not isinstance(cap, numbers.Real) or isinstance(cap, bool) or not np.isfinite(cap)
+      or cap <= 0):
+    raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {cap!r}")
+  return float(cap)
+
+
+def _check_dropout(rate, rng) -> None:
+  if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout_rate must be a number in [0, 1), got {rate!r}")
+  if rate > 0.0:
+    if rng is None:
+      raise ValueError("dropout_rate > 0 needs a dropout_rng key")
+    raise NotImplementedError("attention dropout is not implemented yet; pass dropout_rate=0")
+
+
+def _check_dense(x, name: str, full: tuple[int, int, int, int], unbatched: bool,
+                 want_bool: bool) -> jax.Array | None:
+  """Checks a mask or bias and returns it as rank 4 [B or 1, N or 1, T, S].
+
+  Batch and head axes of size 1 are kept (kernels index them with 0), the two sequence axes are
+  broadcast to full size so kernels can read (block_q, block_k) tiles of them.
+  """
+  if x is None:
+    return None
+  x = _as_array(x, name)
+  if want_bool and x.dtype != jnp.bool_:
+    raise ValueError(f"mask must be boolean (True = attend), got dtype {x.dtype}")
+  if not want_bool and x.dtype not in _FLOAT_DTYPES:
+    raise ValueError(f"bias must be float16, bfloat16 or float32, got dtype {x.dtype}")
+  target = full[1:] if unbatched else full
+  what = "[N, T, S]" if unbatched else "[B, N, T, S]"
+  if x.ndim > len(target) or any(d not in (1, f) for d, f in
+                                 zip(x.shape[::-1], target[::-1])):
+    raise ValueError(f"{name} must broadcast to {what} = {target}, got shape {x.shape}")
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  return jnp.broadcast_to(x, x.shape[:2] + full[2:])
+
+
+def _check_lengths(lengths, name: str, batch: int, unbatched: bool) -> jax.Array | None:
+  if lengths is None:
+    return None
+  lengths = _as_array(lengths, name)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array, got dtype {lengths.dtype}")
+  if unbatched and lengths.ndim == 0:
+    lengths = lengths[None]
+  if lengths.shape != (batch,):
+    raise ValueError(f"{name} must have shape (B,) = ({batch},), got {lengths.shape}")
+  return lengths.astype(jnp.int32)
+
+
+def _check_segments(segment_ids, batch: int, t: int, s: int, unbatched: bool):
+  """Returns ``None`` or ``(q_segment_ids [B, T], kv_segment_ids [B, S])`` as int32."""
+  if segment_ids is None:
+    return None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError(f"segment_ids must be an array or a pair (q_segment_ids, "
+                       f"kv_segment_ids), got a sequence of length {len(segment_ids)}")
+    q_seg, kv_seg = segment_ids
+  else:
+    if t != s:
+      raise ValueError(f"a single segment_ids array is for self-attention (T == S), got T = {t} "
+                       f"and S = {s}; pass (q_segment_ids, kv_segment_ids)")
+    q_seg = kv_seg = segment_ids
+  out = []
+  for x, name, length in ((q_seg, "q_segment_ids", t), (kv_seg, "kv_segment_ids", s)):
+    x = _as_array(x, f"segment_ids ({name})")
+    want = (length,) if unbatched else (batch, length)
+    if x.shape != want or not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"segment_ids ({name}) must be an integer array of shape {want}, got "
+                       f"{x.dtype}{list(x.shape)}")
+    out.append((x[None] if unbatched else x).astype(jnp.int32))
+  return tuple(out)
+
+
+def _lengths(q_lens, kv_lens, batch: int, t: int, s: int) -> jax.Array:
+  """(q_len, kv_len) per batch row as int32 [B, 2], clipped to the real lengths.
+
+  Always passed, even when the user gave none, so that kernels have one code path; clipping
+  means lengths past T or S simply mean "no padding".
+  """
+  q_lens = jnp.full((batch,), t, jnp.int32) if q_lens is None else jnp.clip(q_lens, 0, t)
+  kv_lens = jnp.full((batch,), s, jnp.int32) if kv_lens is None else jnp.clip(kv_lens, 0, s)
+  return jnp.stack([q_lens, kv_lens], axis=1)
+
+
+def _on_nvidia_gpu() -> bool:
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:
+    return False
+  return device.platform == "gpu" and "nvidia" in device.device_kind.lower() or (
+      device.platform == "gpu" and "cuda" in getattr(device.client, "platform_version", "").lower())
+
+
+def _pick_implementation(implementation, head_dim: int, interpret: bool) -> str:
+  if implementation is not None:
+    return implementation
+  if interpret:
+    return "triton"  # asking for interpret mode means asking for the Pallas kernels
+  if _on_nvidia_gpu() and head_dim <= MAX_TRITON_HEAD_DIM:
+    return "triton"
+  return "xla"

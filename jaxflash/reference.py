@@ -1,0 +1,61 @@
+"""A dense float32 attention with every jaxflash option, for tests, demos and benchmarks.
+
+It builds the whole [B, N, T, S] logit matrix, so it is O(T * S) in memory: use it to check the
+blockwise backends on small shapes, never in a model. It deliberately shares no code with the
+backends (not even `jaxflash.masking`), so a bug there cannot hide in both.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                        query_seq_lengths=None, key_value_seq_lengths=None,
+                        local_window_size=None, segment_ids=None, logits_soft_cap=None):
+  """Attention in float32 with dense masks. Arguments as `jaxflash.flash_attention` (BTNH only).
+
+  Returns ``(out, lse)``: ``out`` float32 [B, T, N, H] (zeros on rows that see no key) and ``lse``
+  float32 [B, T, N] (natural log, ``-inf`` on rows that see no key).
+  """
+  q = jnp.asarray(query, jnp.float32)
+  k = jnp.asarray(key, jnp.float32)
+  v = jnp.asarray(value, jnp.float32)
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  k = jnp.repeat(k, n // kh, axis=2)
+  v = jnp.repeat(v, n // kh, axis=2)
+  if scale is None:
+    scale = h ** -0.5
+  logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=jax.lax.Precision.HIGHEST) * scale
+  if logits_soft_cap is not None:
+    logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+  if bias is not None:
+    logits = logits + jnp.asarray(bias, jnp.float32)
+
+  q_pos = jnp.arange(t)[:, None]
+  k_pos = jnp.arange(s)[None, :]
+  ok = jnp.ones((b, n, t, s), bool)
+  if mask is not None:
+    ok = ok & mask
+  if is_causal:
+    ok = ok & (k_pos <= q_pos)
+  if local_window_size is not None:
+    left, right = ((local_window_size, local_window_size) if isinstance(local_window_size, int)
+                   else local_window_size)
+    ok = ok & (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
+  if query_seq_lengths is not None:
+    ok = ok & (q_pos < jnp.asarray(query_seq_lengths)[:, None, None, None])
+  if key_value_seq_lengths is not None:
+    ok = ok & (k_pos < jnp.asarray(key_value_seq_lengths)[:, None, None, None])
+  if segment_ids is not None:
+    q_seg, kv_seg = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+    ok = ok & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
+
+  logits = jnp.where(ok, logits, -jnp.inf)
+  lse = jax.nn.logsumexp(logits, axis=-1)  # -inf where the row sees nothing
+  any_visible = jnp.any(ok, axis=-1)
+  probs = jnp.where(ok, jnp.exp(logits - jnp.where(any_visible, lse, 0.0)[..., None]), 0.0)
+  out = jnp.einsum("bnts,bsnh->btnh", probs, v, precision=jax.lax.Precision.HIGHEST)
+  return out, jnp.transpose(lse, (0, 2, 1))

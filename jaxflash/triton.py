@@ -1,0 +1,446 @@
+"""Pallas kernels lowered through Triton: forward (O and LSE) and a recomputing backward.
+
+Three kernels, all over the BTNH layout as given (no transposes, no padding copies):
+
+- `_forward_kernel`, grid (query blocks, B, N): keeps a query tile on chip, walks the key blocks
+  that `masking.kv_block_range` allows, runs the online softmax in float32 and writes O and the
+  base-2 LSE.
+- `_dq_kernel`, grid (query blocks, B, N): recomputes S and P for its query tile and accumulates
+  dQ over the same key blocks.
+- `_dkv_kernel`, grid (key blocks, B, K): keeps a key/value tile on chip and walks every query
+  head of its group (GQA) and the query blocks that `masking.q_block_range` allows, accumulating
+  dK and dV.
+
+dQ and dK/dV are separate kernels so that every output element is written by one program:
+gradients are deterministic and need no atomics. With GQA the K/V heads are indexed, never
+repeated in memory.
+
+jax 0.11.2's Triton lowering does not mask partial blocks, and needs every tile to have a
+power-of-two shape. So tiles are padded to powers of two (head dim to `_pow2(H)`, blocks to at
+least 16 for `tl.dot`), and every load and store of a tile that can reach past the array is masked
+with an explicit ``other=`` value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxflash import _core
+from jaxflash import masking
+from jaxflash._core import Inputs, Params
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes and launch parameters of the three kernels.
+
+  ``block_q``/``block_k`` tile the forward; ``block_q_bwd``/``block_k_bwd`` tile both backward
+  kernels. Blocks are clipped to the (power-of-two-rounded) sequence lengths and kept >= 16.
+  """
+
+  block_q: int = 128
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 3
+  block_q_bwd: int = 64
+  block_k_bwd: int = 64
+  num_warps_bwd: int = 4
+  num_stages_bwd: int = 2
+
+
+def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
+  """Tile sizes that fit shared memory for this head dim and dtype (tuned on an H100/H200)."""
+  head_dim = _pow2(head_dim)
+  wide = jnp.dtype(dtype).itemsize > 2  # float32 tiles take twice the shared memory
+  if head_dim <= 64:
+    return BlockSizes(128, 64, 4, 3, 64, 64, 4, 2)
+  if head_dim <= 128:
+    if wide:
+      return BlockSizes(64, 64, 4, 2, 32, 64, 4, 2)
+    return BlockSizes(128, 64, 8, 3, 64, 64, 4, 2)
+  if wide:
+    return BlockSizes(32, 32, 4, 2, 16, 32, 4, 1)
+  return BlockSizes(64, 64, 8, 2, 32, 64, 8, 1)
+
+
+def _pow2(n: int) -> int:
+  return max(16, pl.next_power_of_2(n))
+
+
+def _fit(block: int, length: int) -> int:
+  return max(16, min(block, pl.next_power_of_2(length)))
+
+
+def _and(a, b):
+  if a is None:
+    return b
+  if b is None:
+    return a
+  return jnp.logical_and(a, b)
+
+
+def _tile_ok(row_ok, col_ok):
+  """2-D load/store mask from optional per-row and per-column bounds (None = all in bounds)."""
+  return _and(None if row_ok is None else row_ok[:, None],
+              None if col_ok is None else col_ok[None, :])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+  """Static sizes a kernel needs; derived once per call from the inputs."""
+
+  seq_q: int  # T
+  seq_k: int  # S
+  head_dim: int  # H
+  head_dim_p: int  # H padded to a power of two
+  groups: int  # G = N // K query heads per key/value head
+  has_segments: bool
+  has_mask: bool
+  has_bias: bool
+
+  def bounds(self, start, block: int, length: int):
+    """Positions of a tile and their in-bounds flags (None when the tile never crosses the end)."""
+    pos = start + jnp.arange(block)
+    return pos, (pos < length if length % block else None)
+
+  @property
+  def dim_ok(self):
+    if self.head_dim == self.head_dim_p:
+      return None
+    return jnp.arange(self.head_dim_p) < self.head_dim
+
+
+def _visible(rows, cols, params: Params, kv_len, q_seg, kv_seg, dense):
+  return masking.visible(
+      rows[:, None], cols[None, :], params.window, kv_len=kv_len,
+      q_segment=None if q_seg is None else q_seg[:, None],
+      kv_segment=None if kv_seg is None else kv_seg[None, :],
+      dense_mask=None if dense is None else dense != 0)
+
+
+def _optional_refs(refs, shape: _Shape):
+  """Splits the optional input refs (segments, mask, bias) off the front of ``refs``."""
+  refs = list(refs)
+  q_seg = kv_seg = mask = bias = None
+  if shape.has_segments:
+    q_seg, kv_seg = refs.pop(0), refs.pop(0)
+  if shape.has_mask:
+    mask = refs.pop(0)
+  if shape.has_bias:
+    bias = refs.pop(0)
+  return q_seg, kv_seg, mask, bias, refs
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shape,
+                    block_q: int, block_k: int):
+  q_seg_ref, kv_seg_ref, mask_ref, bias_ref, (o_ref, lse_ref) = _optional_refs(refs, shape)
+  q_len, kv_len = len_ref[0], len_ref[1]
+  q_start = pl.program_id(0) * block_q
+  rows, row_ok = shape.bounds(q_start, block_q, shape.seq_q)
+  dim_ok = shape.dim_ok
+  q = plgpu.load(q_ref, mask=_tile_ok(row_ok, dim_ok), other=0.0)
+  q_seg = None if q_seg_ref is None else plgpu.load(q_seg_ref, mask=row_ok, other=-1)
+
+  def body(j, carry):
+    acc, m, l = carry
+    k_start = j * block_k
+    cols, col_ok = shape.bounds(k_start, block_k, shape.seq_k)
+    kv_ok = _tile_ok(col_ok, dim_ok)
+    k = plgpu.load(k_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
+    qk = plgpu.dot(q, k, trans_b=True)
+    tile_ok = _tile_ok(row_ok, col_ok)
+    bias = None if bias_ref is None else plgpu.load(
+        bias_ref.at[:, pl.ds(k_start, block_k)], mask=tile_ok, other=0.0)
+    s2, _ = _core.logits_base2(qk, params, bias)
+    kv_seg = None if kv_seg_ref is None else plgpu.load(
+        kv_seg_ref.at[pl.ds(k_start, block_k)], mask=col_ok, other=-2)
+    dense = None if mask_ref is None else plgpu.load(
+        mask_ref.at[:, pl.ds(k_start, block_k)], mask=tile_ok, other=0)
+    s2 = jnp.where(_visible(rows, cols, params, kv_len, q_seg, kv_seg, dense), s2, -jnp.inf)
+    # Online softmax. A row that has seen no visible key yet keeps m = -inf; shifting by 0 instead
+    # keeps exp2 finite (exp2(-inf) = 0) so such rows stay at l = 0, acc = 0 without NaN.
+    m_new = jnp.maximum(m, jnp.max(s2, axis=1))
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp2(s2 - m_shift[:, None])
+    alpha = jnp.exp2(m - m_shift)
+    v = plgpu.load(v_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+    return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+
+  q_stop = jnp.minimum(q_start + block_q, q_len)
+  lo, hi = masking.kv_block_range(q_start, q_stop, kv_len, params.window, block_k)
+  hi = jnp.where(q_start < q_len, hi, lo)  # the whole tile is query padding
+  init = (jnp.zeros((block_q, shape.head_dim_p), jnp.float32),
+          jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+  acc, m, l = lax.fori_loop(lo, hi, body, init)
+
+  seen = jnp.logical_and(rows < q_len, l > 0.0)
+  out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+  plgpu.store(o_ref, out.astype(o_ref.dtype), mask=_tile_ok(row_ok, dim_ok))
+  plgpu.store(lse_ref, jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf),
+              mask=row_ok)
+
+
+def _dense_spec(x: jax.Array | None, block: tuple[int, int], index):
+  """BlockSpec of a [B or 1, N or 1, T, S] mask/bias; ``index(b, h)`` -> (t block, s block)."""
+  bcast_b, bcast_n = x.shape[0] == 1, x.shape[1] == 1
+  return pl.BlockSpec(
+      (None, None) + block,
+      lambda i, b, h: (0 if bcast_b else b, 0 if bcast_n else h) + index(i))
+
+
+def _optional_args(inputs: Inputs, specs):
+  """Arrays and BlockSpecs of the optional inputs, in the order `_optional_refs` expects them."""
+  args, in_specs = [], []
+  for name in ("q_segment_ids", "kv_segment_ids", "mask", "bias"):
+    x = getattr(inputs, name)
+    if x is not None:
+      if name == "mask":
+        x = x.astype(jnp.int8)  # Triton has no boolean memory type
+      args.append(x)
+      in_specs.append(specs[name](x))
+  return args, in_specs
+
+
+def _forward(inputs: Inputs, params: Params):
+  q, k, v = inputs.query, inputs.key, inputs.value
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  bs = params.block_sizes or default_block_sizes(h, q.dtype)
+  shape = _shape(inputs)
+  block_q, block_k = _fit(bs.block_q, t), _fit(bs.block_k, s)
+  hp, g = shape.head_dim_p, shape.groups
+  in_specs = [
+      pl.BlockSpec((None, block_q, None, hp), lambda i, b, h: (b, i, h, 0)),
+      pl.BlockSpec((None, s, None, hp), lambda i, b, h: (b, 0, h // g, 0)),
+      pl.BlockSpec((None, s, None, hp), lambda i, b, h: (b, 0, h // g, 0)),
+      pl.BlockSpec((None, 2), lambda i, b, h: (b, 0)),
+  ]
+  extra, extra_specs = _optional_args(inputs, {
+      "q_segment_ids": lambda x: pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
+      "kv_segment_ids": lambda x: pl.BlockSpec((None, s), lambda i, b, h: (b, 0)),
+      "mask": lambda x: _dense_spec(x, (block_q, s), lambda i: (i, 0)),
+      "bias": lambda x: _dense_spec(x, (block_q, s), lambda i: (i, 0)),
+  })
+  kernel = functools.partial(_forward_kernel, params=params, shape=shape, block_q=block_q,
+                             block_k=block_k)
+  return pl.pallas_call(
+      kernel,
+      grid=(pl.cdiv(t, block_q), b, n),
+      in_specs=in_specs + extra_specs,
+      out_specs=[
+          pl.BlockSpec((None, block_q, None, hp), lambda i, b, h: (b, i, h, 0)),
+          pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b, n, t), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+      interpret=params.interpret,
+      name="jaxflash_forward",
+  )(q, k, v, inputs.lengths, *extra)
+
+
+def _shape(inputs: Inputs) -> _Shape:
+  q, k = inputs.query, inputs.key
+  return _Shape(
+      seq_q=q.shape[1], seq_k=k.shape[1], head_dim=q.shape[3], head_dim_p=_pow2(q.shape[3]),
+      groups=q.shape[2] // k.shape[2], has_segments=inputs.q_segment_ids is not None,
+      has_mask=inputs.mask is not None, has_bias=inputs.bias is not None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward: dQ
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shape,
+               block_q: int, block_k: int):
+  q_seg_ref, kv_seg_ref, mask_ref, bias_ref, rest = _optional_refs(refs, shape)
+  do_ref, lse_ref, delta_ref, dq_ref = rest
+  q_len, kv_len = len_ref[0], len_ref[1]
+  q_start = pl.program_id(0) * block_q
+  rows, row_ok = shape.bounds(q_start, block_q, shape.seq_q)
+  dim_ok = shape.dim_ok
+  q_ok = _tile_ok(row_ok, dim_ok)
+  q = plgpu.load(q_ref, mask=q_ok, other=0.0)
+  do = plgpu.load(do_ref, mask=q_ok, other=0.0)
+  # lse2 = +inf on rows that see nothing (and on rows past T), so P is exactly 0 there.
+  lse2 = plgpu.load(lse_ref, mask=row_ok, other=jnp.inf)
+  delta = plgpu.load(delta_ref, mask=row_ok, other=0.0)
+  q_seg = None if q_seg_ref is None else plgpu.load(q_seg_ref, mask=row_ok, other=-1)
+
+  def body(j, dq):
+    k_start = j * block_k
+    cols, col_ok = shape.bounds(k_start, block_k, shape.seq_k)
+    kv_ok = _tile_ok(col_ok, dim_ok)
+    k = plgpu.load(k_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
+    v = plgpu.load(v_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
+    tile_ok = _tile_ok(row_ok, col_ok)
+    bias = None if bias_ref is None else plgpu.load(
+        bias_ref.at[:, pl.ds(k_start, block_k)], mask=tile_ok, other=0.0)
+    s2, cap_t = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, bias)
+    kv_seg = None if kv_seg_ref is None else plgpu.load(
+        kv_seg_ref.at[pl.ds(k_start, block_k)], mask=col_ok, other=-2)
+    dense = None if mask_ref is None else plgpu.load(
+        mask_ref.at[:, pl.ds(k_start, block_k)], mask=tile_ok, other=0)
+    s2 = jnp.where(_visible(rows, cols, params, kv_len, q_seg, kv_seg, dense), s2, -jnp.inf)
+    p = jnp.exp2(s2 - lse2[:, None])
+    dp = plgpu.dot(do, v, trans_b=True)
+    ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), cap_t)
+    return dq + plgpu.dot(ds.astype(k.dtype), k)
+
+  q_stop = jnp.minimum(q_start + block_q, q_len)
+  lo, hi = masking.kv_block_range(q_start, q_stop, kv_len, params.window, block_k)
+  hi = jnp.where(q_start < q_len, hi, lo)
+  dq = lax.fori_loop(lo, hi, body, jnp.zeros((block_q, shape.head_dim_p), jnp.float32))
+  plgpu.store(dq_ref, (dq * params.scale).astype(dq_ref.dtype), mask=q_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward: dK and dV
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shape,
+                block_q: int, block_k: int):
+  q_seg_ref, kv_seg_ref, mask_ref, bias_ref, rest = _optional_refs(refs, shape)
+  do_ref, lse_ref, delta_ref, dk_ref, dv_ref = rest
+  q_len, kv_len = len_ref[0], len_ref[1]
+  k_start = pl.program_id(0) * block_k
+  cols, col_ok = shape.bounds(k_start, block_k, shape.seq_k)
+  dim_ok = shape.dim_ok
+  kv_ok = _tile_ok(col_ok, dim_ok)
+  k = plgpu.load(k_ref, mask=kv_ok, other=0.0)
+  v = plgpu.load(v_ref, mask=kv_ok, other=0.0)
+  kv_seg = None if kv_seg_ref is None else plgpu.load(kv_seg_ref, mask=col_ok, other=-2)
+
+  k_stop = jnp.minimum(k_start + block_k, kv_len)
+  lo, hi = masking.q_block_range(k_start, k_stop, q_len, params.window, block_q)
+  num_q_blocks = jnp.maximum(jnp.where(k_start < kv_len, hi - lo, 0), 0)
+
+  def body(step, carry):
+    # One flat loop over (query head of this K/V head's group, query block).
+    dk, dv = carry
+    g = lax.div(step, num_q_blocks)
+    q_start = (lo + lax.rem(step, num_q_blocks)) * block_q
+    rows, row_ok = shape.bounds(q_start, block_q, shape.seq_q)
+    q_ok = _tile_ok(row_ok, dim_ok)
+    q = plgpu.load(q_ref.at[pl.ds(q_start, block_q), g, :], mask=q_ok, other=0.0)
+    do = plgpu.load(do_ref.at[pl.ds(q_start, block_q), g, :], mask=q_ok, other=0.0)
+    lse2 = plgpu.load(lse_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=jnp.inf)
+    delta = plgpu.load(delta_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=0.0)
+    tile_ok = _tile_ok(row_ok, col_ok)
+    head = g if bias_ref is not None and bias_ref.shape[0] > 1 else 0
+    bias = None if bias_ref is None else plgpu.load(
+        bias_ref.at[head, pl.ds(q_start, block_q), :], mask=tile_ok, other=0.0)
+    s2, cap_t = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, bias)
+    q_seg = None if q_seg_ref is None else plgpu.load(
+        q_seg_ref.at[pl.ds(q_start, block_q)], mask=row_ok, other=-1)
+    head = g if mask_ref is not None and mask_ref.shape[0] > 1 else 0
+    dense = None if mask_ref is None else plgpu.load(
+        mask_ref.at[head, pl.ds(q_start, block_q), :], mask=tile_ok, other=0)
+    s2 = jnp.where(_visible(rows, cols, params, kv_len, q_seg, kv_seg, dense), s2, -jnp.inf)
+    p = jnp.exp2(s2 - lse2[:, None])
+    dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True)
+    dp = plgpu.dot(do, v, trans_b=True)
+    ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), cap_t)
+    dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True)
+    return dk, dv
+
+  zeros = jnp.zeros((block_k, shape.head_dim_p), jnp.float32)
+  dk, dv = lax.fori_loop(0, shape.groups * num_q_blocks, body, (zeros, zeros))
+  plgpu.store(dk_ref, (dk * params.scale).astype(dk_ref.dtype), mask=kv_ok)
+  plgpu.store(dv_ref, dv.astype(dv_ref.dtype), mask=kv_ok)
+
+
+def _grouped_dense_spec(x: jax.Array, t: int, block_k: int, groups: int):
+  """dK/dV BlockSpec of a mask/bias: all T rows of one key block, for every head in the group."""
+  bcast_b, bcast_n = x.shape[0] == 1, x.shape[1] == 1
+  g = 1 if bcast_n else groups
+  return x.reshape(x.shape[0], x.shape[1] // g, g, t, x.shape[3]), pl.BlockSpec(
+      (None, None, g, t, block_k),
+      lambda j, b, h: (0 if bcast_b else b, 0 if bcast_n else h, 0, 0, j))
+
+
+def _backward(inputs: Inputs, params: Params, out, lse2, d_out, delta):
+  del out  # delta already holds rowsum(dO * O)
+  q, k, v = inputs.query, inputs.key, inputs.value
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  bs = params.block_sizes or default_block_sizes(h, q.dtype)
+  shape = _shape(inputs)
+  hp, g = shape.head_dim_p, shape.groups
+  d_out = d_out.astype(q.dtype)
+  compiler_params = plgpu.CompilerParams(num_warps=bs.num_warps_bwd,
+                                         num_stages=bs.num_stages_bwd)
+
+  # dQ: grid over query blocks, like the forward.
+  block_q, block_k = _fit(bs.block_q_bwd, t), _fit(bs.block_k_bwd, s)
+  q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, b, h: (b, i, h, 0))
+  kv_spec = pl.BlockSpec((None, s, None, hp), lambda i, b, h: (b, 0, h // g, 0))
+  row_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
+  extra, extra_specs = _optional_args(inputs, {
+      "q_segment_ids": lambda x: pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
+      "kv_segment_ids": lambda x: pl.BlockSpec((None, s), lambda i, b, h: (b, 0)),
+      "mask": lambda x: _dense_spec(x, (block_q, s), lambda i: (i, 0)),
+      "bias": lambda x: _dense_spec(x, (block_q, s), lambda i: (i, 0)),
+  })
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, params=params, shape=shape, block_q=block_q,
+                        block_k=block_k),
+      grid=(pl.cdiv(t, block_q), b, n),
+      in_specs=[q_spec, kv_spec, kv_spec, pl.BlockSpec((None, 2), lambda i, b, h: (b, 0))]
+      + extra_specs + [q_spec, row_spec, row_spec],
+      out_specs=q_spec,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=compiler_params,
+      interpret=params.interpret,
+      name="jaxflash_backward_dq",
+  )(q, k, v, inputs.lengths, *extra, d_out, lse2, delta)
+
+  # dK, dV: grid over key blocks of each K/V head; the group's query heads are walked inside.
+  grouped_q = pl.BlockSpec((None, t, None, g, hp), lambda j, b, h: (b, 0, h, 0, 0))
+  grouped_rows = pl.BlockSpec((None, None, g, t), lambda j, b, h: (b, h, 0, 0))
+  kv_block = pl.BlockSpec((None, block_k, None, hp), lambda j, b, h: (b, j, h, 0))
+  extra, extra_specs = [], []
+  if inputs.q_segment_ids is not None:
+    extra += [inputs.q_segment_ids, inputs.kv_segment_ids]
+    extra_specs += [pl.BlockSpec((None, t), lambda j, b, h: (b, 0)),
+                    pl.BlockSpec((None, block_k), lambda j, b, h: (b, j))]
+  for x in (None if inputs.mask is None else inputs.mask.astype(jnp.int8), inputs.bias):
+    if x is not None:
+      x, spec = _grouped_dense_spec(x, t, block_k, g)
+      extra.append(x)
+      extra_specs.append(spec)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, params=params, shape=shape, block_q=block_q,
+                        block_k=block_k),
+      grid=(pl.cdiv(s, block_k), b, kh),
+      in_specs=[grouped_q, kv_block, kv_block, pl.BlockSpec((None, 2), lambda j, b, h: (b, 0))]
+      + extra_specs + [grouped_q, grouped_rows, grouped_rows],
+      out_specs=[kv_block, kv_block],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=compiler_params,
+      interpret=params.interpret,
+      name="jaxflash_backward_dkv",
+  )(q.reshape(b, t, kh, g, h), k, v, inputs.lengths, *extra,
+    d_out.reshape(b, t, kh, g, h), lse2.reshape(b, kh, g, t), delta.reshape(b, kh, g, t))
+  return dq, dk, dv
+
+
+_attention = _core.build(_forward, _backward)
+
+
+def attention(inputs: Inputs, params: Params):
+  """Runs the Triton kernels; returns ``(out [B, T, N, H], natural lse [B, N, T])``."""
+  return _attention(inputs, params)
