@@ -339,13 +339,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Sha
     lse2 = plgpu.load(lse_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=jnp.inf)
     delta = plgpu.load(delta_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=0.0)
     tile_ok = _tile_ok(row_ok, col_ok)
-    head = g if bias_ref is not None and bias_ref.shape[0] > 1 else 0
+    # Mask/bias tiles hold every head of the group, or one head broadcast to all of them.
+    # (A literal 0 index trips jax 0.11.2's load lowering; an int32 scalar does not.)
+    head = g if bias_ref is not None and bias_ref.shape[0] > 1 else jnp.int32(0)
     bias = None if bias_ref is None else plgpu.load(
         bias_ref.at[head, pl.ds(q_start, block_q), :], mask=tile_ok, other=0.0)
     s2, cap_t = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, bias)
     q_seg = None if q_seg_ref is None else plgpu.load(
         q_seg_ref.at[pl.ds(q_start, block_q)], mask=row_ok, other=-1)
-    head = g if mask_ref is not None and mask_ref.shape[0] > 1 else 0
+    head = g if mask_ref is not None and mask_ref.shape[0] > 1 else jnp.int32(0)
     dense = None if mask_ref is None else plgpu.load(
         mask_ref.at[head, pl.ds(q_start, block_q), :], mask=tile_ok, other=0)
     s2 = jnp.where(_visible(rows, cols, params, kv_len, q_seg, kv_seg, dense), s2, -jnp.inf)

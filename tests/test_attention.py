@@ -1,0 +1,238 @@
+"""Both backends against the float32 reference: every option alone and combined, odd shapes,
+dtypes, empty rows, huge logits, jit/grad/vmap. The Triton kernels run in interpret mode."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash.reference import reference_attention
+from checks import check, random_qkv, rel_err
+
+BACKENDS = ["triton", "xla"]
+
+
+def _rand(seed, shape, kind):
+  key = jax.random.key(seed + 1000)
+  if kind == "bool":
+    return jax.random.bernoulli(key, 0.7, shape)
+  if kind == "float":
+    return jax.random.normal(key, shape)
+  return jax.random.randint(key, shape, 0, kind)
+
+
+def _lengths(b, t, s, n, seed):
+  rng = np.random.default_rng(seed)
+  return dict(query_seq_lengths=jnp.asarray(rng.integers(1, t + 1, b), jnp.int32),
+              key_value_seq_lengths=jnp.asarray(rng.integers(1, s + 1, b), jnp.int32))
+
+
+# Each option maker takes (b, t, s, n, seed) and returns keyword arguments.
+OPTIONS = {
+    "none": lambda *a: {},
+    "causal": lambda *a: dict(is_causal=True),
+    "window_pair": lambda *a: dict(local_window_size=(7, 3)),
+    "window_int": lambda *a: dict(local_window_size=5),
+    "causal_window": lambda *a: dict(is_causal=True, local_window_size=(9, 4)),
+    "lengths": _lengths,
+    "segments_pair": lambda b, t, s, n, seed: dict(
+        segment_ids=(_rand(seed, (b, t), 3), _rand(seed + 1, (b, s), 3))),
+    "mask_full": lambda b, t, s, n, seed: dict(mask=_rand(seed, (b, n, t, s), "bool")),
+    "mask_keys": lambda b, t, s, n, seed: dict(mask=_rand(seed, (b, 1, 1, s), "bool")),
+    "bias_full": lambda b, t, s, n, seed: dict(bias=_rand(seed, (b, n, t, s), "float")),
+    "bias_heads": lambda b, t, s, n, seed: dict(bias=_rand(seed, (1, n, t, s), "float")),
+    "soft_cap": lambda *a: dict(logits_soft_cap=1.5),
+    "scale": lambda *a: dict(scale=0.37),
+    "everything": lambda b, t, s, n, seed: dict(
+        is_causal=True, local_window_size=(20, 0), logits_soft_cap=3.0, scale=0.2,
+        mask=_rand(seed, (b, 1, t, s), "bool"), bias=_rand(seed, (b, n, t, s), "float"),
+        segment_ids=(_rand(seed, (b, t), 2), _rand(seed + 1, (b, s), 2)),
+        **_lengths(b, t, s, n, seed)),
+}
+
+
+def _with_options(name):
+  make = OPTIONS[name]
+  return lambda b, t, s, n, seed: make(b, t, s, n, seed)
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_option(implementation, option):
+  made = OPTIONS[option](2, 37, 53, 4, 0)
+  check(implementation, b=2, t=37, s=53, n=4, k=2, h=40, **made)
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("implementation", BACKENDS)
+@pytest.mark.parametrize("option", ["causal", "segments_self"])
+def test_self_attention_options(implementation, option):
+  """T == S: causal diagonal blocks and a single segment_ids array."""
+  extra = (dict(is_causal=True) if option == "causal"
+           else dict(segment_ids=_rand(3, (2, 45), 3)))
+  check(implementation, b=2, t=45, s=45, n=4, k=4, h=32, **extra)
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("implementation", BACKENDS)
+@pytest.mark.parametrize("h", [32, 40, 64, 80, 96, 128, 256])
+def test_head_dims(implementation, h):
+  check(implementation, b=1, t=33, s=18, n=2, k=1, h=h, is_causal=(h % 64 == 0))
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("implementation", BACKENDS)
+@pytest.mark.parametrize("t,s,n,k", [(1, 1, 1, 1), (1, 70, 4, 1), (70, 1, 3, 3), (16, 16, 8, 2),
+                                     (31, 65, 6, 3)])
+def test_odd_shapes(implementation, t, s, n, k):
+  """Lengths below, at and past block multiples; T != S; MHA, GQA and MQA."""
+  check(implementation, b=2, t=t, s=s, n=n, k=k, h=24)
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("implementation", BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_dtypes(implementation, dtype):
+  check(implementation, b=2, t=50, s=50, n=4, k=2, h=64, dtype=dtype, is_causal=True)
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_default_block_sizes(implementation):
+  """The shipped tile sizes (one partial block each way), causal GQA in bfloat16."""
+  check(implementation, b=1, t=200, s=200, n=4, k=2, h=64, dtype=jnp.bfloat16, is_causal=True)
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_large_logits_bfloat16(implementation):
+  """Logits in the hundreds in bf16: the online max must keep exp2 in range.
+
+  The forward must stay at bf16 accuracy. Gradients of a near-one-hot softmax cancel
+  (dS = P * (dP - delta), delta taken from the bf16 output), so bf16 cannot give them to 2e-2;
+  they must be no worse than what jax.nn.dot_product_attention itself gets in bf16.
+  """
+  q, k, v, d_out = random_qkv(7, 1, 40, 40, 2, 2, 64, jnp.bfloat16, scale=12.0)
+  upcast = [x.astype(jnp.float32) for x in (q, k, v)]
+
+  def loss(fn):
+    return lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * d_out)
+
+  ours = lambda q, k, v: jaxflash.flash_attention(  # noqa: E731
+      q, k, v, is_causal=True, implementation=implementation,
+      interpret=implementation == "triton")
+  theirs = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+      q, k, v, is_causal=True, implementation="xla")
+  exact = lambda q, k, v: reference_attention(q, k, v, is_causal=True)[0]  # noqa: E731
+  assert rel_err(ours(q, k, v), exact(*upcast)) < 2e-2
+  want = jax.grad(loss(exact), (0, 1, 2))(*upcast)
+  got = jax.grad(loss(ours), (0, 1, 2))(q, k, v)
+  base = jax.grad(loss(theirs), (0, 1, 2))(q, k, v)
+  for g, b, w in zip(got, base, want):
+    assert rel_err(g, w) <= max(2e-2, 2.0 * rel_err(b, w))
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_rows_that_see_nothing(implementation):
+  """Empty rows give zeros, zero gradients, LSE -inf and never NaN."""
+  b, t, s, n, h = 3, 20, 24, 2, 16
+  q, k, v, d_out = random_qkv(1, b, t, s, n, n, h)
+  q_seg = jnp.array([[1] * 10 + [2] * 10] * b)  # segment 2 has no keys
+  kv_seg = jnp.ones((b, s), jnp.int32)
+  kw = dict(segment_ids=(q_seg, kv_seg), query_seq_lengths=jnp.array([20, 5, 20]),
+            key_value_seq_lengths=jnp.array([24, 24, 0]), implementation=implementation,
+            interpret=implementation == "triton")
+
+  def loss(q, k, v):
+    return jnp.sum(jaxflash.flash_attention(q, k, v, **kw) * d_out)
+
+  out, lse = jaxflash.flash_attention(q, k, v, return_residual=True, **kw)
+  dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  for x in (out, lse, dq, dk, dv):
+    assert not np.isnan(np.asarray(x)).any()
+  empty = np.zeros((b, t), bool)
+  empty[:, 10:] = True  # segment 2
+  empty[1, 5:] = True  # query padding
+  empty[2, :] = True  # no keys at all
+  np.testing.assert_array_equal(np.asarray(out)[empty], 0.0)
+  np.testing.assert_array_equal(np.asarray(dq)[empty], 0.0)
+  assert np.all(np.asarray(lse)[empty] == -np.inf)
+  assert np.all(np.isfinite(np.asarray(lse)[~empty]))
+  np.testing.assert_array_equal(np.asarray(dk)[2], 0.0)
+  ref_out, _ = reference_attention(q, k, v, segment_ids=(q_seg, kv_seg),
+                                   query_seq_lengths=kw["query_seq_lengths"],
+                                   key_value_seq_lengths=kw["key_value_seq_lengths"])
+  assert rel_err(out, ref_out) < 1e-5
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_gradient_through_lse(implementation):
+  """return_residual's LSE is differentiable (its cotangent enters as a delta shift)."""
+  q, k, v, d_out = random_qkv(2, 1, 30, 35, 2, 1, 16)
+  w = jax.random.normal(jax.random.key(9), (1, 30, 2))
+  kw = dict(is_causal=True, key_value_seq_lengths=jnp.array([33]))
+
+  def ours(q, k, v):
+    out, lse = jaxflash.flash_attention(q, k, v, return_residual=True,
+                                        implementation=implementation,
+                                        interpret=implementation == "triton", **kw)
+    return jnp.sum(out * d_out) + jnp.sum(lse * w)
+
+  def ref(q, k, v):
+    out, lse = reference_attention(q, k, v, **kw)
+    return jnp.sum(out * d_out) + jnp.sum(lse * w)
+
+  for g, r in zip(jax.grad(ours, (0, 1, 2))(q, k, v), jax.grad(ref, (0, 1, 2))(q, k, v)):
+    assert rel_err(g, r) < 2e-5
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_vmap_and_jit(implementation):
+  """vmap over an extra leading axis and jit(grad) agree with per-slice calls."""
+  q, k, v, _ = random_qkv(4, 3, 20, 20, 2, 2, 16)
+  fn = lambda q, k, v: jaxflash.flash_attention(  # noqa: E731
+      q[None], k[None], v[None], is_causal=True, implementation=implementation,
+      interpret=implementation == "triton")[0]
+  batched = jax.jit(jax.vmap(fn))(q, k, v)
+  for i in range(3):
+    assert rel_err(batched[i], fn(q[i], k[i], v[i])) < 1e-6
+  g = jax.jit(jax.grad(lambda q: jnp.sum(jax.vmap(fn)(q, k, v) ** 2)))(q)
+  assert g.shape == q.shape and not np.isnan(np.asarray(g)).any()
+
+
+def test_backends_agree_with_jax_nn():
+  """Our reference (and hence both backends) means what jax.nn.dot_product_attention means."""
+  b, t, s, n, k, h = 2, 24, 40, 4, 2, 16
+  q, kk, v, _ = random_qkv(5, b, t, s, n, k, h)
+  cases = [dict(is_causal=True), dict(local_window_size=(3, 5)),
+           dict(key_value_seq_lengths=jnp.array([17, 40])),
+           dict(mask=_rand(5, (b, 1, t, s), "bool")),
+           dict(bias=_rand(6, (1, n, t, s), "float"), scale=0.5)]
+  for kw in cases:
+    want = jax.nn.dot_product_attention(q, kk, v, implementation="xla", **kw)
+    got = jaxflash.flash_attention(q, kk, v, implementation="xla", **kw)
+    ref, _ = reference_attention(q, kk, v, **kw)
+    assert rel_err(ref, want) < 1e-5, kw
+    assert rel_err(got, want) < 1e-5, kw
+  # Padded query rows: jax.nn leaves them undefined-but-finite; we return zeros. Compare the rest.
+  kw = dict(query_seq_lengths=jnp.array([10, 24]))
+  want = jax.nn.dot_product_attention(q, kk, v, implementation="xla", **kw)
+  got = jaxflash.flash_attention(q, kk, v, implementation="xla", **kw)
+  assert rel_err(got[0, :10], want[0, :10]) < 1e-5 and rel_err(got[1], want[1]) < 1e-5
+  np.testing.assert_array_equal(np.asarray(got[0, 10:]), 0.0)
+
+
+def test_bias_gradient_is_refused_not_zeroed():
+  """Until bias gradients land, asking for one must fail loudly rather than return zeros."""
+  q, k, v, _ = random_qkv(0, 1, 8, 8, 1, 1, 8)
+  bias = jnp.zeros((1, 1, 8, 8))
+  with pytest.raises(NotImplementedError, match="bias"):
+    jax.grad(lambda bias: jnp.sum(jaxflash.flash_attention(q, k, v, bias=bias,
+                                                           implementation="xla")))(bias)
+  # A bias that is not differentiated is fine.
+  jax.grad(lambda q: jnp.sum(jaxflash.flash_attention(q, k, v, bias=bias,
+                                                      implementation="xla")))(q)

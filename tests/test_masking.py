@@ -1,0 +1,307 @@
+"""The pure index helpers of `jaxflash.masking` against a brute-force visibility matrix.
+
+Every backend skips blocks by `kv_block_range` / `q_block_range` and masks inside visited blocks
+with `visible`; a range that misses a block holding a visible entry silently drops attention
+weight, so the ranges are checked to *cover* every such block (and to be tight where they can be).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxflash import masking
+from jaxflash.masking import Window, make_window
+
+BLOCKS = (1, 3, 8, 16)
+NUM_CASES = 300
+
+
+def brute_visible(t, s, is_causal, window_size, q_len, kv_len):
+  """Dense [t, s] visibility from the definitions, without `jaxflash.masking`."""
+  q = np.arange(t)[:, None]
+  k = np.arange(s)[None, :]
+  ok = (k < kv_len) & (q < q_len)
+  if is_causal:
+    ok = ok & (k <= q)
+  if window_size is not None:
+    left, right = (window_size, window_size) if isinstance(window_size, int) else window_size
+    ok = ok & (q - left <= k) & (k <= q + right)
+  return np.broadcast_to(ok, (t, s))
+
+
+def block_visibility(vis, bq, bk):
+  """[num_q_blocks, num_k_blocks]: does the tile hold any visible entry?"""
+  t, s = vis.shape
+  nq, nk = -(-t // bq), -(-s // bk)
+  padded = np.zeros((nq * bq, nk * bk), bool)
+  padded[:t, :s] = vis
+  return padded.reshape(nq, bq, nk, bk).any(axis=(1, 3))
+
+
+def random_window(rng):
+  """(kind, is_causal, local_window_size) covering full, causal, windows and both combined."""
+  kind = rng.choice(["full", "causal", "pair", "int", "causal_pair", "causal_int"])
+  size = lambda: int(rng.choice([0, 0, 1, 2, 5, 17, 80]))
+  window_size = {"pair": (size(), size()), "causal_pair": (size(), size()),
+                 "int": size(), "causal_int": size()}.get(kind)
+  return kind, kind.startswith("causal"), window_size
+
+
+def random_cases(seed, n=NUM_CASES):
+  rng = np.random.default_rng(seed)
+  for _ in range(n):
+    t, s = int(rng.integers(1, 71)), int(rng.integers(1, 71))
+    kind, is_causal, window_size = random_window(rng)
+    # Lengths: mostly full or nearly so, sometimes short or zero.
+    q_len = int(rng.choice([t, t, int(rng.integers(0, t + 1))]))
+    kv_len = int(rng.choice([s, s, int(rng.integers(0, s + 1))]))
+    yield dict(t=t, s=s, kind=kind, is_causal=is_causal, window_size=window_size, q_len=q_len,
+               kv_len=kv_len, bq=int(rng.choice(BLOCKS)), bk=int(rng.choice(BLOCKS)),
+               seed=int(rng.integers(1 << 30)))
+
+
+def _cdiv(a, b):
+  return -(-a // b)
+
+
+def _as_ints(pair):
+  return tuple(np.asarray(x).tolist() for x in pair)
+
+
+# ---------------------------------------------------------------------------------------------
+# make_window
+
+
+@pytest.mark.parametrize("is_causal, window_size, want", [
+    (False, None, Window(None, None)),
+    (True, None, Window(None, 0)),
+    (False, 3, Window(3, 3)),
+    (False, 0, Window(0, 0)),
+    (False, (2, 7), Window(2, 7)),
+    (True, 4, Window(4, 0)),
+    (True, (2, 5), Window(2, 0)),
+    (True, (6, 0), Window(6, 0)),
+    (False, (0, 9), Window(0, 9)),
+])
+def test_make_window(is_causal, window_size, want):
+  """Causal is the window (None, 0) and intersects with a local window."""
+  got = make_window(is_causal, window_size)
+  assert got == want
+  assert got.is_full == (want.left is None and want.right is None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block ranges
+
+
+def _check_kv_ranges(case, vis, window):
+  """For every query block: Python-int ranges cover the visible key blocks (tight if exact)."""
+  t, s, bq, bk, q_len, kv_len = (case[x] for x in ("t", "s", "bq", "bk", "q_len", "kv_len"))
+  tiles = block_visibility(vis, bq, bk)
+  exact = case["kind"] in ("full", "causal")
+  ranges = []
+  for i in range(tiles.shape[0]):
+    q0, q1 = i * bq, min((i + 1) * bq, t)
+    lo, hi = masking.kv_block_range(q0, min(q1, q_len), kv_len, window, bk)
+    assert isinstance(lo, int) and isinstance(hi, int), "Python ints in, Python ints out"
+    ranges.append((lo, hi))
+    needed = np.flatnonzero(tiles[i])
+    where = f"{case}, query block {i} = rows [{q0}, {q1}): range [{lo}, {hi}), needs {needed}"
+    assert lo >= 0 and hi <= _cdiv(kv_len, bk), "range past the valid keys: " + where
+    if needed.size:
+      assert lo <= needed[0] and needed[-1] < hi, "range misses a visible key block: " + where
+      if exact:
+        assert (lo, hi) == (needed[0], needed[-1] + 1), "full/causal range not tight: " + where
+  return ranges
+
+
+def _check_q_ranges(case, vis, window):
+  """For every key block: Python-int ranges cover the query blocks that see it (tight if exact)."""
+  t, s, bq, bk, q_len, kv_len = (case[x] for x in ("t", "s", "bq", "bk", "q_len", "kv_len"))
+  tiles = block_visibility(vis, bq, bk)
+  exact = case["kind"] in ("full", "causal")
+  ranges = []
+  for j in range(tiles.shape[1]):
+    k0, k1 = j * bk, min((j + 1) * bk, s)
+    lo, hi = masking.q_block_range(k0, min(k1, kv_len), q_len, window, bq)
+    assert isinstance(lo, int) and isinstance(hi, int), "Python ints in, Python ints out"
+    ranges.append((lo, hi))
+    needed = np.flatnonzero(tiles[:, j])
+    where = f"{case}, key block {j} = keys [{k0}, {k1}): range [{lo}, {hi}), needs {needed}"
+    assert lo >= 0 and hi <= _cdiv(q_len, bq), "range past the valid queries: " + where
+    if needed.size:
+      assert lo <= needed[0] and needed[-1] < hi, "range misses a query block: " + where
+      if exact:
+        assert (lo, hi) == (needed[0], needed[-1] + 1), "full/causal range not tight: " + where
+  return ranges
+
+
+_PAD = 80  # one array length for every case, so eager ops compile once, not once per shape
+
+
+def _traced_ranges(fn, starts, stops, length, window, block):
+  """The same ranges computed on int32 arrays (vmapped over blocks, so the indices are traced)."""
+  n = len(starts)
+  pad = lambda x: jnp.asarray(np.pad(x, (0, _PAD - n), mode="edge"), jnp.int32)
+  f = jax.vmap(lambda a, b, m: fn(a, b, m, window, block), in_axes=(0, 0, None))
+  lo, hi = f(pad(starts), pad(stops), jnp.int32(length))
+  return list(zip(np.broadcast_to(np.asarray(lo), (_PAD,))[:n].tolist(),
+                  np.broadcast_to(np.asarray(hi), (_PAD,))[:n].tolist()))
+
+
+def test_block_ranges_cover_visible_blocks():
+  """kv_block_range / q_block_range cover every tile with a visible entry; int32 agrees."""
+  seen_kinds = set()
+  for case in random_cases(seed=0):
+    t, s, bq, bk, q_len, kv_len = (case[x] for x in ("t", "s", "bq", "bk", "q_len", "kv_len"))
+    seen_kinds.add(case["kind"])
+    window = make_window(case["is_causal"], case["window_size"])
+    vis = brute_visible(t, s, case["is_causal"], case["window_size"], q_len, kv_len)
+    kv_ranges = _check_kv_ranges(case, vis, window)
+    q_ranges = _check_q_ranges(case, vis, window)
+
+    q0 = np.arange(0, t, bq)
+    q_stop = np.minimum(np.minimum(q0 + bq, t), q_len)
+    assert _traced_ranges(masking.kv_block_range, q0, q_stop, kv_len, window, bk) == kv_ranges, \
+        case
+    k0 = np.arange(0, s, bk)
+    k_stop = np.minimum(np.minimum(k0 + bk, s), kv_len)
+    assert _traced_ranges(masking.q_block_range, k0, k_stop, q_len, window, bq) == q_ranges, \
+        case
+  assert seen_kinds == {"full", "causal", "pair", "int", "causal_pair", "causal_int"}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_block_ranges_int32_scalars(seed):
+  """Plain jnp.int32 scalars (outside any transform) give the Python-int answers."""
+  rng = np.random.default_rng(100 + seed)
+  for case in random_cases(seed=100 + seed, n=15):
+    t, s, bq, bk, q_len, kv_len = (case[x] for x in ("t", "s", "bq", "bk", "q_len", "kv_len"))
+    window = make_window(case["is_causal"], case["window_size"])
+    q0 = int(rng.integers(0, t)) // bq * bq
+    q_stop = min(q0 + bq, t, q_len)
+    want = masking.kv_block_range(q0, q_stop, kv_len, window, bk)
+    got = masking.kv_block_range(jnp.int32(q0), jnp.int32(q_stop), jnp.int32(kv_len), window, bk)
+    assert _as_ints(got) == want, case
+    k0 = int(rng.integers(0, s)) // bk * bk
+    k_stop = min(k0 + bk, s, kv_len)
+    want = masking.q_block_range(k0, k_stop, q_len, window, bq)
+    got = masking.q_block_range(jnp.int32(k0), jnp.int32(k_stop), jnp.int32(q_len), window, bq)
+    assert _as_ints(got) == want, case
+
+
+def test_block_ranges_under_jit():
+  """Inside jit, with every index traced, the ranges match the Python-int ones."""
+  window = make_window(True, (5, 3))
+  f = jax.jit(lambda a, b, n: (masking.kv_block_range(a, b, n, window, 8),
+                               masking.q_block_range(a, b, n, window, 8)))
+  for a, b, n in [(0, 8, 40), (16, 24, 40), (32, 37, 37), (24, 20, 20), (8, 16, 0)]:
+    kv, q = f(jnp.int32(a), jnp.int32(b), jnp.int32(n))
+    assert _as_ints(kv) == masking.kv_block_range(a, b, n, window, 8), (a, b, n)
+    assert _as_ints(q) == masking.q_block_range(a, b, n, window, 8), (a, b, n)
+
+
+def test_causal_skips_upper_blocks():
+  """Causal attention visits only blocks on or below the diagonal (what makes it cost half)."""
+  window = make_window(True, None)
+  for i in range(8):
+    assert masking.kv_block_range(16 * i, 16 * i + 16, 128, window, 16) == (0, i + 1)
+    assert masking.q_block_range(16 * i, 16 * i + 16, 128, window, 16) == (i, 8)
+
+
+def test_empty_ranges():
+  """No valid keys (or queries) means an empty range, never a negative or past-the-end one."""
+  for window in (make_window(False, None), make_window(True, None), make_window(False, (3, 2))):
+    lo, hi = masking.kv_block_range(0, 16, 0, window, 8)
+    assert hi <= lo and hi == 0
+    lo, hi = masking.q_block_range(0, 16, 0, window, 8)
+    assert hi <= lo and hi == 0
+  # Query rows far right of the last valid key, with a left window: nothing to visit.
+  lo, hi = masking.kv_block_range(48, 56, 10, make_window(False, (4, 4)), 8)
+  assert hi <= lo
+
+
+# ---------------------------------------------------------------------------------------------
+# visible
+
+
+def test_visible_none_when_nothing_imposed():
+  """With a full window and no other argument, `visible` traces nothing and returns None."""
+  q, k = jnp.arange(4)[:, None], jnp.arange(5)[None, :]
+  assert masking.visible(q, k, Window()) is None
+  assert masking.visible(q, k, make_window(False, None), q_len=None, kv_len=None) is None
+  assert masking.visible(q, k, make_window(True, None)) is not None
+
+
+def test_visible_matches_brute_force():
+  """`visible` equals the dense definition for windows, lengths, segment ids and a dense mask.
+
+  Each case looks at a fixed-size tile of rows/cols at random offsets (the shape stays the same
+  so eager ops compile once); lengths, segment ids and the mask are random.
+  """
+  rng = np.random.default_rng(7)
+  rows, cols = 24, 20
+  for case in random_cases(seed=7, n=150):
+    q_len, kv_len = case["q_len"], case["kv_len"]
+    q_off, k_off = int(rng.integers(0, 50)), int(rng.integers(0, 50))
+    window = make_window(case["is_causal"], case["window_size"])
+    full = brute_visible(q_off + rows, k_off + cols, case["is_causal"], case["window_size"],
+                         np.inf, np.inf)
+    want = full[q_off:, k_off:]
+    q_idx = q_off + np.arange(rows)[:, None]
+    k_idx = k_off + np.arange(cols)[None, :]
+    kwargs = {}
+    if rng.random() < 0.5:
+      kwargs["q_len"] = jnp.int32(q_len) if rng.random() < 0.5 else q_len
+      want = want & (q_idx < q_len)
+    if rng.random() < 0.5:
+      kwargs["kv_len"] = jnp.int32(kv_len) if rng.random() < 0.5 else kv_len
+      want = want & (k_idx < kv_len)
+    if rng.random() < 0.5:
+      q_seg = np.sort(rng.integers(0, 3, rows))
+      kv_seg = np.sort(rng.integers(0, 3, cols))
+      kwargs["q_segment"] = jnp.asarray(q_seg)[:, None]
+      kwargs["kv_segment"] = jnp.asarray(kv_seg)[None, :]
+      want = want & (q_seg[:, None] == kv_seg[None, :])
+    if rng.random() < 0.5:
+      dense = rng.random((rows, cols)) < 0.7
+      kwargs["dense_mask"] = jnp.asarray(dense)
+      want = want & dense
+    got = masking.visible(jnp.asarray(q_idx), jnp.asarray(k_idx), window, **kwargs)
+    if got is None:
+      assert window.is_full and not kwargs, case
+      continue
+    got = np.broadcast_to(np.asarray(got), (rows, cols))
+    assert got.dtype == bool
+    np.testing.assert_array_equal(got, want, err_msg=f"{case} {q_off=} {k_off=} {sorted(kwargs)}")
+
+
+def test_visible_batched_lengths_and_offsets():
+  """Per-batch lengths broadcast to [B, rows, cols]; offset tiles give the matching sub-block."""
+  t, s, q_off, k_off, bq, bk = 40, 50, 8, 16, 8, 16
+  q_len, kv_len = np.array([40, 11, 0]), np.array([50, 20, 33])
+  window = make_window(True, (6, 2))
+  rows = jnp.asarray(q_off + np.arange(bq))[:, None]
+  cols = jnp.asarray(k_off + np.arange(bk))[None, :]
+  seg = np.repeat(np.arange(5), 10)
+  got = masking.visible(rows, cols, window, q_len=jnp.asarray(q_len)[:, None, None],
+                        kv_len=jnp.asarray(kv_len)[:, None, None],
+                        q_segment=jnp.asarray(seg[q_off:q_off + bq])[:, None],
+                        kv_segment=jnp.asarray(seg[k_off:k_off + bk])[None, :])
+  assert got.shape == (3, bq, bk)
+  for b in range(3):
+    want = brute_visible(t, s, True, (6, 2), q_len[b], kv_len[b])
+    want = want & (seg[:t, None] == seg[None, :s])
+    np.testing.assert_array_equal(got[b], want[q_off:q_off + bq, k_off:k_off + bk],
+                                  err_msg=f"batch row {b}")
+
+
+def test_visible_under_jit():
+  """`visible` traces with lengths as jit arguments and agrees with the eager result."""
+  window = make_window(False, (3, 1))
+  f = jax.jit(lambda ql, kl: masking.visible(jnp.arange(12)[:, None], jnp.arange(9)[None, :],
+                                             window, q_len=ql, kv_len=kl))
+  for q_len, kv_len in [(12, 9), (5, 9), (12, 4), (0, 3)]:
+    np.testing.assert_array_equal(f(jnp.int32(q_len), jnp.int32(kv_len)),
+                                  brute_visible(12, 9, False, (3, 1), q_len, kv_len))
