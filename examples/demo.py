@@ -120,9 +120,8 @@ def check_correctness(seq: int, heads: int, head_dim: int, dtype: DTypeLike, see
   """Compares jaxflash's output and gradients with the float32 reference on a small problem:
   batch 1 and at most CHECK_MAX_SEQ tokens, with the benchmark's heads, head dim and dtype.
 
-  It runs before the full-size inputs exist, so its arrays are freed before the timed runs (and
-  do not set the GPU's peak memory). Prints one line per quantity; returns True when all are
-  within ``tolerance``.
+  It runs before the full-size inputs exist, so its arrays are freed before the timed runs.
+  Prints one line per quantity; returns True when all are within ``tolerance``.
   """
   seq = min(seq, CHECK_MAX_SEQ)
   q, k, v, d_out = make_inputs(1, seq, heads, head_dim, dtype, seed)
@@ -195,48 +194,23 @@ def short_error(exc: BaseException) -> str:
   return text if len(text) <= 110 else text[:107] + "..."
 
 
-def benchmark(candidates: Sequence[tuple[str, AttentionFn]], q: jax.Array, k: jax.Array,
-              v: jax.Array, d_out: jax.Array, repeats: int) -> list[Result]:
-  """Compiles, then times, the forward and forward+backward of each implementation.
-
-  Everything is compiled first (failures, e.g. cuDNN rejecting a dtype, become ``error``), then
-  the programs run in increasing order of their temp memory: the device's peak-memory counter
-  only ever grows, so this order lets each run show its own peak where possible.
-  """
-  results, programs = [], {}
-  for name, attention in candidates:
-    result = Result(name)
-    results.append(result)
-    start = time.perf_counter()
-    try:
-      fwd = jax.jit(attention).lower(q, k, v).compile()
-      fwd_bwd = jax.jit(loss_grad(attention)).lower(q, k, v, d_out).compile()
-    except Exception as exc:  # e.g. cuDNN unavailable for this device, dtype or shape
-      result.error = short_error(exc)
-      print(f"  {name}: unavailable")
-      continue
-    print(f"  {name}: compiled in {time.perf_counter() - start:.1f} s")
+def benchmark(name: str, attention: AttentionFn, q: jax.Array, k: jax.Array, v: jax.Array,
+              d_out: jax.Array, repeats: int) -> Result:
+  """Compiles and times the forward and forward+backward of one attention implementation."""
+  result = Result(name)
+  peak_before = peak_bytes()
+  try:
+    fwd = jax.jit(attention).lower(q, k, v).compile()
+    fwd_bwd = jax.jit(loss_grad(attention)).lower(q, k, v, d_out).compile()
     result.temp_bytes = temp_bytes(fwd_bwd)
-    programs[name] = (fwd, fwd_bwd)
-
-  by_memory = sorted((r for r in results if r.error is None),
-                     key=lambda r: (r.temp_bytes is None, r.temp_bytes or 0))
-  for result in by_memory:
-    fwd, fwd_bwd = programs.pop(result.name)
-    start, peak_before = time.perf_counter(), peak_bytes()
-    try:
-      result.fwd_ms = median_ms(fwd, (q, k, v), repeats)
-      result.fwd_bwd_ms = median_ms(fwd_bwd, (q, k, v, d_out), repeats)
-    except Exception as exc:  # e.g. out of device memory
-      result.error = short_error(exc)
-      continue
-    finally:
-      del fwd, fwd_bwd
-    result.peak_bytes = peak_bytes()
-    if peak_before is not None and result.peak_bytes is not None:
-      result.peak_is_new = result.peak_bytes > peak_before
-    print(f"  {result.name}: timed in {time.perf_counter() - start:.1f} s")
-  return results
+    result.fwd_ms = median_ms(fwd, (q, k, v), repeats)
+    result.fwd_bwd_ms = median_ms(fwd_bwd, (q, k, v, d_out), repeats)
+  except Exception as exc:  # e.g. cuDNN unavailable for this device/dtype/shape, out of memory
+    return Result(name, error=short_error(exc))
+  result.peak_bytes = peak_bytes()
+  if peak_before is not None and result.peak_bytes is not None:
+    result.peak_is_new = result.peak_bytes > peak_before
+  return result
 
 
 def tflops(flops: float, ms: float | None) -> str:
@@ -280,8 +254,9 @@ def print_table(results: Sequence[Result], fwd_flops: float, show_peak: bool) ->
     if r.error is not None:
       print(f"  {r.name}: unavailable ({r.error})")
   if show_peak:
-    print("  peak MB: the device's peak_bytes_in_use after the run, inputs included; it is "
-          "process-wide and cannot be reset, so '<=' marks a run that did not raise it.")
+    print("  peak MB: the device's peak_bytes_in_use after the run: a process-wide high-water "
+          "mark (inputs,\n  compile-time scratch and earlier runs included) that cannot be "
+          "reset, so '<=' marks a run that did not raise it.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -312,23 +287,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1
   print()
 
+  # Run (and listed) roughly from the smallest memory footprint to the largest, so that the
+  # GPU's process-wide peak-memory counter, which only grows, says as much as it can per row.
   causal = args.causal
-  candidates: list[tuple[str, AttentionFn]] = [(
-      f"jaxflash ({default_backend}, default)",
-      functools.partial(jaxflash.flash_attention, is_causal=causal))]
-  if gpu and default_backend != "xla" and not args.skip_jaxflash_xla:
-    candidates.append(("jaxflash (xla)", functools.partial(
-        jaxflash.flash_attention, is_causal=causal, implementation="xla")))
-  candidates.append(("jax.nn (xla)", functools.partial(
-      jax.nn.dot_product_attention, is_causal=causal, implementation="xla")))
+  flash = functools.partial(jaxflash.flash_attention, is_causal=causal)
+  jax_nn = functools.partial(jax.nn.dot_product_attention, is_causal=causal)
+  candidates: list[tuple[str, AttentionFn]] = [(f"jaxflash ({default_backend}, default)", flash)]
   if gpu:
-    candidates.append(("jax.nn (cudnn)", functools.partial(
-        jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn")))
+    candidates.append(("jax.nn (cudnn)", functools.partial(jax_nn, implementation="cudnn")))
+  if gpu and default_backend != "xla" and not args.skip_jaxflash_xla:
+    candidates.append(("jaxflash (xla)", functools.partial(flash, implementation="xla")))
+  candidates.append(("jax.nn (xla)", functools.partial(jax_nn, implementation="xla")))
 
   q, k, v, d_out = make_inputs(b, t, n, h, dtype, args.seed)
-  print(f"compiling, then timing (median of {args.repeats} runs after {WARMUP_CALLS} warm-up "
-        f"calls each):")
-  results = benchmark(candidates, q, k, v, d_out, args.repeats)
+  print(f"timing: median of {args.repeats} runs after {WARMUP_CALLS} warm-up calls")
+  results = []
+  for name, attention in candidates:
+    start = time.perf_counter()
+    results.append(benchmark(name, attention, q, k, v, d_out, args.repeats))
+    status = "unavailable" if results[-1].error else "done"
+    print(f"  {name}: {status} in {time.perf_counter() - start:.1f} s (compile + timing)")
   print()
 
   fwd_flops = 4.0 * b * n * t * t * h / (2 if causal else 1)

@@ -86,6 +86,13 @@ def _and(a, b):
   return jnp.logical_and(a, b)
 
 
+def _load(ref, mask, other):
+  """Masked tile load; Triton refuses ``other`` without a mask, and in-bounds tiles have none."""
+  if mask is None:
+    return plgpu.load(ref)
+  return plgpu.load(ref, mask=mask, other=other)
+
+
 def _tile_ok(row_ok, col_ok):
   """2-D load/store mask from optional per-row and per-column bounds (None = all in bounds)."""
   return _and(None if row_ok is None else row_ok[:, None],
@@ -149,23 +156,23 @@ def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: 
   q_start = pl.program_id(0) * block_q
   rows, row_ok = shape.bounds(q_start, block_q, shape.seq_q)
   dim_ok = shape.dim_ok
-  q = plgpu.load(q_ref, mask=_tile_ok(row_ok, dim_ok), other=0.0)
-  q_seg = None if q_seg_ref is None else plgpu.load(q_seg_ref, mask=row_ok, other=-1)
+  q = _load(q_ref, mask=_tile_ok(row_ok, dim_ok), other=0.0)
+  q_seg = None if q_seg_ref is None else _load(q_seg_ref, mask=row_ok, other=-1)
 
   def body(j, carry):
     acc, m, l = carry
     k_start = j * block_k
     cols, col_ok = shape.bounds(k_start, block_k, shape.seq_k)
     kv_ok = _tile_ok(col_ok, dim_ok)
-    k = plgpu.load(k_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
+    k = _load(k_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
     qk = plgpu.dot(q, k, trans_b=True)
     tile_ok = _tile_ok(row_ok, col_ok)
-    bias = None if bias_ref is None else plgpu.load(
+    bias = None if bias_ref is None else _load(
         bias_ref.at[:, pl.ds(k_start, block_k)], mask=tile_ok, other=0.0)
     s2, _ = _core.logits_base2(qk, params, bias)
-    kv_seg = None if kv_seg_ref is None else plgpu.load(
+    kv_seg = None if kv_seg_ref is None else _load(
         kv_seg_ref.at[pl.ds(k_start, block_k)], mask=col_ok, other=-2)
-    dense = None if mask_ref is None else plgpu.load(
+    dense = None if mask_ref is None else _load(
         mask_ref.at[:, pl.ds(k_start, block_k)], mask=tile_ok, other=0)
     s2 = jnp.where(_visible(rows, cols, params, kv_len, q_seg, kv_seg, dense), s2, -jnp.inf)
     # Online softmax. A row that has seen no visible key yet keeps m = -inf; shifting by 0 instead
@@ -174,7 +181,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: 
     m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.exp2(s2 - m_shift[:, None])
     alpha = jnp.exp2(m - m_shift)
-    v = plgpu.load(v_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
+    v = _load(v_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
     return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
@@ -272,26 +279,26 @@ def _dq_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shap
   rows, row_ok = shape.bounds(q_start, block_q, shape.seq_q)
   dim_ok = shape.dim_ok
   q_ok = _tile_ok(row_ok, dim_ok)
-  q = plgpu.load(q_ref, mask=q_ok, other=0.0)
-  do = plgpu.load(do_ref, mask=q_ok, other=0.0)
+  q = _load(q_ref, mask=q_ok, other=0.0)
+  do = _load(do_ref, mask=q_ok, other=0.0)
   # lse2 = +inf on rows that see nothing (and on rows past T), so P is exactly 0 there.
-  lse2 = plgpu.load(lse_ref, mask=row_ok, other=jnp.inf)
-  delta = plgpu.load(delta_ref, mask=row_ok, other=0.0)
-  q_seg = None if q_seg_ref is None else plgpu.load(q_seg_ref, mask=row_ok, other=-1)
+  lse2 = _load(lse_ref, mask=row_ok, other=jnp.inf)
+  delta = _load(delta_ref, mask=row_ok, other=0.0)
+  q_seg = None if q_seg_ref is None else _load(q_seg_ref, mask=row_ok, other=-1)
 
   def body(j, dq):
     k_start = j * block_k
     cols, col_ok = shape.bounds(k_start, block_k, shape.seq_k)
     kv_ok = _tile_ok(col_ok, dim_ok)
-    k = plgpu.load(k_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
-    v = plgpu.load(v_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
+    k = _load(k_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
+    v = _load(v_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
     tile_ok = _tile_ok(row_ok, col_ok)
-    bias = None if bias_ref is None else plgpu.load(
+    bias = None if bias_ref is None else _load(
         bias_ref.at[:, pl.ds(k_start, block_k)], mask=tile_ok, other=0.0)
     s2, cap_t = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, bias)
-    kv_seg = None if kv_seg_ref is None else plgpu.load(
+    kv_seg = None if kv_seg_ref is None else _load(
         kv_seg_ref.at[pl.ds(k_start, block_k)], mask=col_ok, other=-2)
-    dense = None if mask_ref is None else plgpu.load(
+    dense = None if mask_ref is None else _load(
         mask_ref.at[:, pl.ds(k_start, block_k)], mask=tile_ok, other=0)
     s2 = jnp.where(_visible(rows, cols, params, kv_len, q_seg, kv_seg, dense), s2, -jnp.inf)
     p = jnp.exp2(s2 - lse2[:, None])
@@ -319,9 +326,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Sha
   cols, col_ok = shape.bounds(k_start, block_k, shape.seq_k)
   dim_ok = shape.dim_ok
   kv_ok = _tile_ok(col_ok, dim_ok)
-  k = plgpu.load(k_ref, mask=kv_ok, other=0.0)
-  v = plgpu.load(v_ref, mask=kv_ok, other=0.0)
-  kv_seg = None if kv_seg_ref is None else plgpu.load(kv_seg_ref, mask=col_ok, other=-2)
+  k = _load(k_ref, mask=kv_ok, other=0.0)
+  v = _load(v_ref, mask=kv_ok, other=0.0)
+  kv_seg = None if kv_seg_ref is None else _load(kv_seg_ref, mask=col_ok, other=-2)
 
   k_stop = jnp.minimum(k_start + block_k, kv_len)
   lo, hi = masking.q_block_range(k_start, k_stop, q_len, params.window, block_q)
@@ -334,21 +341,21 @@ def _dkv_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Sha
     q_start = (lo + lax.rem(step, num_q_blocks)) * block_q
     rows, row_ok = shape.bounds(q_start, block_q, shape.seq_q)
     q_ok = _tile_ok(row_ok, dim_ok)
-    q = plgpu.load(q_ref.at[pl.ds(q_start, block_q), g, :], mask=q_ok, other=0.0)
-    do = plgpu.load(do_ref.at[pl.ds(q_start, block_q), g, :], mask=q_ok, other=0.0)
-    lse2 = plgpu.load(lse_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=jnp.inf)
-    delta = plgpu.load(delta_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=0.0)
+    q = _load(q_ref.at[pl.ds(q_start, block_q), g, :], mask=q_ok, other=0.0)
+    do = _load(do_ref.at[pl.ds(q_start, block_q), g, :], mask=q_ok, other=0.0)
+    lse2 = _load(lse_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=jnp.inf)
+    delta = _load(delta_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=0.0)
     tile_ok = _tile_ok(row_ok, col_ok)
     # Mask/bias tiles hold every head of the group, or one head broadcast to all of them.
     # (A literal 0 index trips jax 0.11.2's load lowering; an int32 scalar does not.)
     head = g if bias_ref is not None and bias_ref.shape[0] > 1 else jnp.int32(0)
-    bias = None if bias_ref is None else plgpu.load(
+    bias = None if bias_ref is None else _load(
         bias_ref.at[head, pl.ds(q_start, block_q), :], mask=tile_ok, other=0.0)
     s2, cap_t = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, bias)
-    q_seg = None if q_seg_ref is None else plgpu.load(
+    q_seg = None if q_seg_ref is None else _load(
         q_seg_ref.at[pl.ds(q_start, block_q)], mask=row_ok, other=-1)
     head = g if mask_ref is not None and mask_ref.shape[0] > 1 else jnp.int32(0)
-    dense = None if mask_ref is None else plgpu.load(
+    dense = None if mask_ref is None else _load(
         mask_ref.at[head, pl.ds(q_start, block_q), :], mask=tile_ok, other=0)
     s2 = jnp.where(_visible(rows, cols, params, kv_len, q_seg, kv_seg, dense), s2, -jnp.inf)
     p = jnp.exp2(s2 - lse2[:, None])

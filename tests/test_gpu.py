@@ -1,0 +1,57 @@
+"""The same reference checks on a real NVIDIA GPU, with the shipped tile sizes (no interpret mode).
+
+Skipped without a GPU; run on the GPU machine with `python -m pytest -m gpu tests`.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from checks import GPU_F32_TOLERANCE, check, random_qkv
+from test_attention import OPTIONS
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_option_on_gpu(option):
+  b, t, s, n = 2, 300, 517, 8
+  check("triton", b=b, t=t, s=s, n=n, k=2, h=64, dtype=jnp.bfloat16,
+        **OPTIONS[option](b, t, s, n, 0))
+
+
+@pytest.mark.parametrize("h", [32, 40, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_head_dims_on_gpu(h, dtype):
+  tol = GPU_F32_TOLERANCE if dtype == jnp.float32 else None
+  check("triton", b=2, t=333, s=1000, n=4, k=1, h=h, dtype=dtype, tol=tol,
+        is_causal=False)
+  check("triton", b=1, t=1000, s=1000, n=4, k=2, h=h, dtype=dtype, tol=tol, is_causal=True)
+
+
+@pytest.mark.parametrize("t,s", [(1, 1), (1, 4097), (17, 17), (4096, 4096), (2049, 1023)])
+def test_lengths_on_gpu(t, s):
+  check("triton", b=2, t=t, s=s, n=4, k=4, h=128, dtype=jnp.bfloat16)
+
+
+def test_xla_backend_on_gpu():
+  check("xla", b=2, t=300, s=517, n=8, k=2, h=64, dtype=jnp.bfloat16, is_causal=True)
+
+
+def test_deterministic_gradients_on_gpu():
+  """Two runs of the jitted forward+backward give bitwise identical results (no atomics)."""
+  q, k, v, d_out = random_qkv(3, 2, 1024, 1024, 8, 2, 128, jnp.bfloat16)
+  step = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(
+      jaxflash.flash_attention(q, k, v, is_causal=True).astype(jnp.float32) * d_out),
+      argnums=(0, 1, 2)))
+  first, second = step(q, k, v), step(q, k, v)
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_default_implementation_is_triton_on_gpu():
+  q, k, v, _ = random_qkv(0, 1, 64, 64, 2, 2, 64, jnp.bfloat16)
+  text = jax.jit(lambda q, k, v: jaxflash.flash_attention(q, k, v)).lower(q, k, v).as_text()
+  assert "jaxflash_forward" in text
