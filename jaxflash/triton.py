@@ -132,6 +132,24 @@ def _visible(rows, cols, params: Params, kv_len, q_seg, kv_seg, dense):
       dense_mask=None if dense is None else dense != 0)
 
 
+def _at(ref, *index):
+  """``ref.at[index]``, or None for an absent optional input."""
+  return None if ref is None else ref.at[index]
+
+
+def _masked_logits(q, k, rows, cols, tile_ok, kv_len, params: Params, q_seg, kv_seg, bias_ref,
+                   mask_ref):
+  """Base-2 logits of one (query, key) tile, invisible entries at -inf; also the soft-cap tanh.
+
+  ``bias_ref``/``mask_ref`` are refs already positioned on this tile (or None).
+  """
+  bias = None if bias_ref is None else _load(bias_ref, mask=tile_ok, other=0.0)
+  s2, cap_t = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, bias)
+  dense = None if mask_ref is None else _load(mask_ref, mask=tile_ok, other=0)
+  return jnp.where(_visible(rows, cols, params, kv_len, q_seg, kv_seg, dense), s2,
+                   -jnp.inf), cap_t
+
+
 def _optional_refs(refs, shape: _Shape):
   """Splits the optional input refs (segments, mask, bias) off the front of ``refs``."""
   refs = list(refs)
@@ -165,16 +183,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: 
     cols, col_ok = shape.bounds(k_start, block_k, shape.seq_k)
     kv_ok = _tile_ok(col_ok, dim_ok)
     k = _load(k_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
-    qk = plgpu.dot(q, k, trans_b=True)
-    tile_ok = _tile_ok(row_ok, col_ok)
-    bias = None if bias_ref is None else _load(
-        bias_ref.at[:, pl.ds(k_start, block_k)], mask=tile_ok, other=0.0)
-    s2, _ = _core.logits_base2(qk, params, bias)
-    kv_seg = None if kv_seg_ref is None else _load(
-        kv_seg_ref.at[pl.ds(k_start, block_k)], mask=col_ok, other=-2)
-    dense = None if mask_ref is None else _load(
-        mask_ref.at[:, pl.ds(k_start, block_k)], mask=tile_ok, other=0)
-    s2 = jnp.where(_visible(rows, cols, params, kv_len, q_seg, kv_seg, dense), s2, -jnp.inf)
+    keys = pl.ds(k_start, block_k)
+    kv_seg = None if kv_seg_ref is None else _load(kv_seg_ref.at[keys], mask=col_ok, other=-2)
+    s2, _ = _masked_logits(q, k, rows, cols, _tile_ok(row_ok, col_ok), kv_len, params, q_seg,
+                           kv_seg, _at(bias_ref, slice(None), keys),
+                           _at(mask_ref, slice(None), keys))
     # Online softmax. A row that has seen no visible key yet keeps m = -inf; shifting by 0 instead
     # keeps exp2 finite (exp2(-inf) = 0) so such rows stay at l = 0, acc = 0 without NaN.
     m_new = jnp.maximum(m, jnp.max(s2, axis=1))
@@ -223,7 +236,7 @@ def _optional_args(inputs: Inputs, specs):
 def _forward(inputs: Inputs, params: Params):
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, h = q.shape
-  s, kh = k.shape[1], k.shape[2]
+  s = k.shape[1]
   bs = params.block_sizes or default_block_sizes(h, q.dtype)
   shape = _shape(inputs)
   block_q, block_k = _fit(bs.block_q, t), _fit(bs.block_k, s)
@@ -292,15 +305,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shap
     kv_ok = _tile_ok(col_ok, dim_ok)
     k = _load(k_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
     v = _load(v_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
-    tile_ok = _tile_ok(row_ok, col_ok)
-    bias = None if bias_ref is None else _load(
-        bias_ref.at[:, pl.ds(k_start, block_k)], mask=tile_ok, other=0.0)
-    s2, cap_t = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, bias)
-    kv_seg = None if kv_seg_ref is None else _load(
-        kv_seg_ref.at[pl.ds(k_start, block_k)], mask=col_ok, other=-2)
-    dense = None if mask_ref is None else _load(
-        mask_ref.at[:, pl.ds(k_start, block_k)], mask=tile_ok, other=0)
-    s2 = jnp.where(_visible(rows, cols, params, kv_len, q_seg, kv_seg, dense), s2, -jnp.inf)
+    keys = pl.ds(k_start, block_k)
+    kv_seg = None if kv_seg_ref is None else _load(kv_seg_ref.at[keys], mask=col_ok, other=-2)
+    s2, cap_t = _masked_logits(q, k, rows, cols, _tile_ok(row_ok, col_ok), kv_len, params, q_seg,
+                               kv_seg, _at(bias_ref, slice(None), keys),
+                               _at(mask_ref, slice(None), keys))
     p = jnp.exp2(s2 - lse2[:, None])
     dp = plgpu.dot(do, v, trans_b=True)
     ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), cap_t)
@@ -345,19 +354,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Sha
     do = _load(do_ref.at[pl.ds(q_start, block_q), g, :], mask=q_ok, other=0.0)
     lse2 = _load(lse_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=jnp.inf)
     delta = _load(delta_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=0.0)
-    tile_ok = _tile_ok(row_ok, col_ok)
-    # Mask/bias tiles hold every head of the group, or one head broadcast to all of them.
-    # (A literal 0 index trips jax 0.11.2's load lowering; an int32 scalar does not.)
-    head = g if bias_ref is not None and bias_ref.shape[0] > 1 else jnp.int32(0)
-    bias = None if bias_ref is None else _load(
-        bias_ref.at[head, pl.ds(q_start, block_q), :], mask=tile_ok, other=0.0)
-    s2, cap_t = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, bias)
     q_seg = None if q_seg_ref is None else _load(
         q_seg_ref.at[pl.ds(q_start, block_q)], mask=row_ok, other=-1)
-    head = g if mask_ref is not None and mask_ref.shape[0] > 1 else jnp.int32(0)
-    dense = None if mask_ref is None else _load(
-        mask_ref.at[head, pl.ds(q_start, block_q), :], mask=tile_ok, other=0)
-    s2 = jnp.where(_visible(rows, cols, params, kv_len, q_seg, kv_seg, dense), s2, -jnp.inf)
+
+    def dense_tile(ref):
+      # Mask/bias refs hold every head of the group, or one head broadcast to all of them.
+      # (A literal 0 index trips jax 0.11.2's load lowering; an int32 scalar does not.)
+      if ref is None:
+        return None
+      return ref.at[g if ref.shape[0] > 1 else jnp.int32(0), pl.ds(q_start, block_q), :]
+
+    s2, cap_t = _masked_logits(q, k, rows, cols, _tile_ok(row_ok, col_ok), kv_len, params, q_seg,
+                               kv_seg, dense_tile(bias_ref), dense_tile(mask_ref))
     p = jnp.exp2(s2 - lse2[:, None])
     dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True)
     dp = plgpu.dot(do, v, trans_b=True)
