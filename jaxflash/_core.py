@@ -49,7 +49,6 @@ class Params:
   window: masking.Window
   logits_soft_cap: float | None = None
   interpret: bool = False
-  block_sizes: object = None  # backend-specific tile sizes; None = the backend's defaults
 
 
 def user_lse(lse2: jax.Array) -> jax.Array:

@@ -237,7 +237,7 @@ def _forward(inputs: Inputs, params: Params):
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, h = q.shape
   s = k.shape[1]
-  bs = params.block_sizes or default_block_sizes(h, q.dtype)
+  bs = default_block_sizes(h, q.dtype)
   shape = _shape(inputs)
   block_q, block_k = _fit(bs.block_q, t), _fit(bs.block_k, s)
   hp, g = shape.head_dim_p, shape.groups
@@ -393,7 +393,7 @@ def _backward(inputs: Inputs, params: Params, out, lse2, d_out, delta):
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
-  bs = params.block_sizes or default_block_sizes(h, q.dtype)
+  bs = default_block_sizes(h, q.dtype)
   shape = _shape(inputs)
   hp, g = shape.head_dim_p, shape.groups
   d_out = d_out.astype(q.dtype)

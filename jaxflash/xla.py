@@ -60,10 +60,10 @@ class _Layout:
     return -(-self.s // self.block_k) * self.block_k
 
 
-def _layout(inputs: Inputs, params: Params) -> _Layout:
+def _layout(inputs: Inputs) -> _Layout:
   b, t, n, h = inputs.query.shape
   s, kh = inputs.key.shape[1:3]
-  bs = params.block_sizes or default_block_sizes()
+  bs = default_block_sizes()
   return _Layout(b, t, s, kh, n // kh, h, min(bs.block_q, t), min(bs.block_k, s))
 
 
@@ -153,7 +153,7 @@ def _ungroup_rows(x, lay: _Layout):
 
 
 def _forward(inputs: Inputs, params: Params):
-  lay = _layout(inputs, params)
+  lay = _layout(inputs)
   blk = _Blocks(inputs, lay)
   bq, bk = lay.block_q, lay.block_k
 
@@ -194,7 +194,7 @@ def _forward(inputs: Inputs, params: Params):
 
 def _backward(inputs: Inputs, params: Params, out, lse2, d_out, delta):
   del out
-  lay = _layout(inputs, params)
+  lay = _layout(inputs)
   blk = _Blocks(inputs, lay)
   bq, bk = lay.block_q, lay.block_k
   do = _pad_axis(d_out.astype(inputs.query.dtype).reshape(lay.b, lay.t, lay.kh, lay.g, lay.h),
