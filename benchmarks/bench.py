@@ -24,7 +24,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jaxflash
 from jaxflash import triton as triton_backend

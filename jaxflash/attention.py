@@ -96,7 +96,7 @@ def flash_attention(
   if unbatched:
     query, key, value = query[None], key[None], value[None]
   b, t, n, h = query.shape
-  s, kh = key.shape[1], key.shape[2]
+  s = key.shape[1]
 
   scale = _check_scale(scale, h)
   window = masking.make_window(bool(is_causal), _check_window(local_window_size))

@@ -182,8 +182,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: 
     k_start = j * block_k
     cols, col_ok = shape.bounds(k_start, block_k, shape.seq_k)
     kv_ok = _tile_ok(col_ok, dim_ok)
-    k = _load(k_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
     keys = pl.ds(k_start, block_k)
+    k = _load(k_ref.at[keys, :], mask=kv_ok, other=0.0)
     kv_seg = None if kv_seg_ref is None else _load(kv_seg_ref.at[keys], mask=col_ok, other=-2)
     s2, _ = _masked_logits(q, k, rows, cols, _tile_ok(row_ok, col_ok), kv_len, params, q_seg,
                            kv_seg, _at(bias_ref, slice(None), keys),
@@ -194,7 +194,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: 
     m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.exp2(s2 - m_shift[:, None])
     alpha = jnp.exp2(m - m_shift)
-    v = _load(v_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
+    v = _load(v_ref.at[keys, :], mask=kv_ok, other=0.0)
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
     return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
@@ -303,9 +303,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shap
     k_start = j * block_k
     cols, col_ok = shape.bounds(k_start, block_k, shape.seq_k)
     kv_ok = _tile_ok(col_ok, dim_ok)
-    k = _load(k_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
-    v = _load(v_ref.at[pl.ds(k_start, block_k), :], mask=kv_ok, other=0.0)
     keys = pl.ds(k_start, block_k)
+    k = _load(k_ref.at[keys, :], mask=kv_ok, other=0.0)
+    v = _load(v_ref.at[keys, :], mask=kv_ok, other=0.0)
     kv_seg = None if kv_seg_ref is None else _load(kv_seg_ref.at[keys], mask=col_ok, other=-2)
     s2, cap_t = _masked_logits(q, k, rows, cols, _tile_ok(row_ok, col_ok), kv_len, params, q_seg,
                                kv_seg, _at(bias_ref, slice(None), keys),

@@ -52,11 +52,6 @@ OPTIONS = {
 }
 
 
-def _with_options(name):
-  make = OPTIONS[name]
-  return lambda b, t, s, n, seed: make(b, t, s, n, seed)
-
-
 @pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("implementation", BACKENDS)
