@@ -6,9 +6,16 @@ A backend supplies two functions over normalised inputs:
   ``lse2`` float32 [B, N, T], the logsumexp of the *base-2* logits (``log2(e) * logits``), set to
   ``+inf`` on rows that see no key. ``+inf`` makes ``exp2(s - lse2)`` exactly 0 on such rows, so
   the backward needs no special case for them; users see ``-inf`` (see `user_lse`).
-- ``backward(inputs, params, out, lse2, d_out, delta) -> (dq, dk, dv)`` where ``delta`` =
-  rowsum(dO * O) - d_lse, float32 [B, N, T]: the residuals are only the inputs, O and the LSE;
-  S and P are recomputed block by block.
+- ``backward(inputs, params, out, lse2, d_out, delta, want_dbias) -> (dq, dk, dv, dbias)``
+  where ``delta`` = rowsum(dO * O) - d_lse, float32 [B, N, T]: the residuals are only the inputs,
+  O and the LSE; S and P are recomputed block by block. ``dbias`` (shaped like ``inputs.bias``) is
+  computed only when ``want_dbias``, i.e. when the caller differentiates with respect to the
+  bias; otherwise it is None and costs nothing.
+
+Dropout (``params.dropout_rate > 0``) drops entries of the normalised P and scales the kept ones by
+``1 / (1 - rate)``; every backend regenerates the keep mask from ``inputs.dropout_seed`` with
+`jaxflash.dropout`. The LSE is that of the undropped softmax, and ``delta`` = rowsum(dO * O)
+stays exact: rowsum(dP * P) over the dropped P equals dO . O for the dropped O.
 
 `Inputs` bundles the arrays; everything static lives in `Params`.
 """
@@ -23,6 +30,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxflash import dropout
 from jaxflash import masking
 
 LOG2_E = math.log2(math.e)
@@ -39,6 +47,7 @@ class Inputs(NamedTuple):
   mask: jax.Array | None = None  # [B or 1, N or 1, T, S] bool
   q_segment_ids: jax.Array | None = None  # int32 [B, T]
   kv_segment_ids: jax.Array | None = None  # int32 [B, S]
+  dropout_seed: jax.Array | None = None  # uint32 [2], present iff params.dropout_rate > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +57,14 @@ class Params:
   scale: float
   window: masking.Window
   logits_soft_cap: float | None = None
+  dropout_rate: float = 0.0
+  broadcast_dropout: bool = False  # one [T, S] dropout mask for all batch rows and heads
   interpret: bool = False
+
+  @property
+  def keep_scale(self) -> float:
+    """Factor applied to kept probabilities under dropout."""
+    return 1.0 / (1.0 - self.dropout_rate)
 
 
 def user_lse(lse2: jax.Array) -> jax.Array:
@@ -65,17 +81,16 @@ def build(forward: Callable, backward: Callable) -> Callable:
     return out, user_lse(lse2)
 
   def attention_fwd(inputs, params):
-    if inputs.bias is not None and inputs.bias.perturbed:
-      raise NotImplementedError(
-          "jaxflash does not differentiate with respect to `bias` yet; wrap the bias in "
-          "jax.lax.stop_gradient if its gradient is not needed")
+    # Symbolic zeros tell us whether the bias is being differentiated at all: only then does the
+    # backward pay for dbias (a Python bool in the residuals is static under jit).
+    want_dbias = inputs.bias is not None and inputs.bias.perturbed
     inputs = jax.tree.map(lambda p: p.value, inputs,
                           is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal))
     out, lse2 = forward(inputs, params)
-    return (out, user_lse(lse2)), (inputs, out, lse2)
+    return (out, user_lse(lse2)), (inputs, out, lse2, want_dbias)
 
   def attention_bwd(params, residuals, cotangents):
-    inputs, out, lse2 = residuals
+    inputs, out, lse2, want_dbias = residuals
     d_out, d_lse = cotangents
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
       d_out = jnp.zeros(out.shape, out.dtype)
@@ -84,9 +99,9 @@ def build(forward: Callable, backward: Callable) -> Callable:
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
       delta = delta - jnp.where(jnp.isfinite(d_lse), d_lse, 0.0)
-    dq, dk, dv = backward(inputs, params, out, lse2, d_out, delta)
-    # Integer inputs, the boolean mask and (checked in the forward) the bias get no cotangent.
-    return (Inputs(query=dq, key=dk, value=dv, lengths=None),)
+    dq, dk, dv, dbias = backward(inputs, params, out, lse2, d_out, delta, want_dbias)
+    # Integer inputs, the boolean mask and the dropout seed get no cotangent.
+    return (Inputs(query=dq, key=dk, value=dv, lengths=None, bias=dbias),)
 
   attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
   return attention
@@ -108,6 +123,20 @@ def logits_base2(qk: jax.Array, params: Params, bias: jax.Array | None):
   if bias is not None:
     z = z + bias.astype(jnp.float32)
   return z * LOG2_E, t
+
+
+def dropout_stream(params: Params, seed, batch, head):
+  """Dropout stream key of (batch, head); shared by all of them under ``broadcast_dropout``."""
+  if params.broadcast_dropout:
+    batch = head = 0
+  return dropout.stream_key(seed[0], seed[1], batch, head)
+
+
+def dropped(x: jax.Array, keep_mask: jax.Array | None, params: Params) -> jax.Array:
+  """A P- or dP-shaped tile after dropout: ``x * keep / (1 - rate)`` (``x`` if no dropout)."""
+  if keep_mask is None:
+    return x
+  return jnp.where(keep_mask, x * params.keep_scale, 0.0)
 
 
 def dlogits_to_dqk(ds: jax.Array, t: jax.Array | None) -> jax.Array:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import _core
+from jaxflash import dropout
 from jaxflash import masking
 
 Implementation = Literal["triton", "xla"]
@@ -40,6 +41,7 @@ def flash_attention(
     logits_soft_cap: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    broadcast_dropout: bool = False,
     return_residual: bool = False,
     implementation: Implementation | None = None,
     interpret: bool = False,
@@ -59,7 +61,9 @@ def flash_attention(
     key: [B, S, K, H] (or [S, K, H]), same dtype as ``query``.
     value: [B, S, K, H] (or [S, K, H]), same dtype as ``query``.
     bias: optional additive bias, broadcastable to [B, N, T, S] (or [N, T, S] when unbatched),
-      added to the scaled (and soft-capped) logits. Not differentiable yet.
+      added to the scaled (and soft-capped) logits. Differentiable: its gradient is summed over
+      the axes it is broadcast along, and is computed only when asked for (a bias that is not
+      differentiated costs no extra time or memory in the backward pass).
     mask: optional boolean mask broadcastable to [B, N, T, S]; True means "may attend".
     scale: multiplier of ``query @ key``; defaults to ``1 / sqrt(H)``.
     is_causal: top-left aligned causal mask (query ``t`` sees keys ``s <= t``).
@@ -71,8 +75,16 @@ def flash_attention(
       kv_segment_ids [B, S])``; a query sees only keys with the same segment id.
     logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` after scaling and before
       the bias.
-    dropout_rate: attention dropout probability (not implemented yet; must be 0).
-    dropout_rng: PRNG key for dropout (not used yet).
+    dropout_rate: attention dropout probability in [0, 1): entries of the normalised attention
+      weights are dropped with this probability and kept ones are scaled by
+      ``1 / (1 - dropout_rate)`` (as in ``flax.linen.dot_product_attention``). The mask is never
+      stored: forward and backward regenerate it from ``dropout_rng`` and each entry's
+      (batch, head, query, key) coordinates (see `jaxflash.dropout`), identically in every
+      backend. The LSE returned by ``return_residual`` is that of the undropped weights.
+    dropout_rng: PRNG key (typed, or a raw uint32 key) for dropout; required when
+      ``dropout_rate > 0``. The same key gives the same mask.
+    broadcast_dropout: share one [T, S] dropout mask across the batch and heads (Flax's
+      ``broadcast_dropout=True``); by default every batch row and head has its own.
     return_residual: also return the logsumexp of the logits, float32 [B, T, N] (natural log,
       ``-inf`` for rows that see no key).
     implementation: ``"triton"`` (Pallas kernels lowered through Triton, NVIDIA GPUs),
@@ -101,7 +113,7 @@ def flash_attention(
   scale = _check_scale(scale, h)
   window = masking.make_window(bool(is_causal), _check_window(local_window_size))
   logits_soft_cap = _check_soft_cap(logits_soft_cap)
-  _check_dropout(dropout_rate, dropout_rng)
+  dropout_rate, dropout_seed = _check_dropout(dropout_rate, dropout_rng)
 
   mask = _check_dense(mask, "mask", (b, n, t, s), unbatched, want_bool=True)
   bias = _check_dense(bias, "bias", (b, n, t, s), unbatched, want_bool=False)
@@ -121,8 +133,9 @@ def flash_attention(
   inputs = _core.Inputs(
       query=query, key=key, value=value, lengths=_lengths(q_lens, kv_lens, b, t, s),
       bias=bias, mask=mask, q_segment_ids=None if segments is None else segments[0],
-      kv_segment_ids=None if segments is None else segments[1])
+      kv_segment_ids=None if segments is None else segments[1], dropout_seed=dropout_seed)
   params = _core.Params(scale=scale, window=window, logits_soft_cap=logits_soft_cap,
+                        dropout_rate=dropout_rate, broadcast_dropout=bool(broadcast_dropout),
                         interpret=bool(interpret))
   out, lse = backend.attention(inputs, params)
   lse = jnp.transpose(lse, (0, 2, 1))  # [B, N, T] -> [B, T, N], as jax.nn returns it
@@ -217,13 +230,20 @@ def _check_soft_cap(cap) -> float | None:
   return float(cap)
 
 
-def _check_dropout(rate, rng) -> None:
+def _check_dropout(rate, rng) -> tuple[float, jax.Array | None]:
+  """Returns ``(rate, seed words uint32[2] or None)``; no seed (and no cost) when rate is 0."""
   if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or not 0.0 <= rate < 1.0:
-    raise ValueError(f"dropout_rate must be a number in [0, 1), got {rate!r}")
-  if rate > 0.0:
-    if rng is None:
-      raise ValueError("dropout_rate > 0 needs a dropout_rng key")
-    raise NotImplementedError("attention dropout is not implemented yet; pass dropout_rate=0")
+    raise ValueError(f"dropout_rate must be a Python number in [0, 1), got {rate!r}")
+  if rate == 0.0:
+    return 0.0, None
+  if rng is None:
+    raise ValueError("dropout_rate > 0 needs a dropout_rng key")
+  rng = _as_array(rng, "dropout_rng")
+  typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+  if not ((typed and rng.shape == ()) or (rng.dtype == jnp.uint32 and rng.shape == (2,))):
+    raise ValueError(f"dropout_rng must be a single PRNG key (jax.random.key(...) or a raw "
+                     f"uint32[2] key), got {rng.dtype}{list(rng.shape)}")
+  return float(rate), dropout.seed_words(rng)
 
 
 def _check_dense(x, name: str, full: tuple[int, int, int, int], unbatched: bool,

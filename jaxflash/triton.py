@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxflash import _core
+from jaxflash import dropout
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
 
@@ -111,6 +113,7 @@ class _Shape:
   has_segments: bool
   has_mask: bool
   has_bias: bool
+  has_dropout: bool
 
   def bounds(self, start, block: int, length: int):
     """Positions of a tile and their in-bounds flags (None when the tile never crosses the end)."""
@@ -150,17 +153,36 @@ def _masked_logits(q, k, rows, cols, tile_ok, kv_len, params: Params, q_seg, kv_
                    -jnp.inf), cap_t
 
 
+class _Optional(NamedTuple):
+  """Refs of the optional inputs (None when absent), in the order the kernels receive them."""
+
+  q_seg: object = None
+  kv_seg: object = None
+  mask: object = None
+  bias: object = None
+  seed: object = None  # uint32 [2] dropout seed
+
+
 def _optional_refs(refs, shape: _Shape):
-  """Splits the optional input refs (segments, mask, bias) off the front of ``refs``."""
+  """Splits the optional input refs off the front of ``refs``; returns (`_Optional`, rest)."""
   refs = list(refs)
-  q_seg = kv_seg = mask = bias = None
-  if shape.has_segments:
-    q_seg, kv_seg = refs.pop(0), refs.pop(0)
-  if shape.has_mask:
-    mask = refs.pop(0)
-  if shape.has_bias:
-    bias = refs.pop(0)
-  return q_seg, kv_seg, mask, bias, refs
+  present = (shape.has_segments, shape.has_segments, shape.has_mask, shape.has_bias,
+             shape.has_dropout)
+  return _Optional(*(refs.pop(0) if p else None for p in present)), refs
+
+
+def _dropout_stream(opt: _Optional, params: Params, batch, head):
+  """Scalar dropout key of one (batch, head), or None without dropout."""
+  if opt.seed is None:
+    return None
+  return _core.dropout_stream(params, (opt.seed[0], opt.seed[1]), batch, head)
+
+
+def _keep(stream, rows, cols, params: Params):
+  """Dropout keep mask of a (rows x cols) tile, or None without dropout."""
+  if stream is None:
+    return None
+  return dropout.keep(stream, rows[:, None], cols[None, :], params.dropout_rate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,13 +191,14 @@ def _optional_refs(refs, shape: _Shape):
 
 def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shape,
                     block_q: int, block_k: int):
-  q_seg_ref, kv_seg_ref, mask_ref, bias_ref, (o_ref, lse_ref) = _optional_refs(refs, shape)
+  opt, (o_ref, lse_ref) = _optional_refs(refs, shape)
   q_len, kv_len = len_ref[0], len_ref[1]
   q_start = pl.program_id(0) * block_q
   rows, row_ok = shape.bounds(q_start, block_q, shape.seq_q)
   dim_ok = shape.dim_ok
   q = _load(q_ref, mask=_tile_ok(row_ok, dim_ok), other=0.0)
-  q_seg = None if q_seg_ref is None else _load(q_seg_ref, mask=row_ok, other=-1)
+  q_seg = None if opt.q_seg is None else _load(opt.q_seg, mask=row_ok, other=-1)
+  stream = _dropout_stream(opt, params, pl.program_id(1), pl.program_id(2))
 
   def body(j, carry):
     acc, m, l = carry
@@ -184,10 +207,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: 
     kv_ok = _tile_ok(col_ok, dim_ok)
     keys = pl.ds(k_start, block_k)
     k = _load(k_ref.at[keys, :], mask=kv_ok, other=0.0)
-    kv_seg = None if kv_seg_ref is None else _load(kv_seg_ref.at[keys], mask=col_ok, other=-2)
+    kv_seg = None if opt.kv_seg is None else _load(opt.kv_seg.at[keys], mask=col_ok, other=-2)
     s2, _ = _masked_logits(q, k, rows, cols, _tile_ok(row_ok, col_ok), kv_len, params, q_seg,
-                           kv_seg, _at(bias_ref, slice(None), keys),
-                           _at(mask_ref, slice(None), keys))
+                           kv_seg, _at(opt.bias, slice(None), keys),
+                           _at(opt.mask, slice(None), keys))
     # Online softmax. A row that has seen no visible key yet keeps m = -inf; shifting by 0 instead
     # keeps exp2 finite (exp2(-inf) = 0) so such rows stay at l = 0, acc = 0 without NaN.
     m_new = jnp.maximum(m, jnp.max(s2, axis=1))
@@ -195,7 +218,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: 
     p = jnp.exp2(s2 - m_shift[:, None])
     alpha = jnp.exp2(m - m_shift)
     v = _load(v_ref.at[keys, :], mask=kv_ok, other=0.0)
-    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+    # Dropout removes entries of P from the product with V only; l sums the undropped P, and
+    # 1 / (1 - rate) is applied once, to the output.
+    keep = _keep(stream, rows, cols, params)
+    p_v = p if keep is None else jnp.where(keep, p, 0.0)
+    acc = acc * alpha[:, None] + plgpu.dot(p_v.astype(v.dtype), v)
     return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
   q_stop = jnp.minimum(q_start + block_q, q_len)
@@ -206,7 +233,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: 
   acc, m, l = lax.fori_loop(lo, hi, body, init)
 
   seen = jnp.logical_and(rows < q_len, l > 0.0)
-  out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+  inv_l = (1.0 if stream is None else params.keep_scale) / jnp.where(seen, l, 1.0)
+  out = jnp.where(seen[:, None], acc * inv_l[:, None], 0.0)
   plgpu.store(o_ref, out.astype(o_ref.dtype), mask=_tile_ok(row_ok, dim_ok))
   plgpu.store(lse_ref, jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf),
               mask=row_ok)
@@ -223,7 +251,7 @@ def _dense_spec(x: jax.Array | None, block: tuple[int, int], index):
 def _optional_args(inputs: Inputs, specs):
   """Arrays and BlockSpecs of the optional inputs, in the order `_optional_refs` expects them."""
   args, in_specs = [], []
-  for name in ("q_segment_ids", "kv_segment_ids", "mask", "bias"):
+  for name in ("q_segment_ids", "kv_segment_ids", "mask", "bias", "dropout_seed"):
     x = getattr(inputs, name)
     if x is not None:
       if name == "mask":
@@ -252,6 +280,7 @@ def _forward(inputs: Inputs, params: Params):
       "kv_segment_ids": lambda x: pl.BlockSpec((None, s), lambda i, b, h: (b, 0)),
       "mask": lambda x: _dense_spec(x, (block_q, s), lambda i: (i, 0)),
       "bias": lambda x: _dense_spec(x, (block_q, s), lambda i: (i, 0)),
+      "dropout_seed": lambda x: pl.BlockSpec((2,), lambda i, b, h: (0,)),
   })
   kernel = functools.partial(_forward_kernel, params=params, shape=shape, block_q=block_q,
                              block_k=block_k)
@@ -276,7 +305,8 @@ def _shape(inputs: Inputs) -> _Shape:
   return _Shape(
       seq_q=q.shape[1], seq_k=k.shape[1], head_dim=q.shape[3], head_dim_p=_pow2(q.shape[3]),
       groups=q.shape[2] // k.shape[2], has_segments=inputs.q_segment_ids is not None,
-      has_mask=inputs.mask is not None, has_bias=inputs.bias is not None)
+      has_mask=inputs.mask is not None, has_bias=inputs.bias is not None,
+      has_dropout=inputs.dropout_seed is not None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,8 +315,7 @@ def _shape(inputs: Inputs) -> _Shape:
 
 def _dq_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shape,
                block_q: int, block_k: int):
-  q_seg_ref, kv_seg_ref, mask_ref, bias_ref, rest = _optional_refs(refs, shape)
-  do_ref, lse_ref, delta_ref, dq_ref = rest
+  opt, (do_ref, lse_ref, delta_ref, dq_ref) = _optional_refs(refs, shape)
   q_len, kv_len = len_ref[0], len_ref[1]
   q_start = pl.program_id(0) * block_q
   rows, row_ok = shape.bounds(q_start, block_q, shape.seq_q)
@@ -297,7 +326,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shap
   # lse2 = +inf on rows that see nothing (and on rows past T), so P is exactly 0 there.
   lse2 = _load(lse_ref, mask=row_ok, other=jnp.inf)
   delta = _load(delta_ref, mask=row_ok, other=0.0)
-  q_seg = None if q_seg_ref is None else _load(q_seg_ref, mask=row_ok, other=-1)
+  q_seg = None if opt.q_seg is None else _load(opt.q_seg, mask=row_ok, other=-1)
+  stream = _dropout_stream(opt, params, pl.program_id(1), pl.program_id(2))
 
   def body(j, dq):
     k_start = j * block_k
@@ -306,12 +336,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shap
     keys = pl.ds(k_start, block_k)
     k = _load(k_ref.at[keys, :], mask=kv_ok, other=0.0)
     v = _load(v_ref.at[keys, :], mask=kv_ok, other=0.0)
-    kv_seg = None if kv_seg_ref is None else _load(kv_seg_ref.at[keys], mask=col_ok, other=-2)
+    kv_seg = None if opt.kv_seg is None else _load(opt.kv_seg.at[keys], mask=col_ok, other=-2)
     s2, cap_t = _masked_logits(q, k, rows, cols, _tile_ok(row_ok, col_ok), kv_len, params, q_seg,
-                               kv_seg, _at(bias_ref, slice(None), keys),
-                               _at(mask_ref, slice(None), keys))
+                               kv_seg, _at(opt.bias, slice(None), keys),
+                               _at(opt.mask, slice(None), keys))
     p = jnp.exp2(s2 - lse2[:, None])
-    dp = plgpu.dot(do, v, trans_b=True)
+    dp = _core.dropped(plgpu.dot(do, v, trans_b=True), _keep(stream, rows, cols, params), params)
     ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), cap_t)
     return dq + plgpu.dot(ds.astype(k.dtype), k)
 
@@ -328,8 +358,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shap
 
 def _dkv_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shape,
                 block_q: int, block_k: int):
-  q_seg_ref, kv_seg_ref, mask_ref, bias_ref, rest = _optional_refs(refs, shape)
-  do_ref, lse_ref, delta_ref, dk_ref, dv_ref = rest
+  opt, (do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = _optional_refs(refs, shape)
   q_len, kv_len = len_ref[0], len_ref[1]
   k_start = pl.program_id(0) * block_k
   cols, col_ok = shape.bounds(k_start, block_k, shape.seq_k)
@@ -337,8 +366,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Sha
   kv_ok = _tile_ok(col_ok, dim_ok)
   k = _load(k_ref, mask=kv_ok, other=0.0)
   v = _load(v_ref, mask=kv_ok, other=0.0)
-  kv_seg = None if kv_seg_ref is None else _load(kv_seg_ref, mask=col_ok, other=-2)
+  kv_seg = None if opt.kv_seg is None else _load(opt.kv_seg, mask=col_ok, other=-2)
 
+  # Program ids are read here, outside the loops (interpret mode cannot see them inside).
+  batch, first_head = pl.program_id(1), pl.program_id(2) * shape.groups
   k_stop = jnp.minimum(k_start + block_k, kv_len)
   lo, hi = masking.q_block_range(k_start, k_stop, q_len, params.window, block_q)
   num_q_blocks = jnp.maximum(jnp.where(k_start < kv_len, hi - lo, 0), 0)
@@ -354,8 +385,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Sha
     do = _load(do_ref.at[pl.ds(q_start, block_q), g, :], mask=q_ok, other=0.0)
     lse2 = _load(lse_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=jnp.inf)
     delta = _load(delta_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=0.0)
-    q_seg = None if q_seg_ref is None else _load(
-        q_seg_ref.at[pl.ds(q_start, block_q)], mask=row_ok, other=-1)
+    q_seg = None if opt.q_seg is None else _load(
+        opt.q_seg.at[pl.ds(q_start, block_q)], mask=row_ok, other=-1)
 
     def dense_tile(ref):
       # Mask/bias refs hold every head of the group, or one head broadcast to all of them.
@@ -365,10 +396,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Sha
       return ref.at[g if ref.shape[0] > 1 else jnp.int32(0), pl.ds(q_start, block_q), :]
 
     s2, cap_t = _masked_logits(q, k, rows, cols, _tile_ok(row_ok, col_ok), kv_len, params, q_seg,
-                               kv_seg, dense_tile(bias_ref), dense_tile(mask_ref))
+                               kv_seg, dense_tile(opt.bias), dense_tile(opt.mask))
     p = jnp.exp2(s2 - lse2[:, None])
-    dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True)
-    dp = plgpu.dot(do, v, trans_b=True)
+    keep = _keep(_dropout_stream(opt, params, batch, first_head + g), rows, cols, params)
+    dv = dv + plgpu.dot(_core.dropped(p, keep, params).astype(do.dtype), do, trans_a=True)
+    dp = _core.dropped(plgpu.dot(do, v, trans_b=True), keep, params)
     ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), cap_t)
     dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True)
     return dk, dv
@@ -388,7 +420,110 @@ def _grouped_dense_spec(x: jax.Array, t: int, block_k: int, groups: int):
       lambda j, b, h: (0 if bcast_b else b, 0 if bcast_n else h, 0, 0, j))
 
 
-def _backward(inputs: Inputs, params: Params, out, lse2, d_out, delta):
+# ---------------------------------------------------------------------------------------------
+# Backward: dbias (run only when the bias is differentiated)
+
+
+def _dbias_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shape,
+                  block_q: int, block_k: int, shared_batch: int, shared_heads: int):
+  """One [block_q, S] row slab of dbias for the bias entry (program_id(1), program_id(2)).
+
+  dbias = dZ, the gradient with respect to the natural logits (after scale and soft cap), summed
+  over the (batch row, head) pairs that share this bias entry: ``shared_batch`` rows when the
+  bias broadcasts over the batch (else 1) times ``shared_heads`` heads when it broadcasts over
+  heads (else 1). The sum runs on chip in a fixed order, so dbias is deterministic and no
+  [B, N, T, S] buffer is written. Refs of per-row inputs cover every batch row and head; the
+  bias ref and the output are this program's slab.
+  """
+  opt, (do_ref, lse_ref, delta_ref, dbias_ref) = _optional_refs(refs, shape)
+  # Program ids are read here, outside the loops (interpret mode cannot see them inside).
+  bias_batch, bias_head = pl.program_id(1), pl.program_id(2)
+  q_start = pl.program_id(0) * block_q
+  rows, row_ok = shape.bounds(q_start, block_q, shape.seq_q)
+  dim_ok = shape.dim_ok
+  q_ok = _tile_ok(row_ok, dim_ok)
+  # Key blocks the window allows; lengths differ per batch row and are left to the element mask.
+  q_stop = jnp.minimum(q_start + block_q, shape.seq_q)
+  lo, hi = masking.kv_block_range(q_start, q_stop, shape.seq_k, params.window, block_k)
+
+  def index(ref, b, n):
+    """Batch/head indices into a mask of shape [B or 1, N or 1, ...]."""
+    return (b if ref.shape[0] > 1 else jnp.int32(0), n if ref.shape[1] > 1 else jnp.int32(0))
+
+  def key_block(j, carry):
+    k_start = j * block_k
+    cols, col_ok = shape.bounds(k_start, block_k, shape.seq_k)
+    kv_ok = _tile_ok(col_ok, dim_ok)
+    keys = pl.ds(k_start, block_k)
+    tile_ok = _tile_ok(row_ok, col_ok)
+
+    def one_pair(r, dz_sum):
+      # Pair r = (batch row, head) in row-major order over the shared ones.
+      b = bias_batch if shared_batch == 1 else r // shared_heads
+      n = bias_head if shared_heads == 1 else lax.rem(r, jnp.int32(shared_heads))
+      q = _load(q_ref.at[b, :, n, :], mask=q_ok, other=0.0)
+      do = _load(do_ref.at[b, :, n, :], mask=q_ok, other=0.0)
+      lse2 = _load(lse_ref.at[b, n, :], mask=row_ok, other=jnp.inf)
+      delta = _load(delta_ref.at[b, n, :], mask=row_ok, other=0.0)
+      k = _load(k_ref.at[b, keys, n // shape.groups, :], mask=kv_ok, other=0.0)
+      v = _load(v_ref.at[b, keys, n // shape.groups, :], mask=kv_ok, other=0.0)
+      q_seg = kv_seg = None
+      if opt.q_seg is not None:
+        q_seg = _load(opt.q_seg.at[b, :], mask=row_ok, other=-1)
+        kv_seg = _load(opt.kv_seg.at[b, keys], mask=col_ok, other=-2)
+      mask = None if opt.mask is None else opt.mask.at[index(opt.mask, b, n) + (slice(None),
+                                                                               keys)]
+      s2, _ = _masked_logits(q, k, rows, cols, tile_ok, len_ref[b, 1], params, q_seg, kv_seg,
+                             _at(opt.bias, slice(None), keys), mask)
+      p = jnp.exp2(s2 - lse2[:, None])
+      keep = _keep(_dropout_stream(opt, params, b, n), rows, cols, params)
+      dp = _core.dropped(plgpu.dot(do, v, trans_b=True), keep, params)
+      return dz_sum + p * (dp - delta[:, None])
+
+    # Blocks outside the window's range get zeros (the output buffer starts undefined).
+    pairs = jnp.where(jnp.logical_and(j >= lo, j < hi), shared_batch * shared_heads, 0)
+    dz = lax.fori_loop(0, pairs, one_pair, jnp.zeros((block_q, block_k), jnp.float32))
+    plgpu.store(dbias_ref.at[:, keys], dz.astype(dbias_ref.dtype), mask=tile_ok)
+    return carry
+
+  lax.fori_loop(0, pl.cdiv(shape.seq_k, block_k), key_block, jnp.int32(0))
+
+
+def _dbias(inputs: Inputs, params: Params, lse2, d_out, delta, block_q: int, block_k: int,
+           compiler_params):
+  q, k, v, bias = inputs.query, inputs.key, inputs.value, inputs.bias
+  b, t, n, _ = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  shape = _shape(inputs)
+  hp = shape.head_dim_p
+  whole = lambda *block: pl.BlockSpec(block, lambda i, bb, nb: (0,) * len(block))
+  rows = lambda *block: pl.BlockSpec(block, lambda i, bb, nb: (0,) * (len(block) - 1) + (i,))
+  extra, extra_specs = _optional_args(inputs, {
+      "q_segment_ids": lambda x: rows(b, block_q),
+      "kv_segment_ids": lambda x: whole(b, s),
+      "mask": lambda x: pl.BlockSpec(x.shape[:2] + (block_q, s),
+                                     lambda i, bb, nb: (0, 0, i, 0)),
+      "bias": lambda x: pl.BlockSpec((None, None, block_q, s),
+                                     lambda i, bb, nb: (bb, nb, i, 0)),
+      "dropout_seed": lambda x: whole(2),
+  })
+  q_rows = pl.BlockSpec((b, block_q, n, hp), lambda i, bb, nb: (0, i, 0, 0))
+  return pl.pallas_call(
+      functools.partial(_dbias_kernel, params=params, shape=shape, block_q=block_q,
+                        block_k=block_k, shared_batch=b if bias.shape[0] == 1 else 1,
+                        shared_heads=n if bias.shape[1] == 1 else 1),
+      grid=(pl.cdiv(t, block_q), bias.shape[0], bias.shape[1]),
+      in_specs=[q_rows, whole(b, s, kh, hp), whole(b, s, kh, hp), whole(b, 2)]
+      + extra_specs + [q_rows, rows(b, n, block_q), rows(b, n, block_q)],
+      out_specs=pl.BlockSpec((None, None, block_q, s), lambda i, bb, nb: (bb, nb, i, 0)),
+      out_shape=jax.ShapeDtypeStruct(bias.shape, bias.dtype),
+      compiler_params=compiler_params,
+      interpret=params.interpret,
+      name="jaxflash_backward_dbias",
+  )(q, k, v, inputs.lengths, *extra, d_out, lse2, delta)
+
+
+def _backward(inputs: Inputs, params: Params, out, lse2, d_out, delta, want_dbias: bool):
   del out  # delta already holds rowsum(dO * O)
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, h = q.shape
@@ -410,6 +545,7 @@ def _backward(inputs: Inputs, params: Params, out, lse2, d_out, delta):
       "kv_segment_ids": lambda x: pl.BlockSpec((None, s), lambda i, b, h: (b, 0)),
       "mask": lambda x: _dense_spec(x, (block_q, s), lambda i: (i, 0)),
       "bias": lambda x: _dense_spec(x, (block_q, s), lambda i: (i, 0)),
+      "dropout_seed": lambda x: pl.BlockSpec((2,), lambda i, b, h: (0,)),
   })
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, params=params, shape=shape, block_q=block_q,
@@ -438,6 +574,9 @@ def _backward(inputs: Inputs, params: Params, out, lse2, d_out, delta):
       x, spec = _grouped_dense_spec(x, t, block_k, g)
       extra.append(x)
       extra_specs.append(spec)
+  if inputs.dropout_seed is not None:
+    extra.append(inputs.dropout_seed)
+    extra_specs.append(pl.BlockSpec((2,), lambda j, b, h: (0,)))
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, params=params, shape=shape, block_q=block_q,
                         block_k=block_k),
@@ -452,7 +591,11 @@ def _backward(inputs: Inputs, params: Params, out, lse2, d_out, delta):
       name="jaxflash_backward_dkv",
   )(q.reshape(b, t, kh, g, h), k, v, inputs.lengths, *extra,
     d_out.reshape(b, t, kh, g, h), lse2.reshape(b, kh, g, t), delta.reshape(b, kh, g, t))
-  return dq, dk, dv
+
+  dbias = None
+  if want_dbias:
+    dbias = _dbias(inputs, params, lse2, d_out, delta, block_q, block_k, compiler_params)
+  return dq, dk, dv, dbias
 
 
 _attention = _core.build(_forward, _backward)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash import _core
+from jaxflash import dropout
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
 
@@ -81,7 +82,7 @@ class _Blocks:
   query rows are sliced off the outputs, and their LSE pads to +inf so their P is 0.
   """
 
-  def __init__(self, inputs: Inputs, lay: _Layout):
+  def __init__(self, inputs: Inputs, lay: _Layout, params: Params):
     self.lay = lay
     q = inputs.query.reshape(lay.b, lay.t, lay.kh, lay.g, lay.h)
     self.q = _pad_axis(q, 1, lay.t_pad)
@@ -93,6 +94,11 @@ class _Blocks:
     self.kv_seg = _pad_axis(inputs.kv_segment_ids, 1, lay.s_pad)
     self.mask = self._dense(inputs.mask)
     self.bias = self._dense(inputs.bias)
+    self.stream = None
+    if inputs.dropout_seed is not None:  # per-(batch, head) dropout keys, [B, K, G, 1, 1]
+      heads = jnp.arange(lay.kh * lay.g).reshape(1, lay.kh, lay.g, 1, 1)
+      batch = jnp.arange(lay.b).reshape(lay.b, 1, 1, 1, 1)
+      self.stream = _core.dropout_stream(params, inputs.dropout_seed, batch, heads)
 
   def _dense(self, x):
     """[B|1, N|1, T, S] -> padded [B|1, K|1, G|1, T_pad, S_pad]."""
@@ -129,6 +135,13 @@ class _Blocks:
                           q_segment=q_seg, kv_segment=kv_seg, dense_mask=dense)
     return jnp.where(vis, s2, -jnp.inf), cap_t
 
+  def keep(self, q_start, k_start, bq: int, bk: int, params: Params):
+    """Dropout keep mask [B, K, G, bq, bk] of one tile, or None without dropout."""
+    if self.stream is None:
+      return None
+    return dropout.keep(self.stream, (q_start + jnp.arange(bq))[:, None],
+                        (k_start + jnp.arange(bk))[None, :], params.dropout_rate)
+
   def kv_range(self, q_start, params: Params):
     """Key blocks to visit for the query block at ``q_start`` (union over the batch)."""
     max_q_len, max_kv_len = jnp.max(self.q_len), jnp.max(self.kv_len)
@@ -153,7 +166,7 @@ def _ungroup_rows(x, lay: _Layout):
 
 def _forward(inputs: Inputs, params: Params):
   lay = _layout(inputs)
-  blk = _Blocks(inputs, lay)
+  blk = _Blocks(inputs, lay, params)
   bq, bk = lay.block_q, lay.block_k
 
   def one_q_block(i):
@@ -170,7 +183,11 @@ def _forward(inputs: Inputs, params: Params):
       p = jnp.exp2(s2 - m_shift[..., None])
       alpha = jnp.exp2(m - m_shift)
       v_blk = blk.rows(blk.v, k_start, bk)
-      pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v_blk.dtype), v_blk,
+      # Dropout zeroes entries of P for the product with V only: the normaliser l is the sum
+      # of the undropped P. The 1 / (1 - rate) factor is applied once, to the output.
+      keep = blk.keep(q_start, k_start, bq, bk, params)
+      p_v = p if keep is None else jnp.where(keep, p, 0.0)
+      pv = jnp.einsum("bkgqs,bskh->bkgqh", p_v.astype(v_blk.dtype), v_blk,
                       preferred_element_type=jnp.float32)
       return acc * alpha[..., None] + pv, m_new, l * alpha + jnp.sum(p, axis=-1)
 
@@ -181,7 +198,8 @@ def _forward(inputs: Inputs, params: Params):
     acc, m, l = lax.fori_loop(lo, hi, body, init)
     rows = q_start + jnp.arange(bq)
     seen = jnp.logical_and(rows < blk.q_len[:, None, None, None], l > 0.0)
-    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+    inv_l = (params.keep_scale if blk.stream is not None else 1.0) / jnp.where(seen, l, 1.0)
+    out = jnp.where(seen[..., None], acc * inv_l[..., None], 0.0)
     lse2 = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
     return jnp.moveaxis(out, 3, 1).astype(inputs.query.dtype), lse2
 
@@ -191,10 +209,10 @@ def _forward(inputs: Inputs, params: Params):
   return _ungroup_rows(out, lay), lse2
 
 
-def _backward(inputs: Inputs, params: Params, out, lse2, d_out, delta):
+def _backward(inputs: Inputs, params: Params, out, lse2, d_out, delta, want_dbias: bool):
   del out
   lay = _layout(inputs)
-  blk = _Blocks(inputs, lay)
+  blk = _Blocks(inputs, lay, params)
   bq, bk = lay.block_q, lay.block_k
   do = _pad_axis(d_out.astype(inputs.query.dtype).reshape(lay.b, lay.t, lay.kh, lay.g, lay.h),
                  1, lay.t_pad)
@@ -204,27 +222,47 @@ def _backward(inputs: Inputs, params: Params, out, lse2, d_out, delta):
   delta = _pad_axis(delta.reshape(lay.b, lay.kh, lay.g, lay.t), 3, lay.t_pad)
 
   def tile_grads(q_start, k_start, q_blk, k_blk, v_blk, do_blk):
-    """P and dS (w.r.t. q @ k.T, before the final `scale`) of one tile."""
+    """One tile's dropped P (for dV), dZ (w.r.t. the natural logits, i.e. dbias) and dS (w.r.t.
+    q @ k.T before the final `scale`)."""
     s2, cap_t = blk.logits(q_blk, k_blk, q_start, k_start, params)
     p = jnp.exp2(s2 - blk.rows(lse2, q_start, bq, axis=3)[..., None])
     dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
-    ds = p * (dp - blk.rows(delta, q_start, bq, axis=3)[..., None])
-    return p, _core.dlogits_to_dqk(ds, cap_t)
+    keep = blk.keep(q_start, k_start, bq, bk, params)
+    dz = p * (_core.dropped(dp, keep, params) - blk.rows(delta, q_start, bq, axis=3)[..., None])
+    return _core.dropped(p, keep, params), dz, _core.dlogits_to_dqk(dz, cap_t)
+
+  def bias_tile(dz):
+    """[B, K, G, bq, bk] -> the bias's [B or 1, N or 1, bq, bk], summed over broadcast axes."""
+    if inputs.bias.shape[0] == 1:
+      dz = jnp.sum(dz, axis=0, keepdims=True)
+    dz = dz.reshape(dz.shape[0], lay.kh * lay.g, bq, bk)
+    if inputs.bias.shape[1] == 1:
+      dz = jnp.sum(dz, axis=1, keepdims=True)
+    return dz
 
   def dq_block(i):
+    """dQ of one query block, and with `want_dbias` the bias gradient's [.., bq, S] row slab."""
     q_start = i * bq
     q_blk, do_blk = blk.rows(blk.q, q_start, bq), blk.rows(do, q_start, bq)
 
-    def body(j, dq):
+    def body(j, carry):
+      dq, dbias = carry
       k_start = j * bk
       k_blk = blk.rows(blk.k, k_start, bk)
-      _, ds = tile_grads(q_start, k_start, q_blk, k_blk, blk.rows(blk.v, k_start, bk), do_blk)
-      return dq + jnp.einsum("bkgqs,bskh->bqkgh", ds.astype(k_blk.dtype), k_blk,
-                             preferred_element_type=jnp.float32)
+      _, dz, ds = tile_grads(q_start, k_start, q_blk, k_blk, blk.rows(blk.v, k_start, bk),
+                             do_blk)
+      dq = dq + jnp.einsum("bkgqs,bskh->bqkgh", ds.astype(k_blk.dtype), k_blk,
+                           preferred_element_type=jnp.float32)
+      if want_dbias:
+        dbias = lax.dynamic_update_slice_in_dim(dbias, bias_tile(dz), k_start, axis=3)
+      return dq, dbias
 
     lo, hi = blk.kv_range(q_start, params)
-    dq = lax.fori_loop(lo, hi, body, jnp.zeros(q_blk.shape, jnp.float32))
-    return (dq * params.scale).astype(inputs.query.dtype)
+    # Key blocks outside [lo, hi) see nothing: their bias gradient stays 0.
+    dbias = (jnp.zeros(inputs.bias.shape[:2] + (bq, lay.s_pad), jnp.float32) if want_dbias
+             else None)
+    dq, dbias = lax.fori_loop(lo, hi, body, (jnp.zeros(q_blk.shape, jnp.float32), dbias))
+    return (dq * params.scale).astype(inputs.query.dtype), dbias
 
   def dkv_block(j):
     k_start = j * bk
@@ -234,8 +272,8 @@ def _backward(inputs: Inputs, params: Params, out, lse2, d_out, delta):
       dk, dv = carry
       q_start = i * bq
       q_blk, do_blk = blk.rows(blk.q, q_start, bq), blk.rows(do, q_start, bq)
-      p, ds = tile_grads(q_start, k_start, q_blk, k_blk, v_blk, do_blk)
-      dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p.astype(do_blk.dtype), do_blk,
+      p_dropped, _, ds = tile_grads(q_start, k_start, q_blk, k_blk, v_blk, do_blk)
+      dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p_dropped.astype(do_blk.dtype), do_blk,
                            preferred_element_type=jnp.float32)
       dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds.astype(q_blk.dtype), q_blk,
                            preferred_element_type=jnp.float32)
@@ -246,13 +284,17 @@ def _backward(inputs: Inputs, params: Params, out, lse2, d_out, delta):
     dk, dv = lax.fori_loop(lo, hi, body, (zeros, zeros))
     return (dk * params.scale).astype(k_blk.dtype), dv.astype(v_blk.dtype)
 
-  dq = _ungroup_rows(lax.map(dq_block, jnp.arange(lay.t_pad // bq)), lay)
+  dq, dbias = lax.map(dq_block, jnp.arange(lay.t_pad // bq))
+  dq = _ungroup_rows(dq, lay)
+  if want_dbias:  # [nq, B|1, N|1, bq, S_pad] -> [B|1, N|1, T, S]
+    dbias = jnp.moveaxis(dbias, 0, 2).reshape(inputs.bias.shape[:2] + (lay.t_pad, lay.s_pad))
+    dbias = dbias[:, :, :lay.t, :lay.s].astype(inputs.bias.dtype)
   dk, dv = lax.map(dkv_block, jnp.arange(lay.s_pad // bk))
 
   def ungroup_keys(x):  # [nk, B, bk, K, H] -> [B, S, K, H]
     return jnp.moveaxis(x, 0, 1).reshape(lay.b, lay.s_pad, lay.kh, lay.h)[:, :lay.s]
 
-  return dq, ungroup_keys(dk), ungroup_keys(dv)
+  return dq, ungroup_keys(dk), ungroup_keys(dv), dbias
 
 
 _attention = _core.build(_forward, _backward)

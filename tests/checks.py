@@ -2,8 +2,9 @@
 
 It draws fresh random inputs, runs `jaxflash.flash_attention` and `reference_attention`, and
 compares the output, the LSE and the gradients of a random projection of the output with respect
-to query, key and value. The same function serves the CPU tests (interpret mode) and the `gpu`
-tests, so both check exactly the same things.
+to query, key and value, and to the bias when one is given. With dropout the reference gets the
+dense keep mask that `jaxflash.dropout` defines for the same key. The same function serves the
+CPU tests (interpret mode) and the `gpu` tests, so both check exactly the same things.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxflash
+from jaxflash import dropout
 from jaxflash.reference import reference_attention
 
 # Relative (norm-wise) tolerances. float32 on the GPU runs its dots in TF32 (~3e-4).
@@ -46,17 +48,23 @@ def check(implementation, *, b=2, t=37, s=53, n=4, k=2, h=40, dtype=jnp.float32,
   options = {key: val(b, t, s, n, seed) if callable(val) else val
              for key, val in options.items()}
   tol = tol or TOLERANCE[dtype]
+  bias = options.pop("bias", None)
+  ref_options = dict(options)
+  if options.get("dropout_rate", 0.0) > 0:
+    ref_options["dropout_keep"] = dropout.dense_keep_mask(
+        dropout.seed_words(ref_options.pop("dropout_rng")), (b, n, t, s),
+        options["dropout_rate"], ref_options.pop("broadcast_dropout", False))
 
-  def ours(q, kk, v):
-    return jaxflash.flash_attention(q, kk, v, implementation=implementation,
+  def ours(q, kk, v, bias):
+    return jaxflash.flash_attention(q, kk, v, bias, implementation=implementation,
                                     interpret=interpret, return_residual=True, **options)
 
-  def ref(q, kk, v):
-    return reference_attention(q, kk, v, **options)
+  def ref(q, kk, v, bias):
+    return reference_attention(q, kk, v, bias, **ref_options)
 
-  out, lse = jax.jit(ours)(q, kk, v)
+  out, lse = jax.jit(ours)(q, kk, v, bias)
   upcast = [x.astype(jnp.float32) for x in (q, kk, v)]
-  ref_out, ref_lse = ref(*upcast)
+  ref_out, ref_lse = ref(*upcast, bias)
   assert out.dtype == q.dtype and out.shape == q.shape
   assert lse.dtype == jnp.float32 and lse.shape == (b, t, n)
   errors = {"out": rel_err(out, ref_out)}
@@ -66,9 +74,12 @@ def check(implementation, *, b=2, t=37, s=53, n=4, k=2, h=40, dtype=jnp.float32,
   if grads:
     def loss(fn):
       return lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * d_out)
-    got = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(q, kk, v)
-    want = jax.grad(loss(ref), argnums=(0, 1, 2))(*upcast)
-    for name, g, w, x in zip(("dq", "dk", "dv"), got, want, (q, kk, v)):
+    names, wrt = ("dq", "dk", "dv"), (0, 1, 2)
+    if bias is not None:
+      names, wrt = names + ("dbias",), wrt + (3,)
+    got = jax.jit(jax.grad(loss(ours), argnums=wrt))(q, kk, v, bias)
+    want = jax.grad(loss(ref), argnums=wrt)(*upcast, bias)
+    for name, g, w, x in zip(names, got, want, (q, kk, v, bias)):
       assert g.dtype == x.dtype and g.shape == x.shape
       errors[name] = rel_err(g, w)
   bad = {name: e for name, e in errors.items() if not e <= tol}

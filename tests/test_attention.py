@@ -42,13 +42,19 @@ OPTIONS = {
     "mask_keys": lambda b, t, s, n, seed: dict(mask=_rand(seed, (b, 1, 1, s), "bool")),
     "bias_full": lambda b, t, s, n, seed: dict(bias=_rand(seed, (b, n, t, s), "float")),
     "bias_heads": lambda b, t, s, n, seed: dict(bias=_rand(seed, (1, n, t, s), "float")),
+    "bias_keys": lambda b, t, s, n, seed: dict(bias=_rand(seed, (b, 1, 1, s), "float")),
+    "bias_shared": lambda b, t, s, n, seed: dict(bias=_rand(seed, (t, s), "float")),
+    "dropout": lambda b, t, s, n, seed: dict(dropout_rate=0.3,
+                                             dropout_rng=jax.random.key(seed + 5)),
+    "dropout_broadcast": lambda b, t, s, n, seed: dict(
+        dropout_rate=0.5, dropout_rng=jax.random.key(seed + 6), broadcast_dropout=True),
     "soft_cap": lambda *a: dict(logits_soft_cap=1.5),
     "scale": lambda *a: dict(scale=0.37),
     "everything": lambda b, t, s, n, seed: dict(
         is_causal=True, local_window_size=(20, 0), logits_soft_cap=3.0, scale=0.2,
         mask=_rand(seed, (b, 1, t, s), "bool"), bias=_rand(seed, (b, n, t, s), "float"),
         segment_ids=(_rand(seed, (b, t), 2), _rand(seed + 1, (b, s), 2)),
-        **_lengths(b, t, s, n, seed)),
+        dropout_rate=0.2, dropout_rng=jax.random.key(seed), **_lengths(b, t, s, n, seed)),
 }
 
 
@@ -220,15 +226,3 @@ def test_backends_agree_with_jax_nn():
   got = jaxflash.flash_attention(q, kk, v, implementation="xla", **kw)
   assert rel_err(got[0, :10], want[0, :10]) < 1e-5 and rel_err(got[1], want[1]) < 1e-5
   np.testing.assert_array_equal(np.asarray(got[0, 10:]), 0.0)
-
-
-def test_bias_gradient_is_refused_not_zeroed():
-  """Until bias gradients land, asking for one must fail loudly rather than return zeros."""
-  q, k, v, _ = random_qkv(0, 1, 8, 8, 1, 1, 8)
-  bias = jnp.zeros((1, 1, 8, 8))
-  with pytest.raises(NotImplementedError, match="bias"):
-    jax.grad(lambda bias: jnp.sum(jaxflash.flash_attention(q, k, v, bias=bias,
-                                                           implementation="xla")))(bias)
-  # A bias that is not differentiated is fine.
-  jax.grad(lambda q: jnp.sum(jaxflash.flash_attention(q, k, v, bias=bias,
-                                                      implementation="xla")))(q)

@@ -1,0 +1,94 @@
+"""Attention dropout without a stored mask: keep/drop is a hash of the element's coordinates.
+
+FlashAttention never materialises P, so it cannot store a T x S dropout mask either. Instead the
+decision for entry (batch ``b``, query head ``n``, query row ``t``, key column ``s``) is a pure
+function of those four integers and a 64-bit seed drawn from the user's ``dropout_rng``. The
+forward kernel, both backward kernels and the pure-JAX backend all call `keep` below on whatever
+coordinates they hold, so they agree on every element without passing anything of size T x S.
+
+The generator is counter-based, built from one 32-bit mixing function `_mix` (xor-shift-multiply,
+a bijection on uint32 with strong avalanche). The seed words, the batch index and the head index
+are absorbed one at a time into a per-(b, n) stream key; each query row hashes its index into
+that key (``bq`` values per tile, cheap); each key column is spread by a multiplication with an
+odd constant; and each element mixes the row and column words once more. An element therefore
+costs one xor, two multiplies, three xor-shifts and a compare, all on uint32. The element is kept
+when its 32-bit hash is >= ``round(rate * 2**32)``, so the drop probability is ``rate`` to within
+2**-33, and kept entries are scaled by exactly ``1 / (1 - rate)`` as in Flax. Because the row and
+column words are bijective in the index, two columns of one row never share a hash.
+
+With ``broadcast_dropout`` the batch and head coordinates are taken as 0 for every element: one
+[T, S] mask shared by all batch rows and heads, which is what ``flax.linen``'s
+``broadcast_dropout=True`` means.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Multipliers of a 32-bit xor-shift-multiply finaliser from the published hash-prospector search
+# (C. Wellons), and the 32-bit golden-ratio constant for spreading column indices.
+_M1, _M2 = 0x21F0AAAD, 0x735A2D97
+_GOLDEN = 0x9E3779B9
+_SALT = 0x6A09E667  # separates the seed absorption from an all-zero seed
+
+
+def _u32(x):
+  return jnp.asarray(x).astype(jnp.uint32)
+
+
+def _mix(x):
+  """Bijective uint32 -> uint32 mixer (every output bit depends on every input bit)."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(_M1)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(_M2)
+  return x ^ (x >> 15)
+
+
+def seed_words(rng: jax.Array) -> jax.Array:
+  """Two uint32 words drawn from a PRNG key (typed or raw); the generator's whole state."""
+  return jax.random.bits(rng, (2,), jnp.uint32)
+
+
+def threshold(rate: float) -> int:
+  """Hash values below this are dropped: ``P(drop) = threshold / 2**32 ~= rate``."""
+  return min(round(rate * 2.0**32), 2**32 - 1)
+
+
+def stream_key(seed0, seed1, batch, head):
+  """Per-(batch, head) key; scalars inside a kernel, broadcastable arrays outside."""
+  h = _mix(_u32(seed0) ^ jnp.uint32(_SALT))
+  h = _mix(h ^ _u32(seed1))
+  h = _mix(h ^ _u32(batch))
+  return _mix(h ^ _u32(head))
+
+
+def row_words(stream, rows):
+  return _mix(stream ^ _u32(rows))
+
+
+def col_words(cols):
+  return _u32(cols) * jnp.uint32(_GOLDEN)
+
+
+def keep(stream, rows, cols, rate: float):
+  """Boolean keep mask for query ``rows`` x key ``cols`` (broadcasting) of one stream.
+
+  ``rows`` and ``cols`` are absolute positions in the sequence, so any tiling gives the same mask.
+  """
+  bits = _mix(row_words(stream, rows) ^ col_words(cols))
+  return bits >= jnp.uint32(threshold(rate))
+
+
+def dense_keep_mask(seed: jax.Array, shape: tuple[int, int, int, int], rate: float,
+                    broadcast: bool = False) -> jax.Array:
+  """The whole [B, N, T, S] keep mask that the kernels use for ``seed`` (for tests/references).
+
+  This materialises T x S booleans; the kernels never do.
+  """
+  b, n, t, s = shape
+  batch = jnp.zeros((b, 1, 1, 1), jnp.int32) if broadcast else jnp.arange(b)[:, None, None, None]
+  head = jnp.zeros((1, n, 1, 1), jnp.int32) if broadcast else jnp.arange(n)[None, :, None, None]
+  stream = stream_key(seed[0], seed[1], batch, head)
+  return keep(stream, jnp.arange(t)[:, None], jnp.arange(s)[None, :], rate)
