@@ -40,15 +40,46 @@ def test_xla_backend_on_gpu():
   check("xla", b=2, t=300, s=517, n=8, k=2, h=64, dtype=jnp.bfloat16, is_causal=True)
 
 
-def test_deterministic_gradients_on_gpu():
-  """Two runs of the jitted forward+backward give bitwise identical results (no atomics)."""
+@pytest.mark.parametrize("features", ["plain", "dropout_and_bias"])
+def test_deterministic_gradients_on_gpu(features):
+  """Two runs of the jitted forward+backward give bitwise identical results (no atomics), also
+  with dropout and a differentiated bias that is shared across the batch."""
   q, k, v, d_out = random_qkv(3, 2, 1024, 1024, 8, 2, 128, jnp.bfloat16)
-  step = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(
-      jaxflash.flash_attention(q, k, v, is_causal=True).astype(jnp.float32) * d_out),
-      argnums=(0, 1, 2)))
-  first, second = step(q, k, v), step(q, k, v)
+  bias = jax.random.normal(jax.random.key(4), (1, 8, 1024, 1024), jnp.bfloat16)
+  options = dict(dropout_rate=0.1, dropout_rng=jax.random.key(5)) if features != "plain" else {}
+
+  def loss(q, k, v, bias):
+    out = jaxflash.flash_attention(q, k, v, bias if features != "plain" else None,
+                                   is_causal=True, **options)
+    return jnp.sum(out.astype(jnp.float32) * d_out)
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+  first, second = step(q, k, v, bias), step(q, k, v, bias)
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_dropout_mask_on_gpu_matches_xla_backend_and_definition():
+  """The Triton kernels' mask (uint32 hashing lowered through Triton) is bit-for-bit the one
+  `jaxflash.dropout` defines, and the XLA backend's on the same GPU."""
+  from jaxflash import dropout
+  from test_dropout import _weights
+  options = dict(b=2, t=300, s=128, n=4, k=2, h=128, dropout_rate=0.25,
+                 dropout_rng=jax.random.key(6), is_causal=False)
+  triton = _weights("triton", **options)
+  xla = _weights("xla", **options)
+  keep = np.asarray(dropout.dense_keep_mask(dropout.seed_words(options["dropout_rng"]),
+                                            triton.shape, 0.25))
+  np.testing.assert_array_equal(triton != 0, keep)
+  np.testing.assert_array_equal(xla != 0, keep)
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 8, 700, 900), (1, 8, 700, 900), (2, 1, 700, 900),
+                                        (700, 900)])
+def test_bias_gradient_on_gpu(bias_shape):
+  bias = jax.random.normal(jax.random.key(7), bias_shape, jnp.float32)
+  check("triton", b=2, t=700, s=900, n=8, k=2, h=128, dtype=jnp.bfloat16, bias=bias,
+        is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(8))
 
 
 def test_default_implementation_is_triton_on_gpu():

@@ -48,8 +48,31 @@ def test_every_option_lowers(t, s):
       is_causal=True, local_window_size=(64, 0), logits_soft_cap=30.0,
       mask=jnp.ones((b, 1, t, s), bool), bias=jnp.zeros((1, n, t, s), jnp.bfloat16),
       segment_ids=(jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32)),
-      query_seq_lengths=jnp.full((b,), t), key_value_seq_lengths=jnp.full((b,), s))
+      query_seq_lengths=jnp.full((b,), t), key_value_seq_lengths=jnp.full((b,), s),
+      dropout_rate=0.1, dropout_rng=jax.random.key(0))
   _lower_for_cuda(_fwd_bwd(**options), q, kv, kv)
+
+
+@pytest.mark.parametrize("h", [40, 128, 256])
+@pytest.mark.parametrize("bias_shape", [(2, 6, 300, 1000), (1, 6, 300, 1000), (2, 1, 300, 1000),
+                                        (1, 1, 300, 1000)])
+def test_bias_gradient_lowers(bias_shape, h):
+  """The dbias kernel, for every way a bias can broadcast, with dropout, mask and segments."""
+  b, t, s = 2, 300, 1000
+  q = jax.ShapeDtypeStruct((b, t, 6, h), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, s, 2, h), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct(bias_shape, jnp.float32)
+
+  def fn(q, k, v, bias):
+    def loss(q, k, v, bias):
+      return jnp.sum(jaxflash.flash_attention(
+          q, k, v, bias=bias, mask=jnp.ones((b, 1, t, s), bool), is_causal=True,
+          segment_ids=(jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32)),
+          dropout_rate=0.1, dropout_rng=jax.random.key(0), implementation="triton")
+          .astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+  assert "jaxflash_backward_dbias" in _lower_for_cuda(fn, q, kv, kv, bias)
 
 
 def test_lowering_check_can_fail(monkeypatch):

@@ -135,7 +135,13 @@ OPTION_CASES = {
     "dropout_negative": (dict(dropout_rate=-0.1), "dropout_rate"),
     "dropout_one": (dict(dropout_rate=1.0), "dropout_rate"),
     "dropout_nan": (dict(dropout_rate=float("nan")), "dropout_rate"),
-    "dropout_no_rng": (dict(dropout_rate=0.1), "dropout_r"),
+    "dropout_no_rng": (dict(dropout_rate=0.1), "dropout_rng"),
+    "dropout_traced_rate": (dict(dropout_rate=jnp.float32(0.1),
+                                 dropout_rng=jax.random.key(0)), "dropout_rate"),
+    "dropout_rng_float": (dict(dropout_rate=0.1, dropout_rng=jnp.zeros((2,))), "dropout_rng"),
+    "dropout_rng_batched": (dict(dropout_rate=0.1, dropout_rng=jax.random.split(
+        jax.random.key(0), 3)), "dropout_rng"),
+    "dropout_rng_int": (dict(dropout_rate=0.1, dropout_rng=3), "dropout_rng"),
     "soft_cap_zero": (dict(logits_soft_cap=0.0), "logits_soft_cap"),
     "soft_cap_negative": (dict(logits_soft_cap=-5.0), "logits_soft_cap"),
     "soft_cap_inf": (dict(logits_soft_cap=float("inf")), "logits_soft_cap"),
@@ -187,10 +193,11 @@ def test_bad_option_under_jit(case, no_kernels):
     f(*_arrays(), arrays)
 
 
-def test_dropout_with_rng_not_implemented(no_kernels):
-  """A valid dropout request is refused as not implemented (not silently ignored)."""
-  with pytest.raises(NotImplementedError):
-    _call(dropout_rate=0.1, dropout_rng=jax.random.key(0))
+def test_dropout_accepts_typed_and_raw_keys():
+  q, k, v = _arrays()
+  typed = _xla(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(3))
+  raw = _xla(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.PRNGKey(3))
+  np.testing.assert_array_equal(typed, raw)
 
 
 def test_zero_dropout_with_rng_is_fine():

@@ -1,0 +1,207 @@
+"""Attention dropout: the generator's statistics, one mask shared by both backends and by forward
+and backward, gradients of the dropped function, and that rate 0 costs nothing.
+
+Numerical agreement with the float32 reference under dropout (alone, broadcast, combined with
+every other option, GQA, odd lengths, bf16) is in `test_attention.py` through `checks.check`.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import dropout
+from checks import check, random_qkv, rel_err
+
+BACKENDS = ["triton", "xla"]
+
+
+def _attention(implementation, q, k, v, **options):
+  interpret = implementation == "triton" and jax.default_backend() != "gpu"
+  return jaxflash.flash_attention(q, k, v, implementation=implementation, interpret=interpret,
+                                  **options)
+
+
+def _weights(implementation, *, b=2, t=37, s=40, n=4, k=2, h=64, seed=0, **options):
+  """The dropped attention weights [B, N, T, S], read off the output with V = identity (S <= H)."""
+  q, kk, _, _ = random_qkv(seed, b, t, s, n, k, h)
+  v = jnp.broadcast_to(jnp.eye(s, h)[None, :, None, :], (b, s, k, h))
+  out = jax.jit(lambda q, kk, v: _attention(implementation, q, kk, v, **options))(q, kk, v)
+  return np.asarray(jnp.transpose(out[..., :s], (0, 2, 1, 3)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The generator
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+def test_kept_fraction_matches_rate(rate):
+  keep = np.asarray(dropout.dense_keep_mask(dropout.seed_words(jax.random.key(1)),
+                                            (4, 8, 128, 128), rate))
+  std = np.sqrt(rate * (1 - rate) / keep.size)
+  assert abs((1 - keep.mean()) - rate) < 5 * std
+
+
+def test_mask_has_no_visible_structure():
+  """Neighbouring entries, batch rows, heads and seeds are uncorrelated."""
+  rate = 0.5
+  seed = dropout.seed_words(jax.random.key(2))
+  keep = np.asarray(dropout.dense_keep_mask(seed, (4, 8, 256, 256), rate), np.float64)
+  x = keep - keep.mean()
+
+  def corr(a, b):
+    return float(np.mean(a * b) / np.sqrt(np.mean(a * a) * np.mean(b * b)))
+
+  bound = 5 / np.sqrt(x[..., 1:].size)
+  assert abs(corr(x[..., 1:], x[..., :-1])) < bound  # next key
+  assert abs(corr(x[..., 1:, :], x[..., :-1, :])) < bound  # next query
+  assert abs(corr(x[..., 1:, 1:], x[..., :-1, :-1])) < bound  # diagonal
+  assert abs(corr(x[:, 1:], x[:, :-1])) < bound  # next head
+  assert abs(corr(x[1:], x[:-1])) < bound  # next batch row
+  other = np.asarray(dropout.dense_keep_mask(dropout.seed_words(jax.random.key(3)),
+                                             (4, 8, 256, 256), rate), np.float64)
+  assert abs(corr(x, other - other.mean())) < bound  # another key
+  # Every 8x8 pattern of an aligned tile is equally likely: no fixed pattern per tile position.
+  tiles = keep.reshape(4, 8, 32, 8, 32, 8).mean(axis=(0, 1, 2, 4))
+  assert np.abs(tiles - 0.5).max() < 5 * np.sqrt(0.25 / (4 * 8 * 32 * 32))
+
+
+def test_broadcast_mask_is_shared():
+  seed = dropout.seed_words(jax.random.key(4))
+  keep = np.asarray(dropout.dense_keep_mask(seed, (3, 4, 32, 48), 0.3, broadcast=True))
+  assert (keep == keep[:1, :1]).all()
+  own = np.asarray(dropout.dense_keep_mask(seed, (3, 4, 32, 48), 0.3))
+  assert not (own == own[:1, :1]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the kernels
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_kernels_drop_exactly_the_defined_mask(implementation):
+  """Every backend drops the entries `dense_keep_mask` names and scales the rest by 1/(1-p)."""
+  rate, rng = 0.4, jax.random.key(5)
+  dropped = _weights(implementation, dropout_rate=rate, dropout_rng=rng)
+  plain = _weights(implementation)
+  keep = np.asarray(dropout.dense_keep_mask(dropout.seed_words(rng), dropped.shape, rate))
+  np.testing.assert_array_equal(dropped != 0, keep)
+  np.testing.assert_allclose(dropped[keep], plain[keep] / (1 - rate), rtol=1e-5)
+
+
+def test_backends_give_the_same_mask_for_the_same_key():
+  """Triton kernels (16-wide tiles) and the XLA backend (its own 256-wide tiles): same mask."""
+  from conftest import SMALL_TRITON_BLOCKS
+  from jaxflash import triton as triton_backend
+  options = dict(dropout_rate=0.3, dropout_rng=jax.random.key(6), is_causal=True)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(triton_backend, "default_block_sizes", lambda *a: SMALL_TRITON_BLOCKS)
+    triton = _weights("triton", **options)
+  xla = _weights("xla", **options)
+  np.testing.assert_array_equal(triton != 0, xla != 0)
+  assert rel_err(triton, xla) < 1e-5
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_masks_differ_across_keys_heads_and_batch_rows(implementation):
+  first = _weights(implementation, dropout_rate=0.5, dropout_rng=jax.random.key(7)) != 0
+  again = _weights(implementation, dropout_rate=0.5, dropout_rng=jax.random.key(7)) != 0
+  other = _weights(implementation, dropout_rate=0.5, dropout_rng=jax.random.key(8)) != 0
+  np.testing.assert_array_equal(first, again)
+  for a, b in ((first, other), (first[0], first[1]), (first[:, 0], first[:, 1]),
+               (first[:, 0], first[:, 2])):  # key; batch row; heads sharing / not sharing K/V
+    agree = (a == b).mean()
+    assert 0.35 < agree < 0.65, agree  # independent masks at p = 0.5 agree half the time
+  shared = _weights(implementation, dropout_rate=0.5, dropout_rng=jax.random.key(7),
+                    broadcast_dropout=True) != 0
+  assert (shared == shared[:1, :1]).all()
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_same_key_gives_identical_output_and_gradients(implementation):
+  q, k, v, d_out = random_qkv(9, 2, 33, 47, 4, 2, 32)
+
+  def step(q, k, v, rng):
+    return jax.value_and_grad(lambda q, k, v: jnp.sum(d_out * _attention(
+        implementation, q, k, v, is_causal=True, dropout_rate=0.2, dropout_rng=rng)),
+        argnums=(0, 1, 2))(q, k, v)
+
+  step = jax.jit(step)
+  first, second = step(q, k, v, jax.random.key(0)), step(q, k, v, jax.random.key(0))
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+    np.testing.assert_array_equal(a, b)
+  other = step(q, k, v, jax.random.key(1))
+  assert not np.array_equal(first[0], other[0])
+
+
+def test_output_is_unbiased():
+  """Averaged over many keys the dropped output converges to the undropped one.
+
+  Per-element z-scores of the sample mean must look standard normal; leaving out the
+  1 / (1 - p) scale (or dropping with the wrong probability) puts them far off.
+  """
+  q, k, v, _ = random_qkv(10, 1, 16, 24, 2, 2, 16)
+  rate, samples = 0.5, 512
+  keys = jax.random.split(jax.random.key(11), samples)
+  outs = jax.jit(lambda keys: jax.lax.map(lambda key: jaxflash.flash_attention(
+      q, k, v, dropout_rate=rate, dropout_rng=key, implementation="xla"), keys))(keys)
+  want = jaxflash.flash_attention(q, k, v, implementation="xla")
+  outs = np.asarray(outs, np.float64)
+  z = (outs.mean(0) - np.asarray(want)) / (outs.std(0, ddof=1) / np.sqrt(samples))
+  assert abs(z.mean()) < 5 / np.sqrt(z.size)
+  assert np.mean(np.abs(z) > 3) < 0.01
+  assert 0.9 < z.std() < 1.1
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_gradients_match_finite_differences(implementation):
+  """For a fixed key the dropped function is smooth; its gradients (mask regenerated in the
+  backward pass) must match central differences along random directions."""
+  b, t, s, n, k, h = 1, 29, 35, 4, 2, 16
+  q, kk, v, d_out = random_qkv(12, b, t, s, n, k, h)
+  bias = jax.random.normal(jax.random.key(13), (1, n, t, s))
+  options = dict(is_causal=True, dropout_rate=0.3, dropout_rng=jax.random.key(14),
+                 key_value_seq_lengths=jnp.array([31]))
+
+  def f(q, kk, v, bias):
+    return jnp.sum(d_out * _attention(implementation, q, kk, v, bias=bias, **options))
+
+  args = (q, kk, v, bias)
+  grads = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(*args)
+  f = jax.jit(f)
+  eps = 1e-2
+  for i, grad in enumerate(grads):
+    direction = jax.random.normal(jax.random.key(20 + i), args[i].shape)
+    plus = list(args)
+    minus = list(args)
+    plus[i] = args[i] + eps * direction
+    minus[i] = args[i] - eps * direction
+    numeric = (f(*plus) - f(*minus)) / (2 * eps)
+    analytic = jnp.vdot(grad, direction)
+    assert abs(numeric - analytic) <= 1e-2 * abs(analytic) + 1e-3, (i, numeric, analytic)
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_dropout_with_gqa_odd_lengths_in_bfloat16(implementation):
+  check(implementation, b=2, t=45, s=61, n=6, k=2, h=64, dtype=jnp.bfloat16, is_causal=True,
+        dropout_rate=0.1, dropout_rng=jax.random.key(15))
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_zero_rate_costs_nothing(implementation):
+  """dropout_rate=0 (with or without a key) compiles to exactly the program without dropout."""
+  q, k, v, _ = random_qkv(16, 1, 40, 40, 2, 2, 16)
+
+  def lowered(**options):
+    fn = jax.grad(lambda q: jnp.sum(_attention(implementation, q, k, v, **options)))
+    return jax.jit(fn).lower(q).as_text()
+
+  plain = lowered()
+  assert lowered(dropout_rate=0.0, dropout_rng=jax.random.key(0)) == plain
+  assert lowered(dropout_rate=0.1, dropout_rng=jax.random.key(0)) != plain  # the check can fail
