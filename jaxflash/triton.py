@@ -481,8 +481,9 @@ def _dbias_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _S
       return dz_sum + p * (dp - delta[:, None])
 
     # Blocks outside the window's range get zeros (the output buffer starts undefined).
-    pairs = jnp.where(jnp.logical_and(j >= lo, j < hi), shared_batch * shared_heads, 0)
-    dz = lax.fori_loop(0, pairs, one_pair, jnp.zeros((block_q, block_k), jnp.float32))
+    visited = jnp.logical_and(j >= lo, j < hi)
+    pairs = jnp.where(visited, jnp.int32(shared_batch * shared_heads), jnp.int32(0))
+    dz = lax.fori_loop(jnp.int32(0), pairs, one_pair, jnp.zeros((block_q, block_k), jnp.float32))
     plgpu.store(dbias_ref.at[:, keys], dz.astype(dbias_ref.dtype), mask=tile_ok)
     return carry
 

@@ -1,13 +1,17 @@
 """Lower the Triton kernels for CUDA on a CPU-only machine.
 
 Interpret mode does not enforce the Triton lowering's rules (power-of-two tiles, supported ops),
-so these tests lower forward + backward for an H100 target with the shipped tile sizes: a kernel
-that would fail to lower on a user's GPU fails here, in CI.
+so these tests lower forward + backward for an H100 target with the shipped tile sizes, and run
+MLIR's verifier on every Triton module produced (the GPU runs it too, when it parses the module):
+a kernel that would fail to lower on a user's GPU fails here, in CI.
 """
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
 import pytest
+from jax._src.pallas.triton import lowering as triton_lowering
 
 import jaxflash
 
@@ -16,8 +20,25 @@ _H100 = jax.sharding.AbstractMesh(
         device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
 
 
+@contextlib.contextmanager
+def _verify_triton_modules():
+  """Runs the MLIR verifier on each Triton module as it is built (e.g. scf.for bound types)."""
+  build = triton_lowering.lower_jaxpr_to_triton_module
+
+  def build_and_verify(*args, **kwargs):
+    result = build(*args, **kwargs)
+    result.module.operation.verify()
+    return result
+
+  triton_lowering.lower_jaxpr_to_triton_module = build_and_verify
+  try:
+    yield
+  finally:
+    triton_lowering.lower_jaxpr_to_triton_module = build
+
+
 def _lower_for_cuda(fn, *args) -> str:
-  with jax.sharding.use_abstract_mesh(_H100):
+  with jax.sharding.use_abstract_mesh(_H100), _verify_triton_modules():
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -82,3 +103,19 @@ def test_lowering_check_can_fail(monkeypatch):
   q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
   with pytest.raises(Exception, match="power of 2"):
     _lower_for_cuda(_fwd_bwd(), q, q, q)
+
+
+def test_verifier_catches_what_the_gpu_would_refuse(monkeypatch):
+  """A loop bound from ``jnp.where`` on Python ints lowers, but the module fails MLIR
+  verification (as it did on the GPU, for an early dbias kernel); the verifier must catch it."""
+  from jax.experimental import pallas as pl
+
+  def kernel(x_ref, o_ref):
+    trips = jnp.where(pl.program_id(0) >= 0, 3, 0)
+    o_ref[...] = jax.lax.fori_loop(0, trips, lambda i, acc: acc + 1.0, x_ref[...])
+
+  def fn(x):
+    return pl.pallas_call(kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct((16,), x.dtype))(x)
+
+  with pytest.raises(Exception, match="verif"):
+    _lower_for_cuda(fn, jax.ShapeDtypeStruct((16,), jnp.float32))
