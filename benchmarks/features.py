@@ -58,7 +58,8 @@ def check(fn, q, k, v, bias, d_out, causal, use_dropout, rng, wrt) -> dict:
     keep = dropout.dense_keep_mask(dropout.seed_words(rng), (b, n, t, k.shape[1]), RATE)
 
   def ref(q, k, v, bias):
-    return reference_attention(q, k, v, bias, is_causal=causal, dropout_rate=RATE,
+    return reference_attention(q, k, v, bias, is_causal=causal,
+                               dropout_rate=1.0 - dropout.keep_probability(RATE),
                                dropout_keep=keep)[0]
 
   def loss(f):

@@ -63,8 +63,8 @@ class Params:
 
   @property
   def keep_scale(self) -> float:
-    """Factor applied to kept probabilities under dropout."""
-    return 1.0 / (1.0 - self.dropout_rate)
+    """Factor applied to kept probabilities under dropout: 1 / P(keep), so E[output] is exact."""
+    return 1.0 / dropout.keep_probability(self.dropout_rate)
 
 
 def user_lse(lse2: jax.Array) -> jax.Array:

@@ -52,8 +52,13 @@ def seed_words(rng: jax.Array) -> jax.Array:
 
 
 def threshold(rate: float) -> int:
-  """Hash values below this are dropped: ``P(drop) = threshold / 2**32 ~= rate``."""
-  return min(round(rate * 2.0**32), 2**32 - 1)
+  """16-bit hash halves below this are dropped: ``P(drop) = threshold / 2**16``."""
+  return min(round(rate * 2.0**16), 2**16 - 1)
+
+
+def keep_probability(rate: float) -> float:
+  """The exact probability that an entry is kept (``1 - rate`` to within 2**-17)."""
+  return 1.0 - threshold(rate) / 2.0**16
 
 
 def stream_key(seed0, seed1, batch, head):
@@ -64,21 +69,23 @@ def stream_key(seed0, seed1, batch, head):
   return _mix(h ^ _u32(head))
 
 
-def row_words(stream, rows):
-  return _mix(stream ^ _u32(rows))
+def keep(stream, rows, first_col, num_cols: int, rate: float):
+  """Boolean keep mask [..., R, num_cols] for query ``rows`` [..., R, 1] and the key columns
+  ``first_col ... first_col + num_cols - 1`` of one stream.
 
-
-def col_words(cols):
-  return _u32(cols) * jnp.uint32(_GOLDEN)
-
-
-def keep(stream, rows, cols, rate: float):
-  """Boolean keep mask for query ``rows`` x key ``cols`` (broadcasting) of one stream.
-
-  ``rows`` and ``cols`` are absolute positions in the sequence, so any tiling gives the same mask.
+  Positions are absolute, so any tiling gives the same mask. Columns come in pairs
+  ``(2c, 2c + 1)``: one 32-bit hash per pair, its low 16 bits decide the even column and its high
+  16 bits the odd one, which halves the integer work per element. ``first_col`` must be even.
   """
-  bits = _mix(row_words(stream, rows) ^ col_words(cols))
-  return bits >= jnp.uint32(threshold(rate))
+  if num_cols % 2:
+    return keep(stream, rows, first_col, num_cols + 1, rate)[..., :num_cols]
+  pairs = _u32(first_col // 2 + jnp.arange(num_cols // 2))
+  bits = _mix(_mix(stream ^ _u32(rows)) ^ (pairs * jnp.uint32(_GOLDEN)))
+  cut = jnp.uint32(threshold(rate))
+  even = (bits & jnp.uint32(0xFFFF)) >= cut
+  odd = (bits >> 16) >= cut
+  shape = even.shape[:-1] + (num_cols,)
+  return jnp.stack([even, odd], axis=-1).reshape(shape)
 
 
 def dense_keep_mask(seed: jax.Array, shape: tuple[int, int, int, int], rate: float,
@@ -91,4 +98,4 @@ def dense_keep_mask(seed: jax.Array, shape: tuple[int, int, int, int], rate: flo
   batch = jnp.zeros((b, 1, 1, 1), jnp.int32) if broadcast else jnp.arange(b)[:, None, None, None]
   head = jnp.zeros((1, n, 1, 1), jnp.int32) if broadcast else jnp.arange(n)[None, :, None, None]
   stream = stream_key(seed[0], seed[1], batch, head)
-  return keep(stream, jnp.arange(t)[:, None], jnp.arange(s)[None, :], rate)
+  return keep(stream, jnp.arange(t)[:, None], 0, s, rate)

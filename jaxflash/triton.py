@@ -178,11 +178,11 @@ def _dropout_stream(opt: _Optional, params: Params, batch, head):
   return _core.dropout_stream(params, (opt.seed[0], opt.seed[1]), batch, head)
 
 
-def _keep(stream, rows, cols, params: Params):
-  """Dropout keep mask of a (rows x cols) tile, or None without dropout."""
+def _keep(stream, rows, k_start, block_k: int, params: Params):
+  """Dropout keep mask of the tile (rows x keys k_start ...), or None without dropout."""
   if stream is None:
     return None
-  return dropout.keep(stream, rows[:, None], cols[None, :], params.dropout_rate)
+  return dropout.keep(stream, rows[:, None], k_start, block_k, params.dropout_rate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: 
     v = _load(v_ref.at[keys, :], mask=kv_ok, other=0.0)
     # Dropout removes entries of P from the product with V only; l sums the undropped P, and
     # 1 / (1 - rate) is applied once, to the output.
-    keep = _keep(stream, rows, cols, params)
+    keep = _keep(stream, rows, k_start, block_k, params)
     p_v = p if keep is None else jnp.where(keep, p, 0.0)
     acc = acc * alpha[:, None] + plgpu.dot(p_v.astype(v.dtype), v)
     return acc, m_new, l * alpha + jnp.sum(p, axis=1)
@@ -341,7 +341,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shap
                                kv_seg, _at(opt.bias, slice(None), keys),
                                _at(opt.mask, slice(None), keys))
     p = jnp.exp2(s2 - lse2[:, None])
-    dp = _core.dropped(plgpu.dot(do, v, trans_b=True), _keep(stream, rows, cols, params), params)
+    keep = _keep(stream, rows, k_start, block_k, params)
+    dp = _core.dropped(plgpu.dot(do, v, trans_b=True), keep, params)
     ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), cap_t)
     return dq + plgpu.dot(ds.astype(k.dtype), k)
 
@@ -398,7 +399,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Sha
     s2, cap_t = _masked_logits(q, k, rows, cols, _tile_ok(row_ok, col_ok), kv_len, params, q_seg,
                                kv_seg, dense_tile(opt.bias), dense_tile(opt.mask))
     p = jnp.exp2(s2 - lse2[:, None])
-    keep = _keep(_dropout_stream(opt, params, batch, first_head + g), rows, cols, params)
+    keep = _keep(_dropout_stream(opt, params, batch, first_head + g), rows, k_start, block_k,
+                 params)
     dv = dv + plgpu.dot(_core.dropped(p, keep, params).astype(do.dtype), do, trans_a=True)
     dp = _core.dropped(plgpu.dot(do, v, trans_b=True), keep, params)
     ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), cap_t)
@@ -476,7 +478,7 @@ def _dbias_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _S
       s2, _ = _masked_logits(q, k, rows, cols, tile_ok, len_ref[b, 1], params, q_seg, kv_seg,
                              _at(opt.bias, slice(None), keys), mask)
       p = jnp.exp2(s2 - lse2[:, None])
-      keep = _keep(_dropout_stream(opt, params, b, n), rows, cols, params)
+      keep = _keep(_dropout_stream(opt, params, b, n), rows, k_start, block_k, params)
       dp = _core.dropped(plgpu.dot(do, v, trans_b=True), keep, params)
       return dz_sum + p * (dp - delta[:, None])
 

@@ -139,8 +139,8 @@ class _Blocks:
     """Dropout keep mask [B, K, G, bq, bk] of one tile, or None without dropout."""
     if self.stream is None:
       return None
-    return dropout.keep(self.stream, (q_start + jnp.arange(bq))[:, None],
-                        (k_start + jnp.arange(bk))[None, :], params.dropout_rate)
+    return dropout.keep(self.stream, (q_start + jnp.arange(bq))[:, None], k_start, bk,
+                        params.dropout_rate)
 
   def kv_range(self, q_start, params: Params):
     """Key blocks to visit for the query block at ``q_start`` (union over the batch)."""

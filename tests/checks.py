@@ -51,9 +51,12 @@ def check(implementation, *, b=2, t=37, s=53, n=4, k=2, h=40, dtype=jnp.float32,
   bias = options.pop("bias", None)
   ref_options = dict(options)
   if options.get("dropout_rate", 0.0) > 0:
+    rate = options["dropout_rate"]
     ref_options["dropout_keep"] = dropout.dense_keep_mask(
-        dropout.seed_words(ref_options.pop("dropout_rng")), (b, n, t, s),
-        options["dropout_rate"], ref_options.pop("broadcast_dropout", False))
+        dropout.seed_words(ref_options.pop("dropout_rng")), (b, n, t, s), rate,
+        ref_options.pop("broadcast_dropout", False))
+    # Kept entries are scaled by 1 / P(keep); P(keep) is 1 - rate on a 2**-16 grid.
+    ref_options["dropout_rate"] = 1.0 - dropout.keep_probability(rate)
 
   def ours(q, kk, v, bias):
     return jaxflash.flash_attention(q, kk, v, bias, implementation=implementation,
