@@ -12,10 +12,11 @@ A backend supplies two functions over normalised inputs:
   computed only when ``want_dbias``, i.e. when the caller differentiates with respect to the
   bias; otherwise it is None and costs nothing.
 
-Dropout (``params.dropout_rate > 0``) drops entries of the normalised P and scales the kept ones by
-``1 / (1 - rate)``; every backend regenerates the keep mask from ``inputs.dropout_seed`` with
-`jaxflash.dropout`. The LSE is that of the undropped softmax, and ``delta`` = rowsum(dO * O)
-stays exact: rowsum(dP * P) over the dropped P equals dO . O for the dropped O.
+Dropout (``params.dropout_rate > 0``) drops entries of the normalised P and scales the kept ones
+by ``params.keep_scale`` = 1 / P(keep) ~ 1 / (1 - rate); every backend regenerates the keep mask
+from ``inputs.dropout_seed`` with `jaxflash.dropout`. The LSE is that of the undropped softmax,
+and ``delta`` = rowsum(dO * O) stays exact: rowsum(dP * P) over the dropped P equals dO . O for
+the dropped O.
 
 `Inputs` bundles the arrays; everything static lives in `Params`.
 """
@@ -133,7 +134,7 @@ def dropout_stream(params: Params, seed, batch, head):
 
 
 def dropped(x: jax.Array, keep_mask: jax.Array | None, params: Params) -> jax.Array:
-  """A P- or dP-shaped tile after dropout: ``x * keep / (1 - rate)`` (``x`` if no dropout)."""
+  """A P- or dP-shaped tile after dropout: ``x * keep / P(keep)`` (``x`` if no dropout)."""
   if keep_mask is None:
     return x
   return jnp.where(keep_mask, x * params.keep_scale, 0.0)

@@ -77,10 +77,12 @@ def flash_attention(
       the bias.
     dropout_rate: attention dropout probability in [0, 1): entries of the normalised attention
       weights are dropped with this probability and kept ones are scaled by
-      ``1 / (1 - dropout_rate)`` (as in ``flax.linen.dot_product_attention``). The mask is never
-      stored: forward and backward regenerate it from ``dropout_rng`` and each entry's
-      (batch, head, query, key) coordinates (see `jaxflash.dropout`), identically in every
-      backend. The LSE returned by ``return_residual`` is that of the undropped weights.
+      ``1 / (1 - dropout_rate)``, as in ``flax.linen.dot_product_attention`` (exactly: by
+      1 / P(keep), where P(keep) is 1 - rate rounded to a multiple of 2**-16, so the output is
+      unbiased). The mask is never stored: forward and backward regenerate it from
+      ``dropout_rng`` and each entry's (batch, head, query, key) coordinates (see
+      `jaxflash.dropout`), identically in every backend. The LSE returned by
+      ``return_residual`` is that of the undropped weights.
     dropout_rng: PRNG key (typed, or a raw uint32 key) for dropout; required when
       ``dropout_rate > 0``. The same key gives the same mask.
     broadcast_dropout: share one [T, S] dropout mask across the batch and heads (Flax's

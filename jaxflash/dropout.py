@@ -9,12 +9,15 @@ coordinates they hold, so they agree on every element without passing anything o
 The generator is counter-based, built from one 32-bit mixing function `_mix` (xor-shift-multiply,
 a bijection on uint32 with strong avalanche). The seed words, the batch index and the head index
 are absorbed one at a time into a per-(b, n) stream key; each query row hashes its index into
-that key (``bq`` values per tile, cheap); each key column is spread by a multiplication with an
-odd constant; and each element mixes the row and column words once more. An element therefore
-costs one xor, two multiplies, three xor-shifts and a compare, all on uint32. The element is kept
-when its 32-bit hash is >= ``round(rate * 2**32)``, so the drop probability is ``rate`` to within
-2**-33, and kept entries are scaled by exactly ``1 / (1 - rate)`` as in Flax. Because the row and
-column words are bijective in the index, two columns of one row never share a hash.
+that key (``bq`` values per tile, cheap); each pair of key columns (2c, 2c + 1) is spread by a
+multiplication with an odd constant; and one more mix of the row and pair words gives 32 bits per
+pair, whose low 16 bits decide the even column and high 16 bits the odd one. A pair therefore
+costs one xor, two multiplies, three xor-shifts and two compares, all on uint32: this integer
+work is what dropout costs on the GPU, and sharing a hash between two entries halves it. An
+entry is kept when its 16 bits are >= ``round(rate * 2**16)``, so the drop probability is
+``rate`` to within 2**-17; kept entries are scaled by the exact ``1 / P(keep)`` (within 1e-5 of
+Flax's ``1 / (1 - rate)``), which keeps the output unbiased. Because the row and pair words are
+bijective in the index, two pairs of one row never share a hash.
 
 With ``broadcast_dropout`` the batch and head coordinates are taken as 0 for every element: one
 [T, S] mask shared by all batch rows and heads, which is what ``flax.linen``'s

@@ -219,7 +219,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: 
     alpha = jnp.exp2(m - m_shift)
     v = _load(v_ref.at[keys, :], mask=kv_ok, other=0.0)
     # Dropout removes entries of P from the product with V only; l sums the undropped P, and
-    # 1 / (1 - rate) is applied once, to the output.
+    # 1 / P(keep) is applied once, to the output.
     keep = _keep(stream, rows, k_start, block_k, params)
     p_v = p if keep is None else jnp.where(keep, p, 0.0)
     acc = acc * alpha[:, None] + plgpu.dot(p_v.astype(v.dtype), v)
@@ -500,9 +500,10 @@ def _dbias(inputs: Inputs, params: Params, lse2, d_out, delta, block_q: int, blo
   shape = _shape(inputs)
   hp = shape.head_dim_p
   whole = lambda *block: pl.BlockSpec(block, lambda i, bb, nb: (0,) * len(block))
-  rows = lambda *block: pl.BlockSpec(block, lambda i, bb, nb: (0,) * (len(block) - 1) + (i,))
+  row_block = lambda *block: pl.BlockSpec(block,
+                                          lambda i, bb, nb: (0,) * (len(block) - 1) + (i,))
   extra, extra_specs = _optional_args(inputs, {
-      "q_segment_ids": lambda x: rows(b, block_q),
+      "q_segment_ids": lambda x: row_block(b, block_q),
       "kv_segment_ids": lambda x: whole(b, s),
       "mask": lambda x: pl.BlockSpec(x.shape[:2] + (block_q, s),
                                      lambda i, bb, nb: (0, 0, i, 0)),
@@ -517,7 +518,7 @@ def _dbias(inputs: Inputs, params: Params, lse2, d_out, delta, block_q: int, blo
                         shared_heads=n if bias.shape[1] == 1 else 1),
       grid=(pl.cdiv(t, block_q), bias.shape[0], bias.shape[1]),
       in_specs=[q_rows, whole(b, s, kh, hp), whole(b, s, kh, hp), whole(b, 2)]
-      + extra_specs + [q_rows, rows(b, n, block_q), rows(b, n, block_q)],
+      + extra_specs + [q_rows, row_block(b, n, block_q), row_block(b, n, block_q)],
       out_specs=pl.BlockSpec((None, None, block_q, s), lambda i, bb, nb: (bb, nb, i, 0)),
       out_shape=jax.ShapeDtypeStruct(bias.shape, bias.dtype),
       compiler_params=compiler_params,

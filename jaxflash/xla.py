@@ -184,7 +184,7 @@ def _forward(inputs: Inputs, params: Params):
       alpha = jnp.exp2(m - m_shift)
       v_blk = blk.rows(blk.v, k_start, bk)
       # Dropout zeroes entries of P for the product with V only: the normaliser l is the sum
-      # of the undropped P. The 1 / (1 - rate) factor is applied once, to the output.
+      # of the undropped P. The 1 / P(keep) factor is applied once, to the output.
       keep = blk.keep(q_start, k_start, bq, bk, params)
       p_v = p if keep is None else jnp.where(keep, p, 0.0)
       pv = jnp.einsum("bkgqs,bskh->bkgqh", p_v.astype(v_blk.dtype), v_blk,
