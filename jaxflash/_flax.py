@@ -1,0 +1,79 @@
+"""What the linen and nnx hooks share: turning a Flax attention call into a jaxflash call.
+
+Flax's attention functions take ``[batch..., length, heads, depth]`` arrays with any number of
+batch axes (or none), an *unscaled* query, masks that are float or bool (nonzero = attend) and
+broadcast to ``[batch..., heads, q_length, kv_length]``, and dropout as ``dropout_rate``,
+``dropout_rng``, ``deterministic`` and ``broadcast_dropout``. `attend` maps all of that onto
+`jaxflash.flash_attention` (BTNH, one batch axis); the hooks in `jaxflash.linen` and
+`jaxflash.nnx` decide first whether the call is one the kernels can serve at all.
+
+One documented difference: a query row whose mask hides every key gets zeros here (and zero
+gradients), where Flax's softmax over all-``finfo.min`` logits gives the mean of the values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxflash.attention import flash_attention
+
+
+def _to_bnts(x: jax.Array | None, batch_shape: tuple[int, ...], as_bool: bool):
+  """A Flax mask/bias broadcastable to [batch..., N, T, S] -> [B or 1, N or 1, T or 1, S or 1]."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if as_bool and x.dtype != jnp.bool_:
+    x = x != 0  # Flax masks are float32 by default: nonzero means "attend"
+  full_rank = len(batch_shape) + 3
+  if x.ndim > full_rank:
+    raise ValueError(f"{'mask' if as_bool else 'bias'} has rank {x.ndim}, more than the "
+                     f"{full_rank} of [batch..., heads, q_length, kv_length]")
+  x = x.reshape((1,) * (full_rank - x.ndim) + x.shape)
+  lead = x.shape[:len(batch_shape)]
+  if all(d == 1 for d in lead):
+    return x.reshape((1,) + x.shape[len(batch_shape):])
+  x = jnp.broadcast_to(x, batch_shape + x.shape[len(batch_shape):])
+  return x.reshape((math.prod(batch_shape),) + x.shape[len(batch_shape):])
+
+
+def attend(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
+           mask: jax.Array | None, *, broadcast_dropout: bool, dropout_rng: jax.Array | None,
+           dropout_rate: float, deterministic: bool, is_causal: bool) -> jax.Array:
+  """Flax-convention attention through `jaxflash.flash_attention` (arrays already promoted)."""
+  batch_shape = query.shape[:-3]
+  b = math.prod(batch_shape)
+  q = query.reshape((b,) + query.shape[-3:])
+  k = key.reshape((b,) + key.shape[-3:])
+  v = value.reshape((b,) + value.shape[-3:])
+  rate = 0.0 if deterministic else float(dropout_rate)
+  if rate > 0.0 and dropout_rng is None:
+    raise ValueError("dropout_rng is required when dropout_rate > 0 and deterministic=False")
+  out = flash_attention(
+      q, k, v, bias=_to_bnts(bias, batch_shape, as_bool=False),
+      mask=_to_bnts(mask, batch_shape, as_bool=True), is_causal=is_causal,
+      dropout_rate=rate, dropout_rng=dropout_rng if rate > 0.0 else None,
+      broadcast_dropout=broadcast_dropout)
+  return out.reshape(query.shape[:-1] + value.shape[-1:])
+
+
+def with_causal_mask(mask: jax.Array | None, query: jax.Array, key: jax.Array) -> jax.Array:
+  """``mask`` AND a top-left causal [T, S] mask, for the fallback paths (which need it dense)."""
+  t, s = query.shape[-3], key.shape[-3]
+  causal = jnp.tril(jnp.ones((t, s), bool)).reshape((1,) * (query.ndim - 2) + (t, s))
+  return causal if mask is None else jnp.logical_and(mask, causal)
+
+
+def kernel_can_serve(query: jax.Array, key: jax.Array, value: jax.Array) -> bool:
+  """Shapes and dtypes the kernels take: float16/bfloat16/float32, equal q/k/v depth, whole
+  GQA groups."""
+  if query.ndim < 3 or key.ndim != query.ndim or value.ndim != query.ndim:
+    return False
+  if query.dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
+    return False
+  if not query.shape[-1] == key.shape[-1] == value.shape[-1]:
+    return False
+  return query.shape[-2] % key.shape[-2] == 0 and key.shape == value.shape

@@ -1,0 +1,126 @@
+"""jaxflash for `flax.linen`: an ``attention_fn`` hook and the attention modules that use it.
+
+One-line swaps::
+
+    nn.MultiHeadDotProductAttention(..., attention_fn=jaxflash.linen.dot_product_attention)
+    jaxflash.linen.MultiHeadDotProductAttention(...)   # same parameters, jaxflash by default
+
+The modules subclass Flax's, so they take the same constructor and call arguments and build the
+same parameter tree (a checkpoint of the Flax module loads unchanged); they add ``is_causal`` so
+that a causal model needs no dense T x T mask.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax.linen.dtypes import promote_dtype
+
+from jaxflash import _flax
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any | None = None,
+    precision: Any = None,
+    module: nn.Module | None = None,
+    force_fp32_for_softmax: bool = False,
+    einsum_dot_general: Callable[..., jax.Array] | None = None,
+    qk_attn_weights_einsum: Callable[..., jax.Array] | None = None,
+    attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
+    *,
+    is_causal: bool = False,
+) -> jax.Array:
+  """`flax.linen.dot_product_attention` computed by jaxflash (same signature, plus ``is_causal``).
+
+  Arrays are ``[batch..., length, heads, depth]``; ``query`` arrives unscaled and is scaled by
+  ``1 / sqrt(depth)``. ``mask`` (bool or float, nonzero = attend) and ``bias`` broadcast to
+  ``[batch..., heads, q_length, kv_length]``. Dropout (``dropout_rate``, ``dropout_rng``,
+  ``deterministic``, ``broadcast_dropout``) runs inside the kernels, with the mask regenerated in
+  the backward pass. The softmax is always computed in float32, so ``force_fp32_for_softmax`` is
+  honoured by construction. ``is_causal`` adds a causal mask without materialising it.
+
+  Requests the kernels cannot serve fall back to Flax's own implementation rather than being
+  ignored: ``module`` (sowing the T x S weights), ``precision``, custom einsums or dot_generals,
+  a value depth different from the query depth, or non-float inputs.
+
+  Query rows that can see no key give zeros (Flax gives the mean of the values there).
+  """
+  query, key, value = promote_dtype(query, key, value, dtype=dtype)
+  if (module is not None or precision is not None or einsum_dot_general is not None
+      or qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None
+      or not _flax.kernel_can_serve(query, key, value)):
+    if is_causal:
+      mask = _flax.with_causal_mask(mask, query, key)
+    return nn.dot_product_attention(
+        query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
+        deterministic, dtype, precision, module, force_fp32_for_softmax,
+        einsum_dot_general=einsum_dot_general, qk_attn_weights_einsum=qk_attn_weights_einsum,
+        attn_weights_value_einsum=attn_weights_value_einsum)
+  return _flax.attend(query, key, value, bias, mask, broadcast_dropout=broadcast_dropout,
+                      dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+                      deterministic=deterministic, is_causal=is_causal)
+
+
+def _with_causal(module: nn.Module) -> None:
+  """Binds ``is_causal`` into the module's attention_fn (not in decode mode, where the cache's
+  occupancy mask already is the causal mask for the one query token)."""
+  if not module.is_causal or module.decode:
+    return
+  if "is_causal" not in inspect.signature(module.attention_fn).parameters:
+    raise ValueError("is_causal=True needs an attention_fn that takes `is_causal`, got "
+                     f"{module.attention_fn!r}")
+  object.__setattr__(module, "attention_fn",
+                     functools.partial(module.attention_fn, is_causal=True))
+
+
+class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
+  """`flax.linen.MultiHeadDotProductAttention` with jaxflash attention by default.
+
+  Attributes: those of Flax's class, plus ``is_causal`` (default False): apply a causal mask
+  inside the kernel, so the model need not pass a dense T x T one (a mask that is passed still
+  applies too).
+  """
+
+  attention_fn: Callable[..., jax.Array] = dot_product_attention
+  is_causal: bool = False
+
+  def __post_init__(self):
+    _with_causal(self)
+    super().__post_init__()
+
+
+class MultiHeadAttention(nn.MultiHeadAttention):
+  """`flax.linen.MultiHeadAttention` (Flax's alias, named ``MultiHeadAttention_N``) with
+  jaxflash attention by default and ``is_causal``."""
+
+  attention_fn: Callable[..., jax.Array] = dot_product_attention
+  is_causal: bool = False
+
+  def __post_init__(self):
+    _with_causal(self)
+    super().__post_init__()
+
+
+class SelfAttention(nn.SelfAttention):
+  """`flax.linen.SelfAttention` with jaxflash attention by default and ``is_causal``."""
+
+  attention_fn: Callable[..., jax.Array] = dot_product_attention
+  is_causal: bool = False
+
+  def __post_init__(self):
+    _with_causal(self)
+    super().__post_init__()

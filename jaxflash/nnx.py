@@ -1,0 +1,82 @@
+"""jaxflash for `flax.nnx`: an ``attention_fn`` hook and the attention module that uses it.
+
+One-line swaps::
+
+    nnx.MultiHeadAttention(..., attention_fn=jaxflash.nnx.dot_product_attention, rngs=rngs)
+    jaxflash.nnx.MultiHeadAttention(..., rngs=rngs)   # same parameters, jaxflash by default
+
+``nnx.MultiHeadAttention`` passes every keyword to its ``attention_fn`` (``module``,
+``is_causal`` since flax 0.12.8, ...), so the hook takes them all; call the module with
+``is_causal=True`` for causal attention without a dense T x T mask. Grouped-query attention
+(``num_kv_heads``) runs natively: the kernels index K/V heads, never repeat them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+from flax.nnx.nn.dtypes import promote_dtype as _flax_promote_dtype
+
+from jaxflash import _flax
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any | None = None,
+    precision: Any = None,
+    module: nnx.Module | None = None,
+    promote_dtype: Callable[..., Any] = _flax_promote_dtype,
+    is_causal: bool = False,
+    **kwargs: Any,
+) -> jax.Array:
+  """`flax.nnx.dot_product_attention` computed by jaxflash (same signature, plus ``**kwargs``).
+
+  Arrays are ``[batch..., length, heads, depth]`` (key/value may have fewer heads: GQA);
+  ``query`` arrives unscaled and is scaled by ``1 / sqrt(depth)``. ``mask`` (bool or float,
+  nonzero = attend) and ``bias`` broadcast to ``[batch..., heads, q_length, kv_length]``.
+  Dropout (``dropout_rate``, ``dropout_rng``, ``deterministic``, ``broadcast_dropout``) runs
+  inside the kernels. ``is_causal`` applies a causal mask without materialising it.
+
+  Falls back to Flax's own implementation for what the kernels cannot serve: ``module``
+  (sowing the T x S weights), ``precision``, a value depth different from the query depth, or
+  non-float inputs. Other keywords that nnx may pass (e.g. ``input_positions``) are accepted
+  when None and refused with a TypeError otherwise, since Flax's default function has no use for
+  them either.
+
+  Query rows that can see no key give zeros (Flax gives the mean of the values there).
+  """
+  unknown = sorted(name for name, val in kwargs.items() if val is not None)
+  if unknown:
+    raise TypeError(f"jaxflash.nnx.dot_product_attention got unsupported keywords {unknown}")
+  query, key, value = promote_dtype((query, key, value), dtype=dtype)
+  if module is not None or precision is not None or not _flax.kernel_can_serve(query, key,
+                                                                                 value):
+    return nnx.dot_product_attention(
+        query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
+        deterministic, dtype, precision, module, promote_dtype=promote_dtype,
+        is_causal=is_causal)
+  return _flax.attend(query, key, value, bias, mask, broadcast_dropout=broadcast_dropout,
+                      dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+                      deterministic=deterministic, is_causal=is_causal)
+
+
+class MultiHeadAttention(nnx.MultiHeadAttention):
+  """`flax.nnx.MultiHeadAttention` with jaxflash attention by default.
+
+  Same constructor, call signature and parameter tree as Flax's class; only the default of
+  ``attention_fn`` differs.
+  """
+
+  def __init__(self, *args: Any, attention_fn: Callable[..., jax.Array] = dot_product_attention,
+               **kwargs: Any):
+    super().__init__(*args, attention_fn=attention_fn, **kwargs)

@@ -1,0 +1,265 @@
+"""The Flax layer: jaxflash's linen/nnx hooks and modules against Flax's own, in float32.
+
+Same parameters -> same outputs and parameter gradients under causal, padding and combined Flax
+masks; checkpoints of Flax modules load unchanged; dropout trains under jit; decode mode; GQA;
+fallbacks to Flax for what the kernels cannot serve. On a CPU the hooks run jaxflash's `xla`
+backend (the Triton kernels are covered against the same reference in `test_attention.py`).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import jaxflash.linen
+import jaxflash.nnx
+from checks import rel_err
+
+B, T, D, HEADS = 2, 24, 32, 4
+TOL = 2e-5
+
+
+def _inputs(seed=0):
+  x = jax.random.normal(jax.random.key(seed), (B, T, D))
+  lengths = jnp.array([T, 17])
+  padding = jnp.arange(T)[None, :] < lengths[:, None]  # [B, T]
+  return x, padding
+
+
+def _flax_masks(padding):
+  causal = nn.make_causal_mask(jnp.ones((B, T)))  # float32 [B, 1, T, T]
+  pad = nn.make_attention_mask(padding, padding)  # float32, padded rows fully masked
+  return {"causal": causal, "padding": pad, "combined": nn.combine_masks(causal, pad),
+          "bool_keys": jnp.broadcast_to(padding[:, None, None, :], (B, 1, T, T))}
+
+
+def _assert_grads_close(got, want):
+  """Leaf by leaf, relative to the largest gradient: the key projection's bias has an exactly
+  zero gradient (softmax ignores a per-row constant), so its own relative error is noise."""
+  scale = max(float(jnp.linalg.norm(w)) for w in jax.tree.leaves(want))
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert float(jnp.linalg.norm(g - w)) < TOL * scale
+
+
+def _loss_weights(padding):
+  """Padded query rows see no key; a real model drops them from the loss, and so do we (Flax
+  returns the mean of the values there, jaxflash zeros)."""
+  return padding[:, :, None].astype(jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# linen
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "padding", "combined", "bool_keys",
+                                       "is_causal", "is_causal_and_padding"])
+def test_linen_module_matches_flax(mask_kind):
+  x, padding = _inputs()
+  masks = _flax_masks(padding)
+  flax_mask = {"is_causal": masks["causal"], "is_causal_and_padding": masks["combined"],
+               "none": None}.get(mask_kind, masks.get(mask_kind))
+  our_mask = {"is_causal": None, "is_causal_and_padding": masks["padding"]}.get(
+      mask_kind, flax_mask)
+  ref = nn.MultiHeadDotProductAttention(num_heads=HEADS)
+  ours = jaxflash.linen.MultiHeadDotProductAttention(num_heads=HEADS,
+                                                     is_causal=mask_kind.startswith("is_"))
+  params = ref.init(jax.random.key(1), x)  # a Flax checkpoint, loaded into our module as is
+  weights = _loss_weights(padding)
+
+  def loss(module, mask):
+    return lambda p: jnp.sum(module.apply(p, x, mask=mask) * weights)
+
+  assert rel_err(ours.apply(params, x, mask=our_mask) * weights,
+                 ref.apply(params, x, mask=flax_mask) * weights) < TOL
+  got = jax.jit(jax.grad(loss(ours, our_mask)))(params)
+  want = jax.grad(loss(ref, flax_mask))(params)
+  _assert_grads_close(got, want)
+
+
+def test_linen_parameter_trees_and_names_match():
+  x, _ = _inputs()
+
+  class Model(nn.Module):
+    use_jaxflash: bool
+
+    @nn.compact
+    def __call__(self, x):
+      lib = jaxflash.linen if self.use_jaxflash else nn
+      return (lib.SelfAttention(num_heads=HEADS)(x)
+              + lib.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)(x)
+              + lib.MultiHeadAttention(num_heads=2)(x))
+
+  ref = Model(False).init(jax.random.key(0), x)
+  ours = Model(True).init(jax.random.key(0), x)
+  assert jax.tree.structure(ref) == jax.tree.structure(ours)
+  assert all(a.shape == b.shape for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(ours)))
+  assert rel_err(Model(True).apply(ref, x), Model(False).apply(ref, x)) < TOL
+
+
+def test_linen_hook_in_flax_class_with_bias_and_batch_axes():
+  """The one-line swap (attention_fn=) and the bare hook: extra batch axes, bias, float mask."""
+  x, padding = _inputs()
+  mask = _flax_masks(padding)["causal"]
+  ref = nn.MultiHeadDotProductAttention(num_heads=HEADS)
+  swapped = nn.MultiHeadDotProductAttention(num_heads=HEADS,
+                                            attention_fn=jaxflash.linen.dot_product_attention)
+  params = ref.init(jax.random.key(1), x)
+  assert rel_err(swapped.apply(params, x, mask=mask), ref.apply(params, x, mask=mask)) < TOL
+
+  keys = jax.random.split(jax.random.key(2), 4)
+  q, k, v = (jax.random.normal(key, (2, 3, 11, 4, 8)) for key in keys[:3])  # two batch axes
+  bias = jax.random.normal(keys[3], (3, 4, 11, 11))
+  mask = jnp.tril(jnp.ones((11, 11)))  # float, broadcast over batch axes and heads
+  want = nn.dot_product_attention(q, k, v, bias, mask)
+  assert rel_err(jaxflash.linen.dot_product_attention(q, k, v, bias, mask), want) < TOL
+  unbatched = jaxflash.linen.dot_product_attention(q[0, 0], k[0, 0], v[0, 0], bias[0], mask)
+  assert rel_err(unbatched, want[0, 0]) < TOL
+
+
+def test_linen_dropout_trains_under_jit():
+  x, _ = _inputs()
+  model = jaxflash.linen.MultiHeadDotProductAttention(num_heads=HEADS, dropout_rate=0.3,
+                                                      is_causal=True)
+  params = model.init(jax.random.key(0), x, deterministic=True)
+  target = jax.random.normal(jax.random.key(5), x.shape)
+
+  @jax.jit
+  def step(params, rng):
+    def loss(p):
+      out = model.apply(p, x, deterministic=False, rngs={"dropout": rng})
+      return jnp.mean((out - target) ** 2)
+    value, grads = jax.value_and_grad(loss)(params)
+    return value, jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+
+  first, _ = step(params, jax.random.key(1))
+  again, _ = step(params, jax.random.key(1))
+  other, _ = step(params, jax.random.key(2))
+  assert first == again and first != other
+  losses = []
+  for i in range(30):
+    value, params = step(params, jax.random.key(10 + i))
+    losses.append(float(value))
+  assert np.isfinite(losses).all() and np.mean(losses[-5:]) < np.mean(losses[:5])
+  # deterministic=True means no dropout at all
+  clean = model.apply(params, x, deterministic=True)
+  plain = jaxflash.linen.MultiHeadDotProductAttention(num_heads=HEADS, is_causal=True)
+  assert rel_err(clean, plain.apply(params, x)) < TOL
+
+
+def test_linen_decode_matches_full_causal():
+  x, _ = _inputs()
+  model = jaxflash.linen.MultiHeadDotProductAttention(num_heads=HEADS, decode=True,
+                                                      is_causal=True)
+  full = jaxflash.linen.MultiHeadDotProductAttention(num_heads=HEADS, is_causal=True)
+  params = full.init(jax.random.key(0), x)
+  cache = model.init(jax.random.key(0), x)["cache"]  # shapes the cache for T tokens
+  outs = []
+  for t in range(T):
+    out, updated = model.apply({"params": params["params"], "cache": cache}, x[:, t:t + 1],
+                               mutable=["cache"])
+    cache = updated["cache"]
+    outs.append(out)
+  assert rel_err(jnp.concatenate(outs, axis=1), full.apply(params, x)) < TOL
+
+
+def test_linen_falls_back_for_what_kernels_cannot_serve():
+  """Sowing the weights, explicit precision: Flax's implementation answers (not ignored)."""
+  x, _ = _inputs()
+  ours = jaxflash.linen.MultiHeadDotProductAttention(num_heads=HEADS, is_causal=True)
+  params = ours.init(jax.random.key(0), x)
+  out, state = ours.apply(params, x, sow_weights=True, mutable=["intermediates"])
+  weights = state["intermediates"]["attention_weights"][0]
+  assert weights.shape == (B, HEADS, T, T)
+  np.testing.assert_allclose(np.triu(np.asarray(weights), 1), 0.0)  # causal was honoured
+  assert rel_err(out, ours.apply(params, x)) < TOL
+  precise = jaxflash.linen.MultiHeadDotProductAttention(
+      num_heads=HEADS, precision=jax.lax.Precision.HIGHEST, is_causal=True)
+  assert rel_err(precise.apply(params, x), ours.apply(params, x)) < TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# nnx
+
+
+@pytest.mark.parametrize("kv_heads", [HEADS, 2])
+@pytest.mark.parametrize("mask_kind", ["none", "combined", "is_causal", "is_causal_and_padding"])
+def test_nnx_module_matches_flax(mask_kind, kv_heads):
+  x, padding = _inputs()
+  masks = _flax_masks(padding)
+  causal = mask_kind.startswith("is_")
+  mask = {"none": None, "combined": masks["combined"], "is_causal": None,
+          "is_causal_and_padding": masks["padding"]}[mask_kind]
+  ref = nnx.MultiHeadAttention(HEADS, D, num_kv_heads=kv_heads, decode=False,
+                               rngs=nnx.Rngs(0))
+  ours = jaxflash.nnx.MultiHeadAttention(HEADS, D, num_kv_heads=kv_heads, decode=False,
+                                         rngs=nnx.Rngs(1))
+  nnx.update(ours, nnx.state(ref, nnx.Param))  # load the Flax module's parameters
+  weights = _loss_weights(padding)
+
+  def loss(module):
+    return jnp.sum(module(x, mask=mask, is_causal=causal) * weights)
+
+  assert rel_err(ours(x, mask=mask, is_causal=causal) * weights,
+                 ref(x, mask=mask, is_causal=causal) * weights) < TOL
+  _assert_grads_close(nnx.state(nnx.grad(loss)(ours)), nnx.state(nnx.grad(loss)(ref)))
+
+
+def test_nnx_state_trees_match_and_hook_swap():
+  x, _ = _inputs()
+  ref = nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=nnx.Rngs(0))
+  ours = jaxflash.nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=nnx.Rngs(0))
+  assert jax.tree.structure(nnx.state(ref, nnx.Param)) == jax.tree.structure(
+      nnx.state(ours, nnx.Param))
+  swapped = nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=nnx.Rngs(0),
+                                   attention_fn=jaxflash.nnx.dot_product_attention)
+  assert rel_err(swapped(x, is_causal=True), ref(x, is_causal=True)) < TOL
+
+
+def test_nnx_dropout_and_decode():
+  x, _ = _inputs()
+  model = jaxflash.nnx.MultiHeadAttention(HEADS, D, dropout_rate=0.2, decode=False,
+                                          deterministic=False, rngs=nnx.Rngs(0, dropout=1))
+
+  @nnx.jit
+  def loss_and_grad(model):
+    return nnx.value_and_grad(lambda m: jnp.mean(m(x, is_causal=True) ** 2))(model)
+
+  a, grads = loss_and_grad(model)
+  b, _ = loss_and_grad(model)  # the dropout stream advanced: a new mask
+  assert np.isfinite(a) and a != b
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+  clean = model(x, is_causal=True, deterministic=True)
+  assert rel_err(clean, jaxflash.nnx.MultiHeadAttention(
+      HEADS, D, decode=False, rngs=nnx.Rngs(0))(x, is_causal=True)) < TOL
+
+  step = jaxflash.nnx.MultiHeadAttention(HEADS, D, decode=True, rngs=nnx.Rngs(3))
+  full = jaxflash.nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=nnx.Rngs(3))
+  step.init_cache(x.shape)
+  # is_causal=True is ignored in decode mode: the cache mask is already causal
+  outs = [step(x[:, t:t + 1], is_causal=True) for t in range(T)]
+  assert rel_err(jnp.concatenate(outs, axis=1), full(x, is_causal=True)) < TOL
+
+
+def test_nnx_fallbacks_and_refusals():
+  x, _ = _inputs()
+  ours = jaxflash.nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=nnx.Rngs(0))
+  out = ours(x, is_causal=True, sow_weights=True)
+  weights = nnx.pop(ours, nnx.Intermediate)
+  assert jax.tree.leaves(weights)[0].shape == (B, HEADS, T, T)
+  assert rel_err(out, ours(x, is_causal=True)) < TOL
+  q = jax.random.normal(jax.random.key(0), (B, T, HEADS, 8))
+  with pytest.raises(TypeError, match="input_positions"):
+    jaxflash.nnx.dot_product_attention(q, q, q, input_positions=jnp.arange(T))
+
+
+@pytest.mark.parametrize("hook", [jaxflash.linen.dot_product_attention,
+                                  jaxflash.nnx.dot_product_attention])
+def test_rows_with_no_visible_key_are_zero(hook):
+  q = jax.random.normal(jax.random.key(0), (1, 6, 2, 8))
+  mask = jnp.ones((1, 1, 6, 6)).at[:, :, 4:].set(0.0)
+  out = hook(q, q, q, mask=mask)
+  np.testing.assert_array_equal(np.asarray(out[:, 4:]), 0.0)
+  assert rel_err(out[:, :4], nn.dot_product_attention(q, q, q, mask=mask)[:, :4]) < TOL
