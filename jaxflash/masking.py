@@ -98,6 +98,23 @@ def kv_block_range(q_start, q_stop, kv_len, window: Window, block_k: int):
   return _floordiv(k_start, block_k), _cdiv(_max(k_stop, 0), block_k)
 
 
+def kv_full_block_range(q_start, q_stop, kv_len, window: Window, block_k: int):
+  """Key blocks ``[lo, hi)`` whose every key is visible to every row in ``[q_start, q_stop)``
+  as far as the window and ``kv_len`` go (segments and dense masks are the caller's to rule out).
+
+  Kernels visit these blocks without computing an element mask: causal attention then masks only
+  the blocks on the diagonal, and full attention only the last, partial block. ``hi <= lo``
+  means there are none; the caller clips the range into `kv_block_range`'s.
+  """
+  hi = _floordiv(_max(kv_len, 0), block_k)  # blocks entirely below kv_len (and so below S)
+  if window.right is not None:  # last key <= first row + right
+    hi = _min(hi, _floordiv(_max(q_start + window.right + 1, 0), block_k))
+  lo = 0
+  if window.left is not None:  # first key >= last row - left
+    lo = _cdiv(_max(q_stop - 1 - window.left, 0), block_k)
+  return lo, hi
+
+
 def q_block_range(k_start, k_stop, q_len, window: Window, block_q: int):
   """Query blocks ``[lo, hi)`` that can hold a row seeing a key in ``[k_start, k_stop)``.
 

@@ -141,13 +141,16 @@ def _at(ref, *index):
 
 
 def _masked_logits(q, k, rows, cols, tile_ok, kv_len, params: Params, q_seg, kv_seg, bias_ref,
-                   mask_ref):
+                   mask_ref, masked: bool = True):
   """Base-2 logits of one (query, key) tile, invisible entries at -inf; also the soft-cap tanh.
 
-  ``bias_ref``/``mask_ref`` are refs already positioned on this tile (or None).
+  ``bias_ref``/``mask_ref`` are refs already positioned on this tile (or None). ``masked=False``
+  is for tiles `_full_blocks` names: every entry is visible, so no element mask is computed.
   """
   bias = None if bias_ref is None else _load(bias_ref, mask=tile_ok, other=0.0)
   s2, cap_t = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, bias)
+  if not masked:
+    return s2, cap_t
   dense = None if mask_ref is None else _load(mask_ref, mask=tile_ok, other=0)
   return jnp.where(_visible(rows, cols, params, kv_len, q_seg, kv_seg, dense), s2,
                    -jnp.inf), cap_t
@@ -161,6 +164,19 @@ class _Optional(NamedTuple):
   mask: object = None
   bias: object = None
   seed: object = None  # uint32 [2] dropout seed
+
+
+def _full_blocks(lo, hi, q_start, q_stop, kv_len, params: Params, shape: _Shape, block_k: int):
+  """Splits the visited key blocks ``[lo, hi)`` into ``[lo, a)``, ``[a, b)``, ``[b, hi)`` where
+  the middle blocks need no element mask (window and lengths leave all of them visible).
+
+  Segments or a dense mask can hide any entry, so with them every block stays masked.
+  """
+  if shape.has_segments or shape.has_mask:
+    return hi, hi
+  full_lo, full_hi = masking.kv_full_block_range(q_start, q_stop, kv_len, params.window, block_k)
+  a = jnp.clip(full_lo, lo, hi)
+  return a, jnp.clip(full_hi, a, hi)
 
 
 def _optional_refs(refs, shape: _Shape):
@@ -200,17 +216,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: 
   q_seg = None if opt.q_seg is None else _load(opt.q_seg, mask=row_ok, other=-1)
   stream = _dropout_stream(opt, params, pl.program_id(1), pl.program_id(2))
 
-  def body(j, carry):
+  def body(j, carry, masked: bool):
     acc, m, l = carry
     k_start = j * block_k
     cols, col_ok = shape.bounds(k_start, block_k, shape.seq_k)
+    if not masked:
+      col_ok = None  # a full block lies below kv_len <= S
     kv_ok = _tile_ok(col_ok, dim_ok)
     keys = pl.ds(k_start, block_k)
     k = _load(k_ref.at[keys, :], mask=kv_ok, other=0.0)
     kv_seg = None if opt.kv_seg is None else _load(opt.kv_seg.at[keys], mask=col_ok, other=-2)
     s2, _ = _masked_logits(q, k, rows, cols, _tile_ok(row_ok, col_ok), kv_len, params, q_seg,
                            kv_seg, _at(opt.bias, slice(None), keys),
-                           _at(opt.mask, slice(None), keys))
+                           _at(opt.mask, slice(None), keys), masked)
     # Online softmax. A row that has seen no visible key yet keeps m = -inf; shifting by 0 instead
     # keeps exp2 finite (exp2(-inf) = 0) so such rows stay at l = 0, acc = 0 without NaN.
     m_new = jnp.maximum(m, jnp.max(s2, axis=1))
@@ -230,7 +248,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: 
   hi = jnp.where(q_start < q_len, hi, lo)  # the whole tile is query padding
   init = (jnp.zeros((block_q, shape.head_dim_p), jnp.float32),
           jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
-  acc, m, l = lax.fori_loop(lo, hi, body, init)
+  full_lo, full_hi = _full_blocks(lo, hi, q_start, q_stop, kv_len, params, shape, block_k)
+  carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), init)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+  acc, m, l = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
 
   seen = jnp.logical_and(rows < q_len, l > 0.0)
   inv_l = (1.0 if stream is None else params.keep_scale) / jnp.where(seen, l, 1.0)
@@ -329,9 +350,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shap
   q_seg = None if opt.q_seg is None else _load(opt.q_seg, mask=row_ok, other=-1)
   stream = _dropout_stream(opt, params, pl.program_id(1), pl.program_id(2))
 
-  def body(j, dq):
+  def body(j, dq, masked: bool):
     k_start = j * block_k
     cols, col_ok = shape.bounds(k_start, block_k, shape.seq_k)
+    if not masked:
+      col_ok = None  # a full block lies below kv_len <= S
     kv_ok = _tile_ok(col_ok, dim_ok)
     keys = pl.ds(k_start, block_k)
     k = _load(k_ref.at[keys, :], mask=kv_ok, other=0.0)
@@ -339,7 +362,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shap
     kv_seg = None if opt.kv_seg is None else _load(opt.kv_seg.at[keys], mask=col_ok, other=-2)
     s2, cap_t = _masked_logits(q, k, rows, cols, _tile_ok(row_ok, col_ok), kv_len, params, q_seg,
                                kv_seg, _at(opt.bias, slice(None), keys),
-                               _at(opt.mask, slice(None), keys))
+                               _at(opt.mask, slice(None), keys), masked)
     p = jnp.exp2(s2 - lse2[:, None])
     keep = _keep(stream, rows, k_start, block_k, params)
     dp = _core.dropped(plgpu.dot(do, v, trans_b=True), keep, params)
@@ -349,7 +372,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Shap
   q_stop = jnp.minimum(q_start + block_q, q_len)
   lo, hi = masking.kv_block_range(q_start, q_stop, kv_len, params.window, block_k)
   hi = jnp.where(q_start < q_len, hi, lo)
-  dq = lax.fori_loop(lo, hi, body, jnp.zeros((block_q, shape.head_dim_p), jnp.float32))
+  full_lo, full_hi = _full_blocks(lo, hi, q_start, q_stop, kv_len, params, shape, block_k)
+  dq = jnp.zeros((block_q, shape.head_dim_p), jnp.float32)
+  dq = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), dq)
+  dq = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), dq)
+  dq = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), dq)
   plgpu.store(dq_ref, (dq * params.scale).astype(dq_ref.dtype), mask=q_ok)
 
 

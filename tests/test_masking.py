@@ -305,3 +305,27 @@ def test_visible_under_jit():
   for q_len, kv_len in [(12, 9), (5, 9), (12, 4), (0, 3)]:
     np.testing.assert_array_equal(f(jnp.int32(q_len), jnp.int32(kv_len)),
                                   brute_visible(12, 9, False, (3, 1), q_len, kv_len))
+
+
+def test_full_block_range_is_sound_and_tight():
+  """kv_full_block_range names only tiles where every (row that matters, key) is visible, and,
+  for full and causal attention, every such tile; int32 arguments give the same answer."""
+  for case in random_cases(seed=7):
+    t, s, bq, bk, q_len, kv_len = (case[x] for x in ("t", "s", "bq", "bk", "q_len", "kv_len"))
+    window = make_window(case["is_causal"], case["window_size"])
+    vis = brute_visible(t, s, case["is_causal"], case["window_size"], q_len, kv_len)
+    nk = _cdiv(s, bk)
+    for i in range(_cdiv(t, bq)):
+      q0, q_stop = i * bq, min((i + 1) * bq, t, q_len)
+      if q_stop <= q0:
+        continue  # the whole tile is query padding: kernels visit nothing
+      lo, hi = masking.kv_full_block_range(q0, q_stop, kv_len, window, bk)
+      traced = masking.kv_full_block_range(jnp.int32(q0), jnp.int32(q_stop), jnp.int32(kv_len),
+                                           window, bk)
+      assert _as_ints(traced) == (lo, hi), case
+      full = [j for j in range(nk) if (j + 1) * bk <= s and vis[q0:q_stop, j * bk:(j + 1) * bk].all()]
+      named = list(range(max(lo, 0), min(hi, nk)))
+      where = f"{case}, query block {i}: named {named}, full {full}"
+      assert set(named) <= set(full), "a named block has a hidden entry: " + where
+      if case["kind"] in ("full", "causal"):
+        assert named == full, "full/causal full-block range not tight: " + where
