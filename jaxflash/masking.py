@@ -115,32 +115,6 @@ def kv_full_block_range(q_start, q_stop, kv_len, window: Window, block_k: int):
   return lo, hi
 
 
-def q_full_block_range(k_start, block_k: int, kv_len, window: Window, block_q: int):
-  """Query blocks ``[lo, hi)`` whose every row sees every key of the key block at ``k_start``
-  as far as the window and ``kv_len`` go; the mirror of `kv_full_block_range` for dK/dV.
-
-  Rows past ``q_len`` need no mask either (their LSE is +inf, so their P is 0). ``hi`` may exceed
-  the number of query blocks, and ``hi <= lo`` means there are none; the caller clips the range
-  into `q_block_range`'s.
-  """
-  if isinstance(k_start, int) and isinstance(kv_len, int):
-    whole = k_start + block_k <= kv_len
-  else:
-    whole = jnp.asarray(k_start + block_k) <= kv_len
-  lo = 0
-  if window.right is not None:  # last key <= first row + right
-    lo = _cdiv(_max(k_start + block_k - 1 - window.right, 0), block_q)
-  hi = 1 << 30
-  if window.left is not None:  # first key >= last row - left
-    hi = _floordiv(_max(k_start + window.left + 1, 0), block_q)
-  if isinstance(whole, bool):
-    return (lo, hi) if whole else (0, 0)
-  # int32 on both sides: the Triton lowering mistypes a select between two Python ints.
-  zero = jnp.int32(0)
-  return (jnp.where(whole, jnp.asarray(lo, jnp.int32), zero),
-          jnp.where(whole, jnp.asarray(hi, jnp.int32), zero))
-
-
 def q_block_range(k_start, k_stop, q_len, window: Window, block_q: int):
   """Query blocks ``[lo, hi)`` that can hold a row seeing a key in ``[k_start, k_stop)``.
 

@@ -400,21 +400,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Sha
   batch, first_head = pl.program_id(1), pl.program_id(2) * shape.groups
   k_stop = jnp.minimum(k_start + block_k, kv_len)
   lo, hi = masking.q_block_range(k_start, k_stop, q_len, params.window, block_q)
-  hi = jnp.maximum(jnp.where(k_start < kv_len, hi, lo), lo)  # the key block is all padding
-  # Query blocks that see all of this key block need no element mask (segments or a dense mask
-  # can hide anything, so with them every block stays masked).
-  full_lo = full_hi = hi
-  if not (shape.has_segments or shape.has_mask):
-    full_lo, full_hi = masking.q_full_block_range(k_start, block_k, kv_len, params.window,
-                                                  block_q)
-    full_lo = jnp.clip(full_lo, lo, hi)
-    full_hi = jnp.clip(full_hi, full_lo, hi)
+  num_q_blocks = jnp.maximum(jnp.where(k_start < kv_len, hi - lo, 0), 0)
 
-  def body(step, carry, first, count, masked: bool):
-    # One flat loop over (query head of this K/V head's group, query block in [first, +count)).
+  def body(step, carry):
+    # One flat loop over (query head of this K/V head's group, query block).
     dk, dv = carry
-    g = lax.div(step, count)
-    q_start = (first + lax.rem(step, count)) * block_q
+    g = lax.div(step, num_q_blocks)
+    q_start = (lo + lax.rem(step, num_q_blocks)) * block_q
     rows, row_ok = shape.bounds(q_start, block_q, shape.seq_q)
     q_ok = _tile_ok(row_ok, dim_ok)
     q = _load(q_ref.at[pl.ds(q_start, block_q), g, :], mask=q_ok, other=0.0)
@@ -432,7 +424,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Sha
       return ref.at[g if ref.shape[0] > 1 else jnp.int32(0), pl.ds(q_start, block_q), :]
 
     s2, cap_t = _masked_logits(q, k, rows, cols, _tile_ok(row_ok, col_ok), kv_len, params, q_seg,
-                               kv_seg, dense_tile(opt.bias), dense_tile(opt.mask), masked)
+                               kv_seg, dense_tile(opt.bias), dense_tile(opt.mask))
     p = jnp.exp2(s2 - lse2[:, None])
     keep = _keep(_dropout_stream(opt, params, batch, first_head + g), rows, k_start, block_k,
                  params)
@@ -443,13 +435,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: _Sha
     return dk, dv
 
   zeros = jnp.zeros((block_k, shape.head_dim_p), jnp.float32)
-  carry = (zeros, zeros)
-  for first, stop, masked in ((lo, full_lo, True), (full_lo, full_hi, False),
-                              (full_hi, hi, True)):
-    count = stop - first
-    carry = lax.fori_loop(0, shape.groups * count, functools.partial(
-        body, first=first, count=count, masked=masked), carry)
-  dk, dv = carry
+  dk, dv = lax.fori_loop(0, shape.groups * num_q_blocks, body, (zeros, zeros))
   plgpu.store(dk_ref, (dk * params.scale).astype(dk_ref.dtype), mask=kv_ok)
   plgpu.store(dv_ref, dv.astype(dv_ref.dtype), mask=kv_ok)
 

@@ -329,28 +329,3 @@ def test_full_block_range_is_sound_and_tight():
       assert set(named) <= set(full), "a named block has a hidden entry: " + where
       if case["kind"] in ("full", "causal"):
         assert named == full, "full/causal full-block range not tight: " + where
-
-
-def test_q_full_block_range_is_sound_and_tight():
-  """The dK/dV mirror: named query blocks see every key of the key block (rows that matter)."""
-  for case in random_cases(seed=8):
-    t, s, bq, bk, q_len, kv_len = (case[x] for x in ("t", "s", "bq", "bk", "q_len", "kv_len"))
-    window = make_window(case["is_causal"], case["window_size"])
-    vis = brute_visible(t, s, case["is_causal"], case["window_size"], q_len, kv_len)
-    nq = _cdiv(t, bq)
-    for j in range(_cdiv(s, bk)):
-      k0 = j * bk
-      lo, hi = masking.q_full_block_range(k0, bk, kv_len, window, bq)
-      traced = masking.q_full_block_range(jnp.int32(k0), bk, jnp.int32(kv_len), window, bq)
-      assert _as_ints(traced) == (lo, hi), case
-      def all_visible(i):
-        rows = slice(i * bq, min((i + 1) * bq, t, q_len))
-        return k0 + bk <= s and vis[rows, k0:k0 + bk].all()
-      full = [i for i in range(nq) if all_visible(i)]
-      named = list(range(max(lo, 0), min(hi, nq)))
-      where = f"{case}, key block {j}: named {named}, full {full}"
-      assert set(named) <= set(full), "a named block has a hidden entry: " + where
-      if case["kind"] in ("full", "causal") and k0 + bk <= kv_len:
-        # tight among query blocks that hold a row that matters
-        assert [i for i in named if i * bq < q_len] == [i for i in full if i * bq < q_len], \
-            "full/causal range not tight: " + where
