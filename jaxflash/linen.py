@@ -17,7 +17,6 @@ import inspect
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen.dtypes import promote_dtype
 
