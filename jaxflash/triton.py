@@ -57,19 +57,35 @@ class BlockSizes:
   num_stages_bwd: int = 2
 
 
-def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
-  """Tile sizes that fit shared memory for this head dim and dtype (tuned on an H100/H200)."""
+def default_block_sizes(head_dim: int, dtype, causal: bool = False,
+                        seq_len: int | None = None) -> BlockSizes:
+  """Tile sizes for this head dim, dtype, mask shape and query length (tuned on an H200).
+
+  ``causal`` is true for any window that ends at or before the diagonal. Triangular grids change
+  what is fastest: a 64-row forward tile wastes less of the diagonal block on short sequences,
+  and a single-stage backward pipeline suits the shorter key loops at D = 64. The measurements
+  behind each choice are in ``benchmarks/NOTES.md`` and ``benchmarks/results/tuning/``.
+  """
   head_dim = _pow2(head_dim)
   wide = jnp.dtype(dtype).itemsize > 2  # float32 tiles take twice the shared memory
+  short = seq_len is not None and seq_len <= 1024
   if head_dim <= 64:
-    return BlockSizes(128, 64, 4, 3, 64, 64, 4, 2)
+    return BlockSizes(64, 64, 4, 3, 64, 64, 4, 1 if causal else 2)
   if head_dim <= 128:
     if wide:
       return BlockSizes(64, 64, 4, 2, 32, 64, 4, 2)
+    if causal and short:
+      return BlockSizes(64, 64, 4, 3, 64, 64, 4, 2)
     return BlockSizes(128, 64, 8, 3, 64, 64, 4, 2)
   if wide:
     return BlockSizes(32, 32, 4, 2, 16, 32, 4, 1)
   return BlockSizes(64, 64, 8, 2, 32, 64, 8, 1)
+
+
+def _block_sizes(inputs: Inputs, params: Params) -> BlockSizes:
+  causal = params.window.right is not None and params.window.right <= 0
+  q = inputs.query
+  return default_block_sizes(q.shape[-1], q.dtype, causal, q.shape[1])
 
 
 def _pow2(n: int) -> int:
@@ -141,19 +157,28 @@ def _at(ref, *index):
 
 
 def _masked_logits(q, k, rows, cols, tile_ok, kv_len, params: Params, q_seg, kv_seg, bias_ref,
-                   mask_ref, masked: bool = True):
+                   mask_ref, masked: bool = True, raw: bool = False):
   """Base-2 logits of one (query, key) tile, invisible entries at -inf; also the soft-cap tanh.
 
   ``bias_ref``/``mask_ref`` are refs already positioned on this tile (or None). ``masked=False``
   is for tiles `_full_blocks` names: every entry is visible, so no element mask is computed.
+  ``raw=True`` (only where `_folds_scale` holds) returns the unscaled ``q @ k.T`` instead, for a
+  caller that applies ``scale * log2(e)`` itself, fused into a later multiply-add.
   """
   bias = None if bias_ref is None else _load(bias_ref, mask=tile_ok, other=0.0)
-  s2, cap_t = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, bias)
+  qk = plgpu.dot(q, k, trans_b=True)
+  s2, cap_t = (qk, None) if raw else _core.logits_base2(qk, params, bias)
   if not masked:
     return s2, cap_t
   dense = None if mask_ref is None else _load(mask_ref, mask=tile_ok, other=0)
   return jnp.where(_visible(rows, cols, params, kv_len, q_seg, kv_seg, dense), s2,
                    -jnp.inf), cap_t
+
+
+def _folds_scale(params: Params, shape: "_Shape") -> bool:
+  """Whether base-2 logits are just ``c * q @ k.T`` with ``c > 0`` (no cap, no bias), so that a
+  row max of the raw product, times ``c``, is the row max of the logits."""
+  return params.logits_soft_cap is None and not shape.has_bias and params.scale > 0
 
 
 class _Optional(NamedTuple):
@@ -216,6 +241,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: 
   q_seg = None if opt.q_seg is None else _load(opt.q_seg, mask=row_ok, other=-1)
   stream = _dropout_stream(opt, params, pl.program_id(1), pl.program_id(2))
 
+  # With a plain positive scale the tile's max is taken on the raw q @ k.T and scaled per row;
+  # the per-entry scale then rides in the exp2 argument's multiply-add, saving one float32
+  # multiply per logit on the forward's critical path.
+  fold = _folds_scale(params, shape)
+  c = params.scale * _core.LOG2_E if fold else 1.0
+
   def body(j, carry, masked: bool):
     acc, m, l = carry
     k_start = j * block_k
@@ -228,13 +259,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, len_ref, *refs, params: Params, shape: 
     kv_seg = None if opt.kv_seg is None else _load(opt.kv_seg.at[keys], mask=col_ok, other=-2)
     s2, _ = _masked_logits(q, k, rows, cols, _tile_ok(row_ok, col_ok), kv_len, params, q_seg,
                            kv_seg, _at(opt.bias, slice(None), keys),
-                           _at(opt.mask, slice(None), keys), masked)
+                           _at(opt.mask, slice(None), keys), masked, raw=fold)
     # Online softmax. A row that has seen no visible key yet keeps m = -inf; shifting by 0 instead
-    # keeps exp2 finite (exp2(-inf) = 0) so such rows stay at l = 0, acc = 0 without NaN.
-    m_new = jnp.maximum(m, jnp.max(s2, axis=1))
-    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp2(s2 - m_shift[:, None])
+    # keeps exp2 finite (exp2(-inf) = 0) so such rows stay at l = 0, acc = 0 without NaN. In a
+    # full (unmasked) tile every entry is finite, so m_new is too.
+    m_new = jnp.maximum(m, jnp.max(s2, axis=1) * c if fold else jnp.max(s2, axis=1))
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
     alpha = jnp.exp2(m - m_shift)
+    p = jnp.exp2((s2 * c if fold else s2) - m_shift[:, None])
     v = _load(v_ref.at[keys, :], mask=kv_ok, other=0.0)
     # Dropout removes entries of P from the product with V only; l sums the undropped P, and
     # 1 / P(keep) is applied once, to the output.
@@ -286,7 +318,7 @@ def _forward(inputs: Inputs, params: Params):
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, h = q.shape
   s = k.shape[1]
-  bs = default_block_sizes(h, q.dtype)
+  bs = _block_sizes(inputs, params)
   shape = _shape(inputs)
   block_q, block_k = _fit(bs.block_q, t), _fit(bs.block_k, s)
   hp, g = shape.head_dim_p, shape.groups
@@ -559,7 +591,7 @@ def _backward(inputs: Inputs, params: Params, out, lse2, d_out, delta, want_dbia
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
-  bs = default_block_sizes(h, q.dtype)
+  bs = _block_sizes(inputs, params)
   shape = _shape(inputs)
   hp, g = shape.head_dim_p, shape.groups
   d_out = d_out.astype(q.dtype)
