@@ -1,47 +1,164 @@
-"""Plot a results JSON from bench.py: TFLOP/s against sequence length, one panel per
-(head dim, causal, mode), one line per implementation.
+"""Plots of benchmark results, written next to the JSON.
 
-    python benchmarks/plot.py benchmarks/results/h200_2026-11-21.json
+    python benchmarks/plot.py benchmarks/results/h200_2026-11-21.json         # -> ..._bf16.png ...
+    python benchmarks/plot.py benchmarks/results/h200_memory_2026-11-21.json  # -> ....png
+
+Speed results (bench.py): one figure per dtype; a row of panels per head dim (and one per GQA
+shape, titled e.g. "GQA 32/8 D=128"), a column per (causal, mode); TFLOP/s against sequence
+length, one line per implementation, an x where a result was flagged wrong. Memory results
+(memory.py): peak device memory and compiled temp bytes against S, log-log, one line per
+implementation, an X at its first failure. Colours follow the implementation everywhere.
+bench.py and memory.py call `plot_speed` and `plot_memory` directly.
 """
+
+from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
+import matplotlib.ticker
+from matplotlib.lines import Line2D
+
+# Fixed order, so an implementation keeps its colour across panels, figures and runs.
+IMPL_ORDER = ("jaxflash_triton", "jaxflash_xla", "xla", "cudnn", "pallas_mha")
+SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
-def main(path: str) -> None:
-  data = json.load(open(path))
-  rows = [r for r in data["rows"] if r.get("tflops")]
-  panels = sorted({(r["D"], r["causal"], r["mode"]) for r in rows})
-  impls = list(dict.fromkeys(r["impl"] for r in rows))
-  cols = 4
-  fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(4 * cols, 3.2 * -(-len(panels) // cols)),
-                           squeeze=False)
-  for ax, (d, causal, mode) in zip(axes.flat, panels):
+def colours(impls) -> dict[str, str]:
+  """A tab10 colour per implementation: the known ones by fixed position, others after them."""
+  names = list(IMPL_ORDER) + [i for i in impls if i not in IMPL_ORDER]
+  palette = plt.get_cmap("tab10").colors
+  return {name: matplotlib.colors.to_hex(palette[i % len(palette)]) for i, name in
+          enumerate(names)}
+
+
+def _seq_label(s: int) -> str:
+  return f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s)
+
+
+def _seq_axis(ax, seqs) -> None:
+  ax.set_xscale("log", base=2)
+  ticks = sorted(set(seqs))
+  ax.set_xticks(ticks, [_seq_label(s) for s in ticks])
+  ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+  ax.set_xlabel("sequence length")
+  ax.grid(alpha=0.3)
+
+
+def _legend(fig, colour: dict[str, str], impls, extra=()) -> None:
+  handles = [Line2D([], [], color=colour[i], marker="o", label=i) for i in impls]
+  fig.legend(handles=handles + list(extra), loc="lower center", ncol=len(handles) + len(extra),
+             fontsize=9, frameon=False)
+
+
+def plot_speed(result: dict, stem) -> list[Path]:
+  """One PNG per dtype, ``<stem>_<dtype>.png``; returns the paths."""
+  rows = [r for r in result["rows"] if r.get("mode")]
+  env, cfg = result["environment"], result.get("config", {})
+  colour = colours(dict.fromkeys(r["impl"] for r in rows))
+  paths = []
+  for dtype in dict.fromkeys(r["dtype"] for r in rows):
+    sub = [r for r in rows if r["dtype"] == dtype]
+    impls = [i for i in colour if any(r["impl"] == i for r in sub)]
+    # A panel row per (GQA?, N, K, D), MHA first; a column per (causal, mode).
+    groups = sorted({(r.get("K", r["N"]) != r["N"], r["D"], r["N"], r.get("K", r["N"]))
+                     for r in sub})
+    columns = sorted({(r["causal"], r["mode"]) for r in sub})
+    fig, axes = plt.subplots(len(groups), len(columns), squeeze=False,
+                             figsize=(4 * len(columns), 3.1 * len(groups) + 0.9))
+    for (gqa, d, n, k), ax_row in zip(groups, axes):
+      for (causal, mode), ax in zip(columns, ax_row):
+        cell = [r for r in sub if (r["D"], r["N"], r.get("K", r["N"]), r["causal"], r["mode"])
+                == (d, n, k, causal, mode)]
+        if not cell:
+          ax.axis("off")
+          continue
+        for impl in impls:
+          good = sorted((r["S"], r["tflops"]) for r in cell if r["impl"] == impl
+                        and r.get("tflops") and not r.get("wrong"))
+          bad = sorted((r["S"], r["tflops"]) for r in cell if r["impl"] == impl
+                       and r.get("tflops") and r.get("wrong"))
+          if good:
+            ax.plot(*zip(*good), color=colour[impl], marker="o", markersize=4)
+          if bad:
+            ax.scatter(*zip(*bad), color=colour[impl], marker="x", s=50)
+        name = f"GQA {n}/{k} D={d}" if gqa else f"D={d}"
+        ax.set_title(f"{name} {'causal' if causal else 'full'} {mode}", fontsize=10)
+        _seq_axis(ax, [r["S"] for r in cell])
+        ax.set_ylabel("TFLOP/s")
+        ax.set_ylim(bottom=0)
+    wrong = Line2D([], [], color="grey", marker="x", linestyle="", label="wrong result")
+    _legend(fig, colour, impls, [wrong] if any(r.get("wrong") for r in sub) else [])
+    fig.suptitle(f"{env['device']}, jax {env['jax']}, {env['date']}: "
+                 f"{SHORT_DTYPE.get(dtype, dtype)}, {cfg.get('tokens', 16384)} tokens/batch, "
+                 f"hidden {cfg.get('hidden', 2048)}")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    path = Path(f"{stem}_{SHORT_DTYPE.get(dtype, dtype)}.png")
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    paths.append(path)
+  return paths
+
+
+def plot_memory(result: dict, stem) -> Path:
+  """Peak device memory and compiled temp bytes against S in ``<stem>.png``; returns the path."""
+  rows, env, cfg = result["rows"], result["environment"], result.get("config", {})
+  colour = colours(dict.fromkeys(r["impl"] for r in rows))
+  impls = [i for i in colour if any(r["impl"] == i for r in rows)]
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+  panels = (("peak_bytes", "peak device memory of one step"), ("temp_bytes", "compiled temp bytes"))
+  for ax, (key, title) in zip(axes, panels):
+    drawn = False
     for impl in impls:
-      pts = sorted((r["S"], r["tflops"]) for r in rows
-                   if (r["D"], r["causal"], r["mode"], r["impl"]) == (d, causal, mode, impl))
-      if pts:
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
-    ax.set_xscale("log", base=2)
-    ax.set_title(f"D={d} {'causal' if causal else 'full'} {mode}")
-    ax.set_xlabel("sequence length")
-    ax.set_ylabel("TFLOP/s")
-    ax.grid(alpha=0.3)
-  for ax in list(axes.flat)[len(panels):]:
-    ax.axis("off")
-  axes.flat[0].legend(fontsize=8)
-  env = data["environment"]
-  fig.suptitle(f"{env['device']}, jax {env['jax']}, {env['date']}, bf16, 16k tokens/batch, hidden 2048")
-  fig.tight_layout()
-  out = path.rsplit(".", 1)[0] + ".png"
-  fig.savefig(out, dpi=80)
-  print(out)
+      mine = sorted((r for r in rows if r["impl"] == impl), key=lambda r: r["S"])
+      ok = [(r["S"], r[key] / 1e9) for r in mine if not r.get("error") and r.get(key)]
+      if ok:
+        ax.plot(*zip(*ok), color=colour[impl], marker="o", markersize=4)
+        drawn = True
+      failed = next((r for r in mine if r.get("error")), None)
+      # The X sits at the bytes the failing step was compiled for when known (what it would
+      # have needed), else at the last value that fitted.
+      y = failed and (failed.get("temp_bytes") / 1e9 if failed.get("temp_bytes")
+                      else (ok[-1][1] if ok else None))
+      if y:
+        ax.scatter([failed["S"]], [y], color=colour[impl], marker="X", s=90, zorder=3)
+    if not drawn:
+      ax.text(0.5, 0.5, "not reported on this platform", transform=ax.transAxes, ha="center")
+    ax.set_yscale("log")
+    _seq_axis(ax, [r["S"] for r in rows])
+    ax.set_ylabel("GB (1e9 bytes)")
+    ax.set_title(title, fontsize=10)
+  fail = Line2D([], [], color="grey", marker="X", linestyle="", label="first failure")
+  _legend(fig, colour, impls, [fail])
+  fig.suptitle(f"{env['device']}, jax {env['jax']}, {env['date']}: fwd+bwd memory, "
+               f"B={cfg.get('batch', 1)}, {cfg.get('heads', '?')} heads, D={cfg.get('head_dim')}, "
+               f"{cfg.get('dtype', '')}, {'causal' if cfg.get('causal', True) else 'full'}")
+  fig.tight_layout(rect=(0, 0.07, 1, 1))
+  path = Path(f"{stem}.png")
+  fig.savefig(path, dpi=80)
+  plt.close(fig)
+  return path
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+  """Plots each results JSON given (speed or memory, told apart by its contents)."""
+  paths = []
+  for name in (sys.argv[1:] if argv is None else argv):
+    data = json.loads(Path(name).read_text())
+    stem = Path(name).with_suffix("")
+    if data.get("kind") == "memory" or "longest_s" in data:
+      paths.append(plot_memory(data, stem))
+    else:
+      paths += plot_speed(data, stem)
+  for path in paths:
+    print(path)
+  return paths
 
 
 if __name__ == "__main__":
-  main(sys.argv[1])
+  main()

@@ -1,0 +1,135 @@
+"""CPU smoke runs of the benchmark commands (benchmarks/bench.py and memory.py), so that they
+cannot silently rot between GPU runs, plus the pieces of their bookkeeping that a smoke run does
+not reach (device names, the floor summary, the slow-call timing rule, the progress bar)."""
+
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+# benchmarks/ is a folder of scripts, not a package; its scripts import each other by name.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import bench
+import memory
+
+
+def test_bench_smoke(tmp_path):
+  out = tmp_path / "smoke.json"
+  # One length (the smoke grid has two) halves the run: compiling dominates it on a CPU.
+  bench.main(["--smoke", "--seqs", "128", "--out", str(out)])
+  data = json.loads(out.read_text())
+
+  env = data["environment"]
+  for key in ("device", "platform", "jax", "jaxlib", "date", "flop_convention", "method"):
+    assert env.get(key), key
+  cfg = data["config"]
+  cases = bench.build_cases(cfg)
+  assert any(c.k != c.n for c in cases), "the smoke grid includes the GQA case"
+  assert {c.causal for c in cases} == {False, True}
+  want = {(impl, mode, c) for c in cases for impl in cfg["impls"] for mode in bench.MODES}
+  got = {(r["impl"], r["mode"], bench.Case(bench._short_dtype(r["dtype"]), r["B"], r["S"],
+                                           r["N"], r["K"], r["D"], r["causal"]))
+         for r in data["rows"]}
+  assert got == want
+  assert len(data["rows"]) == len(want)
+
+  for r in data["rows"]:
+    if r["impl"] not in bench.CPU_IMPLS:
+      continue  # cudnn and pallas_mha rows only appear on a GPU
+    assert not r.get("error") and not r.get("skipped"), r
+    err = r["relerr"] if r["mode"] == "fwd" else r["relerr_dq"]
+    assert err < bench.TOLERANCE and not r["wrong"], r
+    assert r["ms"] > 0 and r["tflops"] > 0 and r["calls"] >= 1, r
+    assert isinstance(r["temp_bytes"], int), r
+
+  assert len(data["floor"]) == 26
+  assert all(c["status"] in ("pass", "miss", "missing") for c in data["floor"])
+  md = out.with_suffix(".md").read_text()
+  assert "jaxflash_triton" in md and "Floor" in md and "| 4/2 |" in md
+  png = tmp_path / "smoke_bf16.png"
+  assert png.stat().st_size > 0
+
+  # --resume finds every row in --out already: nothing is measured again.
+  again = bench.main(["--smoke", "--seqs", "128", "--out", str(out), "--resume"])
+  assert again["rows"] == data["rows"]
+
+
+def test_memory_smoke(tmp_path):
+  out = tmp_path / "memory.json"
+  result = memory.main(["--smoke", "--out", str(out)])  # one worker process per implementation
+  data = json.loads(out.read_text())
+  assert data == json.loads(json.dumps(result))
+  assert data["environment"]["device"] and data["environment"]["mem_fraction"]
+  impls = data["config"]["impls"]
+  assert set(bench.CPU_IMPLS) <= set(impls)
+  for impl in impls:
+    rows = [r for r in data["rows"] if r["impl"] == impl]
+    assert [r["S"] for r in rows] == [64, 128], rows
+    for r in rows:
+      assert not r.get("error") and r["temp_bytes"] > 0 and r["ms"] > 0, r
+    assert data["longest_s"][impl] == 128
+  assert (tmp_path / "memory.png").stat().st_size > 0
+  assert "longest trainable S" in (tmp_path / "memory.md").read_text()
+
+
+def test_memory_worker_timeout(tmp_path):
+  """A worker that overruns is killed and fails at the first S it did not report."""
+  result = memory.main(["--smoke", "--impls", "xla", "--timeout", "0.2",
+                        "--out", str(tmp_path / "m.json")])
+  (row,) = result["rows"]
+  assert row["S"] == 64 and row["failed"] == "timeout", row
+  assert result["longest_s"] == {"xla": None}
+
+
+def test_device_slug():
+  assert bench.device_slug("NVIDIA H200") == "h200"
+  assert bench.device_slug("NVIDIA H100 80GB HBM3") == "h100"
+  assert bench.device_slug("NVIDIA A100-SXM4-80GB") == "a100"
+  assert bench.device_slug("cpu") == "cpu"
+  assert bench.device_slug("NVIDIA GeForce RTX 4090") == "rtx-4090"
+  assert bench.device_slug("") == "device"
+
+
+def test_floor_summary():
+  def row(impl, mode, tflops, **kw):
+    return dict(dict(impl=impl, mode=mode, dtype="bfloat16", B=16, S=1024, N=32, K=32, D=64,
+                     causal=False, tflops=tflops, wrong=False), **kw)
+
+  rows = [row("jaxflash_triton", "fwd", 110.0), row("pallas_mha", "fwd", 100.0),
+          row("jaxflash_triton", "fwdbwd", 150.0), row("pallas_mha", "fwdbwd", 100.0),
+          row("jaxflash_triton", "fwd", 500.0, causal=True, wrong=True),
+          row("pallas_mha", "fwd", 100.0, causal=True),
+          row("jaxflash_triton", "fwdbwd", 330.0, B=1, S=16384, N=16, K=16, D=128)]
+  status = {(c["check"], c["D"], c["S"], c["causal"]): c["status"]
+            for c in bench.floor_summary(rows)}
+  assert status[("fwd vs pallas_mha", 64, 1024, False)] == "pass"  # 1.10x >= 1.05x
+  assert status[("fwdbwd vs pallas_mha", 64, 1024, False)] == "miss"  # 1.5x < 2x
+  assert status[("fwd vs pallas_mha", 64, 1024, True)] == "missing"  # a wrong result counts not
+  assert status[("fwdbwd TFLOP/s", 128, 16384, False)] == "pass"
+  assert status[("fwdbwd TFLOP/s", 128, 16384, True)] == "missing"
+  assert "1 missing" not in bench.floor_text(bench.floor_summary(rows))
+
+
+def test_slow_calls_are_repeated_less():
+  def slow():
+    time.sleep(0.06)
+
+  _, calls = bench.time_calls(slow, (), warmups=1, calls=20, repeats=1, budget_ms=100.0)
+  assert calls == 1
+  _, calls = bench.time_calls(lambda: None, (), warmups=1, calls=20, repeats=1)
+  assert calls == 20
+
+
+def test_progress_without_terminal_prints_lines():
+  stream = io.StringIO()
+  progress = bench.Progress(2, stream)
+  progress.show("first")
+  progress.advance()
+  progress.show("second")
+  progress.advance()
+  progress.close()
+  lines = stream.getvalue().splitlines()
+  assert len(lines) == 3 and "\r" not in stream.getvalue()
+  assert lines[0].startswith("[0/2") and "first" in lines[0] and lines[-1].startswith("[2/2")
