@@ -50,6 +50,10 @@ OPTIONS = {
         dropout_rate=0.5, dropout_rng=jax.random.key(seed + 6), broadcast_dropout=True),
     "soft_cap": lambda *a: dict(logits_soft_cap=1.5),
     "scale": lambda *a: dict(scale=0.37),
+    # A non-positive scale turns the row max of q @ k.T into a row min of the logits: the
+    # forward must not take its folded-scale path then.
+    "scale_negative": lambda *a: dict(scale=-0.37),
+    "scale_zero": lambda *a: dict(scale=0.0),
     "everything": lambda b, t, s, n, seed: dict(
         is_causal=True, local_window_size=(20, 0), logits_soft_cap=3.0, scale=0.2,
         mask=_rand(seed, (b, 1, t, s), "bool"), bias=_rand(seed, (b, n, t, s), "float"),
@@ -100,9 +104,14 @@ def test_half_dtypes(implementation, dtype):
 
 
 @pytest.mark.parametrize("implementation", BACKENDS)
-def test_default_block_sizes(implementation):
-  """The shipped tile sizes (one partial block each way), causal GQA in bfloat16."""
-  check(implementation, b=1, t=200, s=200, n=4, k=2, h=64, dtype=jnp.bfloat16, is_causal=True)
+@pytest.mark.parametrize("h,is_causal,t,s", [
+    (64, True, 200, 200), (64, False, 200, 200),  # D = 64: one stage backward when causal
+    (128, True, 200, 200),  # D = 128 causal, short: 64-row forward tiles
+    (128, True, 1100, 160),  # D = 128 causal, T > 1024: 128-row forward tiles
+    (128, False, 200, 200)])
+def test_default_block_sizes(implementation, h, is_causal, t, s):
+  """The shipped tile table (one partial block each way), GQA in bfloat16."""
+  check(implementation, b=1, t=t, s=s, n=4, k=2, h=h, dtype=jnp.bfloat16, is_causal=is_causal)
 
 
 @pytest.mark.usefixtures("small_blocks")

@@ -17,8 +17,9 @@ import memory
 
 def test_bench_smoke(tmp_path):
   out = tmp_path / "smoke.json"
-  # One length (the smoke grid has two) halves the run: compiling dominates it on a CPU.
-  bench.main(["--smoke", "--seqs", "128", "--out", str(out)])
+  # One length (the smoke grid has two) halves the run: compiling dominates it on a CPU. Two
+  # compile threads take the GPU's path (every executable of a case compiled ahead, in parallel).
+  bench.main(["--smoke", "--seqs", "128", "--compile-workers", "2", "--out", str(out)])
   data = json.loads(out.read_text())
 
   env = data["environment"]
