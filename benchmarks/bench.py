@@ -427,7 +427,7 @@ def tune(cfg: dict) -> list[dict]:
     for causal in (False, True):
       case = Case("bf16", b, s, n, n, d, causal)
       q, k, v, d_out = make_inputs(case, 0)
-      base = triton_backend.default_block_sizes(d, jnp.bfloat16)
+      base = triton_backend.default_block_sizes(d, jnp.bfloat16, causal, s)
       for kind, opts in (("fwd", fwd_opts), ("bwd", bwd_opts)):
         for opt in opts:
           if kind == "fwd":
