@@ -94,14 +94,10 @@ def plot_speed(result: dict, stem) -> list[Path]:
         ax.set_ylim(bottom=0)
     wrong = Line2D([], [], color="grey", marker="x", linestyle="", label="wrong result")
     _legend(fig, colour, impls, [wrong] if any(r.get("wrong") for r in sub) else [])
-    fig.suptitle(f"{env['device']}, jax {env['jax']}, {env['date']}: "
-                 f"{SHORT_DTYPE.get(dtype, dtype)}, {cfg.get('tokens', 16384)} tokens/batch, "
-                 f"hidden {cfg.get('hidden', 2048)}")
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    path = Path(f"{stem}_{SHORT_DTYPE.get(dtype, dtype)}.png")
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(_save(fig, f"{env['device']}, jax {env['jax']}, {env['date']}: "
+                       f"{SHORT_DTYPE.get(dtype, dtype)}, {cfg.get('tokens', 16384)} "
+                       f"tokens/batch, hidden {cfg.get('hidden', 2048)}",
+                       Path(f"{stem}_{SHORT_DTYPE.get(dtype, dtype)}.png"), legend_height=0.05))
   return paths
 
 
@@ -135,11 +131,17 @@ def plot_memory(result: dict, stem) -> Path:
     ax.set_title(title, fontsize=10)
   fail = Line2D([], [], color="grey", marker="X", linestyle="", label="first failure")
   _legend(fig, colour, impls, [fail])
-  fig.suptitle(f"{env['device']}, jax {env['jax']}, {env['date']}: fwd+bwd memory, "
+  return _save(fig, f"{env['device']}, jax {env['jax']}, {env['date']}: fwd+bwd memory, "
                f"B={cfg.get('batch', 1)}, {cfg.get('heads', '?')} heads, D={cfg.get('head_dim')}, "
-               f"{cfg.get('dtype', '')}, {'causal' if cfg.get('causal', True) else 'full'}")
-  fig.tight_layout(rect=(0, 0.07, 1, 1))
-  path = Path(f"{stem}.png")
+               f"{cfg.get('dtype', '')}, {'causal' if cfg.get('causal', True) else 'full'}",
+               Path(f"{stem}.png"), legend_height=0.07)
+
+
+def _save(fig, title: str, path: Path, legend_height: float) -> Path:
+  """Titles, lays out (leaving ``legend_height`` of the figure for the shared legend), writes and
+  closes ``fig``; returns ``path``."""
+  fig.suptitle(title)
+  fig.tight_layout(rect=(0, legend_height, 1, 1))
   fig.savefig(path, dpi=80)
   plt.close(fig)
   return path
