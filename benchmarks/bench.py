@@ -398,10 +398,7 @@ def sweep(cfg: dict, previous: list[dict] = (), checkpoint: Callable | None = No
         rows += run_impl(impl, case, inputs, ref, interpret=interpret, timing=timing,
                          compiler_options=options, compiled=compiled.get(impl))
       progress.advance()
-    for futures in compiled.values():  # left over after a reference error
-      for future in futures.values():
-        future.cancel()
-    del inputs, ref, compiled
+    del inputs, ref, compiled  # executables left unused after a reference error go here
     if checkpoint:
       checkpoint(rows)
   if pool:
