@@ -45,7 +45,10 @@ import time
 from pathlib import Path
 
 import bench
+import cases
 import jax
+import report
+from jaxflash import devices
 
 DEFAULT_SEQS = [1024 * 2**i for i in range(8)]  # 1k ... 128k
 MEM_FRACTION = "0.95"
@@ -63,14 +66,14 @@ def _emit(tag: str, obj: dict) -> None:
 
 def worker(cfg: dict, impl: str) -> None:
   """Measures ``impl`` at each S in turn; prints "ENV {...}" once, then "ROW {...}" per S."""
-  env = bench.environment()
+  env = report.environment()
   _emit("ENV", env)
-  on_gpu = env["platform"] == "gpu"
+  on_gpu = devices.has_nvidia_gpu()
   options = {"xla_backend_optimization_level": 0} if cfg["smoke"] and not on_gpu else None
-  step = bench.grad_fn(bench.attention_fn(impl, cfg["causal"], interpret=not on_gpu))
-  dtype = bench.DTYPES[cfg["dtype"]]
+  step = cases.grad_fn(cases.attention_fn(impl, cfg["causal"], interpret=not on_gpu))
+  dtype = cases.DTYPES[cfg["dtype"]]
   for s in sorted(cfg["seqs"]):
-    case = bench.Case(cfg["dtype"], cfg["batch"], s, cfg["heads"], cfg["heads"], cfg["head_dim"],
+    case = cases.Case(cfg["dtype"], cfg["batch"], s, cfg["heads"], cfg["heads"], cfg["head_dim"],
                       cfg["causal"])
     row = dict(impl=impl, **case.row(), temp_bytes=None, peak_bytes=None, ms=None, tflops=None)
     q_shape = (case.b, s, case.n, case.d)
@@ -83,13 +86,13 @@ def worker(cfg: dict, impl: str) -> None:
       _emit("ROW", dict(row, error=repr(e)[:300], failed="compile"))
       return
     try:
-      args = bench.make_inputs(case, seed=s)
+      args = cases.make_inputs(case, seed=s)
       if s <= WARMUP_MAX_S:
         jax.block_until_ready(compiled(*args))
       start = time.perf_counter()
       jax.block_until_ready(compiled(*args))
       row["ms"] = (time.perf_counter() - start) * 1e3
-      row["tflops"] = bench.flops(case.b, case.n, s, case.d, case.causal, "fwdbwd") / (
+      row["tflops"] = cases.flops(case.b, case.n, s, case.d, case.causal, "fwdbwd") / (
           row["ms"] * 1e-3) / 1e12
       stats = jax.devices()[0].memory_stats()
       row["peak_bytes"] = stats.get("peak_bytes_in_use") if stats else None
@@ -117,7 +120,7 @@ def run_worker(cfg: dict, impl: str) -> tuple[dict | None, list[dict]]:
   timed out or died before reporting every S)."""
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(bench.REPO_ROOT),
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(report.REPO_ROOT),
                                                   env.get("PYTHONPATH")) if p)
   worker_env, rows = None, []
   expired = threading.Event()
@@ -153,7 +156,7 @@ def run_worker(cfg: dict, impl: str) -> tuple[dict | None, list[dict]]:
       error, failed = f"timeout: worker killed after {cfg['timeout']} s", "timeout"
     else:
       error, failed = f"worker exited with code {code}: {tail}", "crash"
-    case = bench.Case(cfg["dtype"], cfg["batch"], pending[0], cfg["heads"], cfg["heads"],
+    case = cases.Case(cfg["dtype"], cfg["batch"], pending[0], cfg["heads"], cfg["heads"],
                       cfg["head_dim"], cfg["causal"])
     rows.append(dict(impl=impl, **case.row(), temp_bytes=None, peak_bytes=None, ms=None,
                      tflops=None, error=error, failed=failed))
@@ -207,19 +210,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", help="results JSON (default results/<device>_memory_<date>.json)")
   parser.add_argument("--seqs", type=int, nargs="+", help="default: 1024 2048 ... 131072")
-  parser.add_argument("--impls", nargs="+", choices=bench.IMPLS,
+  parser.add_argument("--impls", nargs="+", choices=report.IMPLS,
                       help="default: all (cudnn and pallas_mha only where there is a GPU)")
   parser.add_argument("--causal", choices=("y", "n"), default="y")
   parser.add_argument("--heads", type=int, help="default 16")
   parser.add_argument("--head-dim", type=int, help="default 128")
   parser.add_argument("--batch", type=int, default=1)
-  parser.add_argument("--dtype", choices=sorted(bench.DTYPES), default="bf16")
+  parser.add_argument("--dtype", choices=sorted(cases.DTYPES), default="bf16")
   parser.add_argument("--timeout", type=float, default=600.0,
                       help="seconds per worker (one implementation, every S); past it the "
                       "worker is killed and fails at the S it was on")
   parser.add_argument("--smoke", action="store_true",
                       help="tiny run on a CPU: S 64 128, 2 heads, D 32")
-  parser.add_argument("--worker", choices=bench.IMPLS, help=argparse.SUPPRESS)
+  parser.add_argument("--worker", choices=report.IMPLS, help=argparse.SUPPRESS)
   return parser.parse_args(argv)
 
 
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict | None:
   # This process never touches the device (it would hold memory the workers need); the
   # environment comes from the first worker.
   env, rows, done = None, [], []
-  todo = list(cfg["impls"] or bench.IMPLS)
+  todo = list(cfg["impls"] or report.IMPLS)
   while len(done) < len(todo):
     impl = todo[len(done)]
     print(f"[{len(done) + 1}/{len(todo)}] {impl}: S = {' '.join(map(str, cfg['seqs']))}",
@@ -258,11 +261,11 @@ def main(argv: list[str] | None = None) -> dict | None:
                     date=datetime.date.today().isoformat())
   env = dict(env, mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION),
              peak_method="peak_bytes_in_use after the step, one process per implementation, "
-             "S increasing", flop_convention=bench.FLOP_CONVENTION)
+             "S increasing", flop_convention=report.FLOP_CONVENTION)
   cfg["impls"] = done
   result = dict(kind="memory", environment=env, config=cfg, rows=rows,
                 longest_s=longest_trainable(rows, done))
-  out = Path(args.out) if args.out else bench.default_out(env, "_memory")
+  out = Path(args.out) if args.out else report.default_out(env, "_memory")
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=1) + "\n")
   out.with_suffix(".md").write_text(markdown(result))

@@ -37,8 +37,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 import jaxflash
-from jaxflash import reference_attention
-from jaxflash.attention import MAX_TRITON_HEAD_DIM
+from jaxflash import devices, reference_attention
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 # Largest relative error (||a - b|| / ||b||) accepted against the float32 reference.
@@ -51,16 +50,8 @@ AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def on_gpu() -> bool:
-  """True when JAX's default device is a GPU."""
-  return jax.devices()[0].platform == "gpu"
-
-
-def jaxflash_default_backend(head_dim: int) -> str:
-  """The backend `flash_attention(implementation=None)` picks here (mirrors its documented rule:
-  Triton on an NVIDIA GPU when the head dim allows it, XLA elsewhere)."""
-  device = jax.devices()[0]
-  nvidia = device.platform == "gpu" and "nvidia" in device.device_kind.lower()
-  return "triton" if nvidia and head_dim <= MAX_TRITON_HEAD_DIM else "xla"
+  """True when calls here run on an NVIDIA GPU (jaxflash's own device check)."""
+  return devices.has_nvidia_gpu()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -265,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   dtype = DTYPES[args.dtype]
   b, t, n, h = args.batch, args.seq, args.heads, args.head_dim
   device = jax.devices()[0]
-  default_backend = jaxflash_default_backend(h)
+  shape = jax.ShapeDtypeStruct((b, t, n, h), dtype)
+  default_backend = jaxflash.implementation_for(shape, shape, shape, is_causal=args.causal)
 
   print(f"device : {device.device_kind} ({device.platform}, {jax.device_count()} device(s))")
   print(f"jax    : {jax.__version__}   jaxflash {jaxflash.__version__} "

@@ -72,6 +72,7 @@ import optax
 from flax import nnx
 
 import jaxflash.nnx
+from jaxflash import devices
 
 ATTENTIONS = ("jaxflash", "flax", "xla", "cudnn")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -609,7 +610,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.error("--attn-dropout > 0 is not supported by the xla and cudnn attentions "
                  "(jax.nn.dot_product_attention has no dropout); use jaxflash or flax")
   if "cudnn" in names:
-    if jax.devices()[0].platform != "gpu":
+    if not devices.has_nvidia_gpu():
       parser.error("--attention cudnn needs an NVIDIA GPU")
     if args.dtype != "bfloat16":
       parser.error("--attention cudnn needs --dtype bfloat16 (cuDNN attention has no float32)")

@@ -1,22 +1,26 @@
-"""What all backends share: the custom VJP around them and the per-tile logit math.
+"""What every backend and op shares: the normalised inputs, the static parameters, and the
+per-tile logit math.
 
-A backend supplies two functions over normalised inputs:
+A backend (see `jaxflash.backends`) supplies two functions over these types:
 
-- ``forward(inputs, params) -> (out, lse2)``: ``out`` [B, T, N, H] in the query dtype and
-  ``lse2`` float32 [B, N, T], the logsumexp of the *base-2* logits (``log2(e) * logits``), set to
-  ``+inf`` on rows that see no key. ``+inf`` makes ``exp2(s - lse2)`` exactly 0 on such rows, so
-  the backward needs no special case for them; users see ``-inf`` (see `user_lse`).
-- ``backward(inputs, params, out, lse2, d_out, delta, want_dbias) -> (dq, dk, dv, dbias)``
-  where ``delta`` = rowsum(dO * O) - d_lse, float32 [B, N, T]: the residuals are only the inputs,
-  O and the LSE; S and P are recomputed block by block. ``dbias`` (shaped like ``inputs.bias``) is
-  computed only when ``want_dbias``, i.e. when the caller differentiates with respect to the
-  bias; otherwise it is None and costs nothing.
+- ``forward(inputs, params, config) -> (out, lse2)``: ``out`` [B, T, N, H] in the query dtype
+  (float32 when ``params.partial``) and ``lse2`` float32 [B, N, T], the logsumexp of the *base-2*
+  logits (``log2(e) * logits``), set to ``+inf`` on rows that see no key. ``+inf`` makes
+  ``exp2(s - lse2)`` exactly 0 on such rows, so the backward needs no special case for them;
+  users see ``-inf`` (see `user_lse`).
+- ``backward(inputs, params, config, lse2, d_out, delta, want_dbias) -> (dq, dk, dv, dbias)``
+  where ``delta`` = rowsum(dO * O) - d_lse, float32 [B, N, T]: the residuals are only the inputs
+  and the LSE; S and P are recomputed block by block. ``lse2`` and ``delta`` need not come from
+  this call's own forward: an op that split the keys over several calls passes the merged
+  (global) ones, and each call then returns its keys' share of the gradients. ``dbias`` (shaped
+  like ``inputs.bias``) is computed only when ``want_dbias``; otherwise it is None and costs
+  nothing. With ``params.partial`` the gradients come back in float32, ready to be summed.
 
 Dropout (``params.dropout_rate > 0``) drops entries of the normalised P and scales the kept ones
 by ``params.keep_scale`` = 1 / P(keep) ~ 1 / (1 - rate); every backend regenerates the keep mask
-from ``inputs.dropout_seed`` with `jaxflash.dropout`. The LSE is that of the undropped softmax,
-and ``delta`` = rowsum(dO * O) stays exact: rowsum(dP * P) over the dropped P equals dO . O for
-the dropped O.
+from ``inputs.dropout_seed`` and each entry's absolute coordinates with `jaxflash.dropout`. The
+LSE is that of the undropped softmax, and ``delta`` = rowsum(dO * O) stays exact: rowsum(dP * P)
+over the dropped P equals dO . O for the dropped O.
 
 `Inputs` bundles the arrays; everything static lives in `Params`.
 """
@@ -24,9 +28,8 @@ the dropped O.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +47,9 @@ class Inputs(NamedTuple):
   key: jax.Array  # [B, S, K, H]
   value: jax.Array  # [B, S, K, H]
   lengths: jax.Array  # int32 [B, 2]: (q_len, kv_len) per batch row, clipped to [0, T] / [0, S]
+  # int32 [B, 2]: (q_offset, kv_offset), the absolute positions of query row 0 and key 0 of each
+  # batch row (see `jaxflash.masking`); None means zeros and costs nothing.
+  offsets: jax.Array | None = None
   bias: jax.Array | None = None  # [B or 1, N or 1, T, S] float
   mask: jax.Array | None = None  # [B or 1, N or 1, T, S] bool
   q_segment_ids: jax.Array | None = None  # int32 [B, T]
@@ -61,6 +67,9 @@ class Params:
   dropout_rate: float = 0.0
   broadcast_dropout: bool = False  # one [T, S] dropout mask for all batch rows and heads
   interpret: bool = False
+  # Return a partial result: the output in float32, normalised over this call's keys only, to be
+  # merged with others through the LSE (`jaxflash.ops.partial`); gradients in float32 too.
+  partial: bool = False
 
   @property
   def keep_scale(self) -> float:
@@ -73,39 +82,21 @@ def user_lse(lse2: jax.Array) -> jax.Array:
   return jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * (1.0 / LOG2_E))
 
 
-def build(forward: Callable, backward: Callable) -> Callable:
-  """Wraps a backend's forward/backward into ``f(inputs, params) -> (out, natural lse [B,N,T])``."""
+def base2_lse(lse: jax.Array) -> jax.Array:
+  """The inverse of `user_lse`: natural-log LSE (-inf on empty rows) -> internal base-2 LSE."""
+  return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2_E)
 
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-  def attention(inputs: Inputs, params: Params):
-    out, lse2 = forward(inputs, params)
-    return out, user_lse(lse2)
 
-  def attention_fwd(inputs, params):
-    # Symbolic zeros tell us whether the bias is being differentiated at all: only then does the
-    # backward pay for dbias (a Python bool in the residuals is static under jit).
-    want_dbias = inputs.bias is not None and inputs.bias.perturbed
-    inputs = jax.tree.map(lambda p: p.value, inputs,
-                          is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal))
-    out, lse2 = forward(inputs, params)
-    return (out, user_lse(lse2)), (inputs, out, lse2, want_dbias)
+def delta(out: jax.Array, d_out: jax.Array, d_lse) -> jax.Array:
+  """rowsum(dO * O) - d_lse, float32 [B, N, T]: the softmax Jacobian's correction term.
 
-  def attention_bwd(params, residuals, cotangents):
-    inputs, out, lse2, want_dbias = residuals
-    d_out, d_lse = cotangents
-    if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
-      d_out = jnp.zeros(out.shape, out.dtype)
-    # delta = rowsum(dO * O): the softmax Jacobian's correction term. A cotangent on the LSE adds
-    # P * d_lse to dS, which is the same as subtracting d_lse from delta.
-    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
-      delta = delta - jnp.where(jnp.isfinite(d_lse), d_lse, 0.0)
-    dq, dk, dv, dbias = backward(inputs, params, out, lse2, d_out, delta, want_dbias)
-    # Integer inputs, the boolean mask and the dropout seed get no cotangent.
-    return (Inputs(query=dq, key=dk, value=dv, lengths=None, bias=dbias),)
-
-  attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
-  return attention
+  A cotangent on the LSE adds P * d_lse to dS, the same as subtracting d_lse from delta.
+  ``d_lse`` may be a `SymbolicZero` (nothing differentiates the LSE).
+  """
+  result = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  if isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
+    return result
+  return result - jnp.where(jnp.isfinite(d_lse), d_lse, 0.0)
 
 
 def logits_base2(qk: jax.Array, params: Params, bias: jax.Array | None):

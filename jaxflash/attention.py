@@ -1,28 +1,24 @@
-"""The public entry point: check arguments, normalise them, pick a backend.
+"""The public entry point: check arguments, pick a backend, run the attention op.
 
-Nothing here computes attention. Every check runs on shapes and dtypes before any kernel is traced,
-so bad input fails with a `ValueError` that names the argument, inside `jit` or not.
+Nothing here computes attention. `jaxflash._checks` validates and normalises the arguments,
+`jaxflash.backends` picks the backend that serves the call on this device, and
+`jaxflash.ops.flash` runs it as one differentiable call.
 """
 
 from __future__ import annotations
 
-import numbers
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxflash import _core
-from jaxflash import dropout
-from jaxflash import masking
+from jaxflash import _checks
+from jaxflash import backends
+from jaxflash import devices
+from jaxflash.ops import flash
 
 Implementation = Literal["triton", "xla"]
-_IMPLEMENTATIONS = ("triton", "xla")
-_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
-# Largest head dim the Triton kernels take: a 256-wide tile of Q plus K/V tiles must fit in
-# shared memory; wider heads would need a split over the head dimension.
-MAX_TRITON_HEAD_DIM = 256
 
 
 def flash_attention(
@@ -43,7 +39,7 @@ def flash_attention(
     dropout_rng: jax.Array | None = None,
     broadcast_dropout: bool = False,
     return_residual: bool = False,
-    implementation: Implementation | None = None,
+    implementation: Implementation | Sequence[Implementation] | None = None,
     interpret: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Exact scaled dot-product attention in O(T + S) memory (FlashAttention).
@@ -90,8 +86,9 @@ def flash_attention(
     return_residual: also return the logsumexp of the logits, float32 [B, T, N] (natural log,
       ``-inf`` for rows that see no key).
     implementation: ``"triton"`` (Pallas kernels lowered through Triton, NVIDIA GPUs),
-      ``"xla"`` (blockwise pure JAX, any backend) or ``None``: Triton on an NVIDIA GPU when the
-      head dim allows it, XLA elsewhere.
+      ``"xla"`` (blockwise pure JAX, any device), a sequence of those in order of preference, or
+      ``None``: the first registered backend that supports the call on this device (Triton on
+      an NVIDIA GPU when the head dim allows it, XLA elsewhere; see `jaxflash.backends`).
     interpret: run the Pallas kernels in interpret mode (works on a CPU; for testing).
 
   Returns:
@@ -99,245 +96,53 @@ def flash_attention(
     ``(output, logsumexp)``. Query rows that can see no key produce zeros and zero gradients.
 
   Raises:
-    ValueError: an argument has the wrong shape, dtype or value (raised before any kernel runs).
+    ValueError: an argument has the wrong shape, dtype or value, or the named implementation
+      cannot serve the call (`jaxflash.backends.UnsupportedCallError`, which says why); raised
+      before any kernel runs.
   """
-  if implementation is not None and implementation not in _IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {(None,) + _IMPLEMENTATIONS}, "
-                     f"got {implementation!r}")
-  query, key, value = (_as_array(x, name) for x, name in
-                       ((query, "query"), (key, "key"), (value, "value")))
-  unbatched = _check_qkv(query, key, value)
-  if unbatched:
-    query, key, value = query[None], key[None], value[None]
-  b, t, n, h = query.shape
-  s = key.shape[1]
-
-  scale = _check_scale(scale, h)
-  window = masking.make_window(bool(is_causal), _check_window(local_window_size))
-  logits_soft_cap = _check_soft_cap(logits_soft_cap)
-  dropout_rate, dropout_seed = _check_dropout(dropout_rate, dropout_rng)
-
-  mask = _check_dense(mask, "mask", (b, n, t, s), unbatched, want_bool=True)
-  bias = _check_dense(bias, "bias", (b, n, t, s), unbatched, want_bool=False)
-  q_lens = _check_lengths(query_seq_lengths, "query_seq_lengths", b, unbatched)
-  kv_lens = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, unbatched)
-  segments = _check_segments(segment_ids, b, t, s, unbatched)
-
-  implementation = _pick_implementation(implementation, h, interpret)
-  if implementation == "triton":
-    if h > MAX_TRITON_HEAD_DIM:
-      raise ValueError(f"implementation='triton' supports head dims up to "
-                       f"{MAX_TRITON_HEAD_DIM}, got query.shape[-1] = {h}; use 'xla'")
-    from jaxflash import triton as backend
-  else:
-    from jaxflash import xla as backend
-
-  inputs = _core.Inputs(
-      query=query, key=key, value=value, lengths=_lengths(q_lens, kv_lens, b, t, s),
-      bias=bias, mask=mask, q_segment_ids=None if segments is None else segments[0],
-      kv_segment_ids=None if segments is None else segments[1], dropout_seed=dropout_seed)
-  params = _core.Params(scale=scale, window=window, logits_soft_cap=logits_soft_cap,
-                        dropout_rate=dropout_rate, broadcast_dropout=bool(broadcast_dropout),
-                        interpret=bool(interpret))
-  out, lse = backend.attention(inputs, params)
-  lse = jnp.transpose(lse, (0, 2, 1))  # [B, N, T] -> [B, T, N], as jax.nn returns it
-  if unbatched:
-    out, lse = out[0], lse[0]
-  return (out, lse) if return_residual else out
+  return attention_with_config(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, segment_ids=segment_ids,
+      logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      broadcast_dropout=broadcast_dropout, return_residual=return_residual,
+      implementation=implementation, interpret=interpret)
 
 
 dot_product_attention = flash_attention
 
 
-# ---------------------------------------------------------------------------------------------
-# Argument checks. Each raises ValueError naming the argument; each returns the normalised value.
+def implementation_for(query: jax.Array, key: jax.Array, value: jax.Array,
+                       bias: jax.Array | None = None, mask: jax.Array | None = None, *,
+                       implementation: Implementation | Sequence[Implementation] | None = None,
+                       **options: Any) -> str:
+  """The name of the backend that `flash_attention` would run for these arguments on this device
+  (``options``: its other keyword arguments). Traces nothing; raises as `flash_attention` would."""
+  backends.preferences(implementation)
+  call = _checks.normalise(query, key, value, bias, mask, **options)
+  return backends.select(implementation, call.inputs, call.params).name
 
 
-def _as_array(x, name: str) -> jax.Array:
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise ValueError(f"{name} must be an array, got {type(x).__name__}")
-  return x
+def attention_with_config(query: jax.Array, key: jax.Array, value: jax.Array,
+                          bias: jax.Array | None = None, mask: jax.Array | None = None, *,
+                          config: Any = None, return_residual: bool = False,
+                          implementation: Implementation | Sequence[Implementation] | None = None,
+                          **options: Any) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """`flash_attention` with an explicit backend config (tiles, launch parameters).
 
-
-def _check_qkv(query, key, value) -> bool:
-  """Checks ranks, dtypes and shapes of query/key/value; returns True for unbatched inputs."""
-  if query.ndim not in (3, 4):
-    raise ValueError(f"query must have rank 4 [B, T, N, H] or 3 [T, N, H], "
-                     f"got shape {query.shape}")
-  for name, x in (("key", key), ("value", value)):
-    if x.ndim != query.ndim:
-      raise ValueError(f"{name} must have the same rank as query ({query.ndim}), "
-                       f"got shape {x.shape} for query shape {query.shape}")
-  for name, x in (("query", query), ("key", key), ("value", value)):
-    if x.dtype not in _FLOAT_DTYPES:
-      raise ValueError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
-  if not key.dtype == value.dtype == query.dtype:
-    raise ValueError(f"query, key and value must share one dtype, got "
-                     f"{query.dtype}, {key.dtype}, {value.dtype}")
-  if key.shape != value.shape:
-    raise ValueError(f"key and value must have the same shape, got key {key.shape} and "
-                     f"value {value.shape}")
-  q4 = query.shape if query.ndim == 4 else (1,) + query.shape
-  k4 = key.shape if key.ndim == 4 else (1,) + key.shape
-  if q4[0] != k4[0]:
-    raise ValueError(f"query and key must have the same batch size, got query {query.shape} "
-                     f"and key {key.shape}")
-  if q4[3] != k4[3]:
-    raise ValueError(f"query and key must have the same head dim (last axis), got query "
-                     f"{query.shape} and key {key.shape}")
-  if q4[3] == 0 or q4[2] == 0 or k4[2] == 0:
-    raise ValueError(f"head counts and head dim must be positive, got query {query.shape} and "
-                     f"key {key.shape}")
-  if q4[2] % k4[2] != 0:
-    raise ValueError(f"the number of query heads ({q4[2]}) must be a multiple of the number of "
-                     f"key/value heads ({k4[2]}); got query {query.shape}, key {key.shape}")
-  if q4[1] == 0 or k4[1] == 0:
-    raise ValueError(f"sequence lengths must be positive, got query {query.shape} and key "
-                     f"{key.shape}")
-  return query.ndim == 3
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _check_scale(scale, head_dim: int) -> float:
-  if scale is None:
-    return float(head_dim) ** -0.5
-  if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not np.isfinite(scale):
-    raise ValueError(f"scale must be a finite Python number, got {scale!r}")
-  return float(scale)
-
-
-def _check_window(window) -> tuple[int, int] | None:
-  if window is None:
-    return None
-  if _is_int(window):
-    window = (window, window)
-  if (not isinstance(window, Sequence) or len(window) != 2
-      or not all(_is_int(w) for w in window)):
-    raise ValueError(f"local_window_size must be an int or a pair of ints (left, right), "
-                     f"got {window!r}")
-  if window[0] < 0 or window[1] < 0:
-    raise ValueError(f"local_window_size must be non-negative, got {tuple(window)}")
-  return int(window[0]), int(window[1])
-
-
-def _check_soft_cap(cap) -> float | None:
-  if cap is None:
-    return None
-  if (not isinstance(cap, numbers.Real) or isinstance(cap, bool) or not np.isfinite(cap)
-      or cap <= 0):
-    raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {cap!r}")
-  return float(cap)
-
-
-def _check_dropout(rate, rng) -> tuple[float, jax.Array | None]:
-  """Returns ``(rate, seed words uint32[2] or None)``; no seed (and no cost) when rate is 0."""
-  if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or not 0.0 <= rate < 1.0:
-    raise ValueError(f"dropout_rate must be a Python number in [0, 1), got {rate!r}")
-  if rate == 0.0:
-    return 0.0, None
-  if rng is None:
-    raise ValueError("dropout_rate > 0 needs a dropout_rng key")
-  rng = _as_array(rng, "dropout_rng")
-  typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
-  if not ((typed and rng.shape == ()) or (rng.dtype == jnp.uint32 and rng.shape == (2,))):
-    raise ValueError(f"dropout_rng must be a single PRNG key (jax.random.key(...) or a raw "
-                     f"uint32[2] key), got {rng.dtype}{list(rng.shape)}")
-  return float(rate), dropout.seed_words(rng)
-
-
-def _check_dense(x, name: str, full: tuple[int, int, int, int], unbatched: bool,
-                 want_bool: bool) -> jax.Array | None:
-  """Checks a mask or bias and returns it as rank 4 [B or 1, N or 1, T, S].
-
-  Batch and head axes of size 1 are kept (kernels index them with 0), the two sequence axes are
-  broadcast to full size so kernels can read (block_q, block_k) tiles of them.
+  The internal entry point that tests, the tile tuner and the benchmarks use instead of patching
+  defaults: ``config`` is an instance of a backend's config class (e.g.
+  ``jaxflash.backends.triton.Config``), and its type picks that backend; ``None`` takes the
+  backend's heuristic default for this call and device. ``options`` are `flash_attention`'s
+  keyword arguments.
   """
-  if x is None:
-    return None
-  x = _as_array(x, name)
-  if want_bool and x.dtype != jnp.bool_:
-    raise ValueError(f"mask must be boolean (True = attend), got dtype {x.dtype}")
-  if not want_bool and x.dtype not in _FLOAT_DTYPES:
-    raise ValueError(f"bias must be float16, bfloat16 or float32, got dtype {x.dtype}")
-  target = full[1:] if unbatched else full
-  what = "[N, T, S]" if unbatched else "[B, N, T, S]"
-  if x.ndim > len(target) or any(d not in (1, f) for d, f in
-                                 zip(x.shape[::-1], target[::-1])):
-    raise ValueError(f"{name} must broadcast to {what} = {target}, got shape {x.shape}")
-  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
-  return jnp.broadcast_to(x, x.shape[:2] + full[2:])
-
-
-def _check_lengths(lengths, name: str, batch: int, unbatched: bool) -> jax.Array | None:
-  if lengths is None:
-    return None
-  lengths = _as_array(lengths, name)
-  if not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise ValueError(f"{name} must be an integer array, got dtype {lengths.dtype}")
-  if unbatched and lengths.ndim == 0:
-    lengths = lengths[None]
-  if lengths.shape != (batch,):
-    raise ValueError(f"{name} must have shape (B,) = ({batch},), got {lengths.shape}")
-  return lengths.astype(jnp.int32)
-
-
-def _check_segments(segment_ids, batch: int, t: int, s: int, unbatched: bool):
-  """Returns ``None`` or ``(q_segment_ids [B, T], kv_segment_ids [B, S])`` as int32."""
-  if segment_ids is None:
-    return None
-  if isinstance(segment_ids, (tuple, list)):
-    if len(segment_ids) != 2:
-      raise ValueError(f"segment_ids must be an array or a pair (q_segment_ids, "
-                       f"kv_segment_ids), got a sequence of length {len(segment_ids)}")
-    q_seg, kv_seg = segment_ids
-  else:
-    if t != s:
-      raise ValueError(f"a single segment_ids array is for self-attention (T == S), got T = {t} "
-                       f"and S = {s}; pass (q_segment_ids, kv_segment_ids)")
-    q_seg = kv_seg = segment_ids
-  out = []
-  for x, name, length in ((q_seg, "q_segment_ids", t), (kv_seg, "kv_segment_ids", s)):
-    x = _as_array(x, f"segment_ids ({name})")
-    want = (length,) if unbatched else (batch, length)
-    if x.shape != want or not jnp.issubdtype(x.dtype, jnp.integer):
-      raise ValueError(f"segment_ids ({name}) must be an integer array of shape {want}, got "
-                       f"{x.dtype}{list(x.shape)}")
-    out.append((x[None] if unbatched else x).astype(jnp.int32))
-  return tuple(out)
-
-
-def _lengths(q_lens, kv_lens, batch: int, t: int, s: int) -> jax.Array:
-  """(q_len, kv_len) per batch row as int32 [B, 2], clipped to the real lengths.
-
-  Always passed, even when the user gave none, so that kernels have one code path; clipping
-  means lengths past T or S simply mean "no padding".
-  """
-  q_lens = jnp.full((batch,), t, jnp.int32) if q_lens is None else jnp.clip(q_lens, 0, t)
-  kv_lens = jnp.full((batch,), s, jnp.int32) if kv_lens is None else jnp.clip(kv_lens, 0, s)
-  return jnp.stack([q_lens, kv_lens], axis=1)
-
-
-def _on_nvidia_gpu() -> bool:
-  try:
-    device = jax.devices()[0]
-  except RuntimeError:
-    return False
-  if device.platform != "gpu":
-    return False
-  # ROCm devices also report platform "gpu"; the Triton kernels here are tuned and tested for
-  # NVIDIA only.
-  version = getattr(device.client, "platform_version", "").lower()
-  return "nvidia" in device.device_kind.lower() or "cuda" in version
-
-
-def _pick_implementation(implementation, head_dim: int, interpret: bool) -> str:
-  if implementation is not None:
-    return implementation
-  if interpret:
-    return "triton"  # asking for interpret mode means asking for the Pallas kernels
-  if _on_nvidia_gpu() and head_dim <= MAX_TRITON_HEAD_DIM:
-    return "triton"
-  return "xla"
+  backends.preferences(implementation)  # an unknown name fails before anything else
+  call = _checks.normalise(query, key, value, bias, mask, **options)
+  backend = backends.select(implementation, call.inputs, call.params, config)
+  if config is None:
+    config = backend.default_config(call.inputs, call.params, devices.current())
+  out, lse = flash.attention(call.inputs, call.params, backend, config)
+  lse = jnp.transpose(lse, (0, 2, 1))  # [B, N, T] -> [B, T, N], as jax.nn returns it
+  if call.unbatched:
+    out, lse = out[0], lse[0]
+  return (out, lse) if return_residual else out

@@ -72,19 +72,26 @@ def stream_key(seed0, seed1, batch, head):
   return _mix(h ^ _u32(head))
 
 
-def keep(stream, rows, first_col, num_cols: int, rate: float):
+def keep(stream, rows, first_col, num_cols: int, rate: float, even_start: bool = True):
   """Boolean keep mask [..., R, num_cols] for query ``rows`` [..., R, 1] and the key columns
   ``first_col ... first_col + num_cols - 1`` of one stream.
 
-  Positions are absolute, so any tiling gives the same mask. Columns come in pairs
-  ``(2c, 2c + 1)``: one 32-bit hash per pair, its low 16 bits decide the even column and its high
-  16 bits the odd one, which halves the integer work per element. ``first_col`` must be even.
+  Positions are absolute, so any tiling (and any split of the keys across calls) gives the same
+  mask. Columns come in pairs ``(2c, 2c + 1)``: one 32-bit hash per pair, its low 16 bits decide
+  the even column and its high 16 bits the odd one, which halves the integer work per element
+  when ``first_col`` is known to be even (``even_start``). Otherwise (a call whose keys start at
+  a traced offset) each column computes its pair's hash itself: the same mask, twice the work.
   """
+  cut = jnp.uint32(threshold(rate))
+  row_key = _mix(stream ^ _u32(rows))
+  if not even_start:
+    cols = _u32(first_col + jnp.arange(num_cols))
+    bits = _mix(row_key ^ ((cols >> 1) * jnp.uint32(_GOLDEN)))
+    return jnp.where((cols & 1) == 1, bits >> 16, bits & jnp.uint32(0xFFFF)) >= cut
   if num_cols % 2:
     return keep(stream, rows, first_col, num_cols + 1, rate)[..., :num_cols]
   pairs = _u32(first_col // 2 + jnp.arange(num_cols // 2))
-  bits = _mix(_mix(stream ^ _u32(rows)) ^ (pairs * jnp.uint32(_GOLDEN)))
-  cut = jnp.uint32(threshold(rate))
+  bits = _mix(row_key ^ (pairs * jnp.uint32(_GOLDEN)))
   even = (bits & jnp.uint32(0xFFFF)) >= cut
   odd = (bits >> 16) >= cut
   shape = even.shape[:-1] + (num_cols,)

@@ -1,25 +1,65 @@
-"""One checker for every numerical test: a backend against the float32 reference.
+"""What the test files share: the backends under test, their small test tiles, one call helper,
+the option table, and one checker for every numerical test (a backend against the float32
+reference).
 
-It draws fresh random inputs, runs `jaxflash.flash_attention` and `reference_attention`, and
-compares the output, the LSE and the gradients of a random projection of the output with respect
-to query, key and value, and to the bias when one is given. With dropout the reference gets the
-dense keep mask that `jaxflash.dropout` defines for the same key. The same function serves the
-CPU tests (interpret mode) and the `gpu` tests, so both check exactly the same things.
+`check` draws fresh random inputs, runs jaxflash and `reference_attention`, and compares the
+output, the LSE and the gradients of a random projection of the output with respect to query,
+key and value, and to the bias when one is given. With dropout the reference gets the dense keep
+mask that `jaxflash.dropout` defines for the same key. The same function serves the CPU tests
+(interpret mode, small tiles) and the `gpu` tests (compiled kernels, shipped tiles).
+
+Configs are passed to jaxflash through its internal entry point
+(`jaxflash.attention.attention_with_config`), never patched in.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxflash
+from jaxflash import backends
+from jaxflash import devices
 from jaxflash import dropout
+from jaxflash.attention import attention_with_config
+from jaxflash.backends import triton, xla
 from jaxflash.reference import reference_attention
 
-# Relative (norm-wise) tolerances. float32 on the GPU runs its dots in TF32 (~3e-4).
-TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
+BACKENDS = backends.names()
+ON_GPU = devices.has_nvidia_gpu()
+
+# Tiles of 16 so that test sequences of ~50 cover several (and partial) blocks.
+_SMALL_TILES = triton.Tiles(block_q=16, block_k=16, num_warps=4, num_stages=1)
+SMALL_CONFIGS = {
+    "triton": triton.Config(forward=_SMALL_TILES, backward=_SMALL_TILES),
+    "xla": xla.Config(block_q=16, block_k=16),
+}
+
+# Relative (norm-wise) tolerances. float32 on the GPU runs its dots in TF32 (~3e-4), so a float32
+# comparison that is exact to ~1e-6 on a CPU allows F32_TOLERANCE where a GPU computes it.
 GPU_F32_TOLERANCE = 2e-3
+F32_TOLERANCE = GPU_F32_TOLERANCE if ON_GPU else 2e-5
+TOLERANCE = {jnp.float32: F32_TOLERANCE, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
+
+
+def interpret_for(implementation: str) -> bool:
+  """Pallas kernels run in interpret mode unless there is a GPU to compile them for."""
+  return implementation == "triton" and not ON_GPU
+
+
+def config_for(implementation: str, small: bool):
+  """The small test tiles, or None for the backend's shipped default."""
+  return SMALL_CONFIGS[implementation] if small else None
+
+
+def attention(implementation: str, q, k, v, bias=None, mask=None, *, small: bool = True,
+              **options):
+  """`jaxflash.flash_attention` on one backend: small tiles by default, interpret mode on a CPU."""
+  return attention_with_config(q, k, v, bias, mask, implementation=implementation,
+                               config=config_for(implementation, small),
+                               interpret=interpret_for(implementation), **options)
 
 
 def rel_err(got, want) -> float:
@@ -39,16 +79,57 @@ def random_qkv(seed, b, t, s, n, k, h, dtype=jnp.float32, scale=1.0):
   return q, kk, v, d_out
 
 
-def check(implementation, *, b=2, t=37, s=53, n=4, k=2, h=40, dtype=jnp.float32, seed=0,
-          interpret=None, tol=None, input_scale=1.0, grads=True, **options):
-  """Asserts the backend matches the reference on fresh random inputs; returns the errors."""
-  if interpret is None:
-    interpret = implementation == "triton" and jax.default_backend() != "gpu"
-  q, kk, v, d_out = random_qkv(seed, b, t, s, n, k, h, dtype, input_scale)
-  options = {key: val(b, t, s, n, seed) if callable(val) else val
-             for key, val in options.items()}
-  tol = tol or TOLERANCE[dtype]
-  bias = options.pop("bias", None)
+def random_array(seed, shape, kind):
+  """bool (p = 0.7), float (normal) or ints in [0, kind)."""
+  key = jax.random.key(seed + 1000)
+  if kind == "bool":
+    return jax.random.bernoulli(key, 0.7, shape)
+  if kind == "float":
+    return jax.random.normal(key, shape)
+  return jax.random.randint(key, shape, 0, kind)
+
+
+def random_lengths(b, t, s, n, seed):
+  rng = np.random.default_rng(seed)
+  return dict(query_seq_lengths=jnp.asarray(rng.integers(1, t + 1, b), jnp.int32),
+              key_value_seq_lengths=jnp.asarray(rng.integers(1, s + 1, b), jnp.int32))
+
+
+# Each option maker takes (b, t, s, n, seed) and returns keyword arguments.
+OPTIONS = {
+    "none": lambda *a: {},
+    "causal": lambda *a: dict(is_causal=True),
+    "window_pair": lambda *a: dict(local_window_size=(7, 3)),
+    "window_int": lambda *a: dict(local_window_size=5),
+    "causal_window": lambda *a: dict(is_causal=True, local_window_size=(9, 4)),
+    "lengths": random_lengths,
+    "segments_pair": lambda b, t, s, n, seed: dict(
+        segment_ids=(random_array(seed, (b, t), 3), random_array(seed + 1, (b, s), 3))),
+    "mask_full": lambda b, t, s, n, seed: dict(mask=random_array(seed, (b, n, t, s), "bool")),
+    "mask_keys": lambda b, t, s, n, seed: dict(mask=random_array(seed, (b, 1, 1, s), "bool")),
+    # Every broadcast shape of a bias, with its gradient, is in test_bias.py.
+    "bias_full": lambda b, t, s, n, seed: dict(bias=random_array(seed, (b, n, t, s), "float")),
+    "dropout": lambda b, t, s, n, seed: dict(dropout_rate=0.3,
+                                             dropout_rng=jax.random.key(seed + 5)),
+    "dropout_broadcast": lambda b, t, s, n, seed: dict(
+        dropout_rate=0.5, dropout_rng=jax.random.key(seed + 6), broadcast_dropout=True),
+    "soft_cap": lambda *a: dict(logits_soft_cap=1.5),
+    "scale": lambda *a: dict(scale=0.37),
+    # A non-positive scale turns the row max of q @ k.T into a row min of the logits: the
+    # forward must not take its folded-scale path then.
+    "scale_negative": lambda *a: dict(scale=-0.37),
+    "scale_zero": lambda *a: dict(scale=0.0),
+    "everything": lambda b, t, s, n, seed: dict(
+        is_causal=True, local_window_size=(20, 0), logits_soft_cap=3.0, scale=0.2,
+        mask=random_array(seed, (b, 1, t, s), "bool"),
+        bias=random_array(seed, (b, n, t, s), "float"),
+        segment_ids=(random_array(seed, (b, t), 2), random_array(seed + 1, (b, s), 2)),
+        dropout_rate=0.2, dropout_rng=jax.random.key(seed), **random_lengths(b, t, s, n, seed)),
+}
+
+
+def reference_options(options: dict, b: int, t: int, s: int, n: int) -> dict:
+  """jaxflash options as `reference_attention` takes them (dropout as the dense keep mask)."""
   ref_options = dict(options)
   if options.get("dropout_rate", 0.0) > 0:
     rate = options["dropout_rate"]
@@ -57,17 +138,38 @@ def check(implementation, *, b=2, t=37, s=53, n=4, k=2, h=40, dtype=jnp.float32,
         ref_options.pop("broadcast_dropout", False))
     # Kept entries are scaled by 1 / P(keep); P(keep) is 1 - rate on a 2**-16 grid.
     ref_options["dropout_rate"] = 1.0 - dropout.keep_probability(rate)
+  return ref_options
+
+
+def check(implementation, *, b=2, t=37, s=53, n=4, k=2, h=40, dtype=jnp.float32, seed=0,
+          small=True, tol=None, input_scale=1.0, grads=True, **options):
+  """Asserts the backend matches the reference on fresh random inputs; returns the errors."""
+  q, kk, v, d_out = random_qkv(seed, b, t, s, n, k, h, dtype, input_scale)
+  options = {key: val(b, t, s, n, seed) if callable(val) else val
+             for key, val in options.items()}
+  tol = tol or TOLERANCE[dtype]
+  bias = options.pop("bias", None)
+  ref_options = reference_options(options, b, t, s, n)
 
   def ours(q, kk, v, bias):
-    return jaxflash.flash_attention(q, kk, v, bias, implementation=implementation,
-                                    interpret=interpret, return_residual=True, **options)
+    return attention(implementation, q, kk, v, bias, small=small, return_residual=True,
+                     **options)
 
   def ref(q, kk, v, bias):
     return reference_attention(q, kk, v, bias, **ref_options)
 
-  out, lse = jax.jit(ours)(q, kk, v, bias)
+  def with_grads(fn):
+    """Output, LSE and the gradients of sum(out * d_out), in one program (forward traced once)."""
+    def run(q, kk, v, bias):
+      (out, lse), vjp = jax.vjp(fn, q, kk, v, bias)
+      grads = vjp((d_out.astype(out.dtype), jnp.zeros_like(lse))) if grads_wanted else None
+      return out, lse, grads
+    return run
+
+  grads_wanted = grads
+  out, lse, got = jax.jit(with_grads(ours))(q, kk, v, bias)
   upcast = [x.astype(jnp.float32) for x in (q, kk, v)]
-  ref_out, ref_lse = ref(*upcast, bias)
+  ref_out, ref_lse, want = with_grads(ref)(*upcast, bias)
   assert out.dtype == q.dtype and out.shape == q.shape
   assert lse.dtype == jnp.float32 and lse.shape == (b, t, n)
   errors = {"out": rel_err(out, ref_out)}
@@ -75,16 +177,55 @@ def check(implementation, *, b=2, t=37, s=53, n=4, k=2, h=40, dtype=jnp.float32,
   np.testing.assert_array_equal(np.asarray(lse) == -np.inf, empty, "rows with no visible key")
   errors["lse"] = rel_err(np.where(empty, 0.0, lse), np.where(empty, 0.0, ref_lse))
   if grads:
-    def loss(fn):
-      return lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * d_out)
-    names, wrt = ("dq", "dk", "dv"), (0, 1, 2)
-    if bias is not None:
-      names, wrt = names + ("dbias",), wrt + (3,)
-    got = jax.jit(jax.grad(loss(ours), argnums=wrt))(q, kk, v, bias)
-    want = jax.grad(loss(ref), argnums=wrt)(*upcast, bias)
-    for name, g, w, x in zip(names, got, want, (q, kk, v, bias)):
+    for name, g, w, x in zip(("dq", "dk", "dv", "dbias"), got, want, (q, kk, v, bias)):
+      if x is None:
+        continue
       assert g.dtype == x.dtype and g.shape == x.shape
       errors[name] = rel_err(g, w)
   bad = {name: e for name, e in errors.items() if not e <= tol}
   assert not bad, f"errors above {tol}: {bad} (all: {errors})"
   return errors
+
+
+def dropped_weights(implementation, *, b=2, t=37, s=40, n=4, k=2, h=64, seed=0, small=True,
+                    **options):
+  """The dropped attention weights [B, N, T, S], read off the output with V = identity (S <= H)."""
+  q, kk, _, _ = random_qkv(seed, b, t, s, n, k, h)
+  v = jnp.broadcast_to(jnp.eye(s, h)[None, :, None, :], (b, s, k, h))
+  out = jax.jit(lambda q, kk, v: attention(implementation, q, kk, v, small=small, **options))(
+      q, kk, v)
+  return np.asarray(jnp.transpose(out[..., :s], (0, 2, 1, 3)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering for CUDA on a CPU-only machine (see tests/test_lowering.py).
+
+H100 = jax.sharding.AbstractMesh(
+    (), (), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
+
+
+@contextlib.contextmanager
+def _verify_triton_modules():
+  """Runs the MLIR verifier on each Triton module as it is built (e.g. scf.for bound types)."""
+  from jax._src.pallas.triton import lowering as triton_lowering
+  build = triton_lowering.lower_jaxpr_to_triton_module
+
+  def build_and_verify(*args, **kwargs):
+    result = build(*args, **kwargs)
+    result.module.operation.verify()
+    return result
+
+  triton_lowering.lower_jaxpr_to_triton_module = build_and_verify
+  try:
+    yield
+  finally:
+    triton_lowering.lower_jaxpr_to_triton_module = build
+
+
+def lower_for_cuda(fn, *args) -> str:
+  """``fn`` lowered for an H100 (the abstract mesh makes jaxflash pick its GPU backend), with
+  every Triton module verified; returns the StableHLO text."""
+  with jax.sharding.use_abstract_mesh(H100), _verify_triton_modules():
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+

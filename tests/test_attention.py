@@ -8,61 +8,9 @@ import pytest
 
 import jaxflash
 from jaxflash.reference import reference_attention
-from checks import check, random_qkv, rel_err
+from checks import (BACKENDS, F32_TOLERANCE, ON_GPU, OPTIONS, attention, check, random_array, random_qkv,
+                    rel_err)
 
-BACKENDS = ["triton", "xla"]
-
-
-def _rand(seed, shape, kind):
-  key = jax.random.key(seed + 1000)
-  if kind == "bool":
-    return jax.random.bernoulli(key, 0.7, shape)
-  if kind == "float":
-    return jax.random.normal(key, shape)
-  return jax.random.randint(key, shape, 0, kind)
-
-
-def _lengths(b, t, s, n, seed):
-  rng = np.random.default_rng(seed)
-  return dict(query_seq_lengths=jnp.asarray(rng.integers(1, t + 1, b), jnp.int32),
-              key_value_seq_lengths=jnp.asarray(rng.integers(1, s + 1, b), jnp.int32))
-
-
-# Each option maker takes (b, t, s, n, seed) and returns keyword arguments.
-OPTIONS = {
-    "none": lambda *a: {},
-    "causal": lambda *a: dict(is_causal=True),
-    "window_pair": lambda *a: dict(local_window_size=(7, 3)),
-    "window_int": lambda *a: dict(local_window_size=5),
-    "causal_window": lambda *a: dict(is_causal=True, local_window_size=(9, 4)),
-    "lengths": _lengths,
-    "segments_pair": lambda b, t, s, n, seed: dict(
-        segment_ids=(_rand(seed, (b, t), 3), _rand(seed + 1, (b, s), 3))),
-    "mask_full": lambda b, t, s, n, seed: dict(mask=_rand(seed, (b, n, t, s), "bool")),
-    "mask_keys": lambda b, t, s, n, seed: dict(mask=_rand(seed, (b, 1, 1, s), "bool")),
-    "bias_full": lambda b, t, s, n, seed: dict(bias=_rand(seed, (b, n, t, s), "float")),
-    "bias_heads": lambda b, t, s, n, seed: dict(bias=_rand(seed, (1, n, t, s), "float")),
-    "bias_keys": lambda b, t, s, n, seed: dict(bias=_rand(seed, (b, 1, 1, s), "float")),
-    "bias_shared": lambda b, t, s, n, seed: dict(bias=_rand(seed, (t, s), "float")),
-    "dropout": lambda b, t, s, n, seed: dict(dropout_rate=0.3,
-                                             dropout_rng=jax.random.key(seed + 5)),
-    "dropout_broadcast": lambda b, t, s, n, seed: dict(
-        dropout_rate=0.5, dropout_rng=jax.random.key(seed + 6), broadcast_dropout=True),
-    "soft_cap": lambda *a: dict(logits_soft_cap=1.5),
-    "scale": lambda *a: dict(scale=0.37),
-    # A non-positive scale turns the row max of q @ k.T into a row min of the logits: the
-    # forward must not take its folded-scale path then.
-    "scale_negative": lambda *a: dict(scale=-0.37),
-    "scale_zero": lambda *a: dict(scale=0.0),
-    "everything": lambda b, t, s, n, seed: dict(
-        is_causal=True, local_window_size=(20, 0), logits_soft_cap=3.0, scale=0.2,
-        mask=_rand(seed, (b, 1, t, s), "bool"), bias=_rand(seed, (b, n, t, s), "float"),
-        segment_ids=(_rand(seed, (b, t), 2), _rand(seed + 1, (b, s), 2)),
-        dropout_rate=0.2, dropout_rng=jax.random.key(seed), **_lengths(b, t, s, n, seed)),
-}
-
-
-@pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("implementation", BACKENDS)
 def test_option(implementation, option):
@@ -70,24 +18,26 @@ def test_option(implementation, option):
   check(implementation, b=2, t=37, s=53, n=4, k=2, h=40, **made)
 
 
-@pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("implementation", BACKENDS)
 @pytest.mark.parametrize("option", ["causal", "segments_self"])
 def test_self_attention_options(implementation, option):
   """T == S: causal diagonal blocks and a single segment_ids array."""
   extra = (dict(is_causal=True) if option == "causal"
-           else dict(segment_ids=_rand(3, (2, 45), 3)))
+           else dict(segment_ids=random_array(3, (2, 45), 3)))
   check(implementation, b=2, t=45, s=45, n=4, k=4, h=32, **extra)
 
 
-@pytest.mark.usefixtures("small_blocks")
-@pytest.mark.parametrize("implementation", BACKENDS)
-@pytest.mark.parametrize("h", [32, 40, 64, 80, 96, 128, 256])
+# The Triton kernels pad the head dim to a power of two (and must mask the padding); the XLA
+# backend's einsums take any head dim, so two suffice there.
+HEAD_DIM_CASES = ([("triton", h) for h in (32, 40, 64, 80, 96, 128, 256)]
+                  + [("xla", h) for h in (40, 256)])
+
+
+@pytest.mark.parametrize("implementation,h", HEAD_DIM_CASES)
 def test_head_dims(implementation, h):
   check(implementation, b=1, t=33, s=18, n=2, k=1, h=h, is_causal=(h % 64 == 0))
 
 
-@pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("implementation", BACKENDS)
 @pytest.mark.parametrize("t,s,n,k", [(1, 1, 1, 1), (1, 70, 4, 1), (70, 1, 3, 3), (16, 16, 8, 2),
                                      (31, 65, 6, 3)])
@@ -96,7 +46,6 @@ def test_odd_shapes(implementation, t, s, n, k):
   check(implementation, b=2, t=t, s=s, n=n, k=k, h=24)
 
 
-@pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("implementation", BACKENDS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_dtypes(implementation, dtype):
@@ -111,10 +60,10 @@ def test_half_dtypes(implementation, dtype):
     (128, False, 200, 200)])
 def test_default_block_sizes(implementation, h, is_causal, t, s):
   """The shipped tile table (one partial block each way), GQA in bfloat16."""
-  check(implementation, b=1, t=t, s=s, n=4, k=2, h=h, dtype=jnp.bfloat16, is_causal=is_causal)
+  check(implementation, b=1, t=t, s=s, n=4, k=2, h=h, dtype=jnp.bfloat16, is_causal=is_causal,
+        small=False)
 
 
-@pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("implementation", BACKENDS)
 def test_large_logits_bfloat16(implementation):
   """Logits in the hundreds: the online max must keep exp2 in range, without NaN or overflow.
@@ -130,21 +79,23 @@ def test_large_logits_bfloat16(implementation):
   def loss(fn):
     return lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * d_out)
 
-  ours = lambda q, k, v: jaxflash.flash_attention(  # noqa: E731
-      q, k, v, is_causal=True, implementation=implementation,
-      interpret=implementation == "triton")
+  ours = lambda q, k, v: attention(implementation, q, k, v, is_causal=True)  # noqa: E731
   exact = lambda q, k, v: reference_attention(q, k, v, is_causal=True)[0]  # noqa: E731
   assert rel_err(ours(q, k, v), exact(*upcast)) < 2e-2
   want = jax.grad(loss(exact), (0, 1, 2))(*upcast)
   got_bf16 = jax.grad(loss(ours), (0, 1, 2))(q, k, v)
   assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in got_bf16)
   assert rel_err(got_bf16[2], want[2]) < 2e-2
+  if ON_GPU:
+    # float32 dots run in TF32 on a GPU (both backends, and XLA's own): logits near 1e3 then
+    # carry absolute errors near 1, which a near-one-hot softmax's dQ/dK cannot absorb (seen on
+    # an H200: 4x the true, tiny, gradient). The kernel math is checked in float32 on the CPU.
+    return
   got_f32 = jax.grad(loss(ours), (0, 1, 2))(*upcast)
   for g, w in zip(got_f32, want):
     assert rel_err(g, w) < 1e-2  # ill-conditioned: ~3e-3 seen, from rounding O in float32
 
 
-@pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("implementation", BACKENDS)
 def test_rows_that_see_nothing(implementation):
   """Empty rows give zeros, zero gradients, LSE -inf and never NaN."""
@@ -153,13 +104,12 @@ def test_rows_that_see_nothing(implementation):
   q_seg = jnp.array([[1] * 10 + [2] * 10] * b)  # segment 2 has no keys
   kv_seg = jnp.ones((b, s), jnp.int32)
   kw = dict(segment_ids=(q_seg, kv_seg), query_seq_lengths=jnp.array([20, 5, 20]),
-            key_value_seq_lengths=jnp.array([24, 24, 0]), implementation=implementation,
-            interpret=implementation == "triton")
+            key_value_seq_lengths=jnp.array([24, 24, 0]))
 
   def loss(q, k, v):
-    return jnp.sum(jaxflash.flash_attention(q, k, v, **kw) * d_out)
+    return jnp.sum(attention(implementation, q, k, v, **kw) * d_out)
 
-  out, lse = jaxflash.flash_attention(q, k, v, return_residual=True, **kw)
+  out, lse = attention(implementation, q, k, v, return_residual=True, **kw)
   dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
   for x in (out, lse, dq, dk, dv):
     assert not np.isnan(np.asarray(x)).any()
@@ -175,10 +125,9 @@ def test_rows_that_see_nothing(implementation):
   ref_out, _ = reference_attention(q, k, v, segment_ids=(q_seg, kv_seg),
                                    query_seq_lengths=kw["query_seq_lengths"],
                                    key_value_seq_lengths=kw["key_value_seq_lengths"])
-  assert rel_err(out, ref_out) < 1e-5
+  assert rel_err(out, ref_out) < F32_TOLERANCE
 
 
-@pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("implementation", BACKENDS)
 def test_gradient_through_lse(implementation):
   """return_residual's LSE is differentiable (its cotangent enters as a delta shift)."""
@@ -187,9 +136,7 @@ def test_gradient_through_lse(implementation):
   kw = dict(is_causal=True, key_value_seq_lengths=jnp.array([33]))
 
   def ours(q, k, v):
-    out, lse = jaxflash.flash_attention(q, k, v, return_residual=True,
-                                        implementation=implementation,
-                                        interpret=implementation == "triton", **kw)
+    out, lse = attention(implementation, q, k, v, return_residual=True, **kw)
     return jnp.sum(out * d_out) + jnp.sum(lse * w)
 
   def ref(q, k, v):
@@ -197,22 +144,23 @@ def test_gradient_through_lse(implementation):
     return jnp.sum(out * d_out) + jnp.sum(lse * w)
 
   for g, r in zip(jax.grad(ours, (0, 1, 2))(q, k, v), jax.grad(ref, (0, 1, 2))(q, k, v)):
-    assert rel_err(g, r) < 2e-5
+    assert rel_err(g, r) < F32_TOLERANCE
 
 
-@pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("implementation", BACKENDS)
 def test_vmap_and_jit(implementation):
-  """vmap over an extra leading axis and jit(grad) agree with per-slice calls."""
+  """vmap over an extra leading axis, and jit(grad) of it, agree with per-slice calls."""
   q, k, v, _ = random_qkv(4, 3, 20, 20, 2, 2, 16)
-  fn = lambda q, k, v: jaxflash.flash_attention(  # noqa: E731
-      q[None], k[None], v[None], is_causal=True, implementation=implementation,
-      interpret=implementation == "triton")[0]
+  fn = lambda q, k, v: attention(  # noqa: E731
+      implementation, q[None], k[None], v[None], is_causal=True)[0]
   batched = jax.jit(jax.vmap(fn))(q, k, v)
+  single = jax.jit(fn)
   for i in range(3):
-    assert rel_err(batched[i], fn(q[i], k[i], v[i])) < 1e-6
+    assert rel_err(batched[i], single(q[i], k[i], v[i])) < F32_TOLERANCE
+  per_slice = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) ** 2)))
   g = jax.jit(jax.grad(lambda q: jnp.sum(jax.vmap(fn)(q, k, v) ** 2)))(q)
-  assert g.shape == q.shape and not np.isnan(np.asarray(g)).any()
+  for i in range(3):  # the gradient of a sum over slices is the per-slice gradient
+    assert rel_err(g[i], per_slice(q[i], k[i], v[i])) < F32_TOLERANCE
 
 
 def test_backends_agree_with_jax_nn():
@@ -221,17 +169,18 @@ def test_backends_agree_with_jax_nn():
   q, kk, v, _ = random_qkv(5, b, t, s, n, k, h)
   cases = [dict(is_causal=True), dict(local_window_size=(3, 5)),
            dict(key_value_seq_lengths=jnp.array([17, 40])),
-           dict(mask=_rand(5, (b, 1, t, s), "bool")),
-           dict(bias=_rand(6, (1, n, t, s), "float"), scale=0.5)]
+           dict(mask=random_array(5, (b, 1, t, s), "bool")),
+           dict(bias=random_array(6, (1, n, t, s), "float"), scale=0.5)]
   for kw in cases:
     want = jax.nn.dot_product_attention(q, kk, v, implementation="xla", **kw)
     got = jaxflash.flash_attention(q, kk, v, implementation="xla", **kw)
     ref, _ = reference_attention(q, kk, v, **kw)
-    assert rel_err(ref, want) < 1e-5, kw
-    assert rel_err(got, want) < 1e-5, kw
+    assert rel_err(ref, want) < F32_TOLERANCE, kw
+    assert rel_err(got, want) < F32_TOLERANCE, kw
   # Padded query rows: jax.nn leaves them undefined-but-finite; we return zeros. Compare the rest.
   kw = dict(query_seq_lengths=jnp.array([10, 24]))
   want = jax.nn.dot_product_attention(q, kk, v, implementation="xla", **kw)
   got = jaxflash.flash_attention(q, kk, v, implementation="xla", **kw)
-  assert rel_err(got[0, :10], want[0, :10]) < 1e-5 and rel_err(got[1], want[1]) < 1e-5
+  assert rel_err(got[0, :10], want[0, :10]) < F32_TOLERANCE
+  assert rel_err(got[1], want[1]) < F32_TOLERANCE
   np.testing.assert_array_equal(np.asarray(got[0, 10:]), 0.0)

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import bench
 import memory
+import report
 
 
 def test_bench_smoke(tmp_path):
@@ -30,7 +31,7 @@ def test_bench_smoke(tmp_path):
   assert any(c.k != c.n for c in cases), "the smoke grid includes the GQA case"
   assert {c.causal for c in cases} == {False, True}
   want = {(impl, mode, c) for c in cases for impl in cfg["impls"] for mode in bench.MODES}
-  got = {(r["impl"], r["mode"], bench.Case(bench._short_dtype(r["dtype"]), r["B"], r["S"],
+  got = {(r["impl"], r["mode"], bench.Case(report._short_dtype(r["dtype"]), r["B"], r["S"],
                                            r["N"], r["K"], r["D"], r["causal"]))
          for r in data["rows"]}
   assert got == want
@@ -41,14 +42,20 @@ def test_bench_smoke(tmp_path):
       continue  # cudnn and pallas_mha rows only appear on a GPU
     assert not r.get("error") and not r.get("skipped"), r
     err = r["relerr"] if r["mode"] == "fwd" else r["relerr_dq"]
-    assert err < bench.TOLERANCE and not r["wrong"], r
+    assert err < report.TOLERANCE and not r["wrong"], r
     assert r["ms"] > 0 and r["tflops"] > 0 and r["calls"] >= 1, r
     assert isinstance(r["temp_bytes"], int), r
 
-  assert len(data["floor"]) == 26
+  # One floor entry per check the floor file names (counted from the data, not hard-coded).
+  floor = report.load_floor()
+  ratio = floor["ratio"]
+  want_checks = (len(ratio["head_dims"]) * len(ratio["seqs"]) * 2 * len(ratio["need"])
+                 + 2 * len(floor["tflops"]["cells"]))
+  assert len(data["floor"]) == want_checks
   assert all(c["status"] in ("pass", "miss", "missing") for c in data["floor"])
   md = out.with_suffix(".md").read_text()
-  assert "jaxflash_triton" in md and "Floor" in md and "| 4/2 |" in md
+  n, k, _ = cfg["gqa_heads"]
+  assert "jaxflash_triton" in md and "Floor" in md and f"| {n}/{k} |" in md
   png = tmp_path / "smoke_bf16.png"
   assert png.stat().st_size > 0
 
@@ -85,12 +92,12 @@ def test_memory_worker_timeout(tmp_path):
 
 
 def test_device_slug():
-  assert bench.device_slug("NVIDIA H200") == "h200"
-  assert bench.device_slug("NVIDIA H100 80GB HBM3") == "h100"
-  assert bench.device_slug("NVIDIA A100-SXM4-80GB") == "a100"
-  assert bench.device_slug("cpu") == "cpu"
-  assert bench.device_slug("NVIDIA GeForce RTX 4090") == "rtx-4090"
-  assert bench.device_slug("") == "device"
+  assert report.device_slug("NVIDIA H200") == "h200"
+  assert report.device_slug("NVIDIA H100 80GB HBM3") == "h100"
+  assert report.device_slug("NVIDIA A100-SXM4-80GB") == "a100"
+  assert report.device_slug("cpu") == "cpu"
+  assert report.device_slug("NVIDIA GeForce RTX 4090") == "rtx-4090"
+  assert report.device_slug("") == "device"
 
 
 def test_floor_summary():
@@ -104,13 +111,13 @@ def test_floor_summary():
           row("pallas_mha", "fwd", 100.0, causal=True),
           row("jaxflash_triton", "fwdbwd", 330.0, B=1, S=16384, N=16, K=16, D=128)]
   status = {(c["check"], c["D"], c["S"], c["causal"]): c["status"]
-            for c in bench.floor_summary(rows)}
+            for c in report.floor_summary(rows)}
   assert status[("fwd vs pallas_mha", 64, 1024, False)] == "pass"  # 1.10x >= 1.05x
   assert status[("fwdbwd vs pallas_mha", 64, 1024, False)] == "miss"  # 1.5x < 2x
   assert status[("fwd vs pallas_mha", 64, 1024, True)] == "missing"  # a wrong result counts not
   assert status[("fwdbwd TFLOP/s", 128, 16384, False)] == "pass"
   assert status[("fwdbwd TFLOP/s", 128, 16384, True)] == "missing"
-  assert "1 missing" not in bench.floor_text(bench.floor_summary(rows))
+  assert "1 missing" not in report.floor_text(report.floor_summary(rows))
 
 
 def test_slow_calls_are_repeated_less():

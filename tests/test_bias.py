@@ -13,13 +13,9 @@ import jax.numpy as jnp
 import pytest
 
 import jaxflash
-from checks import check, random_qkv
-from test_lowering import _lower_for_cuda
-
-BACKENDS = ["triton", "xla"]
+from checks import BACKENDS, attention, check, lower_for_cuda, random_qkv
 
 
-@pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("implementation", BACKENDS)
 @pytest.mark.parametrize("bias_shape", ["BNTS", "1NTS", "B1TS", "11TS", "1N1S", "NTS", "S"])
 def test_bias_gradient_is_summed_over_broadcast_axes(implementation, bias_shape):
@@ -33,7 +29,6 @@ def test_bias_gradient_is_summed_over_broadcast_axes(implementation, bias_shape)
         dropout_rng=jax.random.key(1))
 
 
-@pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("implementation", BACKENDS)
 def test_bias_gradient_in_bfloat16(implementation):
   bias = jax.random.normal(jax.random.key(2), (1, 4, 50, 50)).astype(jnp.bfloat16)
@@ -43,8 +38,7 @@ def test_bias_gradient_in_bfloat16(implementation):
 
 def _grad_fn(implementation, wrt):
   def loss(q, k, v, bias):
-    return jnp.sum(jaxflash.flash_attention(q, k, v, bias=bias, implementation=implementation,
-                                            interpret=implementation == "triton"))
+    return jnp.sum(attention(implementation, q, k, v, bias=bias, small=False))
   return jax.jit(jax.grad(loss, argnums=wrt))
 
 
@@ -57,8 +51,8 @@ def test_undifferentiated_bias_runs_no_dbias_kernel():
     return jnp.sum(jaxflash.flash_attention(q, k, v, bias=bias, implementation="triton")
                    .astype(jnp.float32))
 
-  without = _lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, bias)
-  with_bias = _lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3)), q, q, q, bias)
+  without = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, bias)
+  with_bias = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3)), q, q, q, bias)
   assert "jaxflash_backward_dbias" not in without
   assert "jaxflash_backward_dbias" in with_bias
 
@@ -92,8 +86,7 @@ def test_boolean_mask_never_costs_a_float_buffer(implementation):
 
   def loss(q, k, v, dense):
     options = dict(mask=dense) if dense.dtype == jnp.bool_ else dict(bias=dense)
-    return jnp.sum(jaxflash.flash_attention(q, k, v, implementation=implementation,
-                                            interpret=implementation == "triton", **options))
+    return jnp.sum(attention(implementation, q, k, v, small=False, **options))
 
   fwd_bwd = jax.grad(loss, argnums=(0, 1, 2))
   assert _largest_float_buffer(fwd_bwd, q, k, v, mask) < t * s // 4

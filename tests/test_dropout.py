@@ -12,24 +12,8 @@ import pytest
 
 import jaxflash
 from jaxflash import dropout
-from checks import check, random_qkv, rel_err
-
-BACKENDS = ["triton", "xla"]
-
-
-def _attention(implementation, q, k, v, **options):
-  interpret = implementation == "triton" and jax.default_backend() != "gpu"
-  return jaxflash.flash_attention(q, k, v, implementation=implementation, interpret=interpret,
-                                  **options)
-
-
-def _weights(implementation, *, b=2, t=37, s=40, n=4, k=2, h=64, seed=0, **options):
-  """The dropped attention weights [B, N, T, S], read off the output with V = identity (S <= H)."""
-  q, kk, _, _ = random_qkv(seed, b, t, s, n, k, h)
-  v = jnp.broadcast_to(jnp.eye(s, h)[None, :, None, :], (b, s, k, h))
-  out = jax.jit(lambda q, kk, v: _attention(implementation, q, kk, v, **options))(q, kk, v)
-  return np.asarray(jnp.transpose(out[..., :s], (0, 2, 1, 3)))
-
+from checks import (BACKENDS, F32_TOLERANCE, attention, check, dropped_weights, random_qkv,
+                    rel_err)
 
 # ---------------------------------------------------------------------------------------------
 # The generator
@@ -79,13 +63,12 @@ def test_broadcast_mask_is_shared():
 # Through the kernels
 
 
-@pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("implementation", BACKENDS)
 def test_kernels_drop_exactly_the_defined_mask(implementation):
   """Every backend drops the entries `dense_keep_mask` names and scales the rest by 1/(1-p)."""
   rate, rng = 0.4, jax.random.key(5)
-  dropped = _weights(implementation, dropout_rate=rate, dropout_rng=rng)
-  plain = _weights(implementation)
+  dropped = dropped_weights(implementation, dropout_rate=rate, dropout_rng=rng)
+  plain = dropped_weights(implementation)
   keep = np.asarray(dropout.dense_keep_mask(dropout.seed_words(rng), dropped.shape, rate))
   np.testing.assert_array_equal(dropped != 0, keep)
   np.testing.assert_allclose(dropped[keep], plain[keep] / (1 - rate), rtol=2e-5)
@@ -93,40 +76,34 @@ def test_kernels_drop_exactly_the_defined_mask(implementation):
 
 def test_backends_give_the_same_mask_for_the_same_key():
   """Triton kernels (16-wide tiles) and the XLA backend (its own 256-wide tiles): same mask."""
-  from conftest import SMALL_TRITON_BLOCKS
-  from jaxflash import triton as triton_backend
   options = dict(dropout_rate=0.3, dropout_rng=jax.random.key(6), is_causal=True)
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(triton_backend, "default_block_sizes", lambda *a: SMALL_TRITON_BLOCKS)
-    triton = _weights("triton", **options)
-  xla = _weights("xla", **options)
+  triton = dropped_weights("triton", **options)
+  xla = dropped_weights("xla", small=False, **options)
   np.testing.assert_array_equal(triton != 0, xla != 0)
-  assert rel_err(triton, xla) < 1e-5
+  assert rel_err(triton, xla) < F32_TOLERANCE
 
 
-@pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("implementation", BACKENDS)
 def test_masks_differ_across_keys_heads_and_batch_rows(implementation):
-  first = _weights(implementation, dropout_rate=0.5, dropout_rng=jax.random.key(7)) != 0
-  again = _weights(implementation, dropout_rate=0.5, dropout_rng=jax.random.key(7)) != 0
-  other = _weights(implementation, dropout_rate=0.5, dropout_rng=jax.random.key(8)) != 0
+  first = dropped_weights(implementation, dropout_rate=0.5, dropout_rng=jax.random.key(7)) != 0
+  again = dropped_weights(implementation, dropout_rate=0.5, dropout_rng=jax.random.key(7)) != 0
+  other = dropped_weights(implementation, dropout_rate=0.5, dropout_rng=jax.random.key(8)) != 0
   np.testing.assert_array_equal(first, again)
   for a, b in ((first, other), (first[0], first[1]), (first[:, 0], first[:, 1]),
                (first[:, 0], first[:, 2])):  # key; batch row; heads sharing / not sharing K/V
     agree = (a == b).mean()
     assert 0.35 < agree < 0.65, agree  # independent masks at p = 0.5 agree half the time
-  shared = _weights(implementation, dropout_rate=0.5, dropout_rng=jax.random.key(7),
+  shared = dropped_weights(implementation, dropout_rate=0.5, dropout_rng=jax.random.key(7),
                     broadcast_dropout=True) != 0
   assert (shared == shared[:1, :1]).all()
 
 
-@pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("implementation", BACKENDS)
 def test_same_key_gives_identical_output_and_gradients(implementation):
   q, k, v, d_out = random_qkv(9, 2, 33, 47, 4, 2, 32)
 
   def step(q, k, v, rng):
-    return jax.value_and_grad(lambda q, k, v: jnp.sum(d_out * _attention(
+    return jax.value_and_grad(lambda q, k, v: jnp.sum(d_out * attention(
         implementation, q, k, v, is_causal=True, dropout_rate=0.2, dropout_rng=rng)),
         argnums=(0, 1, 2))(q, k, v)
 
@@ -157,7 +134,6 @@ def test_output_is_unbiased():
   assert 0.9 < z.std() < 1.1
 
 
-@pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("implementation", BACKENDS)
 def test_gradients_match_finite_differences(implementation):
   """For a fixed key the dropped function is smooth; its gradients (mask regenerated in the
@@ -169,7 +145,7 @@ def test_gradients_match_finite_differences(implementation):
                  key_value_seq_lengths=jnp.array([31]))
 
   def f(q, kk, v, bias):
-    return jnp.sum(d_out * _attention(implementation, q, kk, v, bias=bias, **options))
+    return jnp.sum(d_out * attention(implementation, q, kk, v, bias=bias, **options))
 
   args = (q, kk, v, bias)
   grads = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(*args)
@@ -186,7 +162,6 @@ def test_gradients_match_finite_differences(implementation):
     assert abs(numeric - analytic) <= 1e-2 * abs(analytic) + 1e-3, (i, numeric, analytic)
 
 
-@pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("implementation", BACKENDS)
 def test_dropout_with_gqa_odd_lengths_in_bfloat16(implementation):
   check(implementation, b=2, t=45, s=61, n=6, k=2, h=64, dtype=jnp.bfloat16, is_causal=True,
@@ -199,7 +174,7 @@ def test_zero_rate_costs_nothing(implementation):
   q, k, v, _ = random_qkv(16, 1, 40, 40, 2, 2, 16)
 
   def lowered(**options):
-    fn = jax.grad(lambda q: jnp.sum(_attention(implementation, q, k, v, **options)))
+    fn = jax.grad(lambda q: jnp.sum(attention(implementation, q, k, v, **options)))
     return jax.jit(fn).lower(q).as_text()
 
   plain = lowered()

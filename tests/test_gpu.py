@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from checks import GPU_F32_TOLERANCE, check, random_qkv
-from test_attention import OPTIONS
+from checks import GPU_F32_TOLERANCE, OPTIONS, check, dropped_weights, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -18,7 +17,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_option_on_gpu(option):
   b, t, s, n = 2, 300, 517, 8
-  check("triton", b=b, t=t, s=s, n=n, k=2, h=64, dtype=jnp.bfloat16,
+  check("triton", small=False, b=b, t=t, s=s, n=n, k=2, h=64, dtype=jnp.bfloat16,
         **OPTIONS[option](b, t, s, n, 0))
 
 
@@ -26,18 +25,18 @@ def test_option_on_gpu(option):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_head_dims_on_gpu(h, dtype):
   tol = GPU_F32_TOLERANCE if dtype == jnp.float32 else None
-  check("triton", b=2, t=333, s=1000, n=4, k=1, h=h, dtype=dtype, tol=tol,
+  check("triton", small=False, b=2, t=333, s=1000, n=4, k=1, h=h, dtype=dtype, tol=tol,
         is_causal=False)
-  check("triton", b=1, t=1000, s=1000, n=4, k=2, h=h, dtype=dtype, tol=tol, is_causal=True)
+  check("triton", small=False, b=1, t=1000, s=1000, n=4, k=2, h=h, dtype=dtype, tol=tol, is_causal=True)
 
 
 @pytest.mark.parametrize("t,s", [(1, 1), (1, 4097), (17, 17), (4096, 4096), (2049, 1023)])
 def test_lengths_on_gpu(t, s):
-  check("triton", b=2, t=t, s=s, n=4, k=4, h=128, dtype=jnp.bfloat16)
+  check("triton", small=False, b=2, t=t, s=s, n=4, k=4, h=128, dtype=jnp.bfloat16)
 
 
 def test_xla_backend_on_gpu():
-  check("xla", b=2, t=300, s=517, n=8, k=2, h=64, dtype=jnp.bfloat16, is_causal=True)
+  check("xla", small=False, b=2, t=300, s=517, n=8, k=2, h=64, dtype=jnp.bfloat16, is_causal=True)
 
 
 @pytest.mark.parametrize("features", ["plain", "dropout_and_bias"])
@@ -63,11 +62,10 @@ def test_dropout_mask_on_gpu_matches_xla_backend_and_definition():
   """The Triton kernels' mask (uint32 hashing lowered through Triton) is bit-for-bit the one
   `jaxflash.dropout` defines, and the XLA backend's on the same GPU."""
   from jaxflash import dropout
-  from test_dropout import _weights
   options = dict(b=2, t=300, s=128, n=4, k=2, h=128, dropout_rate=0.25,
                  dropout_rng=jax.random.key(6), is_causal=False)
-  triton = _weights("triton", **options)
-  xla = _weights("xla", **options)
+  triton = dropped_weights("triton", small=False, **options)
+  xla = dropped_weights("xla", small=False, **options)
   keep = np.asarray(dropout.dense_keep_mask(dropout.seed_words(options["dropout_rng"]),
                                             triton.shape, 0.25))
   np.testing.assert_array_equal(triton != 0, keep)
@@ -78,7 +76,7 @@ def test_dropout_mask_on_gpu_matches_xla_backend_and_definition():
                                         (700, 900)])
 def test_bias_gradient_on_gpu(bias_shape):
   bias = jax.random.normal(jax.random.key(7), bias_shape, jnp.float32)
-  check("triton", b=2, t=700, s=900, n=8, k=2, h=128, dtype=jnp.bfloat16, bias=bias,
+  check("triton", small=False, b=2, t=700, s=900, n=8, k=2, h=128, dtype=jnp.bfloat16, bias=bias,
         is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(8))
 
 
@@ -86,3 +84,33 @@ def test_default_implementation_is_triton_on_gpu():
   q, k, v, _ = random_qkv(0, 1, 64, 64, 2, 2, 64, jnp.bfloat16)
   text = jax.jit(lambda q, k, v: jaxflash.flash_attention(q, k, v)).lower(q, k, v).as_text()
   assert "jaxflash_forward" in text
+
+
+@pytest.mark.parametrize("implementation", ["triton", "xla"])
+def test_key_split_on_gpu(implementation):
+  """The compiled kernels at key offsets (odd ones, mid-block) with the shipped tiles: partial
+  forwards merged, and backwards with the global LSE, equal the whole call (bf16, GQA, causal,
+  window, lengths, dropout)."""
+  from jaxflash import _checks, backends
+  from jaxflash.ops import flash, partial
+  b, t, s, n, k, h = 2, 300, 517, 8, 2, 128
+  q, kk, v, d_out = random_qkv(9, b, t, s, n, k, h, jnp.bfloat16)
+  call = _checks.normalise(q, kk, v, is_causal=True, local_window_size=(200, 0),
+                           key_value_seq_lengths=jnp.array([517, 400]), dropout_rate=0.1,
+                           dropout_rng=jax.random.key(10))
+  backend = backends.get(implementation)
+  config = backend.default_config(call.inputs, call.params, jaxflash.devices.current())
+
+  def run(fn):
+    def loss(q, kk, v):
+      out, _ = fn(call.inputs._replace(query=q, key=kk, value=v))
+      return jnp.sum(out.astype(jnp.float32) * d_out), out
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, kk, v)
+
+  grads, out = run(lambda x: flash.attention(x, call.params, backend, config))
+  split_grads, split_out = run(lambda x: partial.split_keys_attention(
+      x, call.params, backend, config, (129, 300)))
+  from checks import rel_err
+  assert rel_err(split_out, out) < 1e-2
+  for got, want in zip(split_grads, grads):
+    assert rel_err(got, want) < 1e-2

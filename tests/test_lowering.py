@@ -6,40 +6,14 @@ MLIR's verifier on every Triton module produced (the GPU runs it too, when it pa
 a kernel that would fail to lower on a user's GPU fails here, in CI.
 """
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.pallas.triton import lowering as triton_lowering
 
 import jaxflash
+from checks import lower_for_cuda
 
-_H100 = jax.sharding.AbstractMesh(
-    (), (), abstract_device=jax.sharding.AbstractDevice(
-        device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
-
-
-@contextlib.contextmanager
-def _verify_triton_modules():
-  """Runs the MLIR verifier on each Triton module as it is built (e.g. scf.for bound types)."""
-  build = triton_lowering.lower_jaxpr_to_triton_module
-
-  def build_and_verify(*args, **kwargs):
-    result = build(*args, **kwargs)
-    result.module.operation.verify()
-    return result
-
-  triton_lowering.lower_jaxpr_to_triton_module = build_and_verify
-  try:
-    yield
-  finally:
-    triton_lowering.lower_jaxpr_to_triton_module = build
-
-
-def _lower_for_cuda(fn, *args) -> str:
-  with jax.sharding.use_abstract_mesh(_H100), _verify_triton_modules():
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+KERNELS = ("jaxflash_forward", "jaxflash_backward_dq", "jaxflash_backward_dkv")
 
 
 def _fwd_bwd(**options):
@@ -55,8 +29,8 @@ def _fwd_bwd(**options):
 def test_head_dims_and_dtypes_lower(h, dtype):
   q = jax.ShapeDtypeStruct((2, 300, 8, h), dtype)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, h), dtype)
-  text = _lower_for_cuda(_fwd_bwd(is_causal=True), q, kv, kv)
-  for name in ("jaxflash_forward", "jaxflash_backward_dq", "jaxflash_backward_dkv"):
+  text = lower_for_cuda(_fwd_bwd(is_causal=True), q, kv, kv)
+  for name in KERNELS:
     assert name in text
 
 
@@ -71,7 +45,14 @@ def test_every_option_lowers(t, s):
       segment_ids=(jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32)),
       query_seq_lengths=jnp.full((b,), t), key_value_seq_lengths=jnp.full((b,), s),
       dropout_rate=0.1, dropout_rng=jax.random.key(0))
-  _lower_for_cuda(_fwd_bwd(**options), q, kv, kv)
+  text = lower_for_cuda(_fwd_bwd(**options), q, kv, kv)
+  for name in KERNELS:
+    assert name in text
+  # The optional inputs reach the kernels: the forward's custom call takes q, k, v, the
+  # lengths, both segment id arrays, the mask, the bias and the dropout seed.
+  forward_call = next(line for line in text.splitlines() if "jaxflash_forward" in line
+                      and "custom_call" in line)
+  assert forward_call.count("%") - forward_call.split("(")[0].count("%") >= 9, forward_call
 
 
 @pytest.mark.parametrize("h", [40, 128, 256])
@@ -93,16 +74,16 @@ def test_bias_gradient_lowers(bias_shape, h):
           .astype(jnp.float32))
     return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
 
-  assert "jaxflash_backward_dbias" in _lower_for_cuda(fn, q, kv, kv, bias)
+  assert "jaxflash_backward_dbias" in lower_for_cuda(fn, q, kv, kv, bias)
 
 
 def test_lowering_check_can_fail(monkeypatch):
   """The check is real: a non-power-of-two tile must be rejected by the CUDA lowering."""
-  from jaxflash import triton as backend
-  monkeypatch.setattr(backend, "_fit", lambda block, length: 24)
+  from jaxflash.backends.triton import tiles
+  monkeypatch.setattr(tiles, "fit", lambda block, length: 24)
   q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
   with pytest.raises(Exception, match="power of 2"):
-    _lower_for_cuda(_fwd_bwd(), q, q, q)
+    lower_for_cuda(_fwd_bwd(), q, q, q)
 
 
 def test_verifier_catches_what_the_gpu_would_refuse(monkeypatch):
@@ -118,4 +99,4 @@ def test_verifier_catches_what_the_gpu_would_refuse(monkeypatch):
     return pl.pallas_call(kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct((16,), x.dtype))(x)
 
   with pytest.raises(Exception, match="verif"):
-    _lower_for_cuda(fn, jax.ShapeDtypeStruct((16,), jnp.float32))
+    lower_for_cuda(fn, jax.ShapeDtypeStruct((16,), jnp.float32))

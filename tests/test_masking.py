@@ -1,8 +1,10 @@
-"""The pure index helpers of `jaxflash.masking` against a brute-force visibility matrix.
+"""The mask model (`jaxflash.masking`) and the block schedule (`jaxflash.schedule`) against a
+brute-force visibility matrix built from the definitions.
 
-Every backend skips blocks by `kv_block_range` / `q_block_range` and masks inside visited blocks
-with `visible`; a range that misses a block holding a visible entry silently drops attention
-weight, so the ranges are checked to *cover* every such block (and to be tight where they can be).
+Every backend skips blocks by the schedule and masks inside visited blocks with `visible`; a range
+that misses a block holding a visible entry silently drops attention weight, so the ranges are
+checked to *cover* every such block (and to be tight where they can be), also with query and key
+offsets (absolute positions).
 """
 
 import jax
@@ -11,17 +13,20 @@ import numpy as np
 import pytest
 
 from jaxflash import masking
-from jaxflash.masking import Window, make_window
+from jaxflash import schedule
+from jaxflash.masking import Positions, Window, make_window
+from jaxflash.schedule import Schedule
 
 BLOCKS = (1, 3, 8, 16)
 NUM_CASES = 300
 
 
-def brute_visible(t, s, is_causal, window_size, q_len, kv_len):
-  """Dense [t, s] visibility from the definitions, without `jaxflash.masking`."""
-  q = np.arange(t)[:, None]
-  k = np.arange(s)[None, :]
-  ok = (k < kv_len) & (q < q_len)
+def brute_visible(t, s, is_causal, window_size, q_len, kv_len, q_offset=0, kv_offset=0):
+  """Dense [t, s] visibility from the definitions, without `jaxflash.masking`: local row r is at
+  absolute position q_offset + r, local key c at kv_offset + c."""
+  ok = (np.arange(s)[None, :] < kv_len) & (np.arange(t)[:, None] < q_len)
+  q = q_offset + np.arange(t)[:, None]
+  k = kv_offset + np.arange(s)[None, :]
   if is_causal:
     ok = ok & (k <= q)
   if window_size is not None:
@@ -85,10 +90,17 @@ def _as_ints(pair):
     (False, (0, 9), Window(0, 9)),
 ])
 def test_make_window(is_causal, window_size, want):
-  """Causal is the window (None, 0) and intersects with a local window."""
+  """Causal is the window (None, 0) and intersects with a local window: the band `visible`
+  draws from the merged window is the brute-force one of the two options together."""
   got = make_window(is_causal, window_size)
   assert got == want
-  assert got.is_full == (want.left is None and want.right is None)
+  vis = masking.visible(jnp.arange(30)[:, None], jnp.arange(40)[None, :], got)
+  want_vis = brute_visible(30, 40, is_causal, window_size, 30, 40)
+  if vis is None:
+    assert want_vis.all() and got.is_full
+  else:
+    np.testing.assert_array_equal(np.broadcast_to(vis, (30, 40)), want_vis)
+    assert not got.is_full
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +115,7 @@ def _check_kv_ranges(case, vis, window):
   ranges = []
   for i in range(tiles.shape[0]):
     q0, q1 = i * bq, min((i + 1) * bq, t)
-    lo, hi = masking.kv_block_range(q0, min(q1, q_len), kv_len, window, bk)
+    lo, hi = schedule.kv_block_range(q0, min(q1, q_len), kv_len, window, bk)
     assert isinstance(lo, int) and isinstance(hi, int), "Python ints in, Python ints out"
     ranges.append((lo, hi))
     needed = np.flatnonzero(tiles[i])
@@ -124,7 +136,7 @@ def _check_q_ranges(case, vis, window):
   ranges = []
   for j in range(tiles.shape[1]):
     k0, k1 = j * bk, min((j + 1) * bk, s)
-    lo, hi = masking.q_block_range(k0, min(k1, kv_len), q_len, window, bq)
+    lo, hi = schedule.q_block_range(k0, min(k1, kv_len), q_len, window, bq)
     assert isinstance(lo, int) and isinstance(hi, int), "Python ints in, Python ints out"
     ranges.append((lo, hi))
     needed = np.flatnonzero(tiles[:, j])
@@ -163,11 +175,11 @@ def test_block_ranges_cover_visible_blocks():
 
     q0 = np.arange(0, t, bq)
     q_stop = np.minimum(np.minimum(q0 + bq, t), q_len)
-    assert _traced_ranges(masking.kv_block_range, q0, q_stop, kv_len, window, bk) == kv_ranges, \
+    assert _traced_ranges(schedule.kv_block_range, q0, q_stop, kv_len, window, bk) == kv_ranges, \
         case
     k0 = np.arange(0, s, bk)
     k_stop = np.minimum(np.minimum(k0 + bk, s), kv_len)
-    assert _traced_ranges(masking.q_block_range, k0, k_stop, q_len, window, bq) == q_ranges, \
+    assert _traced_ranges(schedule.q_block_range, k0, k_stop, q_len, window, bq) == q_ranges, \
         case
   assert seen_kinds == {"full", "causal", "pair", "int", "causal_pair", "causal_int"}
 
@@ -181,44 +193,44 @@ def test_block_ranges_int32_scalars(seed):
     window = make_window(case["is_causal"], case["window_size"])
     q0 = int(rng.integers(0, t)) // bq * bq
     q_stop = min(q0 + bq, t, q_len)
-    want = masking.kv_block_range(q0, q_stop, kv_len, window, bk)
-    got = masking.kv_block_range(jnp.int32(q0), jnp.int32(q_stop), jnp.int32(kv_len), window, bk)
+    want = schedule.kv_block_range(q0, q_stop, kv_len, window, bk)
+    got = schedule.kv_block_range(jnp.int32(q0), jnp.int32(q_stop), jnp.int32(kv_len), window, bk)
     assert _as_ints(got) == want, case
     k0 = int(rng.integers(0, s)) // bk * bk
     k_stop = min(k0 + bk, s, kv_len)
-    want = masking.q_block_range(k0, k_stop, q_len, window, bq)
-    got = masking.q_block_range(jnp.int32(k0), jnp.int32(k_stop), jnp.int32(q_len), window, bq)
+    want = schedule.q_block_range(k0, k_stop, q_len, window, bq)
+    got = schedule.q_block_range(jnp.int32(k0), jnp.int32(k_stop), jnp.int32(q_len), window, bq)
     assert _as_ints(got) == want, case
 
 
 def test_block_ranges_under_jit():
   """Inside jit, with every index traced, the ranges match the Python-int ones."""
   window = make_window(True, (5, 3))
-  f = jax.jit(lambda a, b, n: (masking.kv_block_range(a, b, n, window, 8),
-                               masking.q_block_range(a, b, n, window, 8)))
+  f = jax.jit(lambda a, b, n: (schedule.kv_block_range(a, b, n, window, 8),
+                               schedule.q_block_range(a, b, n, window, 8)))
   for a, b, n in [(0, 8, 40), (16, 24, 40), (32, 37, 37), (24, 20, 20), (8, 16, 0)]:
     kv, q = f(jnp.int32(a), jnp.int32(b), jnp.int32(n))
-    assert _as_ints(kv) == masking.kv_block_range(a, b, n, window, 8), (a, b, n)
-    assert _as_ints(q) == masking.q_block_range(a, b, n, window, 8), (a, b, n)
+    assert _as_ints(kv) == schedule.kv_block_range(a, b, n, window, 8), (a, b, n)
+    assert _as_ints(q) == schedule.q_block_range(a, b, n, window, 8), (a, b, n)
 
 
 def test_causal_skips_upper_blocks():
   """Causal attention visits only blocks on or below the diagonal (what makes it cost half)."""
   window = make_window(True, None)
   for i in range(8):
-    assert masking.kv_block_range(16 * i, 16 * i + 16, 128, window, 16) == (0, i + 1)
-    assert masking.q_block_range(16 * i, 16 * i + 16, 128, window, 16) == (i, 8)
+    assert schedule.kv_block_range(16 * i, 16 * i + 16, 128, window, 16) == (0, i + 1)
+    assert schedule.q_block_range(16 * i, 16 * i + 16, 128, window, 16) == (i, 8)
 
 
 def test_empty_ranges():
   """No valid keys (or queries) means an empty range, never a negative or past-the-end one."""
   for window in (make_window(False, None), make_window(True, None), make_window(False, (3, 2))):
-    lo, hi = masking.kv_block_range(0, 16, 0, window, 8)
+    lo, hi = schedule.kv_block_range(0, 16, 0, window, 8)
     assert hi <= lo and hi == 0
-    lo, hi = masking.q_block_range(0, 16, 0, window, 8)
+    lo, hi = schedule.q_block_range(0, 16, 0, window, 8)
     assert hi <= lo and hi == 0
   # Query rows far right of the last valid key, with a left window: nothing to visit.
-  lo, hi = masking.kv_block_range(48, 56, 10, make_window(False, (4, 4)), 8)
+  lo, hi = schedule.kv_block_range(48, 56, 10, make_window(False, (4, 4)), 8)
   assert hi <= lo
 
 
@@ -319,8 +331,8 @@ def test_full_block_range_is_sound_and_tight():
       q0, q_stop = i * bq, min((i + 1) * bq, t, q_len)
       if q_stop <= q0:
         continue  # the whole tile is query padding: kernels visit nothing
-      lo, hi = masking.kv_full_block_range(q0, q_stop, kv_len, window, bk)
-      traced = masking.kv_full_block_range(jnp.int32(q0), jnp.int32(q_stop), jnp.int32(kv_len),
+      lo, hi = schedule.kv_full_block_range(q0, q_stop, kv_len, window, bk)
+      traced = schedule.kv_full_block_range(jnp.int32(q0), jnp.int32(q_stop), jnp.int32(kv_len),
                                            window, bk)
       assert _as_ints(traced) == (lo, hi), case
       full = [j for j in range(nk) if (j + 1) * bk <= s and vis[q0:q_stop, j * bk:(j + 1) * bk].all()]
@@ -329,3 +341,97 @@ def test_full_block_range_is_sound_and_tight():
       assert set(named) <= set(full), "a named block has a hidden entry: " + where
       if case["kind"] in ("full", "causal"):
         assert named == full, "full/causal full-block range not tight: " + where
+
+
+# ---------------------------------------------------------------------------------------------
+# Positions: offsets in the element mask and the schedule
+
+
+def _offset_cases(seed, n):
+  rng = np.random.default_rng(seed)
+  for case in random_cases(seed, n):
+    # Offsets either way round, so the diagonal moves both ways; sometimes equal (diagonal 0).
+    q_off = int(rng.integers(0, 90))
+    kv_off = q_off if rng.random() < 0.2 else int(rng.integers(0, 90))
+    yield dict(case, q_off=q_off, kv_off=kv_off)
+
+
+def test_visible_with_offsets_matches_brute_force():
+  """The band compares absolute positions; lengths index the call's own rows and keys.
+
+  One fixed 70 x 70 tile for every case (eager ops then compile once); each case compares its
+  own [t, s] corner.
+  """
+  rows, cols = jnp.arange(70)[:, None], jnp.arange(70)[None, :]
+  for case in _offset_cases(seed=21, n=80):
+    t, s, q_len, kv_len = (case[x] for x in ("t", "s", "q_len", "kv_len"))
+    window = make_window(case["is_causal"], case["window_size"])
+    pos = Positions(q_len, kv_len, jnp.int32(case["q_off"]), jnp.int32(case["kv_off"]))
+    got = masking.visible(rows, cols, window, diagonal=pos.diagonal, q_len=jnp.int32(q_len),
+                          kv_len=jnp.int32(kv_len))
+    want = brute_visible(t, s, case["is_causal"], case["window_size"], q_len, kv_len,
+                         case["q_off"], case["kv_off"])
+    np.testing.assert_array_equal(np.asarray(got)[:t, :s], want, err_msg=str(case))
+
+
+def test_schedule_with_offsets_is_sound():
+  """With offsets, every key block holding a visible entry is visited, and a block the
+  schedule visits unmasked is entirely visible to every valid row; the transpose (dK/dV)
+  visits every query block that sees a key block. Positions are int32 scalars, as in a kernel."""
+  for case in _offset_cases(seed=22, n=60):
+    t, s, bq, bk, q_len, kv_len = (case[x] for x in ("t", "s", "bq", "bk", "q_len", "kv_len"))
+    window = make_window(case["is_causal"], case["window_size"])
+    sched = Schedule(window, bq, bk)
+    pos = Positions(*(jnp.int32(x) for x in (q_len, kv_len, case["q_off"], case["kv_off"])))
+    vis = brute_visible(t, s, case["is_causal"], case["window_size"], q_len, kv_len,
+                        case["q_off"], case["kv_off"])
+    tiles = block_visibility(vis, bq, bk)
+    nq, nk = tiles.shape
+    for i in range(nq):
+      lo, full_lo, full_hi, hi = _as_ints(sched.kv_blocks(jnp.int32(i * bq), pos))
+      needed = np.flatnonzero(tiles[i])
+      where = f"{case}, query block {i}: [{lo}, {hi}) full [{full_lo}, {full_hi})"
+      if needed.size:
+        assert lo <= needed[0] and needed[-1] < hi, "misses a visible block: " + where
+      if hi > lo:
+        assert lo <= full_lo <= full_hi <= hi, where
+      else:
+        assert full_hi <= full_lo, "an empty range has full blocks: " + where
+      valid_rows = slice(i * bq, min((i + 1) * bq, t, q_len))
+      for j in range(full_lo, full_hi):
+        assert (j + 1) * bk <= s and vis[valid_rows, j * bk:(j + 1) * bk].all(), \
+            "not full: " + where
+    for j in range(nk):
+      lo, hi = _as_ints(sched.q_blocks(jnp.int32(j * bk), pos))
+      needed = np.flatnonzero(tiles[:, j])
+      if needed.size:
+        assert lo <= needed[0] and needed[-1] < hi, f"{case}, key block {j}: [{lo}, {hi})"
+
+
+def test_schedule_offsets_equal_to_shifted_call():
+  """A query block at rows [r, r + bq) of a call with q_offset = p visits exactly the key blocks
+  that rows [p + r, p + r + bq) of a call without offsets visit (block-aligned p)."""
+  window = make_window(True, (40, 0))
+  sched = Schedule(window, 16, 16)
+  for p in (0, 16, 48, 160):
+    for r in (0, 16, 32):
+      shifted = sched.kv_blocks(jnp.int32(r), Positions(jnp.int32(64), jnp.int32(400),
+                                                         jnp.int32(p), jnp.int32(0)))
+      plain = sched.kv_blocks(jnp.int32(p + r), Positions(jnp.int32(p + 64), jnp.int32(400)))
+      assert _as_ints(shifted) == _as_ints(plain), (p, r)
+
+
+def test_visit_kv_runs_body_over_the_schedule():
+  """`Schedule.visit_kv` calls the body once per visited block, in order, unmasked exactly on
+  the full blocks; `visit_q` repeats its blocks once per query head of a group."""
+  sched = Schedule(make_window(True, None), 8, 8)
+  pos = Positions(jnp.int32(40), jnp.int32(40))
+
+  def body(j, seen, masked):
+    return seen.at[j].set(jnp.where(masked, 1, 2))
+
+  seen = sched.visit_kv(jnp.int32(24), pos, body, jnp.zeros(5, jnp.int32))
+  np.testing.assert_array_equal(seen, [2, 2, 2, 1, 0])  # blocks 0-2 full, 3 diagonal, 4 skipped
+  counts = sched.visit_q(jnp.int32(16), pos, lambda g, i, c: c.at[g, i].add(1),
+                         jnp.zeros((3, 5), jnp.int32), repeat=3)
+  np.testing.assert_array_equal(counts, [[0, 0, 1, 1, 1]] * 3)

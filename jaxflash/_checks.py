@@ -1,0 +1,235 @@
+"""Argument checks and normalisation of the public API, before any backend is chosen.
+
+Every check runs on shapes, dtypes and Python values, so bad input fails with a `ValueError` that
+names the argument, inside `jit` or not, before any kernel is traced. `normalise` returns the
+call as the backends see it: `jaxflash._core.Inputs` (rank-4 arrays, int32 lengths) and the static
+`jaxflash._core.Params`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflash import dropout
+from jaxflash import masking
+from jaxflash._core import Inputs, Params
+
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+
+
+class Call(NamedTuple):
+  """One normalised attention call."""
+
+  inputs: Inputs
+  params: Params
+  unbatched: bool  # the user passed [T, N, H] arrays: outputs lose the batch axis again
+
+
+def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+              segment_ids=None, logits_soft_cap=None, dropout_rate=0.0, dropout_rng=None,
+              broadcast_dropout=False, interpret=False) -> Call:
+  """Checks every argument of `jaxflash.flash_attention` (but ``implementation`` and
+  ``return_residual``) and returns the call as backends see it."""
+  query, key, value = (_as_array(x, name) for x, name in
+                       ((query, "query"), (key, "key"), (value, "value")))
+  unbatched = _check_qkv(query, key, value)
+  if unbatched:
+    query, key, value = query[None], key[None], value[None]
+  b, t, n, h = query.shape
+  s = key.shape[1]
+
+  scale = _check_scale(scale, h)
+  window = masking.make_window(bool(is_causal), _check_window(local_window_size))
+  logits_soft_cap = _check_soft_cap(logits_soft_cap)
+  dropout_rate, dropout_seed = _check_dropout(dropout_rate, dropout_rng)
+
+  mask = _check_dense(mask, "mask", (b, n, t, s), unbatched, want_bool=True)
+  bias = _check_dense(bias, "bias", (b, n, t, s), unbatched, want_bool=False)
+  q_lens = _check_lengths(query_seq_lengths, "query_seq_lengths", b, unbatched)
+  kv_lens = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, unbatched)
+  segments = _check_segments(segment_ids, b, t, s, unbatched)
+
+  inputs = Inputs(
+      query=query, key=key, value=value, lengths=_lengths(q_lens, kv_lens, b, t, s),
+      bias=bias, mask=mask, q_segment_ids=None if segments is None else segments[0],
+      kv_segment_ids=None if segments is None else segments[1], dropout_seed=dropout_seed)
+  params = Params(scale=scale, window=window, logits_soft_cap=logits_soft_cap,
+                  dropout_rate=dropout_rate, broadcast_dropout=bool(broadcast_dropout),
+                  interpret=bool(interpret))
+  return Call(inputs, params, unbatched)
+
+
+# Each check raises ValueError naming the argument and returns the normalised value.
+
+
+def _as_array(x, name: str) -> jax.Array:
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+  return x
+
+
+def _check_qkv(query, key, value) -> bool:
+  """Checks ranks, dtypes and shapes of query/key/value; returns True for unbatched inputs."""
+  if query.ndim not in (3, 4):
+    raise ValueError(f"query must have rank 4 [B, T, N, H] or 3 [T, N, H], "
+                     f"got shape {query.shape}")
+  for name, x in (("key", key), ("value", value)):
+    if x.ndim != query.ndim:
+      raise ValueError(f"{name} must have the same rank as query ({query.ndim}), "
+                       f"got shape {x.shape} for query shape {query.shape}")
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.dtype not in _FLOAT_DTYPES:
+      raise ValueError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+  if not key.dtype == value.dtype == query.dtype:
+    raise ValueError(f"query, key and value must share one dtype, got "
+                     f"{query.dtype}, {key.dtype}, {value.dtype}")
+  if key.shape != value.shape:
+    raise ValueError(f"key and value must have the same shape, got key {key.shape} and "
+                     f"value {value.shape}")
+  q4 = query.shape if query.ndim == 4 else (1,) + query.shape
+  k4 = key.shape if key.ndim == 4 else (1,) + key.shape
+  if q4[0] != k4[0]:
+    raise ValueError(f"query and key must have the same batch size, got query {query.shape} "
+                     f"and key {key.shape}")
+  if q4[3] != k4[3]:
+    raise ValueError(f"query and key must have the same head dim (last axis), got query "
+                     f"{query.shape} and key {key.shape}")
+  if q4[3] == 0 or q4[2] == 0 or k4[2] == 0:
+    raise ValueError(f"head counts and head dim must be positive, got query {query.shape} and "
+                     f"key {key.shape}")
+  if q4[2] % k4[2] != 0:
+    raise ValueError(f"the number of query heads ({q4[2]}) must be a multiple of the number of "
+                     f"key/value heads ({k4[2]}); got query {query.shape}, key {key.shape}")
+  if q4[1] == 0 or k4[1] == 0:
+    raise ValueError(f"sequence lengths must be positive, got query {query.shape} and key "
+                     f"{key.shape}")
+  return query.ndim == 3
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_scale(scale, head_dim: int) -> float:
+  if scale is None:
+    return float(head_dim) ** -0.5
+  if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not np.isfinite(scale):
+    raise ValueError(f"scale must be a finite Python number, got {scale!r}")
+  return float(scale)
+
+
+def _check_window(window) -> tuple[int, int] | None:
+  if window is None:
+    return None
+  if _is_int(window):
+    window = (window, window)
+  if (not isinstance(window, Sequence) or len(window) != 2
+      or not all(_is_int(w) for w in window)):
+    raise ValueError(f"local_window_size must be an int or a pair of ints (left, right), "
+                     f"got {window!r}")
+  if window[0] < 0 or window[1] < 0:
+    raise ValueError(f"local_window_size must be non-negative, got {tuple(window)}")
+  return int(window[0]), int(window[1])
+
+
+def _check_soft_cap(cap) -> float | None:
+  if cap is None:
+    return None
+  if (not isinstance(cap, numbers.Real) or isinstance(cap, bool) or not np.isfinite(cap)
+      or cap <= 0):
+    raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {cap!r}")
+  return float(cap)
+
+
+def _check_dropout(rate, rng) -> tuple[float, jax.Array | None]:
+  """Returns ``(rate, seed words uint32[2] or None)``; no seed (and no cost) when rate is 0."""
+  if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout_rate must be a Python number in [0, 1), got {rate!r}")
+  if rate == 0.0:
+    return 0.0, None
+  if rng is None:
+    raise ValueError("dropout_rate > 0 needs a dropout_rng key")
+  rng = _as_array(rng, "dropout_rng")
+  typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+  if not ((typed and rng.shape == ()) or (rng.dtype == jnp.uint32 and rng.shape == (2,))):
+    raise ValueError(f"dropout_rng must be a single PRNG key (jax.random.key(...) or a raw "
+                     f"uint32[2] key), got {rng.dtype}{list(rng.shape)}")
+  return float(rate), dropout.seed_words(rng)
+
+
+def _check_dense(x, name: str, full: tuple[int, int, int, int], unbatched: bool,
+                 want_bool: bool) -> jax.Array | None:
+  """Checks a mask or bias and returns it as rank 4 [B or 1, N or 1, T, S].
+
+  Batch and head axes of size 1 are kept (kernels index them with 0), the two sequence axes are
+  broadcast to full size so kernels can read (block_q, block_k) tiles of them.
+  """
+  if x is None:
+    return None
+  x = _as_array(x, name)
+  if want_bool and x.dtype != jnp.bool_:
+    raise ValueError(f"mask must be boolean (True = attend), got dtype {x.dtype}")
+  if not want_bool and x.dtype not in _FLOAT_DTYPES:
+    raise ValueError(f"bias must be float16, bfloat16 or float32, got dtype {x.dtype}")
+  target = full[1:] if unbatched else full
+  what = "[N, T, S]" if unbatched else "[B, N, T, S]"
+  if x.ndim > len(target) or any(d not in (1, f) for d, f in
+                                 zip(x.shape[::-1], target[::-1])):
+    raise ValueError(f"{name} must broadcast to {what} = {target}, got shape {x.shape}")
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  return jnp.broadcast_to(x, x.shape[:2] + full[2:])
+
+
+def _check_lengths(lengths, name: str, batch: int, unbatched: bool) -> jax.Array | None:
+  if lengths is None:
+    return None
+  lengths = _as_array(lengths, name)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array, got dtype {lengths.dtype}")
+  if unbatched and lengths.ndim == 0:
+    lengths = lengths[None]
+  if lengths.shape != (batch,):
+    raise ValueError(f"{name} must have shape (B,) = ({batch},), got {lengths.shape}")
+  return lengths.astype(jnp.int32)
+
+
+def _check_segments(segment_ids, batch: int, t: int, s: int, unbatched: bool):
+  """Returns ``None`` or ``(q_segment_ids [B, T], kv_segment_ids [B, S])`` as int32."""
+  if segment_ids is None:
+    return None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError(f"segment_ids must be an array or a pair (q_segment_ids, "
+                       f"kv_segment_ids), got a sequence of length {len(segment_ids)}")
+    q_seg, kv_seg = segment_ids
+  else:
+    if t != s:
+      raise ValueError(f"a single segment_ids array is for self-attention (T == S), got T = {t} "
+                       f"and S = {s}; pass (q_segment_ids, kv_segment_ids)")
+    q_seg = kv_seg = segment_ids
+  out = []
+  for x, name, length in ((q_seg, "q_segment_ids", t), (kv_seg, "kv_segment_ids", s)):
+    x = _as_array(x, f"segment_ids ({name})")
+    want = (length,) if unbatched else (batch, length)
+    if x.shape != want or not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"segment_ids ({name}) must be an integer array of shape {want}, got "
+                       f"{x.dtype}{list(x.shape)}")
+    out.append((x[None] if unbatched else x).astype(jnp.int32))
+  return tuple(out)
+
+
+def _lengths(q_lens, kv_lens, batch: int, t: int, s: int) -> jax.Array:
+  """(q_len, kv_len) per batch row as int32 [B, 2], clipped to the real lengths.
+
+  Always passed, even when the user gave none, so that kernels have one code path; clipping
+  means lengths past T or S simply mean "no padding".
+  """
+  q_lens = jnp.full((batch,), t, jnp.int32) if q_lens is None else jnp.clip(q_lens, 0, t)
+  kv_lens = jnp.full((batch,), s, jnp.int32) if kv_lens is None else jnp.clip(kv_lens, 0, s)
+  return jnp.stack([q_lens, kv_lens], axis=1)

@@ -1,0 +1,185 @@
+"""The Triton backward: dQ and dK/dV kernels that recompute S and P from Q, K, V and the LSE.
+
+- `_dq_kernel`, grid (query blocks, B, N): recomputes its query tile's P over the key blocks the
+  schedule names (the forward's) and accumulates dQ.
+- `_dkv_kernel`, grid (key blocks, B, K): keeps a key/value tile on chip and walks every query
+  head of its group (GQA) and the query blocks of the schedule's transpose, accumulating dK, dV.
+
+They are separate kernels so that every gradient element has one writer: gradients are
+deterministic and need no atomics. With GQA the K/V heads are indexed, never repeated. The bias
+gradient, when asked for, is a third kernel (`dbias.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxflash import _core
+from jaxflash._core import Inputs, Params
+from jaxflash.backends.triton import dbias as dbias_kernel
+from jaxflash.backends.triton import tiles
+from jaxflash.backends.triton.config import Config
+from jaxflash.schedule import Schedule
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, lse_ref, delta_ref,
+               dq_ref, *, params: Params, st: tiles.Static, schedule: Schedule):
+  qt = tiles.query_tile(q_ref, lengths_ref, opt, params, st, schedule.block_q)
+  do = tiles.load(do_ref, mask=tiles.tile_ok(qt.row_ok, st.dim_ok), other=0.0)
+  # lse2 = +inf on rows that see nothing (and on rows past T), so P is exactly 0 there.
+  lse2 = tiles.load(lse_ref, mask=qt.row_ok, other=jnp.inf)
+  delta = tiles.load(delta_ref, mask=qt.row_ok, other=0.0)
+
+  def body(j, dq, masked: bool):
+    kt = tiles.key_tile(j, k_ref, opt, st, schedule.block_k, masked)
+    v = tiles.load(v_ref.at[kt.keys, :], mask=kt.kv_ok, other=0.0)
+    s2, cap_t = tiles.tile_logits(qt, kt, opt, params, masked)
+    p = jnp.exp2(s2 - lse2[:, None])
+    keep = tiles.keep(qt.stream, qt.rows, kt.k_start, schedule.block_k, params, qt.pos)
+    dp = _core.dropped(plgpu.dot(do, v, trans_b=True), keep, params)
+    ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), cap_t)
+    return dq + plgpu.dot(ds.astype(kt.k.dtype), kt.k)
+
+  dq = jnp.zeros((schedule.block_q, st.head_dim_p), jnp.float32)
+  dq = schedule.visit_kv(qt.q_start, qt.pos, body, dq)
+  plgpu.store(dq_ref, (dq * params.scale).astype(dq_ref.dtype),
+              mask=tiles.tile_ok(qt.row_ok, st.dim_ok))
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, lse_ref,
+                delta_ref, dk_ref, dv_ref, *, params: Params, st: tiles.Static,
+                schedule: Schedule):
+  block_q, block_k = schedule.block_q, schedule.block_k
+  pos = tiles.positions(lengths_ref, opt.offsets)
+  k_start = pl.program_id(0) * block_k
+  cols, col_ok = st.bounds(k_start, block_k, st.seq_k)
+  kv_ok = tiles.tile_ok(col_ok, st.dim_ok)
+  k = tiles.load(k_ref, mask=kv_ok, other=0.0)
+  v = tiles.load(v_ref, mask=kv_ok, other=0.0)
+  kv_seg = None if opt.kv_seg is None else tiles.load(opt.kv_seg, mask=col_ok, other=-2)
+  # Program ids are read here, outside the loops (interpret mode cannot see them inside).
+  batch, first_head = pl.program_id(1), pl.program_id(2) * st.groups
+
+  def body(g, i, carry):
+    # Query head g of this K/V head's group, query block i.
+    dk, dv = carry
+    q_start = i * block_q
+    rows, row_ok = st.bounds(q_start, block_q, st.seq_q)
+    q_ok = tiles.tile_ok(row_ok, st.dim_ok)
+    q = tiles.load(q_ref.at[pl.ds(q_start, block_q), g, :], mask=q_ok, other=0.0)
+    do = tiles.load(do_ref.at[pl.ds(q_start, block_q), g, :], mask=q_ok, other=0.0)
+    lse2 = tiles.load(lse_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=jnp.inf)
+    delta = tiles.load(delta_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=0.0)
+    q_seg = None if opt.q_seg is None else tiles.load(
+        opt.q_seg.at[pl.ds(q_start, block_q)], mask=row_ok, other=-1)
+
+    def dense_tile(ref):
+      # Mask/bias refs hold every head of the group, or one head broadcast to all of them.
+      # (A literal 0 index trips jax 0.11.2's load lowering; an int32 scalar does not.)
+      if ref is None:
+        return None
+      return ref.at[g if ref.shape[0] > 1 else jnp.int32(0), pl.ds(q_start, block_q), :]
+
+    s2, cap_t = tiles.masked_logits(q, k, rows, cols, tiles.tile_ok(row_ok, col_ok), pos, params,
+                                    q_seg, kv_seg, dense_tile(opt.bias), dense_tile(opt.mask))
+    p = jnp.exp2(s2 - lse2[:, None])
+    keep = tiles.keep(tiles.dropout_stream(opt, params, batch, first_head + g), rows, k_start,
+                      block_k, params, pos)
+    dv = dv + plgpu.dot(_core.dropped(p, keep, params).astype(do.dtype), do, trans_a=True)
+    dp = _core.dropped(plgpu.dot(do, v, trans_b=True), keep, params)
+    ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), cap_t)
+    dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True)
+    return dk, dv
+
+  zeros = jnp.zeros((block_k, st.head_dim_p), jnp.float32)
+  dk, dv = schedule.visit_q(k_start, pos, body, (zeros, zeros), repeat=st.groups)
+  plgpu.store(dk_ref, (dk * params.scale).astype(dk_ref.dtype), mask=kv_ok)
+  plgpu.store(dv_ref, dv.astype(dv_ref.dtype), mask=kv_ok)
+
+
+def _grouped_dense(x: jax.Array, t: int, block_k: int, groups: int):
+  """A mask/bias as the dK/dV grid reads it: [B|1, K|1, G|1, T, S], and its BlockSpec (all T
+  rows of one key block, for every head of the group)."""
+  bcast_b, bcast_n = x.shape[0] == 1, x.shape[1] == 1
+  g = 1 if bcast_n else groups
+  spec = pl.BlockSpec((None, None, g, t, block_k),
+                      lambda j, b, h: (0 if bcast_b else b, 0 if bcast_n else h, 0, 0, j))
+  return x.reshape(x.shape[0], x.shape[1] // g, g, t, x.shape[3]), spec
+
+
+def _dq(inputs, params, config, opt, d_out, lse2, delta, out_dtype):
+  q, k, v = inputs.query, inputs.key, inputs.value
+  b, t, n, _ = q.shape
+  s = k.shape[1]
+  st = tiles.static(inputs)
+  block_q, block_k = tiles.blocks(config.backward, inputs)
+  rows = pl.BlockSpec((None, block_q, None, st.head_dim_p), lambda i, b, h: (b, i, h, 0))
+  kv = pl.BlockSpec((None, s, None, st.head_dim_p), lambda i, b, h: (b, 0, h // st.groups, 0))
+  stats = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
+  return pl.pallas_call(
+      functools.partial(_dq_kernel, params=params, st=st,
+                        schedule=tiles.schedule(inputs, params, block_q, block_k)),
+      grid=(pl.cdiv(t, block_q), b, n),
+      in_specs=[rows, kv, kv, pl.BlockSpec((None, 2), lambda i, b, h: (b, 0)),
+                tiles.query_block_specs(opt, block_q, s), rows, stats, stats],
+      out_specs=rows,
+      out_shape=jax.ShapeDtypeStruct(q.shape, out_dtype),
+      compiler_params=tiles.compiler_params(config.backward),
+      interpret=params.interpret,
+      name="jaxflash_backward_dq",
+  )(q, k, v, inputs.lengths, opt, d_out, lse2, delta)
+
+
+def _dkv(inputs, params, config, opt, d_out, lse2, delta, out_dtype):
+  q, k, v = inputs.query, inputs.key, inputs.value
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  st = tiles.static(inputs)
+  g, hp = st.groups, st.head_dim_p
+  block_q, block_k = tiles.blocks(config.backward, inputs)
+  grouped_rows = pl.BlockSpec((None, t, None, g, hp), lambda j, b, h: (b, 0, h, 0, 0))
+  grouped_stats = pl.BlockSpec((None, None, g, t), lambda j, b, h: (b, h, 0, 0))
+  kv = pl.BlockSpec((None, block_k, None, hp), lambda j, b, h: (b, j, h, 0))
+  dense = {name: None if x is None else _grouped_dense(x, t, block_k, g)
+           for name, x in (("mask", opt.mask), ("bias", opt.bias))}
+  opt = opt._replace(**{name: None if d is None else d[0] for name, d in dense.items()})
+  specs = opt.specs(
+      offsets=lambda x: pl.BlockSpec((None, 2), lambda j, b, h: (b, 0)),
+      q_seg=lambda x: pl.BlockSpec((None, t), lambda j, b, h: (b, 0)),
+      kv_seg=lambda x: pl.BlockSpec((None, block_k), lambda j, b, h: (b, j)),
+      mask=lambda x: dense["mask"][1],
+      bias=lambda x: dense["bias"][1],
+      seed=lambda x: pl.BlockSpec((2,), lambda j, b, h: (0,)))
+  return pl.pallas_call(
+      functools.partial(_dkv_kernel, params=params, st=st,
+                        schedule=tiles.schedule(inputs, params, block_q, block_k)),
+      grid=(pl.cdiv(s, block_k), b, kh),
+      in_specs=[grouped_rows, kv, kv, pl.BlockSpec((None, 2), lambda j, b, h: (b, 0)), specs,
+                grouped_rows, grouped_stats, grouped_stats],
+      out_specs=[kv, kv],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, out_dtype),
+                 jax.ShapeDtypeStruct(v.shape, out_dtype)],
+      compiler_params=tiles.compiler_params(config.backward),
+      interpret=params.interpret,
+      name="jaxflash_backward_dkv",
+  )(q.reshape(b, t, kh, g, h), k, v, inputs.lengths, opt, d_out.reshape(b, t, kh, g, h),
+    lse2.reshape(b, kh, g, t), delta.reshape(b, kh, g, t))
+
+
+def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
+             want_dbias: bool):
+  """``(dq, dk, dv, dbias)`` (see `jaxflash._core`); float32 for a partial call."""
+  d_out = d_out.astype(inputs.query.dtype)
+  out_dtype = jnp.float32 if params.partial else inputs.query.dtype
+  opt = tiles.optional_inputs(inputs)
+  dq = _dq(inputs, params, config, opt, d_out, lse2, delta, out_dtype)
+  dk, dv = _dkv(inputs, params, config, opt, d_out, lse2, delta, out_dtype)
+  dbias = None
+  if want_dbias:
+    dbias = dbias_kernel.dbias(inputs, params, config, opt, lse2, d_out, delta)
+  return dq, dk, dv, dbias

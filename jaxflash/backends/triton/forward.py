@@ -1,0 +1,91 @@
+"""The Triton forward kernel: O and the base-2 LSE of one query block per program.
+
+Grid (query blocks, B, N). A program keeps its query tile on chip, walks the key blocks the
+schedule names (full blocks without an element mask), runs the online softmax in float32 and
+writes O (normalised, or float32 for a partial result) and the LSE. K/V heads are indexed by
+``head // groups`` (GQA), never repeated.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxflash import _core
+from jaxflash._core import Inputs, Params
+from jaxflash.backends.triton import tiles
+from jaxflash.backends.triton.config import Config
+from jaxflash.schedule import Schedule
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, o_ref, lse_ref, *,
+                    params: Params, st: tiles.Static, schedule: Schedule):
+  qt = tiles.query_tile(q_ref, lengths_ref, opt, params, st, schedule.block_q)
+  # With a plain positive scale the tile's max is taken on the raw q @ k.T and scaled per row;
+  # the per-entry scale then rides in the exp2 argument's multiply-add, saving one float32
+  # multiply per logit on the forward's critical path.
+  fold = tiles.folds_scale(params, opt)
+  c = params.scale * _core.LOG2_E if fold else 1.0
+
+  def body(j, carry, masked: bool):
+    acc, m, l = carry
+    kt = tiles.key_tile(j, k_ref, opt, st, schedule.block_k, masked)
+    s2, _ = tiles.tile_logits(qt, kt, opt, params, masked, raw=fold)
+    # Online softmax. A row that has seen no visible key yet keeps m = -inf; shifting by 0 instead
+    # keeps exp2 finite (exp2(-inf) = 0) so such rows stay at l = 0, acc = 0 without NaN. In a
+    # full (unmasked) tile every entry is finite, so m_new is too.
+    m_new = jnp.maximum(m, jnp.max(s2, axis=1) * c if fold else jnp.max(s2, axis=1))
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+    alpha = jnp.exp2(m - m_shift)
+    p = jnp.exp2((s2 * c if fold else s2) - m_shift[:, None])
+    v = tiles.load(v_ref.at[kt.keys, :], mask=kt.kv_ok, other=0.0)
+    # Dropout removes entries of P from the product with V only; l sums the undropped P, and
+    # 1 / P(keep) is applied once, to the output.
+    keep = tiles.keep(qt.stream, qt.rows, kt.k_start, schedule.block_k, params, qt.pos)
+    p_v = p if keep is None else jnp.where(keep, p, 0.0)
+    acc = acc * alpha[:, None] + plgpu.dot(p_v.astype(v.dtype), v)
+    return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+
+  block_q = schedule.block_q
+  init = (jnp.zeros((block_q, st.head_dim_p), jnp.float32),
+          jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+  acc, m, l = schedule.visit_kv(qt.q_start, qt.pos, body, init)
+
+  seen = jnp.logical_and(qt.rows < qt.pos.q_len, l > 0.0)
+  inv_l = (1.0 if qt.stream is None else params.keep_scale) / jnp.where(seen, l, 1.0)
+  out = jnp.where(seen[:, None], acc * inv_l[:, None], 0.0)
+  plgpu.store(o_ref, out.astype(o_ref.dtype), mask=tiles.tile_ok(qt.row_ok, st.dim_ok))
+  plgpu.store(lse_ref, jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf),
+              mask=qt.row_ok)
+
+
+def forward(inputs: Inputs, params: Params, config: Config):
+  """``(out [B, T, N, H], lse2 [B, N, T])`` (see `jaxflash._core`)."""
+  q, k, v = inputs.query, inputs.key, inputs.value
+  b, t, n, _ = q.shape
+  s = k.shape[1]
+  st = tiles.static(inputs)
+  block_q, block_k = tiles.blocks(config.forward, inputs)
+  hp, g = st.head_dim_p, st.groups
+  opt = tiles.optional_inputs(inputs)
+  rows = pl.BlockSpec((None, block_q, None, hp), lambda i, b, h: (b, i, h, 0))
+  kv = pl.BlockSpec((None, s, None, hp), lambda i, b, h: (b, 0, h // g, 0))
+  kernel = functools.partial(_forward_kernel, params=params, st=st,
+                             schedule=tiles.schedule(inputs, params, block_q, block_k))
+  out_dtype = jnp.float32 if params.partial else q.dtype
+  return pl.pallas_call(
+      kernel,
+      grid=(pl.cdiv(t, block_q), b, n),
+      in_specs=[rows, kv, kv, pl.BlockSpec((None, 2), lambda i, b, h: (b, 0)),
+                tiles.query_block_specs(opt, block_q, s)],
+      out_specs=[rows, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, out_dtype),
+                 jax.ShapeDtypeStruct((b, n, t), jnp.float32)],
+      compiler_params=tiles.compiler_params(config.forward),
+      interpret=params.interpret,
+      name="jaxflash_forward",
+  )(q, k, v, inputs.lengths, opt)

@@ -1,0 +1,257 @@
+"""What the Triton kernels share: the optional inputs as one pytree, static sizes, masked tile
+loads, and the logits of one (query, key) tile.
+
+jax 0.11.2's Triton lowering does not mask partial blocks and needs every tile to have a
+power-of-two shape. So tiles are padded to powers of two (head dim to `config.padded_head_dim`,
+blocks to at least 16 for Triton's dot), and every load and store of a tile that can reach past
+the array is masked with an explicit ``other=`` value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxflash import _core
+from jaxflash import dropout
+from jaxflash import masking
+from jaxflash._core import Inputs, Params
+from jaxflash.backends.triton.config import Tiles, padded_head_dim
+from jaxflash.masking import Positions
+from jaxflash.schedule import Schedule
+
+
+class Optional(NamedTuple):
+  """The optional inputs of a call, as arrays, BlockSpecs or kernel refs (None when absent).
+
+  Pallas flattens pytrees: a kernel gets an `Optional` of refs shaped like the `Optional` of
+  specs it was given, absent fields staying None. So no kernel counts positional refs.
+  """
+
+  offsets: object = None  # int32 [B, 2]: (q_offset, kv_offset)
+  q_seg: object = None  # int32 [B, T]
+  kv_seg: object = None  # int32 [B, S]
+  mask: object = None  # int8 [B or 1, N or 1, T, S] (Triton has no boolean memory type)
+  bias: object = None  # float [B or 1, N or 1, T, S]
+  seed: object = None  # uint32 [2] dropout seed
+
+  def specs(self, **makers: Callable) -> "Optional":
+    """The same pytree with each present field ``name`` replaced by ``makers[name](array)``."""
+    return Optional(*(None if x is None else makers[name](x)
+                      for name, x in zip(self._fields, self)))
+
+
+def optional_inputs(inputs: Inputs) -> Optional:
+  mask = None if inputs.mask is None else inputs.mask.astype(jnp.int8)
+  return Optional(offsets=inputs.offsets, q_seg=inputs.q_segment_ids,
+                  kv_seg=inputs.kv_segment_ids, mask=mask, bias=inputs.bias,
+                  seed=inputs.dropout_seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """Static sizes a kernel needs; derived once per call from the inputs."""
+
+  seq_q: int  # T
+  seq_k: int  # S
+  head_dim: int  # H
+  head_dim_p: int  # H padded to a power of two
+  groups: int  # G = N // K query heads per key/value head
+
+  def bounds(self, start, block: int, length: int):
+    """Positions of a tile and their in-bounds flags (None when the tile never crosses the end)."""
+    pos = start + jnp.arange(block)
+    return pos, (pos < length if length % block else None)
+
+  @property
+  def dim_ok(self):
+    if self.head_dim == self.head_dim_p:
+      return None
+    return jnp.arange(self.head_dim_p) < self.head_dim
+
+
+def static(inputs: Inputs) -> Static:
+  q, k = inputs.query, inputs.key
+  return Static(seq_q=q.shape[1], seq_k=k.shape[1], head_dim=q.shape[3],
+                head_dim_p=padded_head_dim(q.shape[3]), groups=q.shape[2] // k.shape[2])
+
+
+def fit(block: int, length: int) -> int:
+  """A block size clipped to the sequence (rounded up to a power of two), at least 16."""
+  return max(16, min(block, pl.next_power_of_2(length)))
+
+
+def blocks(tiles: Tiles, inputs: Inputs) -> tuple[int, int]:
+  """``(block_q, block_k)`` of one pass for this call's lengths."""
+  return fit(tiles.block_q, inputs.query.shape[1]), fit(tiles.block_k, inputs.key.shape[1])
+
+
+def schedule(inputs: Inputs, params: Params, block_q: int, block_k: int) -> Schedule:
+  elementwise = inputs.q_segment_ids is not None or inputs.mask is not None
+  return Schedule(params.window, block_q, block_k, elementwise)
+
+
+def compiler_params(tiles: Tiles):
+  return plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def _and(a, b):
+  if a is None:
+    return b
+  if b is None:
+    return a
+  return jnp.logical_and(a, b)
+
+
+def load(ref, mask, other):
+  """Masked tile load; Triton refuses ``other`` without a mask, and in-bounds tiles have none."""
+  if mask is None:
+    return plgpu.load(ref)
+  return plgpu.load(ref, mask=mask, other=other)
+
+
+def tile_ok(row_ok, col_ok):
+  """2-D load/store mask from optional per-row and per-column bounds (None = all in bounds)."""
+  return _and(None if row_ok is None else row_ok[:, None],
+              None if col_ok is None else col_ok[None, :])
+
+
+def at(ref, *index):
+  """``ref.at[index]``, or None for an absent optional input."""
+  return None if ref is None else ref.at[index]
+
+
+def positions(lengths, offsets) -> Positions:
+  """One batch row's `Positions` from its lengths ref/array [2] and offsets [2] (or None)."""
+  if offsets is None:
+    return Positions(lengths[0], lengths[1])
+  return Positions(lengths[0], lengths[1], offsets[0], offsets[1])
+
+
+def dense_spec(x: jax.Array, block: tuple[int, int], index: Callable):
+  """BlockSpec of a [B or 1, N or 1, T, S] mask/bias; ``index(i)`` -> (t block, s block)."""
+  bcast_b, bcast_n = x.shape[0] == 1, x.shape[1] == 1
+  return pl.BlockSpec(
+      (None, None) + block,
+      lambda i, b, h: (0 if bcast_b else b, 0 if bcast_n else h) + index(i))
+
+
+def query_block_specs(opt: Optional, block_q: int, seq_k: int) -> Optional:
+  """Specs of the optional inputs for a grid (query block, batch row, head): the forward and dQ."""
+  return opt.specs(
+      offsets=lambda x: pl.BlockSpec((None, 2), lambda i, b, h: (b, 0)),
+      q_seg=lambda x: pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
+      kv_seg=lambda x: pl.BlockSpec((None, seq_k), lambda i, b, h: (b, 0)),
+      mask=lambda x: dense_spec(x, (block_q, seq_k), lambda i: (i, 0)),
+      bias=lambda x: dense_spec(x, (block_q, seq_k), lambda i: (i, 0)),
+      seed=lambda x: pl.BlockSpec((2,), lambda i, b, h: (0,)))
+
+
+def folds_scale(params: Params, opt: Optional) -> bool:
+  """Whether base-2 logits are just ``c * q @ k.T`` with ``c > 0`` (no cap, no bias), so that a
+  row max of the raw product, times ``c``, is the row max of the logits."""
+  return params.logits_soft_cap is None and opt.bias is None and params.scale > 0
+
+
+def masked_logits(q, k, rows, cols, ok, pos: Positions, params: Params, q_seg, kv_seg, bias_ref,
+                  mask_ref, masked: bool = True, raw: bool = False):
+  """Base-2 logits of one (query, key) tile, invisible entries at -inf; also the soft-cap tanh.
+
+  ``rows``/``cols`` are the tile's local indices and ``ok`` its in-bounds mask; ``bias_ref`` and
+  ``mask_ref`` are refs already positioned on this tile (or None). ``masked=False`` is for tiles
+  the schedule names full: every entry is visible, so no element mask is computed. ``raw=True``
+  (only where `folds_scale` holds) returns the unscaled ``q @ k.T``, for a caller that applies
+  ``scale * log2(e)`` itself, fused into a later multiply-add.
+  """
+  bias = None if bias_ref is None else load(bias_ref, mask=ok, other=0.0)
+  qk = plgpu.dot(q, k, trans_b=True)
+  s2, cap_t = (qk, None) if raw else _core.logits_base2(qk, params, bias)
+  if not masked:
+    return s2, cap_t
+  dense = None if mask_ref is None else load(mask_ref, mask=ok, other=0)
+  vis = masking.visible(
+      rows[:, None], cols[None, :], params.window, diagonal=pos.diagonal, kv_len=pos.kv_len,
+      q_segment=None if q_seg is None else q_seg[:, None],
+      kv_segment=None if kv_seg is None else kv_seg[None, :],
+      dense_mask=None if dense is None else dense != 0)
+  return jnp.where(vis, s2, -jnp.inf), cap_t
+
+
+def dropout_stream(opt: Optional, params: Params, batch, head):
+  """Scalar dropout key of one (batch, head), or None without dropout."""
+  if opt.seed is None:
+    return None
+  return _core.dropout_stream(params, (opt.seed[0], opt.seed[1]), batch, head)
+
+
+def keep(stream, rows, k_start, block_k: int, params: Params, pos: Positions):
+  """Dropout keep mask of the tile (local rows x keys k_start ...), or None without dropout.
+
+  The mask is a function of absolute coordinates, so calls over parts of the keys or queries
+  (offsets) drop exactly the entries the whole call drops.
+  """
+  if stream is None:
+    return None
+  even_start = isinstance(pos.kv_offset, int)  # no offsets: k_start is a multiple of block_k
+  return dropout.keep(stream, masking.shifted(rows, pos.q_offset)[:, None],
+                      masking.shifted(k_start, pos.kv_offset), block_k, params.dropout_rate,
+                      even_start=even_start)
+
+
+class QueryTile(NamedTuple):
+  """A query block held on chip by the forward and dQ kernels (grid: query block, batch, head)."""
+
+  q_start: object
+  rows: object  # local row indices
+  row_ok: object  # in-bounds flags, or None
+  q: object  # [block_q, head_dim_p]
+  q_seg: object
+  stream: object  # dropout stream key, or None
+  pos: Positions
+
+
+def query_tile(q_ref, lengths_ref, opt: Optional, params: Params, st: Static,
+               block_q: int) -> QueryTile:
+  q_start = pl.program_id(0) * block_q
+  rows, row_ok = st.bounds(q_start, block_q, st.seq_q)
+  q = load(q_ref, mask=tile_ok(row_ok, st.dim_ok), other=0.0)
+  q_seg = None if opt.q_seg is None else load(opt.q_seg, mask=row_ok, other=-1)
+  stream = dropout_stream(opt, params, pl.program_id(1), pl.program_id(2))
+  return QueryTile(q_start, rows, row_ok, q, q_seg, stream, positions(lengths_ref, opt.offsets))
+
+
+class KeyTile(NamedTuple):
+  """Key block ``j`` as the forward and dQ loops see it: indices, bounds, K and key segments."""
+
+  k_start: object
+  cols: object
+  col_ok: object
+  keys: object  # pl.ds over the block's keys
+  kv_ok: object  # load mask of K/V tiles
+  k: object
+  kv_seg: object
+
+
+def key_tile(j, k_ref, opt: Optional, st: Static, block_k: int, masked: bool) -> KeyTile:
+  k_start = j * block_k
+  cols, col_ok = st.bounds(k_start, block_k, st.seq_k)
+  if not masked:
+    col_ok = None  # a full block lies below kv_len <= S
+  kv_ok = tile_ok(col_ok, st.dim_ok)
+  keys = pl.ds(k_start, block_k)
+  k = load(k_ref.at[keys, :], mask=kv_ok, other=0.0)
+  kv_seg = None if opt.kv_seg is None else load(opt.kv_seg.at[keys], mask=col_ok, other=-2)
+  return KeyTile(k_start, cols, col_ok, keys, kv_ok, k, kv_seg)
+
+
+def tile_logits(qt: QueryTile, kt: KeyTile, opt: Optional, params: Params, masked: bool,
+                raw: bool = False):
+  """`masked_logits` of a (query tile, key tile) pair of the forward or dQ loop."""
+  return masked_logits(qt.q, kt.k, qt.rows, kt.cols, tile_ok(qt.row_ok, kt.col_ok), qt.pos,
+                       params, qt.q_seg, kt.kv_seg, at(opt.bias, slice(None), kt.keys),
+                       at(opt.mask, slice(None), kt.keys), masked, raw)

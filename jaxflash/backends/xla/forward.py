@@ -1,0 +1,63 @@
+"""The XLA backend's forward: `lax.map` over query blocks, and inside it the schedule's loop
+over key blocks with the online softmax in float32."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash._core import Inputs, Params
+from jaxflash.backends.xla import blocks
+from jaxflash.backends.xla.blocks import Config
+
+
+def ungroup_rows(x, lay: blocks.Layout):
+  """lax.map output [num_blocks, B, block, K, G, H] -> [B, T, N, H]."""
+  x = jnp.moveaxis(x, 0, 1).reshape(lay.b, lay.t_pad, lay.kh * lay.g, lay.h)
+  return x[:, :lay.t]
+
+
+def forward(inputs: Inputs, params: Params, config: Config):
+  """``(out [B, T, N, H], lse2 [B, N, T])`` (see `jaxflash._core`)."""
+  lay = blocks.layout(inputs, config)
+  blk = blocks.Blocks(inputs, lay, params)
+  bq, bk = lay.block_q, lay.block_k
+  out_dtype = jnp.float32 if params.partial else inputs.query.dtype
+
+  def one_q_block(i):
+    q_start = i * bq
+    q_blk = blocks.rows(blk.q, q_start, bq)
+
+    def body(j, carry, masked):
+      del masked  # every tile gets its element mask here
+      acc, m, l = carry
+      k_start = j * bk
+      s2, _ = blk.logits(q_blk, blocks.rows(blk.k, k_start, bk), q_start, k_start)
+      # Online softmax; rows with nothing visible yet shift by 0 so exp2 stays NaN-free.
+      m_new = jnp.maximum(m, jnp.max(s2, axis=-1))
+      m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp2(s2 - m_shift[..., None])
+      alpha = jnp.exp2(m - m_shift)
+      v_blk = blocks.rows(blk.v, k_start, bk)
+      # Dropout zeroes entries of P for the product with V only: the normaliser l is the sum
+      # of the undropped P. The 1 / P(keep) factor is applied once, to the output.
+      keep = blk.keep(q_start, k_start)
+      p_v = p if keep is None else jnp.where(keep, p, 0.0)
+      pv = jnp.einsum("bkgqs,bskh->bkgqh", p_v.astype(v_blk.dtype), v_blk,
+                      preferred_element_type=jnp.float32)
+      return acc * alpha[..., None] + pv, m_new, l * alpha + jnp.sum(p, axis=-1)
+
+    stats = (lay.b, lay.kh, lay.g, bq)
+    init = (jnp.zeros(stats + (lay.h,), jnp.float32), jnp.full(stats, -jnp.inf, jnp.float32),
+            jnp.zeros(stats, jnp.float32))
+    acc, m, l = blk.schedule.visit_kv(q_start, blk.pos, body, init)
+    seen = jnp.logical_and(blk.q_is_valid(q_start), l > 0.0)
+    inv_l = (params.keep_scale if blk.stream is not None else 1.0) / jnp.where(seen, l, 1.0)
+    out = jnp.where(seen[..., None], acc * inv_l[..., None], 0.0)
+    lse2 = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
+    return jnp.moveaxis(out, 3, 1).astype(out_dtype), lse2
+
+  out, lse2 = lax.map(one_q_block, jnp.arange(lay.t_pad // bq))
+  # lse2: [nq, B, K, G, bq] -> [B, N, T]
+  lse2 = jnp.moveaxis(lse2, 0, 3).reshape(lay.b, lay.kh * lay.g, lay.t_pad)[..., :lay.t]
+  return ungroup_rows(out, lay), lse2

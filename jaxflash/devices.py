@@ -1,0 +1,54 @@
+"""Which accelerator a call is for: the one place jaxflash (and its tests, examples and benchmarks)
+asks.
+
+A call is lowered for the device of the abstract mesh when one is set (that is how a CPU-only
+machine lowers kernels for a GPU it does not have, see ``tests/test_lowering.py``), and otherwise
+for JAX's first device. Backends read `Device` to say whether they can serve a call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+  """What a backend needs to know about the device a call runs on."""
+
+  platform: str  # "gpu", "cpu", "tpu", ...
+  kind: str  # jax's device_kind, e.g. "NVIDIA H200"; "cpu" on a CPU
+  nvidia: bool  # an NVIDIA GPU (ROCm GPUs also report platform "gpu")
+
+  @property
+  def is_nvidia_gpu(self) -> bool:
+    return self.platform == "gpu" and self.nvidia
+
+
+def current() -> Device:
+  """The device that a call traced now will be lowered for."""
+  abstract = _abstract_device()
+  if abstract is not None:
+    kind = abstract.device_kind or ""
+    return Device(platform=abstract.platform, kind=kind, nvidia="nvidia" in kind.lower())
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:  # no backend could be initialised
+    return Device(platform="none", kind="", nvidia=False)
+  version = str(getattr(device.client, "platform_version", "")).lower()
+  nvidia = "nvidia" in device.device_kind.lower() or "cuda" in version
+  return Device(platform=device.platform, kind=device.device_kind, nvidia=nvidia)
+
+
+def has_nvidia_gpu() -> bool:
+  """Whether calls here run on an NVIDIA GPU (the rule the tests' ``gpu`` marker uses too)."""
+  return current().is_nvidia_gpu
+
+
+def _abstract_device():
+  try:
+    mesh = jax.sharding.get_abstract_mesh()
+  except AttributeError:  # an older jax without abstract meshes
+    return None
+  return getattr(mesh, "abstract_device", None)

@@ -1,0 +1,7 @@
+"""Ops: what jaxflash computes, built on any backend of `jaxflash.backends`.
+
+- `flash`: attention as one differentiable call (the training op; what the public API runs).
+- `partial`: partial results over key ranges, their exact merge through the LSE, and attention
+  over keys split into ranges (forward partials merged, backward with the global LSE and delta):
+  the machinery split-KV decoding and ring attention build on.
+"""

@@ -1,0 +1,58 @@
+"""Attention as one differentiable call: the custom VJP around a backend's forward and backward.
+
+The residuals are the inputs, the output and the base-2 LSE: S and P are recomputed by the
+backward. A bias gradient is computed only when the bias is differentiated (custom_vjp symbolic
+zeros tell), so an undifferentiated bias costs no extra kernel, time or memory.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxflash import _core
+from jaxflash._core import Inputs, Params
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def attention(inputs: Inputs, params: Params, backend, config):
+  """``(out [B, T, N, H], natural lse [B, N, T])`` of one call on ``backend`` with ``config``."""
+  out, lse2 = backend.forward(inputs, params, config)
+  return out, _core.user_lse(lse2)
+
+
+def _forward(inputs, params, backend, config):
+  # Symbolic zeros tell us whether the bias is being differentiated at all: only then does the
+  # backward pay for dbias (a Python bool in the residuals is static under jit).
+  want_dbias = inputs.bias is not None and inputs.bias.perturbed
+  inputs = primal_values(inputs)
+  out, lse2 = backend.forward(inputs, params, config)
+  return (out, _core.user_lse(lse2)), (inputs, out, lse2, want_dbias)
+
+
+def _backward(params, backend, config, residuals, cotangents):
+  inputs, out, lse2, want_dbias = residuals
+  d_out, d_lse = cotangents
+  if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
+    d_out = jnp.zeros(out.shape, out.dtype)
+  delta = _core.delta(out, d_out, d_lse)
+  grads = backend.backward(inputs, params, config, lse2, d_out, delta, want_dbias)
+  return (cotangents_of(inputs, *grads),)
+
+
+def primal_values(inputs: Inputs) -> Inputs:
+  """Unwraps the `CustomVJPPrimal`s a ``symbolic_zeros`` forward receives."""
+  return jax.tree.map(lambda p: p.value, inputs,
+                      is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal))
+
+
+def cotangents_of(inputs: Inputs, dq, dk, dv, dbias) -> Inputs:
+  """The `Inputs`-shaped cotangent: integer inputs, the mask and the dropout seed get none."""
+  cast = lambda g, x: None if g is None else g.astype(x.dtype)  # noqa: E731
+  return Inputs(query=cast(dq, inputs.query), key=cast(dk, inputs.key),
+                value=cast(dv, inputs.value), lengths=None, bias=cast(dbias, inputs.bias))
+
+
+attention.defvjp(_forward, _backward, symbolic_zeros=True)

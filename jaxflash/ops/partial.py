@@ -1,0 +1,137 @@
+"""Partial results over key ranges and their exact merge through the LSE.
+
+Attention over keys ``K = K_1 ∪ ... ∪ K_m`` (disjoint) can be computed one range at a time: range
+``i`` gives its *partial* output ``O_i`` (float32, normalised over ``K_i`` only) and its logsumexp
+``L_i``. Then
+
+    L = log(sum_i exp(L_i)),    O = sum_i exp(L_i - L) * O_i,
+
+which is exact (no approximation beyond float32 rounding); a range a row cannot see has
+``L_i = -inf`` and weight 0. Split-KV decoding merges the splits of one cache this way, and ring
+attention the key chunks that travel around the ring.
+
+The backward needs no partial outputs: with the *global* LSE and delta = rowsum(dO * O) of the
+merged output, each range's backward returns exactly its share (dQ summed over ranges, dK/dV of
+its own keys). `split_keys_attention` is that whole scheme on one device, as a differentiable
+call; it is what the tests check against the unsplit call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash import _core
+from jaxflash._core import Inputs, Params
+from jaxflash.ops import flash
+
+
+def merge(outs: Sequence[jax.Array], lses: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """Merges partial results of disjoint key ranges of the same queries.
+
+  Args:
+    outs: partial outputs, each float32 [..., T, N, H] and normalised over its own keys (zeros
+      on rows that see none of them).
+    lses: their natural-log LSEs, each [..., T, N] (``-inf`` on rows that see no key).
+
+  Returns:
+    ``(out, lse)``: the output over all the keys (float32) and its LSE; rows that see no key in
+    any range get zeros and ``-inf``. Differentiable, without NaN for empty partials.
+  """
+  if len(outs) != len(lses) or not outs:
+    raise ValueError(f"merge needs one LSE per partial output and at least one of each, got "
+                     f"{len(outs)} outputs and {len(lses)} LSEs")
+  lse = jnp.stack(lses).astype(jnp.float32)
+  top = jnp.max(lse, axis=0)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)  # all ranges empty: any finite shift will do
+  weights = jnp.exp(lse - top)  # exp(-inf) = 0 for empty ranges
+  total = jnp.sum(weights, axis=0)
+  seen = total > 0.0
+  merged_lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+  weights = weights / jnp.where(seen, total, 1.0)
+  out = jnp.sum(weights[..., None] * jnp.stack(outs).astype(jnp.float32), axis=0)
+  return out, merged_lse
+
+
+def key_range(inputs: Inputs, start: int, stop: int) -> Inputs:
+  """The inputs of the same call restricted to keys ``[start, stop)`` (static ints).
+
+  K/V, key segment ids and the key axis of mask and bias are sliced; key lengths are shifted
+  into the range and the key offset moves by ``start``, so the band and the dropout mask see
+  every key at the absolute position it had in the whole call.
+  """
+  def keys(x, axis):
+    return None if x is None else lax.slice_in_dim(x, start, stop, axis=axis)
+
+  b = inputs.query.shape[0]
+  kv_len = jnp.clip(inputs.lengths[:, 1] - start, 0, stop - start)
+  offsets = inputs.offsets if inputs.offsets is not None else jnp.zeros((b, 2), jnp.int32)
+  return inputs._replace(
+      key=keys(inputs.key, 1), value=keys(inputs.value, 1),
+      kv_segment_ids=keys(inputs.kv_segment_ids, 1), mask=keys(inputs.mask, 3),
+      bias=keys(inputs.bias, 3), lengths=inputs.lengths.at[:, 1].set(kv_len),
+      offsets=offsets.at[:, 1].add(start))
+
+
+def _ranges(boundaries: tuple[int, ...], s: int) -> list[tuple[int, int]]:
+  edges = (0,) + tuple(boundaries) + (s,)
+  return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def split_keys_attention(inputs: Inputs, params: Params, backend, config,
+                         boundaries: tuple[int, ...]):
+  """Attention with the keys split at ``boundaries`` (static, increasing, inside (0, S)): one
+  partial forward per range, merged; one backward per range with the global LSE and delta.
+
+  Returns ``(out, natural lse [B, N, T])`` like `flash.attention`, equal to it up to rounding.
+  """
+  out, lse2 = _split_forward(inputs, params, backend, config, boundaries)
+  return out, _core.user_lse(lse2)
+
+
+def _split_forward(inputs, params, backend, config, boundaries):
+  partial_params = dataclasses.replace(params, partial=True)
+  outs, lses = [], []
+  for start, stop in _ranges(boundaries, inputs.key.shape[1]):
+    out, lse2 = backend.forward(key_range(inputs, start, stop), partial_params, config)
+    outs.append(out)
+    lses.append(jnp.swapaxes(_core.user_lse(lse2), 1, 2))  # [B, T, N], like the outputs
+  out, lse = merge(outs, lses)
+  out = out if params.partial else out.astype(inputs.query.dtype)
+  return out, _core.base2_lse(jnp.swapaxes(lse, 1, 2))
+
+
+def _split_fwd(inputs, params, backend, config, boundaries):
+  want_dbias = inputs.bias is not None and inputs.bias.perturbed
+  inputs = flash.primal_values(inputs)
+  out, lse2 = _split_forward(inputs, params, backend, config, boundaries)
+  return (out, _core.user_lse(lse2)), (inputs, out, lse2, want_dbias)
+
+
+def _split_bwd(params, backend, config, boundaries, residuals, cotangents):
+  inputs, out, lse2, want_dbias = residuals
+  d_out, d_lse = cotangents
+  if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
+    d_out = jnp.zeros(out.shape, out.dtype)
+  delta = _core.delta(out, d_out, d_lse)  # of the merged output: the same for every range
+  partial_params = dataclasses.replace(params, partial=True)  # float32 shares, summed below
+  dq, dks, dvs, dbiases = 0.0, [], [], []
+  for start, stop in _ranges(boundaries, inputs.key.shape[1]):
+    share = backend.backward(key_range(inputs, start, stop), partial_params, config, lse2,
+                             d_out, delta, want_dbias)
+    dq = dq + share[0]
+    dks.append(share[1])
+    dvs.append(share[2])
+    dbiases.append(share[3])
+  dbias = jnp.concatenate(dbiases, axis=3) if want_dbias else None
+  return (flash.cotangents_of(inputs, dq, jnp.concatenate(dks, axis=1),
+                              jnp.concatenate(dvs, axis=1), dbias),)
+
+
+split_keys_attention.defvjp(_split_fwd, _split_bwd, symbolic_zeros=True)

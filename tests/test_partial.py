@@ -1,0 +1,166 @@
+"""Positions and partial results through the backends: a call split into key ranges (each a
+partial result at a key offset, merged through the LSE; backward with the global LSE and delta)
+equals the whole call, and a call over a range of queries (at a query offset) equals those rows
+of the whole call: forward, LSE and gradients, with causal, window, lengths and dropout, on both
+backends. Plus the merge helper on its own, empty partials included."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxflash import _checks
+from jaxflash import backends
+from jaxflash import dropout
+from jaxflash.ops import flash, partial
+from jaxflash.reference import reference_attention
+from checks import (BACKENDS, F32_TOLERANCE, SMALL_CONFIGS, interpret_for, random_array,
+                    random_lengths, random_qkv, rel_err)
+
+B, T, S, N, K, H = 2, 37, 53, 4, 2, 16
+
+# Options for the split tests (keyword arguments of flash_attention).
+SPLIT_OPTIONS = {
+    "causal": dict(is_causal=True),
+    "window": dict(local_window_size=(9, 4)),
+    "lengths": random_lengths(B, T, S, N, 3),
+    "dropout": dict(dropout_rate=0.3, dropout_rng=jax.random.key(4), is_causal=True),
+    "everything": dict(
+        is_causal=True, local_window_size=(20, 3), logits_soft_cap=2.0,
+        mask=random_array(5, (B, 1, T, S), "bool"), bias=random_array(6, (1, N, T, S), "float"),
+        segment_ids=(random_array(7, (B, T), 2), random_array(8, (B, S), 2)),
+        dropout_rate=0.2, dropout_rng=jax.random.key(9), **random_lengths(B, T, S, N, 10)),
+}
+
+
+def _call(implementation, q, k, v, options):
+  """(inputs, params, backend, config) of one call, as the public API would run it."""
+  options = dict(options)
+  bias, mask = options.pop("bias", None), options.pop("mask", None)
+  call = _checks.normalise(q, k, v, bias, mask, interpret=interpret_for(implementation),
+                           **options)
+  backend = backends.get(implementation)
+  return call.inputs, call.params, backend, SMALL_CONFIGS[implementation]
+
+
+def _grads_and_values(fn, inputs, d_out, d_lse):
+  """Output, LSE and the gradients of <out, d_out> + <lse, d_lse> w.r.t. q, k, v and bias."""
+  def loss(diff):
+    out, lse = fn(inputs._replace(**diff))
+    return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(jnp.where(
+        jnp.isfinite(lse), lse, 0.0) * d_lse), (out, lse)
+
+  diff = {name: getattr(inputs, name) for name in ("query", "key", "value", "bias")
+          if getattr(inputs, name) is not None}
+  grads, (out, lse) = jax.jit(jax.grad(loss, has_aux=True))(diff)
+  return out, lse, grads
+
+
+@pytest.mark.parametrize("option", list(SPLIT_OPTIONS))
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_key_split_equals_whole_call(implementation, option):
+  """Keys split at 13 and 30 (odd key offsets, and ranges that start mid-block) and merged."""
+  q, k, v, d_out = random_qkv(0, B, T, S, N, K, H)
+  d_lse = jax.random.normal(jax.random.key(1), (B, N, T))
+  inputs, params, backend, config = _call(implementation, q, k, v, SPLIT_OPTIONS[option])
+  whole = _grads_and_values(lambda x: flash.attention(x, params, backend, config), inputs,
+                            d_out, d_lse)
+  split = _grads_and_values(
+      lambda x: partial.split_keys_attention(x, params, backend, config, (13, 30)), inputs,
+      d_out, d_lse)
+  out, lse, grads = whole
+  got_out, got_lse, got_grads = split
+  assert rel_err(got_out, out) < F32_TOLERANCE
+  np.testing.assert_array_equal(np.isfinite(got_lse), np.isfinite(lse))
+  finite = np.isfinite(lse)
+  assert rel_err(np.where(finite, got_lse, 0), np.where(finite, lse, 0)) < F32_TOLERANCE
+  assert set(got_grads) == set(grads)
+  for name in grads:
+    assert rel_err(got_grads[name], grads[name]) < F32_TOLERANCE, name
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_query_range_at_an_offset_equals_rows_of_whole_call(implementation):
+  """Rows [20, 37) run alone with q_offset = 20 are those rows of the whole call (causal band,
+  window and dropout all use absolute positions), gradients included."""
+  q, k, v, d_out = random_qkv(2, B, T, S, N, K, H)
+  options = dict(is_causal=True, local_window_size=(15, 0), dropout_rate=0.25,
+                 dropout_rng=jax.random.key(3))
+  inputs, params, backend, config = _call(implementation, q, k, v, options)
+  lo = 20
+
+  def rows_of(x):
+    return x._replace(query=x.query[:, lo:], q_segment_ids=None,
+                      lengths=x.lengths.at[:, 0].set(T - lo),
+                      offsets=jnp.zeros((B, 2), jnp.int32).at[:, 0].set(lo))
+
+  def whole(x):
+    out, lse = flash.attention(x, params, backend, config)
+    return out[:, lo:], lse[:, :, lo:]
+
+  out, lse, grads = _grads_and_values(whole, inputs, d_out[:, lo:], 0.0)
+  got_out, got_lse, got_grads = _grads_and_values(
+      lambda x: flash.attention(rows_of(x), params, backend, config), inputs, d_out[:, lo:],
+      0.0)
+  assert rel_err(got_out, out) < F32_TOLERANCE
+  assert rel_err(got_lse, lse) < F32_TOLERANCE
+  for name in ("query", "key", "value"):
+    assert rel_err(got_grads[name], grads[name]) < F32_TOLERANCE, name
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_partial_results_are_float32_and_merge(implementation):
+  """A partial forward (params.partial) returns float32 normalised over its keys (not rounded to
+  bf16, so merging loses nothing more); merged, the partials of a bf16 call give the whole call."""
+  q, k, v, _ = random_qkv(4, B, T, S, N, K, H, jnp.bfloat16)
+  inputs, params, backend, config = _call(implementation, q, k, v, dict(is_causal=True))
+  partial_params = dataclasses.replace(params, partial=True)
+  parts = [flash.attention(partial.key_range(inputs, a, b), partial_params, backend, config)
+           for a, b in ((0, 20), (20, 53))]
+  assert all(out.dtype == jnp.float32 for out, _ in parts)
+  out, lse = partial.merge([o for o, _ in parts], [jnp.swapaxes(l, 1, 2) for _, l in parts])
+  want, want_lse = reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                       is_causal=True)
+  assert rel_err(out, want) < 2e-2
+  assert rel_err(lse, want_lse) < F32_TOLERANCE  # the LSE is float32 math on bf16 inputs
+  rounded = np.asarray(out.astype(jnp.bfloat16).astype(jnp.float32))
+  assert (np.asarray(out) != rounded).mean() > 0.5  # float32, not bf16 values in float32
+
+
+def test_merge_is_exact_with_empty_partials():
+  """Partials over disjoint key sets (one of them empty for some rows, one empty for all)
+  merge to the whole attention; all-empty rows give zeros and -inf, and gradients stay finite."""
+  q, k, v, _ = random_qkv(5, 1, 6, 12, 2, 2, 8)
+  keys = jnp.arange(12)
+  sets = [keys < 4, (keys >= 4) & (keys < 12), jnp.zeros(12, bool)]
+  row_mask = jnp.arange(6)[:, None] >= 2  # rows 0-1 see nothing in the first two sets
+  parts = [reference_attention(q, k, v, mask=s[None, None, None, :] & (row_mask if i == 0
+                                                                       else True))
+           for i, s in enumerate(sets)]
+  want, want_lse = reference_attention(
+      q, k, v, mask=(sets[0][None, :] & row_mask) | sets[1][None, :])
+  out, lse = partial.merge([p[0] for p in parts], [p[1] for p in parts])
+  assert rel_err(out, want) < 1e-6
+  np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+  empty_out, empty_lse = partial.merge([parts[2][0]], [parts[2][1]])
+  np.testing.assert_array_equal(empty_out, 0.0)
+  assert np.all(np.asarray(empty_lse) == -np.inf)
+  grads = jax.grad(lambda outs, lses: jnp.sum(partial.merge(outs, lses)[0]), argnums=(0, 1))(
+      [p[0] for p in parts], [p[1] for p in parts])
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+  with pytest.raises(ValueError, match="one LSE per partial"):
+    partial.merge([out], [])
+
+
+def test_dropout_mask_at_any_key_offset():
+  """The per-column path (a key range starting at an odd, traced offset) gives the same keep
+  decisions as the pair path over the whole row."""
+  seed = dropout.seed_words(jax.random.key(6))
+  stream = dropout.stream_key(seed[0], seed[1], 1, 2)
+  rows = jnp.arange(5)[:, None]
+  whole = np.asarray(dropout.keep(stream, rows, 0, 64, 0.4))
+  for start in (1, 7, 16, 33):
+    got = dropout.keep(stream, rows, jnp.int32(start), 20, 0.4, even_start=False)
+    np.testing.assert_array_equal(got, whole[:, start:start + 20], err_msg=str(start))
