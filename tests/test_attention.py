@@ -8,8 +8,8 @@ import pytest
 
 import jaxflash
 from jaxflash.reference import reference_attention
-from checks import (BACKENDS, F32_TOLERANCE, ON_GPU, OPTIONS, attention, check, random_array, random_qkv,
-                    rel_err)
+from checks import (BACKENDS, F32_TOLERANCE, ON_GPU, OPTIONS, attention, check, random_array,
+                    random_qkv, rel_err)
 
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("implementation", BACKENDS)

@@ -12,8 +12,8 @@ import pytest
 
 import jaxflash
 from jaxflash import dropout
-from checks import (BACKENDS, F32_TOLERANCE, attention, check, dropped_weights, random_qkv,
-                    rel_err)
+from checks import (BACKENDS, F32_TOLERANCE, ON_GPU, attention, check, dropped_weights,
+                    random_qkv, rel_err)
 
 # ---------------------------------------------------------------------------------------------
 # The generator
@@ -138,6 +138,11 @@ def test_output_is_unbiased():
 def test_gradients_match_finite_differences(implementation):
   """For a fixed key the dropped function is smooth; its gradients (mask regenerated in the
   backward pass) must match central differences along random directions."""
+  if ON_GPU:
+    # float32 dots run in TF32 on a GPU: a step of 1e-2 on values near 1 is resolved to ~5%,
+    # which central differences cannot survive (seen on an H200: both backends 14% off, and
+    # equal to each other). The identity is checked where float32 is float32: on the CPU.
+    pytest.skip("finite differences need full float32 dots; a GPU runs them in TF32")
   b, t, s, n, k, h = 1, 29, 35, 4, 2, 16
   q, kk, v, d_out = random_qkv(12, b, t, s, n, k, h)
   bias = jax.random.normal(jax.random.key(13), (1, n, t, s))

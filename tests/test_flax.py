@@ -156,10 +156,12 @@ def test_linen_decode_matches_full_causal():
   full = jaxflash.linen.MultiHeadDotProductAttention(num_heads=HEADS, is_causal=True)
   params = full.init(jax.random.key(0), x)
   cache = model.init(jax.random.key(0), x)["cache"]  # shapes the cache for T tokens
+  # One compiled step for all T tokens (the cache index is state, the shapes never change).
+  step = jax.jit(lambda cache, token: model.apply({"params": params["params"], "cache": cache},
+                                                  token, mutable=["cache"]))
   outs = []
   for t in range(T):
-    out, updated = model.apply({"params": params["params"], "cache": cache}, x[:, t:t + 1],
-                               mutable=["cache"])
+    out, updated = step(cache, x[:, t:t + 1])
     cache = updated["cache"]
     outs.append(out)
   assert rel_err(jnp.concatenate(outs, axis=1), full.apply(params, x)) < TOL
@@ -239,7 +241,8 @@ def test_nnx_dropout_and_decode():
   full = jaxflash.nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=nnx.Rngs(3))
   step.init_cache(x.shape)
   # is_causal=True is ignored in decode mode: the cache mask is already causal
-  outs = [step(x[:, t:t + 1], is_causal=True) for t in range(T)]
+  decode = nnx.jit(lambda module, token: module(token, is_causal=True))  # one compile, T steps
+  outs = [decode(step, x[:, t:t + 1]) for t in range(T)]
   assert rel_err(jnp.concatenate(outs, axis=1), full(x, is_causal=True)) < TOL
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from checks import GPU_F32_TOLERANCE, OPTIONS, check, dropped_weights, random_qkv
+from checks import GPU_F32_TOLERANCE, OPTIONS, check, dropped_weights, random_qkv, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +27,8 @@ def test_head_dims_on_gpu(h, dtype):
   tol = GPU_F32_TOLERANCE if dtype == jnp.float32 else None
   check("triton", small=False, b=2, t=333, s=1000, n=4, k=1, h=h, dtype=dtype, tol=tol,
         is_causal=False)
-  check("triton", small=False, b=1, t=1000, s=1000, n=4, k=2, h=h, dtype=dtype, tol=tol, is_causal=True)
+  check("triton", small=False, b=1, t=1000, s=1000, n=4, k=2, h=h, dtype=dtype, tol=tol,
+        is_causal=True)
 
 
 @pytest.mark.parametrize("t,s", [(1, 1), (1, 4097), (17, 17), (4096, 4096), (2049, 1023)])
@@ -110,7 +111,6 @@ def test_key_split_on_gpu(implementation):
   grads, out = run(lambda x: flash.attention(x, call.params, backend, config))
   split_grads, split_out = run(lambda x: partial.split_keys_attention(
       x, call.params, backend, config, (129, 300)))
-  from checks import rel_err
   assert rel_err(split_out, out) < 1e-2
   for got, want in zip(split_grads, grads):
     assert rel_err(got, want) < 1e-2

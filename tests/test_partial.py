@@ -19,7 +19,7 @@ from jaxflash.reference import reference_attention
 from checks import (BACKENDS, F32_TOLERANCE, SMALL_CONFIGS, interpret_for, random_array,
                     random_lengths, random_qkv, rel_err)
 
-B, T, S, N, K, H = 2, 37, 53, 4, 2, 16
+B, T, S, N, K, H = 2, 37, 53, 2, 1, 16
 
 # Options for the split tests (keyword arguments of flash_attention).
 SPLIT_OPTIONS = {
@@ -61,14 +61,16 @@ def _grads_and_values(fn, inputs, d_out, d_lse):
 @pytest.mark.parametrize("option", list(SPLIT_OPTIONS))
 @pytest.mark.parametrize("implementation", BACKENDS)
 def test_key_split_equals_whole_call(implementation, option):
-  """Keys split at 13 and 30 (odd key offsets, and ranges that start mid-block) and merged."""
+  """Keys split at odd offsets that start mid-block, and merged: at 21 (two ranges), and for
+  every option at once at 13 and 30 (three ranges)."""
+  boundaries = (13, 30) if option == "everything" else (21,)
   q, k, v, d_out = random_qkv(0, B, T, S, N, K, H)
   d_lse = jax.random.normal(jax.random.key(1), (B, N, T))
   inputs, params, backend, config = _call(implementation, q, k, v, SPLIT_OPTIONS[option])
   whole = _grads_and_values(lambda x: flash.attention(x, params, backend, config), inputs,
                             d_out, d_lse)
   split = _grads_and_values(
-      lambda x: partial.split_keys_attention(x, params, backend, config, (13, 30)), inputs,
+      lambda x: partial.split_keys_attention(x, params, backend, config, boundaries), inputs,
       d_out, d_lse)
   out, lse, grads = whole
   got_out, got_lse, got_grads = split
