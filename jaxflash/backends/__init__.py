@@ -1,7 +1,7 @@
 """The backend registry: which implementations exist, and which one serves a call.
 
 Each backend lives in its own folder (forward and backward side by side, plus its config) and
-fulfils `base.Backend`. `REGISTRY` lists them in order of preference: ``implementation=None``
+is described by a `base.Backend`. `REGISTRY` lists them in order of preference: ``implementation=None``
 takes the first one that supports the call on the current device (`jaxflash.devices`), a
 sequence of names takes the first of those that does, and a single name must support it or the
 call fails with the reason. Adding a backend is a folder and one line in `REGISTRY`.

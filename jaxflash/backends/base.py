@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import dataclasses
+import importlib
+from typing import Any, Callable
 
 import jax
 
@@ -19,27 +21,39 @@ class UnsupportedCallError(ValueError):
   """
 
 
-class Backend(Protocol):
-  """One way of computing attention: a folder under `jaxflash.backends` and a registry line.
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a static argument of the VJP
+class Backend:
+  """One way of computing attention: a package under `jaxflash.backends` and a registry line.
+
+  The package holds ``forward.py`` with ``forward(inputs, params, config) -> (out, lse2)`` and
+  ``backward.py`` with ``backward(inputs, params, config, lse2, d_out, delta, want_dbias) ->
+  (dq, dk, dv, dbias)``, as `jaxflash._core` describes them. They are imported on first use, so
+  choosing a backend costs no kernel import.
 
   Attributes:
     name: what ``implementation=`` calls it.
     Config: its frozen, keyword-only config dataclass (tiles, launch parameters).
+    package: the module path of the package.
+    supports: ``(inputs, params, device) -> None`` if the backend can serve the call on
+      ``device``, else the reason, in words that complete "implementation='<name>' cannot serve
+      this call: ...".
+    default_config: ``(inputs, params, device) -> Config``, the heuristic config for the call
+      (tuned tables per device kind where there are any).
   """
 
   name: str
   Config: type
-
-  def supports(self, inputs: Inputs, params: Params, device: Device) -> str | None:
-    """None if this backend can serve the call on ``device``; otherwise why not, in words that
-    complete "implementation='<name>' cannot serve this call: ..."."""
-
-  def default_config(self, inputs: Inputs, params: Params, device: Device) -> Any:
-    """The heuristic config for this call (tuned tables per device kind where there are any)."""
+  package: str
+  supports: Callable[[Inputs, Params, Device], str | None]
+  default_config: Callable[[Inputs, Params, Device], Any]
 
   def forward(self, inputs: Inputs, params: Params, config: Any) -> tuple[jax.Array, jax.Array]:
-    """``(out, lse2)`` as described in `jaxflash._core`."""
+    return importlib.import_module(f"{self.package}.forward").forward(inputs, params, config)
 
   def backward(self, inputs: Inputs, params: Params, config: Any, lse2: jax.Array,
                d_out: jax.Array, delta: jax.Array, want_dbias: bool):
-    """``(dq, dk, dv, dbias)`` as described in `jaxflash._core`."""
+    module = importlib.import_module(f"{self.package}.backward")
+    return module.backward(inputs, params, config, lse2, d_out, delta, want_dbias)
+
+  def __repr__(self) -> str:
+    return f"<jaxflash backend {self.name!r}>"

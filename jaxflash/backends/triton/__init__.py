@@ -12,6 +12,7 @@ backend (`supports`, `default_config`) costs no Pallas import.
 from __future__ import annotations
 
 from jaxflash._core import Inputs, Params
+from jaxflash.backends.base import Backend
 from jaxflash.backends.triton.config import Config, Tiles, default_config
 from jaxflash.devices import Device
 
@@ -22,34 +23,20 @@ MAX_HEAD_DIM = 256
 __all__ = ["BACKEND", "Config", "MAX_HEAD_DIM", "Tiles", "default_config"]
 
 
-class _Triton:
-  name = "triton"
-  Config = Config
-
-  def supports(self, inputs: Inputs, params: Params, device: Device) -> str | None:
-    head_dim = inputs.query.shape[-1]
-    if head_dim > MAX_HEAD_DIM:
-      return f"head dims up to {MAX_HEAD_DIM} only, got query.shape[-1] = {head_dim}"
-    if not (device.is_nvidia_gpu or params.interpret):
-      return (f"it needs an NVIDIA GPU (this call is for {device.kind or device.platform!r}); "
-              f"pass interpret=True to run its kernels in interpret mode")
-    return None
-
-  def default_config(self, inputs: Inputs, params: Params, device: Device) -> Config:
-    q = inputs.query
-    return default_config(q.shape[-1], q.dtype, params.window.is_causal, q.shape[1], device.kind)
-
-  def forward(self, inputs: Inputs, params: Params, config: Config):
-    from jaxflash.backends.triton import forward
-    return forward.forward(inputs, params, config)
-
-  def backward(self, inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
-               want_dbias: bool):
-    from jaxflash.backends.triton import backward
-    return backward.backward(inputs, params, config, lse2, d_out, delta, want_dbias)
-
-  def __repr__(self) -> str:
-    return "<jaxflash backend 'triton'>"
+def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
+  head_dim = inputs.query.shape[-1]
+  if head_dim > MAX_HEAD_DIM:
+    return f"head dims up to {MAX_HEAD_DIM} only, got query.shape[-1] = {head_dim}"
+  if not (device.is_nvidia_gpu or params.interpret):
+    return (f"it needs an NVIDIA GPU (this call is for {device.kind or device.platform!r}); "
+            f"pass interpret=True to run its kernels in interpret mode")
+  return None
 
 
-BACKEND = _Triton()
+def _default_config(inputs: Inputs, params: Params, device: Device) -> Config:
+  q = inputs.query
+  return default_config(q.shape[-1], q.dtype, params.window.is_causal, q.shape[1], device.kind)
+
+
+BACKEND = Backend(name="triton", Config=Config, package=__name__, supports=_supports,
+                  default_config=_default_config)

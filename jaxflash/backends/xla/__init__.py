@@ -8,35 +8,12 @@ Memory is O(T + S) per head: the largest temporary is one [B, N, block_q, block_
 
 from __future__ import annotations
 
-from jaxflash._core import Inputs, Params
-from jaxflash.backends.xla import backward, forward
+from jaxflash.backends.base import Backend
 from jaxflash.backends.xla.blocks import Config
-from jaxflash.devices import Device
 
 __all__ = ["BACKEND", "Config"]
 
-
-class _XLA:
-  name = "xla"
-  Config = Config
-
-  def supports(self, inputs: Inputs, params: Params, device: Device) -> str | None:
-    del inputs, params, device
-    return None  # every option, every shape, every device
-
-  def default_config(self, inputs: Inputs, params: Params, device: Device) -> Config:
-    del inputs, params, device
-    return Config()
-
-  def forward(self, inputs: Inputs, params: Params, config: Config):
-    return forward.forward(inputs, params, config)
-
-  def backward(self, inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
-               want_dbias: bool):
-    return backward.backward(inputs, params, config, lse2, d_out, delta, want_dbias)
-
-  def __repr__(self) -> str:
-    return "<jaxflash backend 'xla'>"
-
-
-BACKEND = _XLA()
+BACKEND = Backend(
+    name="xla", Config=Config, package=__name__,
+    supports=lambda inputs, params, device: None,  # every option, every shape, every device
+    default_config=lambda inputs, params, device: Config())
