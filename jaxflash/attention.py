@@ -117,7 +117,8 @@ def implementation_for(query: jax.Array, key: jax.Array, value: jax.Array,
                        implementation: Implementation | Sequence[Implementation] | None = None,
                        **options: Any) -> str:
   """The name of the backend that `flash_attention` would run for these arguments on this device
-  (``options``: its other keyword arguments). Traces nothing; raises as `flash_attention` would."""
+  (``options``: its other keyword arguments). Computes no attention; raises as `flash_attention`
+  would."""
   backends.preferences(implementation)
   call = _checks.normalise(query, key, value, bias, mask, **options)
   return backends.select(implementation, call.inputs, call.params).name

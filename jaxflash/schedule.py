@@ -151,16 +151,14 @@ class Schedule:
     lo, hi = q_block_range(k_start, k_stop, pos.q_len, self.window, self.block_q, pos.diagonal)
     return lo, _select(k_start < pos.kv_len, hi, lo)
 
-  def visit_kv(self, q_start, pos: Positions, body: Body, carry, split_full: bool = True):
+  def visit_kv(self, q_start, pos: Positions, body: Body, carry):
     """Runs ``carry = body(j, carry, masked)`` over the key blocks of the query block at
-    ``q_start``, in increasing ``j``; ``masked=False`` only on full blocks and when
-    ``split_full``. With batched ``pos`` (the XLA backend walks every batch row at once) it visits
-    the union of the rows' blocks, all masked."""
+    ``q_start``, in increasing ``j``; ``masked=False`` only on full blocks. With batched ``pos``
+    (the XLA backend walks every batch row at once) it visits the union of the rows' blocks, all
+    masked."""
     lo, full_lo, full_hi, hi = self.kv_blocks(q_start, pos)
     if jnp.ndim(hi) > 0:
       lo, hi = _union(lo, hi)
-      full_lo = full_hi = hi
-    elif not split_full:
       full_lo = full_hi = hi
     masked, unmasked = (functools.partial(body, masked=m) for m in (True, False))
     carry = lax.fori_loop(lo, full_lo, masked, carry)

@@ -58,7 +58,7 @@ def test_half_dtypes(implementation, dtype):
     (128, True, 200, 200),  # D = 128 causal, short: 64-row forward tiles
     (128, True, 1100, 160),  # D = 128 causal, T > 1024: 128-row forward tiles
     (128, False, 200, 200)])
-def test_default_block_sizes(implementation, h, is_causal, t, s):
+def test_default_configs(implementation, h, is_causal, t, s):
   """The shipped tile table (one partial block each way), GQA in bfloat16."""
   check(implementation, b=1, t=t, s=s, n=4, k=2, h=h, dtype=jnp.bfloat16, is_causal=is_causal,
         small=False)
