@@ -4,6 +4,8 @@ The model is a pre-LayerNorm decoder-only transformer: token + learned position 
 ``--layers`` blocks of ``nnx.MultiHeadAttention`` (called with ``is_causal=True``, so no dense
 T x T mask is ever built by the model) and a GELU MLP, a final LayerNorm and an output head tied
 to the token embedding. Parameters are float32; ``--dtype bfloat16`` runs the computation in bf16.
+The model and the attention functions are in ``gpt_model.py``, the generated text in
+``gpt_data.py``; this file trains, times and reports.
 
 The attention function plugged into every ``nnx.MultiHeadAttention`` is picked with
 ``--attention``:
@@ -60,10 +62,9 @@ import gc
 import json
 import math
 import os
-import random
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -71,10 +72,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-import jaxflash.nnx
+from gpt_data import Batches, decode, make_corpus, vocabulary  # noqa: F401 (decode: for users)
+from gpt_model import (ATTENTIONS, GPT, Config, attention_fn, count_params,  # noqa: F401
+                       cudnn_attention, xla_attention)
 from jaxflash import devices
 
-ATTENTIONS = ("jaxflash", "flax", "xla", "cudnn")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # Size presets. Explicit command-line flags override these values.
@@ -89,296 +91,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpu-8k": dict(steps=300, batch=2, seq=8192, layers=8, heads=8, dim=1024, lr=5e-4,
                    dtype="bfloat16", log_every=25, warmup=50),
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# Attention functions for nnx.MultiHeadAttention(attention_fn=...)
-# ---------------------------------------------------------------------------------------------
-
-def _jax_nn_attention(implementation: str) -> Callable[..., jax.Array]:
-  """An ``attention_fn`` for ``nnx.MultiHeadAttention`` that calls
-  ``jax.nn.dot_product_attention(..., implementation=implementation)``.
-
-  ``nnx.MultiHeadAttention`` passes every hook keyword (dropout_rng, dropout_rate,
-  broadcast_dropout, deterministic, dtype, precision, module, is_causal, ...); the ones that
-  ``jax.nn.dot_product_attention`` has no counterpart for are accepted and ignored, except that
-  active dropout is refused (it has none).
-  """
-  def attention(query: jax.Array, key: jax.Array, value: jax.Array,
-                bias: jax.Array | None = None, mask: jax.Array | None = None, *,
-                is_causal: bool = False, dropout_rate: float = 0.0, deterministic: bool = True,
-                dtype: Any = None, **unused: Any) -> jax.Array:
-    del unused  # dropout_rng, broadcast_dropout, precision, module, promote_dtype, ...
-    if dropout_rate > 0.0 and not deterministic:
-      raise ValueError(f"attention '{implementation}' (jax.nn.dot_product_attention) has no "
-                       "attention dropout; use --attn-dropout 0")
-    if dtype is None:
-      dtype = jnp.result_type(query, key, value)
-    query, key, value = (x.astype(dtype) for x in (query, key, value))
-    if mask is not None:
-      mask = mask.astype(jnp.bool_)
-    return jax.nn.dot_product_attention(query, key, value, bias, mask, is_causal=is_causal,
-                                        implementation=implementation)
-
-  attention.__name__ = f"{implementation}_attention"
-  return attention
-
-
-xla_attention = _jax_nn_attention("xla")
-cudnn_attention = _jax_nn_attention("cudnn")
-
-
-def attention_fn(name: str) -> Callable[..., jax.Array]:
-  """The ``attention_fn`` hook for ``name`` (one of ATTENTIONS)."""
-  if name == "jaxflash":
-    return jaxflash.nnx.dot_product_attention
-  if name == "flax":
-    return nnx.dot_product_attention
-  if name == "xla":
-    return xla_attention
-  if name == "cudnn":
-    return cudnn_attention
-  raise ValueError(f"unknown attention {name!r}; expected one of {ATTENTIONS}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Synthetic corpus: a small probabilistic grammar over English-like words
-# ---------------------------------------------------------------------------------------------
-
-# Each topic: (nouns as (singular, plural)), (transitive verbs as (3rd-singular, plural)),
-# adjectives. Documents draw mostly from their topic's words.
-_TOPICS: tuple[tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...],
-                     tuple[str, ...]], ...] = (
-    (  # farm
-        (("cow", "cows"), ("horse", "horses"), ("farmer", "farmers"), ("barn", "barns"),
-         ("field", "fields"), ("goat", "goats"), ("tractor", "tractors"), ("hen", "hens")),
-        (("feeds", "feed"), ("milks", "milk"), ("plows", "plow"), ("herds", "herd"),
-         ("fences", "fence")),
-        ("muddy", "golden", "quiet", "hungry"),
-    ),
-    (  # sea
-        (("ship", "ships"), ("sailor", "sailors"), ("wave", "waves"), ("whale", "whales"),
-         ("harbor", "harbors"), ("anchor", "anchors"), ("gull", "gulls"), ("island", "islands")),
-        (("sails", "sail"), ("steers", "steer"), ("anchors", "anchor"), ("crosses", "cross"),
-         ("floods", "flood")),
-        ("salty", "stormy", "blue", "distant"),
-    ),
-    (  # city
-        (("taxi", "taxis"), ("tower", "towers"), ("banker", "bankers"), ("street", "streets"),
-         ("train", "trains"), ("shop", "shops"), ("crowd", "crowds"), ("bridge", "bridges")),
-        (("drives", "drive"), ("sells", "sell"), ("builds", "build"), ("rents", "rent"),
-         ("crowds", "crowd")),
-        ("busy", "tall", "noisy", "grey"),
-    ),
-    (  # forest
-        (("wolf", "wolves"), ("tree", "trees"), ("hunter", "hunters"), ("fox", "foxes"),
-         ("owl", "owls"), ("river", "rivers"), ("deer", "deers"), ("cabin", "cabins")),
-        (("hunts", "hunt"), ("climbs", "climb"), ("chops", "chop"), ("tracks", "track"),
-         ("shelters", "shelter")),
-        ("dark", "wild", "green", "ancient"),
-    ),
-    (  # kitchen
-        (("cook", "cooks"), ("pot", "pots"), ("knife", "knives"), ("onion", "onions"),
-         ("oven", "ovens"), ("cake", "cakes"), ("spoon", "spoons"), ("table", "tables")),
-        (("bakes", "bake"), ("stirs", "stir"), ("slices", "slice"), ("boils", "boil"),
-         ("tastes", "taste")),
-        ("hot", "sweet", "fresh", "crispy"),
-    ),
-    (  # space
-        (("rocket", "rockets"), ("planet", "planets"), ("pilot", "pilots"), ("moon", "moons"),
-         ("robot", "robots"), ("star", "stars"), ("comet", "comets"), ("station", "stations")),
-        (("launches", "launch"), ("orbits", "orbit"), ("scans", "scan"), ("repairs", "repair"),
-         ("signals", "signal")),
-        ("bright", "frozen", "silent", "huge"),
-    ),
-    (  # school
-        (("teacher", "teachers"), ("pupil", "pupils"), ("book", "books"), ("desk", "desks"),
-         ("lesson", "lessons"), ("pen", "pens"), ("class", "classes"), ("map", "maps")),
-        (("reads", "read"), ("writes", "write"), ("teaches", "teach"), ("grades", "grade"),
-         ("studies", "study")),
-        ("clever", "strict", "new", "dusty"),
-    ),
-    (  # castle
-        (("king", "kings"), ("knight", "knights"), ("dragon", "dragons"), ("queen", "queens"),
-         ("sword", "swords"), ("gate", "gates"), ("guard", "guards"), ("crown", "crowns")),
-        (("guards", "guard"), ("rules", "rule"), ("fights", "fight"), ("crowns", "crown"),
-         ("storms", "storm")),
-        ("royal", "brave", "stone", "proud"),
-    ),
-)
-_COMMON_TRANSITIVE = (("sees", "see"), ("likes", "like"), ("finds", "find"),
-                      ("follows", "follow"), ("watches", "watch"), ("carries", "carry"))
-_INTRANSITIVE = (("sleeps", "sleep"), ("waits", "wait"), ("rests", "rest"), ("falls", "fall"),
-                 ("shines", "shine"), ("moves", "move"))
-_COMMON_ADJECTIVES = ("old", "small", "big", "red", "happy", "strange")
-_DETERMINERS_SINGULAR = ("a", "this", "every", "one", "the")
-_DETERMINERS_PLURAL = ("these", "many", "some", "two", "the")
-_PREPOSITIONS = ("near", "under", "behind", "with", "beside", "over")
-_ADVERBS = ("slowly", "often", "quickly", "never", "always", "gladly")
-_PUNCTUATION = (".", ",", "and", "that", "<doc>")
-
-
-def vocabulary() -> list[str]:
-  """The corpus's words, index = token id (deterministic, independent of the seed)."""
-  words: list[str] = []
-  for nouns, verbs, adjectives in _TOPICS:
-    words += [w for pair in nouns for w in pair] + [w for pair in verbs for w in pair]
-    words += list(adjectives)
-  words += [w for pair in _COMMON_TRANSITIVE + _INTRANSITIVE for w in pair]
-  words += list(_COMMON_ADJECTIVES + _DETERMINERS_SINGULAR + _DETERMINERS_PLURAL
-                + _PREPOSITIONS + _ADVERBS + _PUNCTUATION)
-  unique = list(dict.fromkeys(words))  # keeps first occurrence order
-  return ["<pad>"] + unique
-
-
-class _Grammar:
-  """Samples documents word by word from a Python ``random.Random`` (deterministic per seed)."""
-
-  def __init__(self, rng: random.Random):
-    self.rng = rng
-    self.all_nouns = [n for topic in _TOPICS for n in topic[0]]
-    self.all_verbs = [v for topic in _TOPICS for v in topic[1]] + list(_COMMON_TRANSITIVE)
-    self.all_adjectives = [a for topic in _TOPICS for a in topic[2]] + list(_COMMON_ADJECTIVES)
-
-  def _pick(self, own: Sequence[Any], other: Sequence[Any], p_own: float) -> Any:
-    return self.rng.choice(own if self.rng.random() < p_own else other)
-
-  def noun_phrase(self, topic: int, plural: bool, out: list[str]) -> None:
-    nouns, _, adjectives = _TOPICS[topic]
-    r = self.rng
-    out.append(r.choice(_DETERMINERS_PLURAL if plural else _DETERMINERS_SINGULAR))
-    while r.random() < 0.35 and out[-1] not in adjectives:  # 0-2ish adjectives, no repeats
-      out.append(self._pick(adjectives, self.all_adjectives, 0.7))
-    out.append(self._pick(nouns, self.all_nouns, 0.8)[plural])
-
-  def clause(self, topic: int, hero: tuple[str, str], out: list[str]) -> None:
-    """subject [that VERB NP] [ADV] VERB (NP | -) [PREP NP], with number agreement."""
-    r = self.rng
-    verbs = _TOPICS[topic][1]
-    if r.random() < 0.3:  # the document's recurring noun phrase
-      plural = False
-      out += ["the", hero[0], hero[1]]
-    else:
-      plural = r.random() < 0.4
-      self.noun_phrase(topic, plural, out)
-    if r.random() < 0.2:  # relative clause: the main verb below still agrees with the subject
-      out += ["that", self._pick(verbs, self.all_verbs, 0.7)[plural]]
-      self.noun_phrase(topic, r.random() < 0.4, out)
-    if r.random() < 0.2:
-      out.append(r.choice(_ADVERBS))
-    if r.random() < 0.7:
-      out.append(self._pick(verbs, self.all_verbs, 0.7)[plural])
-      self.noun_phrase(topic, r.random() < 0.4, out)
-    else:
-      out.append(r.choice(_INTRANSITIVE)[plural])
-    if r.random() < 0.3:
-      out.append(r.choice(_PREPOSITIONS))
-      self.noun_phrase(topic, r.random() < 0.4, out)
-
-  def document(self, out: list[str]) -> None:
-    r = self.rng
-    topic = r.randrange(len(_TOPICS))
-    nouns, _, adjectives = _TOPICS[topic]
-    hero = (r.choice(adjectives), r.choice(nouns)[0])
-    for _ in range(r.randint(4, 12)):
-      self.clause(topic, hero, out)
-      if r.random() < 0.15:
-        out += [",", "and"]
-        self.clause(topic, hero, out)
-      out.append(".")
-    out.append("<doc>")
-
-
-def make_corpus(num_tokens: int, seed: int) -> np.ndarray:
-  """At least ``num_tokens`` token ids (int32) of whole synthetic documents, from ``seed``."""
-  index = {w: i for i, w in enumerate(vocabulary())}
-  grammar = _Grammar(random.Random(seed))
-  words: list[str] = []
-  while len(words) < num_tokens:
-    grammar.document(words)
-  return np.fromiter((index[w] for w in words), dtype=np.int32, count=len(words))
-
-
-def decode(tokens: Sequence[int]) -> str:
-  """Token ids back to text."""
-  words = vocabulary()
-  return " ".join(words[int(t)] for t in tokens)
-
-
-class Batches:
-  """Random windows of ``seq + 1`` tokens from the corpus, deterministic from ``seed``."""
-
-  def __init__(self, corpus: np.ndarray, batch: int, seq: int, seed: int):
-    if len(corpus) <= seq + 1:
-      raise ValueError(f"corpus of {len(corpus)} tokens is too short for seq {seq}")
-    self.corpus, self.batch, self.seq = corpus, batch, seq
-    self.rng = np.random.default_rng(seed)
-
-  def next(self) -> np.ndarray:
-    """[batch, seq + 1] int32: inputs are [:, :-1], targets [:, 1:]."""
-    starts = self.rng.integers(0, len(self.corpus) - self.seq - 1, size=self.batch)
-    return self.corpus[starts[:, None] + np.arange(self.seq + 1)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Model
-# ---------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-  vocab: int
-  seq: int
-  layers: int
-  heads: int
-  dim: int
-  dtype: Any = jnp.float32   # compute dtype; parameters are always float32
-  attn_dropout: float = 0.0
-  mlp_ratio: int = 4
-
-
-class Block(nnx.Module):
-  """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-  def __init__(self, cfg: Config, attention: Callable[..., jax.Array], *, rngs: nnx.Rngs):
-    dt = cfg.dtype
-    self.ln_attn = nnx.LayerNorm(cfg.dim, dtype=dt, rngs=rngs)
-    self.attn = nnx.MultiHeadAttention(
-        cfg.heads, cfg.dim, dtype=dt, attention_fn=attention, dropout_rate=cfg.attn_dropout,
-        decode=False, rngs=rngs)
-    self.ln_mlp = nnx.LayerNorm(cfg.dim, dtype=dt, rngs=rngs)
-    self.mlp_in = nnx.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim, dtype=dt, rngs=rngs)
-    self.mlp_out = nnx.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim, dtype=dt, rngs=rngs)
-
-  def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
-    x = x + self.attn(self.ln_attn(x), is_causal=True, deterministic=deterministic)
-    return x + self.mlp_out(nnx.gelu(self.mlp_in(self.ln_mlp(x))))
-
-
-class GPT(nnx.Module):
-  """Decoder-only language model; the output head is tied to the token embedding."""
-
-  def __init__(self, cfg: Config, attention: Callable[..., jax.Array], *, rngs: nnx.Rngs):
-    self.cfg = cfg
-    init = nnx.initializers.normal(0.02)
-    self.tokens = nnx.Embed(cfg.vocab, cfg.dim, dtype=cfg.dtype, embedding_init=init, rngs=rngs)
-    self.positions = nnx.Embed(cfg.seq, cfg.dim, dtype=cfg.dtype, embedding_init=init,
-                               rngs=rngs)
-    self.blocks = nnx.List([Block(cfg, attention, rngs=rngs) for _ in range(cfg.layers)])
-    self.ln_final = nnx.LayerNorm(cfg.dim, dtype=cfg.dtype, rngs=rngs)
-
-  def __call__(self, tokens: jax.Array, *, deterministic: bool = False) -> jax.Array:
-    """int [B, T] -> float32 logits [B, T, vocab]."""
-    x = self.tokens(tokens) + self.positions(jnp.arange(tokens.shape[-1]))
-    for block in self.blocks:
-      x = block(x, deterministic=deterministic)
-    x = self.ln_final(x)
-    table = self.tokens.embedding[...].astype(self.cfg.dtype)
-    return jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32)
-
-
-def count_params(model: nnx.Module) -> int:
-  """Number of scalar parameters."""
-  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 # ---------------------------------------------------------------------------------------------

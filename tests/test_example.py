@@ -24,6 +24,8 @@ EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
 
 
 def _load_example():
+  # The example is a script in three files; as a script, its folder is on sys.path.
+  sys.path.insert(0, str(EXAMPLE.parent))
   spec = importlib.util.spec_from_file_location("jaxflash_example_gpt", EXAMPLE)
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses look their module up here
