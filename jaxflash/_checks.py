@@ -44,8 +44,12 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   b, t, n, h = query.shape
   s = key.shape[1]
 
+  is_causal, broadcast_dropout, interpret = (
+      check_flag(flag, name) for flag, name in ((is_causal, "is_causal"),
+                                                 (broadcast_dropout, "broadcast_dropout"),
+                                                 (interpret, "interpret")))
   scale = _check_scale(scale, h)
-  window = masking.make_window(bool(is_causal), _check_window(local_window_size))
+  window = masking.make_window(is_causal, _check_window(local_window_size))
   logits_soft_cap = _check_soft_cap(logits_soft_cap)
   dropout_rate, dropout_seed = _check_dropout(dropout_rate, dropout_rng)
 
@@ -60,8 +64,8 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       bias=bias, mask=mask, q_segment_ids=None if segments is None else segments[0],
       kv_segment_ids=None if segments is None else segments[1], dropout_seed=dropout_seed)
   params = Params(scale=scale, window=window, logits_soft_cap=logits_soft_cap,
-                  dropout_rate=dropout_rate, broadcast_dropout=bool(broadcast_dropout),
-                  interpret=bool(interpret))
+                  dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
+                  interpret=interpret)
   return Call(inputs, params, unbatched)
 
 
@@ -69,9 +73,16 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
 
 
 def _as_array(x, name: str) -> jax.Array:
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise ValueError(f"{name} must be an array, got {type(x).__name__}")
-  return x
+  """A JAX array (or traced/abstract value) as it is; NumPy arrays, lists and scalars converted
+  as `jax.nn.dot_product_attention` converts them (float64 becomes float32 with x64 off)."""
+  if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or (
+      hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, np.ndarray)):
+    return x
+  try:
+    return jnp.asarray(x)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{name} must be an array (or convertible to one), got "
+                     f"{type(x).__name__}: {e}") from None
 
 
 def _check_qkv(query, key, value) -> bool:
@@ -112,6 +123,13 @@ def _check_qkv(query, key, value) -> bool:
   return query.ndim == 3
 
 
+def check_flag(flag, name: str) -> bool:
+  """A bool (or NumPy bool): a string such as "no" would be truthy and silently flip it on."""
+  if not isinstance(flag, (bool, np.bool_)):
+    raise ValueError(f"{name} must be a bool, got {flag!r}")
+  return bool(flag)
+
+
 def _is_int(x) -> bool:
   return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -124,7 +142,7 @@ def _check_scale(scale, head_dim: int) -> float:
   return float(scale)
 
 
-def _check_window(window) -> tuple[int, int] | None:
+def _check_window(window) -> tuple[int | None, int | None] | None:
   if window is None:
     return None
   if _is_int(window):
@@ -135,7 +153,10 @@ def _check_window(window) -> tuple[int, int] | None:
                      f"got {window!r}")
   if window[0] < 0 or window[1] < 0:
     raise ValueError(f"local_window_size must be non-negative, got {tuple(window)}")
-  return int(window[0]), int(window[1])
+  # A side this wide reaches every key of any call (positions stay below it), so it means
+  # "unbounded"; keeping it as a number would overflow int32 in `row + right` (2**31 - 1 is the
+  # natural way to say "no limit").
+  return tuple(None if w >= masking.UNBOUNDED_WINDOW else int(w) for w in window)
 
 
 def _check_soft_cap(cap) -> float | None:

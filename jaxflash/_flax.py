@@ -45,6 +45,12 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array |
            dropout_rate: float, deterministic: bool, is_causal: bool) -> jax.Array:
   """Flax-convention attention through `jaxflash.flash_attention` (arrays already promoted)."""
   batch_shape = query.shape[:-3]
+  if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
+    # Flattening mismatched batch dims would pair queries with the wrong rows (or fail to
+    # reshape); Flax refuses them too.
+    raise ValueError(f"query, key and value must have the same batch dims "
+                     f"[batch..., length, heads, depth], got query {query.shape}, key "
+                     f"{key.shape} and value {value.shape}")
   b = math.prod(batch_shape)
   q = query.reshape((b,) + query.shape[-3:])
   k = key.reshape((b,) + key.shape[-3:])

@@ -83,8 +83,8 @@ def flash_attention(
       ``dropout_rate > 0``. The same key gives the same mask.
     broadcast_dropout: share one [T, S] dropout mask across the batch and heads (Flax's
       ``broadcast_dropout=True``); by default every batch row and head has its own.
-    return_residual: also return the logsumexp of the logits, float32 [B, T, N] (natural log,
-      ``-inf`` for rows that see no key).
+    return_residual: also return the logsumexp of the logits, [B, T, N] in the query's dtype as
+      jax.nn returns it (natural log, ``-inf`` for rows that see no key; computed in float32).
     implementation: ``"triton"`` (Pallas kernels lowered through Triton, NVIDIA GPUs),
       ``"xla"`` (blockwise pure JAX, any device), a sequence of those in order of preference, or
       ``None``: the first registered backend that supports the call on this device (Triton on
@@ -138,12 +138,20 @@ def attention_with_config(query: jax.Array, key: jax.Array, value: jax.Array,
   keyword arguments.
   """
   backends.preferences(implementation)  # an unknown name fails before anything else
+  return_residual = _checks.check_flag(return_residual, "return_residual")
   call = _checks.normalise(query, key, value, bias, mask, **options)
   backend = backends.select(implementation, call.inputs, call.params, config)
   if config is None:
     config = backend.default_config(call.inputs, call.params, devices.current())
-  out, lse = flash.attention(call.inputs, call.params, backend, config)
-  lse = jnp.transpose(lse, (0, 2, 1))  # [B, N, T] -> [B, T, N], as jax.nn returns it
+  if call.inputs.query.shape[0] == 0:  # an empty batch: nothing to compute, and no grid to run
+    b, t, n, _ = call.inputs.query.shape
+    out, lse = jnp.zeros_like(call.inputs.query), jnp.zeros((b, t, n), jnp.float32)
+  else:
+    out, lse = flash.attention(call.inputs, call.params, backend, config)
+    lse = jnp.transpose(lse, (0, 2, 1))  # [B, N, T] -> [B, T, N], as jax.nn returns it
+  # The LSE comes back in the query's dtype, as jax.nn returns it (so cotangents of jax.nn's
+  # dtype fit); it is computed and kept in float32 inside (ops use the float32 one).
+  lse = lse.astype(call.inputs.query.dtype)
   if call.unbatched:
     out, lse = out[0], lse[0]
   return (out, lse) if return_residual else out

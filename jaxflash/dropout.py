@@ -49,6 +49,13 @@ def _mix(x):
   return x ^ (x >> 15)
 
 
+def _lift(x, rank: int):
+  """``x`` with leading axes of size 1 up to ``rank`` (Python ints and scalars stay as they are)."""
+  if isinstance(x, int) or jnp.ndim(x) in (0, rank):
+    return x
+  return jnp.reshape(x, (1,) * (rank - jnp.ndim(x)) + jnp.shape(x))
+
+
 def seed_words(rng: jax.Array) -> jax.Array:
   """Two uint32 words drawn from a PRNG key (typed or raw); the generator's whole state."""
   return jax.random.bits(rng, (2,), jnp.uint32)
@@ -83,14 +90,18 @@ def keep(stream, rows, first_col, num_cols: int, rate: float, even_start: bool =
   a traced offset) each column computes its pair's hash itself: the same mask, twice the work.
   """
   cut = jnp.uint32(threshold(rate))
+  # Explicit ranks (stream, rows and column words broadcast against each other), so that
+  # jax_numpy_rank_promotion="raise" has nothing to object to.
+  rank = max(jnp.ndim(stream), jnp.ndim(rows), jnp.ndim(first_col), 1)
+  stream, rows, first_col = (_lift(x, rank) for x in (stream, rows, first_col))
   row_key = _mix(stream ^ _u32(rows))
   if not even_start:
-    cols = _u32(first_col + jnp.arange(num_cols))
+    cols = _u32(first_col + _lift(jnp.arange(num_cols), rank))
     bits = _mix(row_key ^ ((cols >> 1) * jnp.uint32(_GOLDEN)))
     return jnp.where((cols & 1) == 1, bits >> 16, bits & jnp.uint32(0xFFFF)) >= cut
   if num_cols % 2:
     return keep(stream, rows, first_col, num_cols + 1, rate)[..., :num_cols]
-  pairs = _u32(first_col // 2 + jnp.arange(num_cols // 2))
+  pairs = _u32(first_col // 2 + _lift(jnp.arange(num_cols // 2), rank))
   bits = _mix(row_key ^ (pairs * jnp.uint32(_GOLDEN)))
   even = (bits & jnp.uint32(0xFFFF)) >= cut
   odd = (bits >> 16) >= cut

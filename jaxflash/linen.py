@@ -17,8 +17,13 @@ import inspect
 from typing import Any, Callable
 
 import jax
-from flax import linen as nn
-from flax.linen.dtypes import promote_dtype
+
+try:
+  from flax import linen as nn
+  from flax.linen.dtypes import promote_dtype
+except ModuleNotFoundError as e:  # Flax is an optional extra
+  raise ModuleNotFoundError("jaxflash.linen needs Flax: pip install 'jaxflash[flax]' (or "
+                            "pip install flax)") from e
 
 from jaxflash import _flax
 

@@ -29,6 +29,10 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 
+# Window sides at or beyond this reach every key of any call: they mean "unbounded" (None).
+UNBOUNDED_WINDOW = 2**30
+
+
 @dataclasses.dataclass(frozen=True)
 class Window:
   """Band of visible keys around each query: ``q - left <= k <= q + right`` (absolute positions).
@@ -57,6 +61,7 @@ def make_window(is_causal: bool, local_window_size: int | tuple[int, int] | None
       left = right = local_window_size
     else:
       left, right = local_window_size
+  left, right = (None if w is not None and w >= UNBOUNDED_WINDOW else w for w in (left, right))
   if is_causal:
     right = 0 if right is None else min(right, 0)
   return Window(left, right)

@@ -16,8 +16,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-from flax import nnx
-from flax.nnx.nn.dtypes import promote_dtype as _flax_promote_dtype
+
+try:
+  from flax import nnx
+  from flax.nnx.nn.dtypes import promote_dtype as _flax_promote_dtype
+except ModuleNotFoundError as e:  # Flax is an optional extra
+  raise ModuleNotFoundError("jaxflash.nnx needs Flax: pip install 'jaxflash[flax]' (or "
+                            "pip install flax)") from e
 
 from jaxflash import _flax
 

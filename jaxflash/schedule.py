@@ -33,16 +33,19 @@ from jaxflash.masking import Positions, Window
 
 
 def _cdiv(a, b: int):
-  """Ceiling division of a non-negative int (Python or traced int32) by a positive Python int."""
+  """Ceiling division of a non-negative int (Python or traced) by a positive Python int."""
   if isinstance(a, int):
     return -(-a // b)
-  return lax.div(a + (b - 1), jnp.int32(b))
+  return _floordiv(a + (b - 1), b)
 
 
 def _floordiv(a, b: int):
+  """Division of a non-negative int by a positive Python int; `lax.div` (one instruction in a
+  kernel) with the divisor in the dividend's own integer type (int64 under jax_enable_x64)."""
   if isinstance(a, int):
     return a // b
-  return lax.div(a, jnp.int32(b))
+  a = jnp.asarray(a)
+  return lax.div(a, jnp.asarray(b, a.dtype))
 
 
 def _max(a, b):
@@ -103,10 +106,16 @@ def q_block_range(k_start, k_stop, q_len, window: Window, block_q: int, diagonal
   return _floordiv(q_lo, block_q), _cdiv(_max(q_hi, 0), block_q)
 
 
+def _i32(x):
+  """A block index as int32, whatever it was computed in (Python int; int64 under x64): loop
+  bounds must share one type, and kernels index in int32."""
+  return jnp.asarray(x, jnp.int32)
+
+
 def _select(cond, a, b):
   """``jnp.where`` on block indices, always int32: a select between two Python ints would be
   weakly typed, which the Triton lowering turns into a boolean it then compares with int32."""
-  return jnp.where(cond, jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+  return jnp.where(cond, _i32(a), _i32(b))
 
 
 def _union(lo, hi):
@@ -137,18 +146,20 @@ class Schedule:
     shaped [B] the results are per batch row."""
     q_stop = _min(q_start + self.block_q, pos.q_len)
     first, stop = (masking.shifted(x, pos.diagonal) for x in (q_start, q_stop))
-    lo, hi = kv_block_range(first, stop, pos.kv_len, self.window, self.block_k)
+    lo, hi = (_i32(x) for x in kv_block_range(first, stop, pos.kv_len, self.window,
+                                              self.block_k))
     hi = _select(q_start < pos.q_len, hi, lo)  # the whole block is query padding
     if self.elementwise:
       return lo, hi, hi, hi
     full_lo, full_hi = kv_full_block_range(first, stop, pos.kv_len, self.window, self.block_k)
-    full_lo = jnp.clip(jnp.asarray(full_lo, jnp.int32), lo, hi)
-    return lo, full_lo, jnp.clip(jnp.asarray(full_hi, jnp.int32), full_lo, hi), hi
+    full_lo = jnp.clip(_i32(full_lo), lo, hi)
+    return lo, full_lo, jnp.clip(_i32(full_hi), full_lo, hi), hi
 
   def q_blocks(self, k_start, pos: Positions):
     """``(lo, hi)``: query blocks that the key block at ``k_start`` must visit in dK/dV."""
     k_stop = _min(k_start + self.block_k, pos.kv_len)
-    lo, hi = q_block_range(k_start, k_stop, pos.q_len, self.window, self.block_q, pos.diagonal)
+    lo, hi = (_i32(x) for x in q_block_range(k_start, k_stop, pos.q_len, self.window,
+                                             self.block_q, pos.diagonal))
     return lo, _select(k_start < pos.kv_len, hi, lo)
 
   def visit_kv(self, q_start, pos: Positions, body: Body, carry):

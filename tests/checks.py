@@ -171,7 +171,7 @@ def check(implementation, *, b=2, t=37, s=53, n=4, k=2, h=40, dtype=jnp.float32,
   upcast = [x.astype(jnp.float32) for x in (q, kk, v)]
   ref_out, ref_lse, want = with_grads(ref)(*upcast, bias)
   assert out.dtype == q.dtype and out.shape == q.shape
-  assert lse.dtype == jnp.float32 and lse.shape == (b, t, n)
+  assert lse.dtype == q.dtype and lse.shape == (b, t, n)  # jax.nn's dtype for the LSE
   errors = {"out": rel_err(out, ref_out)}
   empty = ~np.isfinite(np.asarray(ref_lse))
   np.testing.assert_array_equal(np.asarray(lse) == -np.inf, empty, "rows with no visible key")

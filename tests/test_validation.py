@@ -75,7 +75,8 @@ QKV_CASES = {
     "head_dim_mismatch": (dict(k=_f32(B, S, K, H + 1), v=_f32(B, S, K, H + 1)), "head dim"),
     "heads_not_divisible": (dict(q=_f32(B, T, 6, H), k=_f32(B, S, 4, H), v=_f32(B, S, 4, H)),
                             "heads"),
-    "query_not_array": (dict(q=np.zeros((B, T, N, H)).tolist()), "query"),
+    "query_not_array": (dict(q=object()), "query"),
+    "query_ragged_list": (dict(q=[[1.0, 2.0], [3.0]]), "query"),
     "query_empty_seq": (dict(q=_f32(B, 0, N, H)), "sequence lengths"),
     "key_zero_heads": (dict(k=_f32(B, S, 0, H), v=_f32(B, S, 0, H)), "head counts"),
 }

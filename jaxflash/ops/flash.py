@@ -28,7 +28,7 @@ def _forward(inputs, params, backend, config):
   # backward pay for dbias (a Python bool in the residuals is static under jit).
   want_dbias = inputs.bias is not None and inputs.bias.perturbed
   inputs = primal_values(inputs)
-  out, lse2 = backend.forward(inputs, params, config)
+  out, lse2 = forward(backend, inputs, params, config)
   return (out, _core.user_lse(lse2)), (inputs, out, lse2, want_dbias)
 
 
@@ -38,8 +38,41 @@ def _backward(params, backend, config, residuals, cotangents):
   if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
     d_out = jnp.zeros(out.shape, out.dtype)
   delta = _core.delta(out, d_out, d_lse)
-  grads = backend.backward(inputs, params, config, lse2, d_out, delta, want_dbias)
+  grads = backward(backend, inputs, params, config, lse2, d_out, delta, want_dbias)
   return (cotangents_of(inputs, *grads),)
+
+
+SECOND_ORDER = ("jaxflash computes first derivatives only: its backward pass (a fused kernel, or "
+                "blockwise loops with data-dependent bounds) has no derivative of its own, so "
+                "grad of grad, jax.hessian and jvp of a gradient are not supported. For "
+                "second-order terms use jax.nn.dot_product_attention(implementation='xla').")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 2, 3))
+def forward(backend, inputs: Inputs, params: Params, config):
+  """``backend.forward`` as the VJP's forward rule calls it: a second-order derivative
+  differentiates this too (its residuals feed the backward), and gets `SECOND_ORDER`."""
+  return backend.forward(inputs, params, config)
+
+
+@forward.defjvp
+def _forward_jvp(backend, params, config, primals, tangents):
+  del backend, params, config, primals, tangents
+  raise NotImplementedError(SECOND_ORDER)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 2, 3, 7))
+def backward(backend, inputs: Inputs, params: Params, config, lse2, d_out, delta,
+             want_dbias: bool):
+  """``backend.backward``, refusing to be differentiated with a clear error (a second-order
+  derivative would otherwise die inside Pallas or a while loop)."""
+  return backend.backward(inputs, params, config, lse2, d_out, delta, want_dbias)
+
+
+@backward.defjvp
+def _backward_jvp(backend, params, config, want_dbias, primals, tangents):
+  del backend, params, config, want_dbias, primals, tangents
+  raise NotImplementedError(SECOND_ORDER)
 
 
 def primal_values(inputs: Inputs) -> Inputs:

@@ -99,7 +99,7 @@ def _split_forward(inputs, params, backend, config, boundaries):
   partial_params = dataclasses.replace(params, partial=True)
   outs, lses = [], []
   for start, stop in _ranges(boundaries, inputs.key.shape[1]):
-    out, lse2 = backend.forward(key_range(inputs, start, stop), partial_params, config)
+    out, lse2 = flash.forward(backend, key_range(inputs, start, stop), partial_params, config)
     outs.append(out)
     lses.append(jnp.swapaxes(_core.user_lse(lse2), 1, 2))  # [B, T, N], like the outputs
   out, lse = merge(outs, lses)
@@ -123,8 +123,8 @@ def _split_bwd(params, backend, config, boundaries, residuals, cotangents):
   partial_params = dataclasses.replace(params, partial=True)  # float32 shares, summed below
   dq, dks, dvs, dbiases = 0.0, [], [], []
   for start, stop in _ranges(boundaries, inputs.key.shape[1]):
-    share = backend.backward(key_range(inputs, start, stop), partial_params, config, lse2,
-                             d_out, delta, want_dbias)
+    share = flash.backward(backend, key_range(inputs, start, stop), partial_params, config,
+                           lse2, d_out, delta, want_dbias)
     dq = dq + share[0]
     dks.append(share[1])
     dvs.append(share[2])

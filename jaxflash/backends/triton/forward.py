@@ -37,9 +37,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, o_ref
     s2, _ = tiles.tile_logits(qt, kt, opt, params, masked, raw=fold)
     # Online softmax. A row that has seen no visible key yet keeps m = -inf; shifting by 0 instead
     # keeps exp2 finite (exp2(-inf) = 0) so such rows stay at l = 0, acc = 0 without NaN. In a
-    # full (unmasked) tile every entry is finite, so m_new is too.
+    # full (unmasked) tile without a bias every entry is finite, so m_new is too; a bias may be
+    # -inf anywhere.
     m_new = jnp.maximum(m, jnp.max(s2, axis=1) * c if fold else jnp.max(s2, axis=1))
-    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+    finite = not masked and opt.bias is None
+    m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_shift)
     p = jnp.exp2((s2 * c if fold else s2) - m_shift[:, None])
     v = tiles.load(v_ref.at[kt.keys, :], mask=kt.kv_ok, other=0.0)
@@ -55,7 +57,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, o_ref
           jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
   acc, m, l = schedule.visit_kv(qt.q_start, qt.pos, body, init)
 
-  seen = jnp.logical_and(qt.rows < qt.pos.q_len, l > 0.0)
+  # A row is empty only when it saw no visible key (l == 0). NaN logits make l NaN, and the row
+  # must come out NaN (as in jax.nn), not as an empty row: `l > 0` would hide them as zeros.
+  seen = jnp.logical_and(qt.rows < qt.pos.q_len, l != 0.0)
   inv_l = (1.0 if qt.stream is None else params.keep_scale) / jnp.where(seen, l, 1.0)
   out = jnp.where(seen[:, None], acc * inv_l[:, None], 0.0)
   plgpu.store(o_ref, out.astype(o_ref.dtype), mask=tiles.tile_ok(qt.row_ok, st.dim_ok))

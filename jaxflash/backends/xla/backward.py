@@ -97,12 +97,12 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
     dk, dv = blk.schedule.visit_q(k_start, blk.pos, body, (zeros, zeros))
     return (dk * params.scale).astype(out_dtype), dv.astype(out_dtype)
 
-  dq, dbias = lax.map(dq_block, jnp.arange(lay.t_pad // bq))
+  dq, dbias = lax.map(dq_block, jnp.arange(lay.t_pad // bq, dtype=jnp.int32))
   dq = ungroup_rows(dq, lay)
   if want_dbias:  # [nq, B|1, N|1, bq, S_pad] -> [B|1, N|1, T, S]
     dbias = jnp.moveaxis(dbias, 0, 2).reshape(inputs.bias.shape[:2] + (lay.t_pad, lay.s_pad))
     dbias = dbias[:, :, :lay.t, :lay.s].astype(inputs.bias.dtype)
-  dk, dv = lax.map(dkv_block, jnp.arange(lay.s_pad // bk))
+  dk, dv = lax.map(dkv_block, jnp.arange(lay.s_pad // bk, dtype=jnp.int32))
 
   def ungroup_keys(x):  # [nk, B, bk, K, H] -> [B, S, K, H]
     return jnp.moveaxis(x, 0, 1).reshape(lay.b, lay.s_pad, lay.kh, lay.h)[:, :lay.s]

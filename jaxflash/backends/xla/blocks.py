@@ -112,8 +112,8 @@ class Blocks:
     return pad_axis(pad_axis(x, 3, lay.t_pad), 4, lay.s_pad)
 
   def _tile(self, x, q_start, k_start):
-    bq, bk = self.lay.block_q, self.lay.block_k
-    return lax.dynamic_slice(x, (0, 0, 0, q_start, k_start), x.shape[:3] + (bq, bk))
+    # Two one-axis slices: no literal 0 indices, whose type would differ under x64.
+    return rows(rows(x, q_start, self.lay.block_q, axis=3), k_start, self.lay.block_k, axis=4)
 
   def logits(self, q_blk, k_blk, q_start, k_start):
     """Base-2 logits [B, K, G, bq, bk] of one tile, masked to -inf; also the soft-cap tanh."""
@@ -127,7 +127,8 @@ class Blocks:
       kv_seg = rows(self.kv_seg, k_start, bk)[:, None, None, None, :]
     diagonal = self.pos.diagonal
     vis = masking.visible(
-        (q_start + jnp.arange(bq))[:, None], (k_start + jnp.arange(bk))[None, :],
+        (q_start + jnp.arange(bq)).reshape(1, 1, 1, bq, 1),
+        (k_start + jnp.arange(bk)).reshape(1, 1, 1, 1, bk),
         self.params.window, diagonal=diagonal if isinstance(diagonal, int)
         else _per_row(diagonal, self.lay), kv_len=_per_row(self.pos.kv_len, self.lay),
         q_segment=q_seg, kv_segment=kv_seg,
@@ -139,7 +140,7 @@ class Blocks:
     if self.stream is None:
       return None
     lay, pos = self.lay, self.pos
-    row_ids = (q_start + jnp.arange(lay.block_q))[:, None]
+    row_ids = (q_start + jnp.arange(lay.block_q)).reshape(1, 1, 1, lay.block_q, 1)
     if isinstance(pos.q_offset, int):
       return dropout.keep(self.stream, row_ids, k_start, lay.block_k, self.params.dropout_rate)
     return dropout.keep(self.stream, row_ids + _per_row(pos.q_offset, lay),
@@ -148,5 +149,5 @@ class Blocks:
 
   def q_is_valid(self, q_start):
     """[B, 1, 1, bq]: rows of the block that are not query padding."""
-    row_ids = q_start + jnp.arange(self.lay.block_q)
+    row_ids = (q_start + jnp.arange(self.lay.block_q)).reshape(1, 1, 1, self.lay.block_q)
     return row_ids < self.pos.q_len.reshape(self.lay.b, 1, 1, 1)

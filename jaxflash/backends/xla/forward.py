@@ -51,13 +51,14 @@ def forward(inputs: Inputs, params: Params, config: Config):
     init = (jnp.zeros(stats + (lay.h,), jnp.float32), jnp.full(stats, -jnp.inf, jnp.float32),
             jnp.zeros(stats, jnp.float32))
     acc, m, l = blk.schedule.visit_kv(q_start, blk.pos, body, init)
-    seen = jnp.logical_and(blk.q_is_valid(q_start), l > 0.0)
+    # Empty means l == 0 exactly: NaN logits give l = NaN and must make the row NaN.
+    seen = jnp.logical_and(blk.q_is_valid(q_start), l != 0.0)
     inv_l = (params.keep_scale if blk.stream is not None else 1.0) / jnp.where(seen, l, 1.0)
     out = jnp.where(seen[..., None], acc * inv_l[..., None], 0.0)
     lse2 = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
     return jnp.moveaxis(out, 3, 1).astype(out_dtype), lse2
 
-  out, lse2 = lax.map(one_q_block, jnp.arange(lay.t_pad // bq))
+  out, lse2 = lax.map(one_q_block, jnp.arange(lay.t_pad // bq, dtype=jnp.int32))
   # lse2: [nq, B, K, G, bq] -> [B, N, T]
   lse2 = jnp.moveaxis(lse2, 0, 3).reshape(lay.b, lay.kh * lay.g, lay.t_pad)[..., :lay.t]
   return ungroup_rows(out, lay), lse2

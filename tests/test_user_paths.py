@@ -1,0 +1,216 @@
+"""What new users run into (issue 11): NaN must show as NaN, huge windows mean "unbounded",
+jax_enable_x64 and strict rank promotion work, empty batches, non-bool flags, Flax batch-dim
+checks, second-order derivatives refused clearly, inputs jax.nn accepts, the LSE in jax.nn's dtype,
+and importing the Flax layer without Flax. Each runs on both backends where a backend is involved.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash.reference import reference_attention
+from checks import BACKENDS, F32_TOLERANCE, attention, random_array, random_qkv, rel_err
+
+B, T, S, N, K, H = 2, 20, 24, 2, 1, 16
+
+
+def _qkv(seed=0, dtype=jnp.float32):
+  q, k, v, _ = random_qkv(seed, B, T, S, N, K, H, dtype)
+  return q, k, v
+
+
+# ---------------------------------------------------------------------------------------------
+# NaN and Inf are not masking
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_nan_in_query_key_or_bias_gives_nan_rows(implementation):
+  """A NaN (or Inf) in a row's logits makes that row NaN, out and LSE, as in jax.nn; rows that
+  cannot see the bad entry stay finite, and masking still empties rows (zeros, not NaN)."""
+  q, k, v = _qkv()
+
+  def run(q, k, v, **kw):
+    out, lse = attention(implementation, q, k, v, return_residual=True, **kw)
+    return np.asarray(out), np.asarray(lse)
+
+  out, lse = run(q.at[0, 3, 1, 0].set(jnp.nan), k, v)
+  assert np.isnan(out[0, 3, 1]).all() and np.isnan(lse[0, 3, 1])
+  assert np.isfinite(np.delete(out[0], 3, axis=0)).all() and np.isfinite(out[1]).all()
+  # One NaN key: every row that sees key 5 is NaN; causal rows before it never see it.
+  out, _ = run(q, k.at[0, 5, 0, 2].set(jnp.nan), v, is_causal=True)
+  assert np.isfinite(out[0, :5]).all() and np.isnan(out[0, 5:]).all()
+  assert np.isfinite(out[1]).all()
+  # Inf in a query: inf - inf in the softmax is NaN.
+  out, _ = run(q.at[1, 7, 0, 0].set(jnp.inf), k, v)
+  assert np.isnan(out[1, 7, 0]).all()
+  # NaN in the bias, and a NaN key hidden by the mask or by the key lengths: only the first
+  # shows.
+  bias = jnp.zeros((B, N, T, S)).at[0, 0, 2, 9].set(jnp.nan)
+  out, _ = run(q, k, v, bias=bias)
+  assert np.isnan(out[0, 2, 0]).all() and np.isfinite(out[0, 2, 1]).all()
+  mask = jnp.ones((B, 1, T, S), bool).at[:, :, :, 11].set(False)
+  out, _ = run(q, k.at[:, 11].set(jnp.nan), v, mask=mask)
+  assert np.isfinite(out).all()
+  out, _ = run(q, k.at[:, 22].set(jnp.nan), v, key_value_seq_lengths=jnp.array([22, 20]))
+  assert np.isfinite(out).all()
+  # A row whose logits are all -inf through the bias is empty, not NaN: zeros and -inf.
+  bias = jnp.zeros((B, N, T, S)).at[1, 1, 4].set(-jnp.inf)
+  out, lse = run(q, k, v, bias=bias)
+  assert (out[1, 4, 1] == 0).all() and lse[1, 4, 1] == -np.inf
+
+
+# ---------------------------------------------------------------------------------------------
+# Windows, x64, rank promotion, empty batches
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+@pytest.mark.parametrize("window,is_causal", [((0, 2**31 - 1), False), (2**31 - 1, False),
+                                              ((2**31 - 1, 2**31 - 1), True),
+                                              ((2**40, 3), False)])
+def test_huge_windows_mean_unbounded(implementation, window, is_causal):
+  q, k, v = _qkv(1)
+  got = attention(implementation, q, k, v, local_window_size=window, is_causal=is_causal)
+  left, right = (window, window) if isinstance(window, int) else window
+  want, _ = reference_attention(q, k, v, is_causal=is_causal,
+                                local_window_size=(min(left, 10**6), min(right, 10**6)))
+  assert rel_err(got, want) < F32_TOLERANCE
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_enable_x64(implementation):
+  """With jax_enable_x64 on (int64 indices, 2**31 windows) every option still works."""
+  with jax.enable_x64(True):
+    q, k, v = _qkv(2)
+    kw = dict(is_causal=True, local_window_size=(2**31, 3),
+              mask=random_array(3, (B, 1, T, S), "bool"), key_value_seq_lengths=jnp.array([20, 24]),
+              segment_ids=(jnp.zeros((B, T), jnp.int64), jnp.zeros((B, S), jnp.int64)))
+    bias = random_array(4, (N, T, S), "float").astype(jnp.float32)
+    loss = lambda q, bias: jnp.sum(attention(implementation, q, k, v, bias, **kw))  # noqa: E731
+    got, grads = jax.value_and_grad(loss, argnums=(0, 1))(q, bias)
+    ref = lambda q, bias: jnp.sum(reference_attention(q, k, v, bias, **kw)[0])  # noqa: E731
+    want, want_grads = jax.value_and_grad(ref, argnums=(0, 1))(q, bias)
+    assert abs(float(got) - float(want)) < 1e-4 * abs(float(want)) + 1e-4
+    for g, w in zip(grads, want_grads):
+      assert g.dtype == jnp.float32 and rel_err(g, w) < F32_TOLERANCE
+    out = attention(implementation, q, k, v, dropout_rate=0.2, dropout_rng=jax.random.key(0))
+    assert out.dtype == jnp.float32 and np.isfinite(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_strict_rank_promotion(implementation):
+  """jax_numpy_rank_promotion="raise": nothing inside broadcasts arrays of different ranks."""
+  q, k, v = _qkv(3)
+  kw = dict(is_causal=True, mask=jnp.ones((B, 1, T, S), bool), bias=jnp.zeros((T, S)),
+            key_value_seq_lengths=jnp.array([20, 24]), dropout_rate=0.1,
+            dropout_rng=jax.random.key(1), segment_ids=(jnp.zeros((B, T), jnp.int32),
+                                                        jnp.zeros((B, S), jnp.int32)))
+  with jax.numpy_rank_promotion("raise"):
+    out = attention(implementation, q, k, v, **kw)
+    grads = jax.grad(lambda q, k, v: jnp.sum(attention(implementation, q, k, v, **kw)),
+                     argnums=(0, 1, 2))(q, k, v)
+  assert np.isfinite(np.asarray(out)).all()
+  assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_empty_batch(implementation):
+  """B = 0 gives empty outputs, LSE and gradients, as jax.nn does."""
+  q, k, v = (x[:0] for x in _qkv(4))
+  out, lse = attention(implementation, q, k, v, return_residual=True, is_causal=True)
+  assert out.shape == q.shape and lse.shape == (0, T, N)
+  grads = jax.grad(lambda q, k, v: jnp.sum(attention(implementation, q, k, v)),
+                   argnums=(0, 1, 2))(q, k, v)
+  assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+@pytest.mark.parametrize("name", ["is_causal", "broadcast_dropout", "return_residual",
+                                  "interpret"])
+@pytest.mark.parametrize("value", ["no", 1, None, [True]])
+def test_non_bool_flags_are_refused(name, value):
+  q, k, v = _qkv(5)
+  with pytest.raises(ValueError, match=name):
+    jaxflash.flash_attention(q, k, v, **{name: value})
+
+
+def test_numpy_bool_flags_are_accepted():
+  q, k, v = _qkv(5)
+  got = jaxflash.flash_attention(q, k, v, is_causal=np.bool_(True), implementation="xla")
+  want = jaxflash.flash_attention(q, k, v, is_causal=True, implementation="xla")
+  np.testing.assert_array_equal(got, want)
+
+
+def test_inputs_jax_nn_accepts():
+  """NumPy float64 arrays and nested lists are converted as jax.nn converts them (to float32
+  with x64 off); what cannot be converted is refused by name."""
+  q, k, v = (np.asarray(x, np.float64) for x in _qkv(6))
+  got = jaxflash.flash_attention(q, k, v, implementation="xla")
+  want = jax.nn.dot_product_attention(q, k, v, implementation="xla")
+  assert got.dtype == want.dtype == jnp.float32 and rel_err(got, want) < F32_TOLERANCE
+  listed = jaxflash.flash_attention(q.tolist(), k.tolist(), v.tolist(), implementation="xla")
+  np.testing.assert_array_equal(listed, got)
+  with pytest.raises(ValueError, match="key"):
+    jaxflash.flash_attention(q, "not an array", v)
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_lse_in_the_query_dtype_like_jax_nn(implementation):
+  """return_residual's LSE has jax.nn's dtype, so jax.nn-shaped cotangents fit in jax.vjp."""
+  q, k, v = _qkv(7, jnp.bfloat16)
+  (out, lse), vjp = jax.vjp(lambda q: attention(implementation, q, k, v, return_residual=True),
+                            q)
+  _, want_lse = jax.nn.dot_product_attention(q, k, v, return_residual=True,
+                                             implementation="xla")
+  assert lse.dtype == want_lse.dtype == jnp.bfloat16 and lse.shape == want_lse.shape
+  (dq,) = vjp((jnp.ones_like(out), jnp.ones_like(lse)))
+  assert dq.dtype == jnp.bfloat16 and np.isfinite(np.asarray(dq, np.float32)).all()
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_second_order_is_refused_clearly(implementation):
+  q, k, v = _qkv(8)
+  f = lambda q: jnp.sum(attention(implementation, q, k, v, is_causal=True))  # noqa: E731
+  assert jax.grad(f)(q).shape == q.shape
+  with pytest.raises(NotImplementedError, match="first derivatives only"):
+    jax.grad(lambda q: jnp.sum(jax.grad(f)(q) ** 2))(q)
+  with pytest.raises(NotImplementedError, match="first derivatives only"):
+    jax.jvp(jax.grad(f), (q,), (q,))
+
+
+# ---------------------------------------------------------------------------------------------
+# The Flax layer
+
+
+@pytest.mark.parametrize("hook", ["linen", "nnx"])
+@pytest.mark.parametrize("q_batch,kv_batch", [((2, 3), (3, 2)), ((2,), (3,))])
+def test_flax_hooks_refuse_mismatched_batch_dims(hook, q_batch, kv_batch):
+  import jaxflash.linen
+  import jaxflash.nnx
+  fn = {"linen": jaxflash.linen, "nnx": jaxflash.nnx}[hook].dot_product_attention
+  q = jnp.ones(q_batch + (T, N, H))
+  kv = jnp.ones(kv_batch + (S, N, H))
+  with pytest.raises(ValueError, match="same batch dims"):
+    fn(q, kv, kv)
+
+
+@pytest.mark.parametrize("module", ["jaxflash.linen", "jaxflash.nnx"])
+def test_flax_layer_without_flax_says_what_to_install(module):
+  code = (f"import sys; sys.modules['flax'] = None\n"
+          f"try:\n  import {module}\nexcept ModuleNotFoundError as e:\n  print(e)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert "pip install 'jaxflash[flax]'" in out.stdout, out.stdout + out.stderr
+  # The core package itself needs no Flax.
+  core = subprocess.run([sys.executable, "-c", "import sys; sys.modules['flax'] = None; "
+                         "import jaxflash; print('ok')"], capture_output=True, text=True,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert core.stdout.strip() == "ok", core.stderr
