@@ -114,3 +114,23 @@ def test_key_split_on_gpu(implementation):
   assert rel_err(split_out, out) < 1e-2
   for got, want in zip(split_grads, grads):
     assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("implementation", ["triton", "xla"])
+def test_nan_rows_and_huge_windows_on_gpu(implementation):
+  """The compiled kernels with the shipped tiles: a NaN query entry makes its row NaN and a NaN
+  key the rows that see it (causal rows before it stay finite), and a window of 2**31 - 1 is
+  full attention."""
+  from checks import attention
+  q, k, v, _ = random_qkv(11, 2, 300, 517, 8, 2, 128, jnp.bfloat16)
+  out = np.asarray(attention(implementation, q.at[0, 7, 3, 0].set(jnp.nan), k, v, small=False),
+                   np.float32)
+  assert np.isnan(out[0, 7, 3]).all() and np.isfinite(out[0, 8:]).all()
+  out = np.asarray(attention(implementation, q, k.at[1, 100, 0, 5].set(jnp.nan), v,
+                             is_causal=True, small=False), np.float32)
+  assert np.isfinite(out[1, :100]).all() and np.isnan(out[1, 100:, :4]).all()
+  assert np.isfinite(out[1, 100:, 4:]).all()  # heads of the other K/V head never see it
+  wide = attention(implementation, q, k, v, local_window_size=(2**31 - 1, 2**31 - 1),
+                   small=False)
+  full = attention(implementation, q, k, v, small=False)
+  np.testing.assert_array_equal(np.asarray(wide, np.float32), np.asarray(full, np.float32))
