@@ -142,7 +142,7 @@ def _check_scale(scale, head_dim: int) -> float:
   return float(scale)
 
 
-def _check_window(window) -> tuple[int | None, int | None] | None:
+def _check_window(window) -> tuple[int, int] | None:
   if window is None:
     return None
   if _is_int(window):
@@ -153,10 +153,9 @@ def _check_window(window) -> tuple[int | None, int | None] | None:
                      f"got {window!r}")
   if window[0] < 0 or window[1] < 0:
     raise ValueError(f"local_window_size must be non-negative, got {tuple(window)}")
-  # A side this wide reaches every key of any call (positions stay below it), so it means
-  # "unbounded"; keeping it as a number would overflow int32 in `row + right` (2**31 - 1 is the
-  # natural way to say "no limit").
-  return tuple(None if w >= masking.UNBOUNDED_WINDOW else int(w) for w in window)
+  # Sides of masking.UNBOUNDED_WINDOW or more (2**31 - 1 is the natural "no limit") become
+  # unbounded in `masking.make_window`, before any int32 arithmetic could overflow.
+  return int(window[0]), int(window[1])
 
 
 def _check_soft_cap(cap) -> float | None:

@@ -29,7 +29,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 
-# Window sides at or beyond this reach every key of any call: they mean "unbounded" (None).
+# Window sides at or beyond this reach every key of any call (positions stay below it), so they
+# mean "unbounded" (None); kept as numbers they would overflow int32 in `row + right`.
 UNBOUNDED_WINDOW = 2**30
 
 

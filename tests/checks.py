@@ -100,7 +100,6 @@ OPTIONS = {
     "none": lambda *a: {},
     "causal": lambda *a: dict(is_causal=True),
     "window_pair": lambda *a: dict(local_window_size=(7, 3)),
-    "window_int": lambda *a: dict(local_window_size=5),
     "causal_window": lambda *a: dict(is_causal=True, local_window_size=(9, 4)),
     "lengths": random_lengths,
     "segments_pair": lambda b, t, s, n, seed: dict(

@@ -18,7 +18,7 @@ from jaxflash.masking import Positions, Window, make_window
 from jaxflash.schedule import Schedule
 
 BLOCKS = (1, 3, 8, 16)
-NUM_CASES = 300
+NUM_CASES = 200
 
 
 def brute_visible(t, s, is_causal, window_size, q_len, kv_len, q_offset=0, kv_offset=0):
