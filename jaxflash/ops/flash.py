@@ -34,10 +34,7 @@ def _forward(inputs, params, backend, config):
 
 def _backward(params, backend, config, residuals, cotangents):
   inputs, out, lse2, want_dbias = residuals
-  d_out, d_lse = cotangents
-  if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
-    d_out = jnp.zeros(out.shape, out.dtype)
-  delta = _core.delta(out, d_out, d_lse)
+  d_out, delta = output_cotangents(out, cotangents)
   grads = backward(backend, inputs, params, config, lse2, d_out, delta, want_dbias)
   return (cotangents_of(inputs, *grads),)
 
@@ -73,6 +70,15 @@ def backward(backend, inputs: Inputs, params: Params, config, lse2, d_out, delta
 def _backward_jvp(backend, params, config, want_dbias, primals, tangents):
   del backend, params, config, want_dbias, primals, tangents
   raise NotImplementedError(SECOND_ORDER)
+
+
+def output_cotangents(out, cotangents):
+  """``(d_out, delta)`` from the cotangents of ``(out, lse)``: a symbolic-zero d_out becomes
+  zeros, and delta = rowsum(dO * O) - d_lse (see `_core.delta`)."""
+  d_out, d_lse = cotangents
+  if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
+    d_out = jnp.zeros(out.shape, out.dtype)
+  return d_out, _core.delta(out, d_out, d_lse)
 
 
 def primal_values(inputs: Inputs) -> Inputs:

@@ -116,10 +116,8 @@ def _split_fwd(inputs, params, backend, config, boundaries):
 
 def _split_bwd(params, backend, config, boundaries, residuals, cotangents):
   inputs, out, lse2, want_dbias = residuals
-  d_out, d_lse = cotangents
-  if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
-    d_out = jnp.zeros(out.shape, out.dtype)
-  delta = _core.delta(out, d_out, d_lse)  # of the merged output: the same for every range
+  # delta of the merged output: the same for every range.
+  d_out, delta = flash.output_cotangents(out, cotangents)
   partial_params = dataclasses.replace(params, partial=True)  # float32 shares, summed below
   dq, dks, dvs, dbiases = 0.0, [], [], []
   for start, stop in _ranges(boundaries, inputs.key.shape[1]):
