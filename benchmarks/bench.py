@@ -23,7 +23,8 @@ Grid (the FlashAttention-2 paper's, as in ../shared/anchors): bf16 and fp16; hea
 256; S = 512, 1k, 2k, 4k, 8k, 16k with 16k tokens per batch (B = 16384 / S) and hidden 2048
 (N = 2048 / D heads); causal and not; self-attention. Plus a GQA case: 32 query heads, 8 KV
 heads, D = 128, bf16, the same S and B. Implementations, all in this process on the same card:
-jaxflash_triton and jaxflash_xla (jaxflash.flash_attention, implementation "triton" and "xla"),
+jaxflash_mosaic, jaxflash_triton and jaxflash_xla (jaxflash.flash_attention, implementation
+"mosaic", "triton" and "xla"),
 xla and cudnn (jax.nn.dot_product_attention) and pallas_mha (JAX's Pallas kernel,
 jax.experimental.pallas.ops.gpu.attention.mha with its defaults; not applicable to GQA, so
 skipped there; it does not fit at D = 256 and those rows record the error). Without a GPU the

@@ -74,7 +74,7 @@ def build_cases(cfg: dict) -> list[Case]:
 def attention_fn(impl: str, causal: bool, interpret: bool = False, config=None) -> Callable:
   """``impl`` as a function of (q, k, v) in [B, S, heads, D] layout; ``config``: a jaxflash
   backend config to run instead of the backend's default (the tuner's candidates)."""
-  if impl in ("jaxflash_triton", "jaxflash_xla"):
+  if impl in ("jaxflash_mosaic", "jaxflash_triton", "jaxflash_xla"):
     backend = impl.removeprefix("jaxflash_")
     return lambda q, k, v: attention_with_config(q, k, v, is_causal=causal, config=config,
                                                  implementation=backend, interpret=interpret)

@@ -24,10 +24,13 @@ from jaxflash import backends
 from jaxflash import devices
 from jaxflash import dropout
 from jaxflash.attention import attention_with_config
-from jaxflash.backends import triton, xla
+from jaxflash.backends import mosaic, triton, xla
 from jaxflash.reference import reference_attention
 
-BACKENDS = backends.names()
+# The backends with every feature, which the shared numerical tests run on every option. The
+# "mosaic" backend (Hopper only, a subset of the options) has its own tests in test_mosaic.py.
+BACKENDS = ("triton", "xla")
+assert set(BACKENDS) <= set(backends.names())
 ON_GPU = devices.has_nvidia_gpu()
 
 # Tiles of 16 so that test sequences of ~50 cover several (and partial) blocks.
@@ -35,6 +38,9 @@ _SMALL_TILES = triton.Tiles(block_q=16, block_k=16, num_warps=4, num_stages=1)
 SMALL_CONFIGS = {
     "triton": triton.Config(forward=_SMALL_TILES, backward=_SMALL_TILES),
     "xla": xla.Config(block_q=16, block_k=16),
+    # The smallest Mosaic tiles (64-row wgmma); its gradients run the small Triton tiles.
+    "mosaic": mosaic.Config(block_kv=64, num_stages=2,
+                            triton=triton.Config(forward=_SMALL_TILES, backward=_SMALL_TILES)),
 }
 
 # Relative (norm-wise) tolerances. float32 on the GPU runs its dots in TF32 (~3e-4), so a float32

@@ -9,7 +9,7 @@ import jaxflash
 from jaxflash import backends
 from jaxflash import devices
 from jaxflash.attention import attention_with_config
-from jaxflash.backends import triton, xla
+from jaxflash.backends import mosaic, triton, xla
 from checks import ON_GPU, SMALL_CONFIGS, random_qkv, rel_err
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="checks what a CPU-only machine picks")
@@ -19,9 +19,10 @@ KV = jax.ShapeDtypeStruct((2, 16, 2, 32), jnp.float32)
 
 
 def test_registry_order_and_names():
-  assert backends.names() == ("triton", "xla")
+  assert backends.names() == ("mosaic", "triton", "xla")
   assert [b.name for b in backends.REGISTRY] == list(backends.names())
   assert backends.get("xla") is xla.BACKEND and backends.get("triton") is triton.BACKEND
+  assert backends.get("mosaic") is mosaic.BACKEND
 
 
 def test_none_picks_the_first_backend_that_supports_the_call():

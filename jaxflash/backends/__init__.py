@@ -2,7 +2,8 @@
 
 Each backend lives in its own folder (forward and backward side by side, plus its config) and
 is described by a `base.Backend`. `REGISTRY` lists them in order of preference: ``implementation=None``
-takes the first one that supports the call on the current device (`jaxflash.devices`), a
+takes the first one that supports the call on the current device (`jaxflash.devices`) and is
+`preferred` for it (the faster one by measurement), a
 sequence of names takes the first of those that does, and a single name must support it or the
 call fails with the reason. Adding a backend is a folder and one line in `REGISTRY`.
 """
@@ -13,11 +14,11 @@ from collections.abc import Sequence
 
 from jaxflash import devices
 from jaxflash._core import Inputs, Params
-from jaxflash.backends import triton, xla
+from jaxflash.backends import mosaic, triton, xla
 from jaxflash.backends.base import Backend, UnsupportedCallError
 
-# Preference order for implementation=None.
-REGISTRY: tuple[Backend, ...] = (triton.BACKEND, xla.BACKEND)
+# Preference order for implementation=None (which also asks each backend's `preferred`).
+REGISTRY: tuple[Backend, ...] = (mosaic.BACKEND, triton.BACKEND, xla.BACKEND)
 
 __all__ = ["Backend", "REGISTRY", "UnsupportedCallError", "get", "names", "select"]
 
@@ -65,9 +66,13 @@ def select(implementation, inputs: Inputs, params: Params, config=None) -> Backe
                        f"implementations {tuple(b.name for b in candidates)}")
     candidates = owners[:1]
   device = devices.current()
+  by_default = implementation is None and config is None
   reasons = []
   for backend in candidates:
     reason = backend.supports(inputs, params, device)
+    if reason is None and by_default and backend.preferred is not None:
+      if not backend.preferred(inputs, params, device):
+        reason = "not the faster backend for such calls on this device (by measurement)"
     if reason is None:
       return backend
     reasons.append(f"implementation={backend.name!r} cannot serve this call: {reason}")

@@ -39,6 +39,9 @@ class Backend:
       this call: ...".
     default_config: ``(inputs, params, device) -> Config``, the heuristic config for the call
       (tuned tables per device kind where there are any).
+    preferred: ``(inputs, params, device) -> bool``, whether ``implementation=None`` may pick
+      this backend for a call it supports (by measurement: a backend that is not yet the
+      faster one for such calls leaves them to the next). None: always.
   """
 
   name: str
@@ -46,6 +49,7 @@ class Backend:
   package: str
   supports: Callable[[Inputs, Params, Device], str | None]
   default_config: Callable[[Inputs, Params, Device], Any]
+  preferred: Callable[[Inputs, Params, Device], bool] | None = None
 
   def forward(self, inputs: Inputs, params: Params, config: Any) -> tuple[jax.Array, jax.Array]:
     return importlib.import_module(f"{self.package}.forward").forward(inputs, params, config)

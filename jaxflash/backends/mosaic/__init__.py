@@ -1,0 +1,66 @@
+"""Backend "mosaic": Pallas kernels lowered through Mosaic GPU, for Hopper GPUs (sm90).
+
+- `config.py`: tiles and pipeline depth (`Config`) and the rule that picks them;
+- `forward.py`: the warp-specialised forward (TMA producer, two ping-ponging wgmma consumers);
+- `backward.py`: the gradients, from the Triton kernels until the Mosaic backward exists.
+
+What the forward does not do yet (additive bias, boolean mask, segment ids, dropout, partial
+results, float32) is declared here, so ``implementation=None`` moves on to the next backend for
+such calls and ``implementation="mosaic"`` says why it cannot serve them.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxflash._core import Inputs, Params
+from jaxflash.backends.base import Backend
+from jaxflash.backends.mosaic.config import Config, default_config, faster_than_triton
+from jaxflash.devices import Device
+
+MAX_HEAD_DIM = 256
+
+# Device kinds with sm90 (wgmma and TMA), as jax names them.
+HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+
+__all__ = ["BACKEND", "Config", "MAX_HEAD_DIM", "default_config", "is_hopper"]
+
+
+def is_hopper(device: Device) -> bool:
+  return device.is_nvidia_gpu and any(name in device.kind for name in HOPPER_KINDS)
+
+
+def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
+  q = inputs.query
+  if not is_hopper(device):
+    return (f"it needs a Hopper GPU (sm90: H100, H200), and this call is for "
+            f"{device.kind or device.platform!r}")
+  if params.interpret:
+    return "its kernels have no interpret mode (wgmma and TMA run on the GPU only)"
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
+    return f"bfloat16 and float16 only, got {q.dtype}"
+  if q.shape[-1] > MAX_HEAD_DIM:
+    return f"head dims up to {MAX_HEAD_DIM} only, got query.shape[-1] = {q.shape[-1]}"
+  missing = [name for name, used in (
+      ("bias", inputs.bias is not None), ("mask", inputs.mask is not None),
+      ("segment ids", inputs.q_segment_ids is not None), ("dropout", params.dropout_rate > 0),
+      ("partial results", params.partial)) if used]
+  if missing:
+    return f"the forward does not support {', '.join(missing)} yet"
+  return None
+
+
+def _default_config(inputs: Inputs, params: Params, device: Device) -> Config:
+  q = inputs.query
+  return default_config(q.shape[-1], q.dtype, params.window.is_causal, q.shape[1], device.kind)
+
+
+def _preferred(inputs: Inputs, params: Params, device: Device) -> bool:
+  """Whether ``implementation=None`` takes this backend: only where the benchmark measured it
+  faster than the Triton one on this device kind (`config.FASTER_THAN_TRITON`)."""
+  q = inputs.query
+  return faster_than_triton(device.kind, q.shape[-1], params.window.is_causal)
+
+
+BACKEND = Backend(name="mosaic", Config=Config, package=__name__, supports=_supports,
+                  default_config=_default_config, preferred=_preferred)

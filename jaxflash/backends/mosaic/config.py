@@ -1,0 +1,73 @@
+"""Tiles and pipeline depth of the Mosaic GPU forward, and the rule that chooses them.
+
+A CTA runs two consumer warpgroups, each owning ``block_q`` query rows (so a CTA covers
+``2 * block_q`` rows), and one producer warpgroup that streams ``block_kv``-row tiles of K and V
+through a ring of ``num_stages`` shared-memory slots. Until the Mosaic backward exists, the
+gradients come from the Triton kernels, with the Triton config in ``triton``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxflash.backends.triton import config as triton_config
+
+# Shared memory a CTA may use on sm90 (227 KiB), less room for barriers and the LSE rows.
+SMEM_BUDGET = 227 * 1024 - 2048
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """Forward tiles of the Mosaic GPU kernel; ``triton`` serves the backward for now."""
+
+  block_q: int = 64  # rows per consumer warpgroup (a wgmma M is 64)
+  block_kv: int = 128
+  num_stages: int = 2  # K/V ring depth
+  triton: triton_config.Config = triton_config.Config()
+
+  def __post_init__(self):
+    if self.block_q != 64:
+      raise ValueError(f"block_q must be 64 (one wgmma M per warpgroup), got {self.block_q}")
+    if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+      raise ValueError(f"block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
+    if self.num_stages < 2:
+      raise ValueError(f"num_stages must be at least 2, got {self.num_stages}")
+
+
+def padded_head_dim(head_dim: int) -> int:
+  """Head dims are padded to a multiple of 64: one 128-byte swizzled row of 16-bit elements."""
+  return -(-head_dim // 64) * 64
+
+
+def smem_bytes(config: Config, head_dim: int) -> int:
+  """Shared memory of one CTA: two Q tiles (reused for O), the K and V rings, the LSE rows."""
+  hp = padded_head_dim(head_dim)
+  return 2 * (2 * config.block_q * hp + 2 * config.num_stages * config.block_kv * hp) + 8 * 64
+
+
+def fits(config: Config, head_dim: int) -> bool:
+  return smem_bytes(config, head_dim) <= SMEM_BUDGET
+
+
+def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: str) -> Config:
+  """The widest K/V tile whose ring fits in shared memory (not yet tuned by measurement)."""
+  backward = triton_config.default_config(head_dim, dtype, causal, q_len, device_kind)
+  for block_kv, stages in ((128, 2), (64, 2)):
+    config = Config(block_kv=block_kv, num_stages=stages, triton=backward)
+    if fits(config, head_dim):
+      return config
+  raise ValueError(f"no Mosaic GPU tiles fit head dim {head_dim}")
+
+
+# Device kinds and head dims where the Mosaic forward measured faster than the Triton one
+# (benchmarks/bench.py, same run): ``implementation=None`` picks it only there. Empty until the
+# kernel has been timed on a GPU; `jaxflash.backends` then falls through to Triton.
+FASTER_THAN_TRITON: dict[str, tuple[int, ...]] = {}
+
+
+def faster_than_triton(device_kind: str, head_dim: int, causal: bool) -> bool:
+  del causal  # not distinguished until a measurement says it matters
+  for kind, head_dims in FASTER_THAN_TRITON.items():
+    if kind in device_kind and padded_head_dim(head_dim) in head_dims:
+      return True
+  return False

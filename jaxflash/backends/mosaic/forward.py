@@ -1,0 +1,242 @@
+"""The Mosaic GPU forward for Hopper (sm90): O and the base-2 LSE, laid out as FlashAttention-3.
+
+Grid (N, query tiles, B). A CTA is three warpgroups:
+
+- ``wg`` 0 and 1 are consumers. Each owns ``block_q`` query rows (one TMA copy into shared
+  memory) and, per key block, computes S = Q Kᵀ with wgmma from shared memory, runs the online
+  softmax in registers (base 2, the scale folded into one multiply), and accumulates O += P V
+  with wgmma taking P from registers.
+- ``wg`` 2 is the producer. It streams K and V tiles by TMA into a ring of ``num_stages`` slots
+  and refills a slot once both consumers have arrived on its "free" barrier.
+
+Ping-pong: the consumers meet at a schedule barrier twice per key block, offset by half a
+block (consumer 1 meets once before its loop, consumer 0 once after), so that one consumer's
+softmax runs while the other's matmuls occupy the tensor cores.
+
+Both consumers walk the key blocks of the CTA's ``2 * block_q`` rows, as named by the shared
+`jaxflash.schedule.Schedule`: blocks every row sees in full skip the element mask, the others
+apply `jaxflash.masking.visible` per entry. Out-of-range rows and columns of edge tiles are
+zero-filled by TMA on the way in, masked by the key length, and clipped by TMA on the way out.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxflash import _core
+from jaxflash import masking
+from jaxflash._core import Inputs, Params
+from jaxflash.backends.mosaic.config import Config, padded_head_dim
+from jaxflash.masking import Positions
+from jaxflash.schedule import Schedule
+
+_CONSUMERS = 2
+_ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma accumulator
+
+
+def _smem_tile(shape, dtype):
+  """A shared-memory tile that TMA and wgmma both read: 8x64 tiles in 128-byte swizzled rows."""
+  transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def _logits_base2(s, params: Params):
+  """Raw ``q @ k.T`` -> base-2 logits (`jaxflash._core.logits_base2` without a bias)."""
+  if params.logits_soft_cap is None:
+    return s * (params.scale * _core.LOG2_E)
+  cap = params.logits_soft_cap
+  return jnp.tanh(s * (params.scale / cap)) * (cap * _core.LOG2_E)
+
+
+def _rows(x, shape):
+  """A per-row vector broadcast over the columns of a tile."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, out_ref, lse_ref, q_smems, k_smem,
+            v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free, turn, *,
+            params: Params, config: Config, schedule: Schedule, groups: int):
+  block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
+  head_dim = q_smems.shape[-1]
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  cta_start = lax.axis_index("q_tiles") * (_CONSUMERS * block_q)
+  if offsets_ref is None:
+    pos = Positions(lengths_ref[batch, 0], lengths_ref[batch, 1])
+  else:
+    pos = Positions(lengths_ref[batch, 0], lengths_ref[batch, 1], offsets_ref[batch, 0],
+                    offsets_ref[batch, 1])
+  # The key blocks of the CTA's rows; both consumers and the producer walk exactly these.
+  lo, _, _, hi = schedule.kv_blocks(cta_start, pos)
+
+  def slot_of(j):
+    return lax.rem(j - lo, stages)
+
+  def meet():  # the ping-pong rendezvous of the two consumers
+    plgpu.barrier_arrive(turn)
+    plgpu.barrier_wait(turn)
+
+  @pl.when(wg < _CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    q_smem = q_smems.at[wg]
+    q_start = cta_start + wg * block_q
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem,
+                            q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[wg])
+
+    @pl.when(hi > lo)
+    def _():
+      plgpu.barrier_wait(k_ready.at[0])
+
+    pl.when(wg == 1)(meet)
+
+    def step(j, carry, masked: bool):
+      acc, m, l = carry
+      slot = slot_of(j)
+
+      def qk(s_ref):
+        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+        meet()
+        return s_ref[...]
+
+      s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      s2 = _logits_base2(s, params)
+      if masked:
+        def iota(dim):
+          return plgpu.broadcasted_iota(jnp.int32, s2.shape, dim, layout=plgpu.Layout.WGMMA)
+        ok = masking.visible(q_start + iota(0), j * block_kv + iota(1), schedule.window,
+                             diagonal=pos.diagonal, kv_len=pos.kv_len)
+        s2 = jnp.where(ok, s2, -jnp.inf)
+      # Online softmax. A row that has seen no visible key keeps m = -inf and is shifted by 0
+      # instead, so that exp2 stays finite and the row stays at l = 0, acc = 0. NaN logits make
+      # m, l and acc NaN: the row comes out NaN, as in jax.nn.
+      m_new = jnp.maximum(m, s2.max(axis=1))
+      m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+      alpha = jnp.exp2(m - m_shift)
+      p = jnp.exp2(s2 - _rows(m_shift, s2.shape))
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * _rows(alpha, acc.shape)
+      p16 = p.astype(q_smem.dtype)
+      acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+      plgpu.barrier_arrive(turn)  # softmax done: the other consumer may issue its matmuls
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_wait(turn)  # the tensor cores are ours again
+
+      # Computed outside `pv`: run_state must not close over constants (lo may be a literal 0).
+      next_slot, has_next = slot_of(j + 1), j + 1 < hi
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+        @pl.when(has_next)  # wait for the next K tile while the matmul runs
+        def _():
+          plgpu.barrier_wait(k_ready.at[next_slot])
+
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
+
+    init = (plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _ROWS),
+            plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROWS))
+    acc, m, l = schedule.visit_kv(cta_start, pos, step, init)
+    pl.when(wg == 0)(meet)
+
+    # A row is empty when it saw no visible key (l == 0) or lies past q_len (full blocks skip
+    # the element mask, so padding rows accumulate there); it gives zeros and an LSE of +inf.
+    # NaN != 0, so a NaN row stays NaN.
+    rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_ROWS)
+    seen = jnp.logical_and(rows < pos.q_len, l != 0.0)
+    l_safe = jnp.where(seen, l, 1.0)
+    out = jnp.where(_rows(seen, acc.shape), acc * _rows(1.0 / l_safe, acc.shape), 0.0)
+    q_smem[...] = out.astype(q_smem.dtype)
+    lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, block_q)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    kv_head = lax.div(head, jnp.asarray(groups, head.dtype))
+
+    def load(j, slot):
+      keys = pl.ds(j * block_kv, block_kv)
+      plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
+
+    for i in range(stages):  # fill the ring
+      pl.when(lo + i < hi)(functools.partial(load, lo + i, i))
+
+    @pl.loop(lo + stages, hi)
+    def _(j):
+      slot = slot_of(j)
+      keys = pl.ds(j * block_kv, block_kv)
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
+
+
+def _pad(x, length: int, hp: int):
+  """``x`` [B, L, heads, H] zero-padded to ``length`` rows and ``hp`` columns (no copy when it
+  already has them). Padding keys are masked by the key length; padding rows are sliced off."""
+  _, rows, _, h = x.shape
+  if (rows, h) == (length, hp):
+    return x
+  return jnp.pad(x, [(0, 0), (0, length - rows), (0, 0), (0, hp - h)])
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def forward(inputs: Inputs, params: Params, config: Config):
+  """``(out [B, T, N, H], lse2 [B, N, T])`` (see `jaxflash._core`)."""
+  q, k, v = inputs.query, inputs.key, inputs.value
+  b, t, n, h = q.shape
+  groups = n // k.shape[2]
+  hp = padded_head_dim(h)
+  # TMA copies swizzled 8x64 tiles, so sequence lengths must be multiples of 8 in memory.
+  q = _pad(q, _round_up(t, 8), hp)
+  k, v = (_pad(x, _round_up(k.shape[1], 8), hp) for x in (k, v))
+  rows_per_cta = _CONSUMERS * config.block_q
+  q_tiles = pl.cdiv(t, rows_per_cta)
+  schedule = Schedule(params.window, rows_per_cta, config.block_kv)
+  stages = config.num_stages
+  scratch = (
+      _smem_tile((_CONSUMERS, config.block_q, hp), q.dtype),  # Q, then O on the way out
+      _smem_tile((stages, config.block_kv, hp), k.dtype),
+      _smem_tile((stages, config.block_kv, hp), v.dtype),
+      plgpu.SMEM((_CONSUMERS, config.block_q), jnp.float32),  # LSE rows on the way out
+      plgpu.Barrier(num_barriers=_CONSUMERS),  # q_ready
+      plgpu.Barrier(num_barriers=stages),  # k_ready
+      plgpu.Barrier(num_barriers=stages),  # v_ready
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # k_free
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # v_free
+      plgpu.Barrier(num_arrivals=_CONSUMERS),  # turn (ping-pong)
+  )
+  kernel = functools.partial(_kernel, params=params, config=config, schedule=schedule,
+                             groups=groups)
+  # The LSE rows are written a whole tile at a time, so its buffer is padded to whole tiles.
+  out, lse2 = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, n, q_tiles * rows_per_cta), jnp.float32)),
+      scratch_types=scratch,
+      grid=(n, q_tiles, b),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v, inputs.lengths, inputs.offsets)
+  return out[:, :t, :, :h], lse2[..., :t]

@@ -1,0 +1,205 @@
+"""The "mosaic" backend: the Mosaic GPU forward for Hopper, with the Triton backward.
+
+- On any machine: which calls it serves (and why not the others), that ``implementation=None``
+  takes it only where it measured faster, and that every kernel variant lowers for CUDA (Mosaic
+  GPU lowers on a CPU-only machine with the CUDA plugin installed, as CI does; without the
+  plugin these tests skip, unless ``JAXFLASH_REQUIRE_CUDA_LOWERING=1`` makes that a failure).
+- On a Hopper GPU (``gpu`` tests): forward, LSE and gradients (through the Triton backward)
+  against the float32 reference over options, odd shapes and head dims; NaN rows; determinism.
+"""
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import backends
+from jaxflash.attention import attention_with_config
+from jaxflash.backends import mosaic
+from checks import H100, ON_GPU, OPTIONS, SMALL_CONFIGS, check, random_qkv
+
+BF16 = jnp.bfloat16
+Q = jax.ShapeDtypeStruct((2, 300, 8, 128), BF16)
+KV = jax.ShapeDtypeStruct((2, 1000, 2, 128), BF16)
+
+# The options the Mosaic forward runs in its kernel; the rest fall back (see its __init__).
+SUPPORTED = ("none", "causal", "window_pair", "causal_window", "lengths", "soft_cap", "scale",
+             "scale_negative")
+DECLINED = {"bias_full": "bias", "mask_full": "mask", "segments_pair": "segment ids",
+            "dropout": "dropout"}
+
+
+def _on_h100(fn):
+  with jax.sharding.use_abstract_mesh(H100):
+    return fn()
+
+
+# --------------------------------------------------------------------------------------------
+# Selection (any machine).
+
+@pytest.mark.skipif(ON_GPU, reason="checks what a CPU-only machine picks")
+def test_declines_without_a_hopper_gpu():
+  with pytest.raises(backends.UnsupportedCallError, match="mosaic.*needs a Hopper GPU"):
+    jaxflash.implementation_for(Q, KV, KV, implementation="mosaic")
+  a100 = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+      device_kind="NVIDIA A100-SXM4-80GB", platform="gpu", num_cores=108))
+  with jax.sharding.use_abstract_mesh(a100):
+    with pytest.raises(backends.UnsupportedCallError, match="Hopper.*A100"):
+      jaxflash.implementation_for(Q, KV, KV, implementation="mosaic")
+    assert jaxflash.implementation_for(Q, KV, KV) == "triton"
+
+
+@pytest.mark.parametrize("option,feature", sorted(DECLINED.items()))
+def test_declined_options_name_the_feature_and_fall_back(option, feature):
+  b, t, s, n = 2, 300, 1000, 8
+  opts = OPTIONS[option](b, t, s, n, 0)
+  bias, mask = opts.pop("bias", None), opts.pop("mask", None)
+  ask = lambda implementation: jaxflash.implementation_for(  # noqa: E731
+      Q, KV, KV, bias, mask, implementation=implementation, **opts)
+  with pytest.raises(backends.UnsupportedCallError, match=f"does not support {feature}"):
+    _on_h100(lambda: ask("mosaic"))
+  assert _on_h100(lambda: ask(("mosaic", "triton"))) == "triton"
+
+
+def test_float32_and_wide_heads_are_declined():
+  f32 = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.float32)
+  with pytest.raises(backends.UnsupportedCallError, match="bfloat16 and float16 only"):
+    _on_h100(lambda: jaxflash.implementation_for(f32, f32, f32, implementation="mosaic"))
+  wide = jax.ShapeDtypeStruct((1, 64, 2, 320), BF16)
+  with pytest.raises(backends.UnsupportedCallError, match="head dims up to 256"):
+    _on_h100(lambda: jaxflash.implementation_for(wide, wide, wide, implementation="mosaic"))
+
+
+def test_none_takes_it_only_where_it_measured_faster(monkeypatch):
+  """Registered first, but `preferred` consults the measured table: empty, Triton serves."""
+  assert backends.names()[0] == "mosaic"
+  assert _on_h100(lambda: jaxflash.implementation_for(Q, KV, KV)) == "triton"
+  assert _on_h100(lambda: jaxflash.implementation_for(Q, KV, KV, implementation="mosaic")) \
+      == "mosaic"
+  monkeypatch.setitem(mosaic.config.FASTER_THAN_TRITON, "H100", (128,))
+  assert _on_h100(lambda: jaxflash.implementation_for(Q, KV, KV)) == "mosaic"
+  small = jax.ShapeDtypeStruct((2, 300, 8, 64), BF16)
+  assert _on_h100(lambda: jaxflash.implementation_for(small, small, small)) == "triton"
+
+
+def test_configs_are_checked():
+  with pytest.raises(ValueError, match="block_kv"):
+    mosaic.Config(block_kv=96)
+  with pytest.raises(ValueError, match="num_stages"):
+    mosaic.Config(num_stages=1)
+  for h in (40, 64, 96, 128, 192, 256):
+    config = mosaic.default_config(h, BF16, False, 4096, "NVIDIA H200")
+    assert mosaic.config.fits(config, h), (h, config)
+
+
+# --------------------------------------------------------------------------------------------
+# Lowering for CUDA on any machine.
+
+_HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+needs_cuda_plugin = pytest.mark.skipif(
+    not _HAS_CUDA_PLUGIN and os.environ.get("JAXFLASH_REQUIRE_CUDA_LOWERING") != "1",
+    reason="lowering Mosaic GPU kernels needs jax-cuda13-plugin (CI installs it)")
+
+
+def _lower(fn, *args) -> str:
+  with jax.sharding.use_abstract_mesh(H100):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _forward(config=None, **options):
+  def fn(q, k, v):
+    return attention_with_config(q, k, v, implementation="mosaic", config=config, **options)
+  return fn
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("dtype", [BF16, jnp.float16])
+@pytest.mark.parametrize("h", [40, 64, 80, 96, 128, 192, 256])
+def test_head_dims_and_dtypes_lower(h, dtype):
+  q = jax.ShapeDtypeStruct((2, 300, 8, h), dtype)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, h), dtype)
+  assert "mosaic_gpu" in _lower(_forward(is_causal=True), q, kv, kv)
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("option", SUPPORTED)
+@pytest.mark.parametrize("t,s", [(1, 1), (5, 77), (4096, 4096)])
+def test_every_supported_option_lowers(option, t, s):
+  b, n, k, h = 2, 6, 3, 128
+  q = jax.ShapeDtypeStruct((b, t, n, h), BF16)
+  kv = jax.ShapeDtypeStruct((b, s, k, h), BF16)
+  assert "mosaic_gpu" in _lower(_forward(**OPTIONS[option](b, t, s, n, 0)), q, kv, kv)
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("block_kv,stages", [(64, 2), (128, 3), (256, 2)])
+def test_tile_variants_lower(block_kv, stages):
+  q = jax.ShapeDtypeStruct((1, 1000, 4, 64), BF16)
+  config = mosaic.Config(block_kv=block_kv, num_stages=stages)
+  assert "mosaic_gpu" in _lower(_forward(config, is_causal=True), q, q, q)
+
+
+@needs_cuda_plugin
+def test_gradients_lower_with_the_triton_backward():
+  def fn(q, k, v):
+    return jax.grad(lambda q, k, v: jnp.sum(_forward(is_causal=True)(q, k, v).astype(
+        jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+  text = _lower(fn, Q, KV, KV)
+  assert "mosaic_gpu" in text and "jaxflash_backward_dq" in text
+  assert "jaxflash_backward_dkv" in text and "jaxflash_forward" not in text
+
+
+@needs_cuda_plugin
+def test_lowering_check_can_fail(monkeypatch):
+  """The check is real: tiles that break the TMA's 8-row rule must be refused by the lowering."""
+  from jaxflash.backends.mosaic import forward
+  monkeypatch.setattr(forward, "_round_up", lambda x, multiple: x)
+  q = jax.ShapeDtypeStruct((1, 300, 2, 64), BF16)
+  with pytest.raises(Exception, match="multiple of its tiling"):
+    _lower(_forward(), q, q, q)
+
+
+# --------------------------------------------------------------------------------------------
+# Numerics on a Hopper GPU.
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("option", SUPPORTED)
+def test_option_on_gpu(option):
+  check("mosaic", b=2, t=200, s=333, n=4, k=2, h=128, dtype=BF16, **OPTIONS[option])
+
+
+@gpu
+@pytest.mark.parametrize("t,s,n,k", [(1, 1, 1, 1), (1, 70, 4, 1), (70, 1, 3, 3), (129, 129, 8, 2),
+                                     (31, 1000, 6, 3), (1000, 31, 2, 1)])
+def test_odd_shapes_on_gpu(t, s, n, k):
+  check("mosaic", b=2, t=t, s=s, n=n, k=k, h=64, dtype=BF16, is_causal=(t == s))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [BF16, jnp.float16])
+@pytest.mark.parametrize("h", [40, 64, 80, 96, 128, 192, 256])
+def test_head_dims_on_gpu(h, dtype):
+  check("mosaic", b=1, t=300, s=517, n=4, k=2, h=h, dtype=dtype, is_causal=True, small=False)
+
+
+@gpu
+def test_nan_rows_and_determinism_on_gpu():
+  """A NaN query entry makes its row NaN and nothing else; a NaN key the rows that see it. The
+  forward is bitwise deterministic."""
+  q, k, v, _ = random_qkv(11, 2, 300, 517, 8, 2, 128, BF16)
+  run = jax.jit(lambda q, k, v, **kw: attention_with_config(q, k, v, implementation="mosaic",
+                                                            **kw), static_argnames="is_causal")
+  out = np.asarray(run(q.at[0, 7, 3, 0].set(jnp.nan), k, v), np.float32)
+  assert np.isnan(out[0, 7, 3]).all() and np.isfinite(np.delete(out[0], 7, axis=0)).all()
+  out = np.asarray(run(q, k.at[1, 100, 0, 5].set(jnp.nan), v, is_causal=True), np.float32)
+  assert np.isfinite(out[1, :100]).all() and np.isnan(out[1, 100:, :4]).all()
+  assert np.isfinite(out[1, 100:, 4:]).all()
+  first, second = run(q, k, v), run(q, k, v)
+  np.testing.assert_array_equal(np.asarray(first, np.float32), np.asarray(second, np.float32))
