@@ -18,7 +18,7 @@ from jaxflash import backends
 from jaxflash import devices
 from jaxflash.ops import flash
 
-Implementation = Literal["triton", "xla"]
+Implementation = Literal["mosaic", "triton", "xla"]
 
 
 def flash_attention(
@@ -85,10 +85,12 @@ def flash_attention(
       ``broadcast_dropout=True``); by default every batch row and head has its own.
     return_residual: also return the logsumexp of the logits, [B, T, N] in the query's dtype as
       jax.nn returns it (natural log, ``-inf`` for rows that see no key; computed in float32).
-    implementation: ``"triton"`` (Pallas kernels lowered through Triton, NVIDIA GPUs),
-      ``"xla"`` (blockwise pure JAX, any device), a sequence of those in order of preference, or
-      ``None``: the first registered backend that supports the call on this device (Triton on
-      an NVIDIA GPU when the head dim allows it, XLA elsewhere; see `jaxflash.backends`).
+    implementation: ``"mosaic"`` (a Pallas Mosaic GPU forward for Hopper GPUs, with the
+      Triton backward; experimental, a subset of the options), ``"triton"`` (Pallas kernels
+      lowered through Triton, NVIDIA GPUs), ``"xla"`` (blockwise pure JAX, any device), a
+      sequence of those in order of preference, or ``None``: the first registered backend that
+      supports the call on this device and is the faster one there by measurement (Triton on an
+      NVIDIA GPU when the head dim allows it, XLA elsewhere; see `jaxflash.backends`).
     interpret: run the Pallas kernels in interpret mode (works on a CPU; for testing).
 
   Returns:

@@ -12,6 +12,11 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_backend_optimization_level=0").strip()
 
+# With the CUDA plugin installed for lowering (CI) but no GPU, JAX would try CUDA first and
+# print its failure; the CPU is the only platform here.
+if shutil.which("nvidia-smi") is None:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import pytest  # noqa: E402
 
 from jaxflash import devices  # noqa: E402
