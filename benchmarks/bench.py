@@ -30,13 +30,13 @@ jax.experimental.pallas.ops.gpu.attention.mha with its defaults; not applicable 
 skipped there; it does not fit at D = 256 and those rows record the error). Without a GPU the
 default is the first three, with the Triton kernels in interpret mode.
 
-Method: every (case, implementation, mode) is compiled once (jit, lower, compile). That
-executable gives XLA's compiled temp bytes, is checked against a float32 reference (jax.nn xla at
-highest matmul precision, computed once per case) on batch row 0 and query heads 0-1: the output
-for "fwd", dQ for "fwdbwd"; a relative error over 2e-2 flags the row as wrong. Then it is timed:
-two warm-up calls, then 5 repeats of 20 back-to-back calls ended by block_until_ready, the median
-per call. When the last warm-up call takes over 50 ms a repeat has fewer calls (about 1 s worth, at
-least 1); the row records the calls per repeat. Inputs are random normal. "fwdbwd" times
+Method: every (case, implementation, mode) is compiled once (jit, lower, compile). That executable
+gives XLA's compiled temp bytes, is checked against a float32 reference (jax.nn xla at highest
+matmul precision, computed once per case) on the first and last batch row and query head: the
+output for "fwd", dQ for "fwdbwd"; a relative error over 2e-2 flags the row as wrong. Then it is
+timed: two warm-up calls, then 5 repeats of 20 back-to-back calls ended by block_until_ready, the
+median per call. When the last warm-up call takes over 50 ms a repeat has fewer calls (about 1 s
+worth, at least 1); the row records the calls per repeat. Inputs are random normal. "fwdbwd" times
 jax.grad of sum(out.astype(f32) * dO) w.r.t. q, k, v (forward included). FLOPs: forward
 4*B*N*S^2*D with N the query heads, halved when causal; forward+backward 3.5x forward.
 
@@ -62,15 +62,16 @@ from jaxflash import devices
 
 import report
 import tune as tuner
-from cases import (DTYPES, Case, build_cases, check_slices, compile_mode, flops, make_inputs,
+from cases import (DTYPES, Case, build_cases, check_slices, compile_mode, flops, make_inputs, take,
                    reference, relerr, skip_reason, time_calls)
 from report import FLOP_CONVENTION, HIDDEN, IMPLS, TOKENS, TOLERANCE, Progress, row_key
 
 # What runs without an NVIDIA GPU (the Triton kernels in interpret mode).
 CPU_IMPLS = ("jaxflash_triton", "jaxflash_xla", "xla")
 MODES = ("fwd", "fwdbwd")
-METHOD = ("compiled once per (case, impl, mode); output and dQ of batch row 0, query heads 0-1 "
-          "checked against float32 jax.nn xla at highest precision; {warmups} warm-up call(s), "
+METHOD = ("compiled once per (case, impl, mode); output and dQ of batch rows 0 and B-1, query "
+          "heads 0 and N-1 checked against float32 jax.nn xla at highest precision; "
+          "{warmups} warm-up call(s), "
           "then {repeats} repeats of up to {calls} back-to-back calls ended by "
           "block_until_ready (fewer when a warm-up call takes > {slow_ms:g} ms: about "
           "{budget_ms:g} ms per repeat), median ms per call; random normal inputs; fwdbwd = "
@@ -101,9 +102,9 @@ def run_impl(impl: str, case: Case, inputs, ref, *, interpret: bool, timing: dic
       row["temp_bytes"] = executable.memory_analysis().temp_size_in_bytes
       result = executable(*args)
       if mode == "fwd":
-        row["relerr"] = err = relerr(np.asarray(result)[q_sl], ref[0])
+        row["relerr"] = err = relerr(take(result, q_sl), ref[0])
       else:
-        row["relerr_dq"] = err = relerr(np.asarray(result[0])[q_sl], ref[1])
+        row["relerr_dq"] = err = relerr(take(result[0], q_sl), ref[1])
       row["wrong"] = not err < TOLERANCE  # NaN counts as wrong
       del result
       row["ms"], row["calls"] = time_calls(executable, args, **timing)

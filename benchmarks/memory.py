@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     rows += worker_rows
     done.append(impl)
     if cfg["impls"] is None and env and env["platform"] != "gpu":
-      todo = [i for i in todo if i in bench.CPU_IMPLS]  # the default list, less GPU-only ones
+      # The default list, less the GPU-only ones not yet run.
+      todo = done + [i for i in todo[len(done):] if i in bench.CPU_IMPLS]
   env = env or dict(device="unknown", platform=None, jax=jax.__version__,
                     date=datetime.date.today().isoformat())
   env = dict(env, mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION),

@@ -18,8 +18,9 @@ import jax
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FLOOR = Path(__file__).resolve().parent / "floors" / "issue5.json"
-IMPLS = ("jaxflash_mosaic", "jaxflash_triton", "jaxflash_xla", "xla", "cudnn",
-         "pallas_mha")
+# jaxflash_triton first: memory.py learns the platform from the first worker, which must run
+# everywhere.
+IMPLS = ("jaxflash_triton", "jaxflash_mosaic", "jaxflash_xla", "xla", "cudnn", "pallas_mha")
 TOKENS, HIDDEN = 16384, 2048
 TOLERANCE = 2e-2
 FLOP_CONVENTION = "fwd 4*B*N*S^2*D (x0.5 causal); fwdbwd 3.5x fwd; N = query heads"
