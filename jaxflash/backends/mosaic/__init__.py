@@ -32,11 +32,10 @@ def is_hopper(device: Device) -> bool:
 
 def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
   q = inputs.query
-  if not is_hopper(device):
+  if not (is_hopper(device) or params.interpret):
     return (f"it needs a Hopper GPU (sm90: H100, H200), and this call is for "
-            f"{device.kind or device.platform!r}")
-  if params.interpret:
-    return "its kernels have no interpret mode (wgmma and TMA run on the GPU only)"
+            f"{device.kind or device.platform!r}; pass interpret=True to run its kernel in "
+            f"Mosaic GPU's interpreter")
   if q.dtype not in (jnp.bfloat16, jnp.float16):
     return f"bfloat16 and float16 only, got {q.dtype}"
   if q.shape[-1] > MAX_HEAD_DIM:
