@@ -29,10 +29,10 @@ Q = jax.ShapeDtypeStruct((2, 300, 8, 128), BF16)
 KV = jax.ShapeDtypeStruct((2, 1000, 2, 128), BF16)
 
 # The options the Mosaic forward runs in its kernel; the rest fall back (see its __init__).
-SUPPORTED = ("none", "causal", "window_pair", "causal_window", "lengths", "soft_cap", "scale",
-             "scale_negative", "scale_zero")
-DECLINED = {"bias_full": "bias", "mask_full": "mask", "segments_pair": "segment ids",
-            "dropout": "dropout"}
+SUPPORTED = ("none", "causal", "window_pair", "causal_window", "lengths", "segments_pair",
+             "mask_full", "mask_keys", "bias_full", "soft_cap", "scale", "scale_negative",
+             "scale_zero")
+DECLINED = {"dropout": "dropout", "dropout_broadcast": "dropout"}
 
 
 def _on_h100(fn):
@@ -137,7 +137,19 @@ def test_every_supported_option_lowers(option, t, s):
   b, n, k, h = 2, 6, 3, 128
   q = jax.ShapeDtypeStruct((b, t, n, h), BF16)
   kv = jax.ShapeDtypeStruct((b, s, k, h), BF16)
-  assert "mosaic_gpu" in _lower(_forward(**OPTIONS[option](b, t, s, n, 0)), q, kv, kv)
+  # A T x S mask or bias is passed as an abstract argument (made small to learn its broadcast
+  # shape): a concrete one would be baked into the program as a constant of up to 200 MB.
+  small = OPTIONS[option](b, 8, 8, n, 0)
+  dense = [name for name in ("mask", "bias") if name in small]
+  options = OPTIONS[option](b, t, s, n, 0) if not dense else {}
+  assert not dense or set(small) == set(dense), "an option with a dense array and more"
+  abstract = [jax.ShapeDtypeStruct(small[name].shape[:2] + (t, s), small[name].dtype)
+              for name in dense]
+
+  def fn(q, k, v, *arrays):
+    return _forward(**options, **dict(zip(dense, arrays)))(q, k, v)
+
+  assert "mosaic_gpu" in _lower(fn, q, kv, kv, *abstract)
 
 
 @needs_cuda_plugin
@@ -221,6 +233,14 @@ def test_option(option):
   """Forward, LSE and gradients (the Triton backward on the Mosaic forward's O and LSE)."""
   b, t, s, n, k, h = OPTION_SHAPE
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, **OPTIONS[option](b, t, s, n, 0))
+
+
+def test_every_supported_option_at_once():
+  """Causal, window, soft cap, scale, mask, bias (and its gradient), segments and lengths."""
+  b, t, s, n, k, h = OPTION_SHAPE
+  options = OPTIONS["everything"](b, t, s, n, 0)
+  del options["dropout_rate"], options["dropout_rng"]
+  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, **options)
 
 
 @pytest.mark.parametrize("t,s,n,k", [(1, 1, 1, 1), (1, 70, 4, 1), (70, 1, 3, 3), (129, 129, 8, 2),

@@ -22,6 +22,7 @@ zero-filled by TMA on the way in, masked by the key length, and clipped by TMA o
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,7 @@ from jaxflash.schedule import Schedule
 
 _CONSUMERS = 2
 _ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma accumulator
+_COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
 def _smem_tile(shape, dtype):
@@ -46,12 +48,18 @@ def _smem_tile(shape, dtype):
   return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
-def _logits_base2(s, params: Params):
-  """Raw ``q @ k.T`` -> base-2 logits (`jaxflash._core.logits_base2` without a bias)."""
-  if params.logits_soft_cap is None:
-    return s * (params.scale * _core.LOG2_E)
-  cap = params.logits_soft_cap
-  return jnp.tanh(s * (params.scale / cap)) * (cap * _core.LOG2_E)
+def _logits_base2(s, params: Params, bias=None):
+  """Raw ``q @ k.T`` -> base-2 logits, as `jaxflash._core.logits_base2` defines them."""
+  if bias is None:
+    if params.logits_soft_cap is None:
+      return s * (params.scale * _core.LOG2_E)
+    cap = params.logits_soft_cap
+    return jnp.tanh(s * (params.scale / cap)) * (cap * _core.LOG2_E)
+  z = s * params.scale
+  if params.logits_soft_cap is not None:
+    cap = params.logits_soft_cap
+    z = jnp.tanh(z * (1.0 / cap)) * cap
+  return (z + bias.astype(jnp.float32)) * _core.LOG2_E
 
 
 def _rows(x, shape):
@@ -59,8 +67,26 @@ def _rows(x, shape):
   return lax.broadcast_in_dim(x, shape, [0])
 
 
-def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, out_ref, lse_ref, q_smems, k_smem,
-            v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free, turn, *,
+class _Extras(NamedTuple):
+  """Optional per-entry inputs, padded to whole tiles (None when the call has none); the
+  consumers read their tiles straight from global memory in the wgmma layout."""
+
+  q_segment_ids: jax.Array | None = None  # int32 [B, rows of all CTAs]
+  kv_segment_ids: jax.Array | None = None  # int32 [B, keys of all blocks]
+  mask: jax.Array | None = None  # int8 [B or 1, N or 1, rows, keys]
+  bias: jax.Array | None = None  # [B or 1, N or 1, rows, keys], the caller's float dtype
+
+
+def _entry_tile(ref, batch, head, rows, keys):
+  """The [rows, keys] tile of a [B or 1, N or 1, T, S] mask or bias, in the wgmma layout."""
+  b = batch if ref.shape[0] > 1 else 0
+  h = head if ref.shape[1] > 1 else 0
+  # Not "optimized": straight from global memory, whose rows need not suit vectorised loads.
+  return plgpu.load(ref.at[b, h, rows, keys], layout=plgpu.Layout.WGMMA, optimized=False)
+
+
+def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref, lse_ref,
+            q_smems, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free, turn, *,
             params: Params, config: Config, schedule: Schedule, groups: int):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
   head_dim = q_smems.shape[-1]
@@ -97,6 +123,24 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, out_ref, lse_ref, q_s
 
     pl.when(wg == 1)(meet)
 
+    def visible(j, rows, keys, shape):
+      """The element mask of key block ``j``: band, key length, segments, dense mask."""
+      def iota(dim):
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+      q_segment = kv_segment = dense = None
+      if extras.q_segment_ids is not None:
+        q_ids = plgpu.load(extras.q_segment_ids.at[batch, rows], layout=_ROWS,
+                           optimized=False)
+        kv_ids = plgpu.load(extras.kv_segment_ids.at[batch, keys], layout=_COLS,
+                            optimized=False)
+        q_segment, kv_segment = _rows(q_ids, shape), lax.broadcast_in_dim(kv_ids, shape, [1])
+      if extras.mask is not None:
+        dense = _entry_tile(extras.mask, batch, head, rows, keys) != 0
+      return masking.visible(q_start + iota(0), j * block_kv + iota(1), schedule.window,
+                             diagonal=pos.diagonal, kv_len=pos.kv_len, q_segment=q_segment,
+                             kv_segment=kv_segment, dense_mask=dense)
+
     def step(j, carry, masked: bool):
       acc, m, l = carry
       slot = slot_of(j)
@@ -108,18 +152,19 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, out_ref, lse_ref, q_s
 
       s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
-      s2 = _logits_base2(s, params)
+      rows, keys = pl.ds(q_start, block_q), pl.ds(j * block_kv, block_kv)
+      bias = None
+      if extras.bias is not None:
+        bias = _entry_tile(extras.bias, batch, head, rows, keys)
+      s2 = _logits_base2(s, params, bias)
       if masked:
-        def iota(dim):
-          return plgpu.broadcasted_iota(jnp.int32, s2.shape, dim, layout=plgpu.Layout.WGMMA)
-        ok = masking.visible(q_start + iota(0), j * block_kv + iota(1), schedule.window,
-                             diagonal=pos.diagonal, kv_len=pos.kv_len)
-        s2 = jnp.where(ok, s2, -jnp.inf)
+        s2 = jnp.where(visible(j, rows, keys, s2.shape), s2, -jnp.inf)
       # Online softmax. A row that has seen no visible key keeps m = -inf and is shifted by 0
       # instead, so that exp2 stays finite and the row stays at l = 0, acc = 0. NaN logits make
-      # m, l and acc NaN: the row comes out NaN, as in jax.nn.
+      # m, l and acc NaN: the row comes out NaN, as in jax.nn. (A bias may be -inf anywhere.)
       m_new = jnp.maximum(m, s2.max(axis=1))
-      m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+      finite = not masked and bias is None
+      m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m - m_shift)
       p = jnp.exp2(s2 - _rows(m_shift, s2.shape))
       l = l * alpha + p.sum(axis=1)
@@ -216,6 +261,29 @@ def _round_up(x: int, multiple: int) -> int:
   return -(-x // multiple) * multiple
 
 
+def _pad_to(x, shape):
+  """Zero-pads the trailing dims of ``x`` up to ``shape`` (no copy when they match)."""
+  if x.shape == tuple(shape):
+    return x
+  return jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape)])
+
+
+def _extras(inputs: Inputs, rows: int, keys: int) -> _Extras:
+  """The optional per-entry inputs padded to ``rows`` x ``keys`` (every tile the kernel reads
+  lies inside; padding entries are never visible: keys past the length are masked, rows past
+  T are not written)."""
+  q_ids, kv_ids, mask, bias = (inputs.q_segment_ids, inputs.kv_segment_ids, inputs.mask,
+                               inputs.bias)
+  if q_ids is not None:
+    q_ids = _pad_to(q_ids.astype(jnp.int32), (q_ids.shape[0], rows))
+    kv_ids = _pad_to(kv_ids.astype(jnp.int32), (kv_ids.shape[0], keys))
+  if mask is not None:
+    mask = _pad_to(mask.astype(jnp.int8), mask.shape[:2] + (rows, keys))
+  if bias is not None:
+    bias = _pad_to(bias, bias.shape[:2] + (rows, keys))
+  return _Extras(q_ids, kv_ids, mask, bias)
+
+
 def forward(inputs: Inputs, params: Params, config: Config):
   """``(out [B, T, N, H], lse2 [B, N, T])`` (see `jaxflash._core`)."""
   q, k, v = inputs.query, inputs.key, inputs.value
@@ -227,7 +295,9 @@ def forward(inputs: Inputs, params: Params, config: Config):
   k, v = (_pad(x, _round_up(k.shape[1], 8), hp) for x in (k, v))
   rows_per_cta = _CONSUMERS * config.block_q
   q_tiles = pl.cdiv(t, rows_per_cta)
-  schedule = Schedule(params.window, rows_per_cta, config.block_kv)
+  extras = _extras(inputs, q_tiles * rows_per_cta, _round_up(k.shape[1], config.block_kv))
+  elementwise = extras.mask is not None or extras.q_segment_ids is not None
+  schedule = Schedule(params.window, rows_per_cta, config.block_kv, elementwise)
   stages = config.num_stages
   scratch = (
       _smem_tile((_CONSUMERS, config.block_q, hp), q.dtype),  # Q, then O on the way out
@@ -255,5 +325,5 @@ def forward(inputs: Inputs, params: Params, config: Config):
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if params.interpret else None,
-  )(q, k, v, inputs.lengths, inputs.offsets)
+  )(q, k, v, inputs.lengths, inputs.offsets, extras)
   return out[:, :t, :, :h], lse2[..., :t]
