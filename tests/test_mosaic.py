@@ -132,7 +132,7 @@ def test_head_dims_and_dtypes_lower(h, dtype):
 
 @needs_cuda_plugin
 @pytest.mark.parametrize("option", SUPPORTED)
-@pytest.mark.parametrize("t,s", [(1, 1), (5, 77), (4096, 4096)])
+@pytest.mark.parametrize("t,s", [(5, 77), (4096, 4096)])
 def test_every_supported_option_lowers(option, t, s):
   b, n, k, h = 2, 6, 3, 128
   q = jax.ShapeDtypeStruct((b, t, n, h), BF16)
@@ -228,7 +228,12 @@ def test_forward_cells_on_gpu(t, s, n, k, causal):
     assert not bad, f"config {config}: {len(bad)} wrong cells, first {bad[:12]}"
 
 
-@pytest.mark.parametrize("option", SUPPORTED)
+# On a CPU a subset: "everything" below covers the rest in one call.
+NUMERIC_OPTIONS = SUPPORTED if ON_GPU else ("none", "causal_window", "lengths", "segments_pair",
+                                            "mask_keys", "bias_full", "scale_negative")
+
+
+@pytest.mark.parametrize("option", NUMERIC_OPTIONS)
 def test_option(option):
   """Forward, LSE and gradients (the Triton backward on the Mosaic forward's O and LSE)."""
   b, t, s, n, k, h = OPTION_SHAPE
@@ -246,6 +251,8 @@ def test_every_supported_option_at_once():
 @pytest.mark.parametrize("t,s,n,k", [(1, 1, 1, 1), (1, 70, 4, 1), (70, 1, 3, 3), (129, 129, 8, 2),
                                      (31, 200, 6, 3), (200, 31, 2, 1)])
 def test_odd_shapes(t, s, n, k):
+  if not ON_GPU and (t, s) in ((1, 70), (200, 31)):
+    pytest.skip("the interpreter is slow: the GPU runs the rest")
   check("mosaic", b=2, t=t, s=s, n=n, k=k, h=64, dtype=BF16, is_causal=(t == s))
 
 
@@ -263,13 +270,14 @@ def test_head_dims(h, dtype):
 def test_nan_rows_and_determinism():
   """A NaN query entry makes its row NaN and nothing else; a NaN key the rows that see it (rows
   before it, causal, and the heads of the other KV head stay finite). Bitwise deterministic."""
-  t, s = (300, 517) if ON_GPU else (70, 133)
-  q, k, v, _ = random_qkv(11, 2, t, s, 8, 2, 64, BF16)
+  t, s, n = (300, 517, 8) if ON_GPU else (70, 70, 4)
+  q, k, v, _ = random_qkv(11, 2, t, s, n, 2, 64, BF16)
+  group = n // 2
   out = np.asarray(_run(q.at[0, 7, 3, 0].set(jnp.nan), k, v), np.float32)
   assert np.isnan(out[0, 7, 3]).all()
   assert np.isfinite(np.delete(out[0], 7, axis=0)).all() and np.isfinite(out[0, 7, 4:]).all()
   out = np.asarray(_run(q, k.at[1, 40, 0, 5].set(jnp.nan), v, is_causal=True), np.float32)
-  assert np.isfinite(out[1, :40]).all() and np.isnan(out[1, 40:, :4]).all()
-  assert np.isfinite(out[1, 40:, 4:]).all() and np.isfinite(out[0]).all()
+  assert np.isfinite(out[1, :40]).all() and np.isnan(out[1, 40:, :group]).all()
+  assert np.isfinite(out[1, 40:, group:]).all() and np.isfinite(out[0]).all()
   first, second = _run(q, k, v), _run(q, k, v)
   np.testing.assert_array_equal(np.asarray(first, np.float32), np.asarray(second, np.float32))
