@@ -1,5 +1,7 @@
-"""Tile tuning for the Triton backend (`bench.py --tune`): times candidate forward and backward
-tiles at S = 4k in bf16, passing each candidate as a config (nothing is patched)."""
+"""Tile tuning (`bench.py --tune`): times candidate tiles at S = 4k in bf16, passing each
+candidate as a config (nothing is patched). The Triton backend's forward and backward tiles, and
+the Mosaic GPU forward's key block and pipeline depth, for whichever of the two ``--impls``
+names (both by default on a GPU)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,59 @@ import jax
 import jax.numpy as jnp
 
 from jaxflash import devices
-from jaxflash.backends import triton
+from jaxflash.backends import mosaic, triton
 
 from cases import Case, attention_fn, flops, grad_fn, make_inputs, time_call
 
 
 def tune(cfg: dict) -> list[dict]:
+  """The tuning rows of every tunable backend among ``cfg["impls"]``."""
+  rows = []
+  if "jaxflash_triton" in cfg["impls"]:
+    rows += tune_triton(cfg)
+  if "jaxflash_mosaic" in cfg["impls"]:
+    rows += tune_mosaic(cfg)
+  return rows
+
+
+def _time(kind, fn, case, inputs) -> tuple[float | None, float | None, str | None]:
+  """(ms, TFLOP/s, error) of ``fn``'s forward (kind "fwd"...) or forward+backward."""
+  q, k, v, d_out = inputs
+  try:
+    if kind.endswith("fwd"):
+      f, args, mode = jax.jit(fn), (q, k, v), "fwd"
+    else:
+      f, args, mode = jax.jit(grad_fn(fn)), (q, k, v, d_out), "fwdbwd"
+    ms = time_call(f, args, calls=10, repeats=3)
+  except Exception as e:  # noqa: BLE001 - configs that do not fit are skipped
+    return None, None, repr(e)[:200]
+  return ms, flops(case.b, case.n, case.s, case.d, case.causal, mode) / (ms * 1e-3) / 1e12, None
+
+
+def tune_mosaic(cfg: dict) -> list[dict]:
+  """Times the Mosaic forward's (block_kv, num_stages) candidates that fit in shared memory."""
+  rows = []
+  for d in cfg["head_dims"]:
+    s = 4096
+    b, n = max(1, cfg["tokens"] // s), cfg["hidden"] // d
+    for causal in (False, True):
+      case = Case("bf16", b, s, n, n, d, causal)
+      inputs = make_inputs(case, 0)
+      for block_kv in (64, 128, 192, 256):
+        for stages in (2, 3, 4):
+          candidate = mosaic.Config(block_kv=block_kv, num_stages=stages)
+          if not mosaic.config.fits(candidate, d):
+            continue
+          fn = attention_fn("jaxflash_mosaic", causal, config=candidate)
+          ms, tf, err = _time("mosaic_fwd", fn, case, inputs)
+          rows.append(dict(kind="mosaic_fwd", D=d, causal=causal, blocks=(block_kv, stages),
+                           ms=ms, tflops=tf, error=err))
+          print(f"tune D={d} causal={causal} mosaic fwd (block_kv, stages)={block_kv, stages}: "
+                f"{'fail' if tf is None else f'{tf:.0f} TFLOP/s'}", file=sys.stderr, flush=True)
+  return rows
+
+
+def tune_triton(cfg: dict) -> list[dict]:
   """Times candidate Triton tile sizes (forward and backward separately) at S = 4k."""
   fwd_opts = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
               (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3), (64, 64, 8, 2)]
@@ -27,7 +76,7 @@ def tune(cfg: dict) -> list[dict]:
     b, n = max(1, cfg["tokens"] // s), cfg["hidden"] // d
     for causal in (False, True):
       case = Case("bf16", b, s, n, n, d, causal)
-      q, k, v, d_out = make_inputs(case, 0)
+      inputs = make_inputs(case, 0)
       base = triton.default_config(d, jnp.bfloat16, causal, s, devices.current().kind)
       for kind, opts in (("fwd", fwd_opts), ("bwd", bwd_opts)):
         for opt in opts:
@@ -35,18 +84,8 @@ def tune(cfg: dict) -> list[dict]:
                                num_stages=opt[3])
           candidate = dataclasses.replace(base, **{"forward" if kind == "fwd" else "backward":
                                                    tiles})
-          try:
-            fn = attention_fn("jaxflash_triton", causal, config=candidate)
-            if kind == "fwd":
-              f, args = jax.jit(fn), (q, k, v)
-            else:
-              f, args = jax.jit(grad_fn(fn)), (q, k, v, d_out)
-            ms = time_call(f, args, calls=10, repeats=3)
-            err = None
-          except Exception as e:  # noqa: BLE001 - configs that do not fit are skipped
-            ms, err = None, repr(e)[:200]
-          mode = "fwd" if kind == "fwd" else "fwdbwd"
-          tf = None if ms is None else flops(b, n, s, d, causal, mode) / (ms * 1e-3) / 1e12
+          fn = attention_fn("jaxflash_triton", causal, config=candidate)
+          ms, tf, err = _time(kind, fn, case, inputs)
           rows.append(dict(kind=kind, D=d, causal=causal, blocks=opt, ms=ms, tflops=tf,
                            error=err))
           print(f"tune D={d} causal={causal} {kind} {opt}: "
@@ -57,9 +96,11 @@ def tune(cfg: dict) -> list[dict]:
 def print_tune(cfg: dict, rows: list[dict]) -> None:
   for d in cfg["head_dims"]:
     for causal in (False, True):
-      for kind in ("fwd", "bwd"):
+      for kind in ("fwd", "bwd", "mosaic_fwd"):
         ok = [r for r in rows if r["D"] == d and r["causal"] == causal and r["kind"] == kind
               and r["tflops"]]
         best = max(ok, key=lambda r: r["tflops"]) if ok else None
+        if not any(r["kind"] == kind for r in rows):
+          continue
         print(f"best D={d} causal={causal} {kind}: "
               f"{best and best['blocks']} {best and round(best['tflops'])} TFLOP/s")

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench
 import memory
 import report
+from jaxflash.backends import mosaic
 
 
 def test_bench_smoke(tmp_path):
@@ -141,3 +142,18 @@ def test_progress_without_terminal_prints_lines():
   lines = stream.getvalue().splitlines()
   assert len(lines) == 3 and "\r" not in stream.getvalue()
   assert lines[0].startswith("[0/2") and "first" in lines[0] and lines[-1].startswith("[2/2")
+
+
+def test_mosaic_tuner_rows():
+  """The Mosaic candidates are the (block_kv, stages) pairs that fit in shared memory; without
+  a Hopper GPU each one records why it did not run."""
+  import tune
+  cfg = dict(head_dims=[256], tokens=4096, hidden=256, impls=["jaxflash_mosaic"])
+  rows = tune.tune(cfg)
+  assert rows and {r["kind"] for r in rows} == {"mosaic_fwd"}
+  assert {r["causal"] for r in rows} == {False, True}
+  for r in rows:
+    assert mosaic.config.fits(mosaic.Config(block_kv=r["blocks"][0], num_stages=r["blocks"][1]),
+                              256)
+    assert r["tflops"] is None and "Hopper" in r["error"]
+  assert len(rows) < 2 * 12  # some candidates do not fit at D = 256
