@@ -94,11 +94,9 @@ def keep(stream, rows, first_col, num_cols: int, rate: float, even_start: bool =
   # jax_numpy_rank_promotion="raise" has nothing to object to.
   rank = max(jnp.ndim(stream), jnp.ndim(rows), jnp.ndim(first_col), 1)
   stream, rows, first_col = (_lift(x, rank) for x in (stream, rows, first_col))
-  row_key = _mix(stream ^ _u32(rows))
+  row_key = row_keys(stream, rows)
   if not even_start:
-    cols = _u32(first_col + _lift(jnp.arange(num_cols), rank))
-    bits = _mix(row_key ^ ((cols >> 1) * jnp.uint32(_GOLDEN)))
-    return jnp.where((cols & 1) == 1, bits >> 16, bits & jnp.uint32(0xFFFF)) >= cut
+    return keep_entries(row_key, first_col + _lift(jnp.arange(num_cols), rank), rate)
   if num_cols % 2:
     return keep(stream, rows, first_col, num_cols + 1, rate)[..., :num_cols]
   pairs = _u32(first_col // 2 + _lift(jnp.arange(num_cols // 2), rank))
@@ -107,6 +105,21 @@ def keep(stream, rows, first_col, num_cols: int, rate: float, even_start: bool =
   odd = (bits >> 16) >= cut
   shape = even.shape[:-1] + (num_cols,)
   return jnp.stack([even, odd], axis=-1).reshape(shape)
+
+
+def row_keys(stream, rows):
+  """The hash key of each absolute query row of a stream (`keep_entries` takes it)."""
+  return _mix(stream ^ _u32(rows))
+
+
+def keep_entries(row_key, cols, rate: float):
+  """`keep`'s mask entry by entry: ``row_key`` (from `row_keys`) and absolute key columns
+  ``cols`` broadcast against each other, in any layout (a kernel's register tiles, say). Each
+  entry computes its column pair's hash itself: the same mask as `keep`, twice the work."""
+  cols = _u32(cols)
+  bits = _mix(row_key ^ ((cols >> 1) * jnp.uint32(_GOLDEN)))
+  return jnp.where((cols & 1) == 1, bits >> 16, bits & jnp.uint32(0xFFFF)) >= jnp.uint32(
+      threshold(rate))
 
 
 def dense_keep_mask(seed: jax.Array, shape: tuple[int, int, int, int], rate: float,

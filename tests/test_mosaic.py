@@ -30,9 +30,8 @@ KV = jax.ShapeDtypeStruct((2, 1000, 2, 128), BF16)
 
 # The options the Mosaic forward runs in its kernel; the rest fall back (see its __init__).
 SUPPORTED = ("none", "causal", "window_pair", "causal_window", "lengths", "segments_pair",
-             "mask_full", "mask_keys", "bias_full", "soft_cap", "scale", "scale_negative",
-             "scale_zero")
-DECLINED = {"dropout": "dropout", "dropout_broadcast": "dropout"}
+             "mask_full", "mask_keys", "bias_full", "dropout", "dropout_broadcast", "soft_cap",
+             "scale", "scale_negative", "scale_zero")
 
 
 def _on_h100(fn):
@@ -58,16 +57,17 @@ def test_declines_without_a_hopper_gpu():
   assert jaxflash.implementation_for(Q, KV, KV, interpret=True) == "triton"
 
 
-@pytest.mark.parametrize("option,feature", sorted(DECLINED.items()))
-def test_declined_options_name_the_feature_and_fall_back(option, feature):
-  b, t, s, n = 2, 300, 1000, 8
-  opts = OPTIONS[option](b, t, s, n, 0)
-  bias, mask = opts.pop("bias", None), opts.pop("mask", None)
-  ask = lambda implementation: jaxflash.implementation_for(  # noqa: E731
-      Q, KV, KV, bias, mask, implementation=implementation, **opts)
-  with pytest.raises(backends.UnsupportedCallError, match=f"does not support {feature}"):
-    _on_h100(lambda: ask("mosaic"))
-  assert _on_h100(lambda: ask(("mosaic", "triton"))) == "triton"
+def test_partial_results_are_declined():
+  """Float32 partial results (key splits, decoding, ring attention) go to the next backend."""
+  import dataclasses
+  from jaxflash import _checks, devices
+  call = _checks.normalise(jnp.zeros(Q.shape, BF16), jnp.zeros(KV.shape, BF16),
+                           jnp.zeros(KV.shape, BF16))
+  params = dataclasses.replace(call.params, partial=True)
+  reason = _on_h100(lambda: mosaic.BACKEND.supports(call.inputs, params, devices.current()))
+  assert "partial results" in reason
+  assert _on_h100(lambda: mosaic.BACKEND.supports(call.inputs, call.params,
+                                                  devices.current())) is None
 
 
 def test_float32_and_wide_heads_are_declined():
@@ -230,7 +230,8 @@ def test_forward_cells_on_gpu(t, s, n, k, causal):
 
 # On a CPU a subset: "everything" below covers the rest in one call.
 NUMERIC_OPTIONS = SUPPORTED if ON_GPU else ("none", "causal_window", "lengths", "segments_pair",
-                                            "mask_keys", "bias_full", "scale_negative")
+                                            "mask_keys", "bias_full", "dropout",
+                                            "scale_negative")
 
 
 @pytest.mark.parametrize("option", NUMERIC_OPTIONS)
@@ -241,10 +242,10 @@ def test_option(option):
 
 
 def test_every_supported_option_at_once():
-  """Causal, window, soft cap, scale, mask, bias (and its gradient), segments and lengths."""
+  """Causal, window, soft cap, scale, mask, bias (and its gradient), segments, lengths and
+  dropout (the mask the other backends draw, from absolute coordinates)."""
   b, t, s, n, k, h = OPTION_SHAPE
   options = OPTIONS["everything"](b, t, s, n, 0)
-  del options["dropout_rate"], options["dropout_rng"]
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, **options)
 
 

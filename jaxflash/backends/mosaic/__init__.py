@@ -4,7 +4,7 @@
 - `forward.py`: the warp-specialised forward (TMA producer, two ping-ponging wgmma consumers);
 - `backward.py`: the gradients, from the Triton kernels until the Mosaic backward exists.
 
-What the forward does not do yet (dropout, partial results, float32) is declared here, so
+What the forward does not do yet (partial results, float32) is declared here, so
 ``implementation=None`` moves on to the next backend for such calls and
 ``implementation="mosaic"`` says why it cannot serve them. Bias and mask tiles and segment ids
 are read from global memory by the consumers, without a TMA pipeline of their own yet.
@@ -41,10 +41,8 @@ def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
     return f"bfloat16 and float16 only, got {q.dtype}"
   if q.shape[-1] > MAX_HEAD_DIM:
     return f"head dims up to {MAX_HEAD_DIM} only, got query.shape[-1] = {q.shape[-1]}"
-  missing = [name for name, used in (
-      ("dropout", params.dropout_rate > 0), ("partial results", params.partial)) if used]
-  if missing:
-    return f"the forward does not support {', '.join(missing)} yet"
+  if params.partial:
+    return "the forward does not support partial results yet"
   return None
 
 

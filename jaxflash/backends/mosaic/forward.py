@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxflash import _core
+from jaxflash import dropout
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.mosaic.config import Config, padded_head_dim
@@ -75,6 +76,12 @@ class _Extras(NamedTuple):
   kv_segment_ids: jax.Array | None = None  # int32 [B, keys of all blocks]
   mask: jax.Array | None = None  # int8 [B or 1, N or 1, rows, keys]
   bias: jax.Array | None = None  # [B or 1, N or 1, rows, keys], the caller's float dtype
+  dropout_seed: jax.Array | None = None  # uint32 [2]
+
+
+def _iota(shape, dim: int):
+  """Indices along ``dim`` of a tile in the wgmma accumulator's layout."""
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
 def _entry_tile(ref, batch, head, rows, keys):
@@ -123,10 +130,17 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
     pl.when(wg == 1)(meet)
 
+    # Dropout: the keep mask of absolute coordinates (`jaxflash.dropout`), one hash per entry.
+    row_key = None
+    if extras.dropout_seed is not None:
+      stream = _core.dropout_stream(params, extras.dropout_seed, batch, head)
+      q_rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_ROWS)
+      row_key = dropout.row_keys(stream, masking.shifted(q_rows, pos.q_offset))
+
     def visible(j, rows, keys, shape):
       """The element mask of key block ``j``: band, key length, segments, dense mask."""
       def iota(dim):
-        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+        return _iota(shape, dim)
 
       q_segment = kv_segment = dense = None
       if extras.q_segment_ids is not None:
@@ -167,8 +181,12 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m - m_shift)
       p = jnp.exp2(s2 - _rows(m_shift, s2.shape))
-      l = l * alpha + p.sum(axis=1)
+      l = l * alpha + p.sum(axis=1)  # the undropped sum: dropout leaves the LSE alone
       acc = acc * _rows(alpha, acc.shape)
+      if row_key is not None:  # dropped entries leave P V only; 1 / P(keep) is applied once
+        cols = masking.shifted(j * block_kv + _iota(p.shape, 1), pos.kv_offset)
+        p = jnp.where(dropout.keep_entries(_rows(row_key, p.shape), cols, params.dropout_rate),
+                      p, 0.0)
       p16 = p.astype(q_smem.dtype)
       acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
       plgpu.barrier_arrive(turn)  # softmax done: the other consumer may issue its matmuls
@@ -210,7 +228,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
     rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_ROWS)
     seen = jnp.logical_and(rows < pos.q_len, l != 0.0)
     l_safe = jnp.where(seen, l, 1.0)
-    out = jnp.where(_rows(seen, acc.shape), acc * _rows(1.0 / l_safe, acc.shape), 0.0)
+    scale = params.keep_scale if row_key is not None else 1.0
+    out = jnp.where(_rows(seen, acc.shape), acc * _rows(scale / l_safe, acc.shape), 0.0)
     q_smem[...] = out.astype(q_smem.dtype)
     lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
     plgpu.commit_smem()
@@ -281,7 +300,7 @@ def _extras(inputs: Inputs, rows: int, keys: int) -> _Extras:
     mask = _pad_to(mask.astype(jnp.int8), mask.shape[:2] + (rows, keys))
   if bias is not None:
     bias = _pad_to(bias, bias.shape[:2] + (rows, keys))
-  return _Extras(q_ids, kv_ids, mask, bias)
+  return _Extras(q_ids, kv_ids, mask, bias, inputs.dropout_seed)
 
 
 def forward(inputs: Inputs, params: Params, config: Config):
