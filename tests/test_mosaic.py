@@ -9,6 +9,7 @@
   shapes and head dims; NaN rows; determinism.
 """
 
+import dataclasses
 import importlib.util
 import os
 
@@ -18,11 +19,12 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import backends
+from jaxflash import _checks, backends, devices
+from jaxflash.ops import flash, partial
 from jaxflash.attention import attention_with_config
 from jaxflash.backends import mosaic
 from jaxflash.reference import reference_attention
-from checks import H100, ON_GPU, OPTIONS, SMALL_CONFIGS, check, random_qkv
+from checks import H100, ON_GPU, OPTIONS, SMALL_CONFIGS, check, random_qkv, rel_err
 
 BF16 = jnp.bfloat16
 Q = jax.ShapeDtypeStruct((2, 300, 8, 128), BF16)
@@ -57,17 +59,16 @@ def test_declines_without_a_hopper_gpu():
   assert jaxflash.implementation_for(Q, KV, KV, interpret=True) == "triton"
 
 
-def test_partial_results_are_declined():
-  """Float32 partial results (key splits, decoding, ring attention) go to the next backend."""
-  import dataclasses
-  from jaxflash import _checks, devices
-  call = _checks.normalise(jnp.zeros(Q.shape, BF16), jnp.zeros(KV.shape, BF16),
-                           jnp.zeros(KV.shape, BF16))
+@pytest.mark.parametrize("h,fits", [(128, True), (256, False)])
+def test_partial_results_where_they_fit(h, fits):
+  """A float32 partial result needs its own O tiles in shared memory: at D = 256 they do not
+  fit beside the K/V ring, and such calls go to the next backend."""
+  q = jnp.zeros((2, 64, 4, h), BF16)
+  call = _checks.normalise(q, q, q)
   params = dataclasses.replace(call.params, partial=True)
   reason = _on_h100(lambda: mosaic.BACKEND.supports(call.inputs, params, devices.current()))
-  assert "partial results" in reason
-  assert _on_h100(lambda: mosaic.BACKEND.supports(call.inputs, call.params,
-                                                  devices.current())) is None
+  assert (reason is None) == fits, reason
+  assert fits or "partial result at head dim 256 does not fit" in reason
 
 
 def test_float32_and_wide_heads_are_declined():
@@ -161,6 +162,21 @@ def test_tile_variants_lower(block_kv, stages):
 
 
 @needs_cuda_plugin
+@pytest.mark.parametrize("h", [64, 128])
+def test_partial_results_lower(h):
+  """The float32 O tiles of a partial result, at a key offset (a key split's second range)."""
+  def fn(q, k, v):
+    call = _checks.normalise(q, k, v, is_causal=True)
+    params = dataclasses.replace(call.params, partial=True)
+    inputs = partial.key_range(call.inputs, 21, k.shape[1])
+    return flash.forward(mosaic.BACKEND, inputs, params, mosaic.default_config(
+        h, BF16, True, q.shape[1], "NVIDIA H100", partial=True))
+  q = jax.ShapeDtypeStruct((2, 300, 4, h), BF16)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, h), BF16)
+  assert "mosaic_gpu" in _lower(fn, q, kv, kv)
+
+
+@needs_cuda_plugin
 def test_gradients_lower_with_the_triton_backward():
   def fn(q, k, v):
     return jax.grad(lambda q, k, v: jnp.sum(_forward(is_causal=True)(q, k, v).astype(
@@ -239,6 +255,23 @@ def test_option(option):
   """Forward, LSE and gradients (the Triton backward on the Mosaic forward's O and LSE)."""
   b, t, s, n, k, h = OPTION_SHAPE
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, **OPTIONS[option](b, t, s, n, 0))
+
+
+def test_key_split_equals_whole_call():
+  """Float32 partial forwards over keys split mid-block (21), at a key offset, with causal
+  masking and dropout at absolute positions, merged through the LSE, equal the whole call."""
+  b, t, s, n, k, h = OPTION_SHAPE
+  q, kk, v, _ = random_qkv(5, b, t, s, n, k, h, BF16)
+  call = _checks.normalise(q, kk, v, is_causal=True, dropout_rate=0.2,
+                           dropout_rng=jax.random.key(3), interpret=not ON_GPU)
+  config = SMALL_CONFIGS["mosaic"]
+  out, lse = flash.attention(call.inputs, call.params, mosaic.BACKEND, config)
+  got_out, got_lse = partial.split_keys_attention(call.inputs, call.params, mosaic.BACKEND,
+                                                  config, (21,))
+  assert rel_err(got_out, out) < 1e-2  # the whole call rounds O to bfloat16 once more
+  finite = np.isfinite(np.asarray(lse))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(got_lse)), finite)
+  assert rel_err(np.where(finite, got_lse, 0), np.where(finite, lse, 0)) < 1e-5
 
 
 def test_every_supported_option_at_once():

@@ -4,7 +4,7 @@
 - `forward.py`: the warp-specialised forward (TMA producer, two ping-ponging wgmma consumers);
 - `backward.py`: the gradients, from the Triton kernels until the Mosaic backward exists.
 
-What the forward does not do yet (partial results, float32) is declared here, so
+What the forward does not do (float32; partial results at D = 256) is declared here, so
 ``implementation=None`` moves on to the next backend for such calls and
 ``implementation="mosaic"`` says why it cannot serve them. Bias and mask tiles and segment ids
 are read from global memory by the consumers, without a TMA pipeline of their own yet.
@@ -41,14 +41,16 @@ def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
     return f"bfloat16 and float16 only, got {q.dtype}"
   if q.shape[-1] > MAX_HEAD_DIM:
     return f"head dims up to {MAX_HEAD_DIM} only, got query.shape[-1] = {q.shape[-1]}"
-  if params.partial:
-    return "the forward does not support partial results yet"
+  if _default_config(inputs, params, device) is None:
+    return (f"a float32 partial result at head dim {q.shape[-1]} does not fit in shared "
+            f"memory")
   return None
 
 
-def _default_config(inputs: Inputs, params: Params, device: Device) -> Config:
+def _default_config(inputs: Inputs, params: Params, device: Device) -> Config | None:
   q = inputs.query
-  return default_config(q.shape[-1], q.dtype, params.window.is_causal, q.shape[1], device.kind)
+  return default_config(q.shape[-1], q.dtype, params.window.is_causal, q.shape[1], device.kind,
+                        params.partial)
 
 
 def _preferred(inputs: Inputs, params: Params, device: Device) -> bool:

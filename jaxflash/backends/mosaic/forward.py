@@ -44,8 +44,10 @@ _COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
 def _smem_tile(shape, dtype):
-  """A shared-memory tile that TMA and wgmma both read: 8x64 tiles in 128-byte swizzled rows."""
-  transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  """A shared-memory tile that TMA and wgmma both read: 128-byte rows (64 16-bit or 32 32-bit
+  elements) in 8-row tiles, swizzled."""
+  row = 128 // jnp.dtype(dtype).itemsize
+  transforms = (plgpu.TilingTransform((8, row)), plgpu.SwizzleTransform(128))
   return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
@@ -93,8 +95,8 @@ def _entry_tile(ref, batch, head, rows, keys):
 
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref, lse_ref,
-            q_smems, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free, turn, *,
-            params: Params, config: Config, schedule: Schedule, groups: int):
+            q_smems, k_smem, v_smem, lse_smem, o_smems, q_ready, k_ready, v_ready, k_free, v_free,
+            turn, *, params: Params, config: Config, schedule: Schedule, groups: int):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
   head_dim = q_smems.shape[-1]
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -230,10 +232,12 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
     l_safe = jnp.where(seen, l, 1.0)
     scale = params.keep_scale if row_key is not None else 1.0
     out = jnp.where(_rows(seen, acc.shape), acc * _rows(scale / l_safe, acc.shape), 0.0)
-    q_smem[...] = out.astype(q_smem.dtype)
+    # A 16-bit O goes out through the Q tile; a float32 (partial) O through its own.
+    o_smem = q_smem if o_smems is None else o_smems.at[wg]
+    o_smem[...] = out.astype(o_smem.dtype)
     lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
+    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, block_q)])
     plgpu.wait_smem_to_gmem(0)
 
@@ -323,6 +327,8 @@ def forward(inputs: Inputs, params: Params, config: Config):
       _smem_tile((stages, config.block_kv, hp), k.dtype),
       _smem_tile((stages, config.block_kv, hp), v.dtype),
       plgpu.SMEM((_CONSUMERS, config.block_q), jnp.float32),  # LSE rows on the way out
+      # O of a partial result (float32), on the way out.
+      _smem_tile((_CONSUMERS, config.block_q, hp), jnp.float32) if params.partial else None,
       plgpu.Barrier(num_barriers=_CONSUMERS),  # q_ready
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_barriers=stages),  # v_ready
@@ -335,7 +341,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
   # The LSE rows are written a whole tile at a time, so its buffer is padded to whole tiles.
   out, lse2 = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32 if params.partial else q.dtype),
                 jax.ShapeDtypeStruct((b, n, q_tiles * rows_per_cta), jnp.float32)),
       scratch_types=scratch,
       grid=(n, q_tiles, b),
