@@ -30,7 +30,8 @@ BF16 = jnp.bfloat16
 Q = jax.ShapeDtypeStruct((2, 300, 8, 128), BF16)
 KV = jax.ShapeDtypeStruct((2, 1000, 2, 128), BF16)
 
-# The options the Mosaic forward runs in its kernel; the rest fall back (see its __init__).
+# The options of tests/checks.py that the Mosaic forward runs in its kernel (all of them but
+# "everything", which test_every_supported_option_at_once runs).
 SUPPORTED = ("none", "causal", "window_pair", "causal_window", "lengths", "segments_pair",
              "mask_full", "mask_keys", "bias_full", "dropout", "dropout_broadcast", "soft_cap",
              "scale", "scale_negative", "scale_zero")

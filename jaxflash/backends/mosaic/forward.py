@@ -17,6 +17,11 @@ Both consumers walk the key blocks of the CTA's ``2 * block_q`` rows, as named b
 `jaxflash.schedule.Schedule`: blocks every row sees in full skip the element mask, the others
 apply `jaxflash.masking.visible` per entry. Out-of-range rows and columns of edge tiles are
 zero-filled by TMA on the way in, masked by the key length, and clipped by TMA on the way out.
+Mask, bias and segment-id tiles are read by the consumers from global memory; dropout draws
+`jaxflash.dropout`'s mask entry by entry from absolute coordinates.
+
+With ``params.interpret`` the kernel runs in Mosaic GPU's interpreter (tests on a CPU), which
+lacks ``run_state`` and wgmma operands in registers: only the P V step differs there.
 """
 
 from __future__ import annotations
