@@ -251,22 +251,23 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
     plgpu.set_max_registers(40, action="decrease")
     kv_head = lax.div(head, jnp.asarray(groups, head.dtype))
 
-    def load(j, slot):
+    def load(ref, smem, ready, j, slot):
       keys = pl.ds(j * block_kv, block_kv)
-      plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
+      plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], smem.at[slot], ready.at[slot])
 
     for i in range(stages):  # fill the ring
-      pl.when(lo + i < hi)(functools.partial(load, lo + i, i))
+      @pl.when(lo + i < hi)
+      def _():
+        load(k_ref, k_smem, k_ready, lo + i, i)
+        load(v_ref, v_smem, v_ready, lo + i, i)
 
     @pl.loop(lo + stages, hi)
     def _(j):
       slot = slot_of(j)
-      keys = pl.ds(j * block_kv, block_kv)
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
+      plgpu.barrier_wait(k_free.at[slot])  # K goes first: the consumers need it first
+      load(k_ref, k_smem, k_ready, j, slot)
       plgpu.barrier_wait(v_free.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
+      load(v_ref, v_smem, v_ready, j, slot)
 
     # Observe the last release of every slot before the CTA ends, so that no barrier phase
     # goes unwaited (Mosaic GPU's interpreter checks this; on the GPU it costs nothing).
