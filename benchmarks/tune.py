@@ -41,26 +41,31 @@ def _time(kind, fn, case, inputs) -> tuple[float | None, float | None, str | Non
   return ms, flops(case.b, case.n, case.s, case.d, case.causal, mode) / (ms * 1e-3) / 1e12, None
 
 
-def tune_mosaic(cfg: dict) -> list[dict]:
-  """Times the Mosaic forward's (block_kv, num_stages) candidates that fit in shared memory."""
-  rows = []
+def _cases(cfg: dict):
+  """(head dim, causal, case, inputs) of each tuning cell: bf16 at S = 4k, both bands."""
+  s = 4096
   for d in cfg["head_dims"]:
-    s = 4096
     b, n = max(1, cfg["tokens"] // s), cfg["hidden"] // d
     for causal in (False, True):
       case = Case("bf16", b, s, n, n, d, causal)
-      inputs = make_inputs(case, 0)
-      for block_kv in (64, 128, 192, 256):
-        for stages in (2, 3, 4):
-          candidate = mosaic.Config(block_kv=block_kv, num_stages=stages)
-          if not mosaic.config.fits(candidate, d):
-            continue
-          fn = attention_fn("jaxflash_mosaic", causal, config=candidate)
-          ms, tf, err = _time("mosaic_fwd", fn, case, inputs)
-          rows.append(dict(kind="mosaic_fwd", D=d, causal=causal, blocks=(block_kv, stages),
-                           ms=ms, tflops=tf, error=err))
-          print(f"tune D={d} causal={causal} mosaic fwd (block_kv, stages)={block_kv, stages}: "
-                f"{'fail' if tf is None else f'{tf:.0f} TFLOP/s'}", file=sys.stderr, flush=True)
+      yield d, causal, case, make_inputs(case, 0)
+
+
+def tune_mosaic(cfg: dict) -> list[dict]:
+  """Times the Mosaic forward's (block_kv, num_stages) candidates that fit in shared memory."""
+  rows = []
+  for d, causal, case, inputs in _cases(cfg):
+    for block_kv in (64, 128, 192, 256):
+      for stages in (2, 3, 4):
+        candidate = mosaic.Config(block_kv=block_kv, num_stages=stages)
+        if not mosaic.config.fits(candidate, d):
+          continue
+        fn = attention_fn("jaxflash_mosaic", causal, config=candidate)
+        ms, tf, err = _time("mosaic_fwd", fn, case, inputs)
+        rows.append(dict(kind="mosaic_fwd", D=d, causal=causal, blocks=(block_kv, stages),
+                         ms=ms, tflops=tf, error=err))
+        print(f"tune D={d} causal={causal} mosaic fwd (block_kv, stages)={block_kv, stages}: "
+              f"{'fail' if tf is None else f'{tf:.0f} TFLOP/s'}", file=sys.stderr, flush=True)
   return rows
 
 
@@ -71,25 +76,20 @@ def tune_triton(cfg: dict) -> list[dict]:
   bwd_opts = [(64, 64, 4, 2), (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2),
               (64, 32, 4, 2), (128, 128, 8, 1), (32, 32, 4, 2), (64, 64, 4, 1), (32, 64, 8, 1)]
   rows = []
-  for d in cfg["head_dims"]:
-    s = 4096
-    b, n = max(1, cfg["tokens"] // s), cfg["hidden"] // d
-    for causal in (False, True):
-      case = Case("bf16", b, s, n, n, d, causal)
-      inputs = make_inputs(case, 0)
-      base = triton.default_config(d, jnp.bfloat16, causal, s, devices.current().kind)
-      for kind, opts in (("fwd", fwd_opts), ("bwd", bwd_opts)):
-        for opt in opts:
-          tiles = triton.Tiles(block_q=opt[0], block_k=opt[1], num_warps=opt[2],
-                               num_stages=opt[3])
-          candidate = dataclasses.replace(base, **{"forward" if kind == "fwd" else "backward":
-                                                   tiles})
-          fn = attention_fn("jaxflash_triton", causal, config=candidate)
-          ms, tf, err = _time(kind, fn, case, inputs)
-          rows.append(dict(kind=kind, D=d, causal=causal, blocks=opt, ms=ms, tflops=tf,
-                           error=err))
-          print(f"tune D={d} causal={causal} {kind} {opt}: "
-                f"{'fail' if tf is None else f'{tf:.0f} TFLOP/s'}", file=sys.stderr, flush=True)
+  for d, causal, case, inputs in _cases(cfg):
+    base = triton.default_config(d, jnp.bfloat16, causal, case.s, devices.current().kind)
+    for kind, opts in (("fwd", fwd_opts), ("bwd", bwd_opts)):
+      for opt in opts:
+        tiles = triton.Tiles(block_q=opt[0], block_k=opt[1], num_warps=opt[2],
+                             num_stages=opt[3])
+        candidate = dataclasses.replace(base, **{"forward" if kind == "fwd" else "backward":
+                                                 tiles})
+        fn = attention_fn("jaxflash_triton", causal, config=candidate)
+        ms, tf, err = _time(kind, fn, case, inputs)
+        rows.append(dict(kind=kind, D=d, causal=causal, blocks=opt, ms=ms, tflops=tf,
+                         error=err))
+        print(f"tune D={d} causal={causal} {kind} {opt}: "
+              f"{'fail' if tf is None else f'{tf:.0f} TFLOP/s'}", file=sys.stderr, flush=True)
   return rows
 
 
