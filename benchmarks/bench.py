@@ -28,7 +28,7 @@ jaxflash_mosaic, jaxflash_triton and jaxflash_xla (jaxflash.flash_attention, imp
 xla and cudnn (jax.nn.dot_product_attention) and pallas_mha (JAX's Pallas kernel,
 jax.experimental.pallas.ops.gpu.attention.mha with its defaults; not applicable to GQA, so
 skipped there; it does not fit at D = 256 and those rows record the error). Without a GPU the
-default is the first three, with the Triton kernels in interpret mode.
+default is jaxflash_triton (its kernels in interpret mode), jaxflash_xla and xla.
 
 Method: every (case, implementation, mode) is compiled once (jit, lower, compile). That executable
 gives XLA's compiled temp bytes, is checked against a float32 reference (jax.nn xla at highest
@@ -71,11 +71,10 @@ CPU_IMPLS = ("jaxflash_triton", "jaxflash_xla", "xla")
 MODES = ("fwd", "fwdbwd")
 METHOD = ("compiled once per (case, impl, mode); output and dQ of batch rows 0 and B-1, query "
           "heads 0 and N-1 checked against float32 jax.nn xla at highest precision; "
-          "{warmups} warm-up call(s), "
-          "then {repeats} repeats of up to {calls} back-to-back calls ended by "
-          "block_until_ready (fewer when a warm-up call takes > {slow_ms:g} ms: about "
-          "{budget_ms:g} ms per repeat), median ms per call; random normal inputs; fwdbwd = "
-          "jax.grad of sum(out.astype(f32) * dO) w.r.t. q, k, v")
+          "{warmups} warm-up call(s), then {repeats} repeats of up to {calls} back-to-back "
+          "calls ended by block_until_ready (fewer when a warm-up call takes > {slow_ms:g} "
+          "ms: about {budget_ms:g} ms per repeat), median ms per call; random normal inputs; "
+          "fwdbwd = jax.grad of sum(out.astype(f32) * dO) w.r.t. q, k, v")
 
 
 def run_impl(impl: str, case: Case, inputs, ref, *, interpret: bool, timing: dict,

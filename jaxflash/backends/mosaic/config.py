@@ -71,8 +71,7 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
 FASTER_THAN_TRITON: dict[str, tuple[int, ...]] = {}
 
 
-def faster_than_triton(device_kind: str, head_dim: int, causal: bool) -> bool:
-  del causal  # not distinguished until a measurement says it matters
+def faster_than_triton(device_kind: str, head_dim: int) -> bool:
   for kind, head_dims in FASTER_THAN_TRITON.items():
     if kind in device_kind and padded_head_dim(head_dim) in head_dims:
       return True

@@ -56,20 +56,6 @@ def _smem_tile(shape, dtype):
   return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
-def _logits_base2(s, params: Params, bias=None):
-  """Raw ``q @ k.T`` -> base-2 logits, as `jaxflash._core.logits_base2` defines them."""
-  if bias is None:
-    if params.logits_soft_cap is None:
-      return s * (params.scale * _core.LOG2_E)
-    cap = params.logits_soft_cap
-    return jnp.tanh(s * (params.scale / cap)) * (cap * _core.LOG2_E)
-  z = s * params.scale
-  if params.logits_soft_cap is not None:
-    cap = params.logits_soft_cap
-    z = jnp.tanh(z * (1.0 / cap)) * cap
-  return (z + bias.astype(jnp.float32)) * _core.LOG2_E
-
-
 def _rows(x, shape):
   """A per-row vector broadcast over the columns of a tile."""
   return lax.broadcast_in_dim(x, shape, [0])
@@ -107,11 +93,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
   cta_start = lax.axis_index("q_tiles") * (_CONSUMERS * block_q)
-  if offsets_ref is None:
-    pos = Positions(lengths_ref[batch, 0], lengths_ref[batch, 1])
-  else:
-    pos = Positions(lengths_ref[batch, 0], lengths_ref[batch, 1], offsets_ref[batch, 0],
-                    offsets_ref[batch, 1])
+  offsets = () if offsets_ref is None else (offsets_ref[batch, 0], offsets_ref[batch, 1])
+  pos = Positions(lengths_ref[batch, 0], lengths_ref[batch, 1], *offsets)
   # The key blocks of the CTA's rows; both consumers and the producer walk exactly these.
   lo, _, _, hi = schedule.kv_blocks(cta_start, pos)
 
@@ -146,9 +129,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
     def visible(j, rows, keys, shape):
       """The element mask of key block ``j``: band, key length, segments, dense mask."""
-      def iota(dim):
-        return _iota(shape, dim)
-
       q_segment = kv_segment = dense = None
       if extras.q_segment_ids is not None:
         q_ids = plgpu.load(extras.q_segment_ids.at[batch, rows], layout=_ROWS,
@@ -158,7 +138,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         q_segment, kv_segment = _rows(q_ids, shape), lax.broadcast_in_dim(kv_ids, shape, [1])
       if extras.mask is not None:
         dense = _entry_tile(extras.mask, batch, head, rows, keys) != 0
-      return masking.visible(q_start + iota(0), j * block_kv + iota(1), schedule.window,
+      return masking.visible(q_start + _iota(shape, 0), j * block_kv + _iota(shape, 1),
+                             schedule.window,
                              diagonal=pos.diagonal, kv_len=pos.kv_len, q_segment=q_segment,
                              kv_segment=kv_segment, dense_mask=dense)
 
@@ -177,7 +158,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       bias = None
       if extras.bias is not None:
         bias = _entry_tile(extras.bias, batch, head, rows, keys)
-      s2 = _logits_base2(s, params, bias)
+      s2, _ = _core.logits_base2(s, params, bias)
       if masked:
         s2 = jnp.where(visible(j, rows, keys, s2.shape), s2, -jnp.inf)
       # Online softmax. A row that has seen no visible key keeps m = -inf and is shifted by 0
@@ -203,21 +184,18 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       # Computed outside `pv`: run_state must not close over constants (lo may be a literal 0).
       next_slot, has_next = slot_of(j + 1), j + 1 < hi
 
+      def wait_next_k():  # while the P V matmul runs
+        pl.when(has_next)(lambda: plgpu.barrier_wait(k_ready.at[next_slot]))
+
       def pv(acc_ref):
         plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-        @pl.when(has_next)  # wait for the next K tile while the matmul runs
-        def _():
-          plgpu.barrier_wait(k_ready.at[next_slot])
+        wait_next_k()
 
       if params.interpret:
         # Mosaic GPU's interpreter (tests on a CPU) has neither run_state nor a wgmma operand in
         # registers: there P V is a plain dot of the same tiles.
         acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
-
-        @pl.when(has_next)
-        def _():
-          plgpu.barrier_wait(k_ready.at[next_slot])
+        wait_next_k()
       else:
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulates in place
       plgpu.barrier_arrive(v_free.at[slot])
