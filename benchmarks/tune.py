@@ -51,21 +51,31 @@ def _cases(cfg: dict):
       yield d, causal, case, make_inputs(case, 0)
 
 
+def _mosaic_candidates(d: int, causal: bool):
+  """(block_kv, num_stages, heavy_first) of every Mosaic config that fits; the launch order
+  only matters with a causal band, where the default tiles are also tried in natural order."""
+  for block_kv in (64, 128, 192, 256):
+    for stages in (2, 3, 4):
+      if mosaic.config.fits(mosaic.Config(block_kv=block_kv, num_stages=stages), d):
+        yield block_kv, stages, True
+  if causal:
+    default = mosaic.default_config(d, jnp.bfloat16, True, 4096, devices.current().kind)
+    yield default.block_kv, default.num_stages, False
+
+
 def tune_mosaic(cfg: dict) -> list[dict]:
-  """Times the Mosaic forward's (block_kv, num_stages) candidates that fit in shared memory."""
+  """Times the Mosaic forward's candidate configs (`_mosaic_candidates`)."""
   rows = []
   for d, causal, case, inputs in _cases(cfg):
-    for block_kv in (64, 128, 192, 256):
-      for stages in (2, 3, 4):
-        candidate = mosaic.Config(block_kv=block_kv, num_stages=stages)
-        if not mosaic.config.fits(candidate, d):
-          continue
-        fn = attention_fn("jaxflash_mosaic", causal, config=candidate)
-        ms, tf, err = _time("mosaic_fwd", fn, case, inputs)
-        rows.append(dict(kind="mosaic_fwd", D=d, causal=causal, blocks=(block_kv, stages),
-                         ms=ms, tflops=tf, error=err))
-        print(f"tune D={d} causal={causal} mosaic fwd (block_kv, stages)={block_kv, stages}: "
-              f"{'fail' if tf is None else f'{tf:.0f} TFLOP/s'}", file=sys.stderr, flush=True)
+    for blocks in _mosaic_candidates(d, causal):
+      block_kv, stages, heavy_first = blocks
+      candidate = mosaic.Config(block_kv=block_kv, num_stages=stages, heavy_first=heavy_first)
+      fn = attention_fn("jaxflash_mosaic", causal, config=candidate)
+      ms, tf, err = _time("mosaic_fwd", fn, case, inputs)
+      rows.append(dict(kind="mosaic_fwd", D=d, causal=causal, blocks=blocks, ms=ms, tflops=tf,
+                       error=err))
+      print(f"tune D={d} causal={causal} mosaic fwd (block_kv, stages, heavy_first)={blocks}: "
+            f"{'fail' if tf is None else f'{tf:.0f} TFLOP/s'}", file=sys.stderr, flush=True)
   return rows
 
 

@@ -145,7 +145,8 @@ def test_progress_without_terminal_prints_lines():
 
 
 def test_mosaic_tuner_rows():
-  """The Mosaic candidates are the (block_kv, stages) pairs that fit in shared memory; without
+  """The Mosaic candidates are the (block_kv, stages) pairs that fit in shared memory (and, for
+  a causal band, the default tiles in natural launch order); without
   a Hopper GPU each one records why it did not run."""
   import tune
   cfg = dict(head_dims=[256], tokens=4096, hidden=256, impls=["jaxflash_mosaic"])
@@ -157,3 +158,5 @@ def test_mosaic_tuner_rows():
                               256)
     assert r["tflops"] is None and "Hopper" in r["error"]
   assert len(rows) < 2 * 12  # some candidates do not fit at D = 256
+  # The natural launch order is tried only with a causal band.
+  assert {r["causal"] for r in rows if not r["blocks"][2]} == {True}

@@ -155,10 +155,11 @@ def test_every_supported_option_lowers(option, t, s):
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("block_kv,stages", [(64, 2), (128, 3), (256, 2)])
-def test_tile_variants_lower(block_kv, stages):
+@pytest.mark.parametrize("block_kv,stages,heavy_first", [(64, 2, True), (128, 3, True),
+                                                         (256, 2, True), (128, 2, False)])
+def test_tile_variants_lower(block_kv, stages, heavy_first):
   q = jax.ShapeDtypeStruct((1, 1000, 4, 64), BF16)
-  config = mosaic.Config(block_kv=block_kv, num_stages=stages)
+  config = mosaic.Config(block_kv=block_kv, num_stages=stages, heavy_first=heavy_first)
   assert "mosaic_gpu" in _lower(_forward(config, is_causal=True), q, q, q)
 
 
@@ -236,9 +237,10 @@ def _bad_cells(got, want, tol=2e-2):
     (1, 1, 1, 1, False)])
 def test_forward_cells_on_gpu(t, s, n, k, causal):
   """Forward only, every batch row, head and 64-row block against the float32 reference, with
-  the shipped and the smallest tiles (the message lists the wrong cells)."""
+  the shipped and the smallest tiles and the natural launch order (the message lists the wrong
+  cells)."""
   q, kk, v, _ = random_qkv(3, 3, t, s, n, k, 128, BF16)
-  for config in (None, SMALL_CONFIGS["mosaic"]):
+  for config in (None, SMALL_CONFIGS["mosaic"], mosaic.Config(heavy_first=False)):
     got = _run(q, kk, v, config, is_causal=causal)
     want, _ = reference_attention(q, kk, v, is_causal=causal)
     bad = _bad_cells(np.asarray(got, np.float32), np.asarray(want))

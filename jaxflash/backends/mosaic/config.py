@@ -25,6 +25,9 @@ class Config:
   block_q: int = 64  # rows per consumer warpgroup (a wgmma M is 64)
   block_kv: int = 128
   num_stages: int = 2  # K/V ring depth
+  # With a causal band, the CTAs whose rows see the most keys are launched first, so that the
+  # short ones fill the tail of the grid instead of one long CTA running alone at the end.
+  heavy_first: bool = True
   triton: triton_config.Config = triton_config.Config()
 
   def __post_init__(self):

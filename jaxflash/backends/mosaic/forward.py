@@ -9,9 +9,13 @@ Grid (N, query tiles, B). A CTA is three warpgroups:
 - ``wg`` 2 is the producer. It streams K and V tiles by TMA into a ring of ``num_stages`` slots
   and refills a slot once both consumers have arrived on its "free" barrier.
 
-Ping-pong: the consumers meet at a schedule barrier twice per key block, offset by half a
-block (consumer 1 meets once before its loop, consumer 0 once after), so that one consumer's
-softmax runs while the other's matmuls occupy the tensor cores.
+Ping-pong: each consumer owns a turn barrier. After issuing its Q Kᵀ it signals the other's
+turn, and before issuing P V it waits for its own, so the tensor cores alternate between the
+consumers' [P V, next Q Kᵀ] pairs while the other consumer runs its softmax. Consumer 1 waits
+once before its loop and consumer 0 signals once after its loop, which starts and ends the
+alternation. On the GPU the turns are hardware named barriers (``bar.arrive`` / ``bar.sync``,
+ids 4 and 5; Mosaic GPU uses 0 to 3); in the interpreter they are mbarriers with the same
+protocol.
 
 Both consumers walk the key blocks of the CTA's ``2 * block_q`` rows, as named by the shared
 `jaxflash.schedule.Schedule`: blocks every row sees in full skip the element mask, the others
@@ -34,6 +38,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith
 
 from jaxflash import _core
 from jaxflash import dropout
@@ -54,6 +61,28 @@ def _smem_tile(shape, dtype):
   row = 128 // jnp.dtype(dtype).itemsize
   transforms = (plgpu.TilingTransform((8, row)), plgpu.SwizzleTransform(128))
   return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+# Named barriers of the ping-pong: consumer w's turn is barrier _TURN_ID + w. Mosaic GPU keeps 0
+# (the CTA) and 1 + warpgroup (its warpgroup barriers) for itself.
+_TURN_ID = 4
+_TURN_THREADS = 2 * 128  # one consumer syncs, the other arrives
+
+
+def _named_barrier(instruction: str, other: bool):
+  """``bar.sync`` / ``bar.arrive`` on the turn barrier of this consumer, or of the other one."""
+
+  @plgpu.inline_mgpu()
+  def emit(_):
+    i32 = ir.IntegerType.get_signless(32)
+    wg = mgpu.utils.warpgroup_idx(sync=False)
+    if other:
+      wg = arith.xori(wg, mgpu.utils.c(1, i32))
+    barrier_id = arith.addi(wg, mgpu.utils.c(_TURN_ID, i32))
+    mgpu.utils.inline_ptx(f"{instruction} $0, {_TURN_THREADS};", barrier_id,
+                          has_side_effects=True)
+
+  emit()
 
 
 def _rows(x, shape):
@@ -87,12 +116,16 @@ def _entry_tile(ref, batch, head, rows, keys):
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref, lse_ref,
             q_smems, k_smem, v_smem, lse_smem, o_smems, q_ready, k_ready, v_ready, k_free, v_free,
-            turn, *, params: Params, config: Config, schedule: Schedule, groups: int):
+            turns, *, params: Params, config: Config, schedule: Schedule, groups: int,
+            q_tiles: int):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
   head_dim = q_smems.shape[-1]
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  cta_start = lax.axis_index("q_tiles") * (_CONSUMERS * block_q)
+  tile = lax.axis_index("q_tiles")
+  if config.heavy_first and schedule.window.right is not None:
+    tile = q_tiles - 1 - tile  # the rows that see the most keys first
+  cta_start = tile * (_CONSUMERS * block_q)
   offsets = () if offsets_ref is None else (offsets_ref[batch, 0], offsets_ref[batch, 1])
   pos = Positions(lengths_ref[batch, 0], lengths_ref[batch, 1], *offsets)
   # The key blocks of the CTA's rows; both consumers and the producer walk exactly these.
@@ -101,9 +134,17 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   def slot_of(j):
     return lax.rem(j - lo, stages)
 
-  def meet():  # the ping-pong rendezvous of the two consumers
-    plgpu.barrier_arrive(turn)
-    plgpu.barrier_wait(turn)
+  def pass_turn():  # to the other consumer: its matmuls may go after the ones just issued
+    if params.interpret:
+      plgpu.barrier_arrive(turns.at[1 - wg])
+    else:
+      _named_barrier("bar.arrive", other=True)
+
+  def await_turn():  # until the other consumer has issued its matmuls
+    if params.interpret:
+      plgpu.barrier_wait(turns.at[wg])
+    else:
+      _named_barrier("bar.sync", other=False)
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
@@ -118,7 +159,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
     def _():
       plgpu.barrier_wait(k_ready.at[0])
 
-    pl.when(wg == 1)(meet)
+    pl.when(wg == 1)(await_turn)  # consumer 0 goes first
 
     # Dropout: the keep mask of absolute coordinates (`jaxflash.dropout`), one hash per entry.
     row_key = None
@@ -149,7 +190,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
       def qk(s_ref):
         plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
-        meet()
+        pass_turn()
         return s_ref[...]
 
       s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
@@ -177,9 +218,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
                       p, 0.0)
       p16 = p.astype(q_smem.dtype)
       acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-      plgpu.barrier_arrive(turn)  # softmax done: the other consumer may issue its matmuls
       plgpu.barrier_wait(v_ready.at[slot])
-      plgpu.barrier_wait(turn)  # the tensor cores are ours again
+      await_turn()  # the tensor cores are ours again
 
       # Computed outside `pv`: run_state must not close over constants (lo may be a literal 0).
       next_slot, has_next = slot_of(j + 1), j + 1 < hi
@@ -205,7 +245,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
             plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _ROWS),
             plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROWS))
     acc, m, l = schedule.visit_kv(cta_start, pos, step, init)
-    pl.when(wg == 0)(meet)
+    pl.when(wg == 0)(pass_turn)  # matches consumer 1's wait before its loop
 
     # A row is empty when it saw no visible key (l == 0) or lies past q_len (full blocks skip
     # the element mask, so padding rows accumulate there); it gives zeros and an LSE of +inf.
@@ -318,21 +358,27 @@ def forward(inputs: Inputs, params: Params, config: Config):
       plgpu.Barrier(num_barriers=stages),  # v_ready
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # k_free
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # v_free
-      plgpu.Barrier(num_arrivals=_CONSUMERS),  # turn (ping-pong)
+      # The consumers' turns in the interpreter (named barriers on the GPU need no memory).
+      plgpu.Barrier(num_barriers=_CONSUMERS) if params.interpret else None,
   )
   kernel = functools.partial(_kernel, params=params, config=config, schedule=schedule,
-                             groups=groups)
+                             groups=groups, q_tiles=q_tiles)
+  # Pallas walks its grid row-major (batch fastest here): the CTAs running at once share a
+  # head, and those of one batch row read the same K and V tiles (L2 reuse).
+  grid, names = (n, q_tiles, b), ("heads", "q_tiles", "batch")
   # The LSE rows are written a whole tile at a time, so its buffer is padded to whole tiles.
   out, lse2 = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32 if params.partial else q.dtype),
                 jax.ShapeDtypeStruct((b, n, q_tiles * rows_per_cta), jnp.float32)),
       scratch_types=scratch,
-      grid=(n, q_tiles, b),
-      grid_names=("heads", "q_tiles", "batch"),
+      grid=grid,
+      grid_names=names,
       num_threads=_CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      # No automatic warpgroup barriers around loads, stores and branches: no thread reads and
+      # writes the same shared memory, and commit_smem orders the O and LSE tiles before TMA.
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
       interpret=plgpu.InterpretGPUParams() if params.interpret else None,
   )(q, k, v, inputs.lengths, inputs.offsets, extras)
   return out[:, :t, :, :h], lse2[..., :t]
