@@ -183,6 +183,7 @@ def config(args) -> dict:
       dtypes=pick(args.dtypes, ["bf16", "fp16"], ["bf16"]),
       head_dims=pick(args.head_dims, [64, 128, 256], [32]),
       seqs=pick(args.seqs, [512, 1024, 2048, 4096, 8192, 16384], [64, 128]),
+      tune_seqs=args.seqs or [4096],  # --tune: the sequence lengths of its cells
       causal=args.causal,
       impls=args.impls or list(IMPLS if on_gpu else CPU_IMPLS),
       gqa=args.gqa,

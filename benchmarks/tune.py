@@ -42,40 +42,47 @@ def _time(kind, fn, case, inputs) -> tuple[float | None, float | None, str | Non
 
 
 def _cases(cfg: dict):
-  """(head dim, causal, case, inputs) of each tuning cell: bf16 at S = 4k, both bands."""
-  s = 4096
-  for d in cfg["head_dims"]:
-    b, n = max(1, cfg["tokens"] // s), cfg["hidden"] // d
-    for causal in (False, True):
-      case = Case("bf16", b, s, n, n, d, causal)
-      yield d, causal, case, make_inputs(case, 0)
+  """(head dim, causal, case, inputs) of each tuning cell: bf16, both bands, at each of
+  ``cfg["tune_seqs"]`` (S = 4k unless --seqs says otherwise)."""
+  for s in cfg.get("tune_seqs", [4096]):
+    for d in cfg["head_dims"]:
+      b, n = max(1, cfg["tokens"] // s), cfg["hidden"] // d
+      for causal in (False, True):
+        case = Case("bf16", b, s, n, n, d, causal)
+        yield d, causal, case, make_inputs(case, 0)
 
 
-def _mosaic_candidates(d: int, causal: bool):
-  """(block_kv, num_stages, heavy_first) of every Mosaic config that fits; the launch order
-  only matters with a causal band, where the default tiles are also tried in natural order."""
-  for block_kv in (64, 128, 192, 256):
-    for stages in (2, 3, 4):
-      if mosaic.config.fits(mosaic.Config(block_kv=block_kv, num_stages=stages), d):
-        yield block_kv, stages, True
+def _mosaic_candidates(d: int, causal: bool, kind: str):
+  """(block_kv, num_stages, heavy_first, persistent) of the Mosaic configs that fit: one CTA
+  per query tile and a persistent grid, for each (K/V tile, ring depth) pair; the launch order
+  only matters with a causal band, where the default config is also tried in natural order."""
+  for block_kv, stages in ((64, 2), (128, 2), (128, 3), (256, 2)):
+    for ctas in (None, mosaic.config.sm_count(kind)):
+      config = mosaic.Config(block_kv=block_kv, num_stages=stages, persistent_ctas=ctas)
+      if mosaic.config.fits(config, d):
+        yield block_kv, stages, True, ctas is not None
   if causal:
-    default = mosaic.default_config(d, jnp.bfloat16, True, 4096, devices.current().kind)
-    yield default.block_kv, default.num_stages, False
+    default = mosaic.default_config(d, jnp.bfloat16, True, 4096, kind)
+    yield default.block_kv, default.num_stages, False, default.persistent_ctas is not None
 
 
 def tune_mosaic(cfg: dict) -> list[dict]:
   """Times the Mosaic forward's candidate configs (`_mosaic_candidates`)."""
   rows = []
+  kind = devices.current().kind
   for d, causal, case, inputs in _cases(cfg):
-    for blocks in _mosaic_candidates(d, causal):
-      block_kv, stages, heavy_first = blocks
-      candidate = mosaic.Config(block_kv=block_kv, num_stages=stages, heavy_first=heavy_first)
+    for blocks in _mosaic_candidates(d, causal, kind):
+      block_kv, stages, heavy_first, persistent = blocks
+      candidate = mosaic.Config(block_kv=block_kv, num_stages=stages, heavy_first=heavy_first,
+                                persistent_ctas=mosaic.config.sm_count(kind) if persistent
+                                else None)
       fn = attention_fn("jaxflash_mosaic", causal, config=candidate)
       ms, tf, err = _time("mosaic_fwd", fn, case, inputs)
-      rows.append(dict(kind="mosaic_fwd", D=d, causal=causal, blocks=blocks, ms=ms, tflops=tf,
-                       error=err))
-      print(f"tune D={d} causal={causal} mosaic fwd (block_kv, stages, heavy_first)={blocks}: "
-            f"{'fail' if tf is None else f'{tf:.0f} TFLOP/s'}", file=sys.stderr, flush=True)
+      rows.append(dict(kind="mosaic_fwd", S=case.s, D=d, causal=causal, blocks=blocks, ms=ms,
+                       tflops=tf, error=err))
+      print(f"tune S={case.s} D={d} causal={causal} mosaic fwd (block_kv, stages, heavy_first, "
+            f"persistent)={blocks}: {'fail' if tf is None else f'{tf:.0f} TFLOP/s'}",
+            file=sys.stderr, flush=True)
   return rows
 
 
@@ -96,21 +103,22 @@ def tune_triton(cfg: dict) -> list[dict]:
                                                  tiles})
         fn = attention_fn("jaxflash_triton", causal, config=candidate)
         ms, tf, err = _time(kind, fn, case, inputs)
-        rows.append(dict(kind=kind, D=d, causal=causal, blocks=opt, ms=ms, tflops=tf,
+        rows.append(dict(kind=kind, S=case.s, D=d, causal=causal, blocks=opt, ms=ms, tflops=tf,
                          error=err))
-        print(f"tune D={d} causal={causal} {kind} {opt}: "
+        print(f"tune S={case.s} D={d} causal={causal} {kind} {opt}: "
               f"{'fail' if tf is None else f'{tf:.0f} TFLOP/s'}", file=sys.stderr, flush=True)
   return rows
 
 
 def print_tune(cfg: dict, rows: list[dict]) -> None:
-  for d in cfg["head_dims"]:
-    for causal in (False, True):
-      for kind in ("fwd", "bwd", "mosaic_fwd"):
-        ok = [r for r in rows if r["D"] == d and r["causal"] == causal and r["kind"] == kind
-              and r["tflops"]]
-        best = max(ok, key=lambda r: r["tflops"]) if ok else None
-        if not any(r["kind"] == kind for r in rows):
-          continue
-        print(f"best D={d} causal={causal} {kind}: "
-              f"{best and best['blocks']} {best and round(best['tflops'])} TFLOP/s")
+  for s in cfg.get("tune_seqs", [4096]):
+    for d in cfg["head_dims"]:
+      for causal in (False, True):
+        for kind in ("fwd", "bwd", "mosaic_fwd"):
+          ok = [r for r in rows if (r["S"], r["D"], r["causal"], r["kind"]) == (s, d, causal, kind)
+                and r["tflops"]]
+          best = max(ok, key=lambda r: r["tflops"]) if ok else None
+          if not any(r["kind"] == kind for r in rows):
+            continue
+          print(f"best S={s} D={d} causal={causal} {kind}: "
+                f"{best and best['blocks']} {best and round(best['tflops'])} TFLOP/s")

@@ -55,8 +55,11 @@ def interpret_for(implementation: str) -> bool:
   return implementation in ("triton", "mosaic") and not ON_GPU
 
 
-def config_for(implementation: str, small: bool):
-  """The small test tiles, or None for the backend's shipped default."""
+def config_for(implementation: str, small):
+  """The small test tiles (``small`` True), None for the backend's shipped default (False), or
+  ``small`` itself when it is a config."""
+  if not isinstance(small, bool):
+    return small
   return SMALL_CONFIGS[implementation] if small else None
 
 

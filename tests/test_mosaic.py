@@ -24,7 +24,8 @@ from jaxflash.ops import flash, partial
 from jaxflash.attention import attention_with_config
 from jaxflash.backends import mosaic
 from jaxflash.reference import reference_attention
-from checks import H100, ON_GPU, OPTIONS, SMALL_CONFIGS, check, random_qkv, rel_err
+from checks import (H100, ON_GPU, OPTIONS, SMALL_CONFIGS, check, random_lengths, random_qkv,
+                    rel_err)
 
 BF16 = jnp.bfloat16
 Q = jax.ShapeDtypeStruct((2, 300, 8, 128), BF16)
@@ -155,12 +156,26 @@ def test_every_supported_option_lowers(option, t, s):
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("block_kv,stages,heavy_first", [(64, 2, True), (128, 3, True),
-                                                         (256, 2, True), (128, 2, False)])
-def test_tile_variants_lower(block_kv, stages, heavy_first):
-  q = jax.ShapeDtypeStruct((1, 1000, 4, 64), BF16)
-  config = mosaic.Config(block_kv=block_kv, num_stages=stages, heavy_first=heavy_first)
-  assert "mosaic_gpu" in _lower(_forward(config, is_causal=True), q, q, q)
+@pytest.mark.parametrize("block_kv,stages,heavy_first,ctas", [
+    (64, 2, True, None), (128, 3, True, None), (256, 2, True, None), (128, 2, False, None),
+    (128, 2, True, 132), (64, 2, False, 132)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_variants_lower(block_kv, stages, heavy_first, ctas, causal):
+  q = jax.ShapeDtypeStruct((2, 1000, 4, 64), BF16)
+  config = mosaic.Config(block_kv=block_kv, num_stages=stages, heavy_first=heavy_first,
+                         persistent_ctas=ctas)
+  assert "mosaic_gpu" in _lower(_forward(config, is_causal=causal), q, q, q)
+
+
+@needs_cuda_plugin
+def test_persistent_partial_results_lower():
+  def fn(q, k, v):
+    call = _checks.normalise(q, k, v, is_causal=True)
+    params = dataclasses.replace(call.params, partial=True)
+    return flash.forward(mosaic.BACKEND, call.inputs, params,
+                         mosaic.Config(block_kv=64, persistent_ctas=132))
+  q = jax.ShapeDtypeStruct((2, 300, 4, 128), BF16)
+  assert "mosaic_gpu" in _lower(fn, q, q, q)
 
 
 @needs_cuda_plugin
@@ -237,10 +252,11 @@ def _bad_cells(got, want, tol=2e-2):
     (1, 1, 1, 1, False)])
 def test_forward_cells_on_gpu(t, s, n, k, causal):
   """Forward only, every batch row, head and 64-row block against the float32 reference, with
-  the shipped and the smallest tiles and the natural launch order (the message lists the wrong
-  cells)."""
+  the shipped and the smallest tiles, the natural launch order and persistent grids of one CTA
+  per SM and of 7 CTAs (the message lists the wrong cells)."""
   q, kk, v, _ = random_qkv(3, 3, t, s, n, k, 128, BF16)
-  for config in (None, SMALL_CONFIGS["mosaic"], mosaic.Config(heavy_first=False)):
+  for config in (None, SMALL_CONFIGS["mosaic"], mosaic.Config(heavy_first=False),
+                 mosaic.Config(persistent_ctas=132), mosaic.Config(persistent_ctas=7)):
     got = _run(q, kk, v, config, is_causal=causal)
     want, _ = reference_attention(q, kk, v, is_causal=causal)
     bad = _bad_cells(np.asarray(got, np.float32), np.asarray(want))
@@ -283,6 +299,30 @@ def test_every_supported_option_at_once():
   b, t, s, n, k, h = OPTION_SHAPE
   options = OPTIONS["everything"](b, t, s, n, 0)
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, **options)
+
+
+# A persistent grid of 3 CTAs: each runs several query tiles of different batch rows and heads,
+# with the K/V ring, the turns and the Q and O tiles running on from one tile to the next.
+PERSISTENT = dataclasses.replace(SMALL_CONFIGS["mosaic"], persistent_ctas=3)
+
+
+def _short_rows(b, t, s, n, seed):
+  """Batch row 0 whole; row 1 with 40 queries (its second query tile is all padding) and no
+  keys (no tile of it visits a key block); more rows random."""
+  lengths = random_lengths(b, t, s, n, seed)
+  return dict(query_seq_lengths=lengths["query_seq_lengths"].at[:2].set(jnp.array([t, 40])),
+              key_value_seq_lengths=lengths["key_value_seq_lengths"].at[:2].set(
+                  jnp.array([s, 0])))
+
+
+@pytest.mark.parametrize("option", ["none", "causal", "short_rows", "everything"])
+def test_persistent_grid(option):
+  """Forward, LSE and gradients through a persistent grid, with tiles that visit no key
+  block between tiles that do."""
+  b, t, s, n, k, h = (3, 300, 333, 4, 2, 128) if ON_GPU else (2, 200, 133, 2, 1, 64)
+  make = _short_rows if option == "short_rows" else OPTIONS[option]
+  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=PERSISTENT,
+        **make(b, t, s, n, 0))
 
 
 @pytest.mark.parametrize("t,s,n,k", [(1, 1, 1, 1), (1, 70, 4, 1), (70, 1, 3, 3), (129, 129, 8, 2),

@@ -28,6 +28,10 @@ class Config:
   # With a causal band, the CTAs whose rows see the most keys are launched first, so that the
   # short ones fill the tail of the grid instead of one long CTA running alone at the end.
   heavy_first: bool = True
+  # A persistent grid of this many CTAs (the SM count), each running every ``persistent_ctas``-th
+  # query tile: the K/V ring, the next tile's Q load and the last tile's O store run on across
+  # tiles. None: one CTA per query tile.
+  persistent_ctas: int | None = None
   triton: triton_config.Config = triton_config.Config()
 
   def __post_init__(self):
@@ -37,6 +41,8 @@ class Config:
       raise ValueError(f"block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be at least 2, got {self.num_stages}")
+    if self.persistent_ctas is not None and self.persistent_ctas < 1:
+      raise ValueError(f"persistent_ctas must be None or positive, got {self.persistent_ctas}")
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -45,11 +51,24 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def smem_bytes(config: Config, head_dim: int, partial: bool = False) -> int:
-  """Shared memory of one CTA: two Q tiles (reused for a 16-bit O), the K and V rings, the LSE
-  rows, and for a partial result two float32 O tiles."""
+  """Shared memory of one CTA: two Q tiles, the K and V rings, the LSE rows, and two O tiles
+  of their own for a partial result (float32) or a persistent CTA (16-bit); otherwise a
+  16-bit O goes out through the Q tiles."""
   hp = padded_head_dim(head_dim)
   tiles = 2 * (2 * config.block_q * hp + 2 * config.num_stages * config.block_kv * hp)
-  return tiles + 8 * 64 + (4 * 2 * config.block_q * hp if partial else 0)
+  o_bytes = 4 if partial else 2 if config.persistent_ctas is not None else 0
+  return tiles + 8 * 64 + o_bytes * 2 * config.block_q * hp
+
+
+# Streaming multiprocessors of the Hopper parts (SXM and GH200: 132), for persistent grids.
+_SM_COUNTS = (("H100 PCIe", 114), ("H100 NVL", 132), ("H20", 78))
+
+
+def sm_count(device_kind: str) -> int:
+  for name, count in _SM_COUNTS:
+    if name in device_kind:
+      return count
+  return 132
 
 
 def fits(config: Config, head_dim: int, partial: bool = False) -> bool:

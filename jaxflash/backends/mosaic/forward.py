@@ -114,25 +114,86 @@ def _entry_tile(ref, batch, head, rows, keys):
   return plgpu.load(ref.at[b, h, rows, keys], layout=plgpu.Layout.WGMMA, optimized=False)
 
 
+class _Grid(NamedTuple):
+  """How CTAs map to work items, each item being the ``2 * block_q`` query rows of one (batch
+  row, head): one CTA per item (``ctas`` None), or ``ctas`` persistent CTAs that take items
+  ``cta, cta + ctas, ...`` with the query tiles of one head consecutive (L2 reuse of K and V)."""
+
+  batch: int
+  heads: int
+  q_tiles: int
+  ctas: int | None
+
+
+def _items(grid: _Grid, heavy_first: bool):
+  """``(count, item)``: how many items this CTA runs and ``item(i) -> (batch, head, tile)``."""
+  if grid.ctas is None:
+    tile = lax.axis_index("q_tiles")
+    if heavy_first:
+      tile = grid.q_tiles - 1 - tile  # the rows that see the most keys first
+    coords = lax.axis_index("batch"), lax.axis_index("heads"), tile
+    return 1, lambda i: coords
+  cta = lax.axis_index("ctas")
+  total = grid.batch * grid.heads * grid.q_tiles
+
+  def item(i):
+    w = cta + i * grid.ctas
+    tile = lax.rem(w, _i32(grid.q_tiles))
+    if heavy_first:
+      tile = grid.q_tiles - 1 - tile
+    head = lax.rem(lax.div(w, _i32(grid.q_tiles)), _i32(grid.heads))
+    return lax.div(w, _i32(grid.q_tiles * grid.heads)), head, tile
+
+  return lax.div(total - cta + (grid.ctas - 1), _i32(grid.ctas)), item
+
+
+def _i32(x: int):
+  return jnp.asarray(x, jnp.int32)
+
+
+def _for_items(count, run_item):
+  """Runs ``first_block = run_item(i, first_block)`` over the CTA's items; returns the number of
+  key blocks visited."""
+  if isinstance(count, int):  # one item: no loop
+    return run_item(_i32(0), _i32(0))
+  return lax.fori_loop(_i32(0), count, run_item, _i32(0))
+
+
+def _warpgroup_barrier():
+  """``bar.sync`` of this warpgroup's 128 threads (Mosaic GPU's own per-warpgroup barrier)."""
+
+  @plgpu.inline_mgpu()
+  def emit(_):
+    mgpu.utils.warpgroup_barrier()
+
+  emit()
+
+
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref, lse_ref,
             q_smems, k_smem, v_smem, lse_smem, o_smems, q_ready, k_ready, v_ready, k_free, v_free,
             turns, *, params: Params, config: Config, schedule: Schedule, groups: int,
-            q_tiles: int):
+            grid: _Grid):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
   head_dim = q_smems.shape[-1]
-  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  tile = lax.axis_index("q_tiles")
-  if config.heavy_first and schedule.window.right is not None:
-    tile = q_tiles - 1 - tile  # the rows that see the most keys first
-  cta_start = tile * (_CONSUMERS * block_q)
-  offsets = () if offsets_ref is None else (offsets_ref[batch, 0], offsets_ref[batch, 1])
-  pos = Positions(lengths_ref[batch, 0], lengths_ref[batch, 1], *offsets)
-  # The key blocks of the CTA's rows; both consumers and the producer walk exactly these.
-  lo, _, _, hi = schedule.kv_blocks(cta_start, pos)
+  heavy_first = config.heavy_first and schedule.window.right is not None
+  count, item = _items(grid, heavy_first)
+  rows_per_cta = _CONSUMERS * block_q
 
-  def slot_of(j):
-    return lax.rem(j - lo, stages)
+  def where(i):
+    """Item ``i``'s batch row, head, first row, positions and key blocks ``[lo, hi)`` (both
+    consumers and the producer walk exactly these)."""
+    batch, head, tile = item(i)
+    cta_start = tile * rows_per_cta
+    offsets = () if offsets_ref is None else (offsets_ref[batch, 0], offsets_ref[batch, 1])
+    pos = Positions(lengths_ref[batch, 0], lengths_ref[batch, 1], *offsets)
+    lo, _, _, hi = schedule.kv_blocks(cta_start, pos)
+    return batch, head, cta_start, pos, lo, hi
+
+  # The K/V ring runs on across items: the n-th block the CTA visits (n counts from 0 over all
+  # its items) sits in slot n % stages. Items carry the count of blocks before them.
+  def slot_of(n):
+    return lax.rem(n, stages)
 
   def pass_turn():  # to the other consumer: its matmuls may go after the ones just issued
     if params.interpret:
@@ -150,149 +211,180 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
     q_smem = q_smems.at[wg]
-    q_start = cta_start + wg * block_q
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem,
-                            q_ready.at[wg])
-    plgpu.barrier_wait(q_ready.at[wg])
-
-    @pl.when(hi > lo)
-    def _():
-      plgpu.barrier_wait(k_ready.at[0])
-
-    pl.when(wg == 1)(await_turn)  # consumer 0 goes first
-
-    # Dropout: the keep mask of absolute coordinates (`jaxflash.dropout`), one hash per entry.
-    row_key = None
-    if extras.dropout_seed is not None:
-      stream = _core.dropout_stream(params, extras.dropout_seed, batch, head)
-      q_rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_ROWS)
-      row_key = dropout.row_keys(stream, masking.shifted(q_rows, pos.q_offset))
-
-    def visible(j, rows, keys, shape):
-      """The element mask of key block ``j``: band, key length, segments, dense mask."""
-      q_segment = kv_segment = dense = None
-      if extras.q_segment_ids is not None:
-        q_ids = plgpu.load(extras.q_segment_ids.at[batch, rows], layout=_ROWS,
-                           optimized=False)
-        kv_ids = plgpu.load(extras.kv_segment_ids.at[batch, keys], layout=_COLS,
-                            optimized=False)
-        q_segment, kv_segment = _rows(q_ids, shape), lax.broadcast_in_dim(kv_ids, shape, [1])
-      if extras.mask is not None:
-        dense = _entry_tile(extras.mask, batch, head, rows, keys) != 0
-      return masking.visible(q_start + _iota(shape, 0), j * block_kv + _iota(shape, 1),
-                             schedule.window,
-                             diagonal=pos.diagonal, kv_len=pos.kv_len, q_segment=q_segment,
-                             kv_segment=kv_segment, dense_mask=dense)
-
-    def step(j, carry, masked: bool):
-      acc, m, l = carry
-      slot = slot_of(j)
-
-      def qk(s_ref):
-        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
-        pass_turn()
-        return s_ref[...]
-
-      s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot])
-      rows, keys = pl.ds(q_start, block_q), pl.ds(j * block_kv, block_kv)
-      bias = None
-      if extras.bias is not None:
-        bias = _entry_tile(extras.bias, batch, head, rows, keys)
-      s2, _ = _core.logits_base2(s, params, bias)
-      if masked:
-        s2 = jnp.where(visible(j, rows, keys, s2.shape), s2, -jnp.inf)
-      # Online softmax. A row that has seen no visible key keeps m = -inf and is shifted by 0
-      # instead, so that exp2 stays finite and the row stays at l = 0, acc = 0. NaN logits make
-      # m, l and acc NaN: the row comes out NaN, as in jax.nn. (A bias may be -inf anywhere.)
-      m_new = jnp.maximum(m, s2.max(axis=1))
-      finite = not masked and bias is None
-      m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m - m_shift)
-      p = jnp.exp2(s2 - _rows(m_shift, s2.shape))
-      l = l * alpha + p.sum(axis=1)  # the undropped sum: dropout leaves the LSE alone
-      acc = acc * _rows(alpha, acc.shape)
-      if row_key is not None:  # dropped entries leave P V only; 1 / P(keep) is applied once
-        cols = masking.shifted(j * block_kv + _iota(p.shape, 1), pos.kv_offset)
-        p = jnp.where(dropout.keep_entries(_rows(row_key, p.shape), cols, params.dropout_rate),
-                      p, 0.0)
-      p16 = p.astype(q_smem.dtype)
-      acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-      plgpu.barrier_wait(v_ready.at[slot])
-      await_turn()  # the tensor cores are ours again
-
-      # Computed outside `pv`: run_state must not close over constants (lo may be a literal 0).
-      next_slot, has_next = slot_of(j + 1), j + 1 < hi
-
-      def wait_next_k():  # while the P V matmul runs
-        pl.when(has_next)(lambda: plgpu.barrier_wait(k_ready.at[next_slot]))
-
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-        wait_next_k()
-
-      if params.interpret:
-        # Mosaic GPU's interpreter (tests on a CPU) has neither run_state nor a wgmma operand in
-        # registers: there P V is a plain dot of the same tiles.
-        acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
-        wait_next_k()
-      else:
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulates in place
-      plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_new, l
-
-    init = (plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _ROWS),
-            plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROWS))
-    acc, m, l = schedule.visit_kv(cta_start, pos, step, init)
-    pl.when(wg == 0)(pass_turn)  # matches consumer 1's wait before its loop
-
-    # A row is empty when it saw no visible key (l == 0) or lies past q_len (full blocks skip
-    # the element mask, so padding rows accumulate there); it gives zeros and an LSE of +inf.
-    # NaN != 0, so a NaN row stays NaN.
-    rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_ROWS)
-    seen = jnp.logical_and(rows < pos.q_len, l != 0.0)
-    l_safe = jnp.where(seen, l, 1.0)
-    scale = params.keep_scale if row_key is not None else 1.0
-    out = jnp.where(_rows(seen, acc.shape), acc * _rows(scale / l_safe, acc.shape), 0.0)
-    # A 16-bit O goes out through the Q tile; a float32 (partial) O through its own.
+    # A 16-bit O of a one-item CTA goes out through its Q tile; otherwise through its own.
     o_smem = q_smem if o_smems is None else o_smems.at[wg]
-    o_smem[...] = out.astype(o_smem.dtype)
-    lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, block_q)])
+
+    def load_q(i):
+      batch, head, tile = item(i)
+      q_start = tile * rows_per_cta + wg * block_q
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem,
+                              q_ready.at[wg])
+
+    load_q(0)
+    # The turns alternate over the blocks of all the CTA's items as one sequence: consumer 0
+    # takes the first turn, so consumer 1 waits once before it and consumer 0 passes once after.
+    pl.when(wg == 1)(await_turn)
+
+    def run_item(i, first_block):
+      batch, head, cta_start, pos, lo, hi = where(i)
+      q_start = cta_start + wg * block_q
+
+      def slot_of_block(j):
+        return slot_of(first_block + j - lo)
+
+      plgpu.barrier_wait(q_ready.at[wg])
+
+      @pl.when(hi > lo)
+      def _():
+        plgpu.barrier_wait(k_ready.at[slot_of_block(lo)])
+
+      # Dropout: the keep mask of absolute coordinates (`jaxflash.dropout`), one hash per entry.
+      row_key = None
+      if extras.dropout_seed is not None:
+        stream = _core.dropout_stream(params, extras.dropout_seed, batch, head)
+        q_rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_ROWS)
+        row_key = dropout.row_keys(stream, masking.shifted(q_rows, pos.q_offset))
+
+      def visible(j, rows, keys, shape):
+        """The element mask of key block ``j``: band, key length, segments, dense mask."""
+        q_segment = kv_segment = dense = None
+        if extras.q_segment_ids is not None:
+          q_ids = plgpu.load(extras.q_segment_ids.at[batch, rows], layout=_ROWS,
+                             optimized=False)
+          kv_ids = plgpu.load(extras.kv_segment_ids.at[batch, keys], layout=_COLS,
+                              optimized=False)
+          q_segment, kv_segment = _rows(q_ids, shape), lax.broadcast_in_dim(kv_ids, shape, [1])
+        if extras.mask is not None:
+          dense = _entry_tile(extras.mask, batch, head, rows, keys) != 0
+        return masking.visible(q_start + _iota(shape, 0), j * block_kv + _iota(shape, 1),
+                               schedule.window,
+                               diagonal=pos.diagonal, kv_len=pos.kv_len, q_segment=q_segment,
+                               kv_segment=kv_segment, dense_mask=dense)
+
+      def step(j, carry, masked: bool):
+        acc, m, l = carry
+        slot = slot_of_block(j)
+
+        def qk(s_ref):
+          plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+          pass_turn()
+          return s_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        rows, keys = pl.ds(q_start, block_q), pl.ds(j * block_kv, block_kv)
+        bias = None
+        if extras.bias is not None:
+          bias = _entry_tile(extras.bias, batch, head, rows, keys)
+        s2, _ = _core.logits_base2(s, params, bias)
+        if masked:
+          s2 = jnp.where(visible(j, rows, keys, s2.shape), s2, -jnp.inf)
+        # Online softmax. A row that has seen no visible key keeps m = -inf and is shifted by 0
+        # instead, so that exp2 stays finite and the row stays at l = 0, acc = 0. NaN logits
+        # make m, l and acc NaN: the row comes out NaN, as in jax.nn. (A bias may be -inf
+        # anywhere.)
+        m_new = jnp.maximum(m, s2.max(axis=1))
+        finite = not masked and bias is None
+        m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_shift)
+        p = jnp.exp2(s2 - _rows(m_shift, s2.shape))
+        l = l * alpha + p.sum(axis=1)  # the undropped sum: dropout leaves the LSE alone
+        acc = acc * _rows(alpha, acc.shape)
+        if row_key is not None:  # dropped entries leave P V only; 1 / P(keep) is applied once
+          cols = masking.shifted(j * block_kv + _iota(p.shape, 1), pos.kv_offset)
+          p = jnp.where(dropout.keep_entries(_rows(row_key, p.shape), cols,
+                                             params.dropout_rate), p, 0.0)
+        p16 = p.astype(q_smem.dtype)
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        plgpu.barrier_wait(v_ready.at[slot])
+        await_turn()  # the tensor cores are ours again
+
+        # Computed outside `pv`: run_state must not close over constants (lo may be a literal
+        # 0).
+        next_slot, has_next = slot_of_block(j + 1), j + 1 < hi
+
+        def wait_next_k():  # while the P V matmul runs
+          pl.when(has_next)(lambda: plgpu.barrier_wait(k_ready.at[next_slot]))
+
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          wait_next_k()
+
+        if params.interpret:
+          # Mosaic GPU's interpreter (tests on a CPU) has neither run_state nor a wgmma operand
+          # in registers: there P V is a plain dot of the same tiles.
+          acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+          wait_next_k()
+        else:
+          acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulates in place
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+      init = (plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
+                                plgpu.Layout.WGMMA),
+              plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _ROWS),
+              plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROWS))
+      acc, m, l = schedule.visit_kv(cta_start, pos, step, init)
+      if grid.ctas is not None:  # Q is no longer read: the next item's loads while O goes out
+        pl.when(i + 1 < count)(lambda: load_q(i + 1))
+
+      # A row is empty when it saw no visible key (l == 0) or lies past q_len (full blocks skip
+      # the element mask, so padding rows accumulate there); it gives zeros and an LSE of +inf.
+      # NaN != 0, so a NaN row stays NaN.
+      rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_ROWS)
+      seen = jnp.logical_and(rows < pos.q_len, l != 0.0)
+      l_safe = jnp.where(seen, l, 1.0)
+      scale = params.keep_scale if row_key is not None else 1.0
+      out = jnp.where(_rows(seen, acc.shape), acc * _rows(scale / l_safe, acc.shape), 0.0)
+      if grid.ctas is not None:
+        # The previous item's O and LSE tiles must have left shared memory. Only the thread
+        # that issued their stores waits, so the warpgroup meets before anyone overwrites them.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if not params.interpret:  # the interpreter runs a warpgroup as one thread
+          _warpgroup_barrier()
+      o_smem[...] = out.astype(o_smem.dtype)
+      lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, block_q)])
+      return first_block + jnp.maximum(hi - lo, 0)
+
+    _for_items(count, run_item)
+    pl.when(wg == 0)(pass_turn)
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
     plgpu.set_max_registers(40, action="decrease")
-    kv_head = lax.div(head, jnp.asarray(groups, head.dtype))
 
-    def load(ref, smem, ready, j, slot):
-      keys = pl.ds(j * block_kv, block_kv)
-      plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], smem.at[slot], ready.at[slot])
+    def run_item(i, first_block):
+      batch, head, _, _, lo, hi = where(i)
+      kv_head = lax.div(head, jnp.asarray(groups, head.dtype))
 
-    for i in range(stages):  # fill the ring
-      @pl.when(lo + i < hi)
-      def _():
-        load(k_ref, k_smem, k_ready, lo + i, i)
-        load(v_ref, v_smem, v_ready, lo + i, i)
+      def load(ref, smem, ready, j, slot):
+        keys = pl.ds(j * block_kv, block_kv)
+        plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], smem.at[slot], ready.at[slot])
 
-    @pl.loop(lo + stages, hi)
-    def _(j):
-      slot = slot_of(j)
-      plgpu.barrier_wait(k_free.at[slot])  # K goes first: the consumers need it first
-      load(k_ref, k_smem, k_ready, j, slot)
-      plgpu.barrier_wait(v_free.at[slot])
-      load(v_ref, v_smem, v_ready, j, slot)
+      @pl.loop(lo, hi)
+      def _(j):
+        n = first_block + j - lo
+        slot = slot_of(n)
+        refill = n >= stages  # the first pass round the ring finds every slot free
+        pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+        load(k_ref, k_smem, k_ready, j, slot)  # K goes first: the consumers need it first
+        pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+        load(v_ref, v_smem, v_ready, j, slot)
+
+      return first_block + jnp.maximum(hi - lo, 0)
+
+    blocks = _for_items(count, run_item)
 
     # Observe the last release of every slot before the CTA ends, so that no barrier phase
     # goes unwaited (Mosaic GPU's interpreter checks this; on the GPU it costs nothing).
-    @pl.loop(jnp.maximum(lo, hi - stages), hi)
-    def _(j):
-      plgpu.barrier_wait(k_free.at[slot_of(j)])
-      plgpu.barrier_wait(v_free.at[slot_of(j)])
+    @pl.loop(jnp.maximum(blocks - stages, 0), blocks)
+    def _(n):
+      plgpu.barrier_wait(k_free.at[slot_of(n)])
+      plgpu.barrier_wait(v_free.at[slot_of(n)])
 
 
 def _pad(x, length: int, hp: int):
@@ -346,13 +438,16 @@ def forward(inputs: Inputs, params: Params, config: Config):
   elementwise = extras.mask is not None or extras.q_segment_ids is not None
   schedule = Schedule(params.window, rows_per_cta, config.block_kv, elementwise)
   stages = config.num_stages
+  out_dtype = jnp.float32 if params.partial else q.dtype
+  own_o_tile = params.partial or config.persistent_ctas is not None
   scratch = (
       _smem_tile((_CONSUMERS, config.block_q, hp), q.dtype),  # Q, then O on the way out
       _smem_tile((stages, config.block_kv, hp), k.dtype),
       _smem_tile((stages, config.block_kv, hp), v.dtype),
       plgpu.SMEM((_CONSUMERS, config.block_q), jnp.float32),  # LSE rows on the way out
-      # O of a partial result (float32), on the way out.
-      _smem_tile((_CONSUMERS, config.block_q, hp), jnp.float32) if params.partial else None,
+      # O on the way out: a partial result's (float32), or a persistent CTA's (Q's tile is
+      # then loading the next item). Otherwise O goes out through Q's tile.
+      _smem_tile((_CONSUMERS, config.block_q, hp), out_dtype) if own_o_tile else None,
       plgpu.Barrier(num_barriers=_CONSUMERS),  # q_ready
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_barriers=stages),  # v_ready
@@ -361,15 +456,19 @@ def forward(inputs: Inputs, params: Params, config: Config):
       # The consumers' turns in the interpreter (named barriers on the GPU need no memory).
       plgpu.Barrier(num_barriers=_CONSUMERS) if params.interpret else None,
   )
-  kernel = functools.partial(_kernel, params=params, config=config, schedule=schedule,
-                             groups=groups, q_tiles=q_tiles)
+  items = _Grid(b, n, q_tiles, None)
   # Pallas walks its grid row-major (batch fastest here): the CTAs running at once share a
   # head, and those of one batch row read the same K and V tiles (L2 reuse).
   grid, names = (n, q_tiles, b), ("heads", "q_tiles", "batch")
+  if config.persistent_ctas is not None:
+    items = _Grid(b, n, q_tiles, min(config.persistent_ctas, b * n * q_tiles))
+    grid, names = (items.ctas,), ("ctas",)
+  kernel = functools.partial(_kernel, params=params, config=config, schedule=schedule,
+                             groups=groups, grid=items)
   # The LSE rows are written a whole tile at a time, so its buffer is padded to whole tiles.
   out, lse2 = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32 if params.partial else q.dtype),
+      out_type=(jax.ShapeDtypeStruct(q.shape, out_dtype),
                 jax.ShapeDtypeStruct((b, n, q_tiles * rows_per_cta), jnp.float32)),
       scratch_types=scratch,
       grid=grid,
