@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import jaxflash
+from jaxflash import devices
+from jaxflash.backends import mosaic
 from checks import GPU_F32_TOLERANCE, OPTIONS, check, dropped_weights, random_qkv, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -81,10 +83,17 @@ def test_bias_gradient_on_gpu(bias_shape):
         is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(8))
 
 
-def test_default_implementation_is_triton_on_gpu():
+def test_default_implementation_on_gpu():
+  """``implementation=None``: the Mosaic forward where it measured faster on this device kind
+  (an H200), else Triton; float32 always Triton."""
   q, k, v, _ = random_qkv(0, 1, 64, 64, 2, 2, 64, jnp.bfloat16)
+  kind = devices.current().kind
+  mosaic_first = mosaic.is_hopper(devices.current()) and mosaic.config.faster_than_triton(kind, 64)
+  assert jaxflash.implementation_for(q, k, v) == ("mosaic" if mosaic_first else "triton")
   text = jax.jit(lambda q, k, v: jaxflash.flash_attention(q, k, v)).lower(q, k, v).as_text()
-  assert "jaxflash_forward" in text
+  assert ("mosaic_gpu" if mosaic_first else "jaxflash_forward") in text
+  q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+  assert jaxflash.implementation_for(q32, k32, v32) == "triton"
 
 
 @pytest.mark.parametrize("implementation", ["triton", "xla"])

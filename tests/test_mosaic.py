@@ -82,8 +82,23 @@ def test_float32_and_wide_heads_are_declined():
     _on_h100(lambda: jaxflash.implementation_for(wide, wide, wide, implementation="mosaic"))
 
 
+H200 = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+    device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+
+
+def test_none_takes_it_where_it_measured_faster():
+  """On an H200 (measured) ``implementation=None`` picks it at the measured head dims (64, and
+  40 padded to 64, 128, 256); at D = 192 (not measured) Triton serves."""
+  def pick(h):
+    x = jax.ShapeDtypeStruct((2, 300, 8, h), BF16)
+    with jax.sharding.use_abstract_mesh(H200):
+      return jaxflash.implementation_for(x, x, x)
+  assert [pick(h) for h in (40, 64, 128, 192, 256)] == ["mosaic"] * 3 + ["triton", "mosaic"]
+
+
 def test_none_takes_it_only_where_it_measured_faster(monkeypatch):
-  """Registered first, but `preferred` consults the measured table: empty, Triton serves."""
+  """Registered first, but `preferred` consults the measured table: without an entry for the
+  device kind (an H100 today), Triton serves."""
   assert backends.names()[0] == "mosaic"
   assert _on_h100(lambda: jaxflash.implementation_for(Q, KV, KV)) == "triton"
   assert _on_h100(lambda: jaxflash.implementation_for(Q, KV, KV, implementation="mosaic")) \
@@ -99,6 +114,8 @@ def test_configs_are_checked():
     mosaic.Config(block_kv=96)
   with pytest.raises(ValueError, match="num_stages"):
     mosaic.Config(num_stages=1)
+  with pytest.raises(ValueError, match="persistent_ctas"):
+    mosaic.Config(persistent_ctas=0)
   for h in (40, 64, 96, 128, 192, 256):
     config = mosaic.default_config(h, BF16, False, 4096, "NVIDIA H200")
     assert mosaic.config.fits(config, h), (h, config)
@@ -165,6 +182,39 @@ def test_tile_variants_lower(block_kv, stages, heavy_first, ctas, causal):
   config = mosaic.Config(block_kv=block_kv, num_stages=stages, heavy_first=heavy_first,
                          persistent_ctas=ctas)
   assert "mosaic_gpu" in _lower(_forward(config, is_causal=causal), q, q, q)
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("ctas", [None, 132])
+def test_lowers_with_x64_and_strict_rank_promotion(ctas):
+  """jax_enable_x64 (int64 Python ints, lengths and segment ids) and rank promotion "raise",
+  with every option at once: nothing in the kernel mixes int32 and int64 or broadcasts ranks."""
+  b, t, s, n, k, h = 2, 300, 333, 4, 2, 128
+  with jax.enable_x64(True), jax.numpy_rank_promotion("raise"):
+    options = OPTIONS["everything"](b, t, s, n, 0)
+    dense = {name: options.pop(name) for name in ("mask", "bias") if name in options}
+    q = jax.ShapeDtypeStruct((b, t, n, h), BF16)
+    kv = jax.ShapeDtypeStruct((b, s, k, h), BF16)
+
+    def fn(q, k, v, *arrays):
+      config = mosaic.Config(persistent_ctas=ctas)
+      return jax.grad(lambda q: jnp.sum(_forward(config, **options, **dict(zip(dense, arrays)))(
+          q, k, v).astype(jnp.float32)))(q)
+
+    # (x64 makes the test's float bias float64, which jaxflash refuses: pass it as bfloat16.)
+    abstract = [jax.ShapeDtypeStruct(x.shape, BF16 if x.dtype == jnp.float64 else x.dtype)
+                for x in dense.values()]
+    assert "mosaic_gpu" in _lower(fn, q, kv, kv, *abstract)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU's interpreter (jax 0.11.2) cannot run under "
+                    "jax_enable_x64: its own while loops mix i32 and i64 carries")
+def test_x64_numerics():
+  """Under jax_enable_x64 the compiled kernel still matches the reference."""
+  b, t, s, n, k, h = OPTION_SHAPE
+  with jax.enable_x64(True):
+    check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, grads=False, is_causal=True,
+          **random_lengths(b, t, s, n, 0))
 
 
 @needs_cuda_plugin

@@ -75,22 +75,33 @@ def fits(config: Config, head_dim: int, partial: bool = False) -> bool:
   return smem_bytes(config, head_dim, partial) <= SMEM_BUDGET
 
 
+# (block_kv, num_stages) by (padded head dim, causal) where the tuner (`bench.py --tune`, bf16,
+# S = 1k and 4k, H200, 2026-11-21) found better than the rule below: D = 64 without a causal band
+# gains from a 256-key tile (325 vs 320 TFLOP/s at 1k, 426 vs 401 at 4k). Everywhere else the
+# rule's tiles won; a persistent grid lost everywhere (0.63-0.69x, benchmarks/NOTES.md).
+TUNED = {(64, False): (256, 2)}
+
+
 def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: str,
                    partial: bool = False) -> Config | None:
-  """The widest K/V tile whose ring fits in shared memory (not yet tuned by measurement), or
-  None if none does (partial results at D = 256)."""
+  """`TUNED`'s tiles, else the 128-key tile if its two-slot ring fits in shared memory, else
+  the 64-key one; None if none fits (partial results at D = 256). One CTA per query tile,
+  causal CTAs launched heaviest first."""
   backward = triton_config.default_config(head_dim, dtype, causal, q_len, device_kind)
-  for block_kv, stages in ((128, 2), (64, 2)):
+  tuned = TUNED.get((padded_head_dim(head_dim), causal))
+  for block_kv, stages in ((tuned,) if tuned else ()) + ((128, 2), (64, 2)):
     config = Config(block_kv=block_kv, num_stages=stages, triton=backward)
     if fits(config, head_dim, partial):
       return config
   return None
 
 
-# Device kinds and head dims where the Mosaic forward measured faster than the Triton one
-# (benchmarks/bench.py, same run): ``implementation=None`` picks it only there. Empty until the
-# kernel has been timed on a GPU; `jaxflash.backends` then falls through to Triton.
-FASTER_THAN_TRITON: dict[str, tuple[int, ...]] = {}
+# Device kinds and (padded) head dims where the Mosaic forward measured faster than the Triton
+# one: ``implementation=None`` picks it only there, and `jaxflash.backends` falls through to
+# Triton elsewhere. H200, bf16, 2026-11-21 (benchmarks/results/mosaic_h200_2026-11-21): 1.0-2.9x
+# the Triton forward at D = 64-256, S = 1k-16k, except D = 64, S = 1k causal at 0.95x (the
+# forward plus the shared Triton backward: 0.99x).
+FASTER_THAN_TRITON: dict[str, tuple[int, ...]] = {"H200": (64, 128, 256)}
 
 
 def faster_than_triton(device_kind: str, head_dim: int) -> bool:

@@ -193,7 +193,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   # The K/V ring runs on across items: the n-th block the CTA visits (n counts from 0 over all
   # its items) sits in slot n % stages. Items carry the count of blocks before them.
   def slot_of(n):
-    return lax.rem(n, stages)
+    return lax.rem(n, jnp.asarray(stages, n.dtype))
 
   def pass_turn():  # to the other consumer: its matmuls may go after the ones just issued
     if params.interpret:
