@@ -87,13 +87,17 @@ H200 = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDe
 
 
 def test_none_takes_it_where_it_measured_faster():
-  """On an H200 (measured) ``implementation=None`` picks it at the measured head dims (64, and
-  40 padded to 64, 128, 256); at D = 192 (not measured) Triton serves."""
-  def pick(h):
-    x = jax.ShapeDtypeStruct((2, 300, 8, h), BF16)
+  """On an H200 (measured) ``implementation=None`` picks it at the measured head dims: 128 and
+  256 at any length, 64 (and 40, padded to 64) from 2048 keys; at D = 192 (not measured) and
+  for float32 Triton serves."""
+  def pick(h, s=4096, dtype=BF16):
+    q = jax.ShapeDtypeStruct((2, 300, 8, h), dtype)
+    kv = jax.ShapeDtypeStruct((2, s, 8, h), dtype)
     with jax.sharding.use_abstract_mesh(H200):
-      return jaxflash.implementation_for(x, x, x)
+      return jaxflash.implementation_for(q, kv, kv)
   assert [pick(h) for h in (40, 64, 128, 192, 256)] == ["mosaic"] * 3 + ["triton", "mosaic"]
+  assert [pick(h, s=1024) for h in (64, 128, 256)] == ["triton", "mosaic", "mosaic"]
+  assert pick(64, s=2048) == "mosaic" and pick(128, dtype=jnp.float32) == "triton"
 
 
 def test_none_takes_it_only_where_it_measured_faster(monkeypatch):
@@ -103,7 +107,7 @@ def test_none_takes_it_only_where_it_measured_faster(monkeypatch):
   assert _on_h100(lambda: jaxflash.implementation_for(Q, KV, KV)) == "triton"
   assert _on_h100(lambda: jaxflash.implementation_for(Q, KV, KV, implementation="mosaic")) \
       == "mosaic"
-  monkeypatch.setitem(mosaic.config.FASTER_THAN_TRITON, "H100", (128,))
+  monkeypatch.setitem(mosaic.config.FASTER_THAN_TRITON, "H100", {128: 0})
   assert _on_h100(lambda: jaxflash.implementation_for(Q, KV, KV)) == "mosaic"
   small = jax.ShapeDtypeStruct((2, 300, 8, 64), BF16)
   assert _on_h100(lambda: jaxflash.implementation_for(small, small, small)) == "triton"

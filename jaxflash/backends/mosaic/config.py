@@ -96,16 +96,19 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
   return None
 
 
-# Device kinds and (padded) head dims where the Mosaic forward measured faster than the Triton
-# one: ``implementation=None`` picks it only there, and `jaxflash.backends` falls through to
-# Triton elsewhere. H200, bf16, 2026-11-21 (benchmarks/results/mosaic_h200_2026-11-21): 1.0-2.9x
-# the Triton forward at D = 64-256, S = 1k-16k, except D = 64, S = 1k causal at 0.95x (the
-# forward plus the shared Triton backward: 0.99x).
-FASTER_THAN_TRITON: dict[str, tuple[int, ...]] = {"H200": (64, 128, 256)}
+# Where the Mosaic forward measured faster than the Triton one: device kind -> {padded head dim:
+# the shortest key length it wins from}. ``implementation=None`` picks it only there, and
+# `jaxflash.backends` falls through to Triton elsewhere. H200, bf16, 2026-11-21
+# (benchmarks/results/mosaic_h200_2026-11-21): forward 1.1-1.6x Triton's at D = 128 and 2.3-3.0x
+# at D = 256 from S = 512; at D = 64 0.88-0.95x up to S = 1k and 1.08-1.24x from 2k. (With the
+# shared Triton backward, forward+backward moves by the same sign, 0.97-1.13x.) Not yet measured
+# on an H100, and not at D = 192.
+FASTER_THAN_TRITON: dict[str, dict[int, int]] = {"H200": {64: 2048, 128: 0, 256: 0}}
 
 
-def faster_than_triton(device_kind: str, head_dim: int) -> bool:
-  for kind, head_dims in FASTER_THAN_TRITON.items():
-    if kind in device_kind and padded_head_dim(head_dim) in head_dims:
-      return True
+def faster_than_triton(device_kind: str, head_dim: int, kv_len: int) -> bool:
+  for kind, min_kv_len in FASTER_THAN_TRITON.items():
+    if kind in device_kind:
+      least = min_kv_len.get(padded_head_dim(head_dim))
+      return least is not None and kv_len >= least
   return False

@@ -1,6 +1,10 @@
 """The Mosaic GPU forward for Hopper (sm90): O and the base-2 LSE, laid out as FlashAttention-3.
 
-Grid (N, query tiles, B). A CTA is three warpgroups:
+Grid (N, query tiles, B), one CTA per ``2 * block_q`` query rows of one (batch row, head); with
+a causal band the tiles that see the most keys launch first. With ``Config.persistent_ctas``
+the grid is that many CTAs instead, each running every ``persistent_ctas``-th tile with its
+K/V ring, turns and Q/O tiles carried from one tile to the next (correct, but slower today:
+benchmarks/NOTES.md). A CTA is three warpgroups:
 
 - ``wg`` 0 and 1 are consumers. Each owns ``block_q`` query rows (one TMA copy into shared
   memory) and, per key block, computes S = Q Kᵀ with wgmma from shared memory, runs the online
@@ -12,8 +16,9 @@ Grid (N, query tiles, B). A CTA is three warpgroups:
 Ping-pong: each consumer owns a turn barrier. After issuing its Q Kᵀ it signals the other's
 turn, and before issuing P V it waits for its own, so the tensor cores alternate between the
 consumers' [P V, next Q Kᵀ] pairs while the other consumer runs its softmax. Consumer 1 waits
-once before its loop and consumer 0 signals once after its loop, which starts and ends the
-alternation. On the GPU the turns are hardware named barriers (``bar.arrive`` / ``bar.sync``,
+once before its first tile and consumer 0 signals once after its last, which starts and ends
+the alternation (one sequence over all of a CTA's tiles, so that no turn is signalled twice
+before it is taken). On the GPU the turns are hardware named barriers (``bar.arrive`` / ``bar.sync``,
 ids 4 and 5; Mosaic GPU uses 0 to 3); in the interpreter they are mbarriers with the same
 protocol.
 
