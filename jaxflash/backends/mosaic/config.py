@@ -100,9 +100,9 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
 # the shortest key length it wins from}. ``implementation=None`` picks it only there, and
 # `jaxflash.backends` falls through to Triton elsewhere. H200, bf16, 2026-11-21
 # (benchmarks/results/mosaic_h200_2026-11-21): forward 1.1-1.6x Triton's at D = 128 and 2.3-3.0x
-# at D = 256 from S = 512; at D = 64 0.88-0.95x up to S = 1k and 1.08-1.24x from 2k. (With the
-# shared Triton backward, forward+backward moves by the same sign, 0.97-1.13x.) Not yet measured
-# on an H100, and not at D = 192.
+# at D = 256 from S = 512; at D = 64 0.88-1.06x up to S = 1k (below Triton in three of those four
+# cells) and 1.08-1.24x from 2k. Forward+backward (the backward is Triton's in both) is
+# 0.97-1.13x. Not yet measured on an H100, and not at D = 192.
 FASTER_THAN_TRITON: dict[str, dict[int, int]] = {"H200": {64: 2048, 128: 0, 256: 0}}
 
 
