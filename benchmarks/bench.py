@@ -13,7 +13,7 @@ stderr; one line per step when stderr is not a terminal. Other uses:
     PYTHONPATH=. python benchmarks/bench.py --dtypes bf16 --head-dims 64 --out a.json  # a part
     PYTHONPATH=. python benchmarks/bench.py --resume --out a.json  # measure only what a.json lacks
     PYTHONPATH=. python benchmarks/bench.py --merge a.json b.json --out all.json  # join parts
-    PYTHONPATH=. python benchmarks/bench.py --tune   # try Triton tile sizes, print the best
+    PYTHONPATH=. python benchmarks/bench.py --tune   # try Triton/Mosaic tiles at 4k (or --seqs)
     python benchmarks/plot.py RESULTS.json           # redraw the plots
 
 The JSON is rewritten after every case, so a run that is stopped keeps what it measured and
@@ -56,7 +56,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
-import numpy as np
 
 from jaxflash import devices
 
@@ -183,7 +182,7 @@ def config(args) -> dict:
       dtypes=pick(args.dtypes, ["bf16", "fp16"], ["bf16"]),
       head_dims=pick(args.head_dims, [64, 128, 256], [32]),
       seqs=pick(args.seqs, [512, 1024, 2048, 4096, 8192, 16384], [64, 128]),
-      tune_seqs=args.seqs or [4096],  # --tune: the sequence lengths of its cells
+      tune_seqs=args.seqs,  # --tune: the sequence lengths of its cells (None: tune.SEQS)
       causal=args.causal,
       impls=args.impls or list(IMPLS if on_gpu else CPU_IMPLS),
       gqa=args.gqa,
@@ -220,7 +219,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       "missing; the JSON is rewritten after every case, so a stopped run resumes")
   parser.add_argument("--merge", nargs="+", metavar="JSON",
                       help="join earlier results into --out instead of measuring")
-  parser.add_argument("--tune", action="store_true", help="sweep Triton tile sizes instead")
+  parser.add_argument("--tune", action="store_true",
+                      help="sweep Triton and Mosaic tiles instead (at S = 4k, or --seqs)")
   parser.add_argument("--floor", default=str(report.DEFAULT_FLOOR),
                       help="acceptance floor JSON to check the rows against (default: issue 5's)")
   parser.add_argument("--compile-workers", type=int,

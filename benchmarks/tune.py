@@ -41,10 +41,17 @@ def _time(kind, fn, case, inputs) -> tuple[float | None, float | None, str | Non
   return ms, flops(case.b, case.n, case.s, case.d, case.causal, mode) / (ms * 1e-3) / 1e12, None
 
 
+SEQS = [4096]  # the tuning cells' sequence length unless --seqs names others
+
+
+def _seqs(cfg: dict) -> list[int]:
+  return cfg.get("tune_seqs") or SEQS
+
+
 def _cases(cfg: dict):
   """(head dim, causal, case, inputs) of each tuning cell: bf16, both bands, at each of
-  ``cfg["tune_seqs"]`` (S = 4k unless --seqs says otherwise)."""
-  for s in cfg.get("tune_seqs", [4096]):
+  `_seqs`."""
+  for s in _seqs(cfg):
     for d in cfg["head_dims"]:
       b, n = max(1, cfg["tokens"] // s), cfg["hidden"] // d
       for causal in (False, True):
@@ -53,17 +60,23 @@ def _cases(cfg: dict):
 
 
 def _mosaic_candidates(d: int, causal: bool, kind: str):
-  """(block_kv, num_stages, heavy_first, persistent) of the Mosaic configs that fit: one CTA
-  per query tile and a persistent grid, for each (K/V tile, ring depth) pair; the launch order
-  only matters with a causal band, where the default config is also tried in natural order."""
+  """The Mosaic configs that fit: one CTA per query tile and a persistent grid, for each (K/V
+  tile, ring depth) pair; the launch order only matters with a causal band, where the default
+  config is also tried in natural order."""
   for block_kv, stages in ((64, 2), (128, 2), (128, 3), (256, 2)):
     for ctas in (None, mosaic.config.sm_count(kind)):
       config = mosaic.Config(block_kv=block_kv, num_stages=stages, persistent_ctas=ctas)
       if mosaic.config.fits(config, d):
-        yield block_kv, stages, True, ctas is not None
+        yield config
   if causal:
     default = mosaic.default_config(d, jnp.bfloat16, True, 4096, kind)
-    yield default.block_kv, default.num_stages, False, default.persistent_ctas is not None
+    yield dataclasses.replace(default, heavy_first=False)
+
+
+def _label(config) -> tuple:
+  """(block_kv, num_stages, heavy_first, persistent): a tuning row's "blocks"."""
+  return (config.block_kv, config.num_stages, config.heavy_first,
+          config.persistent_ctas is not None)
 
 
 def tune_mosaic(cfg: dict) -> list[dict]:
@@ -71,11 +84,8 @@ def tune_mosaic(cfg: dict) -> list[dict]:
   rows = []
   kind = devices.current().kind
   for d, causal, case, inputs in _cases(cfg):
-    for blocks in _mosaic_candidates(d, causal, kind):
-      block_kv, stages, heavy_first, persistent = blocks
-      candidate = mosaic.Config(block_kv=block_kv, num_stages=stages, heavy_first=heavy_first,
-                                persistent_ctas=mosaic.config.sm_count(kind) if persistent
-                                else None)
+    for candidate in _mosaic_candidates(d, causal, kind):
+      blocks = _label(candidate)
       fn = attention_fn("jaxflash_mosaic", causal, config=candidate)
       ms, tf, err = _time("mosaic_fwd", fn, case, inputs)
       rows.append(dict(kind="mosaic_fwd", S=case.s, D=d, causal=causal, blocks=blocks, ms=ms,
@@ -111,7 +121,7 @@ def tune_triton(cfg: dict) -> list[dict]:
 
 
 def print_tune(cfg: dict, rows: list[dict]) -> None:
-  for s in cfg.get("tune_seqs", [4096]):
+  for s in _seqs(cfg):
     for d in cfg["head_dims"]:
       for causal in (False, True):
         for kind in ("fwd", "bwd", "mosaic_fwd"):

@@ -61,7 +61,7 @@ def smem_bytes(config: Config, head_dim: int, partial: bool = False) -> int:
 
 
 # Streaming multiprocessors of the Hopper parts (SXM and GH200: 132), for persistent grids.
-_SM_COUNTS = (("H100 PCIe", 114), ("H100 NVL", 132), ("H20", 78))
+_SM_COUNTS = (("H100 PCIe", 114), ("H20", 78))
 
 
 def sm_count(device_kind: str) -> int:

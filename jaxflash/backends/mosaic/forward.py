@@ -74,11 +74,15 @@ _TURN_ID = 4
 _TURN_THREADS = 2 * 128  # one consumer syncs, the other arrives
 
 
+def _emit(build):
+  """Emits ``build()``'s Mosaic GPU instructions in place (no operands, no results)."""
+  plgpu.inline_mgpu()(lambda _: build())()
+
+
 def _named_barrier(instruction: str, other: bool):
   """``bar.sync`` / ``bar.arrive`` on the turn barrier of this consumer, or of the other one."""
 
-  @plgpu.inline_mgpu()
-  def emit(_):
+  def build():
     i32 = ir.IntegerType.get_signless(32)
     wg = mgpu.utils.warpgroup_idx(sync=False)
     if other:
@@ -87,7 +91,7 @@ def _named_barrier(instruction: str, other: bool):
     mgpu.utils.inline_ptx(f"{instruction} $0, {_TURN_THREADS};", barrier_id,
                           has_side_effects=True)
 
-  emit()
+  _emit(build)
 
 
 def _rows(x, shape):
@@ -162,16 +166,6 @@ def _for_items(count, run_item):
   if isinstance(count, int):  # one item: no loop
     return run_item(_i32(0), _i32(0))
   return lax.fori_loop(_i32(0), count, run_item, _i32(0))
-
-
-def _warpgroup_barrier():
-  """``bar.sync`` of this warpgroup's 128 threads (Mosaic GPU's own per-warpgroup barrier)."""
-
-  @plgpu.inline_mgpu()
-  def emit(_):
-    mgpu.utils.warpgroup_barrier()
-
-  emit()
 
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref, lse_ref,
@@ -346,7 +340,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         # that issued their stores waits, so the warpgroup meets before anyone overwrites them.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if not params.interpret:  # the interpreter runs a warpgroup as one thread
-          _warpgroup_barrier()
+          _emit(mgpu.utils.warpgroup_barrier)  # bar.sync of this warpgroup's 128 threads
       o_smem[...] = out.astype(o_smem.dtype)
       lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
       plgpu.commit_smem()
