@@ -183,6 +183,7 @@ def config(args) -> dict:
       head_dims=pick(args.head_dims, [64, 128, 256], [32]),
       seqs=pick(args.seqs, [512, 1024, 2048, 4096, 8192, 16384], [64, 128]),
       tune_seqs=args.seqs,  # --tune: the sequence lengths of its cells (None: tune.SEQS)
+      tune_families=args.tune_families,  # --tune: the Mosaic candidate families (None: all)
       causal=args.causal,
       impls=args.impls or list(IMPLS if on_gpu else CPU_IMPLS),
       gqa=args.gqa,
@@ -221,6 +222,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="join earlier results into --out instead of measuring")
   parser.add_argument("--tune", action="store_true",
                       help="sweep Triton and Mosaic tiles instead (at S = 4k, or --seqs)")
+  parser.add_argument("--tune-families", nargs="+", choices=tuner.MOSAIC_FAMILIES,
+                      help="--tune: which Mosaic candidates to time (default: all)")
   parser.add_argument("--floor", default=str(report.DEFAULT_FLOOR),
                       help="acceptance floor JSON to check the rows against (default: issue 5's)")
   parser.add_argument("--compile-workers", type=int,

@@ -59,39 +59,64 @@ def _cases(cfg: dict):
         yield d, causal, case, make_inputs(case, 0)
 
 
-def _mosaic_candidates(d: int, causal: bool, kind: str):
-  """The Mosaic configs that fit: one CTA per query tile and a persistent grid, for each (K/V
-  tile, ring depth) pair; the launch order only matters with a causal band, where the default
-  config is also tried in natural order."""
+# The families of Mosaic candidates `--tune-families` can pick (all by default).
+MOSAIC_FAMILIES = ("tiles", "persistent", "overlap", "order")
+
+
+def _mosaic_candidates(d: int, causal: bool, kind: str, families=MOSAIC_FAMILIES):
+  """The Mosaic configs that fit, by family: one CTA per query tile ("tiles") and a persistent
+  grid ("persistent") for each (K/V tile, ring depth) pair; the intra-warpgroup overlap
+  ("overlap") with 64- and 128-key tiles (it keeps two P tiles in registers), alone and on a
+  persistent grid; and, with a causal band, the default config in natural order ("order")."""
+  def fitting(*configs):
+    return [c for c in configs if mosaic.config.fits(c, d)]
+
+  ctas = mosaic.config.sm_count(kind)
   for block_kv, stages in ((64, 2), (128, 2), (128, 3), (256, 2)):
-    for ctas in (None, mosaic.config.sm_count(kind)):
-      config = mosaic.Config(block_kv=block_kv, num_stages=stages, persistent_ctas=ctas)
-      if mosaic.config.fits(config, d):
-        yield config
-  if causal:
+    plain = mosaic.Config(block_kv=block_kv, num_stages=stages)
+    if "tiles" in families:
+      yield from fitting(plain)
+    if "persistent" in families:
+      yield from fitting(dataclasses.replace(plain, persistent_ctas=ctas))
+  if "overlap" in families:
+    for block_kv in (64, 128):
+      overlap = mosaic.Config(block_kv=block_kv, intra_wg_overlap=True)
+      yield from fitting(overlap, dataclasses.replace(overlap, persistent_ctas=ctas))
+  if causal and "order" in families:
     default = mosaic.default_config(d, jnp.bfloat16, True, 4096, kind)
     yield dataclasses.replace(default, heavy_first=False)
 
 
 def _label(config) -> tuple:
-  """(block_kv, num_stages, heavy_first, persistent): a tuning row's "blocks"."""
+  """(block_kv, num_stages, heavy_first, persistent, overlap): a tuning row's "blocks"."""
   return (config.block_kv, config.num_stages, config.heavy_first,
-          config.persistent_ctas is not None)
+          config.persistent_ctas is not None, config.intra_wg_overlap)
 
 
 def tune_mosaic(cfg: dict) -> list[dict]:
-  """Times the Mosaic forward's candidate configs (`_mosaic_candidates`)."""
+  """Times the Mosaic forward's candidate configs (`_mosaic_candidates`), and cuDNN's forward on
+  the same inputs (rows of kind "cudnn_fwd") as the yardstick of each cell."""
   rows = []
   kind = devices.current().kind
+  families = cfg.get("tune_families") or MOSAIC_FAMILIES
   for d, causal, case, inputs in _cases(cfg):
-    for candidate in _mosaic_candidates(d, causal, kind):
+    ms, tf, err = _time("cudnn_fwd", attention_fn("cudnn", causal), case, inputs)
+    rows.append(dict(kind="cudnn_fwd", S=case.s, D=d, causal=causal, blocks=None, ms=ms,
+                     tflops=tf, error=err))
+    cudnn_tf = tf
+    print(f"tune S={case.s} D={d} causal={causal} cuDNN fwd: "
+          f"{'fail ' + str(err) if tf is None else f'{tf:.0f} TFLOP/s'}", file=sys.stderr,
+          flush=True)
+    for candidate in _mosaic_candidates(d, causal, kind, families):
       blocks = _label(candidate)
       fn = attention_fn("jaxflash_mosaic", causal, config=candidate)
       ms, tf, err = _time("mosaic_fwd", fn, case, inputs)
       rows.append(dict(kind="mosaic_fwd", S=case.s, D=d, causal=causal, blocks=blocks, ms=ms,
                        tflops=tf, error=err))
+      ratio = f" ({tf / cudnn_tf:.3f}x cuDNN)" if tf and cudnn_tf else ""
       print(f"tune S={case.s} D={d} causal={causal} mosaic fwd (block_kv, stages, heavy_first, "
-            f"persistent)={blocks}: {'fail' if tf is None else f'{tf:.0f} TFLOP/s'}",
+            f"persistent, overlap)={blocks}: "
+            f"{'fail ' + str(err) if tf is None else f'{tf:.0f} TFLOP/s'}{ratio}",
             file=sys.stderr, flush=True)
   return rows
 
@@ -124,7 +149,7 @@ def print_tune(cfg: dict, rows: list[dict]) -> None:
   for s in _seqs(cfg):
     for d in cfg["head_dims"]:
       for causal in (False, True):
-        for kind in ("fwd", "bwd", "mosaic_fwd"):
+        for kind in ("fwd", "bwd", "mosaic_fwd", "cudnn_fwd"):
           ok = [r for r in rows if (r["S"], r["D"], r["causal"], r["kind"]) == (s, d, causal, kind)
                 and r["tflops"]]
           best = max(ok, key=lambda r: r["tflops"]) if ok else None

@@ -162,15 +162,23 @@ class Schedule:
                                              self.block_q, pos.diagonal))
     return lo, _select(k_start < pos.kv_len, hi, lo)
 
-  def visit_kv(self, q_start, pos: Positions, body: Body, carry):
+  def visit_kv(self, q_start, pos: Positions, body: Body, carry, *, skip: int = 0,
+               count: int | None = None):
     """Runs ``carry = body(j, carry, masked)`` over the key blocks of the query block at
-    ``q_start``, in increasing ``j``; ``masked=False`` only on full blocks. With batched ``pos``
-    (the XLA backend walks every batch row at once) it visits the union of the rows' blocks, all
-    masked."""
+    ``q_start``, in increasing ``j``; ``masked=False`` only on full blocks. ``skip`` and ``count``
+    clip the walk to blocks ``lo + skip ...`` (at most ``count`` of them), for kernels that peel
+    the first block off their loop. With batched ``pos`` (the XLA backend walks every batch row at
+    once) it visits the union of the rows' blocks, all masked."""
     lo, full_lo, full_hi, hi = self.kv_blocks(q_start, pos)
     if jnp.ndim(hi) > 0:
       lo, hi = _union(lo, hi)
       full_lo = full_hi = hi
+    if skip or count is not None:
+      start = lo + skip
+      stop = hi if count is None else jnp.minimum(hi, start + count)
+      lo, full_lo, full_hi, hi = (start, jnp.maximum(full_lo, start),
+                                  jnp.clip(full_hi, start, stop), stop)
+      full_lo = jnp.minimum(full_lo, full_hi)
     masked, unmasked = (functools.partial(body, masked=m) for m in (True, False))
     carry = lax.fori_loop(lo, full_lo, masked, carry)
     carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)

@@ -432,6 +432,17 @@ def test_visit_kv_runs_body_over_the_schedule():
 
   seen = sched.visit_kv(jnp.int32(24), pos, body, jnp.zeros(5, jnp.int32))
   np.testing.assert_array_equal(seen, [2, 2, 2, 1, 0])  # blocks 0-2 full, 3 diagonal, 4 skipped
+  # Clipped walks (a peeled first block, then the rest) visit the same blocks the same way.
+  first = sched.visit_kv(jnp.int32(24), pos, body, jnp.zeros(5, jnp.int32), count=1)
+  np.testing.assert_array_equal(first, [2, 0, 0, 0, 0])
+  rest = sched.visit_kv(jnp.int32(24), pos, body, jnp.zeros(5, jnp.int32), skip=1)
+  np.testing.assert_array_equal(rest, [0, 2, 2, 1, 0])
+  middle = sched.visit_kv(jnp.int32(24), pos, body, jnp.zeros(5, jnp.int32), skip=2, count=1)
+  np.testing.assert_array_equal(middle, [0, 0, 2, 0, 0])
+  band = Schedule(make_window(True, 8), 8, 8)  # a window: blocks 2 (masked), 3 (diagonal)
+  tail = band.visit_kv(jnp.int32(24), pos, body, jnp.zeros(5, jnp.int32), skip=1)
+  whole = band.visit_kv(jnp.int32(24), pos, body, jnp.zeros(5, jnp.int32))
+  np.testing.assert_array_equal(tail, np.where(np.arange(5) > int(np.argmax(whole > 0)), whole, 0))
   counts = sched.visit_q(jnp.int32(16), pos, lambda g, i, c: c.at[g, i].add(1),
                          jnp.zeros((3, 5), jnp.int32), repeat=3)
   np.testing.assert_array_equal(counts, [[0, 0, 1, 1, 1]] * 3)

@@ -177,14 +177,15 @@ def test_every_supported_option_lowers(option, t, s):
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("block_kv,stages,heavy_first,ctas", [
-    (64, 2, True, None), (128, 3, True, None), (256, 2, True, None), (128, 2, False, None),
-    (128, 2, True, 132), (64, 2, False, 132)])
+@pytest.mark.parametrize("block_kv,stages,heavy_first,ctas,overlap", [
+    (64, 2, True, None, False), (128, 3, True, None, False), (256, 2, True, None, False),
+    (128, 2, False, None, False), (128, 2, True, 132, False), (64, 2, False, 132, False),
+    (128, 2, True, None, True), (64, 3, True, 132, True)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_tile_variants_lower(block_kv, stages, heavy_first, ctas, causal):
+def test_tile_variants_lower(block_kv, stages, heavy_first, ctas, overlap, causal):
   q = jax.ShapeDtypeStruct((2, 1000, 4, 64), BF16)
   config = mosaic.Config(block_kv=block_kv, num_stages=stages, heavy_first=heavy_first,
-                         persistent_ctas=ctas)
+                         persistent_ctas=ctas, intra_wg_overlap=overlap)
   assert "mosaic_gpu" in _lower(_forward(config, is_causal=causal), q, q, q)
 
 
@@ -376,6 +377,23 @@ def test_persistent_grid(option):
   b, t, s, n, k, h = (3, 300, 333, 4, 2, 128) if ON_GPU else (2, 200, 133, 2, 1, 64)
   make = _short_rows if option == "short_rows" else OPTIONS[option]
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=PERSISTENT,
+        **make(b, t, s, n, 0))
+
+
+# The intra-warpgroup overlap: the first block peeled off, P V one block behind the scores, the
+# last P V after the loop; alone and on a persistent grid of 3 CTAs.
+OVERLAP = dataclasses.replace(SMALL_CONFIGS["mosaic"], intra_wg_overlap=True)
+
+
+@pytest.mark.parametrize("option,config", [
+    ("none", OVERLAP), ("causal_window", OVERLAP), ("short_rows", OVERLAP),
+    ("everything", OVERLAP),
+    ("short_rows", dataclasses.replace(PERSISTENT, intra_wg_overlap=True))])
+def test_intra_warpgroup_overlap(option, config):
+  """Forward, LSE and gradients with the overlap, including rows and tiles that see no key."""
+  b, t, s, n, k, h = (3, 300, 333, 4, 2, 128) if ON_GPU else (2, 200, 133, 2, 1, 64)
+  make = _short_rows if option == "short_rows" else OPTIONS[option]
+  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config,
         **make(b, t, s, n, 0))
 
 

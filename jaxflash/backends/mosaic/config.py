@@ -32,6 +32,10 @@ class Config:
   # query tile: the K/V ring, the next tile's Q load and the last tile's O store run on across
   # tiles. None: one CTA per query tile.
   persistent_ctas: int | None = None
+  # FlashAttention-3's intra-warpgroup overlap: each step issues the next block's Q Kᵀ with this
+  # block's P V and runs the softmax while P V is in flight. It holds two P tiles and S in
+  # registers next to O, so it needs smaller key tiles at large head dims.
+  intra_wg_overlap: bool = False
   triton: triton_config.Config = triton_config.Config()
 
   def __post_init__(self):

@@ -220,9 +220,16 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
                               q_ready.at[wg])
 
     load_q(0)
-    # The turns alternate over the blocks of all the CTA's items as one sequence: consumer 0
-    # takes the first turn, so consumer 1 waits once before it and consumer 0 passes once after.
-    pl.when(wg == 1)(await_turn)
+    # The turns alternate over the blocks of all the CTA's items as one sequence, consumer 0
+    # first. A turn starts where a consumer awaits it and ends where it passes it on: without
+    # the overlap a turn runs from before a P V to after the next Q Kᵀ, so consumer 1 waits
+    # once before its first and consumer 0 passes once after its last; with it, every turn is
+    # awaited and passed within a step, so consumer 1 hands consumer 0 the first one and
+    # consumer 0 takes consumer 1's last.
+    if config.intra_wg_overlap:
+      pl.when(wg == 1)(pass_turn)
+    else:
+      pl.when(wg == 1)(await_turn)
 
     def run_item(i, first_block):
       batch, head, cta_start, pos, lo, hi = where(i)
@@ -233,9 +240,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
       plgpu.barrier_wait(q_ready.at[wg])
 
-      @pl.when(hi > lo)
-      def _():
-        plgpu.barrier_wait(k_ready.at[slot_of_block(lo)])
+      if not config.intra_wg_overlap:  # (with the overlap each step waits for its own K)
+        pl.when(hi > lo)(lambda: plgpu.barrier_wait(k_ready.at[slot_of_block(lo)]))
 
       # Dropout: the keep mask of absolute coordinates (`jaxflash.dropout`), one hash per entry.
       row_key = None
@@ -260,17 +266,25 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
                                diagonal=pos.diagonal, kv_len=pos.kv_len, q_segment=q_segment,
                                kv_segment=kv_segment, dense_mask=dense)
 
-      def step(j, carry, masked: bool):
-        acc, m, l = carry
-        slot = slot_of_block(j)
+      def scores(j, slot, also=None):
+        """S = Q K_jᵀ: issues the wgmma, then ``also()`` (more matmuls to issue in the same
+        turn), passes the turn and waits for S alone."""
 
         def qk(s_ref):
           plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+          if also is not None:
+            also()
           pass_turn()
-          return s_ref[...]
+          # Each wgmma is its own commit group: S is done once at most ``also``'s are pending.
+          return plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if also is None else 1)
 
         s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
+        return s
+
+      def softmax(j, s, m, l, masked: bool):
+        """One block of the online softmax: ``(p16, m_new, l_new, alpha)``, P in the inputs'
+        dtype (dropped entries zeroed) and alpha the rescale of everything before."""
         rows, keys = pl.ds(q_start, block_q), pl.ds(j * block_kv, block_kv)
         bias = None
         if extras.bias is not None:
@@ -278,22 +292,29 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         s2, _ = _core.logits_base2(s, params, bias)
         if masked:
           s2 = jnp.where(visible(j, rows, keys, s2.shape), s2, -jnp.inf)
-        # Online softmax. A row that has seen no visible key keeps m = -inf and is shifted by 0
-        # instead, so that exp2 stays finite and the row stays at l = 0, acc = 0. NaN logits
-        # make m, l and acc NaN: the row comes out NaN, as in jax.nn. (A bias may be -inf
-        # anywhere.)
+        # A row that has seen no visible key keeps m = -inf and is shifted by 0 instead, so that
+        # exp2 stays finite and the row stays at l = 0, acc = 0. NaN logits make m, l and acc
+        # NaN: the row comes out NaN, as in jax.nn. (A bias may be -inf anywhere.)
         m_new = jnp.maximum(m, s2.max(axis=1))
         finite = not masked and bias is None
         m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_shift)
         p = jnp.exp2(s2 - _rows(m_shift, s2.shape))
         l = l * alpha + p.sum(axis=1)  # the undropped sum: dropout leaves the LSE alone
-        acc = acc * _rows(alpha, acc.shape)
         if row_key is not None:  # dropped entries leave P V only; 1 / P(keep) is applied once
           cols = masking.shifted(j * block_kv + _iota(p.shape, 1), pos.kv_offset)
           p = jnp.where(dropout.keep_entries(_rows(row_key, p.shape), cols,
                                              params.dropout_rate), p, 0.0)
-        p16 = p.astype(q_smem.dtype)
+        return p.astype(q_smem.dtype), m_new, l, alpha
+
+      def step(j, carry, masked: bool):
+        """Block j, one step at a time: S, softmax, then P V (the ping-pong turn spans this
+        block's P V and the next block's Q Kᵀ)."""
+        acc, m, l = carry
+        slot = slot_of_block(j)
+        s = scores(j, slot)
+        p16, m_new, l, alpha = softmax(j, s, m, l, masked)
+        acc = acc * _rows(alpha, acc.shape)
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
         plgpu.barrier_wait(v_ready.at[slot])
         await_turn()  # the tensor cores are ours again
@@ -319,11 +340,67 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
+      # Intra-warpgroup overlap (`Config.intra_wg_overlap`): step j issues Q K_jᵀ and then
+      # P_{j-1} V_{j-1} in one turn, and runs block j's softmax while the P V matmul is still
+      # in flight; O is rescaled once that matmul is done. The first block only computes
+      # scores (`first`) and the last P V runs after the loop (`last`).
+      def first(j, carry, masked: bool):
+        acc, m, l, _ = carry
+        slot = slot_of_block(j)
+        plgpu.barrier_wait(k_ready.at[slot])
+        await_turn()
+        p16, m, l, _ = softmax(j, scores(j, slot), m, l, masked)
+        return acc, m, l, p16
+
+      def overlapped(j, carry, masked: bool):
+        acc, m, l, p_prev = carry
+        slot, prev = slot_of_block(j), slot_of_block(j - 1)
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[prev])
+        await_turn()
+        if params.interpret:  # the interpreter's P V is a plain dot (see `step`)
+          acc = acc + jnp.dot(p_prev, v_smem[prev], preferred_element_type=jnp.float32)
+          p16, m, l, alpha = softmax(j, scores(j, slot), m, l, masked)
+        else:
+          def block(refs):
+            acc_ref, m_ref, l_ref, p_ref, alpha_ref = refs
+            s = scores(j, slot, also=lambda: plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev]))
+            p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(j, s, m, l, masked)
+
+          # run_state waits for every wgmma when it ends: P_{j-1} V_{j-1} is then in acc.
+          acc, m, l, p16, alpha = pl.run_state(block)((plgpu.ACC.init(acc), m, l, p_prev, m))
+        plgpu.barrier_arrive(v_free.at[prev])
+        return acc * _rows(alpha, acc.shape), m, l, p16
+
+      def last(j, carry):
+        acc, m, l, p16 = carry
+        slot = slot_of_block(j)
+        plgpu.barrier_wait(v_ready.at[slot])
+        await_turn()
+        if params.interpret:
+          acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+          pass_turn()
+        else:
+          def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            pass_turn()
+
+          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m, l, p16
+
       init = (plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
                                 plgpu.Layout.WGMMA),
               plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _ROWS),
               plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROWS))
-      acc, m, l = schedule.visit_kv(cta_start, pos, step, init)
+      if config.intra_wg_overlap:
+        p_init = plgpu.layout_cast(jnp.zeros((block_q, block_kv), q_smem.dtype),
+                                   plgpu.Layout.WGMMA)
+        carry = schedule.visit_kv(cta_start, pos, first, init + (p_init,), count=1)
+        carry = schedule.visit_kv(cta_start, pos, overlapped, carry, skip=1)
+        acc, m, l, _ = lax.fori_loop(jnp.maximum(hi - 1, lo), hi, last, carry)
+      else:
+        acc, m, l = schedule.visit_kv(cta_start, pos, step, init)
       if grid.ctas is not None:  # Q is no longer read: the next item's loads while O goes out
         pl.when(i + 1 < count)(lambda: load_q(i + 1))
 
@@ -349,7 +426,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       return first_block + jnp.maximum(hi - lo, 0)
 
     _for_items(count, run_item)
-    pl.when(wg == 0)(pass_turn)
+    pl.when(wg == 0)(await_turn if config.intra_wg_overlap else pass_turn)
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _CONSUMERS)
