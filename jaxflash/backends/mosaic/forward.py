@@ -283,8 +283,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         return s
 
       def softmax(j, s, m, l, masked: bool):
-        """One block of the online softmax: ``(p16, m_new, l_new, alpha)``, P in the inputs'
-        dtype (dropped entries zeroed) and alpha the rescale of everything before."""
+        """One block of the online softmax: ``(p, m_new, l_new, alpha)``, P in float32
+        (dropped entries zeroed) and alpha the rescale of everything before."""
         rows, keys = pl.ds(q_start, block_q), pl.ds(j * block_kv, block_kv)
         bias = None
         if extras.bias is not None:
@@ -305,7 +305,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           cols = masking.shifted(j * block_kv + _iota(p.shape, 1), pos.kv_offset)
           p = jnp.where(dropout.keep_entries(_rows(row_key, p.shape), cols,
                                              params.dropout_rate), p, 0.0)
-        return p.astype(q_smem.dtype), m_new, l, alpha
+        return p, m_new, l, alpha
 
       def step(j, carry, masked: bool):
         """Block j, one step at a time: S, softmax, then P V (the ping-pong turn spans this
@@ -313,7 +313,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         acc, m, l = carry
         slot = slot_of_block(j)
         s = scores(j, slot)
-        p16, m_new, l, alpha = softmax(j, s, m, l, masked)
+        p, m_new, l, alpha = softmax(j, s, m, l, masked)
+        p16 = p.astype(q_smem.dtype)
         acc = acc * _rows(alpha, acc.shape)
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
         plgpu.barrier_wait(v_ready.at[slot])
@@ -349,8 +350,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         slot = slot_of_block(j)
         plgpu.barrier_wait(k_ready.at[slot])
         await_turn()
-        p16, m, l, _ = softmax(j, scores(j, slot), m, l, masked)
-        return acc, m, l, p16
+        p, m, l, _ = softmax(j, scores(j, slot), m, l, masked)
+        return acc, m, l, p.astype(q_smem.dtype)
 
       def overlapped(j, carry, masked: bool):
         acc, m, l, p_prev = carry
@@ -360,17 +361,21 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         await_turn()
         if params.interpret:  # the interpreter's P V is a plain dot (see `step`)
           acc = acc + jnp.dot(p_prev, v_smem[prev], preferred_element_type=jnp.float32)
-          p16, m, l, alpha = softmax(j, scores(j, slot), m, l, masked)
+          p, m, l, alpha = softmax(j, scores(j, slot), m, l, masked)
         else:
           def block(refs):
-            acc_ref, m_ref, l_ref, p_ref, alpha_ref = refs
+            acc_ref, p_ref, m_ref, l_ref, alpha_ref = refs
             s = scores(j, slot, also=lambda: plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev]))
             p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(j, s, m, l, masked)
 
-          # run_state waits for every wgmma when it ends: P_{j-1} V_{j-1} is then in acc.
-          acc, m, l, p16, alpha = pl.run_state(block)((plgpu.ACC.init(acc), m, l, p_prev, m))
+          # run_state waits for every wgmma when it ends: P_{j-1} V_{j-1} is then in acc. O and
+          # P_{j-1} are the in-flight matmul's operands, so nothing may write their registers
+          # before then: O is rescaled, and P_j rounded to 16 bits, only afterwards (else ptxas
+          # serialises every wgmma, warning C7513).
+          acc, p, m, l, alpha = pl.run_state(block)(
+              (plgpu.ACC.init(acc), jnp.zeros_like(p_prev, jnp.float32), m, l, m))
         plgpu.barrier_arrive(v_free.at[prev])
-        return acc * _rows(alpha, acc.shape), m, l, p16
+        return acc * _rows(alpha, acc.shape), m, l, p.astype(q_smem.dtype)
 
       def last(j, carry):
         acc, m, l, p16 = carry
