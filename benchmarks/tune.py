@@ -60,7 +60,7 @@ def _cases(cfg: dict):
 
 
 # The families of Mosaic candidates `--tune-families` can pick (all by default).
-MOSAIC_FAMILIES = ("tiles", "persistent", "overlap", "order")
+MOSAIC_FAMILIES = ("tiles", "persistent", "overlap", "order", "persistent_ctas")
 
 
 def _mosaic_candidates(d: int, causal: bool, kind: str, families=MOSAIC_FAMILIES):
@@ -78,6 +78,10 @@ def _mosaic_candidates(d: int, causal: bool, kind: str, families=MOSAIC_FAMILIES
       yield from fitting(plain)
     if "persistent" in families:
       yield from fitting(dataclasses.replace(plain, persistent_ctas=ctas))
+  if "persistent_ctas" in families:  # the default tiles on 1, 2 CTAs per SM, and one per tile
+    default = mosaic.default_config(d, jnp.bfloat16, causal, 4096, kind)
+    for count in (ctas, 2 * ctas, 1 << 30):
+      yield dataclasses.replace(default, persistent_ctas=count)
   if "overlap" in families:
     for block_kv in (64, 128):
       overlap = mosaic.Config(block_kv=block_kv, intra_wg_overlap=True)
@@ -88,9 +92,10 @@ def _mosaic_candidates(d: int, causal: bool, kind: str, families=MOSAIC_FAMILIES
 
 
 def _label(config) -> tuple:
-  """(block_kv, num_stages, heavy_first, persistent, overlap): a tuning row's "blocks"."""
-  return (config.block_kv, config.num_stages, config.heavy_first,
-          config.persistent_ctas is not None, config.intra_wg_overlap)
+  """(block_kv, num_stages, heavy_first, persistent CTAs or None, overlap): a tuning row's
+  "blocks"."""
+  return (config.block_kv, config.num_stages, config.heavy_first, config.persistent_ctas,
+          config.intra_wg_overlap)
 
 
 def tune_mosaic(cfg: dict) -> list[dict]:
