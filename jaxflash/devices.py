@@ -9,6 +9,7 @@ for JAX's first device. Backends read `Device` to say whether they can serve a c
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 
@@ -39,6 +40,13 @@ def current() -> Device:
   version = str(getattr(device.client, "platform_version", "")).lower()
   nvidia = "nvidia" in device.device_kind.lower() or "cuda" in version
   return Device(platform=device.platform, kind=device.device_kind, nvidia=nvidia)
+
+
+def kind_is(device_kind: str, name: str) -> bool:
+  """Whether ``name`` (a model such as "H200" or "H100 PCIe") is a whole word of the device
+  kind: "NVIDIA H200" is an H200 but neither an H20 nor a GH200."""
+  pattern = r"(?<![A-Za-z0-9])" + re.escape(name) + r"(?![A-Za-z0-9])"
+  return re.search(pattern, device_kind, flags=re.IGNORECASE) is not None
 
 
 def has_nvidia_gpu() -> bool:

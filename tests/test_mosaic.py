@@ -100,6 +100,20 @@ def test_none_takes_it_where_it_measured_faster():
   assert pick(64, s=2048) == "mosaic" and pick(128, dtype=jnp.float32) == "triton"
 
 
+def test_device_kinds_match_whole_words():
+  """An H200 is neither an H20 (78 SMs: a persistent grid of 78 CTAs on an H200 left 54 SMs
+  idle) nor a GH200 (not measured)."""
+  from jaxflash.devices import kind_is
+  assert mosaic.config.sm_count("NVIDIA H200") == 132
+  assert mosaic.config.sm_count("NVIDIA H20") == 78
+  assert mosaic.config.sm_count("NVIDIA H100 PCIe") == 114
+  assert mosaic.config.sm_count("NVIDIA H100 80GB HBM3") == 132
+  assert kind_is("NVIDIA H200", "H200") and not kind_is("NVIDIA H200", "H20")
+  assert not kind_is("NVIDIA GH200 480GB", "H200") and kind_is("NVIDIA GH200 480GB", "GH200")
+  assert mosaic.config.faster_than_triton("NVIDIA H200", 128, 4096)
+  assert not mosaic.config.faster_than_triton("NVIDIA GH200 480GB", 128, 4096)
+
+
 def test_none_takes_it_only_where_it_measured_faster(monkeypatch):
   """Registered first, but `preferred` consults the measured table: without an entry for the
   device kind (an H100 today), Triton serves."""

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.base import Backend
 from jaxflash.backends.mosaic.config import Config, default_config, faster_than_triton
-from jaxflash.devices import Device
+from jaxflash.devices import Device, kind_is
 
 MAX_HEAD_DIM = 256
 
@@ -28,7 +28,7 @@ __all__ = ["BACKEND", "Config", "MAX_HEAD_DIM", "default_config", "is_hopper"]
 
 
 def is_hopper(device: Device) -> bool:
-  return device.is_nvidia_gpu and any(name in device.kind for name in HOPPER_KINDS)
+  return device.is_nvidia_gpu and any(kind_is(device.kind, name) for name in HOPPER_KINDS)
 
 
 def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflash.backends.triton import config as triton_config
+from jaxflash.devices import kind_is
 
 # Shared memory a CTA may use on sm90 (227 KiB), less what Mosaic GPU adds to the tiles counted
 # in `smem_bytes`: 2 KiB of reduction scratch plus barriers and alignment (2.6 KiB measured, in
@@ -69,8 +70,10 @@ _SM_COUNTS = (("H100 PCIe", 114), ("H20", 78))
 
 
 def sm_count(device_kind: str) -> int:
+  # Whole words: a substring test took "NVIDIA H200" for an H20 (78 SMs), which left 54 of
+  # its 132 SMs idle under a persistent grid.
   for name, count in _SM_COUNTS:
-    if name in device_kind:
+    if kind_is(device_kind, name):
       return count
   return 132
 
@@ -112,7 +115,7 @@ FASTER_THAN_TRITON: dict[str, dict[int, int]] = {"H200": {64: 2048, 128: 0, 256:
 
 def faster_than_triton(device_kind: str, head_dim: int, kv_len: int) -> bool:
   for kind, min_kv_len in FASTER_THAN_TRITON.items():
-    if kind in device_kind:
+    if kind_is(device_kind, kind):
       least = min_kv_len.get(padded_head_dim(head_dim))
       return least is not None and kv_len >= least
   return False

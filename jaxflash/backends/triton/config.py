@@ -12,6 +12,8 @@ import dataclasses
 
 import numpy as np
 
+from jaxflash.devices import kind_is
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Tiles:
@@ -83,9 +85,8 @@ DEFAULT_TABLE = "H200"
 
 
 def table_for(device_kind: str) -> tuple[Rule, ...]:
-  kind = device_kind.upper()
   for name, table in TUNED.items():
-    if name in kind:
+    if kind_is(device_kind, name):
       return table
   return TUNED[DEFAULT_TABLE]
 
