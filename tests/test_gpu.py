@@ -89,7 +89,7 @@ def test_default_implementation_on_gpu():
   q, k, v, _ = random_qkv(0, 1, 64, 64, 2, 2, 128, jnp.bfloat16)
   kind = devices.current().kind
   mosaic_first = (mosaic.is_hopper(devices.current())
-                  and mosaic.config.faster_than_triton(kind, 128, 64))
+                  and mosaic.config.faster_than_triton(kind, 128, 64, False))
   assert jaxflash.implementation_for(q, k, v) == ("mosaic" if mosaic_first else "triton")
   text = jax.jit(lambda q, k, v: jaxflash.flash_attention(q, k, v)).lower(q, k, v).as_text()
   assert ("mosaic_gpu" if mosaic_first else "jaxflash_forward") in text

@@ -88,16 +88,19 @@ H200 = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDe
 
 def test_none_takes_it_where_it_measured_faster():
   """On an H200 (measured) ``implementation=None`` picks it at the measured head dims: 128 and
-  256 at any length, 64 (and 40, padded to 64) from 2048 keys; at D = 192 (not measured) and
-  for float32 Triton serves."""
-  def pick(h, s=4096, dtype=BF16):
+  256 at any length, 64 (and 40, padded to 64) from 1024 keys without a causal band and from
+  2048 with one; at D = 192 (not measured) and for float32 Triton serves."""
+  def pick(h, s=4096, dtype=BF16, causal=False):
     q = jax.ShapeDtypeStruct((2, 300, 8, h), dtype)
     kv = jax.ShapeDtypeStruct((2, s, 8, h), dtype)
     with jax.sharding.use_abstract_mesh(H200):
-      return jaxflash.implementation_for(q, kv, kv)
+      return jaxflash.implementation_for(q, kv, kv, is_causal=causal)
   assert [pick(h) for h in (40, 64, 128, 192, 256)] == ["mosaic"] * 3 + ["triton", "mosaic"]
-  assert [pick(h, s=1024) for h in (64, 128, 256)] == ["triton", "mosaic", "mosaic"]
-  assert pick(64, s=2048) == "mosaic" and pick(128, dtype=jnp.float32) == "triton"
+  assert [pick(h, s=512) for h in (64, 128, 256)] == ["triton", "mosaic", "mosaic"]
+  assert [pick(64, s=s) for s in (1024, 2048)] == ["mosaic", "mosaic"]
+  assert [pick(64, s=s, causal=True) for s in (1024, 2048)] == ["triton", "mosaic"]
+  assert pick(128, s=512, causal=True) == "mosaic"
+  assert pick(128, dtype=jnp.float32) == "triton"
 
 
 def test_device_kinds_match_whole_words():
@@ -110,8 +113,8 @@ def test_device_kinds_match_whole_words():
   assert mosaic.config.sm_count("NVIDIA H100 80GB HBM3") == 132
   assert kind_is("NVIDIA H200", "H200") and not kind_is("NVIDIA H200", "H20")
   assert not kind_is("NVIDIA GH200 480GB", "H200") and kind_is("NVIDIA GH200 480GB", "GH200")
-  assert mosaic.config.faster_than_triton("NVIDIA H200", 128, 4096)
-  assert not mosaic.config.faster_than_triton("NVIDIA GH200 480GB", 128, 4096)
+  assert mosaic.config.faster_than_triton("NVIDIA H200", 128, 4096, False)
+  assert not mosaic.config.faster_than_triton("NVIDIA GH200 480GB", 128, 4096, False)
 
 
 def test_none_takes_it_only_where_it_measured_faster(monkeypatch):
@@ -121,7 +124,7 @@ def test_none_takes_it_only_where_it_measured_faster(monkeypatch):
   assert _on_h100(lambda: jaxflash.implementation_for(Q, KV, KV)) == "triton"
   assert _on_h100(lambda: jaxflash.implementation_for(Q, KV, KV, implementation="mosaic")) \
       == "mosaic"
-  monkeypatch.setitem(mosaic.config.FASTER_THAN_TRITON, "H100", {128: 0})
+  monkeypatch.setitem(mosaic.config.FASTER_THAN_TRITON, "H100", {(128, False): 0})
   assert _on_h100(lambda: jaxflash.implementation_for(Q, KV, KV)) == "mosaic"
   small = jax.ShapeDtypeStruct((2, 300, 8, 64), BF16)
   assert _on_h100(lambda: jaxflash.implementation_for(small, small, small)) == "triton"

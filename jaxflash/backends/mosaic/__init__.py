@@ -55,9 +55,10 @@ def _default_config(inputs: Inputs, params: Params, device: Device) -> Config | 
 
 def _preferred(inputs: Inputs, params: Params, device: Device) -> bool:
   """Whether ``implementation=None`` takes this backend: only where the benchmark measured it
-  faster than the Triton one on this device kind, head dim and key length
+  faster than the Triton one on this device kind, head dim, band and key length
   (`config.FASTER_THAN_TRITON`)."""
-  return faster_than_triton(device.kind, inputs.query.shape[-1], inputs.key.shape[1])
+  return faster_than_triton(device.kind, inputs.query.shape[-1], inputs.key.shape[1],
+                            params.window.is_causal)
 
 
 BACKEND = Backend(name="mosaic", Config=Config, package=__name__, supports=_supports,

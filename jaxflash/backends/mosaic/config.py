@@ -82,40 +82,61 @@ def fits(config: Config, head_dim: int, partial: bool = False) -> bool:
   return smem_bytes(config, head_dim, partial) <= SMEM_BUDGET
 
 
-# (block_kv, num_stages) by (padded head dim, causal) where the tuner (`bench.py --tune`, bf16,
-# S = 1k and 4k, H200, 2026-11-21) found better than the rule below: D = 64 without a causal band
-# gains from a 256-key tile (325 vs 320 TFLOP/s at 1k, 426 vs 401 at 4k). Everywhere else the
-# rule's tiles won; a persistent grid lost everywhere (0.63-0.69x, benchmarks/NOTES.md).
-TUNED = {(64, False): (256, 2)}
+# Config fields by (padded head dim, causal) where the tuner (`bench.py --tune`, bf16, S = 1k, 4k
+# and 16k, H200, 2026-11-21, benchmarks/results/mosaic_overlap_h200_2026-11-21) found better than
+# the plain 128-key tile; ``persistent_ctas=True`` stands for one CTA per SM. Against cuDNN's
+# forward in the same runs:
+# - D = 128: the intra-warpgroup overlap everywhere, on a persistent grid without a causal band
+#   (1k: 531 vs 487 TFLOP/s, 4k: 646 vs 626, 16k: 673 vs 624); one CTA per tile with it (a static
+#   round-robin of heaviest-first causal tiles leaves SMs idle: 16k causal 453 persistent vs 683).
+# - D = 256: the overlap on 64-key tiles (two P tiles, S and a 128-register O fit no wider tile):
+#   4k 692 vs 672 and 623 vs 534 causal.
+# - D = 64: 256-key tiles on a persistent grid without a causal band (1k 401 vs 371, 4k 459 vs
+#   456); the plain 128-key tile with one (the overlap lost at D = 64 by 5-25%).
+TUNED: dict[tuple[int, bool], dict] = {
+    (64, False): dict(block_kv=256, persistent_ctas=True),
+    (128, False): dict(intra_wg_overlap=True, persistent_ctas=True),
+    (128, True): dict(intra_wg_overlap=True),
+    (256, False): dict(block_kv=64, intra_wg_overlap=True),
+    (256, True): dict(block_kv=64, intra_wg_overlap=True),
+}
 
 
 def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: str,
                    partial: bool = False) -> Config | None:
-  """`TUNED`'s tiles, else the 128-key tile if its two-slot ring fits in shared memory, else
-  the 64-key one; None if none fits (partial results at D = 256). One CTA per query tile,
-  causal CTAs launched heaviest first."""
+  """`TUNED`'s config (persistent on this device's SM count), else it on one CTA per tile,
+  else the 128-key tile, else the 64-key one, whichever first fits in shared memory (a float32
+  partial result needs O tiles of its own); None if none fits (partial results at D = 256).
+  Causal CTAs are launched heaviest first."""
   backward = triton_config.default_config(head_dim, dtype, causal, q_len, device_kind)
-  tuned = TUNED.get((padded_head_dim(head_dim), causal))
-  for block_kv, stages in ((tuned,) if tuned else ()) + ((128, 2), (64, 2)):
-    config = Config(block_kv=block_kv, num_stages=stages, triton=backward)
+  tuned = dict(TUNED.get((padded_head_dim(head_dim), causal), {}))
+  if tuned.get("persistent_ctas"):
+    tuned["persistent_ctas"] = sm_count(device_kind)
+  candidates = [tuned] if tuned else []
+  if tuned.get("persistent_ctas"):
+    candidates.append(dict(tuned, persistent_ctas=None))
+  candidates += [dict(block_kv=128), dict(block_kv=64)]
+  for fields in candidates:
+    config = Config(triton=backward, **fields)
     if fits(config, head_dim, partial):
       return config
   return None
 
 
-# Where the Mosaic forward measured faster than the Triton one: device kind -> {padded head dim:
-# the shortest key length it wins from}. ``implementation=None`` picks it only there, and
-# `jaxflash.backends` falls through to Triton elsewhere. H200, bf16, 2026-11-21
+# Where the Mosaic forward measured faster than the Triton one: device kind -> {(padded head dim,
+# causal): the shortest key length it wins from}. ``implementation=None`` picks it only there,
+# and `jaxflash.backends` falls through to Triton elsewhere. H200, bf16, 2026-11-21
 # (benchmarks/results/mosaic_h200_2026-11-21): forward 1.1-1.6x Triton's at D = 128 and 2.3-3.0x
-# at D = 256 from S = 512; at D = 64 0.88-1.06x up to S = 1k (below Triton in three of those four
-# cells) and 1.08-1.24x from 2k. Forward+backward (the backward is Triton's in both) is
-# 0.97-1.13x. Not yet measured on an H100, and not at D = 192.
-FASTER_THAN_TRITON: dict[str, dict[int, int]] = {"H200": {64: 2048, 128: 0, 256: 0}}
+# at D = 256 from S = 512. At D = 64 Triton stays ahead with a causal band up to S = 1k (0.88-
+# 0.95x) and without one at S = 512. Not yet measured on an H100, and not at D = 192.
+FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
+    "H200": {(64, False): 1024, (64, True): 2048, (128, False): 0, (128, True): 0,
+             (256, False): 0, (256, True): 0}}
 
 
-def faster_than_triton(device_kind: str, head_dim: int, kv_len: int) -> bool:
+def faster_than_triton(device_kind: str, head_dim: int, kv_len: int, causal: bool) -> bool:
   for kind, min_kv_len in FASTER_THAN_TRITON.items():
     if kind_is(device_kind, kind):
-      least = min_kv_len.get(padded_head_dim(head_dim))
+      least = min_kv_len.get((padded_head_dim(head_dim), causal))
       return least is not None and kv_len >= least
   return False
