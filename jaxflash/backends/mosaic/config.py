@@ -126,11 +126,13 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
 # Where the Mosaic forward measured faster than the Triton one: device kind -> {(padded head dim,
 # causal): the shortest key length it wins from}. ``implementation=None`` picks it only there,
 # and `jaxflash.backends` falls through to Triton elsewhere. H200, bf16, 2026-11-21
-# (benchmarks/results/mosaic_h200_2026-11-21): forward 1.1-1.6x Triton's at D = 128 and 2.3-3.0x
-# at D = 256 from S = 512. At D = 64 Triton stays ahead with a causal band up to S = 1k (0.88-
-# 0.95x) and without one at S = 512. Not yet measured on an H100, and not at D = 192.
+# (benchmarks/results/mosaic_h200_2026-11-21 for Triton, mosaic_final_h200_2026-11-21 for today's
+# Mosaic defaults): forward 1.1-1.6x Triton's at D = 128 and 2.3-3.0x at D = 256 from S = 512.
+# At D = 64 without a causal band 354-476 TFLOP/s against Triton's 284-363 from S = 512; with one
+# Triton stays ahead up to S = 1k (512: 174 vs 188, 1k: 257 vs 257). Not yet measured on an
+# H100, and not at D = 192.
 FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
-    "H200": {(64, False): 1024, (64, True): 2048, (128, False): 0, (128, True): 0,
+    "H200": {(64, False): 0, (64, True): 2048, (128, False): 0, (128, True): 0,
              (256, False): 0, (256, True): 0}}
 
 
