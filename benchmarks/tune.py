@@ -80,8 +80,8 @@ def _mosaic_candidates(d: int, causal: bool, kind: str, families=MOSAIC_FAMILIES
       yield from fitting(dataclasses.replace(plain, persistent_ctas=ctas))
   if "persistent_ctas" in families:  # the default tiles on 1, 2 CTAs per SM, and one per tile
     default = mosaic.default_config(d, jnp.bfloat16, causal, 4096, kind)
-    for count in (ctas, 2 * ctas, 1 << 30):
-      yield dataclasses.replace(default, persistent_ctas=count)
+    yield from fitting(*(dataclasses.replace(default, persistent_ctas=count)
+                         for count in (ctas, 2 * ctas, 1 << 30)))
   if "overlap" in families:
     for block_kv in (64, 128):
       overlap = mosaic.Config(block_kv=block_kv, intra_wg_overlap=True)

@@ -145,19 +145,22 @@ def test_progress_without_terminal_prints_lines():
 
 
 def test_mosaic_tuner_rows():
-  """The Mosaic candidates are the (block_kv, stages) pairs that fit in shared memory (and, for
-  a causal band, the default tiles in natural launch order); without
-  a Hopper GPU each one records why it did not run."""
+  """The Mosaic candidates are the configs of each family that fit in shared memory, next to a
+  cuDNN row per cell; without a Hopper GPU each one records why it did not run."""
   import tune
   cfg = dict(head_dims=[256], tokens=4096, hidden=256, impls=["jaxflash_mosaic"])
   rows = tune.tune(cfg)
-  assert rows and {r["kind"] for r in rows} == {"mosaic_fwd"}
+  assert rows and {r["kind"] for r in rows} == {"mosaic_fwd", "cudnn_fwd"}
   assert {r["causal"] for r in rows} == {False, True}
+  assert any(r["blocks"][4] for r in rows if r["kind"] == "mosaic_fwd")  # the overlap family
   for r in rows:
-    block_kv, stages, _, persistent = r["blocks"]
+    assert r["tflops"] is None and r["error"]  # nothing runs without a GPU
+    if r["kind"] == "cudnn_fwd":  # the yardstick row of each cell
+      continue
+    block_kv, stages, _, ctas, overlap = r["blocks"]
     assert mosaic.config.fits(mosaic.Config(block_kv=block_kv, num_stages=stages,
-                                            persistent_ctas=132 if persistent else None), 256)
-    assert r["tflops"] is None and "Hopper" in r["error"]
+                                            persistent_ctas=ctas, intra_wg_overlap=overlap), 256)
+    assert "Hopper" in r["error"]
   assert len(rows) < 2 * 12  # some candidates do not fit at D = 256
   # The natural launch order is tried only with a causal band.
-  assert {r["causal"] for r in rows if not r["blocks"][2]} == {True}
+  assert {r["causal"] for r in rows if r["blocks"] and not r["blocks"][2]} == {True}
