@@ -31,10 +31,11 @@ class Config:
   heavy_first: bool = True
   # A persistent grid of this many CTAs (the SM count), each running every ``persistent_ctas``-th
   # query tile: the K/V ring, the next tile's Q load and the last tile's O store run on across
-  # tiles. None: one CTA per query tile.
+  # tiles. None: one CTA per query tile (better with a causal band, whose heaviest-first tiles a
+  # static round-robin shares out unevenly).
   persistent_ctas: int | None = None
-  # FlashAttention-3's intra-warpgroup overlap: each step issues the next block's Q Kᵀ with this
-  # block's P V and runs the softmax while P V is in flight. It holds two P tiles and S in
+  # FlashAttention-3's intra-warpgroup overlap: step j issues block j's Q Kᵀ with block j-1's
+  # P V and runs block j's softmax while that P V is in flight. It holds two P tiles and S in
   # registers next to O, so it needs smaller key tiles at large head dims.
   intra_wg_overlap: bool = False
   triton: triton_config.Config = triton_config.Config()

@@ -2,23 +2,30 @@
 
 Grid (N, query tiles, B), one CTA per ``2 * block_q`` query rows of one (batch row, head); with
 a causal band the tiles that see the most keys launch first. With ``Config.persistent_ctas``
-the grid is that many CTAs instead, each running every ``persistent_ctas``-th tile with its
-K/V ring, turns and Q/O tiles carried from one tile to the next (correct, but slower today:
-benchmarks/NOTES.md). A CTA is three warpgroups:
+the grid is that many CTAs instead (one per SM by default without a causal band at D = 64 and
+128), each running every ``persistent_ctas``-th tile with its K/V ring, turns and Q/O tiles
+carried from one tile to the next. A CTA is three warpgroups:
 
 - ``wg`` 0 and 1 are consumers. Each owns ``block_q`` query rows (one TMA copy into shared
   memory) and, per key block, computes S = Q Kᵀ with wgmma from shared memory, runs the online
-  softmax in registers (base 2, the scale folded into one multiply), and accumulates O += P V
+  softmax in registers (base 2, the scale folded into one FMA per entry), and accumulates O += P V
   with wgmma taking P from registers.
 - ``wg`` 2 is the producer. It streams K and V tiles by TMA into a ring of ``num_stages`` slots
   and refills a slot once both consumers have arrived on its "free" barrier.
+
+Intra-warpgroup overlap (``Config.intra_wg_overlap``, FlashAttention-3's): step j issues Q K_jᵀ
+and P_{j-1} V_{j-1} in one turn, waits for S alone, and runs block j's softmax while that P V is
+in flight; O is rescaled and P_j rounded to 16 bits only after it completes (writing either
+earlier would make ptxas serialise every wgmma). The first block's step only computes scores and
+the last P V runs after the loop.
 
 Ping-pong: each consumer owns a turn barrier. After issuing its Q Kᵀ it signals the other's
 turn, and before issuing P V it waits for its own, so the tensor cores alternate between the
 consumers' [P V, next Q Kᵀ] pairs while the other consumer runs its softmax. Consumer 1 waits
 once before its first tile and consumer 0 signals once after its last, which starts and ends
-the alternation (one sequence over all of a CTA's tiles, so that no turn is signalled twice
-before it is taken). On the GPU the turns are hardware named barriers (``bar.arrive`` / ``bar.sync``,
+the alternation (with the overlap every turn starts with a wait and ends with a signal, so
+consumer 1 signals once first and consumer 0 waits once last). It is one sequence over all of a
+CTA's tiles, so that no turn is signalled twice before it is taken. On the GPU the turns are hardware named barriers (``bar.arrive`` / ``bar.sync``,
 ids 4 and 5; Mosaic GPU uses 0 to 3); in the interpreter they are mbarriers with the same
 protocol.
 
