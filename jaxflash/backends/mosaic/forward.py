@@ -25,9 +25,9 @@ consumers' [P V, next Q Kᵀ] pairs while the other consumer runs its softmax. C
 once before its first tile and consumer 0 signals once after its last, which starts and ends
 the alternation (with the overlap every turn starts with a wait and ends with a signal, so
 consumer 1 signals once first and consumer 0 waits once last). It is one sequence over all of a
-CTA's tiles, so that no turn is signalled twice before it is taken. On the GPU the turns are hardware named barriers (``bar.arrive`` / ``bar.sync``,
-ids 4 and 5; Mosaic GPU uses 0 to 3); in the interpreter they are mbarriers with the same
-protocol.
+CTA's tiles, so that no turn is signalled twice before it is taken. On the GPU the turns are
+hardware named barriers (``bar.arrive`` / ``bar.sync``, ids 4 and 5; Mosaic GPU uses 0 to 3); in
+the interpreter they are mbarriers with the same protocol.
 
 Both consumers walk the key blocks of the CTA's ``2 * block_q`` rows, as named by the shared
 `jaxflash.schedule.Schedule`: blocks every row sees in full skip the element mask, the others
