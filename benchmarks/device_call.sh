@@ -1,10 +1,10 @@
 #!/bin/bash
 # One call on the GPU machine, from the repo root: ptxas's view of the Mosaic kernels ($PROBE,
-# ptxas_probe.py config names, or "all"; $SASS / $PTX: those whose SASS / PTX to keep), GPU tests ($TESTS, pytest arguments), a tuner pass
-# ($TUNE, bench.py --tune arguments), a benchmark part ($GRID, bench.py arguments) and the GPT
-# example ($GPT, gpt.py arguments), each under its own time limit (PROBE_S, TEST_S, TUNE_S,
-# GRID_S, GPT_S seconds) so that one call stays under the device's 10 minutes. Everything lands
-# in $OUT. For example:
+# ptxas_probe.py config names or "all"; $PTX: those whose PTX to keep), GPU tests ($TESTS,
+# pytest arguments), a tuner pass ($TUNE, bench.py --tune arguments), a benchmark part ($GRID,
+# bench.py arguments) and the GPT example ($GPT, gpt.py arguments), each under its own time
+# limit (PROBE_S, TEST_S, TUNE_S, GRID_S, GPT_S seconds) so that one call stays under the
+# device's 10 minutes. Everything lands in $OUT. For example:
 #   TESTS="tests/test_mosaic.py" TEST_S=250 GRID="--impls jaxflash_mosaic cudnn --dtypes fp16 \
 #     --head-dims 256 --no-gqa" GRID_S=200 benchmarks/device_call.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.
@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv | tee $OUT/device.txt
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a $OUT/device.txt
 if [ -n "$PROBE" ]; then
 [ "$PROBE" = all ] && PROBE_ARGS="" || PROBE_ARGS="--configs $PROBE"
-timeout ${PROBE_S:-150} python3 benchmarks/ptxas_probe.py --out $OUT --sass $SASS --ptx $PTX $PROBE_ARGS \
+timeout ${PROBE_S:-150} python3 benchmarks/ptxas_probe.py --out $OUT --ptx $PTX $PROBE_ARGS \
   > $OUT/ptxas.log 2>&1
 sed -n '/== ptxas summary ==/,$p' $OUT/ptxas.log | grep . || tail -40 $OUT/ptxas.log
 fi

@@ -98,6 +98,10 @@ def _label(config) -> tuple:
           config.intra_wg_overlap)
 
 
+def _outcome(tflops: float | None, error: str | None) -> str:
+  return f"fail {error}" if tflops is None else f"{tflops:.0f} TFLOP/s"
+
+
 def tune_mosaic(cfg: dict) -> list[dict]:
   """Times the Mosaic forward's candidate configs (`_mosaic_candidates`), and cuDNN's forward on
   the same inputs (rows of kind "cudnn_fwd") as the yardstick of each cell."""
@@ -109,20 +113,22 @@ def tune_mosaic(cfg: dict) -> list[dict]:
     rows.append(dict(kind="cudnn_fwd", S=case.s, D=d, causal=causal, blocks=None, ms=ms,
                      tflops=tf, error=err))
     cudnn_tf = tf
-    print(f"tune S={case.s} D={d} causal={causal} cuDNN fwd: "
-          f"{'fail ' + str(err) if tf is None else f'{tf:.0f} TFLOP/s'}", file=sys.stderr,
-          flush=True)
+    print(f"tune S={case.s} D={d} causal={causal} cuDNN fwd: {_outcome(tf, err)}",
+          file=sys.stderr, flush=True)
+    seen = set()  # families overlap (the default config is also a tile or persistent candidate)
     for candidate in _mosaic_candidates(d, causal, kind, families):
       blocks = _label(candidate)
+      if blocks in seen:
+        continue
+      seen.add(blocks)
       fn = attention_fn("jaxflash_mosaic", causal, config=candidate)
       ms, tf, err = _time("mosaic_fwd", fn, case, inputs)
       rows.append(dict(kind="mosaic_fwd", S=case.s, D=d, causal=causal, blocks=blocks, ms=ms,
                        tflops=tf, error=err))
       ratio = f" ({tf / cudnn_tf:.3f}x cuDNN)" if tf and cudnn_tf else ""
       print(f"tune S={case.s} D={d} causal={causal} mosaic fwd (block_kv, stages, heavy_first, "
-            f"persistent, overlap)={blocks}: "
-            f"{'fail ' + str(err) if tf is None else f'{tf:.0f} TFLOP/s'}{ratio}",
-            file=sys.stderr, flush=True)
+            f"persistent, overlap)={blocks}: {_outcome(tf, err)}{ratio}", file=sys.stderr,
+            flush=True)
   return rows
 
 

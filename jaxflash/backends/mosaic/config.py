@@ -110,13 +110,12 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
   partial result needs O tiles of its own); None if none fits (partial results at D = 256).
   Causal CTAs are launched heaviest first."""
   backward = triton_config.default_config(head_dim, dtype, causal, q_len, device_kind)
-  tuned = dict(TUNED.get((padded_head_dim(head_dim), causal), {}))
-  if tuned.get("persistent_ctas"):
-    tuned["persistent_ctas"] = sm_count(device_kind)
-  candidates = [tuned] if tuned else []
-  if tuned.get("persistent_ctas"):
-    candidates.append(dict(tuned, persistent_ctas=None))
-  candidates += [dict(block_kv=128), dict(block_kv=64)]
+  tuned = TUNED.get((padded_head_dim(head_dim), causal))
+  candidates = [dict(block_kv=128), dict(block_kv=64)]
+  if tuned:
+    candidates.insert(0, dict(tuned, persistent_ctas=None))
+    if tuned.get("persistent_ctas"):
+      candidates.insert(0, dict(tuned, persistent_ctas=sm_count(device_kind)))
   for fields in candidates:
     config = Config(triton=backward, **fields)
     if fits(config, head_dim, partial):

@@ -319,6 +319,25 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
                                              params.dropout_rate), p, 0.0)
         return p, m_new, l, alpha
 
+      def pv_turn(acc, p16, slot, meanwhile):
+        """In this consumer's next turn: O += P V (V from ``slot``), running ``meanwhile()``
+        while the matmul is in flight; then frees the V slot."""
+        plgpu.barrier_wait(v_ready.at[slot])
+        await_turn()  # the tensor cores are ours again
+        if params.interpret:
+          # Mosaic GPU's interpreter (tests on a CPU) has neither run_state nor a wgmma operand
+          # in registers: there P V is a plain dot of the same tiles.
+          acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+          meanwhile()
+        else:
+          def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            meanwhile()
+
+          acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulates in place
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc
+
       def step(j, carry, masked: bool):
         """Block j, one step at a time: S, softmax, then P V (the ping-pong turn spans this
         block's P V and the next block's Q Kᵀ)."""
@@ -329,29 +348,15 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         p16 = p.astype(q_smem.dtype)
         acc = acc * _rows(alpha, acc.shape)
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-        plgpu.barrier_wait(v_ready.at[slot])
-        await_turn()  # the tensor cores are ours again
 
-        # Computed outside `pv`: run_state must not close over constants (lo may be a literal
-        # 0).
+        # Computed outside `pv_turn`'s run_state, which must not close over constants (lo may be
+        # a literal 0).
         next_slot, has_next = slot_of_block(j + 1), j + 1 < hi
 
         def wait_next_k():  # while the P V matmul runs
           pl.when(has_next)(lambda: plgpu.barrier_wait(k_ready.at[next_slot]))
 
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-          wait_next_k()
-
-        if params.interpret:
-          # Mosaic GPU's interpreter (tests on a CPU) has neither run_state nor a wgmma operand
-          # in registers: there P V is a plain dot of the same tiles.
-          acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
-          wait_next_k()
-        else:
-          acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulates in place
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
+        return pv_turn(acc, p16, slot, wait_next_k), m_new, l
 
       # Intra-warpgroup overlap (`Config.intra_wg_overlap`): step j issues Q K_jᵀ and then
       # P_{j-1} V_{j-1} in one turn, and runs block j's softmax while the P V matmul is still
@@ -371,7 +376,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_wait(v_ready.at[prev])
         await_turn()
-        if params.interpret:  # the interpreter's P V is a plain dot (see `step`)
+        if params.interpret:  # the interpreter's P V is a plain dot (see `pv_turn`)
           acc = acc + jnp.dot(p_prev, v_smem[prev], preferred_element_type=jnp.float32)
           p, m, l, alpha = softmax(j, scores(j, slot), m, l, masked)
         else:
@@ -391,20 +396,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
       def last(j, carry):
         acc, m, l, p16 = carry
-        slot = slot_of_block(j)
-        plgpu.barrier_wait(v_ready.at[slot])
-        await_turn()
-        if params.interpret:
-          acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
-          pass_turn()
-        else:
-          def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-            pass_turn()
-
-          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m, l, p16
+        return pv_turn(acc, p16, slot_of_block(j), pass_turn), m, l, p16
 
       init = (plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
                                 plgpu.Layout.WGMMA),
