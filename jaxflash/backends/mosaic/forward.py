@@ -3,7 +3,7 @@
 Grid (N, query tiles, B), one CTA per ``2 * block_q`` query rows of one (batch row, head); with
 a causal band the tiles that see the most keys launch first. With ``Config.persistent_ctas``
 the grid is that many CTAs instead (one per SM by default without a causal band at D = 64 and
-128), each running every ``persistent_ctas``-th tile with its K/V ring, turns and Q/O tiles
+128), each running a share of the tiles (`_items`) with its K/V ring, turns and Q/O tiles
 carried from one tile to the next. A CTA is three warpgroups:
 
 - ``wg`` 0 and 1 are consumers. Each owns ``block_q`` query rows (one TMA copy into shared
@@ -132,8 +132,8 @@ def _entry_tile(ref, batch, head, rows, keys):
 
 class _Grid(NamedTuple):
   """How CTAs map to work items, each item being the ``2 * block_q`` query rows of one (batch
-  row, head): one CTA per item (``ctas`` None), or ``ctas`` persistent CTAs that take items
-  ``cta, cta + ctas, ...`` with the query tiles of one head consecutive (L2 reuse of K and V)."""
+  row, head): one CTA per item (``ctas`` None), or ``ctas`` persistent CTAs, CTA ``c`` taking
+  one item of each consecutive run of ``ctas`` (see `_items`)."""
 
   batch: int
   heads: int
@@ -142,25 +142,52 @@ class _Grid(NamedTuple):
 
 
 def _items(grid: _Grid, heavy_first: bool):
-  """``(count, item)``: how many items this CTA runs and ``item(i) -> (batch, head, tile)``."""
+  """``(count, item)``: how many items this CTA runs and ``item(i) -> (batch, head, tile)``.
+
+  Persistent CTAs share out the items in rounds of ``ctas`` consecutive ones, CTA ``c`` taking
+  the ``c``-th of each round. Without a causal band every item costs the same, and the query tiles of one head are consecutive so
+  that CTAs running at once share K and V in L2. With one, items go by cost, heaviest tiles of
+  every (batch row, head) first, and odd rounds run backwards (``c`` takes the round's
+  ``ctas - 1 - c``-th item): a CTA that took a heavier item in one round takes a lighter one in
+  the next, so every CTA ends within about one item of the others. (Tile-fastest order there
+  gave CTA ``c`` tile ``c mod q_tiles`` every round when ``q_tiles`` divides ``ctas``: a 4x
+  spread of work between CTAs at 4 tiles a head.)
+  """
   if grid.ctas is None:
     tile = lax.axis_index("q_tiles")
     if heavy_first:
       tile = grid.q_tiles - 1 - tile  # the rows that see the most keys first
     coords = lax.axis_index("batch"), lax.axis_index("heads"), tile
     return 1, lambda i: coords
-  cta = lax.axis_index("ctas")
+  return _persistent_items(grid, heavy_first, lax.axis_index("ctas"))
+
+
+def _persistent_items(grid: _Grid, heavy_first: bool, cta):
+  """`_items` for persistent CTA ``cta`` (a pure function of it, for tests)."""
+  ctas = _i32(grid.ctas)
   total = grid.batch * grid.heads * grid.q_tiles
+  if not heavy_first:
+    def item(i):
+      w = cta + i * ctas
+      tile = lax.rem(w, _i32(grid.q_tiles))
+      head = lax.rem(lax.div(w, _i32(grid.q_tiles)), _i32(grid.heads))
+      return lax.div(w, _i32(grid.q_tiles * grid.heads)), head, tile
+
+    return lax.div(total - cta + (ctas - 1), ctas), item
+
+  def place(i):  # this CTA's place in round i
+    return jnp.where(lax.rem(i, _i32(2)) == 0, cta, ctas - 1 - cta)
 
   def item(i):
-    w = cta + i * grid.ctas
-    tile = lax.rem(w, _i32(grid.q_tiles))
-    if heavy_first:
-      tile = grid.q_tiles - 1 - tile
-    head = lax.rem(lax.div(w, _i32(grid.q_tiles)), _i32(grid.heads))
-    return lax.div(w, _i32(grid.q_tiles * grid.heads)), head, tile
+    w = i * ctas + place(i)
+    rows = grid.batch * grid.heads
+    tile = grid.q_tiles - 1 - lax.div(w, _i32(rows))
+    row = lax.rem(w, _i32(rows))  # heads fastest: a GQA group's heads share K and V
+    return lax.div(row, _i32(grid.heads)), lax.rem(row, _i32(grid.heads)), tile
 
-  return lax.div(total - cta + (grid.ctas - 1), _i32(grid.ctas)), item
+  rounds = total // grid.ctas  # full rounds; the last one holds total % ctas items
+  tail = (place(_i32(rounds)) < total % grid.ctas).astype(jnp.int32)
+  return _i32(rounds) + tail, item
 
 
 def _i32(x: int):
