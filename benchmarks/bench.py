@@ -77,7 +77,8 @@ METHOD = ("compiled once per (case, impl, mode); output and dQ of batch rows 0 a
 
 
 def run_impl(impl: str, case: Case, inputs, ref, *, interpret: bool, timing: dict,
-             compiler_options: dict | None = None, compiled: dict | None = None) -> list[dict]:
+             compiler_options: dict | None = None, compiled: dict | None = None,
+             modes: tuple[str, ...] = MODES) -> list[dict]:
   """One row per mode: compile once, check against ``ref``, time. Failures become rows.
 
   ``compiled`` may map a mode to a future of `compile_mode`'s result (compiled ahead, in
@@ -86,10 +87,10 @@ def run_impl(impl: str, case: Case, inputs, ref, *, interpret: bool, timing: dic
   base = dict(impl=impl, **case.row())
   reason = skip_reason(impl, case)
   if reason:
-    return [dict(base, mode=mode, skipped=reason) for mode in MODES]
+    return [dict(base, mode=mode, skipped=reason) for mode in modes]
   q_sl, _ = check_slices(case)
   rows = []
-  for mode in MODES:
+  for mode in modes:
     row = dict(base, mode=mode, ms=None, tflops=None, temp_bytes=None, relerr=None,
                relerr_dq=None, calls=None, wrong=False)
     try:
@@ -124,9 +125,10 @@ def sweep(cfg: dict, previous: list[dict] = (), checkpoint: Callable | None = No
   interpret = not devices.has_nvidia_gpu()
   timing = {key: cfg[key] for key in ("warmups", "calls", "repeats", "slow_ms", "budget_ms")}
   options = cfg.get("compiler_options")
+  modes = tuple(cfg.get("modes") or MODES)
   have = {row_key(r) for r in previous}
   todo = [(case, [impl for impl in cfg["impls"] if any(
-      row_key(dict(impl=impl, mode=mode, **case.row())) not in have for mode in MODES)])
+      row_key(dict(impl=impl, mode=mode, **case.row())) not in have for mode in modes)])
           for case in build_cases(cfg)]
   progress = Progress(sum(len(impls) for _, impls in todo))
   rows = list(previous)
@@ -144,7 +146,7 @@ def sweep(cfg: dict, previous: list[dict] = (), checkpoint: Callable | None = No
     if pool:
       ref_future = pool.submit(reference, case, *inputs, compiler_options=options)
       compiled = {impl: {mode: pool.submit(compile_mode, impl, case, inputs, mode, interpret,
-                                           options) for mode in MODES} for impl in applicable}
+                                           options) for mode in modes} for impl in applicable}
       wait([ref_future] + [f for futures in compiled.values() for f in futures.values()])
     ref, ref_error = None, None
     for impl in impls:
@@ -156,10 +158,10 @@ def sweep(cfg: dict, previous: list[dict] = (), checkpoint: Callable | None = No
         except Exception as e:  # noqa: BLE001 - e.g. OOM: every impl of this case reports it
           ref_error = f"reference: {e!r}"[:300]
       if ref_error and impl in applicable:
-        rows += [dict(impl=impl, mode=mode, **case.row(), error=ref_error) for mode in MODES]
+        rows += [dict(impl=impl, mode=mode, **case.row(), error=ref_error) for mode in modes]
       else:
         rows += run_impl(impl, case, inputs, ref, interpret=interpret, timing=timing,
-                         compiler_options=options, compiled=compiled.get(impl))
+                         compiler_options=options, compiled=compiled.get(impl), modes=modes)
       progress.advance()
     del inputs, ref, compiled  # executables left unused after a reference error go here
     if checkpoint:
@@ -185,6 +187,7 @@ def config(args) -> dict:
       tune_seqs=args.seqs,  # --tune: the sequence lengths of its cells (None: tune.SEQS)
       tune_families=args.tune_families,  # --tune: the Mosaic candidate families (None: all)
       causal=args.causal,
+      modes=args.modes or list(MODES),
       impls=args.impls or list(IMPLS if on_gpu else CPU_IMPLS),
       gqa=args.gqa,
       gqa_heads=[4, 2, 32] if smoke else [32, 8, 128],
@@ -207,6 +210,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--head-dims", type=int, nargs="+", help="default: 64 128 256")
   parser.add_argument("--seqs", type=int, nargs="+", help="default: 512 1024 ... 16384")
   parser.add_argument("--causal", choices=("both", "y", "n"), default="both")
+  parser.add_argument("--modes", nargs="+", choices=MODES, help="default: fwd fwdbwd")
   parser.add_argument("--impls", nargs="+", choices=IMPLS,
                       help="default: all on a GPU; without one, " + " ".join(CPU_IMPLS))
   parser.add_argument("--gqa", action=argparse.BooleanOptionalAction, default=True,

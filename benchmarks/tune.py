@@ -49,12 +49,13 @@ def _seqs(cfg: dict) -> list[int]:
 
 
 def _cases(cfg: dict):
-  """(head dim, causal, case, inputs) of each tuning cell: bf16, both bands, at each of
-  `_seqs`."""
+  """(head dim, causal, case, inputs) of each tuning cell: bf16, the bands of ``--causal``, at
+  each of `_seqs`."""
+  bands = {"both": (False, True), "n": (False,), "y": (True,)}[cfg.get("causal", "both")]
   for s in _seqs(cfg):
     for d in cfg["head_dims"]:
       b, n = max(1, cfg["tokens"] // s), cfg["hidden"] // d
-      for causal in (False, True):
+      for causal in bands:
         case = Case("bf16", b, s, n, n, d, causal)
         yield d, causal, case, make_inputs(case, 0)
 

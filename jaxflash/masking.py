@@ -100,6 +100,24 @@ def shifted(rows, diagonal):
   return rows if _is_zero(diagonal) else rows + diagonal
 
 
+def key_range(q_idx, window: Window, *, diagonal=0, kv_len=None):
+  """The band and the key length as one inclusive range of local key columns per query row:
+  ``(first, last)``, key ``k`` being visible from row ``q_idx`` iff ``first <= k <= last``
+  (``None`` on an unbounded side).
+
+  A kernel computes it once per row and masks a tile with one compare per bound and entry
+  instead of building the band from per-entry positions (`visible` uses it too).
+  """
+  first = last = None
+  if not window.is_full:  # (else ``q_idx`` is not used: a kernel may pass None)
+    q_abs = shifted(q_idx, diagonal)  # in the keys' frame: the band compares it with key columns
+    first = None if window.left is None else q_abs - window.left
+    last = None if window.right is None else q_abs + window.right
+  if kv_len is not None:
+    last = kv_len - 1 if last is None else jnp.minimum(last, kv_len - 1)
+  return first, last
+
+
 def visible(q_idx, k_idx, window: Window, *, diagonal=0, q_len=None, kv_len=None, q_segment=None,
             kv_segment=None, dense_mask=None):
   """Boolean mask of visible entries for local query rows ``q_idx`` and key columns ``k_idx``.
@@ -110,15 +128,13 @@ def visible(q_idx, k_idx, window: Window, *, diagonal=0, q_len=None, kv_len=None
   the rest; the result is ``None`` when nothing is imposed at all.
   """
   conds = []
-  q_abs = shifted(q_idx, diagonal)  # in the keys' frame: the band compares it with k_idx
-  if window.left is not None:
-    conds.append(k_idx >= q_abs - window.left)
-  if window.right is not None:
-    conds.append(k_idx <= q_abs + window.right)
+  first, last = key_range(q_idx, window, diagonal=diagonal, kv_len=kv_len)
+  if first is not None:
+    conds.append(k_idx >= first)
+  if last is not None:
+    conds.append(k_idx <= last)
   if q_len is not None:
     conds.append(q_idx < q_len)
-  if kv_len is not None:
-    conds.append(k_idx < kv_len)
   if q_segment is not None:
     conds.append(q_segment == kv_segment)
   if dense_mask is not None:

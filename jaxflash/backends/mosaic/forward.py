@@ -179,6 +179,7 @@ def _persistent_items(grid: _Grid, heavy_first: bool, cta):
     return jnp.where(lax.rem(i, _i32(2)) == 0, cta, ctas - 1 - cta)
 
   def item(i):
+    i = _i32(i)  # a literal 0 is int64 under jax_enable_x64
     w = i * ctas + place(i)
     rows = grid.batch * grid.heads
     tile = grid.q_tiles - 1 - lax.div(w, _i32(rows))
@@ -284,21 +285,34 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         q_rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_ROWS)
         row_key = dropout.row_keys(stream, masking.shifted(q_rows, pos.q_offset))
 
+      # The band and the key length as one key range per row, computed once per item: a masked
+      # block then costs one compare per bound and entry (`masking.key_range`).
+      # (Without a band the bound is the key length alone: no row vector, whose unused iota
+      # Mosaic GPU's layout inference cannot place.)
+      band = not schedule.window.is_full
+      first_key, last_key = masking.key_range(
+          q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_ROWS) if band
+          else None, schedule.window, diagonal=pos.diagonal, kv_len=pos.kv_len)
+
       def visible(j, rows, keys, shape):
-        """The element mask of key block ``j``: band, key length, segments, dense mask."""
-        q_segment = kv_segment = dense = None
+        """The element mask of key block ``j``: band, key length, segments, dense mask (the
+        conditions of `masking.visible`, the first two by row from ``first_key``/``last_key``)."""
+        cols = _iota(shape, 1)
+        start = j * block_kv
+        # (Without a band side, a bound is the same for every row: a scalar.)
+        by_row = lambda x: x if jnp.ndim(x) == 0 else _rows(x, shape)
+        conds = [cols <= by_row(last_key - start)]  # the key length always bounds it
+        if first_key is not None:
+          conds.append(cols >= by_row(first_key - start))
         if extras.q_segment_ids is not None:
           q_ids = plgpu.load(extras.q_segment_ids.at[batch, rows], layout=_ROWS,
                              optimized=False)
           kv_ids = plgpu.load(extras.kv_segment_ids.at[batch, keys], layout=_COLS,
                               optimized=False)
-          q_segment, kv_segment = _rows(q_ids, shape), lax.broadcast_in_dim(kv_ids, shape, [1])
+          conds.append(_rows(q_ids, shape) == lax.broadcast_in_dim(kv_ids, shape, [1]))
         if extras.mask is not None:
-          dense = _entry_tile(extras.mask, batch, head, rows, keys) != 0
-        return masking.visible(q_start + _iota(shape, 0), j * block_kv + _iota(shape, 1),
-                               schedule.window,
-                               diagonal=pos.diagonal, kv_len=pos.kv_len, q_segment=q_segment,
-                               kv_segment=kv_segment, dense_mask=dense)
+          conds.append(_entry_tile(extras.mask, batch, head, rows, keys) != 0)
+        return functools.reduce(jnp.logical_and, conds)
 
       def scores(j, slot, also=None):
         """S = Q K_jᵀ: issues the wgmma, then ``also()`` (more matmuls to issue in the same
