@@ -29,10 +29,9 @@ class Config:
   # With a causal band, the CTAs whose rows see the most keys are launched first, so that the
   # short ones fill the tail of the grid instead of one long CTA running alone at the end.
   heavy_first: bool = True
-  # A persistent grid of this many CTAs (the SM count), each running every ``persistent_ctas``-th
-  # query tile: the K/V ring, the next tile's Q load and the last tile's O store run on across
-  # tiles. None: one CTA per query tile (better with a causal band, whose heaviest-first tiles a
-  # static round-robin shares out unevenly).
+  # A persistent grid of this many CTAs (the SM count), each running a share of the query tiles
+  # (evenly by causal work, with a causal band): the K/V ring, the next tile's Q load and the
+  # last tile's O store run on across tiles. None: one CTA per query tile.
   persistent_ctas: int | None = None
   # FlashAttention-3's intra-warpgroup overlap: step j issues block j's Q Kᵀ with block j-1's
   # P V and runs block j's softmax while that P V is in flight. It holds two P tiles and S in
@@ -88,14 +87,19 @@ def fits(config: Config, head_dim: int, partial: bool = False) -> bool:
 # the plain 128-key tile; ``persistent_ctas=True`` stands for one CTA per SM. Against cuDNN's
 # forward in the same runs:
 # - D = 128: the intra-warpgroup overlap everywhere, on a persistent grid without a causal band
-#   (1k: 531 vs 487 TFLOP/s, 4k: 646 vs 626, 16k: 673 vs 624); one CTA per tile with it (a static
-#   round-robin of heaviest-first causal tiles leaves SMs idle: 16k causal 453 persistent vs 683).
+#   (1k: 531 vs 487 TFLOP/s, 4k: 646 vs 626, 16k: 673 vs 624); one CTA per tile with one (even
+#   with the causal work shared out evenly, persistent CTAs ran 531 vs 568 at 4k and 661 vs 686
+#   at 16k; 347 vs 331 at 1k).
 # - D = 256: the overlap on 64-key tiles (two P tiles, S and a 128-register O fit no wider tile):
 #   4k 692 vs 672 and 623 vs 534 causal.
 # - D = 64: 256-key tiles on a persistent grid without a causal band (1k 401 vs 371, 4k 459 vs
-#   456); the plain 128-key tile with one (the overlap lost at D = 64 by 5-25%).
+#   456); with one, 128-key tiles on a persistent grid whose CTAs share out the causal work
+#   evenly (heaviest tiles first, odd rounds backwards; mosaic_balanced_h200_2026-11-21): 1k 271
+#   vs 280, 2k 339 vs 345, 16k 453 vs 459, where one CTA per tile ran 254, 328 and 450 (the
+#   overlap lost at D = 64 by 5-25%).
 TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(block_kv=256, persistent_ctas=True),
+    (64, True): dict(persistent_ctas=True),
     (128, False): dict(intra_wg_overlap=True, persistent_ctas=True),
     (128, True): dict(intra_wg_overlap=True),
     (256, False): dict(block_kv=64, intra_wg_overlap=True),
