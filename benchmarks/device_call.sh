@@ -4,7 +4,8 @@
 # pytest arguments), a tuner pass ($TUNE, bench.py --tune arguments), a benchmark part ($GRID,
 # bench.py arguments) and the GPT example ($GPT, gpt.py arguments), each under its own time
 # limit (PROBE_S, TEST_S, TUNE_S, GRID_S, GPT_S seconds; TEST_TIMEOUT per test, 150 by default
-# and 400 for tests/test_gpu.py under 8 workers) so that one call stays under the
+# and 400 for tests/test_gpu.py under 8 workers; TEST_WORKERS pytest workers, 8) so that one
+# call stays under the
 # device's 10 minutes. Everything lands in $OUT. For example:
 #   TESTS="tests/test_mosaic.py" TEST_S=250 GRID="--impls jaxflash_mosaic cudnn --dtypes fp16 \
 #     --head-dims 256 --no-gqa" GRID_S=200 benchmarks/device_call.sh
@@ -18,7 +19,7 @@ timeout ${PROBE_S:-150} python3 benchmarks/ptxas_probe.py --out $OUT --ptx $PTX 
 sed -n '/== ptxas summary ==/,$p' $OUT/ptxas.log | grep . || tail -40 $OUT/ptxas.log
 fi
 if [ -n "$TESTS" ]; then
-timeout ${TEST_S:-240} python3 -m pytest -n 8 -v -rf --timeout ${TEST_TIMEOUT:-150} $TESTS > $OUT/gpu_tests.log 2>&1
+timeout ${TEST_S:-240} python3 -m pytest -n ${TEST_WORKERS:-8} -v -rf --timeout ${TEST_TIMEOUT:-150} $TESTS > $OUT/gpu_tests.log 2>&1
 tail -12 $OUT/gpu_tests.log
 fi
 if [ -n "$TUNE" ]; then

@@ -10,6 +10,7 @@
 """
 
 import dataclasses
+import functools
 import importlib.util
 import os
 
@@ -38,9 +39,13 @@ SUPPORTED = ("none", "causal", "window_pair", "causal_window", "lengths", "segme
              "scale", "scale_negative", "scale_zero")
 
 
-def _on_h100(fn):
-  with jax.sharding.use_abstract_mesh(H100):
+def _in(mesh, fn):
+  with jax.sharding.use_abstract_mesh(mesh):
     return fn()
+
+
+def _on_h100(fn):
+  return _in(H100, fn)
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,21 +91,34 @@ H200 = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDe
     device_kind="NVIDIA H200", platform="gpu", num_cores=132))
 
 
+H100_PCIE = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+    device_kind="NVIDIA H100 PCIe", platform="gpu", num_cores=114))
+
+
+def _pick(mesh, h, s=4096, dtype=BF16, causal=False):
+  q = jax.ShapeDtypeStruct((2, 300, 8, h), dtype)
+  kv = jax.ShapeDtypeStruct((2, s, 8, h), dtype)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jaxflash.implementation_for(q, kv, kv, is_causal=causal)
+
+
 def test_none_takes_it_where_it_measured_faster():
-  """On an H200 (measured) ``implementation=None`` picks it at the measured head dims: 128 and
-  256 at any length, 64 (and 40, padded to 64) at any length without a causal band and from
-  2048 keys with one; at D = 192 (not measured) and for float32 Triton serves."""
-  def pick(h, s=4096, dtype=BF16, causal=False):
-    q = jax.ShapeDtypeStruct((2, 300, 8, h), dtype)
-    kv = jax.ShapeDtypeStruct((2, s, 8, h), dtype)
-    with jax.sharding.use_abstract_mesh(H200):
-      return jaxflash.implementation_for(q, kv, kv, is_causal=causal)
+  """``implementation=None`` follows the measured table per device kind, head dim, band and
+  key length: on an H200 every measured cell (D = 40 is padded to 64); on an H100 causal D = 64
+  from 4096 keys and causal D = 128 from 2048; at D = 192 (not measured), for float32 and on an
+  H100 PCIe (not measured) Triton serves."""
+  pick = functools.partial(_pick, H200)
   assert [pick(h) for h in (40, 64, 128, 192, 256)] == ["mosaic"] * 3 + ["triton", "mosaic"]
   assert [pick(h, s=512) for h in (64, 128, 256)] == ["mosaic", "mosaic", "mosaic"]
-  assert [pick(64, s=s) for s in (1024, 2048)] == ["mosaic", "mosaic"]
-  assert [pick(64, s=s, causal=True) for s in (1024, 2048)] == ["triton", "mosaic"]
-  assert pick(128, s=512, causal=True) == "mosaic"
+  assert [pick(h, s=512, causal=True) for h in (64, 128, 256)] == ["mosaic"] * 3
   assert pick(128, dtype=jnp.float32) == "triton"
+  pick = functools.partial(_pick, H100)
+  assert [pick(h, s=512) for h in (64, 128, 256)] == ["mosaic", "mosaic", "mosaic"]
+  assert [pick(64, s=s, causal=True) for s in (2048, 4096)] == ["triton", "mosaic"]
+  assert [pick(128, s=s, causal=True) for s in (1024, 2048)] == ["triton", "mosaic"]
+  assert pick(256, s=512, causal=True) == "mosaic"
+  assert pick(192) == "triton"
+  assert _pick(H100_PCIE, 128) == "triton"
 
 
 def test_device_kinds_match_whole_words():
@@ -141,15 +159,16 @@ def test_persistent_ctas_share_out_every_tile_once(batch, heads, q_tiles, ctas, 
 
 def test_none_takes_it_only_where_it_measured_faster(monkeypatch):
   """Registered first, but `preferred` consults the measured table: without an entry for the
-  device kind (an H100 today), Triton serves."""
+  device kind (an H100 PCIe today), Triton serves; an entry changes that without code."""
   assert backends.names()[0] == "mosaic"
-  assert _on_h100(lambda: jaxflash.implementation_for(Q, KV, KV)) == "triton"
-  assert _on_h100(lambda: jaxflash.implementation_for(Q, KV, KV, implementation="mosaic")) \
+  on_pcie = lambda fn: _in(H100_PCIE, fn)
+  assert on_pcie(lambda: jaxflash.implementation_for(Q, KV, KV)) == "triton"
+  assert on_pcie(lambda: jaxflash.implementation_for(Q, KV, KV, implementation="mosaic")) \
       == "mosaic"
-  monkeypatch.setitem(mosaic.config.FASTER_THAN_TRITON, "H100", {(128, False): 0})
-  assert _on_h100(lambda: jaxflash.implementation_for(Q, KV, KV)) == "mosaic"
+  monkeypatch.setitem(mosaic.config.FASTER_THAN_TRITON, "H100 PCIe", {(128, False): 0})
+  assert on_pcie(lambda: jaxflash.implementation_for(Q, KV, KV)) == "mosaic"
   small = jax.ShapeDtypeStruct((2, 300, 8, 64), BF16)
-  assert _on_h100(lambda: jaxflash.implementation_for(small, small, small)) == "triton"
+  assert on_pcie(lambda: jaxflash.implementation_for(small, small, small)) == "triton"
 
 
 def test_configs_are_checked():

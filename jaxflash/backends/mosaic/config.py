@@ -128,16 +128,23 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
 
 
 # Where the Mosaic forward measured faster than the Triton one: device kind -> {(padded head dim,
-# causal): the shortest key length it wins from}. ``implementation=None`` picks it only there,
-# and `jaxflash.backends` falls through to Triton elsewhere. H200, bf16, 2026-11-21
-# (benchmarks/results/mosaic_h200_2026-11-21 for Triton, mosaic_final_h200_2026-11-21 for today's
-# Mosaic defaults): forward 1.1-1.6x Triton's at D = 128 and 2.3-3.0x at D = 256 from S = 512.
-# At D = 64 without a causal band 354-476 TFLOP/s against Triton's 284-363 from S = 512; with one
-# Triton stays ahead up to S = 1k (512: 174 vs 188, 1k: 257 vs 257). Not yet measured on an
-# H100, and not at D = 192.
+# causal): the shortest key length from which it won every measured length}. ``implementation=
+# None`` picks it only there, and `jaxflash.backends` falls through to Triton elsewhere. bf16
+# forward, Mosaic, Triton and cuDNN in one run per card (`bench.py --impls jaxflash_mosaic
+# jaxflash_triton cudnn --modes fwd`, S = 512 ... 16k):
+# - H200, 2026-11-21 (benchmarks/results/mosaic_balanced_h200_2026-11-21): Mosaic ahead in every
+#   cell, 1.0-1.3x Triton at D = 64 (198 vs 193 at 512 causal), 1.4-1.8x at D = 128, 2.2-3.4x at
+#   D = 256.
+# - H100 80GB HBM3, 2026-11-22 UTC (mosaic_h100_2026-11-22): ahead without a causal band at every
+#   length and head dim; with one, Triton stays ahead at D = 64 up to 2k keys (1k: 230 vs 257)
+#   and at D = 128 up to 1k (1k: 204 vs 272, a cell that ran at 382 on the H200 and may be an
+#   outlier; GQA 32/8 at 1k ran 396 vs 300).
+# Not measured at D = 192, nor on other Hopper parts (H100 PCIe, H20, GH200): Triton serves there.
 FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
-    "H200": {(64, False): 0, (64, True): 2048, (128, False): 0, (128, True): 0,
-             (256, False): 0, (256, True): 0}}
+    "H200": {(64, False): 0, (64, True): 0, (128, False): 0, (128, True): 0,
+             (256, False): 0, (256, True): 0},
+    "H100 80GB HBM3": {(64, False): 0, (64, True): 4096, (128, False): 0, (128, True): 2048,
+                       (256, False): 0, (256, True): 0}}
 
 
 def faster_than_triton(device_kind: str, head_dim: int, kv_len: int, causal: bool) -> bool:
