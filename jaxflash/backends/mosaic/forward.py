@@ -2,9 +2,9 @@
 
 Grid (N, query tiles, B), one CTA per ``2 * block_q`` query rows of one (batch row, head); with
 a causal band the tiles that see the most keys launch first. With ``Config.persistent_ctas``
-the grid is that many CTAs instead (one per SM by default without a causal band at D = 64 and
-128), each running a share of the tiles (`_items`) with its K/V ring, turns and Q/O tiles
-carried from one tile to the next. A CTA is three warpgroups:
+the grid is that many CTAs instead (one per SM by default at D = 64, and at D = 128 without a
+causal band), each running a share of the tiles (`_items`, evenly by causal work) with its K/V
+ring, turns and Q/O tiles carried from one tile to the next. A CTA is three warpgroups:
 
 - ``wg`` 0 and 1 are consumers. Each owns ``block_q`` query rows (one TMA copy into shared
   memory) and, per key block, computes S = Q Kᵀ with wgmma from shared memory, runs the online
@@ -145,13 +145,13 @@ def _items(grid: _Grid, heavy_first: bool):
   """``(count, item)``: how many items this CTA runs and ``item(i) -> (batch, head, tile)``.
 
   Persistent CTAs share out the items in rounds of ``ctas`` consecutive ones, CTA ``c`` taking
-  the ``c``-th of each round. Without a causal band every item costs the same, and the query tiles of one head are consecutive so
-  that CTAs running at once share K and V in L2. With one, items go by cost, heaviest tiles of
-  every (batch row, head) first, and odd rounds run backwards (``c`` takes the round's
-  ``ctas - 1 - c``-th item): a CTA that took a heavier item in one round takes a lighter one in
-  the next, so every CTA ends within about one item of the others. (Tile-fastest order there
-  gave CTA ``c`` tile ``c mod q_tiles`` every round when ``q_tiles`` divides ``ctas``: a 4x
-  spread of work between CTAs at 4 tiles a head.)
+  the ``c``-th of each round. Without a causal band every item costs the same, and the query
+  tiles of one head are consecutive so that CTAs running at once share K and V in L2. With one,
+  items go by cost, heaviest tiles of every (batch row, head) first, and odd rounds run
+  backwards (``c`` takes the round's ``ctas - 1 - c``-th item): a CTA that took a heavier item
+  in one round takes a lighter one in the next, so every CTA ends within about one item of the
+  others. (Tile-fastest order there gave CTA ``c`` tile ``c mod q_tiles`` every round when
+  ``q_tiles`` divides ``ctas``: a 4.3x spread of work between CTAs at 4 tiles a head.)
   """
   if grid.ctas is None:
     tile = lax.axis_index("q_tiles")
