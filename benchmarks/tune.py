@@ -61,14 +61,15 @@ def _cases(cfg: dict):
 
 
 # The families of Mosaic candidates `--tune-families` can pick (all by default).
-MOSAIC_FAMILIES = ("tiles", "persistent", "overlap", "order", "persistent_ctas")
+MOSAIC_FAMILIES = ("tiles", "persistent", "overlap", "order", "persistent_ctas", "q_buffers")
 
 
 def _mosaic_candidates(d: int, causal: bool, kind: str, families=MOSAIC_FAMILIES):
   """The Mosaic configs that fit, by family: one CTA per query tile ("tiles") and a persistent
   grid ("persistent") for each (K/V tile, ring depth) pair; the intra-warpgroup overlap
   ("overlap") with 64- and 128-key tiles (it keeps two P tiles in registers), alone and on a
-  persistent grid; and, with a causal band, the default config in natural order ("order")."""
+  persistent grid; with a causal band, the default config in natural order ("order"); and
+  persistent grids with two Q buffers ("q_buffers")."""
   def fitting(*configs):
     return [c for c in configs if mosaic.config.fits(c, d)]
 
@@ -90,13 +91,17 @@ def _mosaic_candidates(d: int, causal: bool, kind: str, families=MOSAIC_FAMILIES
   if causal and "order" in families:
     default = mosaic.default_config(d, jnp.bfloat16, True, 4096, kind)
     yield dataclasses.replace(default, heavy_first=False)
+  if "q_buffers" in families:
+    for block_kv in (128, 256):
+      yield from fitting(mosaic.Config(block_kv=block_kv, persistent_ctas=ctas, q_buffers=2))
 
 
 def _label(config) -> tuple:
-  """(block_kv, num_stages, heavy_first, persistent CTAs or None, overlap): a tuning row's
-  "blocks"."""
-  return (config.block_kv, config.num_stages, config.heavy_first, config.persistent_ctas,
-          config.intra_wg_overlap)
+  """(block_kv, num_stages, heavy_first, persistent CTAs or None, overlap), and Q buffers when
+  there are 2: a tuning row's "blocks"."""
+  label = (config.block_kv, config.num_stages, config.heavy_first, config.persistent_ctas,
+           config.intra_wg_overlap)
+  return label + (config.q_buffers,) if config.q_buffers != 1 else label
 
 
 def _outcome(tflops: float | None, error: str | None) -> str:
@@ -128,7 +133,7 @@ def tune_mosaic(cfg: dict) -> list[dict]:
                        tflops=tf, error=err))
       ratio = f" ({tf / cudnn_tf:.3f}x cuDNN)" if tf and cudnn_tf else ""
       print(f"tune S={case.s} D={d} causal={causal} mosaic fwd (block_kv, stages, heavy_first, "
-            f"persistent, overlap)={blocks}: {_outcome(tf, err)}{ratio}", file=sys.stderr,
+            f"persistent, overlap[, q_buffers])={blocks}: {_outcome(tf, err)}{ratio}", file=sys.stderr,
             flush=True)
   return rows
 

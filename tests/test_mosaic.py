@@ -178,6 +178,8 @@ def test_configs_are_checked():
     mosaic.Config(num_stages=1)
   with pytest.raises(ValueError, match="persistent_ctas"):
     mosaic.Config(persistent_ctas=0)
+  with pytest.raises(ValueError, match="q_buffers"):
+    mosaic.Config(q_buffers=2)  # only a persistent grid has a next item
   for h in (40, 64, 96, 128, 192, 256):
     config = mosaic.default_config(h, BF16, False, 4096, "NVIDIA H200")
     assert mosaic.config.fits(config, h), (h, config)
@@ -244,6 +246,16 @@ def test_tile_variants_lower(block_kv, stages, heavy_first, ctas, overlap, causa
   q = jax.ShapeDtypeStruct((2, 1000, 4, 64), BF16)
   config = mosaic.Config(block_kv=block_kv, num_stages=stages, heavy_first=heavy_first,
                          persistent_ctas=ctas, intra_wg_overlap=overlap)
+  assert "mosaic_gpu" in _lower(_forward(config, is_causal=causal), q, q, q)
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h", [64, 128])
+def test_two_q_buffers_lower(h, causal):
+  """A persistent grid whose next item's Q loads into a second buffer during this item."""
+  q = jax.ShapeDtypeStruct((2, 1000, 4, h), BF16)
+  config = mosaic.Config(block_kv=64, persistent_ctas=132, q_buffers=2)
   assert "mosaic_gpu" in _lower(_forward(config, is_causal=causal), q, q, q)
 
 
@@ -369,7 +381,8 @@ def test_forward_cells_on_gpu(t, s, n, k, causal):
   per SM and of 7 CTAs (the message lists the wrong cells)."""
   q, kk, v, _ = random_qkv(3, 3, t, s, n, k, 128, BF16)
   for config in (None, SMALL_CONFIGS["mosaic"], mosaic.Config(heavy_first=False),
-                 mosaic.Config(persistent_ctas=132), mosaic.Config(persistent_ctas=7)):
+                 mosaic.Config(persistent_ctas=132), mosaic.Config(persistent_ctas=7),
+                 mosaic.Config(persistent_ctas=7, q_buffers=2)):
     got = _run(q, kk, v, config, is_causal=causal)
     want, _ = reference_attention(q, kk, v, is_causal=causal)
     bad = _bad_cells(np.asarray(got, np.float32), np.asarray(want))
@@ -428,14 +441,16 @@ def _short_rows(b, t, s, n, seed):
                   jnp.array([s, 0])))
 
 
-@pytest.mark.parametrize("option", ["none", "causal", "short_rows", "everything"])
-def test_persistent_grid(option):
+@pytest.mark.parametrize("option,q_buffers", [
+    ("none", 1), ("causal", 1), ("short_rows", 1), ("everything", 1), ("causal", 2),
+    ("short_rows", 2)])
+def test_persistent_grid(option, q_buffers):
   """Forward, LSE and gradients through a persistent grid, with tiles that visit no key
-  block between tiles that do."""
+  block between tiles that do; with two Q buffers, the next item's Q loads during this one."""
   b, t, s, n, k, h = (3, 300, 333, 4, 2, 128) if ON_GPU else (2, 200, 133, 2, 1, 64)
   make = _short_rows if option == "short_rows" else OPTIONS[option]
-  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=PERSISTENT,
-        **make(b, t, s, n, 0))
+  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16,
+        small=dataclasses.replace(PERSISTENT, q_buffers=q_buffers), **make(b, t, s, n, 0))
 
 
 # The intra-warpgroup overlap: the first block peeled off, P V one block behind the scores, the

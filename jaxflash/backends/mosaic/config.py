@@ -33,6 +33,10 @@ class Config:
   # (evenly by causal work, with a causal band): the K/V ring, the next tile's Q load and the
   # last tile's O store run on across tiles. None: one CTA per query tile.
   persistent_ctas: int | None = None
+  # Q tiles per consumer on a persistent grid: with 2 the next item's Q loads into the other
+  # buffer while this item runs (with 1 it loads after this item's last block, so short items
+  # wait for it).
+  q_buffers: int = 1
   # FlashAttention-3's intra-warpgroup overlap: step j issues block j's Q Kᵀ with block j-1's
   # P V and runs block j's softmax while that P V is in flight. It holds two P tiles and S in
   # registers next to O, so it needs smaller key tiles at large head dims.
@@ -48,6 +52,9 @@ class Config:
       raise ValueError(f"num_stages must be at least 2, got {self.num_stages}")
     if self.persistent_ctas is not None and self.persistent_ctas < 1:
       raise ValueError(f"persistent_ctas must be None or positive, got {self.persistent_ctas}")
+    if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and self.persistent_ctas is None):
+      raise ValueError("q_buffers must be 1, or 2 on a persistent grid (persistent_ctas), got "
+                       f"{self.q_buffers}")
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -56,11 +63,12 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def smem_bytes(config: Config, head_dim: int, partial: bool = False) -> int:
-  """Shared memory of one CTA: two Q tiles, the K and V rings, the LSE rows, and two O tiles
-  of their own for a partial result (float32) or a persistent CTA (16-bit); otherwise a
+  """Shared memory of one CTA: two Q tiles per buffer, the K and V rings, the LSE rows, and two
+  O tiles of their own for a partial result (float32) or a persistent CTA (16-bit); otherwise a
   16-bit O goes out through the Q tiles."""
   hp = padded_head_dim(head_dim)
-  tiles = 2 * (2 * config.block_q * hp + 2 * config.num_stages * config.block_kv * hp)
+  tiles = 2 * (2 * config.q_buffers * config.block_q * hp
+               + 2 * config.num_stages * config.block_kv * hp)
   o_bytes = 4 if partial else 2 if config.persistent_ctas is not None else 0
   return tiles + 8 * 64 + o_bytes * 2 * config.block_q * hp
 

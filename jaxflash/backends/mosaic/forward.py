@@ -244,15 +244,23 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   @pl.when(wg < _CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
-    q_smem = q_smems.at[wg]
+    q_buffers = q_smems.shape[0] // _CONSUMERS
+
+    def q_buffer(i):
+      """Item i's Q tile and its barrier: items alternate between buffers, if two. (The index
+      stays traced, never a literal 0, which run_state could not close over.)"""
+      index = wg if q_buffers == 1 else lax.rem(i, jnp.asarray(2, i.dtype)) * _CONSUMERS + wg
+      return q_smems.at[index], q_ready.at[index]
+
     # A 16-bit O of a one-item CTA goes out through its Q tile; otherwise through its own.
-    o_smem = q_smem if o_smems is None else o_smems.at[wg]
+    o_smem = q_smems.at[wg] if o_smems is None else o_smems.at[wg]
 
     def load_q(i):
+      i = _i32(i)
       batch, head, tile = item(i)
       q_start = tile * rows_per_cta + wg * block_q
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem,
-                              q_ready.at[wg])
+      q_smem, ready = q_buffer(i)
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem, ready)
 
     load_q(0)
     # The turns alternate over the blocks of all the CTA's items as one sequence, consumer 0
@@ -273,7 +281,10 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       def slot_of_block(j):
         return slot_of(first_block + j - lo)
 
-      plgpu.barrier_wait(q_ready.at[wg])
+      q_smem, q_loaded = q_buffer(i)
+      plgpu.barrier_wait(q_loaded)
+      if q_buffers == 2:  # the next item's Q goes to the other buffer, free since the last item
+        pl.when(i + 1 < count)(lambda: load_q(i + 1))
 
       if not config.intra_wg_overlap:  # (with the overlap each step waits for its own K)
         pl.when(hi > lo)(lambda: plgpu.barrier_wait(k_ready.at[slot_of_block(lo)]))
@@ -451,7 +462,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         acc, m, l, _ = lax.fori_loop(jnp.maximum(hi - 1, lo), hi, last, carry)
       else:
         acc, m, l = schedule.visit_kv(cta_start, pos, step, init)
-      if grid.ctas is not None:  # Q is no longer read: the next item's loads while O goes out
+      if grid.ctas is not None and q_buffers == 1:
+        # Q is no longer read: the next item's loads while O goes out.
         pl.when(i + 1 < count)(lambda: load_q(i + 1))
 
       # A row is empty when it saw no visible key (l == 0) or lies past q_len (full blocks skip
@@ -567,14 +579,15 @@ def forward(inputs: Inputs, params: Params, config: Config):
   out_dtype = jnp.float32 if params.partial else q.dtype
   own_o_tile = params.partial or config.persistent_ctas is not None
   scratch = (
-      _smem_tile((_CONSUMERS, config.block_q, hp), q.dtype),  # Q, then O on the way out
+      # Q (in one of ``q_buffers`` buffers per item), then O on the way out.
+      _smem_tile((config.q_buffers * _CONSUMERS, config.block_q, hp), q.dtype),
       _smem_tile((stages, config.block_kv, hp), k.dtype),
       _smem_tile((stages, config.block_kv, hp), v.dtype),
       plgpu.SMEM((_CONSUMERS, config.block_q), jnp.float32),  # LSE rows on the way out
       # O on the way out: a partial result's (float32), or a persistent CTA's (Q's tile is
       # then loading the next item). Otherwise O goes out through Q's tile.
       _smem_tile((_CONSUMERS, config.block_q, hp), out_dtype) if own_o_tile else None,
-      plgpu.Barrier(num_barriers=_CONSUMERS),  # q_ready
+      plgpu.Barrier(num_barriers=config.q_buffers * _CONSUMERS),  # q_ready
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_barriers=stages),  # v_ready
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # k_free
