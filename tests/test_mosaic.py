@@ -378,11 +378,12 @@ def _bad_cells(got, want, tol=2e-2):
 def test_forward_cells_on_gpu(t, s, n, k, causal):
   """Forward only, every batch row, head and 64-row block against the float32 reference, with
   the shipped and the smallest tiles, the natural launch order and persistent grids of one CTA
-  per SM and of 7 CTAs (the message lists the wrong cells)."""
+  per SM and of 7 CTAs, and of 7 CTAs with two Q buffers (the message lists the wrong
+  cells)."""
   q, kk, v, _ = random_qkv(3, 3, t, s, n, k, 128, BF16)
   for config in (None, SMALL_CONFIGS["mosaic"], mosaic.Config(heavy_first=False),
                  mosaic.Config(persistent_ctas=132), mosaic.Config(persistent_ctas=7),
-                 mosaic.Config(persistent_ctas=7, q_buffers=2)):
+                 mosaic.Config(block_kv=64, persistent_ctas=7, q_buffers=2)):
     got = _run(q, kk, v, config, is_causal=causal)
     want, _ = reference_attention(q, kk, v, is_causal=causal)
     bad = _bad_cells(np.asarray(got, np.float32), np.asarray(want))

@@ -104,10 +104,11 @@ def fits(config: Config, head_dim: int, partial: bool = False) -> bool:
 #   456); with one, 128-key tiles on a persistent grid whose CTAs share out the causal work
 #   evenly (heaviest tiles first, odd rounds backwards; mosaic_balanced_h200_2026-11-21): 1k 271
 #   vs 280, 2k 339 vs 345, 16k 453 vs 459, where one CTA per tile ran 254, 328 and 450 (the
-#   overlap lost at D = 64 by 5-25%).
+#   overlap lost at D = 64 by 5-25%); and two Q buffers, so that the next tile's Q loads during
+#   this one (in one run: 1k 261 → 295, 2k 332 → 347, 4k 391 → 402, 16k 461 → 454).
 TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(block_kv=256, persistent_ctas=True),
-    (64, True): dict(persistent_ctas=True),
+    (64, True): dict(persistent_ctas=True, q_buffers=2),
     (128, False): dict(intra_wg_overlap=True, persistent_ctas=True),
     (128, True): dict(intra_wg_overlap=True),
     (256, False): dict(block_kv=64, intra_wg_overlap=True),
@@ -125,7 +126,7 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
   tuned = TUNED.get((padded_head_dim(head_dim), causal))
   candidates = [dict(block_kv=128), dict(block_kv=64)]
   if tuned:
-    candidates.insert(0, dict(tuned, persistent_ctas=None))
+    candidates.insert(0, dict(tuned, persistent_ctas=None, q_buffers=1))
     if tuned.get("persistent_ctas"):
       candidates.insert(0, dict(tuned, persistent_ctas=sm_count(device_kind)))
   for fields in candidates:
