@@ -109,7 +109,7 @@ def key_range(q_idx, window: Window, *, diagonal=0, kv_len=None):
   instead of building the band from per-entry positions (`visible` uses it too).
   """
   first = last = None
-  if not window.is_full:  # (else ``q_idx`` is not used: a kernel may pass None)
+  if not window.is_full:
     q_abs = shifted(q_idx, diagonal)  # in the keys' frame: the band compares it with key columns
     first = None if window.left is None else q_abs - window.left
     last = None if window.right is None else q_abs + window.right

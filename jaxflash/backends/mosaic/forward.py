@@ -31,7 +31,8 @@ the interpreter they are mbarriers with the same protocol.
 
 Both consumers walk the key blocks of the CTA's ``2 * block_q`` rows, as named by the shared
 `jaxflash.schedule.Schedule`: blocks every row sees in full skip the element mask, the others
-apply `jaxflash.masking.visible` per entry. Out-of-range rows and columns of edge tiles are
+apply `jaxflash.masking.visible`'s conditions per entry (the band and the key length as one key
+range per row, `jaxflash.masking.key_range`). Out-of-range rows and columns of edge tiles are
 zero-filled by TMA on the way in, masked by the key length, and clipped by TMA on the way out.
 Mask, bias and segment-id tiles are read by the consumers from global memory; dropout draws
 `jaxflash.dropout`'s mask entry by entry from absolute coordinates.
@@ -179,7 +180,6 @@ def _persistent_items(grid: _Grid, heavy_first: bool, cta):
     return jnp.where(lax.rem(i, _i32(2)) == 0, cta, ctas - 1 - cta)
 
   def item(i):
-    i = _i32(i)  # a literal 0 is int64 under jax_enable_x64
     w = i * ctas + place(i)
     rows = grid.batch * grid.heads
     tile = grid.q_tiles - 1 - lax.div(w, _i32(rows))
@@ -244,7 +244,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   @pl.when(wg < _CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
-    q_buffers = q_smems.shape[0] // _CONSUMERS
+    q_buffers = config.q_buffers
 
     def q_buffer(i):
       """Item i's Q tile and its barrier: items alternate between buffers, if two. (The index
@@ -256,7 +256,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
     o_smem = q_smems.at[wg] if o_smems is None else o_smems.at[wg]
 
     def load_q(i):
-      i = _i32(i)
+      i = _i32(i)  # (a literal 0 is int64 under jax_enable_x64)
       batch, head, tile = item(i)
       q_start = tile * rows_per_cta + wg * block_q
       q_smem, ready = q_buffer(i)
@@ -289,21 +289,19 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       if not config.intra_wg_overlap:  # (with the overlap each step waits for its own K)
         pl.when(hi > lo)(lambda: plgpu.barrier_wait(k_ready.at[slot_of_block(lo)]))
 
+      # This consumer's rows (the dropout keys, the key range and the epilogue use them).
+      q_rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_ROWS)
+
       # Dropout: the keep mask of absolute coordinates (`jaxflash.dropout`), one hash per entry.
       row_key = None
       if extras.dropout_seed is not None:
         stream = _core.dropout_stream(params, extras.dropout_seed, batch, head)
-        q_rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_ROWS)
         row_key = dropout.row_keys(stream, masking.shifted(q_rows, pos.q_offset))
 
       # The band and the key length as one key range per row, computed once per item: a masked
       # block then costs one compare per bound and entry (`masking.key_range`).
-      # (Without a band the bound is the key length alone: no row vector, whose unused iota
-      # Mosaic GPU's layout inference cannot place.)
-      band = not schedule.window.is_full
-      first_key, last_key = masking.key_range(
-          q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_ROWS) if band
-          else None, schedule.window, diagonal=pos.diagonal, kv_len=pos.kv_len)
+      first_key, last_key = masking.key_range(q_rows, schedule.window, diagonal=pos.diagonal,
+                                              kv_len=pos.kv_len)
 
       def visible(j, rows, keys, shape):
         """The element mask of key block ``j``: band, key length, segments, dense mask (the
@@ -469,8 +467,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       # A row is empty when it saw no visible key (l == 0) or lies past q_len (full blocks skip
       # the element mask, so padding rows accumulate there); it gives zeros and an LSE of +inf.
       # NaN != 0, so a NaN row stays NaN.
-      rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_ROWS)
-      seen = jnp.logical_and(rows < pos.q_len, l != 0.0)
+      seen = jnp.logical_and(q_rows < pos.q_len, l != 0.0)
       l_safe = jnp.where(seen, l, 1.0)
       scale = params.keep_scale if row_key is not None else 1.0
       out = jnp.where(_rows(seen, acc.shape), acc * _rows(scale / l_safe, acc.shape), 0.0)
