@@ -53,20 +53,25 @@ class Case:
                 K=self.k, D=self.d, causal=self.causal)
 
 
+def causal_modes(cfg: dict) -> tuple[bool, ...]:
+  """The bands of ``--causal``: both, non-causal only ("n") or causal only ("y")."""
+  return {"both": (False, True), "n": (False,), "y": (True,)}[cfg.get("causal", "both")]
+
+
 def build_cases(cfg: dict) -> list[Case]:
   """The grid: every dtype x head dim x S x causal mode, then the GQA case (bf16 only)."""
-  causal_modes = {"both": (False, True), "n": (False,), "y": (True,)}[cfg["causal"]]
+  bands = causal_modes(cfg)
   cases = []
   for dtype in cfg["dtypes"]:
     for d in cfg["head_dims"]:
       n = max(1, cfg["hidden"] // d)
       for s in cfg["seqs"]:
-        for causal in causal_modes:
+        for causal in bands:
           cases.append(Case(dtype, max(1, cfg["tokens"] // s), s, n, n, d, causal))
   if cfg["gqa"] and "bf16" in cfg["dtypes"]:
     n, k, d = cfg["gqa_heads"]
     for s in cfg["seqs"]:
-      for causal in causal_modes:
+      for causal in bands:
         cases.append(Case("bf16", max(1, cfg["tokens"] // s), s, n, k, d, causal))
   return cases
 

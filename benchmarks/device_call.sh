@@ -5,8 +5,7 @@
 # bench.py arguments) and the GPT example ($GPT, gpt.py arguments), each under its own time
 # limit (PROBE_S, TEST_S, TUNE_S, GRID_S, GPT_S seconds; TEST_TIMEOUT per test, 150 by default
 # and 400 for tests/test_gpu.py under 8 workers; TEST_WORKERS pytest workers, 8) so that one
-# call stays under the
-# device's 10 minutes. Everything lands in $OUT. For example:
+# call stays under the device's 10 minutes. Everything lands in $OUT. For example:
 #   TESTS="tests/test_mosaic.py" TEST_S=250 GRID="--impls jaxflash_mosaic cudnn --dtypes fp16 \
 #     --head-dims 256 --no-gqa" GRID_S=200 benchmarks/device_call.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxflash import devices
 from jaxflash.backends import mosaic, triton
 
-from cases import Case, attention_fn, flops, grad_fn, make_inputs, time_call
+from cases import Case, attention_fn, causal_modes, flops, grad_fn, make_inputs, time_call
 
 
 def tune(cfg: dict) -> list[dict]:
@@ -51,11 +51,10 @@ def _seqs(cfg: dict) -> list[int]:
 def _cases(cfg: dict):
   """(head dim, causal, case, inputs) of each tuning cell: bf16, the bands of ``--causal``, at
   each of `_seqs`."""
-  bands = {"both": (False, True), "n": (False,), "y": (True,)}[cfg.get("causal", "both")]
   for s in _seqs(cfg):
     for d in cfg["head_dims"]:
       b, n = max(1, cfg["tokens"] // s), cfg["hidden"] // d
-      for causal in bands:
+      for causal in causal_modes(cfg):
         case = Case("bf16", b, s, n, n, d, causal)
         yield d, causal, case, make_inputs(case, 0)
 
@@ -133,8 +132,8 @@ def tune_mosaic(cfg: dict) -> list[dict]:
                        tflops=tf, error=err))
       ratio = f" ({tf / cudnn_tf:.3f}x cuDNN)" if tf and cudnn_tf else ""
       print(f"tune S={case.s} D={d} causal={causal} mosaic fwd (block_kv, stages, heavy_first, "
-            f"persistent, overlap[, q_buffers])={blocks}: {_outcome(tf, err)}{ratio}", file=sys.stderr,
-            flush=True)
+            f"persistent, overlap[, q_buffers])={blocks}: {_outcome(tf, err)}{ratio}",
+            file=sys.stderr, flush=True)
   return rows
 
 
