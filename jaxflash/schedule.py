@@ -106,6 +106,23 @@ def q_block_range(k_start, k_stop, q_len, window: Window, block_q: int, diagonal
   return _floordiv(q_lo, block_q), _cdiv(_max(q_hi, 0), block_q)
 
 
+def q_full_block_range(k_start, k_stop, window: Window, block_q: int, diagonal=0):
+  """Query blocks ``[lo, hi)`` whose every row sees every key in ``[k_start, k_stop)`` as far as
+  the window goes (the mirror of `kv_full_block_range`; the key length is the caller's to rule
+  out). Rows past the query length need no mask: their LSE is +inf, so their P is 0.
+
+  Row ``r`` sees key ``k`` iff ``k - right <= r + diagonal <= k + left``: a block is full when its
+  first row reaches the last key (``k_stop - 1 - right``) and its last row stays within ``left``
+  of the first key.
+  """
+  k_start, k_stop = masking.shifted(k_start, -diagonal), masking.shifted(k_stop, -diagonal)
+  lo = 0 if window.right is None else _cdiv(_max(k_stop - 1 - window.right, 0), block_q)
+  hi = None
+  if window.left is not None:  # (i + 1) * block_q - 1 <= k_start + left
+    hi = _floordiv(_max(k_start + window.left + 1, 0), block_q)
+  return lo, hi
+
+
 def _i32(x):
   """A block index as int32, whatever it was computed in (Python int; int64 under x64): loop
   bounds must share one type, and kernels index in int32."""
@@ -161,6 +178,40 @@ class Schedule:
     lo, hi = (_i32(x) for x in q_block_range(k_start, k_stop, pos.q_len, self.window,
                                              self.block_q, pos.diagonal))
     return lo, _select(k_start < pos.kv_len, hi, lo)
+
+  def q_block_ranges(self, k_start, pos: Positions):
+    """``(lo, full_lo, full_hi, hi)``: the key block at ``k_start`` visits query blocks
+    ``[lo, hi)`` (`q_blocks`); those in ``[full_lo, full_hi)`` need no element mask. A key block
+    that reaches past the key length has none (its padding keys are masked)."""
+    lo, hi = self.q_blocks(k_start, pos)
+    if self.elementwise:
+      return lo, hi, hi, hi
+    k_stop = k_start + self.block_k
+    full_lo, full_hi = q_full_block_range(k_start, k_stop, self.window, self.block_q,
+                                          pos.diagonal)
+    full_hi = hi if full_hi is None else _i32(full_hi)
+    full_hi = _select(k_stop <= pos.kv_len, full_hi, lo)
+    full_lo = jnp.clip(_i32(full_lo), lo, hi)
+    return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
+
+  def visit_q_split(self, k_start, pos: Positions, body: Body, carry, repeat: int = 1):
+    """Runs ``carry = body(g, i, carry, masked)`` for ``g < repeat`` (the query heads sharing a
+    K/V head) and each query block ``i`` of `q_block_ranges`, in increasing ``i`` per head;
+    ``masked=False`` only on full blocks. Kernels that stream query tiles through a ring count
+    the visits as ``g * (hi - lo) + i - lo``."""
+    lo, full_lo, full_hi, hi = self.q_block_ranges(k_start, pos)
+    masked, unmasked = (functools.partial(body, masked=m) for m in (True, False))
+
+    def one_head(g, carry):
+      def at(fn):
+        return lambda i, c: fn(g, i, c)
+      carry = lax.fori_loop(lo, full_lo, at(masked), carry)
+      carry = lax.fori_loop(full_lo, full_hi, at(unmasked), carry)
+      return lax.fori_loop(full_hi, hi, at(masked), carry)
+
+    if repeat == 1:
+      return one_head(_i32(0), carry)
+    return lax.fori_loop(_i32(0), _i32(repeat), one_head, carry)
 
   def visit_kv(self, q_start, pos: Positions, body: Body, carry, *, skip: int = 0,
                count: int | None = None):

@@ -1,18 +1,485 @@
-"""Gradients of a Mosaic GPU forward: the Triton dQ and dK/dV kernels, for now.
+"""The Mosaic GPU backward for Hopper (sm90): dK/dV and dQ as two deterministic kernels.
 
-The backward needs only the inputs and the base-2 LSE, which the Mosaic forward writes in the
-convention every backend shares (`jaxflash._core`), so the Triton backward differentiates it
-exactly. A Mosaic backward (warp-specialised dK/dV and dQ) is the next step; until then
-``config.triton`` holds the tiles of these kernels.
+Both kernels recompute S and P from Q, K and the base-2 LSE that the forward wrote, and take
+``delta`` = rowsum(dO∘O) − dLSE from `jaxflash._core.delta`. Every gradient element has one
+writer, so the gradients are bitwise deterministic with no atomics. Each CTA is three
+warpgroups, two consumers and a producer, as in the forward (`forward.py`):
+
+- **dK/dV**, grid (K/V heads, key tiles, B). Each consumer keeps 64 keys of K and V in shared
+  memory; the producer streams ``dkv_block_q``-row tiles of Q and dO, with their LSE and delta
+  rows, through a ring of ``dkv_stages`` slots, for every query head of the K/V head's group in
+  turn (GQA: dK and dV are summed over the group in registers, in a fixed order). Per tile the
+  consumer computes Sᵀ = K Qᵀ and dPᵀ = V dOᵀ back to back (the transposed Q and dO tiles are
+  the wgmma's B operand), turns Sᵀ into Pᵀ while dPᵀ is in flight, and accumulates
+  dV += Pᵀ dO and dK += dSᵀ Q with Pᵀ and dSᵀ as register operands: they come out of the
+  scores in the accumulator layout and never go through shared memory.
+- **dQ**, grid (query heads, query tiles, B). Each consumer keeps 64 query rows of Q and dO,
+  with their LSE and delta in registers; the producer streams ``dq_block_kv``-key tiles of K and
+  V. Per tile: S = Q Kᵀ and dP = dO Vᵀ back to back, P while dP is in flight, then dQ += dS K.
+
+Block ranges come from the shared `jaxflash.schedule.Schedule` (`visit_q_split` for dK/dV,
+`visit_kv` for dQ); blocks that every row sees in full skip the element mask, the others apply
+`jaxflash.masking.key_range`'s bounds, segment ids and dropout (`jaxflash.dropout`'s mask,
+regenerated entry by entry from absolute coordinates). Keys past the key length are masked;
+query rows past the query length have an LSE of +inf, so their P is exactly 0.
+
+What this backward does not serve (`unsupported`: dense masks, biases, partial results, head
+dims above 128) goes to the Triton backward, which differentiates the Mosaic forward exactly:
+both read the same LSE.
+
+With ``params.interpret`` the kernels run in Mosaic GPU's interpreter (tests on a CPU), which
+has no wgmma with a register operand and no ``run_state``: the three products with a register
+operand are plain dots there.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxflash import _core
+from jaxflash import dropout
+from jaxflash import masking
 from jaxflash._core import Inputs, Params
-from jaxflash.backends.mosaic.config import Config
+from jaxflash.backends.mosaic import forward as fwd
+from jaxflash.backends.mosaic.config import Backward, Config, padded_head_dim
 from jaxflash.backends.triton import backward as triton_backward
+from jaxflash.masking import Positions
+from jaxflash.schedule import Schedule
+
+_CONSUMERS = fwd._CONSUMERS
+_ROWS, _COLS = fwd._ROWS, fwd._COLS
+_KEYS = 64  # keys per consumer in dK/dV, query rows per consumer in dQ (one wgmma M)
+MAX_HEAD_DIM = 128  # dK and dV accumulators of 64 x 256 float32 do not fit one warpgroup
+
+
+def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
+  """Why the Mosaic backward cannot serve this call (None if it can): the Triton one then does."""
+  if config.backward is None:
+    return "config.backward is None"
+  if padded_head_dim(inputs.query.shape[-1]) > MAX_HEAD_DIM:
+    return f"head dims up to {MAX_HEAD_DIM}"
+  if inputs.mask is not None or inputs.bias is not None:
+    return "dense masks and biases"
+  if params.partial:
+    return "partial results (float32 gradients)"
+  return None
+
+
+def _cols(x, shape):
+  """A per-column vector broadcast over the rows of a tile."""
+  return lax.broadcast_in_dim(x, shape, [1])
+
+
+def _positions(lengths_ref, offsets_ref, batch) -> Positions:
+  offsets = () if offsets_ref is None else (offsets_ref[batch, 0], offsets_ref[batch, 1])
+  return Positions(lengths_ref[batch, 0], lengths_ref[batch, 1], *offsets)
+
+
+def _probabilities(s, lse2, params: Params, visible):
+  """``(p, cap_t)``: P = exp2(base-2 logits − LSE) of a raw score tile, 0 where ``visible`` (a
+  boolean tile, or None) is false, and the soft cap's tanh for the chain rule. ``lse2`` is
+  already broadcast to the tile."""
+  s2, cap_t = _core.logits_base2(s, params, None)
+  if visible is not None:
+    s2 = jnp.where(visible, s2, -jnp.inf)
+  return jnp.exp2(s2 - lse2), cap_t
+
+
+def _visible(k_idx, first_key, last_key, q_ids, kv_ids):
+  """The element mask of a tile from its key indices (broadcast to the tile), the per-query key
+  bounds of `masking.key_range` (broadcast, or scalars, or None) and segment ids
+  (broadcast, or None)."""
+  conds = [k_idx <= last_key]  # the key length always bounds it
+  if first_key is not None:
+    conds.append(k_idx >= first_key)
+  if q_ids is not None:
+    conds.append(q_ids == kv_ids)
+  return functools.reduce(jnp.logical_and, conds)
+
+
+def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then):
+  """A Bᵀ and C Dᵀ on the tensor cores, back to back: ``then(AB)`` runs while C Dᵀ is in flight;
+  returns ``(then(A Bᵀ), C Dᵀ)``."""
+
+  def run(s_ref, dp_ref):
+    plgpu.wgmma(s_ref, a_smem, b_smem.T)
+    plgpu.wgmma(dp_ref, c_smem, d_smem.T)
+    # Each wgmma is its own commit group: the first is done once at most one is pending.
+    first = then(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+    return first, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+
+  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# dK / dV
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, offsets_ref,
+                extras: fwd._Extras, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                delta_smem, kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free, do_free,
+                *, params: Params, config: Backward, schedule: Schedule, groups: int):
+  block_q, stages = config.dkv_block_q, config.dkv_stages
+  wg = lax.axis_index("wg")
+  kv_head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+  cta_start = lax.axis_index("k_tiles") * (_CONSUMERS * _KEYS)
+  pos = _positions(lengths_ref, offsets_ref, batch)
+  lo, _, _, hi = schedule.q_block_ranges(cta_start, pos)
+  count = jnp.maximum(hi - lo, 0)  # query blocks per head of the group
+
+  def slot_of(g, i):  # the ring slot of the visit to (head g of the group, query block i)
+    n = g * count + i - lo
+    return lax.rem(n, jnp.asarray(stages, n.dtype))
+
+  @pl.when(wg < _CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    k_start = cta_start + wg * _KEYS
+    keys = pl.ds(k_start, _KEYS)
+    k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+    plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_tile, kv_ready.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_tile,
+                            kv_ready.at[_CONSUMERS + wg])
+    shape = (_KEYS, block_q)
+    k_idx = k_start + fwd._iota(shape, 0)  # this consumer's keys, one per row of the tile
+    kv_ids = None
+    if extras.kv_segment_ids is not None:
+      kv_ids = fwd._rows(plgpu.load(extras.kv_segment_ids.at[batch, keys], layout=_ROWS,
+                                    optimized=False), shape)
+    plgpu.barrier_wait(kv_ready.at[wg])
+    plgpu.barrier_wait(kv_ready.at[_CONSUMERS + wg])
+
+    def step(g, i, carry, masked: bool):
+      dk, dv = carry
+      slot = slot_of(g, i)
+      head = kv_head * groups + g
+      q_start = i * block_q
+      q_cols = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_COLS)
+      visible = None
+      if masked:
+        first_key, last_key = masking.key_range(q_cols, schedule.window,
+                                                diagonal=pos.diagonal, kv_len=pos.kv_len)
+        by_col = lambda x: x if x is None or jnp.ndim(x) == 0 else _cols(x, shape)
+        q_ids = None
+        if extras.q_segment_ids is not None:
+          q_ids = _cols(plgpu.load(extras.q_segment_ids.at[batch, pl.ds(q_start, block_q)],
+                                   layout=_COLS, optimized=False), shape)
+        visible = _visible(k_idx, by_col(first_key), by_col(last_key), q_ids, kv_ids)
+      keep = None
+      if extras.dropout_seed is not None:
+        stream = _core.dropout_stream(params, extras.dropout_seed, batch, head)
+        row_key = dropout.row_keys(stream, masking.shifted(q_cols, pos.q_offset))
+        keep = dropout.keep_entries(_cols(row_key, shape),
+                                    masking.shifted(k_idx, pos.kv_offset), params.dropout_rate)
+
+      plgpu.barrier_wait(q_ready.at[slot])
+      plgpu.barrier_wait(lse_ready.at[slot])
+      plgpu.barrier_wait(do_ready.at[slot])
+      plgpu.barrier_wait(delta_ready.at[slot])
+      q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+
+      def probabilities(s):  # Pᵀ, while dPᵀ is in flight
+        lse2 = _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape)
+        return _probabilities(s, lse2, params, visible)
+
+      (p, cap_t), dp = _wgmma_scores(k_tile, q_tile, v_tile, do_tile, shape, probabilities)
+      delta = _cols(plgpu.load(delta_smem.at[slot], layout=_COLS), shape)
+      p16 = _core.dropped(p, keep, params).astype(q_tile.dtype)
+
+      def d_scores():
+        return _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
+                                    cap_t).astype(q_tile.dtype)
+
+      if params.interpret:  # no register operands in the interpreter: plain dots
+        dv = dv + jnp.dot(p16, do_tile[...], preferred_element_type=jnp.float32)
+        dk = dk + jnp.dot(d_scores(), q_tile[...], preferred_element_type=jnp.float32)
+      else:
+        def grads(refs):
+          dv_ref, dk_ref = refs
+          plgpu.wgmma(dv_ref, p16, do_tile)  # in flight while dSᵀ is computed
+          plgpu.wgmma(dk_ref, d_scores(), q_tile)
+
+        dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+      plgpu.barrier_arrive(q_free.at[slot])
+      plgpu.barrier_arrive(do_free.at[slot])
+      return dk, dv
+
+    hp = k_tile.shape[-1]
+    zeros = plgpu.layout_cast(jnp.zeros((_KEYS, hp), jnp.float32), plgpu.Layout.WGMMA)
+    dk, dv = schedule.visit_q_split(cta_start, pos, step, (zeros, zeros), repeat=groups)
+    # K and V are read no more: dK and dV go out through their tiles.
+    k_tile[...] = (dk * params.scale).astype(k_tile.dtype)
+    v_tile[...] = dv.astype(v_tile.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[batch, keys, kv_head])
+    plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[batch, keys, kv_head])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def load(g, i, carry):
+      slot = slot_of(g, i)
+      head = kv_head * groups + g
+      rows = pl.ds(i * block_q, block_q)
+      refill = g * count + i - lo >= stages  # the first pass round the ring finds it free
+      pl.when(refill)(lambda: plgpu.barrier_wait(q_free.at[slot]))
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_ready.at[slot])
+      plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[slot],
+                              lse_ready.at[slot])
+      pl.when(refill)(lambda: plgpu.barrier_wait(do_free.at[slot]))
+      plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[slot], do_ready.at[slot])
+      plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[slot],
+                              delta_ready.at[slot])
+      return carry
+
+    schedule.visit_q_split(cta_start, pos, lambda g, i, c, masked: load(g, i, c), _i32(0),
+                           repeat=groups)
+    # Observe the last release of every slot before the CTA ends (see `forward._kernel`).
+    visits = groups * count
+
+    @pl.loop(jnp.maximum(visits - stages, 0), visits)
+    def _(n):
+      slot = lax.rem(n, jnp.asarray(stages, n.dtype))
+      plgpu.barrier_wait(q_free.at[slot])
+      plgpu.barrier_wait(do_free.at[slot])
+
+
+def _i32(x):
+  return jnp.asarray(x, jnp.int32)
+
+
+def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Backward,
+         extras: fwd._Extras, hp: int):
+  b, t_rows, n, _ = q.shape
+  s_rows, kv_heads = k.shape[1], k.shape[2]
+  groups = n // kv_heads
+  block_q, stages = config.dkv_block_q, config.dkv_stages
+  keys_per_cta = _CONSUMERS * _KEYS
+  k_tiles = pl.cdiv(inputs.key.shape[1], keys_per_cta)
+  schedule = Schedule(params.window, block_q, keys_per_cta, extras.q_segment_ids is not None)
+  scratch = (
+      fwd._smem_tile((_CONSUMERS, _KEYS, hp), k.dtype),  # K, then dK on the way out
+      fwd._smem_tile((_CONSUMERS, _KEYS, hp), v.dtype),  # V, then dV
+      fwd._smem_tile((stages, block_q, hp), q.dtype),
+      fwd._smem_tile((stages, block_q, hp), q.dtype),  # dO
+      plgpu.SMEM((stages, block_q), jnp.float32),  # LSE rows
+      plgpu.SMEM((stages, block_q), jnp.float32),  # delta rows
+      plgpu.Barrier(num_barriers=2 * _CONSUMERS),  # K and V of each consumer
+      plgpu.Barrier(num_barriers=stages),  # q_ready
+      plgpu.Barrier(num_barriers=stages),  # do_ready
+      plgpu.Barrier(num_barriers=stages),  # lse_ready
+      plgpu.Barrier(num_barriers=stages),  # delta_ready
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # q_free
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # do_free
+  )
+  kernel = functools.partial(_dkv_kernel, params=params, config=config, schedule=schedule,
+                             groups=groups)
+  # Pallas walks the grid row-major, batch fastest: with a causal band the first key tiles,
+  # which see the most query rows, launch first.
+  dk, dv = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      scratch_types=scratch,
+      grid=(kv_heads, k_tiles, b),
+      grid_names=("heads", "k_tiles", "batch"),
+      num_threads=_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
+      interpret=plgpu.InterpretGPUParams() if params.interpret else None,
+  )(q, k, v, d_out, lse2, delta, inputs.lengths, inputs.offsets, extras)
+  return dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# dQ
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, offsets_ref,
+               extras: fwd._Extras, dq_ref, q_smem, do_smem, k_smem, v_smem, q_ready, k_ready,
+               v_ready, k_free, v_free, *, params: Params, config: Backward,
+               schedule: Schedule, groups: int, q_tiles: int, heavy_first: bool):
+  block_kv, stages = config.dq_block_kv, config.dq_stages
+  wg = lax.axis_index("wg")
+  head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+  tile = lax.axis_index("q_tiles")
+  if heavy_first:
+    tile = q_tiles - 1 - tile  # the rows that see the most keys first
+  cta_start = tile * (_CONSUMERS * _KEYS)
+  pos = _positions(lengths_ref, offsets_ref, batch)
+  lo, _, _, hi = schedule.kv_blocks(cta_start, pos)
+
+  def slot_of(j):
+    n = j - lo
+    return lax.rem(n, jnp.asarray(stages, n.dtype))
+
+  @pl.when(wg < _CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    q_start = cta_start + wg * _KEYS
+    rows = pl.ds(q_start, _KEYS)
+    q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, q_ready.at[wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_tile, q_ready.at[_CONSUMERS + wg])
+    shape = (_KEYS, block_kv)
+    lse2 = fwd._rows(plgpu.load(lse_ref.at[batch, head, rows], layout=_ROWS, optimized=False),
+                     shape)
+    delta = fwd._rows(plgpu.load(delta_ref.at[batch, head, rows], layout=_ROWS,
+                                 optimized=False), shape)
+    q_rows = q_start + plgpu.broadcasted_iota(jnp.int32, (_KEYS,), 0, layout=_ROWS)
+    first_key, last_key = masking.key_range(q_rows, schedule.window, diagonal=pos.diagonal,
+                                            kv_len=pos.kv_len)
+    by_row = lambda x: x if x is None or jnp.ndim(x) == 0 else fwd._rows(x, shape)
+    first_key, last_key = by_row(first_key), by_row(last_key)
+    q_ids = None
+    if extras.q_segment_ids is not None:
+      q_ids = fwd._rows(plgpu.load(extras.q_segment_ids.at[batch, rows], layout=_ROWS,
+                                   optimized=False), shape)
+    row_key = None
+    if extras.dropout_seed is not None:
+      stream = _core.dropout_stream(params, extras.dropout_seed, batch, head)
+      row_key = fwd._rows(dropout.row_keys(stream, masking.shifted(q_rows, pos.q_offset)),
+                          shape)
+    plgpu.barrier_wait(q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[_CONSUMERS + wg])
+
+    def step(j, dq, masked: bool):
+      slot = slot_of(j)
+      k_start = j * block_kv
+      k_idx = k_start + fwd._iota(shape, 1)
+      visible = None
+      if masked:
+        kv_ids = None
+        if q_ids is not None:
+          kv_ids = _cols(plgpu.load(
+              extras.kv_segment_ids.at[batch, pl.ds(k_start, block_kv)], layout=_COLS,
+              optimized=False), shape)
+        visible = _visible(k_idx, first_key, last_key, q_ids, kv_ids)
+      keep = None
+      if row_key is not None:
+        keep = dropout.keep_entries(row_key, masking.shifted(k_idx, pos.kv_offset),
+                                    params.dropout_rate)
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_wait(v_ready.at[slot])
+      k_tile = k_smem.at[slot]
+      (p, cap_t), dp = _wgmma_scores(
+          q_tile, k_tile, do_tile, v_smem.at[slot], shape,
+          lambda s: _probabilities(s, lse2, params, visible))
+      plgpu.barrier_arrive(v_free.at[slot])
+      ds16 = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
+                                  cap_t).astype(k_tile.dtype)
+      if params.interpret:
+        dq = dq + jnp.dot(ds16, k_tile[...], preferred_element_type=jnp.float32)
+      else:
+        def grad(dq_ref):
+          plgpu.wgmma(dq_ref, ds16, k_tile)
+
+        dq = pl.run_state(grad)(plgpu.ACC.init(dq))
+      plgpu.barrier_arrive(k_free.at[slot])
+      return dq
+
+    hp = q_tile.shape[-1]
+    zeros = plgpu.layout_cast(jnp.zeros((_KEYS, hp), jnp.float32), plgpu.Layout.WGMMA)
+    dq = schedule.visit_kv(cta_start, pos, step, zeros)
+    # Q is read no more: dQ goes out through its tile (rows past T are clipped by TMA).
+    q_tile[...] = (dq * params.scale).astype(q_tile.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[batch, rows, head])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    kv_head = lax.div(head, jnp.asarray(groups, head.dtype))
+
+    @pl.loop(lo, hi)
+    def _(j):
+      slot = slot_of(j)
+      keys = pl.ds(j * block_kv, block_kv)
+      refill = j - lo >= stages
+      pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+      plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
+      pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
+
+    @pl.loop(jnp.maximum(hi - lo - stages, 0), jnp.maximum(hi - lo, 0))
+    def _(n):
+      slot = lax.rem(n, jnp.asarray(stages, n.dtype))
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+
+
+def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Backward,
+        extras: fwd._Extras, hp: int):
+  b, _, n, _ = q.shape
+  groups = n // k.shape[2]
+  block_kv, stages = config.dq_block_kv, config.dq_stages
+  rows_per_cta = _CONSUMERS * _KEYS
+  q_tiles = pl.cdiv(inputs.query.shape[1], rows_per_cta)
+  schedule = Schedule(params.window, rows_per_cta, block_kv, extras.q_segment_ids is not None)
+  scratch = (
+      fwd._smem_tile((_CONSUMERS, _KEYS, hp), q.dtype),  # Q, then dQ on the way out
+      fwd._smem_tile((_CONSUMERS, _KEYS, hp), q.dtype),  # dO
+      fwd._smem_tile((stages, block_kv, hp), k.dtype),
+      fwd._smem_tile((stages, block_kv, hp), v.dtype),
+      plgpu.Barrier(num_barriers=2 * _CONSUMERS),  # Q and dO of each consumer
+      plgpu.Barrier(num_barriers=stages),  # k_ready
+      plgpu.Barrier(num_barriers=stages),  # v_ready
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # k_free
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # v_free
+  )
+  kernel = functools.partial(_dq_kernel, params=params, config=config, schedule=schedule,
+                             groups=groups, q_tiles=q_tiles,
+                             heavy_first=params.window.right is not None)
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      scratch_types=scratch,
+      grid=(n, q_tiles, b),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
+      interpret=plgpu.InterpretGPUParams() if params.interpret else None,
+  )(q, k, v, d_out, lse2, delta, inputs.lengths, inputs.offsets, extras)
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta, want_dbias):
-  """``(dq, dk, dv, dbias)`` (see `jaxflash._core`)."""
-  return triton_backward.backward(inputs, params, config.triton, lse2, d_out, delta, want_dbias)
+  """``(dq, dk, dv, dbias)`` (see `jaxflash._core`); calls `unsupported` names go to the Triton
+  backward."""
+  if unsupported(inputs, params, config) is not None or want_dbias:
+    return triton_backward.backward(inputs, params, config.triton, lse2, d_out, delta,
+                                    want_dbias)
+  q, k, v = inputs.query, inputs.key, inputs.value
+  b, t, n, h = q.shape
+  s = k.shape[1]
+  hp = padded_head_dim(h)
+  rows = _CONSUMERS * _KEYS
+  # Every tile either kernel reads of the LSE, delta and segment ids lies inside the padding.
+  t_pad = fwd._round_up(t, math.lcm(rows, config.backward.dkv_block_q))
+  # TMA copies 8-row swizzled tiles: sequences are padded to multiples of 8 in memory (the
+  # kernels' edge tiles past them are zero-filled on the way in and clipped on the way out).
+  q_p = fwd._pad(q, fwd._round_up(t, 8), hp)
+  do_p = fwd._pad(d_out.astype(q.dtype), fwd._round_up(t, 8), hp)
+  k_p, v_p = (fwd._pad(x, fwd._round_up(s, 8), hp) for x in (k, v))
+  # LSE and delta rows are read a whole tile at a time: padding rows get an LSE of +inf (P = 0).
+  lse_p = jnp.pad(lse2, [(0, 0), (0, 0), (0, t_pad - t)], constant_values=jnp.inf)
+  delta_p = jnp.pad(delta, [(0, 0), (0, 0), (0, t_pad - t)])
+  extras = fwd._extras(inputs, t_pad, fwd._round_up(s, math.lcm(config.backward.dq_block_kv,
+                                                                 rows)))
+  extras = extras._replace(mask=None, bias=None)
+  args = (q_p, k_p, v_p, do_p, lse_p, delta_p, inputs, params, config.backward, extras, hp)
+  dq = _dq(*args)
+  dk, dv = _dkv(*args)
+  return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h], None

@@ -20,6 +20,31 @@ SMEM_BUDGET = 227 * 1024 - 4096
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Backward:
+  """Tiles of the Mosaic GPU backward (`backward.py`).
+
+  Both kernels run two consumer warpgroups of 64 resident rows each and a producer that streams
+  the other side through a ring: the dK/dV kernel keeps 64 keys per consumer and streams
+  ``dkv_block_q`` query rows (Q, dO, LSE, delta) per step; the dQ kernel keeps 64 query rows per
+  consumer and streams ``dq_block_kv`` keys (K, V) per step.
+  """
+
+  dkv_block_q: int = 64
+  dkv_stages: int = 2
+  dq_block_kv: int = 64
+  dq_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("dkv_block_q", "dq_block_kv"):
+      value = getattr(self, name)
+      if value % 64 or not 64 <= value <= 256:
+        raise ValueError(f"{name} must be 64, 128, 192 or 256, got {value}")
+    for name in ("dkv_stages", "dq_stages"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
   """Forward tiles of the Mosaic GPU kernel; ``triton`` serves the backward for now."""
 
@@ -41,6 +66,9 @@ class Config:
   # P V and runs block j's softmax while that P V is in flight. It holds two P tiles and S in
   # registers next to O, so it needs smaller key tiles at large head dims.
   intra_wg_overlap: bool = False
+  # The Mosaic backward's tiles; None runs the Triton backward (with ``triton``'s tiles), as do
+  # calls the Mosaic backward does not serve (`backward.unsupported`).
+  backward: Backward | None = Backward()
   triton: triton_config.Config = triton_config.Config()
 
   def __post_init__(self):
