@@ -27,6 +27,11 @@ CONFIGS = {
     "d256_kv64_overlap": (256, False, dict(block_kv=64, intra_wg_overlap=True)),
     "d64": (64, False, {}),
     "d64_overlap": (64, False, dict(intra_wg_overlap=True)),
+    # The backward (``bwd_`` names compile the gradient: the forward, dQ and dK/dV kernels).
+    "bwd_d64": (64, True, {}),
+    "bwd_d128": (128, True, {}),
+    "bwd_d128_q128": (128, True, dict(backward=dict(dkv_block_q=128))),
+    "bwd_d128_kv128": (128, True, dict(backward=dict(dq_block_kv=128))),
 }
 
 
@@ -37,10 +42,19 @@ def compile_one(name: str) -> None:
   from jaxflash.backends import mosaic
 
   d, causal, kwargs = CONFIGS[name]
+  if "backward" in kwargs:
+    kwargs = dict(kwargs, backward=mosaic.config.Backward(**kwargs["backward"]))
   config = mosaic.Config(**kwargs)
   q = jax.random.normal(jax.random.key(0), (2, 2048, 8, d), jnp.bfloat16)
-  out = jax.jit(lambda q: attention_with_config(q, q, q, is_causal=causal, config=config,
-                                                implementation="mosaic"))(q)
+
+  def attend(q):
+    return attention_with_config(q, q, q, is_causal=causal, config=config,
+                                 implementation="mosaic")
+
+  if name.startswith("bwd_"):
+    out = jax.jit(jax.grad(lambda q: jnp.sum(attend(q).astype(jnp.float32))))(q)
+  else:
+    out = jax.jit(attend)(q)
   out.block_until_ready()
 
 

@@ -209,8 +209,6 @@ class Schedule:
       carry = lax.fori_loop(full_lo, full_hi, at(unmasked), carry)
       return lax.fori_loop(full_hi, hi, at(masked), carry)
 
-    if repeat == 1:
-      return one_head(_i32(0), carry)
     return lax.fori_loop(_i32(0), _i32(repeat), one_head, carry)
 
   def visit_kv(self, q_start, pos: Positions, body: Body, carry, *, skip: int = 0,

@@ -231,7 +231,10 @@ def test_every_supported_option_lowers(option, t, s):
               for name in dense]
 
   def fn(q, k, v, *arrays):
-    return _forward(**options, **dict(zip(dense, arrays)))(q, k, v)
+    # The forward and the gradients (the Mosaic backward, or Triton's for a mask or bias).
+    attend = lambda q, k, v: _forward(**options, **dict(zip(dense, arrays)))(q, k, v)
+    return jax.value_and_grad(lambda *x: jnp.sum(attend(*x).astype(jnp.float32)),
+                              argnums=(0, 1, 2))(q, k, v)
 
   assert "mosaic_gpu" in _lower(fn, q, kv, kv, *abstract)
 
@@ -318,14 +321,34 @@ def test_partial_results_lower(h):
   assert "mosaic_gpu" in _lower(fn, q, kv, kv)
 
 
-@needs_cuda_plugin
-def test_gradients_lower_with_the_triton_backward():
+def _gradients(config=None, **options):
   def fn(q, k, v):
-    return jax.grad(lambda q, k, v: jnp.sum(_forward(is_causal=True)(q, k, v).astype(
+    return jax.grad(lambda q, k, v: jnp.sum(_forward(config, **options)(q, k, v).astype(
         jnp.float32)), argnums=(0, 1, 2))(q, k, v)
-  text = _lower(fn, Q, KV, KV)
-  assert "mosaic_gpu" in text and "jaxflash_backward_dq" in text
-  assert "jaxflash_backward_dkv" in text and "jaxflash_forward" not in text
+  return fn
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("backward,triton", [(mosaic.Backward(), False), (None, True)])
+def test_gradients_lower_with_either_backward(backward, triton):
+  """Three Mosaic GPU kernels (forward, dQ, dK/dV), or the Mosaic forward with the Triton
+  backward when ``Config.backward`` is None."""
+  text = _lower(_gradients(mosaic.Config(backward=backward), is_causal=True), Q, KV, KV)
+  assert text.count("mosaic_gpu") >= 3 if not triton else "mosaic_gpu" in text
+  assert ("jaxflash_backward_dq" in text) == triton and "jaxflash_forward" not in text
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("dkv_block_q,dq_block_kv,stages", [(64, 64, 1), (128, 64, 2),
+                                                           (64, 128, 2), (64, 64, 3)])
+@pytest.mark.parametrize("h,causal", [(40, True), (64, False), (128, True)])
+def test_backward_tiles_lower(dkv_block_q, dq_block_kv, stages, h, causal):
+  q = jax.ShapeDtypeStruct((2, 1000, 4, h), BF16)
+  kv = jax.ShapeDtypeStruct((2, 777, 2, h), BF16)
+  backward = mosaic.Backward(dkv_block_q=dkv_block_q, dq_block_kv=dq_block_kv,
+                             dkv_stages=stages, dq_stages=stages)
+  config = mosaic.Config(backward=backward)
+  assert _lower(_gradients(config, is_causal=causal), q, kv, kv).count("mosaic_gpu") >= 3
 
 
 @needs_cuda_plugin

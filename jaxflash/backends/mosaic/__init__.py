@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.base import Backend
-from jaxflash.backends.mosaic.config import Config, default_config, faster_than_triton
+from jaxflash.backends.mosaic.config import Backward, Config, default_config, faster_than_triton
 from jaxflash.devices import Device, kind_is
 
 MAX_HEAD_DIM = 256
@@ -24,7 +24,7 @@ MAX_HEAD_DIM = 256
 # Device kinds with sm90 (wgmma and TMA), as jax names them.
 HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 
-__all__ = ["BACKEND", "Config", "MAX_HEAD_DIM", "default_config", "is_hopper"]
+__all__ = ["BACKEND", "Backward", "Config", "MAX_HEAD_DIM", "default_config", "is_hopper"]
 
 
 def is_hopper(device: Device) -> bool:

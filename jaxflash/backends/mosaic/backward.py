@@ -48,7 +48,8 @@ from jaxflash import dropout
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.mosaic import forward as fwd
-from jaxflash.backends.mosaic.config import Backward, Config, padded_head_dim
+from jaxflash.backends.mosaic.config import (SMEM_BUDGET, Backward, Config,
+                                             backward_smem_bytes, padded_head_dim)
 from jaxflash.backends.triton import backward as triton_backward
 from jaxflash.masking import Positions
 from jaxflash.schedule import Schedule
@@ -63,8 +64,11 @@ def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
   """Why the Mosaic backward cannot serve this call (None if it can): the Triton one then does."""
   if config.backward is None:
     return "config.backward is None"
-  if padded_head_dim(inputs.query.shape[-1]) > MAX_HEAD_DIM:
+  head_dim = inputs.query.shape[-1]
+  if padded_head_dim(head_dim) > MAX_HEAD_DIM:
     return f"head dims up to {MAX_HEAD_DIM}"
+  if backward_smem_bytes(config.backward, head_dim) > SMEM_BUDGET:
+    return f"{config.backward} does not fit in shared memory at head dim {head_dim}"
   if inputs.mask is not None or inputs.bias is not None:
     return "dense masks and biases"
   if params.partial:
@@ -148,7 +152,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_tile,
                             kv_ready.at[_CONSUMERS + wg])
     shape = (_KEYS, block_q)
-    k_idx = k_start + fwd._iota(shape, 0)  # this consumer's keys, one per row of the tile
+    k_idx = lambda: k_start + fwd._iota(shape, 0)  # this consumer's keys, one per row
     kv_ids = None
     if extras.kv_segment_ids is not None:
       kv_ids = fwd._rows(plgpu.load(extras.kv_segment_ids.at[batch, keys], layout=_ROWS,
@@ -161,23 +165,27 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       slot = slot_of(g, i)
       head = kv_head * groups + g
       q_start = i * block_q
-      q_cols = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_COLS)
+      # (Index vectors are built only where they are used: Mosaic GPU's layout inference
+      # fails on a vector that nothing reads.)
+      q_cols = lambda: q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_COLS)
       visible = None
       if masked:
-        first_key, last_key = masking.key_range(q_cols, schedule.window,
-                                                diagonal=pos.diagonal, kv_len=pos.kv_len)
+        first_key, last_key = masking.key_range(
+            None if schedule.window.is_full else q_cols(), schedule.window,
+            diagonal=pos.diagonal, kv_len=pos.kv_len)
         by_col = lambda x: x if x is None or jnp.ndim(x) == 0 else _cols(x, shape)
         q_ids = None
         if extras.q_segment_ids is not None:
           q_ids = _cols(plgpu.load(extras.q_segment_ids.at[batch, pl.ds(q_start, block_q)],
                                    layout=_COLS, optimized=False), shape)
-        visible = _visible(k_idx, by_col(first_key), by_col(last_key), q_ids, kv_ids)
+        visible = _visible(k_idx(), by_col(first_key), by_col(last_key), q_ids, kv_ids)
       keep = None
       if extras.dropout_seed is not None:
         stream = _core.dropout_stream(params, extras.dropout_seed, batch, head)
-        row_key = dropout.row_keys(stream, masking.shifted(q_cols, pos.q_offset))
+        row_key = dropout.row_keys(stream, masking.shifted(q_cols(), pos.q_offset))
         keep = dropout.keep_entries(_cols(row_key, shape),
-                                    masking.shifted(k_idx, pos.kv_offset), params.dropout_rate)
+                                    masking.shifted(k_idx(), pos.kv_offset),
+                                    params.dropout_rate)
 
       plgpu.barrier_wait(q_ready.at[slot])
       plgpu.barrier_wait(lse_ready.at[slot])
@@ -334,8 +342,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
                      shape)
     delta = fwd._rows(plgpu.load(delta_ref.at[batch, head, rows], layout=_ROWS,
                                  optimized=False), shape)
-    q_rows = q_start + plgpu.broadcasted_iota(jnp.int32, (_KEYS,), 0, layout=_ROWS)
-    first_key, last_key = masking.key_range(q_rows, schedule.window, diagonal=pos.diagonal,
+    q_rows = lambda: q_start + plgpu.broadcasted_iota(jnp.int32, (_KEYS,), 0, layout=_ROWS)
+    first_key, last_key = masking.key_range(None if schedule.window.is_full else q_rows(),
+                                            schedule.window, diagonal=pos.diagonal,
                                             kv_len=pos.kv_len)
     by_row = lambda x: x if x is None or jnp.ndim(x) == 0 else fwd._rows(x, shape)
     first_key, last_key = by_row(first_key), by_row(last_key)
@@ -346,7 +355,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
     row_key = None
     if extras.dropout_seed is not None:
       stream = _core.dropout_stream(params, extras.dropout_seed, batch, head)
-      row_key = fwd._rows(dropout.row_keys(stream, masking.shifted(q_rows, pos.q_offset)),
+      row_key = fwd._rows(dropout.row_keys(stream, masking.shifted(q_rows(), pos.q_offset)),
                           shape)
     plgpu.barrier_wait(q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[_CONSUMERS + wg])
@@ -354,7 +363,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
     def step(j, dq, masked: bool):
       slot = slot_of(j)
       k_start = j * block_kv
-      k_idx = k_start + fwd._iota(shape, 1)
+      k_idx = lambda: k_start + fwd._iota(shape, 1)  # (built only where used: see `_dkv_kernel`)
       visible = None
       if masked:
         kv_ids = None
@@ -362,10 +371,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
           kv_ids = _cols(plgpu.load(
               extras.kv_segment_ids.at[batch, pl.ds(k_start, block_kv)], layout=_COLS,
               optimized=False), shape)
-        visible = _visible(k_idx, first_key, last_key, q_ids, kv_ids)
+        visible = _visible(k_idx(), first_key, last_key, q_ids, kv_ids)
       keep = None
       if row_key is not None:
-        keep = dropout.keep_entries(row_key, masking.shifted(k_idx, pos.kv_offset),
+        keep = dropout.keep_entries(row_key, masking.shifted(k_idx(), pos.kv_offset),
                                     params.dropout_rate)
       plgpu.barrier_wait(k_ready.at[slot])
       plgpu.barrier_wait(v_ready.at[slot])

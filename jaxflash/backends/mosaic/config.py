@@ -114,6 +114,17 @@ def sm_count(device_kind: str) -> int:
   return 132
 
 
+def backward_smem_bytes(backward: Backward, head_dim: int) -> int:
+  """Shared memory of the larger backward CTA: 64 resident rows of two 16-bit tiles per
+  consumer (K and V, or Q and dO), and the ring of the streamed side (Q and dO tiles with their
+  float32 LSE and delta rows, or K and V tiles)."""
+  hp = padded_head_dim(head_dim)
+  resident = 2 * 2 * 2 * 64 * hp
+  dkv = resident + backward.dkv_stages * backward.dkv_block_q * (2 * 2 * hp + 2 * 4)
+  dq = resident + backward.dq_stages * backward.dq_block_kv * 2 * 2 * hp
+  return max(dkv, dq)
+
+
 def fits(config: Config, head_dim: int, partial: bool = False) -> bool:
   return smem_bytes(config, head_dim, partial) <= SMEM_BUDGET
 
