@@ -23,7 +23,11 @@ def tune(cfg: dict) -> list[dict]:
   if "jaxflash_triton" in cfg["impls"]:
     rows += tune_triton(cfg)
   if "jaxflash_mosaic" in cfg["impls"]:
-    rows += tune_mosaic(cfg)
+    families = cfg.get("tune_families") or MOSAIC_FAMILIES
+    if set(families) - {"backward"}:
+      rows += tune_mosaic(cfg)
+    if "backward" in families:
+      rows += tune_mosaic_backward(cfg)
   return rows
 
 
@@ -60,7 +64,8 @@ def _cases(cfg: dict):
 
 
 # The families of Mosaic candidates `--tune-families` can pick (all by default).
-MOSAIC_FAMILIES = ("tiles", "persistent", "overlap", "order", "persistent_ctas", "q_buffers")
+MOSAIC_FAMILIES = ("tiles", "persistent", "overlap", "order", "persistent_ctas", "q_buffers",
+                   "backward")
 
 
 def _mosaic_candidates(d: int, causal: bool, kind: str, families=MOSAIC_FAMILIES):
@@ -137,6 +142,49 @@ def tune_mosaic(cfg: dict) -> list[dict]:
   return rows
 
 
+def _backward_candidates(d: int):
+  """The Mosaic backward's tiles that fit (`mosaic.Backward`), the shipped default first; None
+  stands for the Triton backward."""
+  yield None
+  for dkv_block_q, dkv_stages, dq_block_kv, dq_stages in (
+      (64, 2, 64, 2), (64, 3, 64, 2), (64, 2, 64, 3), (64, 3, 64, 3), (64, 2, 128, 2),
+      (128, 2, 64, 2), (64, 1, 64, 1)):
+    backward = mosaic.Backward(dkv_block_q=dkv_block_q, dkv_stages=dkv_stages,
+                               dq_block_kv=dq_block_kv, dq_stages=dq_stages)
+    if mosaic.config.backward_smem_bytes(backward, d) <= mosaic.config.SMEM_BUDGET:
+      yield backward
+
+
+def tune_mosaic_backward(cfg: dict) -> list[dict]:
+  """Times forward+backward with the default Mosaic forward and each backward candidate
+  (`_backward_candidates`), and cuDNN's forward+backward on the same inputs (rows of kind
+  "cudnn_fwdbwd") as the yardstick. A row's "blocks" are (dkv_block_q, dkv_stages,
+  dq_block_kv, dq_stages), or "triton"."""
+  rows = []
+  kind = devices.current().kind
+  for d, causal, case, inputs in _cases(cfg):
+    ms, tf, err = _time("cudnn_fwdbwd", attention_fn("cudnn", causal), case, inputs)
+    rows.append(dict(kind="cudnn_fwdbwd", S=case.s, D=d, causal=causal, blocks=None, ms=ms,
+                     tflops=tf, error=err))
+    cudnn_tf = tf
+    print(f"tune S={case.s} D={d} causal={causal} cuDNN fwdbwd: {_outcome(tf, err)}",
+          file=sys.stderr, flush=True)
+    default = mosaic.default_config(d, jnp.bfloat16, causal, case.s, kind)
+    for backward in _backward_candidates(d):
+      blocks = "triton" if backward is None else (backward.dkv_block_q, backward.dkv_stages,
+                                                   backward.dq_block_kv, backward.dq_stages)
+      fn = attention_fn("jaxflash_mosaic", causal,
+                        config=dataclasses.replace(default, backward=backward))
+      ms, tf, err = _time("mosaic_fwdbwd", fn, case, inputs)
+      rows.append(dict(kind="mosaic_fwdbwd", S=case.s, D=d, causal=causal, blocks=blocks,
+                       ms=ms, tflops=tf, error=err))
+      ratio = f" ({tf / cudnn_tf:.3f}x cuDNN)" if tf and cudnn_tf else ""
+      print(f"tune S={case.s} D={d} causal={causal} mosaic fwdbwd backward (dkv_block_q, "
+            f"dkv_stages, dq_block_kv, dq_stages)={blocks}: {_outcome(tf, err)}{ratio}",
+            file=sys.stderr, flush=True)
+  return rows
+
+
 def tune_triton(cfg: dict) -> list[dict]:
   """Times candidate Triton tile sizes (forward and backward separately) at S = 4k."""
   fwd_opts = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
@@ -165,7 +213,8 @@ def print_tune(cfg: dict, rows: list[dict]) -> None:
   for s in _seqs(cfg):
     for d in cfg["head_dims"]:
       for causal in (False, True):
-        for kind in ("fwd", "bwd", "mosaic_fwd", "cudnn_fwd"):
+        for kind in ("fwd", "bwd", "mosaic_fwd", "cudnn_fwd", "mosaic_fwdbwd",
+                     "cudnn_fwdbwd"):
           ok = [r for r in rows if (r["S"], r["D"], r["causal"], r["kind"]) == (s, d, causal, kind)
                 and r["tflops"]]
           best = max(ok, key=lambda r: r["tflops"]) if ok else None
