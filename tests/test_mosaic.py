@@ -1,4 +1,5 @@
-"""The "mosaic" backend: the Mosaic GPU forward for Hopper, with the Triton backward.
+"""The "mosaic" backend: the Mosaic GPU forward and backward for Hopper (with the Triton backward
+for the calls the Mosaic one does not serve).
 
 - On any machine: which calls it serves (and why not the others), that ``implementation=None``
   takes it only where it measured faster, and that every kernel variant lowers for CUDA (Mosaic
@@ -421,7 +422,7 @@ NUMERIC_OPTIONS = SUPPORTED if ON_GPU else ("none", "causal_window", "lengths", 
 
 @pytest.mark.parametrize("option", NUMERIC_OPTIONS)
 def test_option(option):
-  """Forward, LSE and gradients (the Triton backward on the Mosaic forward's O and LSE)."""
+  """Forward, LSE and gradients (the Mosaic backward; the Triton one for a mask or bias)."""
   b, t, s, n, k, h = OPTION_SHAPE
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, **OPTIONS[option](b, t, s, n, 0))
 
@@ -449,6 +450,70 @@ def test_every_supported_option_at_once():
   b, t, s, n, k, h = OPTION_SHAPE
   options = OPTIONS["everything"](b, t, s, n, 0)
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, **options)
+
+
+def _everything_but_dense(b, t, s, n, seed):
+  options = OPTIONS["everything"](b, t, s, n, seed)
+  return {name: x for name, x in options.items() if name not in ("mask", "bias")}
+
+
+# The Mosaic backward's tiles: the shipped D = 64 ones (128-row query tiles in dK/dV, 128-key
+# tiles in dQ) and a one-slot ring.
+WIDE_BACKWARD = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
+    dkv_block_q=128, dq_block_kv=128))
+ONE_SLOT_BACKWARD = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
+    dkv_stages=1, dq_stages=1))
+
+
+@pytest.mark.parametrize("option,config", [
+    ("everything_but_dense", SMALL_CONFIGS["mosaic"]), ("causal", WIDE_BACKWARD),
+    ("everything_but_dense", WIDE_BACKWARD), ("lengths", ONE_SLOT_BACKWARD)])
+def test_mosaic_backward(option, config):
+  """The Mosaic backward with every option it serves at once (causal window, soft cap, scale,
+  segments, lengths, dropout; GQA), and with other tiles: gradients against the reference."""
+  b, t, s, n, k, h = OPTION_SHAPE
+  make = _everything_but_dense if option == "everything_but_dense" else OPTIONS[option]
+  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config,
+        **make(b, t, s, n, 0))
+
+
+def test_backward_serves_what_it_can():
+  """Masks, biases, partial results, D > 128 and tiles that do not fit go to the Triton
+  backward (`backward.unsupported` says why); everything else is the Mosaic backward's."""
+  from jaxflash.backends.mosaic import backward
+  q = jnp.zeros((1, 64, 2, 128), BF16)
+  config = mosaic.Config()
+  call = _checks.normalise(q, q, q, is_causal=True, segment_ids=(jnp.zeros((1, 64), jnp.int32),) * 2)
+  assert backward.unsupported(call.inputs, call.params, config) is None
+  masked = _checks.normalise(q, q, q, mask=jnp.ones((1, 1, 64, 64), bool))
+  assert "masks" in backward.unsupported(masked.inputs, masked.params, config)
+  assert "None" in backward.unsupported(call.inputs, call.params,
+                                        mosaic.Config(backward=None))
+  wide = jnp.zeros((1, 64, 2, 256), BF16)
+  call = _checks.normalise(wide, wide, wide)
+  assert "head dims up to 128" in backward.unsupported(call.inputs, call.params, config)
+  big = mosaic.Config(backward=mosaic.Backward(dq_block_kv=128, dq_stages=3))
+  call = _checks.normalise(q, q, q)
+  assert "shared memory" in backward.unsupported(call.inputs, call.params, big)
+  partial_params = dataclasses.replace(call.params, partial=True)
+  assert "partial" in backward.unsupported(call.inputs, partial_params, config)
+
+
+def test_gradients_are_bitwise_deterministic():
+  """Two runs give the same bits for dQ, dK and dV, with dropout and GQA (no atomics: every
+  gradient element has one writer, and GQA heads are summed in a fixed order)."""
+  b, t, s, n, k, h = (2, 300, 517, 8, 2, 128) if ON_GPU else (1, 70, 90, 2, 1, 64)
+  q, kk, v, d_out = random_qkv(5, b, t, s, n, k, h, BF16)
+  options = dict(is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(3))
+
+  def grads(q, kk, v):
+    out, vjp = jax.vjp(lambda *x: _run(*x, **options), q, kk, v)
+    return vjp(d_out.astype(out.dtype))
+
+  run = grads if not ON_GPU else jax.jit(grads)
+  first, second = run(q, kk, v), run(q, kk, v)
+  for a, b_ in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b_, np.float32))
 
 
 # A persistent grid of 3 CTAs: each runs several query tiles of different batch rows and heads,

@@ -2,8 +2,8 @@
 
 A CTA runs two consumer warpgroups, each owning ``block_q`` query rows (so a CTA covers
 ``2 * block_q`` rows), and one producer warpgroup that streams ``block_kv``-row tiles of K and V
-through a ring of ``num_stages`` shared-memory slots. Until the Mosaic backward exists, the
-gradients come from the Triton kernels, with the Triton config in ``triton``.
+through a ring of ``num_stages`` shared-memory slots. ``backward`` holds the tiles of the Mosaic
+backward (`Backward`); the calls it does not serve run the Triton backward with ``triton``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class Backward:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-  """Forward tiles of the Mosaic GPU kernel; ``triton`` serves the backward for now."""
+  """Tiles of the Mosaic GPU forward, the Mosaic backward's (``backward``), and the Triton
+  backward's (``triton``) for the calls the Mosaic one does not serve."""
 
   block_q: int = 64  # rows per consumer warpgroup (a wgmma M is 64)
   block_kv: int = 128
@@ -155,6 +156,20 @@ TUNED: dict[tuple[int, bool], dict] = {
 }
 
 
+# Backward tiles by padded head dim, from the tuner's "backward" family (`bench.py --tune
+# --tune-families backward`, bf16, H200, 2026-11-22, benchmarks/results/mosaic_bwd_h200_2026-11-22,
+# forward+backward against cuDNN's in the same run):
+# - D = 64: 128-row query tiles in dK/dV and 128-key tiles in dQ (4k: 417 vs 424 TFLOP/s, causal
+#   385 vs 368; 16k: 434 vs 446, causal 405 vs 430), where 64 and 64 ran 378/353 and 389/382.
+# - D = 128: the 64/64 default (4k: 522 vs 529, causal 479 vs 464; 16k: 517 vs 550, causal 499
+#   vs 523). Three dQ stages measured within noise of it (+3% at 4k, -1 to -2% at 16k); 128-row
+#   query tiles spill there (0.77x cuDNN).
+BACKWARD_TUNED: dict[int, Backward] = {
+    64: Backward(dkv_block_q=128, dq_block_kv=128),
+    128: Backward(),
+}
+
+
 def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: str,
                    partial: bool = False) -> Config | None:
   """`TUNED`'s config (persistent on this device's SM count), else it on one CTA per tile,
@@ -168,8 +183,9 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
     candidates.insert(0, dict(tuned, persistent_ctas=None, q_buffers=1))
     if tuned.get("persistent_ctas"):
       candidates.insert(0, dict(tuned, persistent_ctas=sm_count(device_kind)))
+  mosaic_backward = BACKWARD_TUNED.get(padded_head_dim(head_dim), Backward())
   for fields in candidates:
-    config = Config(triton=backward, **fields)
+    config = Config(triton=backward, backward=mosaic_backward, **fields)
     if fits(config, head_dim, partial):
       return config
   return None
