@@ -85,8 +85,8 @@ def flash_attention(
       ``broadcast_dropout=True``); by default every batch row and head has its own.
     return_residual: also return the logsumexp of the logits, [B, T, N] in the query's dtype as
       jax.nn returns it (natural log, ``-inf`` for rows that see no key; computed in float32).
-    implementation: ``"mosaic"`` (a Pallas Mosaic GPU forward for Hopper GPUs, with the
-      Triton backward; experimental, a subset of the options), ``"triton"`` (Pallas kernels
+    implementation: ``"mosaic"`` (Pallas Mosaic GPU kernels for Hopper GPUs; the Triton
+      backward serves the gradients of masks, biases and head dims above 128), ``"triton"`` (Pallas kernels
       lowered through Triton, NVIDIA GPUs), ``"xla"`` (blockwise pure JAX, any device), a
       sequence of those in order of preference, or ``None``: the first registered backend that
       supports the call on this device and is the faster one there by measurement (Triton on an
