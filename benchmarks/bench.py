@@ -185,7 +185,7 @@ def config(args) -> dict:
       head_dims=pick(args.head_dims, [64, 128, 256], [32]),
       seqs=pick(args.seqs, [512, 1024, 2048, 4096, 8192, 16384], [64, 128]),
       tune_seqs=args.seqs,  # --tune: the sequence lengths of its cells (None: tune.SEQS)
-      tune_families=args.tune_families,  # --tune: the Mosaic candidate families (None: all)
+      tune_families=args.tune_families,  # --tune: Mosaic families (None: the forward's)
       causal=args.causal,
       modes=args.modes or list(MODES),
       impls=args.impls or list(IMPLS if on_gpu else CPU_IMPLS),
@@ -227,7 +227,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--tune", action="store_true",
                       help="sweep Triton and Mosaic tiles instead (at S = 4k, or --seqs)")
   parser.add_argument("--tune-families", nargs="+", choices=tuner.MOSAIC_FAMILIES,
-                      help="--tune: which Mosaic candidates to time (default: all)")
+                      help="--tune: which Mosaic candidates to time (default: the forward's; "
+                      "backward times forward+backward with each backward tile set)")
   parser.add_argument("--floor", default=str(report.DEFAULT_FLOOR),
                       help="acceptance floor JSON to check the rows against (default: issue 5's)")
   parser.add_argument("--compile-workers", type=int,

@@ -23,7 +23,7 @@ def tune(cfg: dict) -> list[dict]:
   if "jaxflash_triton" in cfg["impls"]:
     rows += tune_triton(cfg)
   if "jaxflash_mosaic" in cfg["impls"]:
-    families = cfg.get("tune_families") or MOSAIC_FAMILIES
+    families = cfg.get("tune_families") or FORWARD_FAMILIES
     if set(families) - {"backward"}:
       rows += tune_mosaic(cfg)
     if "backward" in families:
@@ -64,11 +64,13 @@ def _cases(cfg: dict):
 
 
 # The families of Mosaic candidates `--tune-families` can pick (all by default).
-MOSAIC_FAMILIES = ("tiles", "persistent", "overlap", "order", "persistent_ctas", "q_buffers",
-                   "backward")
+# The forward's families, timed by default; "backward" (forward+backward with each backward
+# tile set) only when named.
+FORWARD_FAMILIES = ("tiles", "persistent", "overlap", "order", "persistent_ctas", "q_buffers")
+MOSAIC_FAMILIES = FORWARD_FAMILIES + ("backward",)
 
 
-def _mosaic_candidates(d: int, causal: bool, kind: str, families=MOSAIC_FAMILIES):
+def _mosaic_candidates(d: int, causal: bool, kind: str, families=FORWARD_FAMILIES):
   """The Mosaic configs that fit, by family: one CTA per query tile ("tiles") and a persistent
   grid ("persistent") for each (K/V tile, ring depth) pair; the intra-warpgroup overlap
   ("overlap") with 64- and 128-key tiles (it keeps two P tiles in registers), alone and on a
@@ -117,7 +119,7 @@ def tune_mosaic(cfg: dict) -> list[dict]:
   the same inputs (rows of kind "cudnn_fwd") as the yardstick of each cell."""
   rows = []
   kind = devices.current().kind
-  families = cfg.get("tune_families") or MOSAIC_FAMILIES
+  families = cfg.get("tune_families") or FORWARD_FAMILIES
   for d, causal, case, inputs in _cases(cfg):
     ms, tf, err = _time("cudnn_fwd", attention_fn("cudnn", causal), case, inputs)
     rows.append(dict(kind="cudnn_fwd", S=case.s, D=d, causal=causal, blocks=None, ms=ms,

@@ -164,3 +164,20 @@ def test_mosaic_tuner_rows():
   assert len(rows) < 2 * 12  # some candidates do not fit at D = 256
   # The natural launch order is tried only with a causal band.
   assert {r["causal"] for r in rows if r["blocks"] and not r["blocks"][2]} == {True}
+
+
+def test_mosaic_backward_tuner_rows():
+  """The "backward" family: forward+backward with the Triton backward and each Mosaic backward
+  tile set that fits, next to cuDNN's forward+backward per cell."""
+  import tune
+  cfg = dict(head_dims=[128], tokens=4096, hidden=256, impls=["jaxflash_mosaic"],
+             tune_families=["backward"])
+  rows = tune.tune(cfg)
+  assert {r["kind"] for r in rows} == {"mosaic_fwdbwd", "cudnn_fwdbwd"}
+  tiles = [r["blocks"] for r in rows if r["kind"] == "mosaic_fwdbwd" and not r["causal"]]
+  assert tiles[0] == "triton" and len(tiles) > 2
+  for dkv_block_q, dkv_stages, dq_block_kv, dq_stages in tiles[1:]:
+    backward = mosaic.Backward(dkv_block_q=dkv_block_q, dkv_stages=dkv_stages,
+                               dq_block_kv=dq_block_kv, dq_stages=dq_stages)
+    assert mosaic.config.backward_smem_bytes(backward, 128) <= mosaic.config.SMEM_BUDGET
+  assert all(r["tflops"] is None and r["error"] for r in rows)  # nothing runs without a GPU
