@@ -264,35 +264,41 @@ def test_two_q_buffers_lower(h, causal):
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("ctas", [None, 132])
-def test_lowers_with_x64_and_strict_rank_promotion(ctas):
+@pytest.mark.parametrize("ctas,with_dense", [(None, True), (132, True), (None, False)])
+def test_lowers_with_x64_and_strict_rank_promotion(ctas, with_dense):
   """jax_enable_x64 (int64 Python ints, lengths and segment ids) and rank promotion "raise",
-  with every option at once: nothing in the kernel mixes int32 and int64 or broadcasts ranks."""
+  with every option at once: nothing in the kernels mixes int32 and int64 or broadcasts ranks.
+  Without the mask and bias the gradients are the Mosaic backward's."""
   b, t, s, n, k, h = 2, 300, 333, 4, 2, 128
   with jax.enable_x64(True), jax.numpy_rank_promotion("raise"):
     options = OPTIONS["everything"](b, t, s, n, 0)
     dense = {name: options.pop(name) for name in ("mask", "bias") if name in options}
+    if not with_dense:
+      dense = {}
     q = jax.ShapeDtypeStruct((b, t, n, h), BF16)
     kv = jax.ShapeDtypeStruct((b, s, k, h), BF16)
 
     def fn(q, k, v, *arrays):
       config = mosaic.Config(persistent_ctas=ctas)
-      return jax.grad(lambda q: jnp.sum(_forward(config, **options, **dict(zip(dense, arrays)))(
-          q, k, v).astype(jnp.float32)))(q)
+      return jax.grad(lambda q, k, v: jnp.sum(_forward(
+          config, **options, **dict(zip(dense, arrays)))(q, k, v).astype(jnp.float32)),
+          argnums=(0, 1, 2))(q, k, v)
 
     # (x64 makes the test's float bias float64, which jaxflash refuses: pass it as bfloat16.)
     abstract = [jax.ShapeDtypeStruct(x.shape, BF16 if x.dtype == jnp.float64 else x.dtype)
                 for x in dense.values()]
-    assert "mosaic_gpu" in _lower(fn, q, kv, kv, *abstract)
+    text = _lower(fn, q, kv, kv, *abstract)
+    assert "mosaic_gpu" in text and ("jaxflash_backward_dq" in text) == with_dense
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU's interpreter (jax 0.11.2) cannot run under "
                     "jax_enable_x64: its own while loops mix i32 and i64 carries")
 def test_x64_numerics():
-  """Under jax_enable_x64 the compiled kernel still matches the reference."""
+  """Under jax_enable_x64 the compiled kernels (forward and the Mosaic backward) still match
+  the reference."""
   b, t, s, n, k, h = OPTION_SHAPE
   with jax.enable_x64(True):
-    check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, grads=False, is_causal=True,
+    check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, is_causal=True,
           **random_lengths(b, t, s, n, 0))
 
 
@@ -483,7 +489,8 @@ def test_backward_serves_what_it_can():
   from jaxflash.backends.mosaic import backward
   q = jnp.zeros((1, 64, 2, 128), BF16)
   config = mosaic.Config()
-  call = _checks.normalise(q, q, q, is_causal=True, segment_ids=(jnp.zeros((1, 64), jnp.int32),) * 2)
+  ids = jnp.zeros((1, 64), jnp.int32)
+  call = _checks.normalise(q, q, q, is_causal=True, segment_ids=(ids, ids))
   assert backward.unsupported(call.inputs, call.params, config) is None
   masked = _checks.normalise(q, q, q, mask=jnp.ones((1, 1, 64, 64), bool))
   assert "masks" in backward.unsupported(masked.inputs, masked.params, config)

@@ -109,8 +109,8 @@ def _visible(k_idx, first_key, last_key, q_ids, kv_ids):
 
 
 def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then):
-  """A Bᵀ and C Dᵀ on the tensor cores, back to back: ``then(AB)`` runs while C Dᵀ is in flight;
-  returns ``(then(A Bᵀ), C Dᵀ)``."""
+  """A Bᵀ and C Dᵀ on the tensor cores, back to back: ``then(A Bᵀ)`` runs while C Dᵀ is in
+  flight; returns ``(then(A Bᵀ), C Dᵀ)``."""
 
   def run(s_ref, dp_ref):
     plgpu.wgmma(s_ref, a_smem, b_smem.T)
