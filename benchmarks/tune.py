@@ -110,6 +110,15 @@ def _label(config) -> tuple:
   return label + (config.q_buffers,) if config.q_buffers != 1 else label
 
 
+def _measure(rows: list[dict], kind: str, fn, d: int, causal: bool, case, inputs,
+             blocks=None) -> tuple[float | None, str | None]:
+  """Times ``fn`` (`_time`), appends its tuning row and returns ``(tflops, error)``."""
+  ms, tf, err = _time(kind, fn, case, inputs)
+  rows.append(dict(kind=kind, S=case.s, D=d, causal=causal, blocks=blocks, ms=ms, tflops=tf,
+                   error=err))
+  return tf, err
+
+
 def _outcome(tflops: float | None, error: str | None) -> str:
   return f"fail {error}" if tflops is None else f"{tflops:.0f} TFLOP/s"
 
@@ -121,11 +130,9 @@ def tune_mosaic(cfg: dict) -> list[dict]:
   kind = devices.current().kind
   families = cfg.get("tune_families") or FORWARD_FAMILIES
   for d, causal, case, inputs in _cases(cfg):
-    ms, tf, err = _time("cudnn_fwd", attention_fn("cudnn", causal), case, inputs)
-    rows.append(dict(kind="cudnn_fwd", S=case.s, D=d, causal=causal, blocks=None, ms=ms,
-                     tflops=tf, error=err))
-    cudnn_tf = tf
-    print(f"tune S={case.s} D={d} causal={causal} cuDNN fwd: {_outcome(tf, err)}",
+    cudnn_tf, err = _measure(rows, "cudnn_fwd", attention_fn("cudnn", causal), d, causal, case,
+                             inputs)
+    print(f"tune S={case.s} D={d} causal={causal} cuDNN fwd: {_outcome(cudnn_tf, err)}",
           file=sys.stderr, flush=True)
     seen = set()  # families overlap (the default config is also a tile or persistent candidate)
     for candidate in _mosaic_candidates(d, causal, kind, families):
@@ -134,9 +141,7 @@ def tune_mosaic(cfg: dict) -> list[dict]:
         continue
       seen.add(blocks)
       fn = attention_fn("jaxflash_mosaic", causal, config=candidate)
-      ms, tf, err = _time("mosaic_fwd", fn, case, inputs)
-      rows.append(dict(kind="mosaic_fwd", S=case.s, D=d, causal=causal, blocks=blocks, ms=ms,
-                       tflops=tf, error=err))
+      tf, err = _measure(rows, "mosaic_fwd", fn, d, causal, case, inputs, blocks)
       ratio = f" ({tf / cudnn_tf:.3f}x cuDNN)" if tf and cudnn_tf else ""
       print(f"tune S={case.s} D={d} causal={causal} mosaic fwd (block_kv, stages, heavy_first, "
             f"persistent, overlap[, q_buffers])={blocks}: {_outcome(tf, err)}{ratio}",
@@ -167,11 +172,9 @@ def tune_mosaic_backward(cfg: dict) -> list[dict]:
   rows = []
   kind = devices.current().kind
   for d, causal, case, inputs in _cases(cfg):
-    ms, tf, err = _time("cudnn_fwdbwd", attention_fn("cudnn", causal), case, inputs)
-    rows.append(dict(kind="cudnn_fwdbwd", S=case.s, D=d, causal=causal, blocks=None, ms=ms,
-                     tflops=tf, error=err))
-    cudnn_tf = tf
-    print(f"tune S={case.s} D={d} causal={causal} cuDNN fwdbwd: {_outcome(tf, err)}",
+    cudnn_tf, err = _measure(rows, "cudnn_fwdbwd", attention_fn("cudnn", causal), d, causal, case,
+                             inputs)
+    print(f"tune S={case.s} D={d} causal={causal} cuDNN fwdbwd: {_outcome(cudnn_tf, err)}",
           file=sys.stderr, flush=True)
     default = mosaic.default_config(d, jnp.bfloat16, causal, case.s, kind)
     for backward in _backward_candidates(d):
@@ -179,9 +182,7 @@ def tune_mosaic_backward(cfg: dict) -> list[dict]:
                                                    backward.dq_block_kv, backward.dq_stages)
       fn = attention_fn("jaxflash_mosaic", causal,
                         config=dataclasses.replace(default, backward=backward))
-      ms, tf, err = _time("mosaic_fwdbwd", fn, case, inputs)
-      rows.append(dict(kind="mosaic_fwdbwd", S=case.s, D=d, causal=causal, blocks=blocks,
-                       ms=ms, tflops=tf, error=err))
+      tf, err = _measure(rows, "mosaic_fwdbwd", fn, d, causal, case, inputs, blocks)
       ratio = f" ({tf / cudnn_tf:.3f}x cuDNN)" if tf and cudnn_tf else ""
       print(f"tune S={case.s} D={d} causal={causal} mosaic fwdbwd backward (dkv_block_q, "
             f"dkv_stages, dq_block_kv, dq_stages)={blocks}: {_outcome(tf, err)}{ratio}",
@@ -205,9 +206,7 @@ def tune_triton(cfg: dict) -> list[dict]:
         candidate = dataclasses.replace(base, **{"forward" if kind == "fwd" else "backward":
                                                  tiles})
         fn = attention_fn("jaxflash_triton", causal, config=candidate)
-        ms, tf, err = _time(kind, fn, case, inputs)
-        rows.append(dict(kind=kind, S=case.s, D=d, causal=causal, blocks=opt, ms=ms, tflops=tf,
-                         error=err))
+        tf, _ = _measure(rows, kind, fn, d, causal, case, inputs, opt)
         print(f"tune S={case.s} D={d} causal={causal} {kind} {opt}: "
               f"{'fail' if tf is None else f'{tf:.0f} TFLOP/s'}", file=sys.stderr, flush=True)
   return rows

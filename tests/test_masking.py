@@ -343,6 +343,28 @@ def test_full_block_range_is_sound_and_tight():
         assert named == full, "full/causal full-block range not tight: " + where
 
 
+def test_full_query_block_range_is_sound_and_tight():
+  """The transpose (dK/dV's walk): `Schedule.q_block_ranges` names as full only query blocks
+  whose every row before q_len sees every key of the key block (which must lie before kv_len),
+  inside the visited range; for full and causal attention, every such block."""
+  for case in random_cases(seed=11):
+    t, s, bq, bk, q_len, kv_len = (case[x] for x in ("t", "s", "bq", "bk", "q_len", "kv_len"))
+    window = make_window(case["is_causal"], case["window_size"])
+    vis = brute_visible(t, s, case["is_causal"], case["window_size"], q_len, kv_len)
+    sched = Schedule(window, bq, bk)
+    for j in range(_cdiv(s, bk)):
+      k0 = j * bk
+      lo, full_lo, full_hi, hi = _as_ints(sched.q_block_ranges(k0, Positions(q_len, kv_len)))
+      assert hi <= lo or lo <= full_lo <= full_hi <= hi, case
+      full = [i for i in range(lo, hi) if k0 + bk <= kv_len
+              and vis[i * bq:min((i + 1) * bq, q_len), k0:k0 + bk].all()]
+      named = list(range(full_lo, full_hi))
+      where = f"{case}, key block {j}: named {named}, full {full}"
+      assert set(named) <= set(full), "a named block has a hidden entry: " + where
+      if case["kind"] in ("full", "causal"):
+        assert named == full, "full/causal full-block range not tight: " + where
+
+
 # ---------------------------------------------------------------------------------------------
 # Positions: offsets in the element mask and the schedule
 

@@ -249,20 +249,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
                               delta_ready.at[slot])
       return carry
 
-    schedule.visit_q_split(cta_start, pos, lambda g, i, c, masked: load(g, i, c), _i32(0),
+    schedule.visit_q_split(cta_start, pos, lambda g, i, c, masked: load(g, i, c), fwd._i32(0),
                            repeat=groups)
-    # Observe the last release of every slot before the CTA ends (see `forward._kernel`).
-    visits = groups * count
-
-    @pl.loop(jnp.maximum(visits - stages, 0), visits)
-    def _(n):
-      slot = lax.rem(n, jnp.asarray(stages, n.dtype))
-      plgpu.barrier_wait(q_free.at[slot])
-      plgpu.barrier_wait(do_free.at[slot])
-
-
-def _i32(x):
-  return jnp.asarray(x, jnp.int32)
+    fwd.observe_last_releases(groups * count, stages, q_free, do_free)
 
 
 def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Backward,
@@ -419,11 +408,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
       pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
       plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
 
-    @pl.loop(jnp.maximum(hi - lo - stages, 0), jnp.maximum(hi - lo, 0))
-    def _(n):
-      slot = lax.rem(n, jnp.asarray(stages, n.dtype))
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
+    fwd.observe_last_releases(jnp.maximum(hi - lo, 0), stages, k_free, v_free)
 
 
 def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Backward,
@@ -487,7 +472,6 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
   delta_p = jnp.pad(delta, [(0, 0), (0, 0), (0, t_pad - t)])
   extras = fwd._extras(inputs, t_pad, fwd._round_up(s, math.lcm(config.backward.dq_block_kv,
                                                                  rows)))
-  extras = extras._replace(mask=None, bias=None)
   args = (q_p, k_p, v_p, do_p, lse_p, delta_p, inputs, params, config.backward, extras, hp)
   dq = _dq(*args)
   dk, dv = _dkv(*args)

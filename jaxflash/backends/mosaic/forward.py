@@ -514,12 +514,19 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
     blocks = _for_items(count, run_item)
 
-    # Observe the last release of every slot before the CTA ends, so that no barrier phase
-    # goes unwaited (Mosaic GPU's interpreter checks this; on the GPU it costs nothing).
-    @pl.loop(jnp.maximum(blocks - stages, 0), blocks)
-    def _(n):
-      plgpu.barrier_wait(k_free.at[slot_of(n)])
-      plgpu.barrier_wait(v_free.at[slot_of(n)])
+    observe_last_releases(blocks, stages, k_free, v_free)
+
+
+def observe_last_releases(visits, stages: int, *free_barriers):
+  """A producer's epilogue: waits for the last release of every ring slot after ``visits``
+  fills, so that no barrier phase goes unwaited before the CTA ends (Mosaic GPU's interpreter
+  checks this; on the GPU it costs nothing)."""
+
+  @pl.loop(jnp.maximum(visits - stages, 0), visits)
+  def _(n):
+    slot = lax.rem(n, jnp.asarray(stages, n.dtype))
+    for free in free_barriers:
+      plgpu.barrier_wait(free.at[slot])
 
 
 def _pad(x, length: int, hp: int):
