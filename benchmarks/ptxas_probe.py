@@ -32,6 +32,11 @@ CONFIGS = {
     "bwd_d128": (128, True, {}),
     "bwd_d128_q128": (128, True, dict(backward=dict(dkv_block_q=128))),
     "bwd_d128_kv128": (128, True, dict(backward=dict(dq_block_kv=128))),
+    # Head dims above 128: dK/dV in two passes; at 256, 32-row streamed tiles or one stage.
+    "bwd_d192": (192, True, dict(block_kv=64)),
+    "bwd_d256": (256, True, dict(block_kv=64, backward=dict(dkv_block_q=32, dq_block_kv=32))),
+    "bwd_d256_one_stage": (256, True, dict(block_kv=64, backward=dict(dkv_stages=1,
+                                                                         dq_stages=1))),
 }
 
 

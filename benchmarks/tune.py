@@ -157,6 +157,8 @@ def _backward_candidates(d: int):
   if d <= 64:  # (128-row query tiles in dK/dV spill at D = 128: 0.77x cuDNN at 4k)
     tiles += [(128, 2, 64, 2), (128, 2, 128, 2), (128, 2, 64, 3), (128, 3, 64, 2),
               (128, 3, 128, 2)]
+  if d > 128:  # at D = 256 the resident tiles take 128 KiB: 32-row tiles, or one stage
+    tiles = [(32, 2, 32, 2), (64, 1, 64, 1), (32, 2, 64, 1), (64, 1, 32, 2), (64, 2, 64, 2)]
   for dkv_block_q, dkv_stages, dq_block_kv, dq_stages in tiles:
     backward = mosaic.Backward(dkv_block_q=dkv_block_q, dkv_stages=dkv_stages,
                                dq_block_kv=dq_block_kv, dq_stages=dq_stages)

@@ -483,8 +483,23 @@ def test_mosaic_backward(option, config):
         **make(b, t, s, n, 0))
 
 
+@pytest.mark.parametrize("h", [192, 256])
+def test_mosaic_backward_wide_heads(h):
+  """Head dims above 128: dK/dV in two passes (dV, then dK), and at D = 256 the 32-row streamed
+  tiles with the 64-byte swizzle; every option the backward serves, against the reference."""
+  from jaxflash.backends.mosaic import backward, config as mosaic_config
+  b, t, s, n, k = (2, 200, 333, 4, 2) if ON_GPU else (1, 70, 133, 2, 1)
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"],
+                               backward=mosaic_config.BACKWARD_TUNED.get(h, mosaic.Backward()))
+  options = _everything_but_dense(b, t, s, n, 0)
+  q, kv = jnp.zeros((b, t, n, h), BF16), jnp.zeros((b, s, k, h), BF16)
+  call = _checks.normalise(q, kv, kv, **options)
+  assert backward.unsupported(call.inputs, call.params, config) is None  # not the Triton one
+  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config, **options)
+
+
 def test_backward_serves_what_it_can():
-  """Masks, biases, partial results, D > 128 and tiles that do not fit go to the Triton
+  """Masks, biases, partial results and tiles that do not fit go to the Triton
   backward (`backward.unsupported` says why); everything else is the Mosaic backward's."""
   from jaxflash.backends.mosaic import backward
   q = jnp.zeros((1, 64, 2, 128), BF16)
@@ -498,7 +513,9 @@ def test_backward_serves_what_it_can():
                                         mosaic.Config(backward=None))
   wide = jnp.zeros((1, 64, 2, 256), BF16)
   call = _checks.normalise(wide, wide, wide)
-  assert "head dims up to 128" in backward.unsupported(call.inputs, call.params, config)
+  assert "shared memory" in backward.unsupported(call.inputs, call.params, config)
+  assert backward.unsupported(call.inputs, call.params, mosaic.default_config(
+      256, BF16, False, 64, "NVIDIA H200")) is None
   big = mosaic.Config(backward=mosaic.Backward(dq_block_kv=128, dq_stages=3))
   call = _checks.normalise(q, q, q)
   assert "shared memory" in backward.unsupported(call.inputs, call.params, big)

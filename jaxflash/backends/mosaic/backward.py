@@ -57,7 +57,9 @@ from jaxflash.schedule import Schedule
 _CONSUMERS = fwd._CONSUMERS
 _ROWS, _COLS = fwd._ROWS, fwd._COLS
 _KEYS = 64  # keys per consumer in dK/dV, query rows per consumer in dQ (one wgmma M)
-MAX_HEAD_DIM = 128  # dK and dV accumulators of 64 x 256 float32 do not fit one warpgroup
+# Above this padded head dim the dK and dV accumulators (64 x D float32 each, per consumer) do not
+# fit one warpgroup's registers together: dK/dV runs as two passes, dV then dK.
+SPLIT_HEAD_DIM = 128
 
 
 def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
@@ -65,8 +67,6 @@ def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
   if config.backward is None:
     return "config.backward is None"
   head_dim = inputs.query.shape[-1]
-  if padded_head_dim(head_dim) > MAX_HEAD_DIM:
-    return f"head dims up to {MAX_HEAD_DIM}"
   if backward_smem_bytes(config.backward, head_dim) > SMEM_BUDGET:
     return f"{config.backward} does not fit in shared memory at head dim {head_dim}"
   if inputs.mask is not None or inputs.bias is not None:
@@ -74,6 +74,13 @@ def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
   if params.partial:
     return "partial results (float32 gradients)"
   return None
+
+
+def _swizzle(block: int) -> int:
+  """The swizzle of a kernel's 16-bit tiles: the streamed ``block`` is the contracted side of
+  dV += Pᵀ dO and dK += dSᵀ Q (or dQ += dS K), and a wgmma contracts whole swizzled rows (64
+  elements at 128 bytes, 32 at 64 bytes)."""
+  return 128 if block % 64 == 0 else 64
 
 
 def _cols(x, shape):
@@ -122,15 +129,30 @@ def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then):
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
 
+def _wgmma_score(a_smem, b_smem, shape, then):
+  """``(then(A Bᵀ), None)``: `_wgmma_scores` without the second product."""
+
+  def run(s_ref):
+    plgpu.wgmma(s_ref, a_smem, b_smem.T)
+    return then(plgpu.wgmma_accumulator_load(s_ref, wait_n=0)), None
+
+  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
 # ----------------------------------------------------------------------------------------------
 # dK / dV
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, offsets_ref,
-                extras: fwd._Extras, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                delta_smem, kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free, do_free,
-                *, params: Params, config: Backward, schedule: Schedule, groups: int):
+                extras: fwd._Extras, out: dict, smem: dict, *, params: Params, config: Backward,
+                schedule: Schedule, groups: int, grads: tuple[str, ...]):
+  """``grads`` names what this pass accumulates: ``("dk", "dv")``, or one of them (head dims
+  above 128, where one accumulator of 64 x D float32 is all a warpgroup's registers hold next
+  to the scores). A dV-only pass needs neither V nor delta, and skips dPᵀ."""
   block_q, stages = config.dkv_block_q, config.dkv_stages
+  want_dk, want_dv = "dk" in grads, "dv" in grads
+  k_smem, q_smem, do_smem, lse_smem = smem["k"], smem["q"], smem["do"], smem["lse"]
+  kv_ready, q_free, do_free = smem["kv_ready"], smem["q_free"], smem["do_free"]
   wg = lax.axis_index("wg")
   kv_head, batch = lax.axis_index("heads"), lax.axis_index("batch")
   cta_start = lax.axis_index("k_tiles") * (_CONSUMERS * _KEYS)
@@ -147,10 +169,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     plgpu.set_max_registers(232, action="increase")
     k_start = cta_start + wg * _KEYS
     keys = pl.ds(k_start, _KEYS)
-    k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+    k_tile = k_smem.at[wg]
     plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_tile, kv_ready.at[wg])
-    plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_tile,
-                            kv_ready.at[_CONSUMERS + wg])
+    v_tile = None
+    if want_dk:  # dPᵀ = V dOᵀ
+      v_tile = smem["v"].at[wg]
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_tile,
+                              kv_ready.at[_CONSUMERS + wg])
     shape = (_KEYS, block_q)
     k_idx = lambda: k_start + fwd._iota(shape, 0)  # this consumer's keys, one per row
     kv_ids = None
@@ -158,10 +183,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       kv_ids = fwd._rows(plgpu.load(extras.kv_segment_ids.at[batch, keys], layout=_ROWS,
                                     optimized=False), shape)
     plgpu.barrier_wait(kv_ready.at[wg])
-    plgpu.barrier_wait(kv_ready.at[_CONSUMERS + wg])
+    if want_dk:
+      plgpu.barrier_wait(kv_ready.at[_CONSUMERS + wg])
 
     def step(g, i, carry, masked: bool):
-      dk, dv = carry
       slot = slot_of(g, i)
       head = kv_head * groups + g
       q_start = i * block_q
@@ -187,47 +212,58 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
                                     masking.shifted(k_idx(), pos.kv_offset),
                                     params.dropout_rate)
 
-      plgpu.barrier_wait(q_ready.at[slot])
-      plgpu.barrier_wait(lse_ready.at[slot])
-      plgpu.barrier_wait(do_ready.at[slot])
-      plgpu.barrier_wait(delta_ready.at[slot])
+      plgpu.barrier_wait(smem["q_ready"].at[slot])
+      plgpu.barrier_wait(smem["lse_ready"].at[slot])
+      plgpu.barrier_wait(smem["do_ready"].at[slot])
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
 
-      def probabilities(s):  # Pᵀ, while dPᵀ is in flight
+      def probabilities(s):  # Pᵀ (while dPᵀ is in flight)
         lse2 = _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape)
         return _probabilities(s, lse2, params, visible)
 
-      (p, cap_t), dp = _wgmma_scores(k_tile, q_tile, v_tile, do_tile, shape, probabilities)
-      delta = _cols(plgpu.load(delta_smem.at[slot], layout=_COLS), shape)
-      p16 = _core.dropped(p, keep, params).astype(q_tile.dtype)
-
-      def d_scores():
-        return _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
-                                    cap_t).astype(q_tile.dtype)
-
-      if params.interpret:  # no register operands in the interpreter: plain dots
-        dv = dv + jnp.dot(p16, do_tile[...], preferred_element_type=jnp.float32)
-        dk = dk + jnp.dot(d_scores(), q_tile[...], preferred_element_type=jnp.float32)
+      if want_dk:
+        plgpu.barrier_wait(smem["delta_ready"].at[slot])
+        (p, cap_t), dp = _wgmma_scores(k_tile, q_tile, v_tile, do_tile, shape, probabilities)
+        delta = _cols(plgpu.load(smem["delta"].at[slot], layout=_COLS), shape)
+        d_scores = lambda: _core.dlogits_to_dqk(
+            p * (_core.dropped(dp, keep, params) - delta), cap_t).astype(q_tile.dtype)
       else:
-        def grads(refs):
-          dv_ref, dk_ref = refs
-          plgpu.wgmma(dv_ref, p16, do_tile)  # in flight while dSᵀ is computed
-          plgpu.wgmma(dk_ref, d_scores(), q_tile)
+        (p, _), _ = _wgmma_score(k_tile, q_tile, shape, probabilities)
+      p16 = _core.dropped(p, keep, params).astype(q_tile.dtype) if want_dv else None
 
-        dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+      # dV += Pᵀ dO (in flight while dSᵀ is computed) and dK += dSᵀ Q.
+      products = []
+      if want_dv:
+        products.append((carry["dv"], lambda: p16, do_tile))
+      if want_dk:
+        products.append((carry["dk"], d_scores, q_tile))
+      if params.interpret:  # no register operands in the interpreter: plain dots
+        sums = [acc + jnp.dot(a(), b[...], preferred_element_type=jnp.float32)
+                for acc, a, b in products]
+      else:
+        def accumulate(acc_refs):
+          for acc_ref, (_, a, b) in zip(acc_refs, products):
+            plgpu.wgmma(acc_ref, a(), b)
+
+        sums = pl.run_state(accumulate)(tuple(plgpu.ACC.init(acc) for acc, _, _ in products))
       plgpu.barrier_arrive(q_free.at[slot])
       plgpu.barrier_arrive(do_free.at[slot])
-      return dk, dv
+      return dict(zip([name for name in ("dv", "dk") if name in grads], sums))
 
     hp = k_tile.shape[-1]
     zeros = plgpu.layout_cast(jnp.zeros((_KEYS, hp), jnp.float32), plgpu.Layout.WGMMA)
-    dk, dv = schedule.visit_q_split(cta_start, pos, step, (zeros, zeros), repeat=groups)
-    # K and V are read no more: dK and dV go out through their tiles.
-    k_tile[...] = (dk * params.scale).astype(k_tile.dtype)
-    v_tile[...] = dv.astype(v_tile.dtype)
+    sums = schedule.visit_q_split(cta_start, pos, step, {name: zeros for name in grads},
+                                  repeat=groups)
+    # K and V are read no more: dK and dV go out through their tiles (dV through K's when the
+    # pass has no V).
+    finals = {"dk": (sums.get("dk"), k_tile, params.scale),
+              "dv": (sums.get("dv"), v_tile if want_dk else k_tile, 1.0)}
+    for name in grads:
+      total, tile, scale = finals[name]
+      tile[...] = (total * scale if scale != 1.0 else total).astype(tile.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[batch, keys, kv_head])
-    plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[batch, keys, kv_head])
+    for name in grads:
+      plgpu.copy_smem_to_gmem(finals[name][1], out[name].at[batch, keys, kv_head])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _CONSUMERS)
@@ -240,13 +276,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       rows = pl.ds(i * block_q, block_q)
       refill = g * count + i - lo >= stages  # the first pass round the ring finds it free
       pl.when(refill)(lambda: plgpu.barrier_wait(q_free.at[slot]))
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_ready.at[slot])
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot],
+                              smem["q_ready"].at[slot])
       plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[slot],
-                              lse_ready.at[slot])
+                              smem["lse_ready"].at[slot])
       pl.when(refill)(lambda: plgpu.barrier_wait(do_free.at[slot]))
-      plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[slot], do_ready.at[slot])
-      plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[slot],
-                              delta_ready.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[slot],
+                              smem["do_ready"].at[slot])
+      if want_dk:
+        plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], smem["delta"].at[slot],
+                                smem["delta_ready"].at[slot])
       return carry
 
     schedule.visit_q_split(cta_start, pos, lambda g, i, c, masked: load(g, i, c), fwd._i32(0),
@@ -255,37 +294,46 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
 
 
 def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Backward,
-         extras: fwd._Extras, hp: int):
-  b, t_rows, n, _ = q.shape
-  s_rows, kv_heads = k.shape[1], k.shape[2]
-  groups = n // kv_heads
+         extras: fwd._Extras, hp: int, grads: tuple[str, ...] = ("dk", "dv")) -> dict:
+  """``{name: gradient}`` for the ``grads`` of one dK/dV pass (see `_dkv_kernel`)."""
+  b = q.shape[0]
+  kv_heads = k.shape[2]
+  groups = q.shape[2] // kv_heads
   block_q, stages = config.dkv_block_q, config.dkv_stages
   keys_per_cta = _CONSUMERS * _KEYS
   k_tiles = pl.cdiv(inputs.key.shape[1], keys_per_cta)
   schedule = Schedule(params.window, block_q, keys_per_cta, extras.q_segment_ids is not None)
-  scratch = (
-      fwd._smem_tile((_CONSUMERS, _KEYS, hp), k.dtype),  # K, then dK on the way out
-      fwd._smem_tile((_CONSUMERS, _KEYS, hp), v.dtype),  # V, then dV
-      fwd._smem_tile((stages, block_q, hp), q.dtype),
-      fwd._smem_tile((stages, block_q, hp), q.dtype),  # dO
-      plgpu.SMEM((stages, block_q), jnp.float32),  # LSE rows
-      plgpu.SMEM((stages, block_q), jnp.float32),  # delta rows
-      plgpu.Barrier(num_barriers=2 * _CONSUMERS),  # K and V of each consumer
-      plgpu.Barrier(num_barriers=stages),  # q_ready
-      plgpu.Barrier(num_barriers=stages),  # do_ready
-      plgpu.Barrier(num_barriers=stages),  # lse_ready
-      plgpu.Barrier(num_barriers=stages),  # delta_ready
-      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # q_free
-      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # do_free
+  want_dk = "dk" in grads
+  resident = 2 if want_dk else 1  # K, and V for dPᵀ
+  tile = functools.partial(fwd._smem_tile, swizzle=_swizzle(block_q))
+  smem = dict(
+      k=tile((_CONSUMERS, _KEYS, hp), k.dtype),  # K, then dK (or dV) on the way out
+      q=tile((stages, block_q, hp), q.dtype),
+      do=tile((stages, block_q, hp), q.dtype),
+      lse=plgpu.SMEM((stages, block_q), jnp.float32),  # LSE rows
+      kv_ready=plgpu.Barrier(num_barriers=resident * _CONSUMERS),
+      q_ready=plgpu.Barrier(num_barriers=stages),
+      do_ready=plgpu.Barrier(num_barriers=stages),
+      lse_ready=plgpu.Barrier(num_barriers=stages),
+      q_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+      do_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
   )
+  if want_dk:
+    smem.update(
+        v=tile((_CONSUMERS, _KEYS, hp), v.dtype),  # V, then dV on the way out
+        delta=plgpu.SMEM((stages, block_q), jnp.float32),  # delta rows
+        delta_ready=plgpu.Barrier(num_barriers=stages),
+    )
   kernel = functools.partial(_dkv_kernel, params=params, config=config, schedule=schedule,
-                             groups=groups)
+                             groups=groups, grads=grads)
+  out_type = {"dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
+              "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
   # Pallas walks the grid row-major, batch fastest: with a causal band the first key tiles,
   # which see the most query rows, launch first.
-  dk, dv = plgpu.kernel(
+  return plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      scratch_types=scratch,
+      out_type={name: out_type[name] for name in grads},
+      scratch_types=(smem,),
       grid=(kv_heads, k_tiles, b),
       grid_names=("heads", "k_tiles", "batch"),
       num_threads=_CONSUMERS + 1,
@@ -293,7 +341,6 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
       interpret=plgpu.InterpretGPUParams() if params.interpret else None,
   )(q, k, v, d_out, lse2, delta, inputs.lengths, inputs.offsets, extras)
-  return dk, dv
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,11 +466,12 @@ def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Bac
   rows_per_cta = _CONSUMERS * _KEYS
   q_tiles = pl.cdiv(inputs.query.shape[1], rows_per_cta)
   schedule = Schedule(params.window, rows_per_cta, block_kv, extras.q_segment_ids is not None)
+  tile = functools.partial(fwd._smem_tile, swizzle=_swizzle(block_kv))
   scratch = (
-      fwd._smem_tile((_CONSUMERS, _KEYS, hp), q.dtype),  # Q, then dQ on the way out
-      fwd._smem_tile((_CONSUMERS, _KEYS, hp), q.dtype),  # dO
-      fwd._smem_tile((stages, block_kv, hp), k.dtype),
-      fwd._smem_tile((stages, block_kv, hp), v.dtype),
+      tile((_CONSUMERS, _KEYS, hp), q.dtype),  # Q, then dQ on the way out
+      tile((_CONSUMERS, _KEYS, hp), q.dtype),  # dO
+      tile((stages, block_kv, hp), k.dtype),
+      tile((stages, block_kv, hp), v.dtype),
       plgpu.Barrier(num_barriers=2 * _CONSUMERS),  # Q and dO of each consumer
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_barriers=stages),  # v_ready
@@ -474,5 +522,9 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
                                                                  rows)))
   args = (q_p, k_p, v_p, do_p, lse_p, delta_p, inputs, params, config.backward, extras, hp)
   dq = _dq(*args)
-  dk, dv = _dkv(*args)
+  if hp > SPLIT_HEAD_DIM:  # dV, then dK: one 64 x D float32 accumulator per pass
+    grads = {**_dkv(*args, grads=("dv",)), **_dkv(*args, grads=("dk",))}
+  else:
+    grads = _dkv(*args)
+  dk, dv = grads["dk"], grads["dv"]
   return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h], None

@@ -26,7 +26,9 @@ class Backward:
   Both kernels run two consumer warpgroups of 64 resident rows each and a producer that streams
   the other side through a ring: the dK/dV kernel keeps 64 keys per consumer and streams
   ``dkv_block_q`` query rows (Q, dO, LSE, delta) per step; the dQ kernel keeps 64 query rows per
-  consumer and streams ``dq_block_kv`` keys (K, V) per step.
+  consumer and streams ``dq_block_kv`` keys (K, V) per step. Above head dim 128 the dK/dV
+  kernel runs twice, for dV and then for dK, with the same tiles; at head dim 256 the resident
+  tiles take 128 KiB, so the streamed tiles are 32 rows.
   """
 
   dkv_block_q: int = 64
@@ -37,8 +39,8 @@ class Backward:
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv"):
       value = getattr(self, name)
-      if value % 64 or not 64 <= value <= 256:
-        raise ValueError(f"{name} must be 64, 128, 192 or 256, got {value}")
+      if value not in (32, 64, 128, 192, 256):
+        raise ValueError(f"{name} must be 32, 64, 128, 192 or 256, got {value}")
     for name in ("dkv_stages", "dq_stages"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -116,9 +118,9 @@ def sm_count(device_kind: str) -> int:
 
 
 def backward_smem_bytes(backward: Backward, head_dim: int) -> int:
-  """Shared memory of the larger backward CTA: 64 resident rows of two 16-bit tiles per
-  consumer (K and V, or Q and dO), and the ring of the streamed side (Q and dO tiles with their
-  float32 LSE and delta rows, or K and V tiles)."""
+  """Shared memory of the largest backward CTA: 64 resident rows of two 16-bit tiles per
+  consumer (K and V, or Q and dO; a dV-only pass holds K alone), and the ring of the streamed
+  side (Q and dO tiles with their float32 LSE and delta rows, or K and V tiles)."""
   hp = padded_head_dim(head_dim)
   resident = 2 * 2 * 2 * 64 * hp
   dkv = resident + backward.dkv_stages * backward.dkv_block_q * (2 * 2 * hp + 2 * 4)
@@ -167,6 +169,8 @@ TUNED: dict[tuple[int, bool], dict] = {
 BACKWARD_TUNED: dict[int, Backward] = {
     64: Backward(dkv_block_q=128, dq_block_kv=128),
     128: Backward(),
+    # D = 256: K and V (or Q and dO) take 128 KiB, so the streamed tiles are 32 rows (untuned).
+    256: Backward(dkv_block_q=32, dq_block_kv=32),
 }
 
 

@@ -68,11 +68,13 @@ _ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma accumulator
 _COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
-def _smem_tile(shape, dtype):
-  """A shared-memory tile that TMA and wgmma both read: 128-byte rows (64 16-bit or 32 32-bit
-  elements) in 8-row tiles, swizzled."""
-  row = 128 // jnp.dtype(dtype).itemsize
-  transforms = (plgpu.TilingTransform((8, row)), plgpu.SwizzleTransform(128))
+def _smem_tile(shape, dtype, swizzle: int = 128):
+  """A shared-memory tile that TMA and wgmma both read: ``swizzle``-byte rows (128: 64 16-bit or
+  32 32-bit elements) in 8-row tiles, swizzled. A wgmma contracts whole swizzled rows, so a
+  32-row tile as the K side of a product needs the 64-byte swizzle, and so do the tiles it
+  meets in other products (A and B in shared memory share one swizzle)."""
+  row = swizzle // jnp.dtype(dtype).itemsize
+  transforms = (plgpu.TilingTransform((8, row)), plgpu.SwizzleTransform(swizzle))
   return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
