@@ -35,8 +35,10 @@ CONFIGS = {
     # Head dims above 128: dK/dV in two passes; at 256, 32-row streamed tiles or one stage.
     "bwd_d192": (192, True, dict(block_kv=64)),
     "bwd_d256": (256, True, dict(block_kv=64, backward=dict(dkv_block_q=32, dq_block_kv=32))),
-    "bwd_d256_one_stage": (256, True, dict(block_kv=64, backward=dict(dkv_stages=1,
-                                                                         dq_stages=1))),
+    "bwd_d256_dv64": (256, True, dict(block_kv=64, backward=dict(
+        dkv_block_q=32, dq_block_kv=32, dv_block_q=64))),
+    "bwd_d256_r240": (256, True, dict(block_kv=64, backward=dict(
+        dkv_block_q=32, dq_block_kv=32, registers=240))),
 }
 
 

@@ -157,13 +157,33 @@ def _backward_candidates(d: int):
   if d <= 64:  # (128-row query tiles in dK/dV spill at D = 128: 0.77x cuDNN at 4k)
     tiles += [(128, 2, 64, 2), (128, 2, 128, 2), (128, 2, 64, 3), (128, 3, 64, 2),
               (128, 3, 128, 2)]
-  if d > 128:  # at D = 256 the resident tiles take 128 KiB: 32-row tiles, or one stage
-    tiles = [(32, 2, 32, 2), (64, 1, 64, 1), (32, 2, 64, 1), (64, 1, 32, 2), (64, 2, 64, 2)]
+  extra = [{}]
+  if d > 128:
+    # At D = 256 the resident tiles take 128 KiB: 32-row tiles (64, 1, 64, 1 ran 0.68-0.76x
+    # cuDNN where these ran 0.93-1.05x, 2026-11-22). The dV pass holds no V: wider tiles there;
+    # and 240 consumer registers (the dK pass spills 280 bytes at 232).
+    tiles = [(32, 2, 32, 2), (64, 2, 64, 2)]
+    extra = [{}, dict(dv_block_q=64), dict(registers=240), dict(dv_block_q=64, registers=240),
+             dict(dv_block_q=64, dv_stages=1)]
   for dkv_block_q, dkv_stages, dq_block_kv, dq_stages in tiles:
-    backward = mosaic.Backward(dkv_block_q=dkv_block_q, dkv_stages=dkv_stages,
-                               dq_block_kv=dq_block_kv, dq_stages=dq_stages)
-    if mosaic.config.backward_smem_bytes(backward, d) <= mosaic.config.SMEM_BUDGET:
-      yield backward
+    for fields in extra:
+      backward = mosaic.Backward(dkv_block_q=dkv_block_q, dkv_stages=dkv_stages,
+                                 dq_block_kv=dq_block_kv, dq_stages=dq_stages, **fields)
+      if mosaic.config.backward_smem_bytes(backward, d) <= mosaic.config.SMEM_BUDGET:
+        yield backward
+
+
+def _backward_label(backward) -> str | tuple:
+  """"triton", or (dkv_block_q, dkv_stages, dq_block_kv, dq_stages), then the dV pass's tiles
+  and the consumer registers where they differ from the defaults."""
+  if backward is None:
+    return "triton"
+  label = (backward.dkv_block_q, backward.dkv_stages, backward.dq_block_kv, backward.dq_stages)
+  default = mosaic.Backward()
+  if (backward.dv_block_q, backward.dv_stages, backward.registers) != (
+      default.dv_block_q, default.dv_stages, default.registers):
+    label += (backward.dv_block_q, backward.dv_stages, backward.registers)
+  return label
 
 
 def tune_mosaic_backward(cfg: dict) -> list[dict]:
@@ -180,14 +200,13 @@ def tune_mosaic_backward(cfg: dict) -> list[dict]:
           file=sys.stderr, flush=True)
     default = mosaic.default_config(d, jnp.bfloat16, causal, case.s, kind)
     for backward in _backward_candidates(d):
-      blocks = "triton" if backward is None else (backward.dkv_block_q, backward.dkv_stages,
-                                                   backward.dq_block_kv, backward.dq_stages)
+      blocks = _backward_label(backward)
       fn = attention_fn("jaxflash_mosaic", causal,
                         config=dataclasses.replace(default, backward=backward))
       tf, err = _measure(rows, "mosaic_fwdbwd", fn, d, causal, case, inputs, blocks)
       ratio = f" ({tf / cudnn_tf:.3f}x cuDNN)" if tf and cudnn_tf else ""
       print(f"tune S={case.s} D={d} causal={causal} mosaic fwdbwd backward (dkv_block_q, "
-            f"dkv_stages, dq_block_kv, dq_stages)={blocks}: {_outcome(tf, err)}{ratio}",
+            f"dkv_stages, dq_block_kv, dq_stages[, dv_block_q, dv_stages, registers])={blocks}: {_outcome(tf, err)}{ratio}",
             file=sys.stderr, flush=True)
   return rows
 

@@ -48,7 +48,7 @@ from jaxflash import dropout
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.mosaic import forward as fwd
-from jaxflash.backends.mosaic.config import (SMEM_BUDGET, Backward, Config,
+from jaxflash.backends.mosaic.config import (SMEM_BUDGET, SPLIT_HEAD_DIM, Backward, Config,
                                              backward_smem_bytes, padded_head_dim)
 from jaxflash.backends.triton import backward as triton_backward
 from jaxflash.masking import Positions
@@ -57,9 +57,6 @@ from jaxflash.schedule import Schedule
 _CONSUMERS = fwd._CONSUMERS
 _ROWS, _COLS = fwd._ROWS, fwd._COLS
 _KEYS = 64  # keys per consumer in dK/dV, query rows per consumer in dQ (one wgmma M)
-# Above this padded head dim the dK and dV accumulators (64 x D float32 each, per consumer) do not
-# fit one warpgroup's registers together: dK/dV runs as two passes, dV then dK.
-SPLIT_HEAD_DIM = 128
 
 
 def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
@@ -166,7 +163,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(config.registers, action="increase")
     k_start = cta_start + wg * _KEYS
     keys = pl.ds(k_start, _KEYS)
     k_tile = k_smem.at[wg]
@@ -268,7 +265,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(config.producer_registers, action="decrease")
 
     def load(g, i, carry):
       slot = slot_of(g, i)
@@ -367,7 +364,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(config.registers, action="increase")
     q_start = cta_start + wg * _KEYS
     rows = pl.ds(q_start, _KEYS)
     q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
@@ -442,7 +439,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(config.producer_registers, action="decrease")
     kv_head = lax.div(head, jnp.asarray(groups, head.dtype))
 
     @pl.loop(lo, hi)
@@ -509,7 +506,8 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
   hp = padded_head_dim(h)
   rows = _CONSUMERS * _KEYS
   # Every tile either kernel reads of the LSE, delta and segment ids lies inside the padding.
-  t_pad = fwd._round_up(t, math.lcm(rows, config.backward.dkv_block_q))
+  t_pad = fwd._round_up(t, math.lcm(rows, config.backward.dkv_block_q,
+                                     config.backward.dv_pass().dkv_block_q))
   # TMA copies 8-row swizzled tiles: sequences are padded to multiples of 8 in memory (the
   # kernels' edge tiles past them are zero-filled on the way in and clipped on the way out).
   q_p = fwd._pad(q, fwd._round_up(t, 8), hp)
@@ -523,7 +521,8 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
   args = (q_p, k_p, v_p, do_p, lse_p, delta_p, inputs, params, config.backward, extras, hp)
   dq = _dq(*args)
   if hp > SPLIT_HEAD_DIM:  # dV, then dK: one 64 x D float32 accumulator per pass
-    grads = {**_dkv(*args, grads=("dv",)), **_dkv(*args, grads=("dk",))}
+    dv_args = args[:8] + (config.backward.dv_pass(),) + args[9:]
+    grads = {**_dkv(*dv_args, grads=("dv",)), **_dkv(*args, grads=("dk",))}
   else:
     grads = _dkv(*args)
   dk, dv = grads["dk"], grads["dv"]

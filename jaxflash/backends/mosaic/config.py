@@ -35,15 +35,35 @@ class Backward:
   dkv_stages: int = 2
   dq_block_kv: int = 64
   dq_stages: int = 2
+  # The dV pass's tiles where dK/dV runs as two passes (head dims above 128); None: the dK/dV
+  # ones. It holds no V, so it has room for wider query tiles than the dK pass.
+  dv_block_q: int | None = None
+  dv_stages: int | None = None
+  # Registers per consumer thread; the producer warpgroup gets the rest of the CTA's 504 (40 at
+  # 232, 24 at 240).
+  registers: int = 232
 
   def __post_init__(self):
-    for name in ("dkv_block_q", "dq_block_kv"):
+    for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
       value = getattr(self, name)
-      if value not in (32, 64, 128, 192, 256):
+      if value is not None and value not in (32, 64, 128, 192, 256):
         raise ValueError(f"{name} must be 32, 64, 128, 192 or 256, got {value}")
-    for name in ("dkv_stages", "dq_stages"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+    for name in ("dkv_stages", "dq_stages", "dv_stages"):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    if self.registers not in (232, 240):
+      raise ValueError(f"registers must be 232 or 240, got {self.registers}")
+
+  def dv_pass(self) -> Backward:
+    """The tiles of the dV pass (as ``dkv_block_q`` and ``dkv_stages``)."""
+    return dataclasses.replace(
+        self, dkv_block_q=self.dv_block_q or self.dkv_block_q,
+        dkv_stages=self.dv_stages or self.dkv_stages, dv_block_q=None, dv_stages=None)
+
+  @property
+  def producer_registers(self) -> int:
+    return 504 - 2 * self.registers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -117,6 +137,11 @@ def sm_count(device_kind: str) -> int:
   return 132
 
 
+# Above this padded head dim the dK and dV accumulators (64 x D float32 each, per consumer) do not
+# fit one warpgroup's registers together: dK/dV runs as two passes, dV then dK.
+SPLIT_HEAD_DIM = 128
+
+
 def backward_smem_bytes(backward: Backward, head_dim: int) -> int:
   """Shared memory of the largest backward CTA: 64 resident rows of two 16-bit tiles per
   consumer (K and V, or Q and dO; a dV-only pass holds K alone), and the ring of the streamed
@@ -125,7 +150,11 @@ def backward_smem_bytes(backward: Backward, head_dim: int) -> int:
   resident = 2 * 2 * 2 * 64 * hp
   dkv = resident + backward.dkv_stages * backward.dkv_block_q * (2 * 2 * hp + 2 * 4)
   dq = resident + backward.dq_stages * backward.dq_block_kv * 2 * 2 * hp
-  return max(dkv, dq)
+  dv = 0
+  if hp > SPLIT_HEAD_DIM:
+    dv_pass = backward.dv_pass()
+    dv = resident // 2 + dv_pass.dkv_stages * dv_pass.dkv_block_q * (2 * 2 * hp + 4)
+  return max(dkv, dq, dv)
 
 
 def fits(config: Config, head_dim: int, partial: bool = False) -> bool:
