@@ -195,11 +195,15 @@ TUNED: dict[tuple[int, bool], dict] = {
 # - D = 128: the 64/64 default (4k: 522 vs 529, causal 479 vs 464; 16k: 517 vs 550, causal 499
 #   vs 523). Three dQ stages measured within noise of it (+3% at 4k, -1 to -2% at 16k); 128-row
 #   query tiles spill there (0.77x cuDNN).
+# - D = 256 (dK/dV in two passes; mosaic_bwd256_h200_2026-11-22): K and V (or Q and dO) take
+#   128 KiB, so the dK pass and dQ stream 32-row tiles (64-byte swizzle); the dV pass, which holds
+#   no V, 64-row ones; 240 consumer registers (the dK pass spills 156 bytes there, 280 at 232).
+#   4k: 402 vs 406 TFLOP/s, causal 405 vs 372; 16k: 414 vs 407, causal 410 vs 413. 32-row tiles
+#   in every pass ran 386/380/402/399; one stage of 64-row tiles 283/279/284; Triton 139-151.
 BACKWARD_TUNED: dict[int, Backward] = {
     64: Backward(dkv_block_q=128, dq_block_kv=128),
     128: Backward(),
-    # D = 256: K and V (or Q and dO) take 128 KiB, so the streamed tiles are 32 rows (untuned).
-    256: Backward(dkv_block_q=32, dq_block_kv=32),
+    256: Backward(dkv_block_q=32, dq_block_kv=32, dv_block_q=64, registers=240),
 }
 
 
