@@ -1,8 +1,9 @@
-"""What dropout and a bias gradient cost: the Triton backend with each training feature on and off.
+"""What dropout and a bias gradient cost: jaxflash's backends with each training feature on and off.
 
 Run on the GPU machine from the repo root:
 
-    PYTHONPATH=. python benchmarks/features.py --out benchmarks/results/<device>_features.json
+    PYTHONPATH=. python benchmarks/features.py --impls jaxflash_triton jaxflash_mosaic \
+        --out benchmarks/results/<device>_features.json
 
 Shape: bf16, D = 128, S = 4k, B = 4, N = 16 (16k tokens, hidden 2048), causal and not. Variants:
 plain; dropout p = 0.1; a [1, N, S, S] bias that is not differentiated; the same bias with its
@@ -26,7 +27,8 @@ import jaxflash
 from jaxflash import dropout
 from jaxflash.reference import reference_attention
 
-from bench import environment, flops, time_call
+from cases import flops, time_call
+from report import environment
 
 VARIANTS = {
     "plain": dict(),
@@ -90,6 +92,9 @@ def main(argv=None):
   parser.add_argument("--heads", type=int, default=None, help="default: 2048 / head dim")
   parser.add_argument("--interpret", action="store_true",
                       help="CPU smoke test: Pallas interpret mode, no cuDNN")
+  parser.add_argument("--impls", nargs="+", default=["jaxflash_triton"],
+                      choices=("jaxflash_triton", "jaxflash_mosaic"),
+                      help="jaxflash backends to time (cuDNN runs next to them on a GPU)")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
   s, d = args.seq, args.head_dim
@@ -100,7 +105,7 @@ def main(argv=None):
   bias_full = jax.random.normal(keys[4], (1, n, s, s), jnp.bfloat16)
   rng = jax.random.key(42)
   rows = []
-  plan = [("jaxflash_triton", name, spec) for name, spec in VARIANTS.items()]
+  plan = [(impl, name, spec) for impl in args.impls for name, spec in VARIANTS.items()]
   if not args.interpret:
     plan += [("cudnn", "plain", VARIANTS["plain"]),
              ("cudnn", "bias_grad", VARIANTS["bias_grad"])]
@@ -110,8 +115,8 @@ def main(argv=None):
       use_dropout = spec.get("dropout", False)
       bias = bias_full if spec.get("bias") else None
       wrt = (0, 1, 2, 3) if spec.get("bias_grad") else (0, 1, 2)
-      fn = attention_fn("triton" if impl == "jaxflash_triton" else impl, causal, use_dropout,
-                        rng, args.interpret)
+      fn = attention_fn(impl.removeprefix("jaxflash_"), causal, use_dropout, rng,
+                        args.interpret)
       row = dict(impl=impl, variant=name, B=b, S=s, N=n, D=d, causal=causal, dtype="bfloat16")
       try:
         row["relerr"] = check(fn, q, k, v, bias, d_out, causal, use_dropout, rng, wrt)
