@@ -206,7 +206,8 @@ def tune_mosaic_backward(cfg: dict) -> list[dict]:
       tf, err = _measure(rows, "mosaic_fwdbwd", fn, d, causal, case, inputs, blocks)
       ratio = f" ({tf / cudnn_tf:.3f}x cuDNN)" if tf and cudnn_tf else ""
       print(f"tune S={case.s} D={d} causal={causal} mosaic fwdbwd backward (dkv_block_q, "
-            f"dkv_stages, dq_block_kv, dq_stages[, dv_block_q, dv_stages, registers])={blocks}: {_outcome(tf, err)}{ratio}",
+            f"dkv_stages, dq_block_kv, dq_stages[, dv_block_q, dv_stages, registers])="
+            f"{blocks}: {_outcome(tf, err)}{ratio}",
             file=sys.stderr, flush=True)
   return rows
 

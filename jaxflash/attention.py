@@ -86,7 +86,7 @@ def flash_attention(
     return_residual: also return the logsumexp of the logits, [B, T, N] in the query's dtype as
       jax.nn returns it (natural log, ``-inf`` for rows that see no key; computed in float32).
     implementation: ``"mosaic"`` (Pallas Mosaic GPU kernels for Hopper GPUs; the Triton
-      backward serves the gradients of masks, biases and head dims above 128), ``"triton"`` (Pallas kernels
+      backward serves the gradients of masks and biases), ``"triton"`` (Pallas kernels
       lowered through Triton, NVIDIA GPUs), ``"xla"`` (blockwise pure JAX, any device), a
       sequence of those in order of preference, or ``None``: the first registered backend that
       supports the call on this device and is the faster one there by measurement (Triton on an

@@ -16,6 +16,10 @@ warpgroups, two consumers and a producer, as in the forward (`forward.py`):
 - **dQ**, grid (query heads, query tiles, B). Each consumer keeps 64 query rows of Q and dO,
   with their LSE and delta in registers; the producer streams ``dq_block_kv``-key tiles of K and
   V. Per tile: S = Q Kᵀ and dP = dO Vᵀ back to back, P while dP is in flight, then dQ += dS K.
+- **Head dims above 128** (`SPLIT_HEAD_DIM`): one consumer's dK and dV accumulators (64 x D
+  float32 each) do not fit its registers together, so dK/dV runs twice, dV alone (no V, no
+  delta, no dPᵀ; its own tiles, `Backward.dv_pass`) and then dK alone. At D = 256 the resident
+  tiles take 128 KiB, so the streamed tiles are 32 rows, with the 64-byte swizzle (`_swizzle`).
 
 Block ranges come from the shared `jaxflash.schedule.Schedule` (`visit_q_split` for dK/dV,
 `visit_kv` for dQ); blocks that every row sees in full skip the element mask, the others apply
@@ -23,9 +27,9 @@ Block ranges come from the shared `jaxflash.schedule.Schedule` (`visit_q_split` 
 regenerated entry by entry from absolute coordinates). Keys past the key length are masked;
 query rows past the query length have an LSE of +inf, so their P is exactly 0.
 
-What this backward does not serve (`unsupported`: dense masks, biases, partial results, head
-dims above 128) goes to the Triton backward, which differentiates the Mosaic forward exactly:
-both read the same LSE.
+What this backward does not serve (`unsupported`: dense masks, biases, partial results, tiles
+that do not fit in shared memory) goes to the Triton backward, which differentiates the Mosaic
+forward exactly: both read the same LSE.
 
 With ``params.interpret`` the kernels run in Mosaic GPU's interpreter (tests on a CPU), which
 has no wgmma with a register operand and no ``run_state``: the three products with a register

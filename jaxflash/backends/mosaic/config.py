@@ -197,9 +197,10 @@ TUNED: dict[tuple[int, bool], dict] = {
 #   query tiles spill there (0.77x cuDNN).
 # - D = 256 (dK/dV in two passes; mosaic_bwd256_h200_2026-11-22): K and V (or Q and dO) take
 #   128 KiB, so the dK pass and dQ stream 32-row tiles (64-byte swizzle); the dV pass, which holds
-#   no V, 64-row ones; 240 consumer registers (the dK pass spills 156 bytes there, 280 at 232).
-#   4k: 402 vs 406 TFLOP/s, causal 405 vs 372; 16k: 414 vs 407, causal 410 vs 413. 32-row tiles
-#   in every pass ran 386/380/402/399; one stage of 64-row tiles 283/279/284; Triton 139-151.
+#   no V, 64-row ones; 240 consumer registers (ptxas: spills of 156 and 28 bytes; 280 and 76 at
+#   232). 4k: 402 vs 406 TFLOP/s, causal 405 vs 372; 16k: 414 vs 407, causal 410 vs 413.
+#   32-row tiles in every pass ran 386/380/402/399; one stage of 64-row tiles 283/279/284;
+#   the Triton backward 139-151.
 BACKWARD_TUNED: dict[int, Backward] = {
     64: Backward(dkv_block_q=128, dq_block_kv=128),
     128: Backward(),
