@@ -181,9 +181,22 @@ def test_configs_are_checked():
     mosaic.Config(persistent_ctas=0)
   with pytest.raises(ValueError, match="q_buffers"):
     mosaic.Config(q_buffers=2)  # only a persistent grid has a next item
+  with pytest.raises(ValueError, match="dkv_block_q"):
+    mosaic.Backward(dkv_block_q=96)
+  with pytest.raises(ValueError, match="dv_stages"):
+    mosaic.Backward(dv_stages=0)
+  with pytest.raises(ValueError, match="registers"):
+    mosaic.Backward(registers=236)
+  budget = mosaic.config.SMEM_BUDGET
   for h in (40, 64, 96, 128, 192, 256):
     config = mosaic.default_config(h, BF16, False, 4096, "NVIDIA H200")
     assert mosaic.config.fits(config, h), (h, config)
+    assert mosaic.config.backward_smem_bytes(config.backward, h) <= budget, (h, config)
+  # The dV pass's own tiles count where dK/dV runs as two passes, and only there.
+  wide_dv = mosaic.Backward(dkv_block_q=32, dq_block_kv=32, dv_block_q=128)
+  assert mosaic.config.backward_smem_bytes(wide_dv, 256) > budget
+  assert mosaic.config.backward_smem_bytes(wide_dv, 128) == mosaic.config.backward_smem_bytes(
+      mosaic.Backward(dkv_block_q=32, dq_block_kv=32), 128)
 
 
 # --------------------------------------------------------------------------------------------
