@@ -32,7 +32,8 @@ CONFIGS = {
     "bwd_d128": (128, True, {}),
     "bwd_d128_q128": (128, True, dict(backward=dict(dkv_block_q=128))),
     "bwd_d128_kv128": (128, True, dict(backward=dict(dq_block_kv=128))),
-    # Head dims above 128: dK/dV in two passes; at 256, 32-row streamed tiles or one stage.
+    # Head dims above 128: dK/dV in two passes; at 256, 32-row streamed tiles, with a 64-row dV
+    # pass or 240 consumer registers.
     "bwd_d192": (192, True, dict(block_kv=64)),
     "bwd_d256": (256, True, dict(block_kv=64, backward=dict(dkv_block_q=32, dq_block_kv=32))),
     "bwd_d256_dv64": (256, True, dict(block_kv=64, backward=dict(

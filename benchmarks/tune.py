@@ -161,7 +161,7 @@ def _backward_candidates(d: int):
   if d > 128:
     # At D = 256 the resident tiles take 128 KiB: 32-row tiles (64, 1, 64, 1 ran 0.68-0.76x
     # cuDNN where these ran 0.93-1.05x, 2026-11-22). The dV pass holds no V: wider tiles there;
-    # and 240 consumer registers (the dK pass spills 280 bytes at 232).
+    # and 240 consumer registers (two kernels spill 280 and 76 bytes at 232).
     tiles = [(32, 2, 32, 2), (64, 2, 64, 2)]
     extra = [{}, dict(dv_block_q=64), dict(registers=240), dict(dv_block_q=64, registers=240),
              dict(dv_block_q=64, dv_stages=1)]
