@@ -173,20 +173,16 @@ def test_none_takes_it_only_where_it_measured_faster(monkeypatch):
 
 
 def test_configs_are_checked():
-  with pytest.raises(ValueError, match="block_kv"):
-    mosaic.Config(block_kv=96)
-  with pytest.raises(ValueError, match="num_stages"):
-    mosaic.Config(num_stages=1)
-  with pytest.raises(ValueError, match="persistent_ctas"):
-    mosaic.Config(persistent_ctas=0)
-  with pytest.raises(ValueError, match="q_buffers"):
-    mosaic.Config(q_buffers=2)  # only a persistent grid has a next item
-  with pytest.raises(ValueError, match="dkv_block_q"):
-    mosaic.Backward(dkv_block_q=96)
-  with pytest.raises(ValueError, match="dv_stages"):
-    mosaic.Backward(dv_stages=0)
-  with pytest.raises(ValueError, match="registers"):
-    mosaic.Backward(registers=236)
+  for make, field in [
+      (lambda: mosaic.Config(block_kv=96), "block_kv"),
+      (lambda: mosaic.Config(num_stages=1), "num_stages"),
+      (lambda: mosaic.Config(persistent_ctas=0), "persistent_ctas"),
+      (lambda: mosaic.Config(q_buffers=2), "q_buffers"),  # only a persistent grid has a next item
+      (lambda: mosaic.Backward(dkv_block_q=96), "dkv_block_q"),
+      (lambda: mosaic.Backward(dv_stages=0), "dv_stages"),
+      (lambda: mosaic.Backward(registers=236), "registers")]:
+    with pytest.raises(ValueError, match=field):
+      make()
   budget = mosaic.config.SMEM_BUDGET
   for h in (40, 64, 96, 128, 192, 256):
     config = mosaic.default_config(h, BF16, False, 4096, "NVIDIA H200")

@@ -118,26 +118,18 @@ def _visible(k_idx, first_key, last_key, q_ids, kv_ids):
 
 def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then):
   """A Bᵀ and C Dᵀ on the tensor cores, back to back: ``then(A Bᵀ)`` runs while C Dᵀ is in
-  flight; returns ``(then(A Bᵀ), C Dᵀ)``."""
+  flight; returns ``(then(A Bᵀ), C Dᵀ)``, or ``(then(A Bᵀ), None)`` when C and D are None."""
+  second = c_smem is not None
 
-  def run(s_ref, dp_ref):
+  def run(s_ref, *dp_ref):
     plgpu.wgmma(s_ref, a_smem, b_smem.T)
-    plgpu.wgmma(dp_ref, c_smem, d_smem.T)
+    if second:
+      plgpu.wgmma(dp_ref[0], c_smem, d_smem.T)
     # Each wgmma is its own commit group: the first is done once at most one is pending.
-    first = then(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
-    return first, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+    first = then(plgpu.wgmma_accumulator_load(s_ref, wait_n=int(second)))
+    return first, plgpu.wgmma_accumulator_load(dp_ref[0], wait_n=0) if second else None
 
-  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
-
-
-def _wgmma_score(a_smem, b_smem, shape, then):
-  """``(then(A Bᵀ), None)``: `_wgmma_scores` without the second product."""
-
-  def run(s_ref):
-    plgpu.wgmma(s_ref, a_smem, b_smem.T)
-    return then(plgpu.wgmma_accumulator_load(s_ref, wait_n=0)), None
-
-  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+  return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32)] * (1 + second))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,27 +221,25 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         d_scores = lambda: _core.dlogits_to_dqk(
             p * (_core.dropped(dp, keep, params) - delta), cap_t).astype(q_tile.dtype)
       else:
-        (p, _), _ = _wgmma_score(k_tile, q_tile, shape, probabilities)
+        (p, _), _ = _wgmma_scores(k_tile, q_tile, None, None, shape, probabilities)
       p16 = _core.dropped(p, keep, params).astype(q_tile.dtype) if want_dv else None
 
       # dV += Pᵀ dO (in flight while dSᵀ is computed) and dK += dSᵀ Q.
-      products = []
-      if want_dv:
-        products.append((carry["dv"], lambda: p16, do_tile))
-      if want_dk:
-        products.append((carry["dk"], d_scores, q_tile))
+      operands = {"dv": (lambda: p16, do_tile), "dk": (d_scores if want_dk else None, q_tile)}
+      names = [name for name in ("dv", "dk") if name in grads]
       if params.interpret:  # no register operands in the interpreter: plain dots
-        sums = [acc + jnp.dot(a(), b[...], preferred_element_type=jnp.float32)
-                for acc, a, b in products]
+        sums = [carry[name] + jnp.dot(operands[name][0](), operands[name][1][...],
+                                      preferred_element_type=jnp.float32) for name in names]
       else:
         def accumulate(acc_refs):
-          for acc_ref, (_, a, b) in zip(acc_refs, products):
+          for acc_ref, name in zip(acc_refs, names):
+            a, b = operands[name]
             plgpu.wgmma(acc_ref, a(), b)
 
-        sums = pl.run_state(accumulate)(tuple(plgpu.ACC.init(acc) for acc, _, _ in products))
+        sums = pl.run_state(accumulate)(tuple(plgpu.ACC.init(carry[name]) for name in names))
       plgpu.barrier_arrive(q_free.at[slot])
       plgpu.barrier_arrive(do_free.at[slot])
-      return dict(zip([name for name in ("dv", "dk") if name in grads], sums))
+      return dict(zip(names, sums))
 
     hp = k_tile.shape[-1]
     zeros = plgpu.layout_cast(jnp.zeros((_KEYS, hp), jnp.float32), plgpu.Layout.WGMMA)
@@ -257,14 +247,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
                                   repeat=groups)
     # K and V are read no more: dK and dV go out through their tiles (dV through K's when the
     # pass has no V).
-    finals = {"dk": (sums.get("dk"), k_tile, params.scale),
-              "dv": (sums.get("dv"), v_tile if want_dk else k_tile, 1.0)}
-    for name in grads:
-      total, tile, scale = finals[name]
-      tile[...] = (total * scale if scale != 1.0 else total).astype(tile.dtype)
+    out_tiles = {"dk": k_tile, "dv": v_tile if want_dk else k_tile}
+    if want_dk:
+      k_tile[...] = (sums["dk"] * params.scale).astype(k_tile.dtype)
+    if want_dv:
+      out_tiles["dv"][...] = sums["dv"].astype(out_tiles["dv"].dtype)
     plgpu.commit_smem()
     for name in grads:
-      plgpu.copy_smem_to_gmem(finals[name][1], out[name].at[batch, keys, kv_head])
+      plgpu.copy_smem_to_gmem(out_tiles[name], out[name].at[batch, keys, kv_head])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _CONSUMERS)
@@ -296,7 +286,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
 
 def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Backward,
          extras: fwd._Extras, hp: int, grads: tuple[str, ...] = ("dk", "dv")) -> dict:
-  """``{name: gradient}`` for the ``grads`` of one dK/dV pass (see `_dkv_kernel`)."""
+  """``{name: gradient}`` for the ``grads`` of one dK/dV pass (see `_dkv_kernel`); a dV-only
+  pass runs `Backward.dv_pass`'s tiles."""
+  if grads == ("dv",):
+    config = config.dv_pass()
   b = q.shape[0]
   kv_heads = k.shape[2]
   groups = q.shape[2] // kv_heads
@@ -525,8 +518,7 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
   args = (q_p, k_p, v_p, do_p, lse_p, delta_p, inputs, params, config.backward, extras, hp)
   dq = _dq(*args)
   if hp > SPLIT_HEAD_DIM:  # dV, then dK: one 64 x D float32 accumulator per pass
-    dv_args = args[:8] + (config.backward.dv_pass(),) + args[9:]
-    grads = {**_dkv(*dv_args, grads=("dv",)), **_dkv(*args, grads=("dk",))}
+    grads = {**_dkv(*args, grads=("dv",)), **_dkv(*args, grads=("dk",))}
   else:
     grads = _dkv(*args)
   dk, dv = grads["dk"], grads["dv"]
