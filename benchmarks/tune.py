@@ -153,18 +153,24 @@ def _backward_candidates(d: int):
   """The Mosaic backward's tiles that fit (`mosaic.Backward`), the shipped default first; None
   stands for the Triton backward."""
   yield None
-  tiles = [(64, 2, 64, 2), (64, 2, 64, 3), (64, 2, 128, 2), (64, 3, 128, 2)]
-  if d <= 64:  # (128-row query tiles in dK/dV spill at D = 128: 0.77x cuDNN at 4k)
-    tiles += [(128, 2, 64, 2), (128, 2, 128, 2), (128, 2, 64, 3), (128, 3, 64, 2),
-              (128, 3, 128, 2)]
-  extra = [{}]
-  if d > 128:
-    # At D = 256 the resident tiles take 128 KiB: 32-row tiles (64, 1, 64, 1 ran 0.68-0.76x
-    # cuDNN where these ran 0.93-1.05x, 2026-11-22). The dV pass holds no V: wider tiles there;
-    # and 240 consumer registers (two kernels spill 280 and 76 bytes at 232).
-    tiles = [(32, 2, 32, 2), (64, 2, 64, 2)]
-    extra = [{}, dict(dv_block_q=64), dict(registers=240), dict(dv_block_q=64, registers=240),
-             dict(dv_block_q=64, dv_stages=1)]
+  if d <= 128:
+    # One pass (dQ from the dK/dV kernel): 64-row query tiles at D = 128, 128-row ones at
+    # D = 64 (`mosaic.config.dq_split`), at either register split; the shipped two-kernel tiles
+    # next to it.
+    block_q = 64 if d > 64 else 128
+    for stages in (2, 3):
+      for registers in (232, 240):
+        backward = mosaic.Backward(dkv_block_q=block_q, dkv_stages=stages, registers=registers)
+        if mosaic.config.backward_smem_bytes(backward, d) <= mosaic.config.SMEM_BUDGET:
+          yield backward
+    yield mosaic.Backward(dkv_block_q=block_q, dq_block_kv=block_q, one_pass=False)
+    return
+  # At D = 256 the resident tiles take 128 KiB: 32-row tiles (64, 1, 64, 1 ran 0.68-0.76x cuDNN
+  # where these ran 0.93-1.05x, 2026-11-22). The dV pass holds no V: wider tiles there; and 240
+  # consumer registers (two kernels spill 280 and 76 bytes at 232).
+  tiles = [(32, 2, 32, 2), (64, 2, 64, 2)]
+  extra = [{}, dict(dv_block_q=64), dict(registers=240), dict(dv_block_q=64, registers=240),
+           dict(dv_block_q=64, dv_stages=1)]
   for dkv_block_q, dkv_stages, dq_block_kv, dq_stages in tiles:
     for fields in extra:
       backward = mosaic.Backward(dkv_block_q=dkv_block_q, dkv_stages=dkv_stages,
@@ -173,11 +179,14 @@ def _backward_candidates(d: int):
         yield backward
 
 
-def _backward_label(backward) -> str | tuple:
-  """"triton", or (dkv_block_q, dkv_stages, dq_block_kv, dq_stages), then the dV pass's tiles
-  and the consumer registers where they differ from the defaults."""
+def _backward_label(backward, d: int) -> str | tuple:
+  """"triton", ("one pass", dkv_block_q, dkv_stages, registers), or (dkv_block_q, dkv_stages,
+  dq_block_kv, dq_stages), then the dV pass's tiles and the consumer registers where they differ
+  from the defaults."""
   if backward is None:
     return "triton"
+  if backward.runs_one_pass(mosaic.config.padded_head_dim(d)):
+    return ("one pass", backward.dkv_block_q, backward.dkv_stages, backward.registers)
   label = (backward.dkv_block_q, backward.dkv_stages, backward.dq_block_kv, backward.dq_stages)
   default = mosaic.Backward()
   if (backward.dv_block_q, backward.dv_stages, backward.registers) != (
@@ -200,7 +209,7 @@ def tune_mosaic_backward(cfg: dict) -> list[dict]:
           file=sys.stderr, flush=True)
     default = mosaic.default_config(d, jnp.bfloat16, causal, case.s, kind)
     for backward in _backward_candidates(d):
-      blocks = _backward_label(backward)
+      blocks = _backward_label(backward, d)
       fn = attention_fn("jaxflash_mosaic", causal,
                         config=dataclasses.replace(default, backward=backward))
       tf, err = _measure(rows, "mosaic_fwdbwd", fn, d, causal, case, inputs, blocks)

@@ -194,22 +194,35 @@ class Schedule:
     full_lo = jnp.clip(_i32(full_lo), lo, hi)
     return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
 
-  def visit_q_split(self, k_start, pos: Positions, body: Body, carry, repeat: int = 1):
+  def visit_q_split(self, k_start, pos: Positions, body: Body, carry, repeat: int = 1,
+                    reverse: bool = False):
     """Runs ``carry = body(g, i, carry, masked)`` for ``g < repeat`` (the query heads sharing a
-    K/V head) and each query block ``i`` of `q_block_ranges`, in increasing ``i`` per head;
-    ``masked=False`` only on full blocks. Kernels that stream query tiles through a ring count
-    the visits as ``g * (hi - lo) + i - lo``."""
+    K/V head) and each query block ``i`` of `q_block_ranges`, in increasing ``i`` per head
+    (decreasing with ``reverse``); ``masked=False`` only on full blocks. Kernels that stream
+    query tiles through a ring count the visits with `visit_number`."""
     lo, full_lo, full_hi, hi = self.q_block_ranges(k_start, pos)
     masked, unmasked = (functools.partial(body, masked=m) for m in (True, False))
 
     def one_head(g, carry):
-      def at(fn):
-        return lambda i, c: fn(g, i, c)
-      carry = lax.fori_loop(lo, full_lo, at(masked), carry)
-      carry = lax.fori_loop(full_lo, full_hi, at(unmasked), carry)
-      return lax.fori_loop(full_hi, hi, at(masked), carry)
+      def at(fn, start, stop, carry):
+        if not reverse:
+          return lax.fori_loop(start, stop, lambda i, c: fn(g, i, c), carry)
+        # i = stop - 1 ... start
+        return lax.fori_loop(start, stop, lambda n, c: fn(g, start + stop - 1 - n, c), carry)
+
+      spans = [(masked, lo, full_lo), (unmasked, full_lo, full_hi), (masked, full_hi, hi)]
+      for fn, start, stop in (reversed(spans) if reverse else spans):
+        carry = at(fn, start, stop, carry)
+      return carry
 
     return lax.fori_loop(_i32(0), _i32(repeat), one_head, carry)
+
+  def visit_number(self, k_start, pos: Positions, g, i, reverse: bool = False):
+    """The place of the visit to (head ``g`` of the group, query block ``i``) in
+    `visit_q_split`'s order, counting from 0."""
+    lo, _, _, hi = self.q_block_ranges(k_start, pos)
+    count = jnp.maximum(hi - lo, 0)
+    return g * count + (hi - 1 - i if reverse else i - lo)
 
   def visit_kv(self, q_start, pos: Positions, body: Body, carry, *, skip: int = 0,
                count: int | None = None):

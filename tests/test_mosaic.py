@@ -351,28 +351,40 @@ def _gradients(config=None, **options):
   return fn
 
 
+def _mosaic_kernels(text: str) -> int:
+  return text.count("custom_call @mosaic_gpu")
+
+
 @needs_cuda_plugin
-@pytest.mark.parametrize("backward,triton", [(mosaic.Backward(), False), (None, True)])
-def test_gradients_lower_with_either_backward(backward, triton):
-  """Three Mosaic GPU kernels (forward, dQ, dK/dV), or the Mosaic forward with the Triton
-  backward when ``Config.backward`` is None."""
+@pytest.mark.parametrize("backward,kernels", [
+    (mosaic.Backward(), 2), (mosaic.Backward(one_pass=False), 3), (None, 1)])
+def test_gradients_lower_with_either_backward(backward, kernels):
+  """Two Mosaic GPU kernels (the forward, and dK/dV with dQ in one pass), three with
+  ``one_pass=False`` (forward, dQ, dK/dV), or the Mosaic forward with the Triton backward when
+  ``Config.backward`` is None."""
   text = _lower(_gradients(mosaic.Config(backward=backward), is_causal=True), Q, KV, KV)
-  assert text.count("mosaic_gpu") >= 3 if not triton else "mosaic_gpu" in text
-  assert ("jaxflash_backward_dq" in text) == triton and "jaxflash_forward" not in text
+  assert _mosaic_kernels(text) == kernels
+  assert ("jaxflash_backward_dq" in text) == (backward is None)
+  assert "jaxflash_forward" not in text
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("dkv_block_q,dq_block_kv,stages,h,causal", [
-    (64, 64, 1, 40, True), (128, 64, 2, 64, False), (64, 128, 2, 128, True),
-    (64, 64, 3, 64, False), (128, 128, 2, 40, False), (64, 64, 2, 128, False),
-    (128, 64, 3, 128, True)])
-def test_backward_tiles_lower(dkv_block_q, dq_block_kv, stages, h, causal):
+@pytest.mark.parametrize("dkv_block_q,dq_block_kv,stages,h,causal,one_pass", [
+    (64, 64, 1, 40, True, True), (128, 64, 2, 64, False, True), (64, 128, 2, 128, True, False),
+    (64, 64, 3, 64, False, True), (128, 128, 2, 40, False, True), (64, 64, 2, 128, False, True),
+    (64, 64, 1, 128, True, True)])
+def test_backward_tiles_lower(dkv_block_q, dq_block_kv, stages, h, causal, one_pass):
+  """Backward tiles that fit, each lowered as the Mosaic backward (two kernels where dQ comes
+  from the dK/dV kernel, three where it cannot or ``one_pass`` is off)."""
   q = jax.ShapeDtypeStruct((2, 1000, 4, h), BF16)
   kv = jax.ShapeDtypeStruct((2, 777, 2, h), BF16)
   backward = mosaic.Backward(dkv_block_q=dkv_block_q, dq_block_kv=dq_block_kv,
-                             dkv_stages=stages, dq_stages=stages)
+                             dkv_stages=stages, dq_stages=stages, one_pass=one_pass)
+  assert mosaic.config.backward_smem_bytes(backward, h) <= mosaic.config.SMEM_BUDGET
   config = mosaic.Config(backward=backward)
-  assert _lower(_gradients(config, is_causal=causal), q, kv, kv).count("mosaic_gpu") >= 3
+  kernels = 2 if backward.runs_one_pass(mosaic.config.padded_head_dim(h)) else 3
+  text = _lower(_gradients(config, is_causal=causal), q, kv, kv)
+  assert _mosaic_kernels(text) == kernels
 
 
 @needs_cuda_plugin
@@ -519,6 +531,30 @@ def test_mosaic_backward(option, config):
   make = _everything_but_dense if option == "everything_but_dense" else OPTIONS[option]
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config,
         **make(b, t, s, n, 0))
+
+
+@pytest.mark.parametrize("h,block_q,band", [
+    (128, 64, False), (64, 128, False), pytest.param(128, 64, True, marks=variant)])
+def test_one_pass_backward(h, block_q, band, monkeypatch):
+  """dQ from the dK/dV kernel, with no dQ kernel: each consumer's part of a query block's dQ
+  (half the head dim at D = 128, half the rows of a 128-row block at D = 64) from both
+  consumers' dSᵀ tiles, stored by the first key tile to visit the block and added by the later
+  ones (without the causal band, batch row 0 sees both of its key tiles everywhere); zero where
+  no key tile visits (batch row 1 has 40 queries and no keys). GQA, and every option the
+  backward serves."""
+  from jaxflash.backends.mosaic import backward
+
+  def no_dq_kernel(*args, **kwargs):
+    raise AssertionError("the dQ kernel ran")
+
+  monkeypatch.setattr(backward, "_dq", no_dq_kernel)
+  b, t, s, n, k, _ = OPTION_SHAPE
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
+      dkv_block_q=block_q, dq_block_kv=block_q))
+  options = {**_everything_but_dense(b, t, s, n, 0), **_short_rows(b, t, s, n, 0)}
+  if not band:
+    del options["local_window_size"], options["is_causal"]
+  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config, **options)
 
 
 @pytest.mark.parametrize("h", [192, 256])

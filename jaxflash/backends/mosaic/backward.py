@@ -53,7 +53,7 @@ from jaxflash import masking
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.mosaic import forward as fwd
 from jaxflash.backends.mosaic.config import (SMEM_BUDGET, SPLIT_HEAD_DIM, Backward, Config,
-                                             backward_smem_bytes, padded_head_dim)
+                                             backward_smem_bytes, dq_split, padded_head_dim)
 from jaxflash.backends.triton import backward as triton_backward
 from jaxflash.masking import Positions
 from jaxflash.schedule import Schedule
@@ -133,28 +133,39 @@ def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then):
 
 
 # ----------------------------------------------------------------------------------------------
-# dK / dV
+# dK / dV, and dQ in the same pass
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, offsets_ref,
-                extras: fwd._Extras, out: dict, smem: dict, *, params: Params, config: Backward,
-                schedule: Schedule, groups: int, grads: tuple[str, ...]):
-  """``grads`` names what this pass accumulates: ``("dk", "dv")``, or one of them (head dims
-  above 128, where one accumulator of 64 x D float32 is all a warpgroup's registers hold next
-  to the scores). A dV-only pass needs neither V nor delta, and skips dPᵀ."""
+                extras: fwd._Extras, out: dict, smem: dict, sems=None, *, params: Params,
+                config: Backward, schedule: Schedule, groups: int, grads: tuple[str, ...]):
+  """``grads`` names what this pass accumulates: ``("dk", "dv")``, one of them (head dims above
+  128, where one accumulator of 64 x D float32 is all a warpgroup's registers hold next to the
+  scores; a dV-only pass needs neither V nor delta, and skips dPᵀ), or ``("dk", "dv", "dq")``,
+  the one-pass kernel. ``sems`` are its per (batch, head, query block, consumer) counters."""
   block_q, stages = config.dkv_block_q, config.dkv_stages
-  want_dk, want_dv = "dk" in grads, "dv" in grads
+  want_dk, want_dv, want_dq = ("dk" in grads, "dv" in grads, "dq" in grads)
   k_smem, q_smem, do_smem, lse_smem = smem["k"], smem["q"], smem["do"], smem["lse"]
   kv_ready, q_free, do_free = smem["kv_ready"], smem["q_free"], smem["do_free"]
+  hp = k_smem.shape[-1]
   wg = lax.axis_index("wg")
   kv_head, batch = lax.axis_index("heads"), lax.axis_index("batch")
-  cta_start = lax.axis_index("k_tiles") * (_CONSUMERS * _KEYS)
+  k_tile_index = lax.axis_index("k_tiles")
+  keys_per_cta = _CONSUMERS * _KEYS
+  cta_start = k_tile_index * keys_per_cta
   pos = _positions(lengths_ref, offsets_ref, batch)
   lo, _, _, hi = schedule.q_block_ranges(cta_start, pos)
   count = jnp.maximum(hi - lo, 0)  # query blocks per head of the group
+  # The one-pass kernel walks each head's query blocks downwards. Key tiles add their dQ parts
+  # in increasing order, and every key tile's walk then starts at the same (last) block, where
+  # the first tile of a causal band would otherwise be the last to reach its first blocks.
+  reverse = want_dq
 
-  def slot_of(g, i):  # the ring slot of the visit to (head g of the group, query block i)
-    n = g * count + i - lo
+  def visit_of(g, i):  # the place of the visit to (head g of the group, query block i)
+    return g * count + (hi - 1 - i if reverse else i - lo)
+
+  def slot_of(g, i):  # its ring slot
+    n = visit_of(g, i)
     return lax.rem(n, jnp.asarray(stages, n.dtype))
 
   @pl.when(wg < _CONSUMERS)
@@ -178,6 +189,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     plgpu.barrier_wait(kv_ready.at[wg])
     if want_dk:
       plgpu.barrier_wait(kv_ready.at[_CONSUMERS + wg])
+    dq_part = None
+    if want_dq:
+      # The key tile before this one visits query blocks [lo, hi): it adds to them first.
+      dq_part = _DqPart(out["dq"], smem, sems, params, split=dq_split(block_q, hp),
+                        block_q=block_q, hp=hp, wg=wg, batch=batch,
+                        first_tile=k_tile_index == 0,
+                        prev_blocks=schedule.q_blocks(cta_start - keys_per_cta, pos))
 
     def step(g, i, carry, masked: bool):
       slot = slot_of(g, i)
@@ -214,37 +232,56 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         lse2 = _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape)
         return _probabilities(s, lse2, params, visible)
 
+      ds16 = None
       if want_dk:
         plgpu.barrier_wait(smem["delta_ready"].at[slot])
         (p, cap_t), dp = _wgmma_scores(k_tile, q_tile, v_tile, do_tile, shape, probabilities)
         delta = _cols(plgpu.load(smem["delta"].at[slot], layout=_COLS), shape)
-        d_scores = lambda: _core.dlogits_to_dqk(
-            p * (_core.dropped(dp, keep, params) - delta), cap_t).astype(q_tile.dtype)
+        ds16 = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
+                                    cap_t).astype(q_tile.dtype)
       else:
         (p, _), _ = _wgmma_scores(k_tile, q_tile, None, None, shape, probabilities)
       p16 = _core.dropped(p, keep, params).astype(q_tile.dtype) if want_dv else None
 
-      # dV += Pᵀ dO (in flight while dSᵀ is computed) and dK += dSᵀ Q.
-      operands = {"dv": (lambda: p16, do_tile), "dk": (d_scores if want_dk else None, q_tile)}
+      # dV += Pᵀ dO (in flight while dSᵀ is stored) and dK += dSᵀ Q; then this consumer's part
+      # of the query block's dQ from both consumers' dSᵀ.
+      operands = {"dv": (p16, do_tile), "dk": (ds16, q_tile)}
       names = [name for name in ("dv", "dk") if name in grads]
+      ds_slot = lax.rem(visit_of(g, i), 2) if want_dq else None
       if params.interpret:  # no register operands in the interpreter: plain dots
-        sums = [carry[name] + jnp.dot(operands[name][0](), operands[name][1][...],
+        sums = [carry[name] + jnp.dot(operands[name][0], operands[name][1][...],
                                       preferred_element_type=jnp.float32) for name in names]
+        if want_dq:
+          dq_part.share_scores(ds16, ds_slot)
+          sums.append(dq_part.product_interpreted(ds_slot, k_smem))
       else:
         def accumulate(acc_refs):
           for acc_ref, name in zip(acc_refs, names):
             a, b = operands[name]
-            plgpu.wgmma(acc_ref, a(), b)
+            plgpu.wgmma(acc_ref, a, b)
+          if want_dq:
+            dq_part.share_scores(ds16, ds_slot)
+            dq_part.product(acc_refs[-1], ds_slot, k_smem)
 
-        sums = pl.run_state(accumulate)(tuple(plgpu.ACC.init(carry[name]) for name in names))
+        accs = [plgpu.ACC.init(carry[name]) for name in names]
+        if want_dq:
+          accs.append(plgpu.ACC.init(dq_part.zeros()))
+        sums = list(pl.run_state(accumulate)(tuple(accs)))
       plgpu.barrier_arrive(q_free.at[slot])
       plgpu.barrier_arrive(do_free.at[slot])
-      return dict(zip(names, sums))
+      new_carry = dict(zip(names, sums))
+      if want_dq:
+        new_carry["pending"] = dq_part.send(sums[-1], head, i, carry["pending"])
+      return new_carry
 
-    hp = k_tile.shape[-1]
     zeros = plgpu.layout_cast(jnp.zeros((_KEYS, hp), jnp.float32), plgpu.Layout.WGMMA)
-    sums = schedule.visit_q_split(cta_start, pos, step, {name: zeros for name in grads},
-                                  repeat=groups)
+    carry = {name: zeros for name in grads if name != "dq"}
+    if want_dq:
+      carry["pending"] = _DqPart.nothing_pending()
+    sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=groups, reverse=reverse)
+    if want_dq:  # the other consumer's dQ products read this one's K tile until its last one
+      plgpu.barrier_arrive(smem["k_done"])
+      plgpu.barrier_wait(smem["k_done"])
     # K and V are read no more: dK and dV go out through their tiles (dV through K's when the
     # pass has no V).
     out_tiles = {"dk": k_tile, "dv": v_tile if want_dk else k_tile}
@@ -253,9 +290,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     if want_dv:
       out_tiles["dv"][...] = sums["dv"].astype(out_tiles["dv"].dtype)
     plgpu.commit_smem()
-    for name in grads:
-      plgpu.copy_smem_to_gmem(out_tiles[name], out[name].at[batch, keys, kv_head])
+    for name in ("dk", "dv"):
+      if name in grads:
+        plgpu.copy_smem_to_gmem(out_tiles[name], out[name].at[batch, keys, kv_head])
     plgpu.wait_smem_to_gmem(0)
+    if want_dq:
+      dq_part.release(sums["pending"])
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
@@ -265,7 +305,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       slot = slot_of(g, i)
       head = kv_head * groups + g
       rows = pl.ds(i * block_q, block_q)
-      refill = g * count + i - lo >= stages  # the first pass round the ring finds it free
+      refill = visit_of(g, i) >= stages  # the first pass round the ring finds it free
       pl.when(refill)(lambda: plgpu.barrier_wait(q_free.at[slot]))
       plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot],
                               smem["q_ready"].at[slot])
@@ -280,14 +320,126 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       return carry
 
     schedule.visit_q_split(cta_start, pos, lambda g, i, c, masked: load(g, i, c), fwd._i32(0),
-                           repeat=groups)
+                           repeat=groups, reverse=reverse)
     fwd.observe_last_releases(groups * count, stages, q_free, do_free)
+
+
+class _DqPart:
+  """One consumer's part of a query block's dQ in the one-pass kernel, and its way out.
+
+  Each consumer stores its dSᵀ tile (64 keys by ``block_q`` queries) in shared memory; once both
+  have, each forms its part (`dq_split`) of dS K over the CTA's 128 keys, as a wgmma with the
+  transposed dSᵀ tiles as A. The part goes out through a float32 staging tile by TMA: the first
+  key tile to visit the query block stores it, every later one adds to it (a TMA reduce-add).
+
+  The adds are deterministic: key tile j adds only after tile j - 1 has, told by a semaphore per
+  (batch, head, query block, consumer) that tile j - 1 signals once its add has landed. A tile
+  only ever waits for one launched before it (the grid puts key tiles before batch rows), so the
+  chain cannot deadlock. The signal for a block is sent one visit late, after the next block's
+  products, so that the wait for the add to land costs nothing; a tile then runs at most about
+  a visit behind the one before it.
+
+  In Mosaic GPU's interpreter, which has neither semaphores nor reduce-adds but runs the CTAs
+  one at a time in grid order, the part is added in place.
+  """
+
+  @staticmethod
+  def nothing_pending():
+    """The loop carry of `send`: (head, query block, whether its signal is pending)."""
+    return fwd._i32(0), fwd._i32(0), fwd._i32(0)
+
+  def __init__(self, dq_ref, smem, sems, params: Params, *, split, block_q, hp, wg, batch,
+               first_tile, prev_blocks):
+    self.dq_ref, self.smem, self.sems, self.params = dq_ref, smem, sems, params
+    self.split, self.block_q, self.wg, self.batch = split, block_q, wg, batch
+    self.rows = block_q if split == "cols" else _KEYS
+    self.cols = hp // 2 if split == "cols" else hp
+    self.first_tile, self.prev_blocks = first_tile, prev_blocks
+
+  def zeros(self):
+    return plgpu.layout_cast(jnp.zeros((self.rows, self.cols), jnp.float32),
+                             plgpu.Layout.WGMMA)
+
+  def share_scores(self, ds16, ds_slot):
+    """Stores this consumer's dSᵀ and waits until the other consumer has stored its own."""
+    self.smem["ds"].at[ds_slot, self.wg][...] = ds16
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(self.smem["ds_ready"].at[ds_slot])
+    plgpu.barrier_wait(self.smem["ds_ready"].at[ds_slot])
+
+  def _operands(self, ds_slot, k_smem, c):
+    """(A, B) of consumer ``c``'s 64 keys in this consumer's part: dS over them, their K."""
+    ds_t, k_c = self.smem["ds"].at[ds_slot, c], k_smem.at[c]
+    if self.split == "cols":
+      return ds_t.T, k_c.at[:, pl.ds(self.wg * self.cols, self.cols)]
+    return ds_t.at[:, pl.ds(self.wg * _KEYS, _KEYS)].T, k_c
+
+  def product(self, acc_ref, ds_slot, k_smem):
+    for c in range(_CONSUMERS):
+      plgpu.wgmma(acc_ref, *self._operands(ds_slot, k_smem, c))
+
+  def product_interpreted(self, ds_slot, k_smem):
+    part = jnp.zeros((self.rows, self.cols), jnp.float32)
+    for c in range(_CONSUMERS):
+      ds_t, k_c = self.smem["ds"].at[ds_slot, c][...], k_smem.at[c][...]
+      if self.split == "cols":
+        a, b = ds_t.T, lax.dynamic_slice_in_dim(k_c, self.wg * self.cols, self.cols, axis=1)
+      else:
+        a, b = lax.dynamic_slice_in_dim(ds_t, self.wg * _KEYS, _KEYS, axis=1).T, k_c
+      part += jnp.dot(a, b, preferred_element_type=jnp.float32)
+    return part
+
+  def _target(self, head, i):
+    """Where this consumer's part of query block ``i`` goes."""
+    if self.split == "cols":
+      return self.dq_ref.at[self.batch, pl.ds(i * self.block_q, self.rows), head,
+                            pl.ds(self.wg * self.cols, self.cols)]
+    return self.dq_ref.at[self.batch, pl.ds(i * self.block_q + self.wg * _KEYS, self.rows),
+                          head, pl.ds(0, self.cols)]
+
+  def _sem(self, head, i):
+    return self.sems.at[self.batch, head, i, self.wg]
+
+  def send(self, part, head, i, pending):
+    """Stores or adds ``part`` for query block ``i`` of ``head``; returns what is now pending."""
+    prev_lo, prev_hi = self.prev_blocks
+    first = self.first_tile | (i < prev_lo) | (i >= prev_hi)
+    target = self._target(head, i)
+    if self.params.interpret:
+      @pl.when(first)
+      def _store():
+        target[...] = part
+
+      @pl.when(~first)
+      def _add():
+        target[...] = target[...] + part
+
+      return pending
+    plgpu.wait_smem_to_gmem(0)  # the last part has landed, and the staging tile is free
+    self.release(pending)
+    stage = self.smem["dq"].at[self.wg]
+    stage[...] = part
+    plgpu.commit_smem()
+    pl.when(~first)(lambda: plgpu.semaphore_wait(self._sem(head, i), memory_scope="gpu"))
+    plgpu.copy_smem_to_gmem(stage, target, predicate=first)
+    plgpu.copy_smem_to_gmem(stage, target, predicate=~first, reduction_op="add")
+    return (head, i, fwd._i32(1))
+
+  def release(self, pending):
+    """Tells the next key tile that the pending part has landed (after a wait for it)."""
+    if self.params.interpret:
+      return
+    head, i, is_pending = pending
+    pl.when(is_pending > 0)(
+        lambda: plgpu.semaphore_signal(self._sem(head, i), memory_scope="gpu"))
 
 
 def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Backward,
          extras: fwd._Extras, hp: int, grads: tuple[str, ...] = ("dk", "dv")) -> dict:
   """``{name: gradient}`` for the ``grads`` of one dK/dV pass (see `_dkv_kernel`); a dV-only
-  pass runs `Backward.dv_pass`'s tiles."""
+  pass runs `Backward.dv_pass`'s tiles. With ``"dq"`` its value is the float32 sum of the parts
+  over padded rows, unscaled, and unwritten in query blocks that no key tile visits
+  (`_dq_from_parts`)."""
   if grads == ("dv",):
     config = config.dv_pass()
   b = q.shape[0]
@@ -297,7 +449,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   keys_per_cta = _CONSUMERS * _KEYS
   k_tiles = pl.cdiv(inputs.key.shape[1], keys_per_cta)
   schedule = Schedule(params.window, block_q, keys_per_cta, extras.q_segment_ids is not None)
-  want_dk = "dk" in grads
+  want_dk, want_dq = "dk" in grads, "dq" in grads
   resident = 2 if want_dk else 1  # K, and V for dPᵀ
   tile = functools.partial(fwd._smem_tile, swizzle=_swizzle(block_q))
   smem = dict(
@@ -318,16 +470,32 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
         delta=plgpu.SMEM((stages, block_q), jnp.float32),  # delta rows
         delta_ready=plgpu.Barrier(num_barriers=stages),
     )
-  kernel = functools.partial(_dkv_kernel, params=params, config=config, schedule=schedule,
-                             groups=groups, grads=grads)
   out_type = {"dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
               "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
+  scratch = [smem]
+  if want_dq:
+    split = dq_split(block_q, hp)
+    part = (block_q, hp // 2) if split == "cols" else (_KEYS, hp)
+    smem.update(
+        ds=tile((2, _CONSUMERS, _KEYS, block_q), q.dtype),  # dSᵀ of both consumers, 2 visits
+        ds_ready=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2),
+        dq=plgpu.SMEM((_CONSUMERS, *part), jnp.float32),  # each consumer's dQ part, staged
+        k_done=plgpu.Barrier(num_arrivals=_CONSUMERS),
+    )
+    # Rows padded to whole query blocks, like the LSE's: the interpreter's stores do not clip.
+    t_pad = lse2.shape[-1]
+    out_type["dq"] = jax.ShapeDtypeStruct((b, t_pad, q.shape[2], hp), jnp.float32)
+    if not params.interpret:  # (the interpreter has no semaphores; it needs none)
+      scratch.append(plgpu.SemaphoreType.REGULAR((b, q.shape[2], t_pad // block_q, _CONSUMERS)))
+  kernel = functools.partial(_dkv_kernel, params=params, config=config, schedule=schedule,
+                             groups=groups, grads=grads)
   # Pallas walks the grid row-major, batch fastest: with a causal band the first key tiles,
-  # which see the most query rows, launch first.
+  # which see the most query rows, launch first, and each key tile launches after the one
+  # before it of the same batch row and head (the one-pass kernel's dQ adds rely on it).
   return plgpu.kernel(
       kernel,
       out_type={name: out_type[name] for name in grads},
-      scratch_types=(smem,),
+      scratch_types=tuple(scratch),
       grid=(kv_heads, k_tiles, b),
       grid_names=("heads", "k_tiles", "batch"),
       num_threads=_CONSUMERS + 1,
@@ -516,10 +684,36 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
   extras = fwd._extras(inputs, t_pad, fwd._round_up(s, math.lcm(config.backward.dq_block_kv,
                                                                  rows)))
   args = (q_p, k_p, v_p, do_p, lse_p, delta_p, inputs, params, config.backward, extras, hp)
-  dq = _dq(*args)
   if hp > SPLIT_HEAD_DIM:  # dV, then dK: one 64 x D float32 accumulator per pass
     grads = {**_dkv(*args, grads=("dv",)), **_dkv(*args, grads=("dk",))}
+    dq = _dq(*args)[:, :t, :, :h]
+  elif config.backward.runs_one_pass(hp):
+    grads = _dkv(*args, grads=("dk", "dv", "dq"))
+    dq = _dq_from_parts(grads["dq"][:, :t, :, :h], inputs, params, config.backward, q.dtype)
   else:
     grads = _dkv(*args)
+    dq = _dq(*args)[:, :t, :, :h]
   dk, dv = grads["dk"], grads["dv"]
-  return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h], None
+  return dq, dk[:, :s, :, :h], dv[:, :s, :, :h], None
+
+
+def _dq_from_parts(dq_sum, inputs: Inputs, params: Params, config: Backward, dtype):
+  """dQ from the one-pass kernel's float32 sum [B, T, N, H]: scaled, and zero in the query
+  blocks that no key tile visits (their rows see no key; the kernel never writes them)."""
+  b, t = dq_sum.shape[:2]
+  block_q, keys_per_cta = config.dkv_block_q, _CONSUMERS * _KEYS
+  schedule = Schedule(params.window, block_q, keys_per_cta)
+  offsets = () if inputs.offsets is None else (inputs.offsets[:, 0], inputs.offsets[:, 1])
+  pos = Positions(inputs.lengths[:, 0], inputs.lengths[:, 1], *offsets)  # fields [B]
+  k_starts = jnp.arange(pl.cdiv(inputs.key.shape[1], keys_per_cta), dtype=jnp.int32)
+  lo, hi = jax.vmap(lambda k0: schedule.q_blocks(k0 * keys_per_cta, pos))(k_starts)
+  # Visits per query block: +1 where a key tile's range starts, -1 past where it ends.
+  q_blocks = pl.cdiv(t, block_q)
+  # (Either bound may not depend on the batch row: [key tiles] or [key tiles, B].)
+  lo, hi = (jnp.broadcast_to(jnp.clip(x, 0, q_blocks).reshape(len(k_starts), -1),
+                             (len(k_starts), b)) for x in (lo, hi))
+  hi = jnp.maximum(hi, lo)
+  rows = jnp.broadcast_to(jnp.arange(b)[None, :], lo.shape)
+  edges = jnp.zeros((b, q_blocks + 1), jnp.int32).at[rows, lo].add(1).at[rows, hi].add(-1)
+  visited = jnp.repeat(jnp.cumsum(edges, axis=1)[:, :q_blocks] > 0, block_q, axis=1)[:, :t]
+  return (jnp.where(visited[:, :, None, None], dq_sum, 0.0) * params.scale).astype(dtype)

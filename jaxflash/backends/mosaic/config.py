@@ -29,6 +29,10 @@ class Backward:
   consumer and streams ``dq_block_kv`` keys (K, V) per step. Above head dim 128 the dK/dV
   kernel runs twice, for dV (with ``dv_block_q`` and ``dv_stages`` where set) and then for dK;
   at head dim 256 the resident tiles take 128 KiB, so the streamed tiles are 32 rows.
+
+  With ``one_pass`` (head dims up to 128, where `dq_split` has a way for the tile) there is no dQ
+  kernel: the dK/dV kernel also forms each query block's dQ part and adds it to a float32 dQ in
+  a fixed order of key tiles, so the gradients stay deterministic.
   """
 
   dkv_block_q: int = 64
@@ -42,6 +46,7 @@ class Backward:
   # Registers per consumer thread; the producer warpgroup gets the rest of the CTA's 504 (40 at
   # 232, 24 at 240).
   registers: int = 232
+  one_pass: bool = True
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -64,6 +69,22 @@ class Backward:
   @property
   def producer_registers(self) -> int:
     return 504 - 2 * self.registers
+
+  def runs_one_pass(self, hp: int) -> bool:
+    """Whether dQ comes from the dK/dV kernel at padded head dim ``hp``."""
+    return self.one_pass and hp <= SPLIT_HEAD_DIM and dq_split(self.dkv_block_q, hp) is not None
+
+
+def dq_split(block_q: int, hp: int) -> str | None:
+  """How the two consumers of the one-pass dK/dV kernel share a query block's dQ part (dS K over
+  the CTA's 128 keys, ``block_q`` rows by ``hp`` columns): ``"cols"``, each all the rows and half
+  the head dim (a wgmma's B is whole 64-column swizzled rows); ``"rows"``, each 64 of the 128 rows
+  and every column. None where neither fits."""
+  if block_q == 64 and hp == 128:
+    return "cols"
+  if block_q == 128 and hp <= 128:
+    return "rows"
+  return None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,10 +166,13 @@ SPLIT_HEAD_DIM = 128
 def backward_smem_bytes(backward: Backward, head_dim: int) -> int:
   """Shared memory of the largest backward CTA: 64 resident rows of two 16-bit tiles per
   consumer (K and V, or Q and dO; a dV-only pass holds K alone), and the ring of the streamed
-  side (Q and dO tiles with their float32 LSE and delta rows, or K and V tiles)."""
+  side (Q and dO tiles with their float32 LSE and delta rows, or K and V tiles), and in the
+  one-pass kernel the dSᵀ tiles and staged dQ parts."""
   hp = padded_head_dim(head_dim)
   resident = 2 * 2 * 2 * 64 * hp
   dkv = resident + backward.dkv_stages * backward.dkv_block_q * (2 * 2 * hp + 2 * 4)
+  if backward.runs_one_pass(hp):  # both consumers' dSᵀ for 2 visits, their float32 dQ parts
+    dkv += 2 * 2 * 64 * backward.dkv_block_q * 2 + backward.dkv_block_q * hp * 4
   dq = resident + backward.dq_stages * backward.dq_block_kv * 2 * 2 * hp
   dv = 0
   if hp > SPLIT_HEAD_DIM:
