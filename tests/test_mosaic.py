@@ -369,6 +369,19 @@ def test_gradients_lower_with_either_backward(backward, kernels):
 
 
 @needs_cuda_plugin
+def test_one_pass_semaphores_are_shared():
+  """The one-pass kernel's ordering semaphores, one per (batch row, head, 64-row query block,
+  consumer), are one zero-initialised set that every CTA sees: scratch semaphores would be a
+  set per CTA, on which a key tile would wait forever for the one before it."""
+  q = jax.ShapeDtypeStruct((2, 1000, 4, 128), BF16)
+  kv = jax.ShapeDtypeStruct((2, 777, 2, 128), BF16)
+  text = _lower(_gradients(mosaic.Config(), is_causal=True), q, kv, kv)
+  shared = 2 * 4 * (1024 // 64) * 2
+  per_cta = shared * 2 * 7 * 2  # (K/V heads, key tiles, batch rows)
+  assert f"tensor<{shared}xi32>" in text and f"tensor<{per_cta}xi32>" not in text
+
+
+@needs_cuda_plugin
 @pytest.mark.parametrize("dkv_block_q,dq_block_kv,stages,h,causal,one_pass", [
     (64, 64, 1, 40, True, True), (128, 64, 2, 64, False, True), (64, 128, 2, 128, True, False),
     (64, 64, 3, 64, False, True), (128, 128, 2, 40, False, True), (64, 64, 2, 128, False, True),

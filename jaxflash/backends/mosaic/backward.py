@@ -137,12 +137,17 @@ def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, offsets_ref,
-                extras: fwd._Extras, out: dict, smem: dict, sems=None, *, params: Params,
-                config: Backward, schedule: Schedule, groups: int, grads: tuple[str, ...]):
+                extras: fwd._Extras, out: dict, smem: dict, *, params: Params, config: Backward,
+                schedule: Schedule, groups: int, grads: tuple[str, ...],
+                sem_shape: tuple[int, ...] | None):
   """``grads`` names what this pass accumulates: ``("dk", "dv")``, one of them (head dims above
   128, where one accumulator of 64 x D float32 is all a warpgroup's registers hold next to the
   scores; a dV-only pass needs neither V nor delta, and skips dPᵀ), or ``("dk", "dv", "dq")``,
-  the one-pass kernel. ``sems`` are its per (batch, head, query block, consumer) counters."""
+  the one-pass kernel, with ``sem_shape`` counters (batch, head, query block, consumer)."""
+  sems = None
+  if sem_shape is not None:
+    # Shared by every CTA (scratch semaphores would be each CTA's own), zero at each call.
+    sems = pl.get_global(plgpu.SemaphoreType.REGULAR(sem_shape))
   block_q, stages = config.dkv_block_q, config.dkv_stages
   want_dk, want_dv, want_dq = ("dk" in grads, "dv" in grads, "dq" in grads)
   k_smem, q_smem, do_smem, lse_smem = smem["k"], smem["q"], smem["do"], smem["lse"]
@@ -472,7 +477,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     )
   out_type = {"dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
               "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
-  scratch = [smem]
+  sem_shape = None
   if want_dq:
     split = dq_split(block_q, hp)
     part = (block_q, hp // 2) if split == "cols" else (_KEYS, hp)
@@ -486,16 +491,16 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     t_pad = lse2.shape[-1]
     out_type["dq"] = jax.ShapeDtypeStruct((b, t_pad, q.shape[2], hp), jnp.float32)
     if not params.interpret:  # (the interpreter has no semaphores; it needs none)
-      scratch.append(plgpu.SemaphoreType.REGULAR((b, q.shape[2], t_pad // block_q, _CONSUMERS)))
+      sem_shape = (b, q.shape[2], t_pad // block_q, _CONSUMERS)
   kernel = functools.partial(_dkv_kernel, params=params, config=config, schedule=schedule,
-                             groups=groups, grads=grads)
+                             groups=groups, grads=grads, sem_shape=sem_shape)
   # Pallas walks the grid row-major, batch fastest: with a causal band the first key tiles,
   # which see the most query rows, launch first, and each key tile launches after the one
   # before it of the same batch row and head (the one-pass kernel's dQ adds rely on it).
   return plgpu.kernel(
       kernel,
       out_type={name: out_type[name] for name in grads},
-      scratch_types=tuple(scratch),
+      scratch_types=(smem,),
       grid=(kv_heads, k_tiles, b),
       grid_names=("heads", "k_tiles", "batch"),
       num_threads=_CONSUMERS + 1,
