@@ -28,13 +28,16 @@ CONFIGS = {
     "d64": (64, False, {}),
     "d64_overlap": (64, False, dict(intra_wg_overlap=True)),
     # The backward (``bwd_`` names compile the gradient: the forward, dQ and dK/dV kernels).
-    # Up to head dim 128 dQ comes from the dK/dV kernel (one pass) unless one_pass=False.
     "bwd_d64": (64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128))),
-    "bwd_d64_two": (64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128,
-                                                 one_pass=False))),
     "bwd_d128": (128, True, {}),
-    "bwd_d128_r240": (128, True, dict(backward=dict(registers=240))),
-    "bwd_d128_two": (128, True, dict(backward=dict(one_pass=False))),
+    "bwd_d128_q128": (128, True, dict(backward=dict(dkv_block_q=128))),
+    "bwd_d128_kv128": (128, True, dict(backward=dict(dq_block_kv=128))),
+    # dQ from the dK/dV kernel (`Backward.one_pass`, experimental). These compile and then run
+    # once: with one_pass they can hang on the GPU (see backward._DqPart).
+    "bwd_d64_one_pass": (64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128,
+                                                      one_pass=True))),
+    "bwd_d128_one_pass": (128, True, dict(backward=dict(one_pass=True))),
+    "bwd_d128_one_pass_r240": (128, True, dict(backward=dict(one_pass=True, registers=240))),
     # Head dims above 128: dK/dV in two passes; at 256, 32-row streamed tiles, with a 64-row dV
     # pass or 240 consumer registers.
     "bwd_d192": (192, True, dict(block_kv=64)),

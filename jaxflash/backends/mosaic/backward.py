@@ -16,6 +16,9 @@ warpgroups, two consumers and a producer, as in the forward (`forward.py`):
 - **dQ**, grid (query heads, query tiles, B). Each consumer keeps 64 query rows of Q and dO,
   with their LSE and delta in registers; the producer streams ``dq_block_kv``-key tiles of K and
   V. Per tile: S = Q Kᵀ and dP = dO Vᵀ back to back, P while dP is in flight, then dQ += dS K.
+- **One pass** (opt-in, ``Backward.one_pass``; experimental, see `_DqPart`): up to head dim 128
+  the dK/dV kernel also forms each query block's dQ part from both consumers' dSᵀ, and stores
+  or adds it in a fixed order of key tiles, so no dQ kernel runs.
 - **Head dims above 128** (`SPLIT_HEAD_DIM`): one consumer's dK and dV accumulators (64 x D
   float32 each) do not fit its registers together, so dK/dV runs twice, dV alone (no V, no
   delta, no dPᵀ; its own tiles, `Backward.dv_pass`) and then dK alone. At D = 256 the resident
@@ -61,6 +64,10 @@ from jaxflash.schedule import Schedule
 _CONSUMERS = fwd._CONSUMERS
 _ROWS, _COLS = fwd._ROWS, fwd._COLS
 _KEYS = 64  # keys per consumer in dK/dV, query rows per consumer in dQ (one wgmma M)
+# The one-pass kernel walks each head's query blocks downwards. Key tiles add their dQ parts in
+# increasing order, and every key tile's walk then starts at the same (last) block, where the
+# first tile of a causal band would otherwise be the last to reach its first blocks.
+_WALK_DOWN = True
 
 
 def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
@@ -161,10 +168,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   pos = _positions(lengths_ref, offsets_ref, batch)
   lo, _, _, hi = schedule.q_block_ranges(cta_start, pos)
   count = jnp.maximum(hi - lo, 0)  # query blocks per head of the group
-  # The one-pass kernel walks each head's query blocks downwards. Key tiles add their dQ parts
-  # in increasing order, and every key tile's walk then starts at the same (last) block, where
-  # the first tile of a causal band would otherwise be the last to reach its first blocks.
-  reverse = want_dq
+  reverse = want_dq and _WALK_DOWN
 
   def visit_of(g, i):  # the place of the visit to (head g of the group, query block i)
     return g * count + (hi - 1 - i if reverse else i - lo)
@@ -346,6 +350,12 @@ class _DqPart:
 
   In Mosaic GPU's interpreter, which has neither semaphores nor reduce-adds but runs the CTAs
   one at a time in grid order, the part is added in place.
+
+  **Known problem (H200, jax 0.11.2, 2026-11-22):** the kernel hangs once a key tile has to wait
+  early in its walk (causal or full bands with 4+ key tiles and 8+ visits per CTA, e.g. 512 x 512
+  with GQA), while it is correct and bitwise repeatable where the waits find their signal already
+  sent (a sliding window; a single key tile). `benchmarks/diag_one_pass.py` reproduces it and
+  tries the variants that would tell the cause apart. Hence ``one_pass`` is off by default.
   """
 
   @staticmethod

@@ -32,7 +32,10 @@ class Backward:
 
   With ``one_pass`` (head dims up to 128, where `dq_split` has a way for the tile) there is no dQ
   kernel: the dK/dV kernel also forms each query block's dQ part and adds it to a float32 dQ in
-  a fixed order of key tiles, so the gradients stay deterministic.
+  a fixed order of key tiles, so the gradients stay deterministic. It is off by default and
+  experimental: on an H200 (2026-11-22) it hangs once a key tile must wait for the one before it
+  early in its walk (see docs/mosaic_backward.md); it is correct in Mosaic GPU's interpreter and
+  on the GPU where no such wait happens.
   """
 
   dkv_block_q: int = 64
@@ -46,7 +49,7 @@ class Backward:
   # Registers per consumer thread; the producer warpgroup gets the rest of the CTA's 504 (40 at
   # 232, 24 at 240).
   registers: int = 232
-  one_pass: bool = True
+  one_pass: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):

@@ -1,0 +1,150 @@
+"""Reproduces, on a GPU, the hang of the experimental one-pass Mosaic backward
+(`mosaic.Backward(one_pass=True)`, `jaxflash/backends/mosaic/backward.py`'s `_DqPart`), and
+tries variants of its ordering protocol that would tell the cause apart.
+
+Each (case, variant) runs in its own process, all at once, under one deadline; each prints its
+compile and run seconds, whether two runs give the same bits, and the largest relative
+difference of dQ, dK and dV from the two-kernel backward. A process still running at the
+deadline is reported as TIMED OUT (a hang: these shapes run in milliseconds).
+
+What the first run showed (H200, jax 0.11.2, 2026-11-22), default variant:
+- hangs: D = 128 full band (A), D = 64 with 128-row query blocks (E), D = 128 causal (F);
+- correct and bitwise repeatable: a sliding window (B), where a key tile's one wait comes at the
+  end of its walk, and a single key tile (G), where nothing waits.
+
+  PYTHONPATH=. python3 benchmarks/diag_one_pass.py [--cases A E] [--variants default eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+CASES = {  # name: head dim, query block of dK/dV, causal, window, key length (queries: 512)
+    "A": dict(h=128, block_q=64, causal=False, window=None, s=512),
+    "B": dict(h=128, block_q=64, causal=True, window=(20, 0), s=512),
+    "E": dict(h=64, block_q=128, causal=False, window=None, s=512),
+    "F": dict(h=128, block_q=64, causal=True, window=None, s=512),
+    "G": dict(h=128, block_q=64, causal=False, window=None, s=128),
+}
+
+# How each variant changes `_DqPart.send` (or the walk order):
+VARIANTS = {
+    "default": "as shipped: wait for the tile before, store or add, signal one visit later",
+    "eager": "signal as soon as this part has landed (no pending signal)",
+    "no_wait": "never wait (adds in any order): does anything else hang?",
+    "no_copy": "wait and signal, but copy nothing: is the TMA store or add involved?",
+    "walk_up": "walk the query blocks upwards",
+}
+
+
+def _patch(variant: str) -> None:
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jaxflash.backends.mosaic import backward, forward
+
+  if variant == "walk_up":
+    backward._WALK_DOWN = False
+    return
+  if variant == "default":
+    return
+
+  def send(self, part, head, i, pending):
+    prev_lo, prev_hi = self.prev_blocks
+    first = self.first_tile | (i < prev_lo) | (i >= prev_hi)
+    target = self._target(head, i)
+    plgpu.wait_smem_to_gmem(0)
+    self.release(pending)
+    stage = self.smem["dq"].at[self.wg]
+    stage[...] = part
+    plgpu.commit_smem()
+    if variant != "no_wait":
+      pl.when(~first)(lambda: plgpu.semaphore_wait(self._sem(head, i), memory_scope="gpu"))
+    if variant != "no_copy":
+      plgpu.copy_smem_to_gmem(stage, target, predicate=first)
+      plgpu.copy_smem_to_gmem(stage, target, predicate=~first, reduction_op="add")
+    if variant == "eager":
+      plgpu.wait_smem_to_gmem(0)
+      plgpu.semaphore_signal(self._sem(head, i), memory_scope="gpu")
+      return pending
+    return (head, i, forward._i32(1))
+
+  backward._DqPart.send = send
+
+
+def run_one(case: str, variant: str) -> None:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jaxflash.attention import attention_with_config
+  from jaxflash.backends import mosaic
+
+  _patch(variant)
+  c = CASES[case]
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (1, 512, 2, c["h"]), jnp.bfloat16)  # GQA: 2 query heads
+  k = jax.random.normal(keys[1], (1, c["s"], 1, c["h"]), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (1, c["s"], 1, c["h"]), jnp.bfloat16)
+
+  def grads(backward):
+    config = mosaic.Config(backward=backward)
+
+    def loss(q, k, v):
+      out = attention_with_config(q, k, v, is_causal=c["causal"], local_window_size=c["window"],
+                                  config=config, implementation="mosaic")
+      return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+  name = f"{case}/{variant}"
+  one_pass = grads(mosaic.Backward(dkv_block_q=c["block_q"], dq_block_kv=c["block_q"],
+                                   one_pass=True))
+  start = time.time()
+  compiled = one_pass.lower(q, k, v).compile()
+  print(f"{name}: compiled in {time.time() - start:.1f} s", flush=True)
+  start = time.time()
+  first = jax.block_until_ready(compiled(q, k, v))
+  print(f"{name}: ran in {time.time() - start:.2f} s", flush=True)
+  second = jax.block_until_ready(compiled(q, k, v))
+  want = grads(mosaic.Backward(dkv_block_q=c["block_q"], dq_block_kv=c["block_q"]))(q, k, v)
+  same = all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+             for a, b in zip(first, second))
+  errors = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                  / (float(jnp.max(jnp.abs(b.astype(jnp.float32)))) + 1e-9))
+            for a, b in zip(first, want)]
+  print(f"{name}: same bits twice={same}, relative max error dq/dk/dv vs two kernels="
+        f"{[round(e, 4) for e in errors]}", flush=True)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+  parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+  parser.add_argument("--deadline", type=float, default=120.0, help="seconds for all of them")
+  parser.add_argument("--one", nargs=2, metavar=("CASE", "VARIANT"), help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.one:
+    run_one(*args.one)
+    return
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+             XLA_PYTHON_CLIENT_MEM_FRACTION=".04")
+  procs = {(c, v): subprocess.Popen([sys.executable, __file__, "--one", c, v], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for c in args.cases for v in args.variants}
+  deadline = time.time() + args.deadline
+  for (c, v), proc in procs.items():
+    try:
+      out, _ = proc.communicate(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      out = proc.communicate()[0] + f"\n{c}/{v}: TIMED OUT"
+    lines = [line for line in out.splitlines() if line.startswith(f"{c}/{v}")
+             or "Error" in line]
+    print("\n".join(lines[-5:]), flush=True)
+
+
+if __name__ == "__main__":
+  main()
