@@ -1,18 +1,21 @@
-"""Reproduces, on a GPU, the hang of the experimental one-pass Mosaic backward
-(`mosaic.Backward(one_pass=True)`, `jaxflash/backends/mosaic/backward.py`'s `_DqPart`), and
-tries variants of its ordering protocol that would tell the cause apart.
+"""Checks, on a GPU, the experimental one-pass Mosaic backward (`mosaic.Backward(one_pass=True)`,
+`jaxflash/backends/mosaic/backward.py`'s `_DqPart`), and variants of its ordering protocol.
 
 Each (case, variant) runs in its own process, all at once, under one deadline; each prints its
 compile and run seconds, whether two runs give the same bits, and the largest relative
 difference of dQ, dK and dV from the two-kernel backward. A process still running at the
 deadline is reported as TIMED OUT (a hang: these shapes run in milliseconds).
 
-What the first run showed (H200, jax 0.11.2, 2026-11-22), default variant:
-- hangs: D = 128 full band (A), D = 64 with 128-row query blocks (E), D = 128 causal (F);
-- correct and bitwise repeatable: a sliding window (B), where a key tile's one wait comes at the
-  end of its walk, and a single key tile (G), where nothing waits.
+History (H200, jax 0.11.2, 2026-11-22). In the version that hung (5770ed5) each wait took one
+from the counter (`semaphore_wait(sem)`, the "consume" variant here). It hung in cases A, E
+and F, and was correct and bitwise repeatable in B and G. Read afterwards on the CPU: when
+three or more key tiles visit a block, two later tiles wait on one counter at once, and the
+signal meant for the first can be taken by the second. The shipped version waits until the
+counter reaches the tile's place among the block's visitors, without taking from it. It has not
+run on a GPU yet: this script's "default" variant is the check, and "consume" should still
+hang.
 
-  PYTHONPATH=. python3 benchmarks/diag_one_pass.py [--cases A E] [--variants default eager]
+  PYTHONPATH=. python3 benchmarks/diag_one_pass.py [--cases A E] [--variants default consume]
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ CASES = {  # name: head dim, query block of dK/dV, causal, window, key length (q
 
 # How each variant changes `_DqPart.send` (or the walk order):
 VARIANTS = {
-    "default": "as shipped: wait for the tile before, store or add, signal one visit later",
-    "eager": "signal as soon as this part has landed (no pending signal)",
-    "no_wait": "never wait (adds in any order): does anything else hang?",
-    "no_copy": "wait and signal, but copy nothing: is the TMA store or add involved?",
+    "default": "as shipped: wait for the count of earlier visitors, store or add, count later",
+    "consume": "as in 5770ed5: each wait takes one from the counter (expected to hang)",
+    "eager": "count this part as soon as it has landed (nothing pending)",
+    "no_copy": "wait and count, but copy nothing: is the TMA store or add involved?",
     "walk_up": "walk the query blocks upwards",
 }
 
@@ -53,16 +56,19 @@ def _patch(variant: str) -> None:
     return
 
   def send(self, part, head, i, pending):
-    prev_lo, prev_hi = self.prev_blocks
-    first = self.first_tile | (i < prev_lo) | (i >= prev_hi)
+    earlier = self.k_tile - self.first_ref[self.batch, i]
+    first = earlier == 0
     target = self._target(head, i)
     plgpu.wait_smem_to_gmem(0)
     self.release(pending)
     stage = self.smem["dq"].at[self.wg]
     stage[...] = part
     plgpu.commit_smem()
-    if variant != "no_wait":
+    if variant == "consume":
       pl.when(~first)(lambda: plgpu.semaphore_wait(self._sem(head, i), memory_scope="gpu"))
+    else:
+      pl.when(~first)(lambda: plgpu.semaphore_wait(self._sem(head, i), earlier, decrement=False,
+                                                   memory_scope="gpu"))
     if variant != "no_copy":
       plgpu.copy_smem_to_gmem(stage, target, predicate=first)
       plgpu.copy_smem_to_gmem(stage, target, predicate=~first, reduction_op="add")

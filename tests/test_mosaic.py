@@ -547,8 +547,8 @@ def test_mosaic_backward(option, config):
         **make(b, t, s, n, 0))
 
 
-@pytest.mark.skipif(ON_GPU, reason="the one-pass kernel hangs on an H200 where a key tile waits "
-                    "early in its walk (2026-11-22): benchmarks/diag_one_pass.py")
+@pytest.mark.skipif(ON_GPU, reason="its previous version hung on an H200 (2026-11-22); run "
+                    "benchmarks/diag_one_pass.py first (docs/mosaic_backward.md)")
 @pytest.mark.parametrize("h,block_q,band", [
     (128, 64, False), (64, 128, False), pytest.param(128, 64, True, marks=variant)])
 def test_one_pass_backward(h, block_q, band, monkeypatch):
@@ -571,6 +571,42 @@ def test_one_pass_backward(h, block_q, band, monkeypatch):
   if not band:
     del options["local_window_size"], options["is_causal"]
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config, **options)
+
+
+@pytest.mark.parametrize("band,offsets", [
+    ({}, None), (dict(is_causal=True), None), (dict(is_causal=True, local_window_size=(70, 0)),
+                                               None),
+    (dict(local_window_size=(90, 30)), None), (dict(is_causal=True), (37, 300)),
+    (dict(is_causal=True, local_window_size=(20, 0)), (0, -150))])
+def test_first_visitors_match_the_schedule(band, offsets):
+  """The one-pass backward orders its dQ adds by `backward._first_visitors`: against a walk of
+  `Schedule.q_blocks` over every key tile and batch row (random lengths), the key tiles that
+  visit each query block are consecutive, and the first is the one it names (or the key tile
+  count where none visits)."""
+  from jaxflash.backends.mosaic import backward
+  from jaxflash.masking import Positions
+  from jaxflash.schedule import Schedule
+  b, t, s = 3, 700, 900
+  q, kv = jnp.zeros((b, t, 2, 64), BF16), jnp.zeros((b, s, 1, 64), BF16)
+  call = _checks.normalise(q, kv, kv, **band, **random_lengths(b, t, s, 2, 5))
+  inputs = call.inputs
+  if offsets is not None:
+    inputs = inputs._replace(offsets=jnp.tile(jnp.array([offsets], jnp.int32), (b, 1)))
+  schedule = Schedule(call.params.window, 64, 128)
+  q_blocks, k_tiles = 12, 8
+  first = np.asarray(backward._first_visitors(schedule, inputs, q_blocks))
+  for row in range(b):
+    extra = () if offsets is None else tuple(jnp.int32(x) for x in offsets)
+    pos = Positions(inputs.lengths[row, 0], inputs.lengths[row, 1], *extra)
+    visitors = [[] for _ in range(q_blocks)]
+    for j in range(k_tiles):
+      lo, hi = (int(x) for x in schedule.q_blocks(jnp.int32(128 * j), pos))
+      for i in range(max(lo, 0), min(hi, q_blocks)):
+        visitors[i].append(j)
+    for i, tiles in enumerate(visitors):
+      assert tiles == list(range(tiles[0], tiles[0] + len(tiles))) if tiles else True, (row, i)
+      assert first[row, i] == (tiles[0] if tiles else k_tiles), (row, i, tiles)
+  assert (first < k_tiles).any() and (first[:, -1] == k_tiles).all()  # (block 11: past T)
 
 
 @pytest.mark.parametrize("h", [192, 256])

@@ -144,13 +144,14 @@ def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, offsets_ref,
-                extras: fwd._Extras, out: dict, smem: dict, *, params: Params, config: Backward,
-                schedule: Schedule, groups: int, grads: tuple[str, ...],
+                first_ref, extras: fwd._Extras, out: dict, smem: dict, *, params: Params,
+                config: Backward, schedule: Schedule, groups: int, grads: tuple[str, ...],
                 sem_shape: tuple[int, ...] | None):
   """``grads`` names what this pass accumulates: ``("dk", "dv")``, one of them (head dims above
   128, where one accumulator of 64 x D float32 is all a warpgroup's registers hold next to the
   scores; a dV-only pass needs neither V nor delta, and skips dPᵀ), or ``("dk", "dv", "dq")``,
-  the one-pass kernel, with ``sem_shape`` counters (batch, head, query block, consumer)."""
+  the one-pass kernel, with ``sem_shape`` counters (batch, head, query block, consumer) and
+  ``first_ref``, the first key tile to visit each (batch row, query block) (`_first_visitors`)."""
   sems = None
   if sem_shape is not None:
     # Shared by every CTA (scratch semaphores would be each CTA's own), zero at each call.
@@ -200,11 +201,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       plgpu.barrier_wait(kv_ready.at[_CONSUMERS + wg])
     dq_part = None
     if want_dq:
-      # The key tile before this one visits query blocks [lo, hi): it adds to them first.
       dq_part = _DqPart(out["dq"], smem, sems, params, split=dq_split(block_q, hp),
-                        block_q=block_q, hp=hp, wg=wg, batch=batch,
-                        first_tile=k_tile_index == 0,
-                        prev_blocks=schedule.q_blocks(cta_start - keys_per_cta, pos))
+                        block_q=block_q, hp=hp, wg=wg, batch=batch, k_tile=k_tile_index,
+                        first_ref=first_ref)
 
     def step(g, i, carry, masked: bool):
       slot = slot_of(g, i)
@@ -341,21 +340,21 @@ class _DqPart:
   transposed dSᵀ tiles as A. The part goes out through a float32 staging tile by TMA: the first
   key tile to visit the query block stores it, every later one adds to it (a TMA reduce-add).
 
-  The adds are deterministic: key tile j adds only after tile j - 1 has, told by a semaphore per
-  (batch, head, query block, consumer) that tile j - 1 signals once its add has landed. A tile
-  only ever waits for one launched before it (the grid puts key tiles before batch rows), so the
-  chain cannot deadlock. The signal for a block is sent one visit late, after the next block's
-  products, so that the wait for the add to land costs nothing; a tile then runs at most about
-  a visit behind the one before it.
+  The adds are deterministic. The key tiles that visit a query block are consecutive
+  (`_first_visitors`), and each adds only after all the ones before it have: a counter per
+  (batch, head, query block, consumer) counts the parts that have landed, and the k-th visitor
+  waits until it reaches k, without taking from it. A tile only waits for tiles launched before
+  it (the grid puts key tiles before batch rows), so the chain cannot deadlock. The count for a
+  block goes up one visit late, after the next block's products, so that the wait for the add
+  to land costs nothing; a tile then runs at most about a visit behind the one before it.
+
+  A counter that each wait decremented would let two later tiles race for one signal: 5770ed5
+  did, and hung on an H200 wherever three or more key tiles visit a block. This version is
+  checked on the CPU only (`benchmarks/diag_one_pass.py` is its GPU check), hence ``one_pass``
+  is off by default.
 
   In Mosaic GPU's interpreter, which has neither semaphores nor reduce-adds but runs the CTAs
   one at a time in grid order, the part is added in place.
-
-  **Known problem (H200, jax 0.11.2, 2026-11-22):** the kernel hangs once a key tile has to wait
-  early in its walk (causal or full bands with 4+ key tiles and 8+ visits per CTA, e.g. 512 x 512
-  with GQA), while it is correct and bitwise repeatable where the waits find their signal already
-  sent (a sliding window; a single key tile). `benchmarks/diag_one_pass.py` reproduces it and
-  tries the variants that would tell the cause apart. Hence ``one_pass`` is off by default.
   """
 
   @staticmethod
@@ -364,12 +363,12 @@ class _DqPart:
     return fwd._i32(0), fwd._i32(0), fwd._i32(0)
 
   def __init__(self, dq_ref, smem, sems, params: Params, *, split, block_q, hp, wg, batch,
-               first_tile, prev_blocks):
+               k_tile, first_ref):
     self.dq_ref, self.smem, self.sems, self.params = dq_ref, smem, sems, params
     self.split, self.block_q, self.wg, self.batch = split, block_q, wg, batch
     self.rows = block_q if split == "cols" else _KEYS
     self.cols = hp // 2 if split == "cols" else hp
-    self.first_tile, self.prev_blocks = first_tile, prev_blocks
+    self.k_tile, self.first_ref = k_tile, first_ref
 
   def zeros(self):
     return plgpu.layout_cast(jnp.zeros((self.rows, self.cols), jnp.float32),
@@ -417,8 +416,8 @@ class _DqPart:
 
   def send(self, part, head, i, pending):
     """Stores or adds ``part`` for query block ``i`` of ``head``; returns what is now pending."""
-    prev_lo, prev_hi = self.prev_blocks
-    first = self.first_tile | (i < prev_lo) | (i >= prev_hi)
+    earlier = self.k_tile - self.first_ref[self.batch, i]  # visitors of the block before this
+    first = earlier == 0
     target = self._target(head, i)
     if self.params.interpret:
       @pl.when(first)
@@ -435,13 +434,14 @@ class _DqPart:
     stage = self.smem["dq"].at[self.wg]
     stage[...] = part
     plgpu.commit_smem()
-    pl.when(~first)(lambda: plgpu.semaphore_wait(self._sem(head, i), memory_scope="gpu"))
+    pl.when(~first)(lambda: plgpu.semaphore_wait(self._sem(head, i), earlier, decrement=False,
+                                                 memory_scope="gpu"))
     plgpu.copy_smem_to_gmem(stage, target, predicate=first)
     plgpu.copy_smem_to_gmem(stage, target, predicate=~first, reduction_op="add")
     return (head, i, fwd._i32(1))
 
   def release(self, pending):
-    """Tells the next key tile that the pending part has landed (after a wait for it)."""
+    """Counts the pending part as landed, for the later key tiles (after a wait for it)."""
     if self.params.interpret:
       return
     head, i, is_pending = pending
@@ -452,9 +452,8 @@ class _DqPart:
 def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Backward,
          extras: fwd._Extras, hp: int, grads: tuple[str, ...] = ("dk", "dv")) -> dict:
   """``{name: gradient}`` for the ``grads`` of one dK/dV pass (see `_dkv_kernel`); a dV-only
-  pass runs `Backward.dv_pass`'s tiles. With ``"dq"`` its value is the float32 sum of the parts
-  over padded rows, unscaled, and unwritten in query blocks that no key tile visits
-  (`_dq_from_parts`)."""
+  pass runs `Backward.dv_pass`'s tiles. With ``"dq"`` (the one-pass kernel) dQ comes out too,
+  over padded rows and head dims like the others."""
   if grads == ("dv",):
     config = config.dv_pass()
   b = q.shape[0]
@@ -502,12 +501,15 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     out_type["dq"] = jax.ShapeDtypeStruct((b, t_pad, q.shape[2], hp), jnp.float32)
     if not params.interpret:  # (the interpreter has no semaphores; it needs none)
       sem_shape = (b, q.shape[2], t_pad // block_q, _CONSUMERS)
+  first = None
+  if want_dq:
+    first = _first_visitors(schedule, inputs, t_pad // block_q)
   kernel = functools.partial(_dkv_kernel, params=params, config=config, schedule=schedule,
                              groups=groups, grads=grads, sem_shape=sem_shape)
   # Pallas walks the grid row-major, batch fastest: with a causal band the first key tiles,
   # which see the most query rows, launch first, and each key tile launches after the one
   # before it of the same batch row and head (the one-pass kernel's dQ adds rely on it).
-  return plgpu.kernel(
+  grads_out = plgpu.kernel(
       kernel,
       out_type={name: out_type[name] for name in grads},
       scratch_types=(smem,),
@@ -517,7 +519,44 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
       interpret=plgpu.InterpretGPUParams() if params.interpret else None,
-  )(q, k, v, d_out, lse2, delta, inputs.lengths, inputs.offsets, extras)
+  )(q, k, v, d_out, lse2, delta, inputs.lengths, inputs.offsets, first, extras)
+  if want_dq:
+    # Scaled, and zero in the query blocks that no key tile visits: their rows see no key, and
+    # the kernel never writes them.
+    visited = jnp.repeat(first < k_tiles, block_q, axis=1)[:, :, None, None]
+    grads_out["dq"] = (jnp.where(visited, grads_out["dq"], 0.0) * params.scale).astype(q.dtype)
+  return grads_out
+
+
+def _first_visitors(schedule: Schedule, inputs: Inputs, q_blocks: int):
+  """[B, q_blocks] int32: the first key tile (of ``schedule.block_k`` keys) that visits each query
+  block in dK/dV (`Schedule.q_blocks`), or the number of key tiles where none does.
+
+  The key tiles that visit a block are consecutive: a band's rows see one run of keys each, and
+  a block's rows together see one run too (`test_first_visitors_match_the_schedule`). So a
+  block's count ``c`` and index sum ``s`` of visitors give the first, ``(s - c(c-1)/2) / c``,
+  from two running sums over the key tiles' ranges instead of a [key tiles, blocks] table."""
+  b = inputs.lengths.shape[0]
+  keys = schedule.block_k
+  k_tiles = pl.cdiv(inputs.key.shape[1], keys)
+  offsets = () if inputs.offsets is None else (inputs.offsets[:, 0], inputs.offsets[:, 1])
+  pos = Positions(inputs.lengths[:, 0], inputs.lengths[:, 1], *offsets)  # fields [B]
+  tiles = jnp.arange(k_tiles, dtype=jnp.int32)
+  lo, hi = jax.vmap(lambda j: schedule.q_blocks(j * keys, pos))(tiles)
+  # (Either bound may not depend on the batch row: [key tiles] or [key tiles, B].)
+  lo, hi = (jnp.broadcast_to(jnp.clip(x, 0, q_blocks).reshape(k_tiles, -1), (k_tiles, b))
+            for x in (lo, hi))
+  hi = jnp.maximum(hi, lo)
+  rows = jnp.broadcast_to(jnp.arange(b)[None, :], lo.shape)
+  weights = jnp.broadcast_to(tiles[:, None], lo.shape)
+
+  def running(w):  # sum of w over the key tiles whose range holds each block
+    edges = jnp.zeros((b, q_blocks + 1), jnp.int32).at[rows, lo].add(w).at[rows, hi].add(-w)
+    return jnp.cumsum(edges, axis=1)[:, :q_blocks]
+
+  count, total = running(jnp.ones_like(weights)), running(weights)
+  first = (total - count * (count - 1) // 2) // jnp.maximum(count, 1)
+  return jnp.where(count > 0, first, k_tiles).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -704,31 +743,9 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
     dq = _dq(*args)[:, :t, :, :h]
   elif config.backward.runs_one_pass(hp):
     grads = _dkv(*args, grads=("dk", "dv", "dq"))
-    dq = _dq_from_parts(grads["dq"][:, :t, :, :h], inputs, params, config.backward, q.dtype)
+    dq = grads["dq"][:, :t, :, :h]
   else:
     grads = _dkv(*args)
     dq = _dq(*args)[:, :t, :, :h]
   dk, dv = grads["dk"], grads["dv"]
   return dq, dk[:, :s, :, :h], dv[:, :s, :, :h], None
-
-
-def _dq_from_parts(dq_sum, inputs: Inputs, params: Params, config: Backward, dtype):
-  """dQ from the one-pass kernel's float32 sum [B, T, N, H]: scaled, and zero in the query
-  blocks that no key tile visits (their rows see no key; the kernel never writes them)."""
-  b, t = dq_sum.shape[:2]
-  block_q, keys_per_cta = config.dkv_block_q, _CONSUMERS * _KEYS
-  schedule = Schedule(params.window, block_q, keys_per_cta)
-  offsets = () if inputs.offsets is None else (inputs.offsets[:, 0], inputs.offsets[:, 1])
-  pos = Positions(inputs.lengths[:, 0], inputs.lengths[:, 1], *offsets)  # fields [B]
-  k_starts = jnp.arange(pl.cdiv(inputs.key.shape[1], keys_per_cta), dtype=jnp.int32)
-  lo, hi = jax.vmap(lambda k0: schedule.q_blocks(k0 * keys_per_cta, pos))(k_starts)
-  # Visits per query block: +1 where a key tile's range starts, -1 past where it ends.
-  q_blocks = pl.cdiv(t, block_q)
-  # (Either bound may not depend on the batch row: [key tiles] or [key tiles, B].)
-  lo, hi = (jnp.broadcast_to(jnp.clip(x, 0, q_blocks).reshape(len(k_starts), -1),
-                             (len(k_starts), b)) for x in (lo, hi))
-  hi = jnp.maximum(hi, lo)
-  rows = jnp.broadcast_to(jnp.arange(b)[None, :], lo.shape)
-  edges = jnp.zeros((b, q_blocks + 1), jnp.int32).at[rows, lo].add(1).at[rows, hi].add(-1)
-  visited = jnp.repeat(jnp.cumsum(edges, axis=1)[:, :q_blocks] > 0, block_q, axis=1)[:, :t]
-  return (jnp.where(visited[:, :, None, None], dq_sum, 0.0) * params.scale).astype(dtype)

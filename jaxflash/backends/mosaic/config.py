@@ -33,9 +33,9 @@ class Backward:
   With ``one_pass`` (head dims up to 128, where `dq_split` has a way for the tile) there is no dQ
   kernel: the dK/dV kernel also forms each query block's dQ part and adds it to a float32 dQ in
   a fixed order of key tiles, so the gradients stay deterministic. It is off by default and
-  experimental: on an H200 (2026-11-22) it hangs once a key tile must wait for the one before it
-  early in its walk (see docs/mosaic_backward.md); it is correct in Mosaic GPU's interpreter and
-  on the GPU where no such wait happens.
+  experimental: an earlier version hung on an H200 (2026-11-22), and the fix (see
+  docs/mosaic_backward.md) has been checked on the CPU only, in Mosaic GPU's interpreter and by
+  lowering; `benchmarks/diag_one_pass.py` is the GPU check.
   """
 
   dkv_block_q: int = 64
