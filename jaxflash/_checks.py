@@ -69,6 +69,38 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   return Call(inputs, params, unbatched)
 
 
+def check_cache(query, key_cache, value_cache, page_table):
+  """Checks `jaxflash.decode_attention`'s query and cache (the rest goes through `normalise`);
+  returns the caches as arrays (pages unchanged: the caller gathers them)."""
+  query = _as_array(query, "query")
+  key_cache, value_cache = (_as_array(x, name) for x, name in
+                            ((key_cache, "key_cache"), (value_cache, "value_cache")))
+  if query.ndim != 4:
+    raise ValueError(f"query must be [B, T, N, H], got shape {query.shape}")
+  b, t = query.shape[:2]
+  if key_cache.ndim != 4 or value_cache.shape != key_cache.shape:
+    raise ValueError(f"key_cache and value_cache must have one shape, [B, S_max, K, H] (or "
+                     f"[num_pages, page_size, K, H] with page_table), got {key_cache.shape} and "
+                     f"{value_cache.shape}")
+  if page_table is None:
+    if key_cache.shape[0] != b:
+      raise ValueError(f"key_cache must have the query's batch size {b} on axis 0 (or pass a "
+                       f"page_table), got shape {key_cache.shape}")
+    s_max = key_cache.shape[1]
+  else:
+    page_table = _as_array(page_table, "page_table")
+    if not jnp.issubdtype(page_table.dtype, jnp.integer):
+      raise ValueError(f"page_table must be an integer array, got dtype {page_table.dtype}")
+    if page_table.ndim != 2 or page_table.shape[0] != b:
+      raise ValueError(f"page_table must have shape (B, pages_per_row) with B = {b}, got "
+                       f"{page_table.shape}")
+    s_max = page_table.shape[1] * key_cache.shape[1]
+  if t > s_max:
+    raise ValueError(f"query has T = {t} new tokens, more than the cache holds (S_max = "
+                     f"{s_max})")
+  return key_cache, value_cache
+
+
 # Each check raises ValueError naming the argument and returns the normalised value.
 
 

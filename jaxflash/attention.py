@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxflash import _checks
 from jaxflash import backends
 from jaxflash import devices
+from jaxflash.ops import decode
 from jaxflash.ops import flash
 
 Implementation = Literal["mosaic", "triton", "xla"]
@@ -142,6 +143,11 @@ def attention_with_config(query: jax.Array, key: jax.Array, value: jax.Array,
   backends.preferences(implementation)  # an unknown name fails before anything else
   return_residual = _checks.check_flag(return_residual, "return_residual")
   call = _checks.normalise(query, key, value, bias, mask, **options)
+  return _run(call, implementation, config, return_residual)
+
+
+def _run(call: _checks.Call, implementation, config, return_residual: bool):
+  """Runs a normalised call on the backend that serves it: ``out`` or ``(out, lse)``."""
   backend = backends.select(implementation, call.inputs, call.params, config)
   if config is None:
     config = backend.default_config(call.inputs, call.params, devices.current())
@@ -157,3 +163,63 @@ def attention_with_config(query: jax.Array, key: jax.Array, value: jax.Array,
   if call.unbatched:
     out, lse = out[0], lse[0]
   return (out, lse) if return_residual else out
+
+
+def decode_attention(
+    query: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    kv_lengths: jax.Array,
+    *,
+    page_table: jax.Array | None = None,
+    scale: float | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    return_residual: bool = False,
+    implementation: Implementation | Sequence[Implementation] | None = None,
+    interpret: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Attention of a few new tokens to a KV cache (generation, speculative decoding, chunked
+  prefill).
+
+  Row ``b`` of the cache holds ``kv_lengths[b]`` tokens, the ``T`` new ones last: they sit at
+  positions ``kv_lengths[b] - T ... kv_lengths[b] - 1`` (write them into the cache first), and
+  each sees the cached tokens up to its own position. Equal to `flash_attention` with that causal
+  band, and differentiable like it.
+
+  Today every backend runs its training kernels on this band (with a paged cache gathered into
+  rows first); a split-KV decoding kernel that reads each K/V byte once is issue 14's work.
+
+  Args:
+    query: [B, T, N, H], the new tokens (T small: 1 when generating).
+    key_cache: [B, S_max, K, H], or with ``page_table`` pages [num_pages, page_size, K, H].
+    value_cache: shaped and typed like ``key_cache``.
+    kv_lengths: int [B], the tokens in each row of the cache, the new ones included; clipped
+      to [0, S_max]. A row holding fewer than T tokens gives zeros for the rows before its
+      first token.
+    page_table: optional int [B, pages_per_row]: row ``b`` of the cache is pages
+      ``page_table[b, 0], page_table[b, 1], ...`` in order (S_max = pages_per_row * page_size).
+    scale: multiplier of ``query @ key``; defaults to ``1 / sqrt(H)``.
+    local_window_size: ``w`` or ``(left, right)``: a token sees at most ``left`` tokens before
+      its own (``right`` has no effect: nothing after it is visible).
+    logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
+    return_residual: also return the logsumexp, [B, T, N] (as `flash_attention`).
+    implementation: as in `flash_attention`.
+    interpret: run Pallas kernels in interpret mode (for tests on a CPU).
+
+  Returns:
+    [B, T, N, H] like ``query``; with ``return_residual``, ``(output, logsumexp)``.
+
+  Raises:
+    ValueError: as `flash_attention`, naming the argument, before any kernel runs.
+  """
+  backends.preferences(implementation)
+  return_residual = _checks.check_flag(return_residual, "return_residual")
+  key, value = _checks.check_cache(query, key_cache, value_cache, page_table)
+  if page_table is not None:
+    key, value = decode.gather_pages(key, page_table), decode.gather_pages(value, page_table)
+  call = _checks.normalise(query, key, value, scale=scale, is_causal=True,
+                           key_value_seq_lengths=kv_lengths, local_window_size=local_window_size,
+                           logits_soft_cap=logits_soft_cap, interpret=interpret)
+  call = call._replace(inputs=decode.decode_inputs(call.inputs))
+  return _run(call, implementation, None, return_residual)

@@ -414,6 +414,26 @@ def test_wide_head_backward_lowers(h, causal):
 
 
 @needs_cuda_plugin
+@pytest.mark.parametrize("t", [1, 16])
+def test_decode_lowers(t):
+  """`jaxflash.decode_attention` on the Mosaic backend (its forward with a shifted band, its
+  backward under jax.grad), GQA 32/8, a paged cache."""
+  q = jax.ShapeDtypeStruct((2, t, 32, 128), BF16)
+  pages = jax.ShapeDtypeStruct((40, 64, 8, 128), BF16)
+  table = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+  def fn(q, pages, table, lengths):
+    def loss(q):
+      out = jaxflash.decode_attention(q, pages, pages, lengths, page_table=table,
+                                      implementation="mosaic")
+      return jnp.sum(out.astype(jnp.float32))
+    return jax.value_and_grad(loss)(q)
+
+  assert _mosaic_kernels(_lower(fn, q, pages, table, lengths)) >= 2
+
+
+@needs_cuda_plugin
 def test_lowering_check_can_fail(monkeypatch):
   """The check is real: tiles that break the TMA's 8-row rule must be refused by the lowering."""
   from jaxflash.backends.mosaic import forward

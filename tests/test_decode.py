@@ -1,0 +1,155 @@
+"""`jaxflash.decode_attention`: new tokens against a KV cache, contiguous and paged, against a
+float32 reference whose mask is built here from the cache positions (not from jaxflash's band)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash.reference import reference_attention
+from checks import ON_GPU, TOLERANCE, interpret_for, random_qkv, rel_err
+
+BF16 = jnp.bfloat16
+IMPLEMENTATIONS = ["xla", "triton"] + (["mosaic"] if ON_GPU else [])
+
+
+def _decode_mask(kv_lengths, t: int, s: int, left: int | None):
+  """[B, 1, T, S]: new token r of row b sits at kv_lengths[b] - t + r and sees cached positions
+  up to its own (and no more than ``left`` before it)."""
+  pos = kv_lengths[:, None, None] - t + jnp.arange(t)[None, :, None]  # [B, T, 1]
+  key = jnp.arange(s)[None, None, :]
+  ok = (key <= pos) & (key < kv_lengths[:, None, None])
+  if left is not None:
+    ok &= key >= pos - left
+  return ok[:, None]
+
+
+def _want(q, k, v, kv_lengths, left=None, **options):
+  mask = _decode_mask(kv_lengths, q.shape[1], k.shape[1], left)
+  return reference_attention(q, k, v, mask=mask, **options)
+
+
+def _paged(cache, page_size: int, seed: int):
+  """``cache`` [B, S, K, H] as shuffled pages [B * S / page_size + 3, page_size, K, H] (3 unused
+  pages of noise) and the page table that puts it back together."""
+  b, s = cache.shape[:2]
+  per_row = s // page_size
+  order = np.random.default_rng(seed).permutation(b * per_row + 3)
+  pages = jax.random.normal(jax.random.key(seed), (b * per_row + 3, page_size) + cache.shape[2:],
+                            cache.dtype)
+  table = order[:b * per_row].reshape(b, per_row)
+  pages = pages.at[table.reshape(-1)].set(cache.reshape(b * per_row, page_size, *cache.shape[2:]))
+  return pages, jnp.asarray(table, jnp.int32)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("t,window,cap", [(1, None, None), (4, None, 2.0), (5, 7, None)])
+def test_decode_matches_the_reference(implementation, t, window, cap):
+  """Ragged rows (empty, fewer tokens than T, partly full, full), GQA, T = 1 and T > 1 causal,
+  a window, a soft cap; the LSE too."""
+  b, s, n, k, h = 4, 80, 4, 2, 40
+  q, kk, v, _ = random_qkv(1, b, t, s, n, k, h)
+  kv_lengths = jnp.array([0, 3, 37, s], jnp.int32)
+  got, lse = jaxflash.decode_attention(
+      q, kk, v, kv_lengths, local_window_size=None if window is None else (window, 0),
+      logits_soft_cap=cap, return_residual=True, implementation=implementation,
+      interpret=interpret_for(implementation))
+  want, want_lse = _want(q, kk, v, kv_lengths, window, logits_soft_cap=cap)
+  assert got.shape == q.shape and got.dtype == q.dtype
+  assert rel_err(got, want) < TOLERANCE[jnp.float32]
+  empty = ~np.isfinite(np.asarray(want_lse))
+  assert empty[0].all() and empty[1, :t - 3].all() and not empty[2:].any()
+  np.testing.assert_array_equal(np.asarray(got)[empty], 0.0)
+  np.testing.assert_array_equal(np.asarray(lse) == -np.inf, empty)
+  assert rel_err(np.where(empty, 0, lse), np.where(empty, 0, want_lse)) < TOLERANCE[jnp.float32]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_paged_cache_matches_contiguous(implementation, page_size):
+  """A paged cache with a shuffled page table gives the contiguous cache's result (bf16)."""
+  b, s, n, k, h, t = 3, 96, 4, 1, 64, 2
+  q, kk, v, _ = random_qkv(2, b, t, s, n, k, h, BF16)
+  kv_lengths = jnp.array([96, 50, 2], jnp.int32)
+  k_pages, table = _paged(kk, page_size, 3)
+  v_pages, _ = _paged(v, page_size, 3)
+  options = dict(implementation=implementation, interpret=interpret_for(implementation))
+  paged = jaxflash.decode_attention(q, k_pages, v_pages, kv_lengths, page_table=table, **options)
+  contiguous = jaxflash.decode_attention(q, kk, v, kv_lengths, **options)
+  np.testing.assert_array_equal(np.asarray(paged, np.float32),
+                                np.asarray(contiguous, np.float32))
+  want, _ = _want(q, kk, v, kv_lengths)
+  assert rel_err(paged, want) < TOLERANCE[BF16]
+
+
+def test_decode_is_flash_attention_with_shifted_positions():
+  """A full cache (every row holds S tokens): the last T rows of causal self-attention over the
+  cache; and the gradients match the reference's."""
+  b, s, n, h, t = 2, 64, 2, 32, 3
+  q_all, kk, v, d_out = random_qkv(4, b, s, s, n, n, h)
+  q = q_all[:, -t:]
+  kv_lengths = jnp.full((b,), s, jnp.int32)
+  got = jaxflash.decode_attention(q, kk, v, kv_lengths, implementation="xla")
+  full = jaxflash.flash_attention(q_all, kk, v, is_causal=True, implementation="xla")
+  np.testing.assert_allclose(got, full[:, -t:], rtol=1e-5, atol=1e-5)
+
+  def loss(fn):
+    return lambda q, kk, v: jnp.sum(fn(q, kk, v) * d_out[:, :t])
+
+  grads = jax.grad(loss(lambda *x: jaxflash.decode_attention(*x, kv_lengths,
+                                                             implementation="xla")),
+                   argnums=(0, 1, 2))(q, kk, v)
+  want = jax.grad(loss(lambda *x: _want(*x, kv_lengths)[0]), argnums=(0, 1, 2))(q, kk, v)
+  for g, w in zip(grads, want):
+    assert rel_err(g, w) < TOLERANCE[jnp.float32]
+
+
+def test_decode_under_jit_with_traced_lengths():
+  """A generation step compiled once: the lengths are traced values, not constants."""
+  b, s, n, h = 2, 48, 2, 32
+  q, kk, v, _ = random_qkv(5, b, 1, s, n, n, h)
+  step = jax.jit(lambda q, kk, v, lengths: jaxflash.decode_attention(q, kk, v, lengths,
+                                                                     implementation="xla"))
+  for lengths in ([1, 48], [20, 7]):
+    lengths = jnp.array(lengths, jnp.int32)
+    assert rel_err(step(q, kk, v, lengths), _want(q, kk, v, lengths)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("args,match", [
+    (dict(query=jnp.zeros((5, 2, 8))), "query must be"),
+    (dict(key_cache=jnp.zeros((2, 10, 1, 8))), "one shape"),
+    (dict(key_cache=jnp.zeros((3, 10, 1, 8)), value_cache=jnp.zeros((3, 10, 1, 8))),
+     "batch size 2"),
+    (dict(query=jnp.zeros((2, 11, 2, 8))), "more than the cache holds"),
+    (dict(page_table=jnp.zeros((2, 3)), ), "page_table must be an integer"),
+    (dict(page_table=jnp.zeros((3, 3), jnp.int32)), "page_table must have shape"),
+    (dict(kv_lengths=jnp.zeros((2,))), "key_value_seq_lengths must be an integer"),
+    (dict(key_cache=jnp.zeros((2, 10, 1, 8), BF16), value_cache=jnp.zeros((2, 10, 1, 8), BF16)),
+     "dtype"),
+])
+def test_decode_refuses_bad_input(args, match):
+  base = dict(query=jnp.zeros((2, 1, 2, 8)), key_cache=jnp.zeros((2, 10, 1, 8)),
+              value_cache=jnp.zeros((2, 10, 1, 8)), kv_lengths=jnp.array([1, 2]))
+  base.update(args)
+  if "key_cache" in args and "value_cache" not in args:
+    base["value_cache"] = jnp.zeros((2, 10, 2, 8))
+  with pytest.raises(ValueError, match=match):
+    jaxflash.decode_attention(base.pop("query"), base.pop("key_cache"), base.pop("value_cache"),
+                              base.pop("kv_lengths"), implementation="xla", **base)
+
+
+def test_decode_with_x64_and_strict_rank_promotion():
+  """int64 lengths and page tables under jax_enable_x64, and no implicit rank promotion."""
+  b, s, n, h, t = 2, 32, 2, 16, 2
+  q, kk, v, _ = random_qkv(6, b, t, s, n, n, h)
+  with jax.enable_x64(True), jax.numpy_rank_promotion("raise"):
+    lengths = jnp.array([5, 32], jnp.int64)
+    k_pages, table = _paged(kk, 8, 7)
+    v_pages, _ = _paged(v, 8, 7)
+    got = jaxflash.decode_attention(q, k_pages, v_pages, lengths, page_table=table.astype(
+        jnp.int64), implementation="xla")
+  want, _ = _want(q, kk, v, jnp.array([5, 32], jnp.int32))
+  assert rel_err(got, want) < 1e-5
