@@ -181,3 +181,20 @@ def test_mosaic_backward_tuner_rows():
                                dq_block_kv=dq_block_kv, dq_stages=dq_stages)
     assert mosaic.config.backward_smem_bytes(backward, 128) <= mosaic.config.SMEM_BUDGET
   assert all(r["tflops"] is None and r["error"] for r in rows)  # nothing runs without a GPU
+
+
+def test_decode_bench_smoke(tmp_path):
+  """benchmarks/decode.py on its tiny grid: every cell checked against the reference, then
+  timed, for contiguous and paged caches and T = 1 and 3 (jax.nn only at T = 1, contiguous)."""
+  import decode
+  out = tmp_path / "decode.json"
+  decode.main(["--smoke", "--out", str(out)])
+  data = json.loads(out.read_text())
+  assert data["environment"]["device"] and data["config"]["smoke"]
+  cells = {(r["impl"], r["T"], r["layout"]) for r in data["rows"]}
+  assert cells == {("jaxflash", 1, "contiguous"), ("jaxflash", 1, "paged"),
+                   ("jaxflash", 3, "contiguous"), ("jaxflash", 3, "paged"),
+                   ("xla", 1, "contiguous")}
+  for row in data["rows"]:
+    assert "failed" not in row and row["error"] < 1e-3 and row["us"] > 0 and row["of_copy"] > 0
+  assert "| B | S | T |" in out.with_suffix(".md").read_text()

@@ -1,0 +1,220 @@
+"""Decoding benchmark (issue 14): new tokens against a KV cache, in one process per run.
+
+For each cell (batch B, cache length S, new tokens T, heads N/K, head dim D, contiguous or paged
+cache), every implementation is checked against a float32 reference on fresh random inputs,
+then timed (warm-up, median of repeats). It reports microseconds per call, the effective
+bandwidth (bytes of K and V read / time) and its fraction of a measured device-to-device copy
+of the same bytes. Every row of the cache is full (kv_lengths = S), so every byte is read.
+
+Implementations:
+- ``jaxflash``: `jaxflash.decode_attention` (the backend it picks); ``jaxflash_triton`` and
+  ``jaxflash_mosaic`` name one;
+- ``cudnn`` and ``xla``: `jax.nn.dot_product_attention` with ``key_value_seq_lengths``
+  (T = 1 only: jax.nn has no causal band shifted to the cache positions);
+- ``pallas_decode``: JAX's `jax.experimental.pallas.ops.gpu.decode_attention.gqa` (T = 1).
+Paged cells run the jaxflash implementations only, next to the contiguous ones.
+
+  python benchmarks/decode.py --batches 1 8 --seqs 4096 32768 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402
+from cases import time_call  # noqa: E402
+
+import jaxflash  # noqa: E402
+from jaxflash.ops.decode import gather_pages  # noqa: E402
+from jaxflash.reference import reference_attention  # noqa: E402
+
+IMPLS = ("jaxflash", "jaxflash_triton", "jaxflash_mosaic", "cudnn", "xla", "pallas_decode")
+MAX_CACHE_BYTES = 24 * 2**30  # K and V together; larger cells are skipped
+
+
+def cache_bytes(b: int, s: int, k: int, d: int, dtype) -> int:
+  return 2 * b * s * k * d * jnp.dtype(dtype).itemsize
+
+
+def make_inputs(b, s, t, n, k, d, dtype, seed: int, page_size: int | None):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (b, t, n, d), dtype)
+  kc = jax.random.normal(keys[1], (b, s, k, d), dtype)
+  vc = jax.random.normal(keys[2], (b, s, k, d), dtype)
+  lengths = jnp.full((b,), s, jnp.int32)
+  table = None
+  if page_size:
+    # Shuffled pages: row r's page p lives at a random place of the pool.
+    per_row = s // page_size
+    order = np.random.default_rng(seed).permutation(b * per_row)
+    table = jnp.asarray(order.reshape(b, per_row), jnp.int32)
+    pool = jnp.empty_like(kc.reshape(b * per_row, page_size, k, d))
+    kc = pool.at[table.reshape(-1)].set(kc.reshape(b * per_row, page_size, k, d))
+    vc = pool.at[table.reshape(-1)].set(vc.reshape(b * per_row, page_size, k, d))
+  return q, kc, vc, lengths, table
+
+
+def attention_fn(impl: str, t: int, table, interpret: bool):
+  """A function (q, k_cache, v_cache, lengths) -> out, or None where ``impl`` cannot run this
+  cell."""
+  if impl.startswith("jaxflash"):
+    name = None if impl == "jaxflash" else impl.split("_", 1)[1]
+    return lambda q, k, v, lengths: jaxflash.decode_attention(
+        q, k, v, lengths, page_table=table, implementation=name, interpret=interpret)
+  if table is not None or t != 1:
+    return None
+  if impl in ("cudnn", "xla"):
+    return lambda q, k, v, lengths: jax.nn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=lengths, implementation=impl)
+  if impl == "pallas_decode":
+    from jax.experimental.pallas.ops.gpu import decode_attention as pallas
+
+    return lambda q, k, v, lengths: pallas.gqa(q[:, 0], k, v, kv_seq_len=lengths,
+                                               interpret=interpret)[:, None]
+  raise ValueError(impl)
+
+
+def reference(q, kc, vc, lengths, table):
+  """float32 decoding reference: the last T positions of causal attention over the cache."""
+  if table is not None:
+    kc, vc = (gather_pages(x, table) for x in (kc, vc))
+  t, s = q.shape[1], kc.shape[1]
+  pos = lengths[:, None, None] - t + jnp.arange(t)[None, :, None]
+  mask = (jnp.arange(s)[None, None, :] <= pos)[:, None]
+  return reference_attention(q, kc, vc, mask=mask)[0]
+
+
+def copy_ms(nbytes: int, dtype) -> float:
+  """Milliseconds of a device-to-device copy of ``nbytes`` (an elementwise negation: one read,
+  one write of each byte)."""
+  x = jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype)
+  return time_call(jax.jit(jnp.negative), (x,))
+
+
+def run(cfg: dict) -> dict:
+  env = report.environment()
+  dtype = jnp.dtype(cfg["dtype"])
+  rows, copies = [], {}
+  grid = itertools.product(cfg["batches"], cfg["seqs"], cfg["tokens"], cfg["heads"],
+                           cfg["head_dims"], cfg["layouts"])
+  for b, s, t, (n, k), d, layout in grid:
+    nbytes = cache_bytes(b, s, k, d, dtype)
+    if nbytes > MAX_CACHE_BYTES:
+      continue
+    page_size = cfg["page_size"] if layout == "paged" else None
+    inputs = make_inputs(b, s, t, n, k, d, dtype, seed=len(rows), page_size=page_size)
+    q, kc, vc, lengths, table = inputs
+    want = np.asarray(reference(q, kc, vc, lengths, table)) if cfg["check"] else None
+    if nbytes not in copies:
+      copies[nbytes] = copy_ms(nbytes, dtype)
+    copy_tbs = nbytes / copies[nbytes] / 1e9
+    for impl in cfg["impls"]:
+      row = dict(impl=impl, B=b, S=s, T=t, N=n, K=k, D=d, layout=layout, dtype=dtype.name,
+                 bytes=nbytes, copy_tb_s=round(copy_tbs, 3))
+      fn = attention_fn(impl, t, table, cfg["interpret"])
+      if fn is None:
+        continue
+      try:
+        compiled = jax.jit(fn).lower(q, kc, vc, lengths).compile()
+        out = np.asarray(compiled(q, kc, vc, lengths), np.float32)
+        if want is not None:
+          row["error"] = float(np.linalg.norm(out - want) / np.linalg.norm(want))
+          if not row["error"] < cfg["tolerance"]:
+            row["failed"] = f"relative error {row['error']:.3g}"
+        if "failed" not in row:
+          ms = time_call(compiled, (q, kc, vc, lengths), calls=cfg["calls"],
+                         repeats=cfg["repeats"])
+          row.update(us=round(ms * 1e3, 2), tb_s=round(nbytes / ms / 1e9, 3),
+                     of_copy=round(nbytes / ms / 1e9 / copy_tbs, 3))
+      except Exception as e:  # noqa: BLE001 - one failing implementation must not end the run
+        row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      rows.append(row)
+      print(_line(row), file=sys.stderr, flush=True)
+  return dict(environment=env, config=cfg, rows=rows)
+
+
+def _line(r: dict) -> str:
+  cell = (f"B={r['B']} S={r['S']} T={r['T']} N/K={r['N']}/{r['K']} D={r['D']} {r['layout']:10} "
+          f"{r['impl']:16}")
+  if "failed" in r:
+    return f"{cell} FAILED {r['failed']}"
+  return (f"{cell} {r['us']:9.1f} us {r['tb_s']:6.2f} TB/s ({r['of_copy']:.2f} of copy, "
+          f"{r['copy_tb_s']:.2f} TB/s)")
+
+
+def table(rows: list[dict]) -> str:
+  """Markdown: one line per cell, TB/s per implementation (fraction of copy in brackets)."""
+  impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+  cells = sorted({(r["B"], r["S"], r["T"], r["N"], r["K"], r["D"], r["layout"]) for r in rows})
+  lines = ["| B | S | T | N/K | D | layout | " + " | ".join(impls) + " |",
+           "|" + "---|" * (6 + len(impls))]
+  for cell in cells:
+    found = {r["impl"]: r for r in rows
+             if (r["B"], r["S"], r["T"], r["N"], r["K"], r["D"], r["layout"]) == cell}
+    values = []
+    for impl in impls:
+      r = found.get(impl)
+      values.append("" if r is None else "failed" if "failed" in r
+                    else f"{r['tb_s']:.2f} ({r['of_copy']:.2f})")
+    b, s, t, n, k, d, layout = cell
+    lines.append(f"| {b} | {s} | {t} | {n}/{k} | {d} | {layout} | " + " | ".join(values) + " |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+  parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 32768, 131072])
+  parser.add_argument("--tokens", type=int, nargs="+", default=[1], help="new tokens T")
+  parser.add_argument("--heads", nargs="+", default=["32/8"], help="N/K pairs, e.g. 32/8 32/32")
+  parser.add_argument("--head-dims", type=int, nargs="+", default=[128])
+  parser.add_argument("--layouts", nargs="+", choices=("contiguous", "paged"),
+                      default=["contiguous", "paged"])
+  parser.add_argument("--page-size", type=int, default=64)
+  parser.add_argument("--impls", nargs="+", choices=IMPLS,
+                      default=["jaxflash", "cudnn", "xla", "pallas_decode"])
+  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+  parser.add_argument("--calls", type=int, default=20)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--tolerance", type=float, default=2e-2)
+  parser.add_argument("--no-check", dest="check", action="store_false")
+  parser.add_argument("--interpret", action="store_true", help="Pallas in interpret mode (CPU)")
+  parser.add_argument("--smoke", action="store_true",
+                      help="a tiny grid that runs anywhere (a CPU test of this script)")
+  parser.add_argument("--out", help="results JSON (a .md table is written next to it)")
+  args = parser.parse_args(argv)
+  cfg = dict(vars(args))
+  cfg["heads"] = [tuple(int(x) for x in pair.split("/")) for pair in args.heads]
+  if args.smoke:
+    cfg.update(batches=[2], seqs=[128], tokens=[1, 3], heads=[(4, 2)], head_dims=[32],
+               page_size=32, calls=2, repeats=1, dtype="float32", tolerance=1e-3,
+               impls=[i for i in args.impls if i in ("jaxflash", "xla")])
+  for s in cfg["seqs"]:
+    if "paged" in cfg["layouts"] and s % cfg["page_size"]:
+      parser.error(f"--page-size {cfg['page_size']} must divide every --seqs value ({s})")
+  result = run(cfg)
+  text = table(result["rows"])
+  print(text)
+  if args.out:
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    out.with_suffix(".md").write_text(
+        f"Decoding, {result['environment']['device']}, jax {result['environment']['jax']}, "
+        f"{result['environment']['date']}: TB/s of K and V read (fraction of a measured "
+        f"copy)\n\n{text}\n")
+  failed = [r for r in result["rows"] if "failed" in r]
+  if failed and args.smoke:
+    raise SystemExit(f"{len(failed)} failed: {failed[:3]}")
+
+
+if __name__ == "__main__":
+  main()
