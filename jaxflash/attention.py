@@ -146,11 +146,19 @@ def attention_with_config(query: jax.Array, key: jax.Array, value: jax.Array,
   return _run(call, implementation, config, return_residual)
 
 
-def _run(call: _checks.Call, implementation, config, return_residual: bool):
-  """Runs a normalised call on the backend that serves it: ``out`` or ``(out, lse)``."""
+def _run(call: _checks.Call, implementation, config, return_residual: bool,
+         split_kv: bool = False):
+  """Runs a normalised call on the backend that serves it: ``out`` or ``(out, lse)``. With
+  ``split_kv`` (a decoding call) the backend's split-KV forward runs where it has one that can
+  serve the call."""
   backend = backends.select(implementation, call.inputs, call.params, config)
+  device = devices.current()
   if config is None:
-    config = backend.default_config(call.inputs, call.params, devices.current())
+    config = backend.default_config(call.inputs, call.params, device)
+  path = decode.split_kv_for(backend) if split_kv else None
+  if path is not None and path.kernel().unsupported(call.inputs, call.params) is None:
+    config = path.kernel().default_config(call.inputs, config, device)
+    backend = path
   if call.inputs.query.shape[0] == 0:  # an empty batch: nothing to compute, and no grid to run
     b, t, n, _ = call.inputs.query.shape
     out, lse = jnp.zeros_like(call.inputs.query), jnp.zeros((b, t, n), jnp.float32)
@@ -187,8 +195,12 @@ def decode_attention(
   each sees the cached tokens up to its own position. Equal to `flash_attention` with that causal
   band, and differentiable like it.
 
-  Today every backend runs its training kernels on this band (with a paged cache gathered into
-  rows first); a split-KV decoding kernel that reads each K/V byte once is issue 14's work.
+  On the Triton backend (taken first when ``implementation`` is None and an NVIDIA GPU is
+  there) the forward is a split-KV kernel: programs over (split of the cache, batch row, K/V
+  head), each reading its K/V bytes once for all the query heads of the group, merged through
+  the LSE (`jaxflash.backends.triton.decode`). The other backends run their training forward on
+  the band. A paged cache is gathered into rows first. The backward is always the training
+  backward.
 
   Args:
     query: [B, T, N, H], the new tokens (T small: 1 when generating).
@@ -222,4 +234,8 @@ def decode_attention(
                            key_value_seq_lengths=kv_lengths, local_window_size=local_window_size,
                            logits_soft_cap=logits_soft_cap, interpret=interpret)
   call = call._replace(inputs=decode.decode_inputs(call.inputs))
-  return _run(call, implementation, None, return_residual)
+  if implementation is None:
+    # Backends with a split-KV decoding forward first (Triton's): the training forwards give
+    # one program per (batch row, query head) and fill one row of a tile per token.
+    implementation = decode.preference_order()
+  return _run(call, implementation, None, return_residual, split_kv=True)

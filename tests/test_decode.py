@@ -153,3 +153,35 @@ def test_decode_with_x64_and_strict_rank_promotion():
         jnp.int64), implementation="xla")
   want, _ = _want(q, kk, v, jnp.array([5, 32], jnp.int32))
   assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("t,window,cap", [(1, None, None), (3, 150, 1.5)])
+def test_split_kv_kernel_serves_triton_decoding(t, window, cap, monkeypatch):
+  """On the Triton backend a decoding call runs the split-KV forward (not the training forward):
+  several splits of a 600-key cache (a partial last block), merged through the LSE; GQA with 3
+  query heads per K/V head, ragged rows, a window and a soft cap. Its gradients come from the
+  training backward and match the reference's."""
+  from jaxflash.backends.triton import decode, forward
+  monkeypatch.setattr(forward, "forward", lambda *a: pytest.fail("the training forward ran"))
+  configs = []
+  default = decode.default_config
+  monkeypatch.setattr(decode, "default_config",
+                      lambda *a: configs.append(default(*a)) or configs[-1])
+  b, s, n, k, h = 2, 600, 6, 2, 64
+  q, kk, v, d_out = random_qkv(8, b, t, s, n, k, h)
+  lengths = jnp.array([600, 290], jnp.int32)
+  options = dict(local_window_size=None if window is None else (window, 0),
+                 logits_soft_cap=cap, implementation="triton", interpret=interpret_for("triton"))
+
+  def ours(q, kk, v):
+    return jaxflash.decode_attention(q, kk, v, lengths, **options)
+
+  def ref(q, kk, v):
+    return _want(q, kk, v, lengths, window, logits_soft_cap=cap)[0]
+
+  out, vjp = jax.vjp(ours, q, kk, v)
+  want, ref_vjp = jax.vjp(ref, q, kk, v)
+  assert configs and configs[0].splits > 1
+  assert rel_err(out, want) < TOLERANCE[jnp.float32]
+  for g, w in zip(vjp(d_out[:, :t]), ref_vjp(d_out[:, :t])):
+    assert rel_err(g, w) < TOLERANCE[jnp.float32]

@@ -100,3 +100,23 @@ def test_verifier_catches_what_the_gpu_would_refuse(monkeypatch):
 
   with pytest.raises(Exception, match="verif"):
     lower_for_cuda(fn, jax.ShapeDtypeStruct((16,), jnp.float32))
+
+
+@pytest.mark.parametrize("t,n,k,h,dtype", [
+    (1, 32, 8, 128, jnp.bfloat16), (16, 32, 8, 64, jnp.float16), (4, 8, 8, 256, jnp.bfloat16),
+    (2, 6, 2, 80, jnp.float32)])
+def test_decode_split_kv_lowers(t, n, k, h, dtype):
+  """The split-KV decoding kernel (GQA 32/8 and MHA, T up to 16, padded head dims) and, under
+  jax.grad, the training backward behind it; no training forward."""
+  q = jax.ShapeDtypeStruct((2, t, n, h), dtype)
+  cache = jax.ShapeDtypeStruct((2, 5000, k, h), dtype)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+  def fn(q, kc, vc, lengths):
+    return jax.grad(lambda q: jnp.sum(jaxflash.decode_attention(
+        q, kc, vc, lengths, local_window_size=(1000, 0), implementation="triton")
+        .astype(jnp.float32)))(q)
+
+  text = lower_for_cuda(fn, q, cache, cache, lengths)
+  assert "jaxflash_decode_split_kv" in text and "jaxflash_forward" not in text
+  assert "jaxflash_backward_dkv" in text

@@ -7,17 +7,25 @@ In the terms of the training op that is a causal band whose diagonal is shifted 
 decoding call is a training call with those positions (`decode_inputs`), and any backend serves
 it, forward and backward.
 
+Backends may have a split-KV decoding forward (`SplitKV`: Triton's, in
+`jaxflash.backends.triton.decode`), which reads each K/V byte once per K/V head and spreads one
+long row over the GPU; the backward stays the training backward, whose residuals are the same.
+
 A paged cache (pages ``[num_pages, page_size, K, H]`` and a page table ``[B, pages_per_row]``,
-the vLLM / FlashInfer layout) is gathered into rows here (`gather_pages`). That is the step a
-split-KV decoding kernel removes (issue 14): it reads the pages where they lie, once per K/V head.
+the vLLM / FlashInfer layout) is gathered into rows here (`gather_pages`). Reading the pages
+where they lie, inside the split-KV kernel, is still to do (issue 14).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 import jax
 import jax.numpy as jnp
 
-from jaxflash._core import Inputs
+from jaxflash._core import Inputs, Params
+from jaxflash.backends.base import Backend
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -36,3 +44,47 @@ def decode_inputs(inputs: Inputs) -> Inputs:
   t = inputs.query.shape[1]
   kv_len = inputs.lengths[:, 1]
   return inputs._replace(offsets=jnp.stack([kv_len - t, jnp.zeros_like(kv_len)], axis=1))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a static argument of the VJP
+class SplitKV:
+  """A backend's split-KV decoding forward with its training backward, as `jaxflash.ops.flash`
+  runs backends (``forward`` and ``backward``). Its config is the kernel's ``DecodeConfig``,
+  whose ``training`` field configures the backward."""
+
+  training: Backend
+  module: str  # the module with ``forward``, ``unsupported`` and ``default_config``
+
+  @property
+  def name(self) -> str:
+    return self.training.name
+
+  def kernel(self):
+    return importlib.import_module(self.module)
+
+  def forward(self, inputs: Inputs, params: Params, config):
+    return self.kernel().forward(inputs, params, config)
+
+  def backward(self, inputs: Inputs, params: Params, config, lse2, d_out, delta, want_dbias):
+    return self.training.backward(inputs, params, config.training, lse2, d_out, delta,
+                                  want_dbias)
+
+
+def split_kv_for(backend: Backend) -> SplitKV | None:
+  """The split-KV decoding path of ``backend``, where it has one (Triton today)."""
+  from jaxflash.backends import triton
+  if backend is triton.BACKEND:
+    return _TRITON_SPLIT_KV.setdefault("triton", SplitKV(triton.BACKEND,
+                                                         "jaxflash.backends.triton.decode"))
+  return None
+
+
+_TRITON_SPLIT_KV: dict[str, SplitKV] = {}
+
+
+def preference_order() -> tuple[str, ...]:
+  """Backend names for a decoding call with ``implementation=None``: those with a split-KV
+  forward first, then the registry's order."""
+  from jaxflash import backends
+  names = backends.names()
+  return tuple(sorted(names, key=lambda name: split_kv_for(backends.get(name)) is None))

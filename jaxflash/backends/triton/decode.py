@@ -1,0 +1,175 @@
+"""Split-KV decoding forward (Flash-Decoding) for the Triton backend: issue 14, first kernel.
+
+A decoding call has few query rows (T new tokens for each of the N query heads) and a long cache.
+The training forward would give each (batch row, query head) one program, which fills one row of
+a 16-row tile and reads every K/V byte once per query head of a GQA group. Here:
+- grid (splits, B, K): one program per K/V head and split of the cache, so a single long row
+  still spreads over the GPU;
+- a program's query tile holds the T tokens of all G query heads of its K/V head (G·T rows,
+  padded to a power of two, at least 16), so each K/V byte of the split is read once;
+- each program writes a partial output and base-2 LSE over its keys, and `merge` combines the
+  splits exactly through the LSE (in XLA: [B, K, splits, G·T] values, next to nothing).
+
+Inputs are the training op's, from `jaxflash.ops.decode.decode_inputs`: query row ``t`` of batch
+row ``b`` sits at position ``kv_len - T + t``, causal, optionally with a left window and a soft
+cap; no masks, biases, segments or dropout. The backward stays the training backward (the
+residuals, O and the LSE, are the same).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxflash import _core
+from jaxflash import masking
+from jaxflash._core import Inputs, Params
+from jaxflash.backends.triton import tiles
+from jaxflash.backends.triton.config import Config
+from jaxflash.devices import Device
+
+MAX_ROWS = 128  # G·T query rows per program: the accumulator is [rows, head dim] in registers
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeConfig:
+  """The split-KV forward's launch (``splits`` programs per (batch row, K/V head), key blocks of
+  ``block_k``), and the training kernels' config for the backward."""
+
+  splits: int
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  training: Config = dataclasses.field(default_factory=Config)
+
+
+def rows_for(inputs: Inputs) -> int:
+  """G·T padded: the query tile's rows."""
+  t, n = inputs.query.shape[1:3]
+  return max(16, pl.next_power_of_2(t * n // inputs.key.shape[2]))
+
+
+def unsupported(inputs: Inputs, params: Params) -> str | None:
+  """Why this kernel cannot serve a decoding call (None if it can)."""
+  if rows_for(inputs) > MAX_ROWS:
+    return f"G·T = {inputs.query.shape[1] * inputs.query.shape[2] // inputs.key.shape[2]} rows"
+  if any(x is not None for x in (inputs.bias, inputs.mask, inputs.q_segment_ids,
+                                  inputs.dropout_seed)):
+    return "biases, masks, segments and dropout"
+  if params.partial or inputs.offsets is None or not params.window.is_causal:
+    return "not a decoding call"
+  return None
+
+
+def default_config(inputs: Inputs, training: Config, device: Device) -> DecodeConfig:
+  """About two programs per SM in all: ``splits`` from the batch and K/V heads, at most one per
+  key block."""
+  from jaxflash.backends.mosaic.config import sm_count  # (a table of device kinds)
+  sm_count = sm_count(device.kind)
+  b, s, k = inputs.key.shape[:3]
+  block_k = tiles.fit(64 if inputs.query.shape[-1] > 128 else 128, s)
+  blocks = pl.cdiv(s, block_k)
+  splits = max(1, min(blocks, pl.cdiv(2 * sm_count, b * k)))
+  splits = pl.cdiv(blocks, pl.cdiv(blocks, splits))  # no split left without a block
+  return DecodeConfig(splits=splits, block_k=block_k, training=training)
+
+
+def _kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *, params: Params, t: int,
+            rows_used: int, blocks_per_split: int, block_k: int, st: tiles.Static):
+  rows = q_ref.shape[0]
+  q = q_ref[...]  # [rows, hp], padded with zeros in XLA (it is tiny)
+  kv_len = lengths_ref[1]
+  r = jnp.arange(rows)
+  token = r % t  # rows are (query head, token) pairs, token fastest
+  row_ok = r < rows_used
+  lo = pl.program_id(0) * blocks_per_split
+  hi = jnp.minimum(lo + blocks_per_split, pl.cdiv(kv_len, block_k))
+  left = params.window.left
+  if left is not None:  # blocks wholly before the earliest row's window hold nothing
+    lo = jnp.maximum(lo, lax.div(jnp.maximum(kv_len - t - left, 0), block_k))
+
+  def body(j, carry):
+    acc, m, l = carry
+    cols, col_ok = st.bounds(j * block_k, block_k, st.seq_k)
+    kv_ok = tiles.tile_ok(col_ok, st.dim_ok)
+    keys = pl.ds(j * block_k, block_k)
+    k = tiles.load(k_ref.at[keys, :], mask=kv_ok, other=0.0)
+    s2, _ = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, None)
+    # The shared band rule, with the token index as the row and the cache positions shifting
+    # the diagonal.
+    visible = masking.visible(token[:, None], cols[None, :], params.window, diagonal=kv_len - t,
+                              kv_len=kv_len) & row_ok[:, None]
+    s2 = jnp.where(visible, s2, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s2, axis=1))
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen nothing yet
+    alpha = jnp.exp2(m - m_shift)
+    p = jnp.exp2(s2 - m_shift[:, None])
+    v = tiles.load(v_ref.at[keys, :], mask=kv_ok, other=0.0)
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+    return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+
+  init = (jnp.zeros((rows, st.head_dim_p), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+  acc, m, l = lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
+  # NaN logits make l NaN: such rows stay NaN (l != 0), as in the training forward.
+  seen = l != 0.0
+  o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+  lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def merge(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The splits' partial results (float32 [..., splits, rows, H], base-2 LSE [..., splits, rows],
+  -inf where a split sees nothing) -> (output, base-2 LSE; +inf where no split sees anything)."""
+  top = jnp.max(lse2, axis=-2)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  weights = jnp.exp2(lse2 - top[..., None, :])
+  total = jnp.sum(weights, axis=-2)
+  seen = total != 0.0
+  out = jnp.sum(weights[..., None] * outs, axis=-3) / jnp.where(seen, total, 1.0)[..., None]
+  return out, jnp.where(seen, top + jnp.log2(jnp.where(seen, total, 1.0)), jnp.inf)
+
+
+def forward(inputs: Inputs, params: Params, config: DecodeConfig):
+  """``(out [B, T, N, H], lse2 [B, N, T])`` of a decoding call (the training forward's
+  contract)."""
+  q, k, v = inputs.query, inputs.key, inputs.value
+  b, t, n, h = q.shape
+  kv_heads = k.shape[2]
+  g = n // kv_heads
+  st = tiles.static(inputs)
+  rows = rows_for(inputs)
+  hp = st.head_dim_p
+  # Query rows (head g, token t) of each K/V head, padded to the tile: [B, K, rows, hp].
+  qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)
+  qg = jnp.pad(qg, [(0, 0), (0, 0), (0, rows - g * t), (0, hp - h)])
+  blocks = pl.cdiv(k.shape[1], config.block_k)
+  splits = min(config.splits, blocks)
+  per_split = pl.cdiv(blocks, splits)
+  splits = pl.cdiv(blocks, per_split)
+  kernel = functools.partial(_kernel, params=params, t=t, rows_used=g * t,
+                             blocks_per_split=per_split, block_k=config.block_k, st=st)
+  kv = pl.BlockSpec((None, k.shape[1], None, hp), lambda sp, i, j: (i, 0, j, 0))
+  outs, lse2 = pl.pallas_call(
+      kernel,
+      grid=(splits, b, kv_heads),
+      in_specs=[pl.BlockSpec((None, None, rows, hp), lambda sp, i, j: (i, j, 0, 0)), kv, kv,
+                pl.BlockSpec((None, 2), lambda sp, i, j: (i, 0))],
+      out_specs=[pl.BlockSpec((None, None, None, rows, hp), lambda sp, i, j: (i, j, sp, 0, 0)),
+                 pl.BlockSpec((None, None, None, rows), lambda sp, i, j: (i, j, sp, 0))],
+      out_shape=[jax.ShapeDtypeStruct((b, kv_heads, splits, rows, hp), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kv_heads, splits, rows), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
+      interpret=params.interpret,
+      name="jaxflash_decode_split_kv",
+  )(qg, k, v, inputs.lengths)
+  out, lse2 = merge(outs, lse2)  # [B, K, rows, hp], [B, K, rows]
+  out = out[:, :, :g * t, :h].reshape(b, kv_heads, g, t, h).transpose(0, 3, 1, 2, 4)
+  lse2 = lse2[:, :, :g * t].reshape(b, n, t)
+  return out.reshape(b, t, n, h).astype(q.dtype), lse2
