@@ -147,10 +147,11 @@ def attention_with_config(query: jax.Array, key: jax.Array, value: jax.Array,
 
 
 def _run(call: _checks.Call, implementation, config, return_residual: bool,
-         split_kv: bool = False):
+         split_kv: bool = False, pages=None):
   """Runs a normalised call on the backend that serves it: ``out`` or ``(out, lse)``. With
   ``split_kv`` (a decoding call) the backend's split-KV forward runs where it has one that can
-  serve the call."""
+  serve the call, reading a paged cache's ``pages`` (key pages, value pages, page table) where
+  they lie when it can (``call.inputs`` then hold the rows the pages make, for the backward)."""
   backend = backends.select(implementation, call.inputs, call.params, config)
   device = devices.current()
   if config is None:
@@ -159,11 +160,18 @@ def _run(call: _checks.Call, implementation, config, return_residual: bool,
   if path is not None and path.kernel().unsupported(call.inputs, call.params) is None:
     config = path.kernel().default_config(call.inputs, config, device)
     backend = path
+  else:
+    pages = None
+  if pages is not None and not path.kernel().paged_block(pages[0].shape[1]):
+    pages = None
   if call.inputs.query.shape[0] == 0:  # an empty batch: nothing to compute, and no grid to run
     b, t, n, _ = call.inputs.query.shape
     out, lse = jnp.zeros_like(call.inputs.query), jnp.zeros((b, t, n), jnp.float32)
   else:
-    out, lse = flash.attention(call.inputs, call.params, backend, config)
+    if pages is not None:
+      out, lse = decode.paged_attention(path, call.inputs, pages, call.params, config)
+    else:
+      out, lse = flash.attention(call.inputs, call.params, backend, config)
     lse = jnp.transpose(lse, (0, 2, 1))  # [B, N, T] -> [B, T, N], as jax.nn returns it
   # The LSE comes back in the query's dtype, as jax.nn returns it (so cotangents of jax.nn's
   # dtype fit); it is computed and kept in float32 inside (ops use the float32 one).
@@ -199,8 +207,7 @@ def decode_attention(
   there) the forward is a split-KV kernel: programs over (split of the cache, batch row, K/V
   head), each reading its K/V bytes once for all the query heads of the group, merged through
   the LSE (`jaxflash.backends.triton.decode`). The other backends run their training forward on
-  the band. A paged cache is gathered into rows first. The backward is always the training
-  backward.
+  the band, on a paged cache gathered into rows. The backward is always the training backward.
 
   Args:
     query: [B, T, N, H], the new tokens (T small: 1 when generating).
@@ -228,7 +235,11 @@ def decode_attention(
   backends.preferences(implementation)
   return_residual = _checks.check_flag(return_residual, "return_residual")
   key, value = _checks.check_cache(query, key_cache, value_cache, page_table)
+  pages = None
   if page_table is not None:
+    pages = (key, value, page_table.astype(jnp.int32))
+    # The rows the pages make: what the training kernels (and every backward) read. A split-KV
+    # forward reads the pages instead, and under jit nothing then computes these.
     key, value = decode.gather_pages(key, page_table), decode.gather_pages(value, page_table)
   call = _checks.normalise(query, key, value, scale=scale, is_causal=True,
                            key_value_seq_lengths=kv_lengths, local_window_size=local_window_size,
@@ -238,4 +249,4 @@ def decode_attention(
     # Backends with a split-KV decoding forward first (Triton's): the training forwards give
     # one program per (batch row, query head) and fill one row of a tile per token.
     implementation = decode.preference_order()
-  return _run(call, implementation, None, return_residual, split_kv=True)
+  return _run(call, implementation, None, return_residual, split_kv=True, pages=pages)

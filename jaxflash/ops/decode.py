@@ -12,20 +12,24 @@ Backends may have a split-KV decoding forward (`SplitKV`: Triton's, in
 long row over the GPU; the backward stays the training backward, whose residuals are the same.
 
 A paged cache (pages ``[num_pages, page_size, K, H]`` and a page table ``[B, pages_per_row]``,
-the vLLM / FlashInfer layout) is gathered into rows here (`gather_pages`). Reading the pages
-where they lie, inside the split-KV kernel, is still to do (issue 14).
+the vLLM / FlashInfer layout) is read where it lies by a split-KV forward whose key blocks can
+be the pages (`paged_attention`); the training kernels, and every backward, read the rows the
+pages make (`gather_pages`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 
 import jax
 import jax.numpy as jnp
 
+from jaxflash import _core
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.base import Backend
+from jaxflash.ops import flash
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -88,3 +92,36 @@ def preference_order() -> tuple[str, ...]:
   from jaxflash import backends
   names = backends.names()
   return tuple(sorted(names, key=lambda name: split_kv_for(backends.get(name)) is None))
+
+
+def paged_attention(path: SplitKV, inputs: Inputs, pages, params: Params, config):
+  """``(out [B, T, N, H], natural lse [B, N, T])`` of a decoding call on a paged cache, the
+  split-KV forward reading ``pages`` (key pages, value pages, page table) where they lie.
+
+  ``inputs.key`` and ``inputs.value`` are the rows the pages make (`gather_pages`, computed by
+  the caller): the backward is the training backward on them, and their gradient reaches the
+  pages through the gather, so the pages themselves get none here. Without a backward nothing
+  uses the rows, and under jit they are never computed."""
+  return _paged(inputs, pages, params, path, config)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _paged(inputs, pages, params, path, config):
+  out, lse2 = path.kernel().forward(inputs, params, config, pages)
+  return out, _core.user_lse(lse2)
+
+
+def _paged_fwd(inputs, pages, params, path, config):
+  out, lse2 = path.kernel().forward(inputs, params, config, pages)
+  return (out, _core.user_lse(lse2)), (inputs, out, lse2)
+
+
+def _paged_bwd(params, path, config, residuals, cotangents):
+  inputs, out, lse2 = residuals
+  d_out, delta = flash.output_cotangents(out, cotangents)
+  dq, dk, dv, _ = flash.backward(path.training, inputs, params, config.training, lse2, d_out,
+                                 delta, False)
+  return flash.cotangents_of(inputs, dq, dk, dv, None), (None, None, None)
+
+
+_paged.defvjp(_paged_fwd, _paged_bwd)

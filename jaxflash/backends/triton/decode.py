@@ -80,8 +80,11 @@ def default_config(inputs: Inputs, training: Config, device: Device) -> DecodeCo
   return DecodeConfig(splits=splits, block_k=block_k, training=training)
 
 
-def _kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *, params: Params, t: int,
-            rows_used: int, blocks_per_split: int, block_k: int, st: tiles.Static):
+def _kernel(q_ref, k_ref, v_ref, lengths_ref, table_ref, o_ref, lse_ref, *, params: Params,
+            t: int, rows_used: int, blocks_per_split: int, block_k: int, st: tiles.Static):
+  """One (split, batch row, K/V head). ``k_ref``/``v_ref`` are the row's cache [S, hp], or with
+  ``table_ref`` (the row's page table) the K/V head's pages [num_pages, block_k, hp]: key block
+  ``j`` is then page ``table_ref[j]``."""
   rows = q_ref.shape[0]
   q = q_ref[...]  # [rows, hp], padded with zeros in XLA (it is tiny)
   kv_len = lengths_ref[1]
@@ -97,9 +100,12 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *, params: Params,
   def body(j, carry):
     acc, m, l = carry
     cols, col_ok = st.bounds(j * block_k, block_k, st.seq_k)
+    if table_ref is None:
+      block = (pl.ds(j * block_k, block_k), slice(None))
+    else:  # whole pages: no key past the page's end
+      block, col_ok = (table_ref[j], slice(None), slice(None)), None
     kv_ok = tiles.tile_ok(col_ok, st.dim_ok)
-    keys = pl.ds(j * block_k, block_k)
-    k = tiles.load(k_ref.at[keys, :], mask=kv_ok, other=0.0)
+    k = tiles.load(k_ref.at[block], mask=kv_ok, other=0.0)
     s2, _ = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, None)
     # The shared band rule, with the token index as the row and the cache positions shifting
     # the diagonal.
@@ -110,7 +116,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *, params: Params,
     m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen nothing yet
     alpha = jnp.exp2(m - m_shift)
     p = jnp.exp2(s2 - m_shift[:, None])
-    v = tiles.load(v_ref.at[keys, :], mask=kv_ok, other=0.0)
+    v = tiles.load(v_ref.at[block], mask=kv_ok, other=0.0)
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
     return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
@@ -135,9 +141,17 @@ def merge(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
   return out, jnp.where(seen, top + jnp.log2(jnp.where(seen, total, 1.0)), jnp.inf)
 
 
-def forward(inputs: Inputs, params: Params, config: DecodeConfig):
+def paged_block(page_size: int) -> bool:
+  """Whether pages of ``page_size`` keys can be the kernel's key blocks."""
+  return 16 <= page_size <= 256 and page_size == pl.next_power_of_2(page_size)
+
+
+def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   """``(out [B, T, N, H], lse2 [B, N, T])`` of a decoding call (the training forward's
-  contract)."""
+  contract). With ``pages`` = (key pages, value pages [num_pages, page_size, K, H], page table
+  [B, pages_per_row]) the kernel reads the cache from the pages, and ``inputs.key`` and
+  ``inputs.value`` only give shapes (the rows the pages make, `jaxflash.ops.decode.gather_pages`:
+  under jit nothing computes them unless a backward needs them)."""
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
@@ -148,18 +162,26 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig):
   # Query rows (head g, token t) of each K/V head, padded to the tile: [B, K, rows, hp].
   qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)
   qg = jnp.pad(qg, [(0, 0), (0, 0), (0, rows - g * t), (0, hp - h)])
-  blocks = pl.cdiv(k.shape[1], config.block_k)
+  block_k = config.block_k
+  table = table_spec = None
+  if pages is None:
+    kv = pl.BlockSpec((None, k.shape[1], None, hp), lambda sp, i, j: (i, 0, j, 0))
+  else:
+    k, v, table = pages
+    block_k = k.shape[1]
+    kv = pl.BlockSpec((k.shape[0], block_k, None, hp), lambda sp, i, j: (0, 0, j, 0))
+    table_spec = pl.BlockSpec((None, table.shape[1]), lambda sp, i, j: (i, 0))
+  blocks = pl.cdiv(inputs.key.shape[1], block_k)
   splits = min(config.splits, blocks)
   per_split = pl.cdiv(blocks, splits)
   splits = pl.cdiv(blocks, per_split)
   kernel = functools.partial(_kernel, params=params, t=t, rows_used=g * t,
-                             blocks_per_split=per_split, block_k=config.block_k, st=st)
-  kv = pl.BlockSpec((None, k.shape[1], None, hp), lambda sp, i, j: (i, 0, j, 0))
+                             blocks_per_split=per_split, block_k=block_k, st=st)
   outs, lse2 = pl.pallas_call(
       kernel,
       grid=(splits, b, kv_heads),
       in_specs=[pl.BlockSpec((None, None, rows, hp), lambda sp, i, j: (i, j, 0, 0)), kv, kv,
-                pl.BlockSpec((None, 2), lambda sp, i, j: (i, 0))],
+                pl.BlockSpec((None, 2), lambda sp, i, j: (i, 0)), table_spec],
       out_specs=[pl.BlockSpec((None, None, None, rows, hp), lambda sp, i, j: (i, j, sp, 0, 0)),
                  pl.BlockSpec((None, None, None, rows), lambda sp, i, j: (i, j, sp, 0))],
       out_shape=[jax.ShapeDtypeStruct((b, kv_heads, splits, rows, hp), jnp.float32),
@@ -168,7 +190,7 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig):
                                            num_stages=config.num_stages),
       interpret=params.interpret,
       name="jaxflash_decode_split_kv",
-  )(qg, k, v, inputs.lengths)
+  )(qg, k, v, inputs.lengths, table)
   out, lse2 = merge(outs, lse2)  # [B, K, rows, hp], [B, K, rows]
   out = out[:, :, :g * t, :h].reshape(b, kv_heads, g, t, h).transpose(0, 3, 1, 2, 4)
   lse2 = lse2[:, :, :g * t].reshape(b, n, t)
