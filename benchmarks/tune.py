@@ -154,8 +154,8 @@ def _backward_candidates(d: int):
   stands for the Triton backward."""
   yield None
   if d <= 128:
-    # (The one-pass backward, `Backward.one_pass`, is left out while it can hang on the GPU:
-    # benchmarks/diag_one_pass.py.)
+    # (The one-pass backward, `Backward.one_pass`, is left out until benchmarks/diag_one_pass.py
+    # has checked it on a GPU: an earlier version hung there.)
     tiles = [(64, 2, 64, 2), (64, 2, 64, 3), (64, 2, 128, 2), (64, 3, 128, 2)]
     if d <= 64:  # (128-row query tiles in dK/dV spill at D = 128: 0.77x cuDNN at 4k)
       tiles += [(128, 2, 64, 2), (128, 2, 128, 2), (128, 2, 64, 3), (128, 3, 64, 2),

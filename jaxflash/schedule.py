@@ -199,7 +199,8 @@ class Schedule:
     """Runs ``carry = body(g, i, carry, masked)`` for ``g < repeat`` (the query heads sharing a
     K/V head) and each query block ``i`` of `q_block_ranges`, in increasing ``i`` per head
     (decreasing with ``reverse``); ``masked=False`` only on full blocks. Kernels that stream
-    query tiles through a ring count the visits with `visit_number`."""
+    query tiles through a ring count the visits as ``g * (hi - lo) + i - lo``, or
+    ``g * (hi - lo) + hi - 1 - i`` with ``reverse``."""
     lo, full_lo, full_hi, hi = self.q_block_ranges(k_start, pos)
     masked, unmasked = (functools.partial(body, masked=m) for m in (True, False))
 
@@ -216,13 +217,6 @@ class Schedule:
       return carry
 
     return lax.fori_loop(_i32(0), _i32(repeat), one_head, carry)
-
-  def visit_number(self, k_start, pos: Positions, g, i, reverse: bool = False):
-    """The place of the visit to (head ``g`` of the group, query block ``i``) in
-    `visit_q_split`'s order, counting from 0."""
-    lo, _, _, hi = self.q_block_ranges(k_start, pos)
-    count = jnp.maximum(hi - lo, 0)
-    return g * count + (hi - 1 - i if reverse else i - lo)
 
   def visit_kv(self, q_start, pos: Positions, body: Body, carry, *, skip: int = 0,
                count: int | None = None):
