@@ -76,9 +76,9 @@ def test_paged_cache_matches_contiguous(implementation, page_size, monkeypatch):
   into rows first); the other backends gather them."""
   from jaxflash.backends.triton import decode
   paged_reads = []
-  kernel = decode.forward
-  monkeypatch.setattr(decode, "forward", lambda *a: paged_reads.append(len(a) > 3 and a[3] is not
-                                                                       None) or kernel(*a))
+  kernel = decode.partials
+  monkeypatch.setattr(decode, "partials", lambda *a: paged_reads.append(
+      len(a) > 3 and a[3] is not None) or kernel(*a))
   b, s, n, k, h, t = 3, 96, 4, 1, 64, 2
   q, kk, v, d_out = random_qkv(2, b, t, s, n, k, h, BF16)
   kv_lengths = jnp.array([96, 50, 2], jnp.int32)

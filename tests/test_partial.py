@@ -131,6 +131,25 @@ def test_partial_results_are_float32_and_merge(implementation):
   assert (np.asarray(out) != rounded).mean() > 0.5  # float32, not bf16 values in float32
 
 
+def test_merge_takes_stacked_partials_and_keeps_nan():
+  """The partials stacked on axis 0 (a split-KV kernel's output) merge as the list does, and a
+  NaN in one partial's row shows as NaN in that row's output and LSE, never as an empty row."""
+  q, k, v, _ = random_qkv(6, 1, 5, 12, 2, 2, 8)
+  keys = jnp.arange(12)
+  parts = [reference_attention(q, k, v, mask=((keys >= a) & (keys < a + 4))[None, None, None])
+           for a in (0, 4, 8)]
+  outs, lses = [p[0] for p in parts], [p[1] for p in parts]
+  listed = partial.merge(outs, lses)
+  stacked = partial.merge(jnp.stack(outs), jnp.stack(lses))
+  for a, b in zip(listed, stacked):
+    np.testing.assert_array_equal(a, b)
+  outs[1] = outs[1].at[0, 2].set(jnp.nan)
+  lses[1] = lses[1].at[0, 2].set(jnp.nan)
+  out, lse = partial.merge(outs, lses)
+  assert np.isnan(np.asarray(out[0, 2])).all() and np.isnan(np.asarray(lse[0, 2])).all()
+  assert np.isfinite(np.asarray(out[0, 3])).all()
+
+
 def test_merge_is_exact_with_empty_partials():
   """Partials over disjoint key sets (one of them empty for some rows, one empty for all)
   merge to the whole attention; all-empty rows give zeros and -inf, and gradients stay finite."""

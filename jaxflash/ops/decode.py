@@ -30,6 +30,7 @@ from jaxflash import _core
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.base import Backend
 from jaxflash.ops import flash
+from jaxflash.ops import partial
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -57,7 +58,7 @@ class SplitKV:
   whose ``training`` field configures the backward."""
 
   training: Backend
-  module: str  # the module with ``forward``, ``unsupported`` and ``default_config``
+  module: str  # the module with ``partials``, ``unsupported`` and ``default_config``
 
   @property
   def name(self) -> str:
@@ -66,24 +67,25 @@ class SplitKV:
   def kernel(self):
     return importlib.import_module(self.module)
 
-  def forward(self, inputs: Inputs, params: Params, config):
-    return self.kernel().forward(inputs, params, config)
+  def forward(self, inputs: Inputs, params: Params, config, pages=None):
+    """The training forward's ``(out, lse2)``: the kernel's partial results over the splits of
+    the cache (from ``pages`` where given, see `paged_attention`), merged through the LSE."""
+    outs, lses = self.kernel().partials(inputs, params, config, pages)
+    out, lse = partial.merge(outs, lses)
+    return out.astype(inputs.query.dtype), _core.base2_lse(jnp.swapaxes(lse, 1, 2))
 
   def backward(self, inputs: Inputs, params: Params, config, lse2, d_out, delta, want_dbias):
     return self.training.backward(inputs, params, config.training, lse2, d_out, delta,
                                   want_dbias)
 
 
+@functools.cache  # one SplitKV per backend: it is hashed by identity as a static argument
 def split_kv_for(backend: Backend) -> SplitKV | None:
   """The split-KV decoding path of ``backend``, where it has one (Triton today)."""
   from jaxflash.backends import triton
   if backend is triton.BACKEND:
-    return _TRITON_SPLIT_KV.setdefault("triton", SplitKV(triton.BACKEND,
-                                                         "jaxflash.backends.triton.decode"))
+    return SplitKV(triton.BACKEND, "jaxflash.backends.triton.decode")
   return None
-
-
-_TRITON_SPLIT_KV: dict[str, SplitKV] = {}
 
 
 def preference_order() -> tuple[str, ...]:
@@ -107,12 +109,12 @@ def paged_attention(path: SplitKV, inputs: Inputs, pages, params: Params, config
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _paged(inputs, pages, params, path, config):
-  out, lse2 = path.kernel().forward(inputs, params, config, pages)
+  out, lse2 = path.forward(inputs, params, config, pages)
   return out, _core.user_lse(lse2)
 
 
 def _paged_fwd(inputs, pages, params, path, config):
-  out, lse2 = path.kernel().forward(inputs, params, config, pages)
+  out, lse2 = path.forward(inputs, params, config, pages)
   return (out, _core.user_lse(lse2)), (inputs, out, lse2)
 
 

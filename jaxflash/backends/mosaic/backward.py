@@ -486,7 +486,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     )
   out_type = {"dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
               "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
-  sem_shape = None
+  sem_shape = first = None
   if want_dq:
     split = dq_split(block_q, hp)
     part = (block_q, hp // 2) if split == "cols" else (_KEYS, hp)
@@ -501,8 +501,6 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     out_type["dq"] = jax.ShapeDtypeStruct((b, t_pad, q.shape[2], hp), jnp.float32)
     if not params.interpret:  # (the interpreter has no semaphores; it needs none)
       sem_shape = (b, q.shape[2], t_pad // block_q, _CONSUMERS)
-  first = None
-  if want_dq:
     first = _first_visitors(schedule, inputs, t_pad // block_q)
   kernel = functools.partial(_dkv_kernel, params=params, config=config, schedule=schedule,
                              groups=groups, grads=grads, sem_shape=sem_shape)

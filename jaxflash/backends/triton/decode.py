@@ -7,8 +7,9 @@ a 16-row tile and reads every K/V byte once per query head of a GQA group. Here:
   still spreads over the GPU;
 - a program's query tile holds the T tokens of all G query heads of its K/V head (G·T rows,
   padded to a power of two, at least 16), so each K/V byte of the split is read once;
-- each program writes a partial output and base-2 LSE over its keys, and `merge` combines the
-  splits exactly through the LSE (in XLA: [B, K, splits, G·T] values, next to nothing).
+- each program writes a partial output and LSE over its keys (`partials`), and
+  `jaxflash.ops.decode` combines the splits exactly through the LSE with the project's partial
+  results merge (in XLA: [splits, B, T, N] values, next to nothing).
 
 Inputs are the training op's, from `jaxflash.ops.decode.decode_inputs`: query row ``t`` of batch
 row ``b`` sits at position ``kv_len - T + t``, causal, optionally with a left window and a soft
@@ -129,29 +130,19 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, table_ref, o_ref, lse_ref, *, para
   lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def merge(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The splits' partial results (float32 [..., splits, rows, H], base-2 LSE [..., splits, rows],
-  -inf where a split sees nothing) -> (output, base-2 LSE; +inf where no split sees anything)."""
-  top = jnp.max(lse2, axis=-2)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  weights = jnp.exp2(lse2 - top[..., None, :])
-  total = jnp.sum(weights, axis=-2)
-  seen = total != 0.0
-  out = jnp.sum(weights[..., None] * outs, axis=-3) / jnp.where(seen, total, 1.0)[..., None]
-  return out, jnp.where(seen, top + jnp.log2(jnp.where(seen, total, 1.0)), jnp.inf)
-
-
 def paged_block(page_size: int) -> bool:
   """Whether pages of ``page_size`` keys can be the kernel's key blocks."""
   return 16 <= page_size <= 256 and page_size == pl.next_power_of_2(page_size)
 
 
-def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
-  """``(out [B, T, N, H], lse2 [B, N, T])`` of a decoding call (the training forward's
-  contract). With ``pages`` = (key pages, value pages [num_pages, page_size, K, H], page table
-  [B, pages_per_row]) the kernel reads the cache from the pages, and ``inputs.key`` and
-  ``inputs.value`` only give shapes (the rows the pages make, `jaxflash.ops.decode.gather_pages`:
-  under jit nothing computes them unless a backward needs them)."""
+def partials(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
+  """The splits' partial results of a decoding call: ``(outs [splits, B, T, N, H] float32,
+  natural LSEs [splits, B, T, N], -inf where a split sees nothing)``, for
+  `jaxflash.ops.partial.merge`. With ``pages`` = (key pages, value pages [num_pages, page_size,
+  K, H], page table [B, pages_per_row]) the kernel reads the cache from the pages, and
+  ``inputs.key`` and ``inputs.value`` only give shapes (the rows the pages make,
+  `jaxflash.ops.decode.gather_pages`: under jit nothing computes them unless a backward needs
+  them)."""
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
@@ -191,7 +182,9 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
       interpret=params.interpret,
       name="jaxflash_decode_split_kv",
   )(qg, k, v, inputs.lengths, table)
-  out, lse2 = merge(outs, lse2)  # [B, K, rows, hp], [B, K, rows]
-  out = out[:, :, :g * t, :h].reshape(b, kv_heads, g, t, h).transpose(0, 3, 1, 2, 4)
-  lse2 = lse2[:, :, :g * t].reshape(b, n, t)
-  return out.reshape(b, t, n, h).astype(q.dtype), lse2
+  # Rows (head g, token t) of K/V head k back to query head k * G + g: [splits, B, T, N, ...].
+  outs = outs[:, :, :, :g * t, :h].reshape(b, kv_heads, splits, g, t, h)
+  outs = outs.transpose(2, 0, 4, 1, 3, 5).reshape(splits, b, t, n, h)
+  lse2 = lse2[:, :, :, :g * t].reshape(b, kv_heads, splits, g, t)
+  lse2 = lse2.transpose(2, 0, 4, 1, 3).reshape(splits, b, t, n)
+  return outs, lse2 * (1.0 / _core.LOG2_E)
