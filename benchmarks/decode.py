@@ -83,21 +83,37 @@ def attention_fn(impl: str, t: int, table, interpret: bool):
   raise ValueError(impl)
 
 
-def reference(q, kc, vc, lengths, table):
-  """float32 decoding reference: the last T positions of causal attention over the cache."""
-  if table is not None:
-    kc, vc = (gather_pages(x, table) for x in (kc, vc))
+REFERENCE_BYTES = 8 * 2**30  # float32 temporaries of one reference chunk of batch rows
+
+
+@jax.jit
+def _reference_rows(q, kc, vc, lengths):
   t, s = q.shape[1], kc.shape[1]
   pos = lengths[:, None, None] - t + jnp.arange(t)[None, :, None]
   mask = (jnp.arange(s)[None, None, :] <= pos)[:, None]
   return reference_attention(q, kc, vc, mask=mask)[0]
 
 
-def copy_ms(nbytes: int, dtype) -> float:
-  """Milliseconds of a device-to-device copy of ``nbytes`` (an elementwise negation: one read,
-  one write of each byte)."""
-  x = jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype)
-  return time_call(jax.jit(jnp.negative), (x,))
+def reference(q, kc, vc, lengths, table) -> np.ndarray:
+  """float32 decoding reference: the last T positions of causal attention over the cache, a
+  chunk of batch rows at a time (the reference repeats K and V to every query head in float32:
+  the whole of B = 64, S = 32k at once would take 32 GiB)."""
+  if table is not None:
+    kc, vc = (gather_pages(x, table) for x in (kc, vc))
+  b, s = kc.shape[:2]
+  n, d = q.shape[2:]
+  rows = max(1, REFERENCE_BYTES // (3 * s * n * d * 4))
+  return np.concatenate([np.asarray(_reference_rows(*(x[i:i + rows] for x in (q, kc, vc, lengths))))
+                         for i in range(0, b, rows)])
+
+
+def copy_tb_s(nbytes: int) -> float:
+  """Bandwidth of a device-to-device copy of ``nbytes``: an elementwise op on 32-bit words (one
+  read and one write of each byte), both counted, as a copy's bandwidth is quoted. A decoding
+  kernel only reads, so it can come above 1.0 of it."""
+  x = jnp.arange(nbytes // 4, dtype=jnp.uint32)
+  ms = time_call(jax.jit(lambda x: x ^ 1), (x,))
+  return 2 * nbytes / ms / 1e9
 
 
 def run(cfg: dict) -> dict:
@@ -113,33 +129,87 @@ def run(cfg: dict) -> dict:
     page_size = cfg["page_size"] if layout == "paged" else None
     inputs = make_inputs(b, s, t, n, k, d, dtype, seed=len(rows), page_size=page_size)
     q, kc, vc, lengths, table = inputs
-    want = np.asarray(reference(q, kc, vc, lengths, table)) if cfg["check"] else None
+    want = reference(q, kc, vc, lengths, table) if cfg["check"] else None
     if nbytes not in copies:
-      copies[nbytes] = copy_ms(nbytes, dtype)
-    copy_tbs = nbytes / copies[nbytes] / 1e9
+      copies[nbytes] = copy_tb_s(nbytes)
+    copy_tbs = copies[nbytes]
+    base = dict(B=b, S=s, T=t, N=n, K=k, D=d, layout=layout, dtype=dtype.name, bytes=nbytes,
+                copy_tb_s=round(copy_tbs, 3))
     for impl in cfg["impls"]:
-      row = dict(impl=impl, B=b, S=s, T=t, N=n, K=k, D=d, layout=layout, dtype=dtype.name,
-                 bytes=nbytes, copy_tb_s=round(copy_tbs, 3))
       fn = attention_fn(impl, t, table, cfg["interpret"])
       if fn is None:
         continue
-      try:
-        compiled = jax.jit(fn).lower(q, kc, vc, lengths).compile()
-        out = np.asarray(compiled(q, kc, vc, lengths), np.float32)
-        if want is not None:
-          row["error"] = float(np.linalg.norm(out - want) / np.linalg.norm(want))
-          if not row["error"] < cfg["tolerance"]:
-            row["failed"] = f"relative error {row['error']:.3g}"
-        if "failed" not in row:
-          ms = time_call(compiled, (q, kc, vc, lengths), calls=cfg["calls"],
-                         repeats=cfg["repeats"])
-          row.update(us=round(ms * 1e3, 2), tb_s=round(nbytes / ms / 1e9, 3),
-                     of_copy=round(nbytes / ms / 1e9 / copy_tbs, 3))
-      except Exception as e:  # noqa: BLE001 - one failing implementation must not end the run
-        row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      row = _measure(dict(base, impl=impl), fn, (q, kc, vc, lengths), want, cfg)
       rows.append(row)
       print(_line(row), file=sys.stderr, flush=True)
+    if cfg.get("tune"):
+      rows += _tune(base, lambda: attention_fn("jaxflash_triton", t, table, cfg["interpret"]),
+                    (q, kc, vc, lengths), want, cfg)
   return dict(environment=env, config=cfg, rows=rows)
+
+
+def _measure(row: dict, fn, args, want, cfg: dict) -> dict:
+  """``row`` with the relative error of ``fn`` against ``want`` and, if it is right, its
+  microseconds, TB/s and fraction of the copy (or "failed": why)."""
+  try:
+    compiled = jax.jit(fn).lower(*args).compile()
+    out = np.asarray(compiled(*args), np.float32)
+    if want is not None:
+      row["error"] = float(np.linalg.norm(out - want) / np.linalg.norm(want))
+      if not row["error"] < cfg["tolerance"]:
+        row["failed"] = f"relative error {row['error']:.3g}"
+    if "failed" not in row:
+      ms = time_call(compiled, args, calls=cfg["calls"], repeats=cfg["repeats"])
+      tb_s = row["bytes"] / ms / 1e9
+      row.update(us=round(ms * 1e3, 2), tb_s=round(tb_s, 3),
+                 of_copy=round(tb_s / row["copy_tb_s"], 3))
+  except Exception as e:  # noqa: BLE001 - one failing implementation must not end the run
+    row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  return row
+
+
+def _tune_candidates(row: dict, sm_count: int):
+  """`DecodeConfig` fields to try for one cell: key blocks of 64 and 128 (a paged cache's page
+  size stands for it), 4 warps, 2 to 4 stages, and splits for 1, 2 or 4 programs per SM; then
+  8 warps at 3 stages and 2 programs per SM."""
+  from jax.experimental import pallas as pl
+  block_ks = (64, 128) if row["layout"] == "contiguous" else (None,)
+  seen = set()
+  grid = list(itertools.product(block_ks, (4,), (2, 3, 4), (1, 2, 4)))
+  grid += [(block_k, 8, 3, 2) for block_k in block_ks]
+  for block_k, warps, stages, per_sm in grid:
+    blocks = pl.cdiv(row["S"], block_k or row["page_size"])
+    splits = max(1, min(blocks, pl.cdiv(per_sm * sm_count, row["B"] * row["K"])))
+    fields = dict(block_k=block_k or 64, num_warps=warps, num_stages=stages, splits=splits)
+    if tuple(fields.values()) not in seen:
+      seen.add(tuple(fields.values()))
+      yield fields
+
+
+def _tune(base: dict, make_fn, args, want, cfg: dict) -> list[dict]:
+  """Rows of the Triton split-KV kernel (impl "tune") with each `_tune_candidates` config in
+  turn (`jaxflash.backends.triton.decode.default_config` patched to return it), then the best.
+  ``make_fn`` makes a new function each time: jit would reuse the trace of one it has seen."""
+  from jaxflash import devices
+  from jaxflash.backends.mosaic.config import sm_count
+  from jaxflash.backends.triton import decode as kernel
+  shipped = kernel.default_config
+  rows = []
+  cell = dict(base, page_size=cfg["page_size"])
+  try:
+    for fields in _tune_candidates(cell, sm_count(devices.current().kind)):
+      kernel.default_config = lambda inputs, training, device, f=fields: kernel.DecodeConfig(
+          training=training, **f)
+      row = _measure(dict(base, impl="tune", tune=fields), make_fn(), args, want, cfg)
+      rows.append(row)
+      print(f"{_line(row)} {fields}", file=sys.stderr, flush=True)
+  finally:
+    kernel.default_config = shipped
+  timed = [r for r in rows if "us" in r]
+  if timed:
+    best = min(timed, key=lambda r: r["us"])
+    print(f"best {_line(best)} {best['tune']}", file=sys.stderr, flush=True)
+  return rows
 
 
 def _line(r: dict) -> str:
@@ -190,6 +260,8 @@ def main(argv=None) -> None:
   parser.add_argument("--interpret", action="store_true", help="Pallas in interpret mode (CPU)")
   parser.add_argument("--smoke", action="store_true",
                       help="a tiny grid that runs anywhere (a CPU test of this script)")
+  parser.add_argument("--tune", action="store_true",
+                      help="also time the Triton split-KV kernel with each candidate config")
   parser.add_argument("--out", help="results JSON (a .md table is written next to it)")
   args = parser.parse_args(argv)
   cfg = dict(vars(args))

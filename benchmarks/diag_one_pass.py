@@ -16,6 +16,7 @@ run on a GPU yet: this script's "default" variant is the check, and "consume" sh
 hang.
 
   PYTHONPATH=. python3 benchmarks/diag_one_pass.py [--cases A E] [--variants default consume]
+  PYTHONPATH=. python3 benchmarks/diag_one_pass.py --cases T128 T64 --variants default no_wait
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ CASES = {  # name: head dim, query block of dK/dV, causal, window, key length (q
     "F": dict(h=128, block_q=64, causal=True, window=None, s=512),
     "G": dict(h=128, block_q=64, causal=False, window=None, s=128),
 }
+# Timing cases (`--time`): the tuner's 4k cells, B = 4, 16 heads, no GQA; each variant's forward
+# +backward is timed next to the two-kernel backward's in the same process.
+TIME_CASES = {
+    "T128": dict(h=128, block_q=64, causal=False, window=None, s=4096),
+    "T128c": dict(h=128, block_q=64, causal=True, window=None, s=4096),
+    "T64": dict(h=64, block_q=128, causal=False, window=None, s=4096),
+}
 
 # How each variant changes `_DqPart.send` (or the walk order):
 VARIANTS = {
@@ -41,6 +49,7 @@ VARIANTS = {
     "eager": "count this part as soon as it has landed (nothing pending)",
     "no_copy": "wait and count, but copy nothing: is the TMA store or add involved?",
     "walk_up": "walk the query blocks upwards",
+    "no_wait": "count, but never wait (adds in any order: for timing the ordering's cost)",
 }
 
 
@@ -64,7 +73,9 @@ def _patch(variant: str) -> None:
     stage = self.smem["dq"].at[self.wg]
     stage[...] = part
     plgpu.commit_smem()
-    if variant == "consume":
+    if variant == "no_wait":
+      pass
+    elif variant == "consume":
       pl.when(~first)(lambda: plgpu.semaphore_wait(self._sem(head, i), memory_scope="gpu"))
     else:
       pl.when(~first)(lambda: plgpu.semaphore_wait(self._sem(head, i), earlier, decrement=False,
@@ -89,11 +100,13 @@ def run_one(case: str, variant: str) -> None:
   from jaxflash.backends import mosaic
 
   _patch(variant)
-  c = CASES[case]
+  timed = case in TIME_CASES
+  c = TIME_CASES[case] if timed else CASES[case]
+  b, t, n, kv_heads = (4, 4096, 16, 16) if timed else (1, 512, 2, 1)  # (else GQA: 2 query heads)
   keys = jax.random.split(jax.random.key(0), 3)
-  q = jax.random.normal(keys[0], (1, 512, 2, c["h"]), jnp.bfloat16)  # GQA: 2 query heads
-  k = jax.random.normal(keys[1], (1, c["s"], 1, c["h"]), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (1, c["s"], 1, c["h"]), jnp.bfloat16)
+  q = jax.random.normal(keys[0], (b, t, n, c["h"]), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (b, c["s"], kv_heads, c["h"]), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (b, c["s"], kv_heads, c["h"]), jnp.bfloat16)
 
   def grads(backward):
     config = mosaic.Config(backward=backward)
@@ -115,7 +128,8 @@ def run_one(case: str, variant: str) -> None:
   first = jax.block_until_ready(compiled(q, k, v))
   print(f"{name}: ran in {time.time() - start:.2f} s", flush=True)
   second = jax.block_until_ready(compiled(q, k, v))
-  want = grads(mosaic.Backward(dkv_block_q=c["block_q"], dq_block_kv=c["block_q"]))(q, k, v)
+  two_kernels = grads(mosaic.Backward(dkv_block_q=c["block_q"], dq_block_kv=c["block_q"]))
+  want = two_kernels(q, k, v)
   same = all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
              for a, b in zip(first, second))
   errors = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
@@ -123,11 +137,18 @@ def run_one(case: str, variant: str) -> None:
             for a, b in zip(first, want)]
   print(f"{name}: same bits twice={same}, relative max error dq/dk/dv vs two kernels="
         f"{[round(e, 4) for e in errors]}", flush=True)
+  if timed:
+    from cases import time_call
+    mine = time_call(compiled, (q, k, v))
+    theirs = time_call(two_kernels, (q, k, v))
+    print(f"{name}: forward+backward {mine:.3f} ms, two kernels {theirs:.3f} ms "
+          f"({theirs / mine:.3f}x)", flush=True)
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+  parser.add_argument("--cases", nargs="+", default=list(CASES),
+                      choices=list(CASES) + list(TIME_CASES))
   parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
   parser.add_argument("--deadline", type=float, default=120.0, help="seconds for all of them")
   parser.add_argument("--one", nargs=2, metavar=("CASE", "VARIANT"), help=argparse.SUPPRESS)
@@ -137,11 +158,12 @@ def main() -> None:
     return
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
              XLA_PYTHON_CLIENT_MEM_FRACTION=".04")
-  procs = {(c, v): subprocess.Popen([sys.executable, __file__, "--one", c, v], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for c in args.cases for v in args.variants}
-  deadline = time.time() + args.deadline
-  for (c, v), proc in procs.items():
+
+  def start(c, v):
+    return subprocess.Popen([sys.executable, __file__, "--one", c, v], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+  def report(c, v, proc, deadline):
     try:
       out, _ = proc.communicate(timeout=max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
@@ -150,6 +172,17 @@ def main() -> None:
     lines = [line for line in out.splitlines() if line.startswith(f"{c}/{v}")
              or "Error" in line]
     print("\n".join(lines[-5:]), flush=True)
+
+  # The checks run all at once; the timed cases one at a time (each with the whole deadline),
+  # so that no two share the GPU while they are timed.
+  pairs = [(c, v) for c in args.cases for v in args.variants]
+  procs = {(c, v): start(c, v) for c, v in pairs if c not in TIME_CASES}
+  deadline = time.time() + args.deadline
+  for (c, v), proc in procs.items():
+    report(c, v, proc, deadline)
+  for c, v in pairs:
+    if c in TIME_CASES:
+      report(c, v, start(c, v), time.time() + args.deadline)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/plot.py benchmarks/results/h200_2026-11-21.json         # -> ..._bf16.png ...
     python benchmarks/plot.py benchmarks/results/h200_memory_2026-11-21.json  # -> ....png
+    python benchmarks/plot.py benchmarks/results/decode_h200_2026-11-22/main.json
 
 Speed results (bench.py): one figure per dtype; a row of panels per head dim (and one per GQA
 shape, titled e.g. "GQA 32/8 D=128"), a column per (causal, mode); TFLOP/s against sequence
@@ -138,6 +139,36 @@ def plot_memory(result: dict, stem) -> Path:
                Path(f"{stem}.png"), legend_height=0.07)
 
 
+def plot_decode(result: dict, stem) -> Path:
+  """Decoding results (decode.py) in ``<stem>.png``: a panel per (T, heads, head dim, layout),
+  TB/s of each implementation per (B, S) cell as bars, the measured copy as a black tick."""
+  rows = [r for r in result["rows"] if "tb_s" in r and r["impl"] != "tune"]
+  env = result["environment"]
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  colour = colours(impls)
+  panels = sorted({(r["T"], r["N"], r["K"], r["D"], r["layout"]) for r in rows})
+  fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
+  for ax, (t, n, k, d, layout) in zip(axes[:, 0], panels):
+    mine = [r for r in rows if (r["T"], r["N"], r["K"], r["D"], r["layout"]) ==
+            (t, n, k, d, layout)]
+    cells = sorted({(r["B"], r["S"]) for r in mine})
+    width = 0.8 / len(impls)
+    for j, impl in enumerate(impls):
+      for x, cell in enumerate(cells):
+        found = [r for r in mine if r["impl"] == impl and (r["B"], r["S"]) == cell]
+        if found:
+          ax.bar(x - 0.4 + (j + 0.5) * width, found[0]["tb_s"], width, color=colour[impl])
+    for x, cell in enumerate(cells):
+      copy = [r["copy_tb_s"] for r in mine if (r["B"], r["S"]) == cell][0]
+      ax.plot([x - 0.45, x + 0.45], [copy, copy], color="black", lw=1.5)
+    ax.set_xticks(range(len(cells)), [f"B={b} S={_seq_label(s)}" for b, s in cells])
+    ax.set_ylabel("TB/s of K, V read")
+    ax.set_title(f"T={t} N/K={n}/{k} D={d} {layout}", fontsize=10)
+  _legend(fig, colour, impls, [Line2D([], [], color="black", label="copy (read + write)")])
+  return _save(fig, f"Decoding, {env['device']}, jax {env['jax']}, {env['date']}",
+               Path(f"{stem}.png"), 0.9 / (3.2 * len(panels)))
+
+
 def _save(fig, title: str, path: Path, legend_height: float) -> Path:
   """Titles, lays out (leaving ``legend_height`` of the figure for the shared legend), writes and
   closes ``fig``; returns ``path``."""
@@ -156,6 +187,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     stem = Path(name).with_suffix("")
     if data.get("kind") == "memory" or "longest_s" in data:
       paths.append(plot_memory(data, stem))
+    elif any("tb_s" in r for r in data.get("rows", [])):
+      paths.append(plot_decode(data, stem))
     else:
       paths += plot_speed(data, stem)
   for path in paths:

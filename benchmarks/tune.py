@@ -24,10 +24,12 @@ def tune(cfg: dict) -> list[dict]:
     rows += tune_triton(cfg)
   if "jaxflash_mosaic" in cfg["impls"]:
     families = cfg.get("tune_families") or FORWARD_FAMILIES
-    if set(families) - {"backward"}:
+    if set(families) - set(BACKWARD_FAMILIES):
       rows += tune_mosaic(cfg)
     if "backward" in families:
       rows += tune_mosaic_backward(cfg)
+    elif "one_pass" in families:
+      rows += tune_mosaic_backward(cfg, one_pass_only=True)
   return rows
 
 
@@ -65,9 +67,10 @@ def _cases(cfg: dict):
 
 # The families of Mosaic candidates `--tune-families` can pick (all by default).
 # The forward's families, timed by default; "backward" (forward+backward with each backward
-# tile set) only when named.
+# tile set) and "one_pass" (the shipped backward and the one-pass candidates only) when named.
 FORWARD_FAMILIES = ("tiles", "persistent", "overlap", "order", "persistent_ctas", "q_buffers")
-MOSAIC_FAMILIES = FORWARD_FAMILIES + ("backward",)
+BACKWARD_FAMILIES = ("backward", "one_pass")
+MOSAIC_FAMILIES = FORWARD_FAMILIES + BACKWARD_FAMILIES
 
 
 def _mosaic_candidates(d: int, causal: bool, kind: str, families=FORWARD_FAMILIES):
@@ -149,13 +152,25 @@ def tune_mosaic(cfg: dict) -> list[dict]:
   return rows
 
 
-def _backward_candidates(d: int):
-  """The Mosaic backward's tiles that fit (`mosaic.Backward`), the shipped default first; None
-  stands for the Triton backward."""
-  yield None
+def _backward_candidates(d: int, one_pass_only: bool = False):
+  """The Mosaic backward's tiles that fit (`mosaic.Backward`); None stands for the Triton
+  backward. With ``one_pass_only``: the shipped default and the one-pass candidates."""
+  if one_pass_only:
+    yield mosaic.config.BACKWARD_TUNED.get(mosaic.config.padded_head_dim(d), mosaic.Backward())
+  else:
+    yield None
   if d <= 128:
-    # (The one-pass backward, `Backward.one_pass`, is left out until benchmarks/diag_one_pass.py
-    # has checked it on a GPU: an earlier version hung there.)
+    # One pass (dQ from the dK/dV kernel, `Backward.one_pass`): 64-row query tiles at D = 128,
+    # 128-row ones at D = 64 (`mosaic.config.dq_split`), at either register split.
+    block_q = 64 if d > 64 else 128
+    for stages in (2, 3):
+      for registers in (232, 240):
+        backward = mosaic.Backward(dkv_block_q=block_q, dq_block_kv=block_q, dkv_stages=stages,
+                                   registers=registers, one_pass=True)
+        if mosaic.config.backward_smem_bytes(backward, d) <= mosaic.config.SMEM_BUDGET:
+          yield backward
+    if one_pass_only:
+      return
     tiles = [(64, 2, 64, 2), (64, 2, 64, 3), (64, 2, 128, 2), (64, 3, 128, 2)]
     if d <= 64:  # (128-row query tiles in dK/dV spill at D = 128: 0.77x cuDNN at 4k)
       tiles += [(128, 2, 64, 2), (128, 2, 128, 2), (128, 2, 64, 3), (128, 3, 64, 2),
@@ -165,6 +180,8 @@ def _backward_candidates(d: int):
                                  dq_block_kv=dq_block_kv, dq_stages=dq_stages)
       if mosaic.config.backward_smem_bytes(backward, d) <= mosaic.config.SMEM_BUDGET:
         yield backward
+    return
+  if one_pass_only:  # (no one-pass backward above head dim 128)
     return
   # At D = 256 the resident tiles take 128 KiB: 32-row tiles (64, 1, 64, 1 ran 0.68-0.76x cuDNN
   # where these ran 0.93-1.05x, 2026-11-22). The dV pass holds no V: wider tiles there; and 240
@@ -196,7 +213,7 @@ def _backward_label(backward, d: int) -> str | tuple:
   return label
 
 
-def tune_mosaic_backward(cfg: dict) -> list[dict]:
+def tune_mosaic_backward(cfg: dict, one_pass_only: bool = False) -> list[dict]:
   """Times forward+backward with the default Mosaic forward and each backward candidate
   (`_backward_candidates`), and cuDNN's forward+backward on the same inputs (rows of kind
   "cudnn_fwdbwd") as the yardstick. A row's "blocks" are (dkv_block_q, dkv_stages,
@@ -209,7 +226,7 @@ def tune_mosaic_backward(cfg: dict) -> list[dict]:
     print(f"tune S={case.s} D={d} causal={causal} cuDNN fwdbwd: {_outcome(cudnn_tf, err)}",
           file=sys.stderr, flush=True)
     default = mosaic.default_config(d, jnp.bfloat16, causal, case.s, kind)
-    for backward in _backward_candidates(d):
+    for backward in _backward_candidates(d, one_pass_only):
       blocks = _backward_label(backward, d)
       fn = attention_fn("jaxflash_mosaic", causal,
                         config=dataclasses.replace(default, backward=backward))

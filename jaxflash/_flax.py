@@ -9,16 +9,47 @@ broadcast to ``[batch..., heads, q_length, kv_length]``, and dropout as ``dropou
 
 One documented difference: a query row whose mask hides every key gets zeros here (and zero
 gradients), where Flax's softmax over all-``finfo.min`` logits gives the mean of the values.
+
+Decode mode: within `cache_step` (which jaxflash's modules enter for a decoding step that has no
+mask of the caller's), the only mask is Flax's cache-occupancy mask, positions ``0 ...
+cache_index`` of each row; `attend` turns it into ``kv_lengths`` and runs
+`jaxflash.decode_attention`, the split-KV decoding kernel where there is one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 
-from jaxflash.attention import flash_attention
+from jaxflash.attention import decode_attention, flash_attention
+
+_CACHE_STEP = contextvars.ContextVar("jaxflash_flax_cache_step", default=False)
+
+
+@contextlib.contextmanager
+def cache_step() -> Iterator[None]:
+  """Marks the attention calls inside as a Flax decode step whose mask is the cache's occupancy
+  mask and nothing else (the modules check that before entering)."""
+  token = _CACHE_STEP.set(True)
+  try:
+    yield
+  finally:
+    _CACHE_STEP.reset(token)
+
+
+def _occupancy_lengths(mask: jax.Array, batch_shape: tuple[int, ...], s: int) -> jax.Array | None:
+  """[B] int32 ``kv_lengths`` from Flax's decode mask ``[batch..., 1, 1, S]`` (ones on a prefix
+  of each row), or None where the mask has another shape."""
+  mask = jnp.asarray(mask)
+  if mask.ndim != len(batch_shape) + 3 or mask.shape[-3:] != (1, 1, s):
+    return None
+  rows = jnp.broadcast_to(mask, batch_shape + (1, 1, s)).reshape(math.prod(batch_shape), s)
+  return jnp.sum(rows != 0, axis=-1, dtype=jnp.int32)
 
 
 def _to_bnts(x: jax.Array | None, batch_shape: tuple[int, ...], as_bool: bool):
@@ -58,6 +89,12 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array |
   rate = 0.0 if deterministic else float(dropout_rate)
   if rate > 0.0 and dropout_rng is None:
     raise ValueError("dropout_rng is required when dropout_rate > 0 and deterministic=False")
+  if (_CACHE_STEP.get() and mask is not None and bias is None and rate == 0.0 and not is_causal
+      and q.shape[1] == 1):
+    lengths = _occupancy_lengths(mask, batch_shape, k.shape[1])
+    if lengths is not None:
+      out = decode_attention(q, k, v, lengths)
+      return out.reshape(query.shape[:-1] + value.shape[-1:])
   out = flash_attention(
       q, k, v, bias=_to_bnts(bias, batch_shape, as_bool=False),
       mask=_to_bnts(mask, batch_shape, as_bool=True), is_causal=is_causal,

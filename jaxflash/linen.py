@@ -12,6 +12,7 @@ that a causal model needs no dense T x T mask.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any, Callable
@@ -91,12 +92,25 @@ def _with_causal(module: nn.Module) -> None:
                      functools.partial(module.attention_fn, is_causal=True))
 
 
+def _decode_step(module: nn.Module, mask: jax.Array | None):
+  """The context of one call: `_flax.cache_step` for a decode step (``decode=True``, the cache
+  already made) with no mask of the caller's, where the hook then runs
+  `jaxflash.decode_attention` on the cache; otherwise nothing."""
+  if (module.decode and mask is None and module.attention_fn is dot_product_attention
+      and module.has_variable("cache", "cached_key")):
+    return _flax.cache_step()
+  return contextlib.nullcontext()
+
+
 class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   """`flax.linen.MultiHeadDotProductAttention` with jaxflash attention by default.
 
   Attributes: those of Flax's class, plus ``is_causal`` (default False): apply a causal mask
   inside the kernel, so the model need not pass a dense T x T one (a mask that is passed still
   applies too).
+
+  With ``decode=True``, a step that passes no ``mask`` runs `jaxflash.decode_attention` on the
+  cache (its occupancy gives the lengths): on a GPU, the split-KV decoding kernel.
   """
 
   attention_fn: Callable[..., jax.Array] = dot_product_attention
@@ -106,10 +120,14 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     _with_causal(self)
     super().__post_init__()
 
+  def __call__(self, *args, **kwargs):
+    with _decode_step(self, kwargs.get("mask")):
+      return super().__call__(*args, **kwargs)
+
 
 class MultiHeadAttention(nn.MultiHeadAttention):
   """`flax.linen.MultiHeadAttention` (Flax's alias, named ``MultiHeadAttention_N``) with
-  jaxflash attention by default and ``is_causal``."""
+  jaxflash attention by default, ``is_causal`` and the decoding kernel in decode mode."""
 
   attention_fn: Callable[..., jax.Array] = dot_product_attention
   is_causal: bool = False
@@ -117,10 +135,15 @@ class MultiHeadAttention(nn.MultiHeadAttention):
   def __post_init__(self):
     _with_causal(self)
     super().__post_init__()
+
+  def __call__(self, *args, **kwargs):
+    with _decode_step(self, kwargs.get("mask")):
+      return super().__call__(*args, **kwargs)
 
 
 class SelfAttention(nn.SelfAttention):
-  """`flax.linen.SelfAttention` with jaxflash attention by default and ``is_causal``."""
+  """`flax.linen.SelfAttention` with jaxflash attention by default, ``is_causal`` and the
+  decoding kernel in decode mode."""
 
   attention_fn: Callable[..., jax.Array] = dot_product_attention
   is_causal: bool = False
@@ -128,3 +151,7 @@ class SelfAttention(nn.SelfAttention):
   def __post_init__(self):
     _with_causal(self)
     super().__post_init__()
+
+  def __call__(self, inputs_q, mask=None, *args, **kwargs):
+    with _decode_step(self, mask):
+      return super().__call__(inputs_q, mask, *args, **kwargs)

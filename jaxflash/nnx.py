@@ -79,9 +79,19 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   """`flax.nnx.MultiHeadAttention` with jaxflash attention by default.
 
   Same constructor, call signature and parameter tree as Flax's class; only the default of
-  ``attention_fn`` differs.
+  ``attention_fn`` differs. In decode mode, a step that passes no ``mask`` runs
+  `jaxflash.decode_attention` on the cache (its occupancy gives the lengths): on a GPU, the
+  split-KV decoding kernel, reading each K/V head once for its whole query group.
   """
 
   def __init__(self, *args: Any, attention_fn: Callable[..., jax.Array] = dot_product_attention,
                **kwargs: Any):
     super().__init__(*args, attention_fn=attention_fn, **kwargs)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
+    decode = kwargs.get("decode")
+    decode = self.decode if decode is None else decode
+    if decode and kwargs.get("mask") is None and self.attention_fn is dot_product_attention:
+      with _flax.cache_step():
+        return super().__call__(*args, **kwargs)
+    return super().__call__(*args, **kwargs)

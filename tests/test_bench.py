@@ -176,11 +176,23 @@ def test_mosaic_backward_tuner_rows():
   assert {r["kind"] for r in rows} == {"mosaic_fwdbwd", "cudnn_fwdbwd"}
   tiles = [r["blocks"] for r in rows if r["kind"] == "mosaic_fwdbwd" and not r["causal"]]
   assert tiles[0] == "triton" and len(tiles) > 2
-  for dkv_block_q, dkv_stages, dq_block_kv, dq_stages in tiles[1:]:
+  one_pass = [t for t in tiles[1:] if t[0] == "one pass"]
+  assert one_pass and all(t[1] == 64 for t in one_pass)  # 64-row query tiles at D = 128
+  for dkv_block_q, dkv_stages, dq_block_kv, dq_stages in tiles[1 + len(one_pass):]:
     backward = mosaic.Backward(dkv_block_q=dkv_block_q, dkv_stages=dkv_stages,
                                dq_block_kv=dq_block_kv, dq_stages=dq_stages)
     assert mosaic.config.backward_smem_bytes(backward, 128) <= mosaic.config.SMEM_BUDGET
   assert all(r["tflops"] is None and r["error"] for r in rows)  # nothing runs without a GPU
+
+
+def test_one_pass_tuner_rows():
+  """The "one_pass" family: the shipped backward, then the one-pass candidates only."""
+  import tune
+  cfg = dict(head_dims=[64], tokens=4096, hidden=256, impls=["jaxflash_mosaic"],
+             tune_families=["one_pass"], causal="n")
+  tiles = [r["blocks"] for r in tune.tune(cfg) if r["kind"] == "mosaic_fwdbwd"]
+  assert tiles[0] == (128, 2, 128, 2) and len(tiles) > 1
+  assert all(t[:2] == ("one pass", 128) for t in tiles[1:])
 
 
 def test_decode_bench_smoke(tmp_path):
@@ -198,3 +210,5 @@ def test_decode_bench_smoke(tmp_path):
   for row in data["rows"]:
     assert "failed" not in row and row["error"] < 1e-3 and row["us"] > 0 and row["of_copy"] > 0
   assert "| B | S | T |" in out.with_suffix(".md").read_text()
+  import plot
+  assert plot.main([str(out)]) == [out.with_suffix(".png")] and out.with_suffix(".png").stat().st_size

@@ -267,3 +267,63 @@ def test_rows_with_no_visible_key_are_zero(hook):
   out = hook(q, q, q, mask=mask)
   np.testing.assert_array_equal(np.asarray(out[:, 4:]), 0.0)
   assert rel_err(out[:, :4], nn.dot_product_attention(q, q, q, mask=mask)[:, :4]) < TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# decode mode: the decoding op
+
+
+def _spy_decode(monkeypatch) -> list:
+  """Records each call of `jaxflash.decode_attention` made by the hooks (its kv_lengths)."""
+  from jaxflash import _flax
+  calls = []
+  real = _flax.decode_attention
+
+  def spy(q, k, v, kv_lengths, **kwargs):
+    calls.append(kv_lengths)
+    return real(q, k, v, kv_lengths, **kwargs)
+
+  monkeypatch.setattr(_flax, "decode_attention", spy)
+  return calls
+
+
+@pytest.mark.parametrize("cls", ["MultiHeadDotProductAttention", "SelfAttention"])
+def test_linen_decode_runs_the_decoding_op_like_flax(cls, monkeypatch):
+  """A linen decode loop: each step runs `jaxflash.decode_attention` on the cache, with the
+  occupancy as kv_lengths, and matches Flax's own module in decode mode step by step; a step
+  given a mask of the caller's keeps the masked path."""
+  calls = _spy_decode(monkeypatch)
+  x, _ = _inputs(3)
+  ours = getattr(jaxflash.linen, cls)(num_heads=HEADS, decode=True)
+  theirs = getattr(nn, cls)(num_heads=HEADS, decode=True)
+  variables = theirs.init(jax.random.key(0), x)  # the cache is shaped for T tokens
+  params, cache = {"params": variables["params"]}, variables["cache"]
+  mine = cache
+  step = lambda m, c, token: m.apply({**params, "cache": c}, token, mutable=["cache"])
+  for t in range(6):
+    want, updated = step(theirs, cache, x[:, t:t + 1])
+    got, mine_updated = step(ours, mine, x[:, t:t + 1])
+    cache, mine = updated["cache"], mine_updated["cache"]
+    assert rel_err(got, want) < TOL
+  assert len(calls) == 6 and np.asarray(calls[-1]).tolist() == [6] * B
+  mask = jnp.ones((B, 1, 1, T), bool).at[0, ..., 2].set(False)  # the caller's own mask
+  want, _ = theirs.apply({**params, "cache": cache}, x[:, 6:7], mask=mask, mutable=["cache"])
+  got, _ = ours.apply({**params, "cache": mine}, x[:, 6:7], mask=mask, mutable=["cache"])
+  assert rel_err(got, want) < TOL and len(calls) == 6
+
+
+def test_nnx_decode_runs_the_decoding_op_like_flax(monkeypatch):
+  """An nnx decode loop with GQA (8 query heads on 2 K/V heads) under nnx.jit: each step runs
+  `jaxflash.decode_attention` and matches Flax's module with the same weights."""
+  calls = _spy_decode(monkeypatch)
+  x, _ = _inputs(4)
+  ours = jaxflash.nnx.MultiHeadAttention(8, D, qkv_features=64, num_kv_heads=2, decode=True,
+                                         rngs=nnx.Rngs(5))
+  theirs = nnx.MultiHeadAttention(8, D, qkv_features=64, num_kv_heads=2, decode=True,
+                                  rngs=nnx.Rngs(5))
+  for module in (ours, theirs):
+    module.init_cache(x.shape)
+  step = nnx.jit(lambda module, token: module(token))
+  for t in range(5):
+    assert rel_err(step(ours, x[:, t:t + 1]), step(theirs, x[:, t:t + 1])) < TOL
+  assert len(calls) == 1  # traced once: one compiled step for every token

@@ -70,15 +70,26 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
 
 def default_config(inputs: Inputs, training: Config, device: Device) -> DecodeConfig:
   """About two programs per SM in all: ``splits`` from the batch and K/V heads, at most one per
-  key block."""
+  key block; 64-key blocks, 4 warps, 2 stages (3 at head dims up to 64, whose tiles are half
+  as large).
+
+  Tuned on an H200 (2026-11-22, bf16, T = 1; `benchmarks/decode.py --tune`, results in
+  benchmarks/results/decode_h200_2026-11-22) over 64 or 128 keys, 4 or 8 warps, 2 to 4 stages
+  and 1, 2 or 4 programs per SM. At GQA 32/8, D = 128 this was the fastest or within 1% of it
+  at B x S = 8 x 32k, 8 x 128k, 64 x 4k and 64 x 32k (3.9-4.4 TB/s), where 128-key blocks ran
+  up to 13% slower; at 8 x 4k four programs per SM won by 11% (a launch-bound 50 us call). At
+  D = 64, 3 stages were the fastest at B = 8 (2 stages: up to 24% slower) and within 1% of it
+  at B = 1. With 32 K/V heads (MHA) the best split count swings with wave quantization
+  (1 or 2 splits differ by up to 15% at 8 x 128k): this rule is 0-5% off the best there."""
   from jaxflash.backends.mosaic.config import sm_count  # (a table of device kinds)
   sm_count = sm_count(device.kind)
   b, s, k = inputs.key.shape[:3]
-  block_k = tiles.fit(64 if inputs.query.shape[-1] > 128 else 128, s)
+  block_k = tiles.fit(64, s)
   blocks = pl.cdiv(s, block_k)
   splits = max(1, min(blocks, pl.cdiv(2 * sm_count, b * k)))
   splits = pl.cdiv(blocks, pl.cdiv(blocks, splits))  # no split left without a block
-  return DecodeConfig(splits=splits, block_k=block_k, training=training)
+  stages = 3 if inputs.query.shape[-1] <= 64 else 2
+  return DecodeConfig(splits=splits, block_k=block_k, num_stages=stages, training=training)
 
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, table_ref, o_ref, lse_ref, *, params: Params,
