@@ -8,7 +8,8 @@ of the same bytes. Every row of the cache is full (kv_lengths = S), so every byt
 
 Implementations:
 - ``jaxflash``: `jaxflash.decode_attention` (the backend it picks); ``jaxflash_triton`` and
-  ``jaxflash_mosaic`` name one;
+  ``jaxflash_mosaic`` name one; ``jaxflash_flash``: `jaxflash.flash_attention` with
+  ``key_value_seq_lengths`` (T = 1), which routes a call with few query rows to the same kernel;
 - ``cudnn`` and ``xla``: `jax.nn.dot_product_attention` with ``key_value_seq_lengths``
   (T = 1 only: jax.nn has no causal band shifted to the cache positions);
 - ``pallas_decode``: JAX's `jax.experimental.pallas.ops.gpu.decode_attention.gqa` (T = 1).
@@ -37,7 +38,8 @@ import jaxflash  # noqa: E402
 from jaxflash.ops.decode import gather_pages  # noqa: E402
 from jaxflash.reference import reference_attention  # noqa: E402
 
-IMPLS = ("jaxflash", "jaxflash_triton", "jaxflash_mosaic", "cudnn", "xla", "pallas_decode")
+IMPLS = ("jaxflash", "jaxflash_triton", "jaxflash_mosaic", "jaxflash_flash", "cudnn", "xla",
+         "pallas_decode")
 MAX_CACHE_BYTES = 24 * 2**30  # K and V together; larger cells are skipped
 
 
@@ -66,6 +68,11 @@ def make_inputs(b, s, t, n, k, d, dtype, seed: int, page_size: int | None):
 def attention_fn(impl: str, t: int, table, interpret: bool):
   """A function (q, k_cache, v_cache, lengths) -> out, or None where ``impl`` cannot run this
   cell."""
+  if impl == "jaxflash_flash":  # the routing of `flash_attention`'s few-query calls
+    if table is not None or t != 1:
+      return None
+    return lambda q, k, v, lengths: jaxflash.flash_attention(
+        q, k, v, key_value_seq_lengths=lengths, interpret=interpret)
   if impl.startswith("jaxflash"):
     name = None if impl == "jaxflash" else impl.split("_", 1)[1]
     return lambda q, k, v, lengths: jaxflash.decode_attention(

@@ -11,9 +11,11 @@ from the counter (`semaphore_wait(sem)`, the "consume" variant here). It hung in
 and F, and was correct and bitwise repeatable in B and G. Read afterwards on the CPU: when
 three or more key tiles visit a block, two later tiles wait on one counter at once, and the
 signal meant for the first can be taken by the second. The shipped version waits until the
-counter reaches the tile's place among the block's visitors, without taking from it. It has not
-run on a GPU yet: this script's "default" variant is the check, and "consume" should still
-hang.
+counter reaches the tile's place among the block's visitors, without taking from it. On an H200
+(2026-11-22) "default" was correct with the same bits twice in every case, and "consume" hung
+in E and F (in A it gave different bits twice). Timed (`--cases T128 T128c T64`), the one-pass
+backward ran 0.76-0.86x of the two kernels, and 0.82-0.94x with "no_wait"
+(benchmarks/results/mosaic_one_pass_h200_2026-11-22).
 
   PYTHONPATH=. python3 benchmarks/diag_one_pass.py [--cases A E] [--variants default consume]
   PYTHONPATH=. python3 benchmarks/diag_one_pass.py --cases T128 T64 --variants default no_wait

@@ -48,7 +48,9 @@ def flash_attention(
   A drop-in for `jax.nn.dot_product_attention`: the arguments they share mean the same thing.
   The softmax is computed blockwise with an online max/sum, so neither the logits nor the
   probabilities are ever stored; the backward pass recomputes them from the inputs and the
-  logsumexp saved by the forward pass.
+  logsumexp saved by the forward pass. A call with at most 16 query rows and no mask, bias,
+  segments or dropout (decoding-like: a few queries against many keys) runs the Triton
+  backend's split-KV forward, the kernel of `decode_attention`; its backward is the same.
 
   Notation: B batch, T query length, S key/value length, N query heads, K key/value heads
   (N % K == 0: grouped-query attention when K < N), H head dim.
@@ -124,6 +126,8 @@ def implementation_for(query: jax.Array, key: jax.Array, value: jax.Array,
   would."""
   backends.preferences(implementation)
   call = _checks.normalise(query, key, value, bias, mask, **options)
+  if implementation is None and _few_queries(call):
+    implementation = decode.preference_order()
   return backends.select(implementation, call.inputs, call.params).name
 
 
@@ -137,13 +141,34 @@ def attention_with_config(query: jax.Array, key: jax.Array, value: jax.Array,
   The internal entry point that tests, the tile tuner and the benchmarks use instead of patching
   defaults: ``config`` is an instance of a backend's config class (e.g.
   ``jaxflash.backends.triton.Config``), and its type picks that backend; ``None`` takes the
-  backend's heuristic default for this call and device. ``options`` are `flash_attention`'s
-  keyword arguments.
+  backend's heuristic default for this call and device, and then a call with at most
+  `SPLIT_KV_MAX_QUERIES` query rows runs the backend's split-KV forward where it has one that
+  serves the call (the decoding kernel: a few query rows against many keys). ``options`` are
+  `flash_attention`'s keyword arguments.
   """
   backends.preferences(implementation)  # an unknown name fails before anything else
   return_residual = _checks.check_flag(return_residual, "return_residual")
   call = _checks.normalise(query, key, value, bias, mask, **options)
-  return _run(call, implementation, config, return_residual)
+  split_kv = config is None and _few_queries(call)
+  if split_kv and implementation is None:
+    implementation = decode.preference_order()
+  return _run(call, implementation, config, return_residual, split_kv=split_kv)
+
+
+def _few_queries(call: _checks.Call) -> bool:
+  """Whether a call's forward should be a split-KV one: at most `SPLIT_KV_MAX_QUERIES` query
+  rows, and a backend's split-KV kernel serves it. With ``implementation=None`` such a call
+  then tries those backends first (`decode.preference_order`): the one picked for training
+  calls (Mosaic on a Hopper GPU) has none, and at a few rows its training forward is no
+  better than Triton's."""
+  return (call.inputs.query.shape[1] <= SPLIT_KV_MAX_QUERIES
+          and decode.split_kv_serves(call.inputs, call.params))
+
+
+# Up to this many query rows, a call runs the split-KV forward where the backend has one: the
+# training forward's query tiles (64 or 128 rows) would be mostly padding, and its grid has one
+# program per (batch row, query head), which leaves a long-key call on a handful of SMs.
+SPLIT_KV_MAX_QUERIES = 16
 
 
 def _run(call: _checks.Call, implementation, config, return_residual: bool,

@@ -211,3 +211,50 @@ def test_split_kv_kernel_serves_triton_decoding(t, window, cap, monkeypatch):
   assert rel_err(out, want) < TOLERANCE[jnp.float32]
   for g, w in zip(vjp(d_out[:, :t]), ref_vjp(d_out[:, :t])):
     assert rel_err(g, w) < TOLERANCE[jnp.float32]
+
+
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(is_causal=True, local_window_size=(1, 0)),
+    dict(local_window_size=(2, 1), logits_soft_cap=1.5),
+], ids=["full", "causal_window", "window_cap"])
+def test_flash_attention_routes_few_queries_to_split_kv(options, monkeypatch):
+  """`jaxflash.flash_attention` with at most 16 query rows runs the split-KV forward on the
+  Triton backend, with its own top-left band (not a cache's), query and key lengths (a row
+  with no queries, one with no keys), GQA; forward, LSE and gradients against the reference.
+  A call with more query rows keeps the training forward."""
+  from jaxflash import attention
+  from jaxflash.backends.triton import decode, forward
+  training_forward = forward.forward
+  ran = {"split_kv": 0, "training": 0}
+  partials = decode.partials
+  monkeypatch.setattr(decode, "partials", lambda *a: ran.update(split_kv=ran["split_kv"] + 1)
+                      or partials(*a))
+  monkeypatch.setattr(forward, "forward", lambda *a: ran.update(training=ran["training"] + 1)
+                      or training_forward(*a))
+  b, t, s, n, k, h = 3, 4, 300, 6, 2, 40
+  q, kk, v, d_out = random_qkv(9, b, t, s, n, k, h)
+  lengths = dict(query_seq_lengths=jnp.array([4, 0, 3]), key_value_seq_lengths=jnp.array(
+      [300, 170, 0]))
+  call = dict(options, **lengths, implementation="triton", interpret=interpret_for("triton"))
+
+  def ours(q, kk, v):
+    return jaxflash.flash_attention(q, kk, v, return_residual=True, **call)
+
+  (out, lse), vjp = jax.vjp(ours, q, kk, v)
+  (want, want_lse), ref_vjp = jax.vjp(
+      lambda *x: reference_attention(*x, **options, **lengths), q, kk, v)
+  assert ran == {"split_kv": 1, "training": 0}
+  assert rel_err(out, want) < TOLERANCE[jnp.float32]
+  seen = np.isfinite(np.asarray(want_lse))  # [B, T, N]: rows that see some key
+  assert not seen[1].any() and not seen[2].any() and seen[0].all()
+  np.testing.assert_array_equal(np.asarray(out)[~seen], 0.0)
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen)
+  assert rel_err(np.where(seen, lse, 0), np.where(seen, want_lse, 0)) < TOLERANCE[jnp.float32]
+  cot = (d_out, jnp.zeros_like(lse))
+  for g, w in zip(vjp(cot), ref_vjp(cot)):
+    assert rel_err(g, w) < TOLERANCE[jnp.float32]
+  q17 = jnp.concatenate([q] * 5, axis=1)[:, :attention.SPLIT_KV_MAX_QUERIES + 1]
+  jaxflash.flash_attention(q17, kk, v, implementation="triton",
+                           interpret=interpret_for("triton"))
+  assert ran == {"split_kv": 1, "training": 1}

@@ -88,6 +88,16 @@ def split_kv_for(backend: Backend) -> SplitKV | None:
   return None
 
 
+def split_kv_serves(inputs: Inputs, params: Params) -> bool:
+  """Whether some backend's split-KV forward can serve this call (on a device it runs on)."""
+  from jaxflash import backends
+  for name in backends.names():
+    path = split_kv_for(backends.get(name))
+    if path is not None and path.kernel().unsupported(inputs, params) is None:
+      return True
+  return False
+
+
 def preference_order() -> tuple[str, ...]:
   """Backend names for a decoding call with ``implementation=None``: those with a split-KV
   forward first, then the registry's order."""

@@ -350,8 +350,9 @@ class _DqPart:
 
   A counter that each wait decremented would let two later tiles race for one signal: 5770ed5
   did, and hung on an H200 wherever three or more key tiles visit a block. This version is
-  checked on the CPU only (`benchmarks/diag_one_pass.py` is its GPU check), hence ``one_pass``
-  is off by default.
+  correct and bitwise repeatable on an H200 (`benchmarks/diag_one_pass.py`, the GPU tests) but
+  slower than the two kernels (docs/mosaic_backward.md, "One pass"), hence ``one_pass`` is off
+  by default.
 
   In Mosaic GPU's interpreter, which has neither semaphores nor reduce-adds but runs the CTAs
   one at a time in grid order, the part is added in place.

@@ -11,10 +11,12 @@ a 16-row tile and reads every K/V byte once per query head of a GQA group. Here:
   `jaxflash.ops.decode` combines the splits exactly through the LSE with the project's partial
   results merge (in XLA: [splits, B, T, N] values, next to nothing).
 
-Inputs are the training op's, from `jaxflash.ops.decode.decode_inputs`: query row ``t`` of batch
-row ``b`` sits at position ``kv_len - T + t``, causal, optionally with a left window and a soft
-cap; no masks, biases, segments or dropout. The backward stays the training backward (the
-residuals, O and the LSE, are the same).
+Inputs are the training op's. A decoding call's come from `jaxflash.ops.decode.decode_inputs`:
+query row ``t`` of batch row ``b`` sits at position ``kv_len - T + t`` (its offsets), causal,
+optionally with a left window. A `jaxflash.flash_attention` call with few query rows comes as it
+is, with no offsets: the band, if any, is top-left aligned as in the training kernels, and
+query lengths zero the rows past them. Soft caps too; no masks, biases, segments or dropout.
+The backward stays the training backward (the residuals, O and the LSE, are the same).
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
   if any(x is not None for x in (inputs.bias, inputs.mask, inputs.q_segment_ids,
                                   inputs.dropout_seed)):
     return "biases, masks, segments and dropout"
-  if params.partial or inputs.offsets is None or not params.window.is_causal:
-    return "not a decoding call"
+  if params.partial:
+    return "partial results (ring attention)"
   return None
 
 
@@ -93,13 +95,16 @@ def default_config(inputs: Inputs, training: Config, device: Device) -> DecodeCo
 
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, table_ref, o_ref, lse_ref, *, params: Params,
-            t: int, rows_used: int, blocks_per_split: int, block_k: int, st: tiles.Static):
+            t: int, rows_used: int, blocks_per_split: int, block_k: int, st: tiles.Static,
+            at_cache_end: bool):
   """One (split, batch row, K/V head). ``k_ref``/``v_ref`` are the row's cache [S, hp], or with
   ``table_ref`` (the row's page table) the K/V head's pages [num_pages, block_k, hp]: key block
-  ``j`` is then page ``table_ref[j]``."""
+  ``j`` is then page ``table_ref[j]``. With ``at_cache_end`` (a decoding call) the T query
+  tokens are the last T positions of the row's keys; otherwise positions 0 ... T - 1."""
   rows = q_ref.shape[0]
   q = q_ref[...]  # [rows, hp], padded with zeros in XLA (it is tiny)
-  kv_len = lengths_ref[1]
+  q_len, kv_len = lengths_ref[0], lengths_ref[1]
+  diagonal = kv_len - t if at_cache_end else 0
   r = jnp.arange(rows)
   token = r % t  # rows are (query head, token) pairs, token fastest
   row_ok = r < rows_used
@@ -107,7 +112,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, table_ref, o_ref, lse_ref, *, para
   hi = jnp.minimum(lo + blocks_per_split, pl.cdiv(kv_len, block_k))
   left = params.window.left
   if left is not None:  # blocks wholly before the earliest row's window hold nothing
-    lo = jnp.maximum(lo, lax.div(jnp.maximum(kv_len - t - left, 0), block_k))
+    lo = jnp.maximum(lo, lax.div(jnp.maximum(diagonal - left, 0), block_k))
 
   def body(j, carry):
     acc, m, l = carry
@@ -119,10 +124,10 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, table_ref, o_ref, lse_ref, *, para
     kv_ok = tiles.tile_ok(col_ok, st.dim_ok)
     k = tiles.load(k_ref.at[block], mask=kv_ok, other=0.0)
     s2, _ = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, None)
-    # The shared band rule, with the token index as the row and the cache positions shifting
-    # the diagonal.
-    visible = masking.visible(token[:, None], cols[None, :], params.window, diagonal=kv_len - t,
-                              kv_len=kv_len) & row_ok[:, None]
+    # The shared band rule, with the token index as the row (and the cache positions shifting
+    # the diagonal of a decoding call).
+    visible = masking.visible(token[:, None], cols[None, :], params.window, diagonal=diagonal,
+                              q_len=q_len, kv_len=kv_len) & row_ok[:, None]
     s2 = jnp.where(visible, s2, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s2, axis=1))
     m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen nothing yet
@@ -178,7 +183,8 @@ def partials(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   per_split = pl.cdiv(blocks, splits)
   splits = pl.cdiv(blocks, per_split)
   kernel = functools.partial(_kernel, params=params, t=t, rows_used=g * t,
-                             blocks_per_split=per_split, block_k=block_k, st=st)
+                             blocks_per_split=per_split, block_k=block_k, st=st,
+                             at_cache_end=inputs.offsets is not None)
   outs, lse2 = pl.pallas_call(
       kernel,
       grid=(splits, b, kv_heads),
