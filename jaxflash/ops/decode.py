@@ -89,7 +89,8 @@ def split_kv_for(backend: Backend) -> SplitKV | None:
 
 
 def split_kv_serves(inputs: Inputs, params: Params) -> bool:
-  """Whether some backend's split-KV forward can serve this call (on a device it runs on)."""
+  """Whether some backend's split-KV kernel can take this call's inputs and options (whether the
+  backend runs on this device is for `jaxflash.backends.select` to say)."""
   from jaxflash import backends
   for name in backends.names():
     path = split_kv_for(backends.get(name))

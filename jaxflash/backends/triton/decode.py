@@ -110,9 +110,11 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, table_ref, o_ref, lse_ref, *, para
   row_ok = r < rows_used
   lo = pl.program_id(0) * blocks_per_split
   hi = jnp.minimum(lo + blocks_per_split, pl.cdiv(kv_len, block_k))
-  left = params.window.left
+  left, right = params.window.left, params.window.right
   if left is not None:  # blocks wholly before the earliest row's window hold nothing
     lo = jnp.maximum(lo, lax.div(jnp.maximum(diagonal - left, 0), block_k))
+  if right is not None:  # nor blocks wholly after the last row's (a top-left band ends early)
+    hi = jnp.minimum(hi, lax.div(jnp.maximum(diagonal + t - 1 + right, -1), block_k) + 1)
 
   def body(j, carry):
     acc, m, l = carry
