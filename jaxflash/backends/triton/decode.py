@@ -11,11 +11,12 @@ a 16-row tile and reads every K/V byte once per query head of a GQA group. Here:
   `jaxflash.ops.decode` combines the splits exactly through the LSE with the project's partial
   results merge (in XLA: [splits, B, T, N] values, next to nothing).
 
-Inputs are the training op's. A decoding call's come from `jaxflash.ops.decode.decode_inputs`:
-query row ``t`` of batch row ``b`` sits at position ``kv_len - T + t`` (its offsets), causal,
+Inputs are the training op's, and the band is the shared one, shifted by the offsets' diagonal
+as in the training kernels. A decoding call's come from `jaxflash.ops.decode.decode_inputs`:
+offsets put query row ``t`` of batch row ``b`` at position ``kv_len - T + t``, causal,
 optionally with a left window. A `jaxflash.flash_attention` call with few query rows comes as it
-is, with no offsets: the band, if any, is top-left aligned as in the training kernels, and
-query lengths zero the rows past them. Soft caps too; no masks, biases, segments or dropout.
+is, with no offsets (a top-left band), and query lengths zero the rows past them. Soft caps too;
+no masks, biases, segments or dropout.
 The backward stays the training backward (the residuals, O and the LSE, are the same).
 """
 
@@ -59,7 +60,8 @@ def rows_for(inputs: Inputs) -> int:
 
 
 def unsupported(inputs: Inputs, params: Params) -> str | None:
-  """Why this kernel cannot serve a decoding call (None if it can)."""
+  """Why this kernel cannot serve a call (None if it can): a decoding call, or any call with
+  few query rows."""
   if rows_for(inputs) > MAX_ROWS:
     return f"G·T = {inputs.query.shape[1] * inputs.query.shape[2] // inputs.key.shape[2]} rows"
   if any(x is not None for x in (inputs.bias, inputs.mask, inputs.q_segment_ids,
@@ -94,17 +96,17 @@ def default_config(inputs: Inputs, training: Config, device: Device) -> DecodeCo
   return DecodeConfig(splits=splits, block_k=block_k, num_stages=stages, training=training)
 
 
-def _kernel(q_ref, k_ref, v_ref, lengths_ref, table_ref, o_ref, lse_ref, *, params: Params,
-            t: int, rows_used: int, blocks_per_split: int, block_k: int, st: tiles.Static,
-            at_cache_end: bool):
+def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse_ref, *,
+            params: Params, t: int, rows_used: int, blocks_per_split: int, block_k: int,
+            st: tiles.Static):
   """One (split, batch row, K/V head). ``k_ref``/``v_ref`` are the row's cache [S, hp], or with
   ``table_ref`` (the row's page table) the K/V head's pages [num_pages, block_k, hp]: key block
-  ``j`` is then page ``table_ref[j]``. With ``at_cache_end`` (a decoding call) the T query
-  tokens are the last T positions of the row's keys; otherwise positions 0 ... T - 1."""
+  ``j`` is then page ``table_ref[j]``. ``offsets_ref`` holds the row's (query, key) offsets
+  (a decoding call's put the T tokens at the cache's end), or is None: both 0."""
   rows = q_ref.shape[0]
   q = q_ref[...]  # [rows, hp], padded with zeros in XLA (it is tiny)
   q_len, kv_len = lengths_ref[0], lengths_ref[1]
-  diagonal = kv_len - t if at_cache_end else 0
+  diagonal = 0 if offsets_ref is None else offsets_ref[0] - offsets_ref[1]
   r = jnp.arange(rows)
   token = r % t  # rows are (query head, token) pairs, token fastest
   row_ok = r < rows_used
@@ -126,8 +128,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, table_ref, o_ref, lse_ref, *, para
     kv_ok = tiles.tile_ok(col_ok, st.dim_ok)
     k = tiles.load(k_ref.at[block], mask=kv_ok, other=0.0)
     s2, _ = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, None)
-    # The shared band rule, with the token index as the row (and the cache positions shifting
-    # the diagonal of a decoding call).
+    # The shared band rule, with the token index as the row and the offsets' diagonal.
     visible = masking.visible(token[:, None], cols[None, :], params.window, diagonal=diagonal,
                               q_len=q_len, kv_len=kv_len) & row_ok[:, None]
     s2 = jnp.where(visible, s2, -jnp.inf)
@@ -185,13 +186,13 @@ def partials(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   per_split = pl.cdiv(blocks, splits)
   splits = pl.cdiv(blocks, per_split)
   kernel = functools.partial(_kernel, params=params, t=t, rows_used=g * t,
-                             blocks_per_split=per_split, block_k=block_k, st=st,
-                             at_cache_end=inputs.offsets is not None)
+                             blocks_per_split=per_split, block_k=block_k, st=st)
+  row_pair = pl.BlockSpec((None, 2), lambda sp, i, j: (i, 0))
   outs, lse2 = pl.pallas_call(
       kernel,
       grid=(splits, b, kv_heads),
       in_specs=[pl.BlockSpec((None, None, rows, hp), lambda sp, i, j: (i, j, 0, 0)), kv, kv,
-                pl.BlockSpec((None, 2), lambda sp, i, j: (i, 0)), table_spec],
+                row_pair, None if inputs.offsets is None else row_pair, table_spec],
       out_specs=[pl.BlockSpec((None, None, None, rows, hp), lambda sp, i, j: (i, j, sp, 0, 0)),
                  pl.BlockSpec((None, None, None, rows), lambda sp, i, j: (i, j, sp, 0))],
       out_shape=[jax.ShapeDtypeStruct((b, kv_heads, splits, rows, hp), jnp.float32),
@@ -200,7 +201,7 @@ def partials(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
                                            num_stages=config.num_stages),
       interpret=params.interpret,
       name="jaxflash_decode_split_kv",
-  )(qg, k, v, inputs.lengths, table)
+  )(qg, k, v, inputs.lengths, inputs.offsets, table)
   # Rows (head g, token t) of K/V head k back to query head k * G + g: [splits, B, T, N, ...].
   outs = outs[:, :, :, :g * t, :h].reshape(b, kv_heads, splits, g, t, h)
   outs = outs.transpose(2, 0, 4, 1, 3, 5).reshape(splits, b, t, n, h)
