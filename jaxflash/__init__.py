@@ -1,9 +1,9 @@
 """jaxflash: FlashAttention for JAX as Pallas GPU kernels, with a blockwise pure-JAX fallback."""
 
 from jaxflash.attention import (decode_attention, dot_product_attention, flash_attention,
-                                implementation_for)
+                                implementation_for, ring_attention)
 from jaxflash.reference import reference_attention
 
-__all__ = ["flash_attention", "dot_product_attention", "decode_attention", "implementation_for",
-           "reference_attention"]
+__all__ = ["flash_attention", "dot_product_attention", "decode_attention", "ring_attention",
+           "implementation_for", "reference_attention"]
 __version__ = "0.1.0"

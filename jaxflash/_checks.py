@@ -282,6 +282,15 @@ def _lengths(q_lens, kv_lens, batch: int, t: int, s: int) -> jax.Array:
   Always passed, even when the user gave none, so that kernels have one code path; clipping
   means lengths past T or S simply mean "no padding".
   """
-  q_lens = jnp.full((batch,), t, jnp.int32) if q_lens is None else jnp.clip(q_lens, 0, t)
-  kv_lens = jnp.full((batch,), s, jnp.int32) if kv_lens is None else jnp.clip(kv_lens, 0, s)
+  q_lens = None if q_lens is None else jnp.clip(q_lens, 0, t).astype(jnp.int32)
+  kv_lens = None if kv_lens is None else jnp.clip(kv_lens, 0, s).astype(jnp.int32)
+  # A missing one is made like the given one: on an Explicit mesh it then has its sharding,
+  # which jnp.stack asks of its operands.
+  like = kv_lens if kv_lens is not None else q_lens
+  if q_lens is None:
+    q_lens = jnp.full((batch,), t, jnp.int32) if like is None else jnp.full_like(like, t)
+  if kv_lens is None:
+    kv_lens = jnp.full((batch,), s, jnp.int32) if like is None else jnp.full_like(like, s)
+  if jax.typeof(q_lens).sharding != jax.typeof(kv_lens).sharding:
+    kv_lens = jax.reshard(kv_lens, jax.typeof(q_lens).sharding)
   return jnp.stack([q_lens, kv_lens], axis=1)

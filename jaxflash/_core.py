@@ -118,10 +118,38 @@ def logits_base2(qk: jax.Array, params: Params, bias: jax.Array | None):
 
 
 def dropout_stream(params: Params, seed, batch, head):
-  """Dropout stream key of (batch, head); shared by all of them under ``broadcast_dropout``."""
+  """Dropout stream key of (batch, head); shared by all of them under ``broadcast_dropout``.
+
+  ``seed`` is uint32 [2], or [4] for a device's share of a sharded call: words 2 and 3 are then
+  the batch row and head its first row and head have in the whole call, so every device drops
+  what the unsharded call drops (`jaxflash.ops.partitioning`).
+  """
   if params.broadcast_dropout:
     batch = head = 0
+  elif seed.shape[0] > 2:
+    batch = dropout.as_u32(batch) + seed[2]
+    head = dropout.as_u32(head) + seed[3]
   return dropout.stream_key(seed[0], seed[1], batch, head)
+
+
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes (inside `jax.shard_map`) that ``x`` varies over; empty elsewhere."""
+  mat = getattr(jax.typeof(x), "mat", None)
+  return frozenset(getattr(mat, "varying", ()))
+
+
+def varying_like(x, axes: frozenset):
+  """``x`` made varying over ``axes`` too (a no-op outside `jax.shard_map`): a loop carry
+  started from constants must have the type of what its body returns under ``check_vma``."""
+  missing = tuple(sorted(axes - varying_axes(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+  """A kernel output's shape and dtype, varying over the manual mesh axes ``like`` varies over
+  (what `pallas_call` asks of its outputs inside `jax.shard_map` with ``check_vma``)."""
+  mat = getattr(jax.typeof(like), "mat", None)
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, manual_axis_type=mat)
 
 
 def dropped(x: jax.Array, keep_mask: jax.Array | None, params: Params) -> jax.Array:

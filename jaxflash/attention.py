@@ -7,6 +7,7 @@ Nothing here computes attention. `jaxflash._checks` validates and normalises the
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -275,3 +276,88 @@ def decode_attention(
     # one program per (batch row, query head) and fill one row of a tile per token.
     implementation = decode.preference_order()
   return _run(call, implementation, None, return_residual, split_kv=True, pages=pages)
+
+
+def ring_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    axis_name: str,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    is_causal: bool = False,
+    local_window_size: int | tuple[int, int] | None = None,
+    segment_ids: jax.Array | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    broadcast_dropout: bool = False,
+    return_residual: bool = False,
+    implementation: Implementation | Sequence[Implementation] | None = None,
+    interpret: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Self-attention over a sequence split along the mesh axis ``axis_name`` (ring attention).
+
+  Call it inside `jax.shard_map`: each device of the axis holds one chunk of the sequence's
+  queries, keys and values ([B, C, N, H] and [B, C, K, H], the same C on every device). K/V
+  chunks travel around the ring while each device computes its queries' partial results, which
+  merge exactly through their LSEs; the backward runs the ring again. The result is what
+  `flash_attention` gives on the whole sequence, and no device holds more than two K/V chunks.
+
+  Args:
+    query, key, value: this device's chunk, as in `flash_attention` (batched, rank 4).
+    axis_name: the mesh axis (of the enclosing `shard_map`) the sequence is split along.
+    layout: ``"contiguous"`` (device ``i`` holds tokens ``i*C ... (i+1)*C - 1``) or
+      ``"zigzag"`` (the sequence cut into 2R chunks, device ``i`` holds chunks ``i`` and
+      ``2R-1-i``: the same causal work on every device; reorder a whole sequence with
+      `jaxflash.ops.ring.to_zigzag` / `from_zigzag`). C must be even for ``"zigzag"``.
+    scale, is_causal, local_window_size, logits_soft_cap, dropout_rate, dropout_rng,
+      broadcast_dropout, return_residual, implementation, interpret: as in `flash_attention`;
+      positions (the causal band, windows, dropout) are those of the whole sequence.
+    segment_ids: int [B, C], this chunk's segment ids (packed documents); they travel with
+      their keys.
+
+  Returns:
+    This device's chunk of the output, like ``query``; with ``return_residual`` also its LSE
+    [B, C, N].
+
+  Raises:
+    ValueError: a bad argument (as `flash_attention`), ``axis_name`` not bound by an enclosing
+      `shard_map`, query and key chunks of different lengths, or an odd chunk for ``"zigzag"``.
+  """
+  from jaxflash.ops import ring as ring_op
+  backends.preferences(implementation)
+  return_residual = _checks.check_flag(return_residual, "return_residual")
+  if layout not in ring_op.LAYOUTS:
+    raise ValueError(f"layout must be one of {ring_op.LAYOUTS}, got {layout!r}")
+  try:
+    jax.lax.axis_size(axis_name)
+  except (NameError, KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"axis_name {axis_name!r} is not a mesh axis bound here: call "
+                     "ring_attention inside jax.shard_map over that axis") from e
+  if jnp.ndim(query) != 4 or jnp.ndim(key) != 4:
+    raise ValueError("ring_attention takes batched chunks: query [B, C, N, H] and key/value "
+                     f"[B, C, K, H], got query of rank {jnp.ndim(query)} and key of rank "
+                     f"{jnp.ndim(key)}")
+  call = _checks.normalise(query, key, value, scale=scale, is_causal=is_causal,
+                           local_window_size=local_window_size, segment_ids=segment_ids,
+                           logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate,
+                           dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
+                           interpret=interpret)
+  chunk = call.inputs.query.shape[1]
+  if call.inputs.key.shape[1] != chunk:
+    raise ValueError(f"query and key chunks must have the same length, got {chunk} and "
+                     f"{call.inputs.key.shape[1]}")
+  if layout == "zigzag" and chunk % 2:
+    raise ValueError(f"layout='zigzag' needs an even chunk length, got {chunk}")
+  # Each pair of the ring is a partial call with offsets: the backend must serve those.
+  b = call.inputs.query.shape[0]
+  probe = call.inputs._replace(offsets=jnp.zeros((b, 2), jnp.int32))
+  partial_params = dataclasses.replace(call.params, partial=True)
+  backend = backends.select(implementation, probe, partial_params)
+  config = backend.default_config(probe, partial_params, devices.current())
+  ring = ring_op.Ring(axis_name, layout, backend, config)
+  out, lse = ring_op.ring_attention(call.inputs, call.params, ring)
+  lse = jnp.transpose(lse, (0, 2, 1)).astype(call.inputs.query.dtype)
+  return (out, lse) if return_residual else out

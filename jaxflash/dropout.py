@@ -36,8 +36,12 @@ _GOLDEN = 0x9E3779B9
 _SALT = 0x6A09E667  # separates the seed absorption from an all-zero seed
 
 
-def _u32(x):
+def as_u32(x):
+  """``x`` as uint32 (the integer type every hash here works in)."""
   return jnp.asarray(x).astype(jnp.uint32)
+
+
+_u32 = as_u32
 
 
 def _mix(x):

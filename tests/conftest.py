@@ -12,6 +12,11 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_backend_optimization_level=0").strip()
 
+# Four CPU devices, so that sharded calls (tests/test_sharding.py) run on a CPU-only machine; a
+# call on unsharded arrays still runs on the first one.
+if shutil.which("nvidia-smi") is None and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
+
 # With the CUDA plugin installed for lowering (CI) but no GPU, JAX would try CUDA first and
 # print its failure; the CPU is the only platform here.
 if shutil.which("nvidia-smi") is None:

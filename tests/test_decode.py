@@ -76,6 +76,7 @@ def test_paged_cache_matches_contiguous(implementation, page_size, monkeypatch):
   (pages of 16 and 32 keys are its key blocks; 24 is not a power of two, so those are gathered
   into rows first); the other backends gather them."""
   from jaxflash.backends.triton import decode
+  jax.clear_caches()  # the spy counts traces: none may come from an earlier test's cache
   paged_reads = []
   kernel = decode.partials
   monkeypatch.setattr(decode, "partials", lambda *a: paged_reads.append(
@@ -92,8 +93,9 @@ def test_paged_cache_matches_contiguous(implementation, page_size, monkeypatch):
                                      **options)
 
   out, vjp = jax.vjp(paged, q, k_pages, v_pages)
-  assert paged_reads == ([True] if implementation == "triton" and page_size != 24 else
-                         [False] if implementation == "triton" else [])
+  # (A set: with several devices the kernel is traced twice, for its shapes and its lowering.)
+  assert set(paged_reads) == ({True} if implementation == "triton" and page_size != 24 else
+                              {False} if implementation == "triton" else set())
   contiguous = jaxflash.decode_attention(q, kk, v, kv_lengths, **options)
   assert rel_err(out, contiguous) < TOLERANCE[BF16]
   want, _ = _want(q, kk, v, kv_lengths)
@@ -226,6 +228,7 @@ def test_flash_attention_routes_few_queries_to_split_kv(options, monkeypatch):
   from jaxflash import attention
   from jaxflash.backends.triton import decode, forward
   training_forward = forward.forward
+  jax.clear_caches()  # the spies count traces: none may come from an earlier test's cache
   ran = {"split_kv": 0, "training": 0}
   partials = decode.partials
   monkeypatch.setattr(decode, "partials", lambda *a: ran.update(split_kv=ran["split_kv"] + 1)
@@ -244,7 +247,7 @@ def test_flash_attention_routes_few_queries_to_split_kv(options, monkeypatch):
   (out, lse), vjp = jax.vjp(ours, q, kk, v)
   (want, want_lse), ref_vjp = jax.vjp(
       lambda *x: reference_attention(*x, **options, **lengths), q, kk, v)
-  assert ran == {"split_kv": 1, "training": 0}
+  assert ran["split_kv"] >= 1 and ran["training"] == 0  # (traced twice with several devices)
   assert rel_err(out, want) < TOLERANCE[jnp.float32]
   seen = np.isfinite(np.asarray(want_lse))  # [B, T, N]: rows that see some key
   assert not seen[1].any() and not seen[2].any() and seen[0].all()
@@ -255,6 +258,7 @@ def test_flash_attention_routes_few_queries_to_split_kv(options, monkeypatch):
   for g, w in zip(vjp(cot), ref_vjp(cot)):
     assert rel_err(g, w) < TOLERANCE[jnp.float32]
   q17 = jnp.concatenate([q] * 5, axis=1)[:, :attention.SPLIT_KV_MAX_QUERIES + 1]
+  split_kv = ran["split_kv"]
   jaxflash.flash_attention(q17, kk, v, implementation="triton",
                            interpret=interpret_for("triton"))
-  assert ran == {"split_kv": 1, "training": 1}
+  assert ran["split_kv"] == split_kv and ran["training"] >= 1

@@ -14,12 +14,13 @@ import jax.numpy as jnp
 
 from jaxflash import _core
 from jaxflash._core import Inputs, Params
+from jaxflash.ops import partitioning
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def attention(inputs: Inputs, params: Params, backend, config):
   """``(out [B, T, N, H], natural lse [B, N, T])`` of one call on ``backend`` with ``config``."""
-  out, lse2 = backend.forward(inputs, params, config)
+  out, lse2 = partitioning.forward(backend, inputs, params, config)
   return out, _core.user_lse(lse2)
 
 
@@ -48,8 +49,9 @@ SECOND_ORDER = ("jaxflash computes first derivatives only: its backward pass (a 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 2, 3))
 def forward(backend, inputs: Inputs, params: Params, config):
   """``backend.forward`` as the VJP's forward rule calls it: a second-order derivative
-  differentiates this too (its residuals feed the backward), and gets `SECOND_ORDER`."""
-  return backend.forward(inputs, params, config)
+  differentiates this too (its residuals feed the backward), and gets `SECOND_ORDER`. Each
+  device computes its share of a sharded call (`jaxflash.ops.partitioning`)."""
+  return partitioning.forward(backend, inputs, params, config)
 
 
 @forward.defjvp
@@ -62,8 +64,9 @@ def _forward_jvp(backend, params, config, primals, tangents):
 def backward(backend, inputs: Inputs, params: Params, config, lse2, d_out, delta,
              want_dbias: bool):
   """``backend.backward``, refusing to be differentiated with a clear error (a second-order
-  derivative would otherwise die inside Pallas or a while loop)."""
-  return backend.backward(inputs, params, config, lse2, d_out, delta, want_dbias)
+  derivative would otherwise die inside Pallas or a while loop). Each device computes its
+  share of a sharded call (`jaxflash.ops.partitioning`)."""
+  return partitioning.backward(backend, inputs, params, config, lse2, d_out, delta, want_dbias)
 
 
 @backward.defjvp

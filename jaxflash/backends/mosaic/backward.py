@@ -485,8 +485,8 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
         delta=plgpu.SMEM((stages, block_q), jnp.float32),  # delta rows
         delta_ready=plgpu.Barrier(num_barriers=stages),
     )
-  out_type = {"dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
-              "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
+  out_type = {"dk": _core.out_struct(k.shape, k.dtype, q),
+              "dv": _core.out_struct(v.shape, v.dtype, q)}
   sem_shape = first = None
   if want_dq:
     split = dq_split(block_q, hp)
@@ -499,7 +499,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     )
     # Rows padded to whole query blocks, like the LSE's: the interpreter's stores do not clip.
     t_pad = lse2.shape[-1]
-    out_type["dq"] = jax.ShapeDtypeStruct((b, t_pad, q.shape[2], hp), jnp.float32)
+    out_type["dq"] = _core.out_struct((b, t_pad, q.shape[2], hp), jnp.float32, q)
     if not params.interpret:  # (the interpreter has no semaphores; it needs none)
       sem_shape = (b, q.shape[2], t_pad // block_q, _CONSUMERS)
     first = _first_visitors(schedule, inputs, t_pad // block_q)
@@ -698,7 +698,7 @@ def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Bac
                              heavy_first=params.window.right is not None)
   return plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_type=_core.out_struct(q.shape, q.dtype, q),
       scratch_types=scratch,
       grid=(n, q_tiles, b),
       grid_names=("heads", "q_tiles", "batch"),

@@ -117,7 +117,7 @@ class _Extras(NamedTuple):
   kv_segment_ids: jax.Array | None = None  # int32 [B, keys of all blocks]
   mask: jax.Array | None = None  # int8 [B or 1, N or 1, rows, keys]
   bias: jax.Array | None = None  # [B or 1, N or 1, rows, keys], the caller's float dtype
-  dropout_seed: jax.Array | None = None  # uint32 [2]
+  dropout_seed: jax.Array | None = None  # uint32 [2], or [4] (see `_core.dropout_stream`)
 
 
 def _iota(shape, dim: int):
@@ -613,8 +613,8 @@ def forward(inputs: Inputs, params: Params, config: Config):
   # The LSE rows are written a whole tile at a time, so its buffer is padded to whole tiles.
   out, lse2 = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct(q.shape, out_dtype),
-                jax.ShapeDtypeStruct((b, n, q_tiles * rows_per_cta), jnp.float32)),
+      out_type=(_core.out_struct(q.shape, out_dtype, q),
+                _core.out_struct((b, n, q_tiles * rows_per_cta), jnp.float32, q)),
       scratch_types=scratch,
       grid=grid,
       grid_names=names,

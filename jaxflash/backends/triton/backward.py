@@ -128,7 +128,7 @@ def _dq(inputs, params, config, opt, d_out, lse2, delta, out_dtype):
       in_specs=[rows, kv, kv, pl.BlockSpec((None, 2), lambda i, b, h: (b, 0)),
                 tiles.query_block_specs(opt, block_q, s), rows, stats, stats],
       out_specs=rows,
-      out_shape=jax.ShapeDtypeStruct(q.shape, out_dtype),
+      out_shape=_core.out_struct(q.shape, out_dtype, q),
       compiler_params=tiles.compiler_params(config.backward),
       interpret=params.interpret,
       name="jaxflash_backward_dq",
@@ -154,7 +154,7 @@ def _dkv(inputs, params, config, opt, d_out, lse2, delta, out_dtype):
       kv_seg=lambda x: pl.BlockSpec((None, block_k), lambda j, b, h: (b, j)),
       mask=lambda x: dense["mask"][1],
       bias=lambda x: dense["bias"][1],
-      seed=lambda x: pl.BlockSpec((2,), lambda j, b, h: (0,)))
+      seed=lambda x: pl.BlockSpec(x.shape, lambda j, b, h: (0,)))
   return pl.pallas_call(
       functools.partial(_dkv_kernel, params=params, st=st,
                         schedule=tiles.schedule(inputs, params, block_q, block_k)),
@@ -162,8 +162,8 @@ def _dkv(inputs, params, config, opt, d_out, lse2, delta, out_dtype):
       in_specs=[grouped_rows, kv, kv, pl.BlockSpec((None, 2), lambda j, b, h: (b, 0)), specs,
                 grouped_rows, grouped_stats, grouped_stats],
       out_specs=[kv, kv],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, out_dtype),
-                 jax.ShapeDtypeStruct(v.shape, out_dtype)],
+      out_shape=[_core.out_struct(k.shape, out_dtype, q),
+                 _core.out_struct(v.shape, out_dtype, q)],
       compiler_params=tiles.compiler_params(config.backward),
       interpret=params.interpret,
       name="jaxflash_backward_dkv",

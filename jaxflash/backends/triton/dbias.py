@@ -110,7 +110,7 @@ def dbias(inputs: Inputs, params: Params, config: Config, opt: tiles.Optional, l
       kv_seg=lambda x: whole(b, s),
       mask=lambda x: pl.BlockSpec(x.shape[:2] + (block_q, s), lambda i, bb, nb: (0, 0, i, 0)),
       bias=lambda x: pl.BlockSpec((None, None, block_q, s), lambda i, bb, nb: (bb, nb, i, 0)),
-      seed=lambda x: whole(2))
+      seed=lambda x: whole(*x.shape))
   q_rows = pl.BlockSpec((b, block_q, n, hp), lambda i, bb, nb: (0, i, 0, 0))
   kernel = functools.partial(
       _dbias_kernel, params=params, st=st,
@@ -122,7 +122,7 @@ def dbias(inputs: Inputs, params: Params, config: Config, opt: tiles.Optional, l
       in_specs=[q_rows, whole(b, s, kh, hp), whole(b, s, kh, hp), whole(b, 2), specs, q_rows,
                 row_block(b, n, block_q), row_block(b, n, block_q)],
       out_specs=pl.BlockSpec((None, None, block_q, s), lambda i, bb, nb: (bb, nb, i, 0)),
-      out_shape=jax.ShapeDtypeStruct(bias.shape, bias.dtype),
+      out_shape=_core.out_struct(bias.shape, bias.dtype, bias),
       compiler_params=tiles.compiler_params(config.backward),
       interpret=params.interpret,
       name="jaxflash_backward_dbias",

@@ -149,7 +149,7 @@ def query_block_specs(opt: Optional, block_q: int, seq_k: int) -> Optional:
       kv_seg=lambda x: pl.BlockSpec((None, seq_k), lambda i, b, h: (b, 0)),
       mask=lambda x: dense_spec(x, (block_q, seq_k), lambda i: (i, 0)),
       bias=lambda x: dense_spec(x, (block_q, seq_k), lambda i: (i, 0)),
-      seed=lambda x: pl.BlockSpec((2,), lambda i, b, h: (0,)))
+      seed=lambda x: pl.BlockSpec(x.shape, lambda i, b, h: (0,)))
 
 
 def folds_scale(params: Params, opt: Optional) -> bool:
@@ -186,7 +186,7 @@ def dropout_stream(opt: Optional, params: Params, batch, head):
   """Scalar dropout key of one (batch, head), or None without dropout."""
   if opt.seed is None:
     return None
-  return _core.dropout_stream(params, (opt.seed[0], opt.seed[1]), batch, head)
+  return _core.dropout_stream(params, opt.seed, batch, head)
 
 
 def keep(stream, rows, k_start, block_k: int, params: Params, pos: Positions):

@@ -74,7 +74,7 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
     dbias = (jnp.zeros(inputs.bias.shape[:2] + (bq, lay.s_pad), jnp.float32) if want_dbias
              else None)
     dq, dbias = blk.schedule.visit_kv(q_start, blk.pos, body,
-                                      (jnp.zeros(q_blk.shape, jnp.float32), dbias))
+                                      blk.carry((jnp.zeros(q_blk.shape, jnp.float32), dbias)))
     return (dq * params.scale).astype(out_dtype), dbias
 
   def dkv_block(j):
@@ -94,7 +94,7 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
       return dk, dv
 
     zeros = jnp.zeros(k_blk.shape, jnp.float32)
-    dk, dv = blk.schedule.visit_q(k_start, blk.pos, body, (zeros, zeros))
+    dk, dv = blk.schedule.visit_q(k_start, blk.pos, body, blk.carry((zeros, zeros)))
     return (dk * params.scale).astype(out_dtype), dv.astype(out_dtype)
 
   dq, dbias = lax.map(dq_block, jnp.arange(lay.t_pad // bq, dtype=jnp.int32))

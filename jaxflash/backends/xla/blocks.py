@@ -96,11 +96,17 @@ class Blocks:
     self.kv_seg = pad_axis(inputs.kv_segment_ids, 1, lay.s_pad)
     self.mask = self._dense(inputs.mask)
     self.bias = self._dense(inputs.bias)
+    self.manual_axes = _core.varying_axes(inputs.query)
     self.stream = None
     if inputs.dropout_seed is not None:  # per-(batch, head) dropout keys, [B, K, G, 1, 1]
       heads = jnp.arange(lay.kh * lay.g).reshape(1, lay.kh, lay.g, 1, 1)
       batch = jnp.arange(lay.b).reshape(lay.b, 1, 1, 1, 1)
       self.stream = _core.dropout_stream(params, inputs.dropout_seed, batch, heads)
+
+  def carry(self, init):
+    """A loop's initial carry, typed like what its body returns (inside `jax.shard_map`, where
+    the tiles vary over the manual axes and constants do not)."""
+    return tuple(None if x is None else _core.varying_like(x, self.manual_axes) for x in init)
 
   def _dense(self, x):
     """[B|1, N|1, T, S] -> padded [B|1, K|1, G|1, T_pad, S_pad]."""

@@ -1,0 +1,265 @@
+"""Several GPUs (issue 15): a batch-sharded attention step against one device's share.
+
+The batch of a training step is split over every device of a 1-D mesh ("b"). For each
+implementation and mesh kind (`AxisType.Auto`, `AxisType.Explicit`), the script checks the
+sharded forward+backward against the same call on one device (float32 reference of the
+share on device 0), counts the collectives in the compiled program, then times it (warm-up,
+median of repeats) next to one device running only its share (B / devices rows), the time a
+perfect split would take. It also runs the call inside `jax.shard_map` with ``check_vma=True``,
+and ring attention (`jaxflash.ring_attention`, the sequence split over every device) against
+one device computing the whole sequence.
+
+Implementations: ``jaxflash`` (the backend `flash_attention` picks), ``jaxflash_triton`` and
+``jaxflash_xla`` (one named), ``cudnn`` and ``xla`` (`jax.nn.dot_product_attention`). The smoke
+run uses jaxflash's XLA backend: Pallas's interpreter cannot run inside shard_map with
+``check_vma=True``.
+
+  python benchmarks/multi_gpu.py --out results.json
+  python benchmarks/multi_gpu.py --smoke          # 4 fake CPU devices, a tiny shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+if "--smoke" in sys.argv and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=4").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cases  # noqa: E402
+import report  # noqa: E402
+
+import jaxflash  # noqa: E402
+
+IMPLS = ("jaxflash", "jaxflash_triton", "jaxflash_xla", "cudnn", "xla")
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+
+
+def attention_fn(impl: str, causal: bool, interpret: bool):
+  if impl.startswith("jaxflash"):
+    name = None if impl == "jaxflash" else impl.split("_", 1)[1]
+    return lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=causal,
+                                                    implementation=name, interpret=interpret)
+  return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                      implementation=impl)
+
+
+def step_fn(attn):
+  """(q, k, v, d_out) -> (dq, dk, dv): forward and backward, the cotangent given (sharded like
+  the output), so that no loss reduction adds a collective of its own."""
+  def step(q, k, v, d_out):
+    _, vjp = jax.vjp(attn, q, k, v)
+    return vjp(d_out)
+  return step
+
+
+def make_inputs(b, t, n, d, dtype, seed):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  return tuple(jax.random.normal(kk, (b, t, n, d), jnp.float32).astype(dtype) for kk in keys)
+
+
+def collectives(compiled) -> list[str]:
+  text = compiled.as_text()
+  return [c for c in COLLECTIVES if c in text]
+
+
+def run(cfg: dict) -> dict:
+  devices = jax.devices()
+  count = len(devices)
+  b = cfg["per_device_batch"] * count
+  t, n, d = cfg["seq"], cfg["heads"], cfg["head_dim"]
+  dtype = jnp.dtype(cfg["dtype"])
+  interpret = jax.default_backend() == "cpu"
+  args = make_inputs(b, t, n, d, dtype, seed=0)
+  share = tuple(x[:cfg["per_device_batch"]] for x in args)
+  # The float32 reference of batch row 0 (its gradients), once: dense, so one row at a time.
+  ref_step = jax.jit(step_fn(attention_fn("xla", cfg["causal"], False)))
+  want = [np.asarray(g, np.float32) for g in
+          ref_step(*(x[:1].astype(jnp.float32) for x in share))]
+  rows = []
+  for impl in cfg["impls"]:
+    if interpret and impl == "cudnn":
+      continue
+    step = jax.jit(step_fn(attention_fn(impl, cfg["causal"], interpret)))
+    alone_ms = cases.time_call(step, share, calls=cfg["calls"], repeats=cfg["repeats"])
+    for kind in cfg["mesh_kinds"]:
+      row = dict(impl=impl, mesh=kind, devices=count, B=b, T=t, N=n, D=d,
+                 causal=cfg["causal"], dtype=str(dtype), one_share_ms=alone_ms)
+      mesh = jax.make_mesh((count,), ("b",), axis_types=(getattr(AxisType, kind),))
+      try:
+        with jax.set_mesh(mesh):
+          sharded = tuple(jax.device_put(x, NamedSharding(mesh, P("b"))) for x in args)
+          compiled = step.lower(*sharded).compile()
+          row["collectives"] = collectives(compiled)
+          grads = compiled(*sharded)
+          row["grad_spec"] = str(grads[0].sharding.spec)
+          row["max_rel_err"] = max(cases.relerr(np.asarray(g, np.float32)[:1], w)
+                                   for g, w in zip(grads, want))
+          row["sharded_ms"] = cases.time_call(compiled, sharded, calls=cfg["calls"],
+                                              repeats=cfg["repeats"])
+        row["ratio_to_share"] = row["sharded_ms"] / alone_ms
+      except Exception as e:  # a failing implementation is a result, not the end of the run
+        row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+      rows.append(row)
+    if impl.startswith("jaxflash"):
+      rows.append(_shard_map_row(impl, cfg, args, want, interpret))
+  return dict(environment=report.environment(), config=cfg, rows=rows)
+
+
+def _shard_map_row(impl, cfg, args, want, interpret) -> dict:
+  """The step inside jax.shard_map (check_vma=True), batch split over the devices."""
+  count = len(jax.devices())
+  mesh = jax.make_mesh((count,), ("b",), axis_types=(AxisType.Explicit,))
+  row = dict(impl=impl, mesh="shard_map", devices=count)
+  try:
+    fn = jax.jit(jax.shard_map(step_fn(attention_fn(impl, cfg["causal"], interpret)),
+                               mesh=mesh, in_specs=P("b"), out_specs=P("b")))
+    with jax.set_mesh(mesh):
+      sharded = tuple(jax.device_put(x, NamedSharding(mesh, P("b"))) for x in args)
+      grads = fn(*sharded)
+      row["max_rel_err"] = max(cases.relerr(np.asarray(g, np.float32)[:1], w)
+                               for g, w in zip(grads, want))
+      row["sharded_ms"] = cases.time_call(fn, sharded, calls=cfg["calls"],
+                                          repeats=cfg["repeats"])
+  except Exception as e:
+    row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+  return row
+
+
+def ring_rows(cfg: dict) -> list[dict]:
+  """Ring attention over every device (axis "sp"), one sequence of devices x chunk tokens,
+  forward+backward: checked against jaxflash on the whole sequence on one device, then timed
+  next to it. ``efficiency`` = (one device on the whole sequence / devices) / ring time: 1.0
+  is a perfect split of the work (communication hidden, no load imbalance)."""
+  count = len(jax.devices())
+  interpret = jax.default_backend() == "cpu"
+  impl = "xla" if interpret else None
+  mesh = jax.make_mesh((count,), ("sp",), axis_types=(AxisType.Explicit,))
+  rows = []
+  for chunk in cfg["ring_chunks"]:
+    for causal in (False, True):
+      layout = "zigzag" if causal else "contiguous"
+      total = chunk * count
+      q, k, v, d_out = make_inputs(1, total, cfg["heads"], cfg["head_dim"],
+                                   jnp.dtype(cfg["dtype"]), seed=1)
+      row = dict(kind="ring", layout=layout, causal=causal, devices=count, chunk=chunk,
+                 T=total, N=cfg["heads"], D=cfg["head_dim"], dtype=cfg["dtype"])
+      try:
+        whole = jax.jit(step_fn(lambda q, k, v: jaxflash.flash_attention(
+            q, k, v, is_causal=causal, implementation=impl, interpret=interpret)))
+        want = [np.asarray(g, np.float32) for g in whole(q, k, v, d_out)]
+        row["whole_one_device_ms"] = cases.time_call(whole, (q, k, v, d_out),
+                                                     calls=cfg["calls"], repeats=cfg["repeats"])
+
+        def local(q, k, v, d_out):
+          attn = lambda q, k, v: jaxflash.ring_attention(  # noqa: E731
+              q, k, v, axis_name="sp", layout=layout, is_causal=causal, implementation=impl,
+              interpret=interpret)
+          return step_fn(attn)(q, k, v, d_out)
+
+        from jaxflash.ops import ring
+        order = (lambda x: ring.to_zigzag(x, count)) if causal else (lambda x: x)
+        undo = (lambda x: ring.from_zigzag(x, count)) if causal else (lambda x: x)
+        fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(None, "sp"),
+                                   out_specs=P(None, "sp")))
+        with jax.set_mesh(mesh):
+          args = tuple(jax.device_put(order(x), NamedSharding(mesh, P(None, "sp")))
+                       for x in (q, k, v, d_out))
+          grads = fn(*args)
+          row["max_rel_err"] = max(cases.relerr(np.asarray(undo(np.asarray(g, np.float32))), w)
+                                   for g, w in zip(grads, want))
+          row["ring_ms"] = cases.time_call(fn, args, calls=cfg["calls"], repeats=cfg["repeats"])
+        row["efficiency"] = row["whole_one_device_ms"] / count / row["ring_ms"]
+      except Exception as e:
+        row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+      rows.append(row)
+  return rows
+
+
+def ring_table(rows: list[dict]) -> str:
+  lines = ["| layout | causal | devices x chunk | ring ms | whole sequence, one device ms | "
+           "efficiency | max rel err |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    if "failed" in r:
+      lines.append(f"| {r['layout']} | {r['causal']} | {r['devices']} x {r['chunk']} | "
+                   f"failed: {r['failed'][:80]} | | | |")
+      continue
+    lines.append(f"| {r['layout']} | {r['causal']} | {r['devices']} x {r['chunk']} | "
+                 f"{r['ring_ms']:.2f} | {r['whole_one_device_ms']:.2f} | {r['efficiency']:.3f}"
+                 f" | {r['max_rel_err']:.1e} |")
+  return "\n".join(lines)
+
+
+def table(rows: list[dict]) -> str:
+  lines = ["| impl | mesh | sharded ms | one share ms | ratio | collectives | max rel err |",
+           "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    if r.get("kind") == "ring":
+      continue
+    if "failed" in r:
+      lines.append(f"| {r['impl']} | {r['mesh']} | failed: {r['failed'][:80]} | | | | |")
+      continue
+    ratio = f"{r['ratio_to_share']:.3f}" if "ratio_to_share" in r else ""
+    share = f"{r['one_share_ms']:.3f}" if "one_share_ms" in r else ""
+    coll = ", ".join(r.get("collectives", [])) or ("none" if "collectives" in r else "")
+    lines.append(f"| {r['impl']} | {r['mesh']} | {r['sharded_ms']:.3f} | {share} | {ratio} | "
+                 f"{coll} | {r['max_rel_err']:.1e} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--per-device-batch", type=int, default=4)
+  parser.add_argument("--seq", type=int, default=8192)
+  parser.add_argument("--heads", type=int, default=16)
+  parser.add_argument("--head-dim", type=int, default=128)
+  parser.add_argument("--no-causal", dest="causal", action="store_false")
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--impls", nargs="+", choices=IMPLS,
+                      default=["jaxflash", "jaxflash_triton", "cudnn", "xla"])
+  parser.add_argument("--mesh-kinds", nargs="+", choices=("Auto", "Explicit"),
+                      default=["Auto", "Explicit"])
+  parser.add_argument("--ring-chunks", type=int, nargs="*", default=[16384],
+                      help="ring attention: tokens per device (none: skip the ring)")
+  parser.add_argument("--calls", type=int, default=10)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--tolerance", type=float, default=2e-2)
+  parser.add_argument("--smoke", action="store_true", help="4 fake CPU devices, a tiny shape")
+  parser.add_argument("--out", help="results JSON (a .md table is written next to it)")
+  args = parser.parse_args(argv)
+  cfg = dict(vars(args))
+  if args.smoke:
+    cfg.update(per_device_batch=1, seq=64, heads=2, head_dim=16, dtype="float32", calls=1,
+               repeats=1, tolerance=1e-4, impls=["jaxflash_xla", "xla"], ring_chunks=[32])
+  result = run(cfg)
+  result["rows"] += ring_rows(cfg)
+  text = table(result["rows"]) + "\n\nRing attention, forward+backward:\n\n" + ring_table(
+      [r for r in result["rows"] if r.get("kind") == "ring"])
+  print(text)
+  if args.out:
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    env = result["environment"]
+    out.with_suffix(".md").write_text(
+        f"Batch-sharded attention step, {env['device']} x {len(jax.devices())}, jax "
+        f"{env['jax']}, {env['date']}: forward+backward (ms) against one device running its "
+        f"share alone\n\n{text}\n")
+  bad = [r for r in result["rows"]
+         if "failed" in r or r.get("max_rel_err", 0.0) > cfg["tolerance"]]
+  if bad:
+    raise SystemExit(f"{len(bad)} rows failed or are wrong: {bad[:3]}")
+  return result
+
+
+if __name__ == "__main__":
+  main()

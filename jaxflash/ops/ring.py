@@ -1,0 +1,207 @@
+"""Ring attention: a sequence split over the devices of a mesh axis (context parallelism).
+
+Inside `jax.shard_map`, each device of the axis holds a chunk of the queries and of the keys and
+values of one long sequence. The K/V chunks travel around the ring with `ppermute`; at each of
+the R steps every device computes the partial result (output and LSE over the keys it holds
+now) of its own queries, and the partials are merged exactly through the LSE
+(`jaxflash.ops.partial.merge`). The backward runs the ring again with the *global* LSE and delta
+(see `jaxflash._core`): dQ stays home, and dK/dV accumulators travel with their K/V chunk and
+are sent home by one last `ppermute`. Nothing of size T x S is stored, on any device.
+
+Positions come from the chunks' offsets (`Inputs.offsets`), so the causal band, windows and the
+dropout mask see every token at its place in the whole sequence, and segment ids travel with
+their keys. Layouts:
+
+- ``"contiguous"``: device ``i`` of R holds tokens ``[i * C, (i + 1) * C)``.
+- ``"zigzag"``: the sequence is cut into 2R chunks and device ``i`` holds chunks ``i`` and
+  ``2R - 1 - i``, so that under a causal mask every device has the same work (MaxText's
+  ``DUAL_CHUNK_SWAP``). `to_zigzag` and `from_zigzag` reorder a whole sequence into and out of
+  it. Each step then computes the four pairs of (query half, key half); pairs the band hides
+  entirely cost a launch (the block schedule visits nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash import _core
+from jaxflash._core import Inputs, Params
+from jaxflash.ops import flash
+from jaxflash.ops import partial
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def chunk_starts(layout: str, ring: int, device, chunk: int) -> list:
+  """Start positions (in the whole sequence) of the parts of the chunk ``device`` holds: one
+  part of ``chunk`` tokens, or two halves for the zigzag layout."""
+  if layout == "contiguous":
+    return [device * chunk]
+  half = chunk // 2
+  return [device * half, (2 * ring - 1 - device) * half]
+
+
+def zigzag_order(seq_len: int, ring: int) -> jax.Array:
+  """Token indices such that ``x[:, order]`` split into ``ring`` contiguous chunks gives each
+  device its zigzag chunks (``seq_len`` divisible by ``2 * ring``)."""
+  if seq_len % (2 * ring):
+    raise ValueError(f"seq_len must be divisible by 2 * ring = {2 * ring}, got {seq_len}")
+  half = seq_len // (2 * ring)
+  parts = []
+  for i in range(ring):
+    parts += [jnp.arange(i * half, (i + 1) * half),
+              jnp.arange((2 * ring - 1 - i) * half, (2 * ring - i) * half)]
+  return jnp.concatenate(parts)
+
+
+def to_zigzag(x: jax.Array, ring: int, axis: int = 1) -> jax.Array:
+  """Reorders the sequence axis of ``x`` into the zigzag layout (see `zigzag_order`)."""
+  return _reorder(x, zigzag_order(x.shape[axis], ring), axis)
+
+
+def from_zigzag(x: jax.Array, ring: int, axis: int = 1) -> jax.Array:
+  """The inverse of `to_zigzag`."""
+  return _reorder(x, jnp.argsort(zigzag_order(x.shape[axis], ring)), axis)
+
+
+def _reorder(x, order, axis: int):
+  """``x`` with its ``axis`` permuted. An axis that an Explicit mesh shards is gathered for the
+  permutation and sharded again after it (a gather along a sharded axis has no sharding rule);
+  reorder token ids before embedding them, where that costs nothing."""
+  sharding = jax.typeof(x).sharding
+  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+  explicit = any(t == jax.sharding.AxisType.Explicit
+                 for t in getattr(sharding.mesh, "axis_types", ()))
+  if not explicit or spec[axis] is None:
+    return jnp.take(x, order, axis=axis)
+  named = lambda *entries: jax.sharding.NamedSharding(  # noqa: E731
+      sharding.mesh, jax.sharding.PartitionSpec(*entries))
+  x = jax.reshard(x, named(*spec[:axis], None, *spec[axis + 1:]))
+  return jax.reshard(jnp.take(x, order, axis=axis), named(*spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+  """The static description of one ring call (hashable: a nondiff argument of the VJP)."""
+
+  axis_name: str
+  layout: str
+  backend: object
+  config: object
+
+  def size(self) -> int:
+    return lax.axis_size(self.axis_name)
+
+  def shift(self, xs):
+    """Every device sends ``xs`` to the next one on the ring."""
+    ring = self.size()
+    perm = [(j, (j + 1) % ring) for j in range(ring)]
+    return jax.tree.map(lambda x: None if x is None else lax.ppermute(x, self.axis_name, perm),
+                        xs)
+
+
+def _parts(ring: Ring) -> int:
+  return 1 if ring.layout == "contiguous" else 2
+
+
+def _pair(inputs: Inputs, kv, q_part: int, kv_part: int, parts: int, q_start, kv_start):
+  """The inputs of one (query part, key part) pair: slices and their absolute offsets."""
+  k, v, kv_seg = kv
+  tq, tk = inputs.query.shape[1] // parts, k.shape[1] // parts
+  q_sl = lambda x: None if x is None else lax.slice_in_dim(x, q_part * tq, (q_part + 1) * tq, axis=1)  # noqa: E731,E501
+  k_sl = lambda x: None if x is None else lax.slice_in_dim(x, kv_part * tk, (kv_part + 1) * tk, axis=1)  # noqa: E731,E501
+  b = inputs.query.shape[0]
+  offsets = jnp.broadcast_to(jnp.stack([q_start, kv_start]).astype(jnp.int32), (b, 2))
+  lengths = jnp.broadcast_to(jnp.array([tq, tk], jnp.int32), (b, 2))
+  return inputs._replace(query=q_sl(inputs.query), key=k_sl(k), value=k_sl(v),
+                         q_segment_ids=q_sl(inputs.q_segment_ids),
+                         kv_segment_ids=k_sl(kv_seg), lengths=lengths, offsets=offsets)
+
+
+def _forward(inputs: Inputs, params: Params, ring: Ring):
+  """(out [B, T, N, H], lse2 [B, N, T]) of the local queries against the whole sequence."""
+  size, me = ring.size(), lax.axis_index(ring.axis_name)
+  parts = _parts(ring)
+  chunk = inputs.query.shape[1]
+  q_starts = chunk_starts(ring.layout, size, me, chunk)
+  partial_params = dataclasses.replace(params, partial=True)
+  kv = (inputs.key, inputs.value, inputs.kv_segment_ids)
+  outs = [[] for _ in range(parts)]
+  lses = [[] for _ in range(parts)]
+  for step in range(size):
+    owner = (me - step) % size  # whose K/V chunk this device holds now
+    kv_starts = chunk_starts(ring.layout, size, owner, chunk)
+    for p in range(parts):
+      for r in range(parts):
+        pair = _pair(inputs, kv, p, r, parts, q_starts[p], kv_starts[r])
+        out, lse2 = flash.forward(ring.backend, pair, partial_params, ring.config)
+        outs[p].append(out)
+        lses[p].append(jnp.swapaxes(_core.user_lse(lse2), 1, 2))
+    if step < size - 1:
+      kv = ring.shift(kv)
+  merged = [partial.merge(o, s) for o, s in zip(outs, lses)]
+  out = jnp.concatenate([m[0] for m in merged], axis=1)
+  lse = jnp.concatenate([m[1] for m in merged], axis=1)  # [B, T, N]
+  out = out if params.partial else out.astype(inputs.query.dtype)
+  return out, _core.base2_lse(jnp.swapaxes(lse, 1, 2))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def ring_attention(inputs: Inputs, params: Params, ring: Ring):
+  """``(out, natural lse [B, N, T])`` of the local queries over the whole ring's keys."""
+  out, lse2 = _forward(inputs, params, ring)
+  return out, _core.user_lse(lse2)
+
+
+def _fwd(inputs, params, ring):
+  inputs = flash.primal_values(inputs)  # (no bias: `jaxflash.ring_attention` takes none)
+  out, lse2 = _forward(inputs, params, ring)
+  return (out, _core.user_lse(lse2)), (inputs, out, lse2)
+
+
+def _bwd(params, ring, residuals, cotangents):
+  inputs, out, lse2 = residuals
+  d_out, delta = flash.output_cotangents(out, cotangents)
+  size, me = ring.size(), lax.axis_index(ring.axis_name)
+  parts = _parts(ring)
+  chunk = inputs.query.shape[1]
+  tq = chunk // parts
+  q_starts = chunk_starts(ring.layout, size, me, chunk)
+  partial_params = dataclasses.replace(params, partial=True)  # float32 shares, summed
+  kv = (inputs.key, inputs.value, inputs.kv_segment_ids)
+  # Accumulators vary over the manual axes like the gradients added to them (check_vma).
+  zeros = _core.varying_like(jnp.zeros(inputs.key.shape, jnp.float32),
+                             _core.varying_axes(inputs.key))
+  dq = [0.0] * parts
+  dkv = (zeros, zeros)
+  rows = lambda x, p, axis: lax.slice_in_dim(x, p * tq, (p + 1) * tq, axis=axis)  # noqa: E731
+  for step in range(size):
+    owner = (me - step) % size
+    kv_starts = chunk_starts(ring.layout, size, owner, chunk)
+    dk, dv = dkv
+    for p in range(parts):
+      for r in range(parts):
+        pair = _pair(inputs, kv, p, r, parts, q_starts[p], kv_starts[r])
+        g = flash.backward(ring.backend, pair, partial_params, ring.config,
+                           rows(lse2, p, 2), rows(d_out, p, 1), rows(delta, p, 2), False)
+        dq[p] = dq[p] + g[0]
+        tk = pair.key.shape[1]
+        dk = lax.dynamic_update_slice_in_dim(
+            dk, lax.dynamic_slice_in_dim(dk, r * tk, tk, axis=1) + g[1], r * tk, axis=1)
+        dv = lax.dynamic_update_slice_in_dim(
+            dv, lax.dynamic_slice_in_dim(dv, r * tk, tk, axis=1) + g[2], r * tk, axis=1)
+    dkv = (dk, dv)
+    if step < size - 1:
+      kv, dkv = ring.shift((kv, dkv))
+  # The accumulators now belong to the next device's chunk: one more shift sends them home.
+  dk, dv = ring.shift(dkv)
+  dq = jnp.concatenate(dq, axis=1) if parts > 1 else dq[0]
+  return (flash.cotangents_of(inputs, dq, dk, dv, None),)
+
+
+ring_attention.defvjp(_fwd, _bwd, symbolic_zeros=True)

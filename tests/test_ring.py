@@ -1,0 +1,112 @@
+"""Ring attention (issue 15) on four fake CPU devices: a sequence split over a mesh axis inside
+`jax.shard_map` gives the whole sequence's output, LSE and gradients (against the float32
+dense reference), contiguous and zigzag, causal or not, with GQA, segments (packed documents
+across chunk boundaries), windows and dropout (the same mask as the unsplit call)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxflash
+from jaxflash.ops import ring
+from jaxflash.reference import reference_attention
+from checks import F32_TOLERANCE, ON_GPU, random_array, random_qkv, rel_err
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
+RING = min(jax.device_count(), 4)
+# Pallas's interpreter cannot run inside shard_map with check_vma=True: on a CPU the ring runs
+# the XLA backend; on GPUs the compiled kernels too (None: what the registry picks).
+IMPLEMENTATIONS = ("xla", None) if ON_GPU else ("xla",)
+
+
+def _mesh():
+  return jax.make_mesh((RING,), ("sp",), axis_types=(AxisType.Explicit,))
+
+
+def _ring_call(layout, implementation="xla", **options):
+  """jit(shard_map) of (q, k, v, d_out[, segments]) -> (out, lse, dq, dk, dv) over the whole
+  sequence, which is reordered into the layout and back around the call."""
+  mesh = _mesh()
+
+  def local(q, k, v, d_out, *segments):
+    kw = dict(options, segment_ids=segments[0]) if segments else options
+
+    def fn(q, k, v):
+      return jaxflash.ring_attention(q, k, v, axis_name="sp", layout=layout,
+                                     return_residual=True, implementation=implementation,
+                                     **kw)
+    (out, lse), vjp = jax.vjp(fn, q, k, v)
+    return (out, lse) + vjp((d_out, jnp.zeros_like(lse)))
+
+  def run(q, k, v, d_out, *segments):
+    order = (lambda x: ring.to_zigzag(x, RING)) if layout == "zigzag" else (lambda x: x)
+    undo = (lambda x: ring.from_zigzag(x, RING)) if layout == "zigzag" else (lambda x: x)
+    args = tuple(order(x) for x in (q, k, v, d_out) + segments)
+    with jax.set_mesh(mesh):
+      args = tuple(jax.device_put(x, NamedSharding(mesh, P(None, "sp"))) for x in args)
+      fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(None, "sp"),
+                                 out_specs=P(None, "sp")))
+      return tuple(undo(np.asarray(x)) for x in fn(*args))
+  return run
+
+
+def _reference(q, k, v, d_out, **options):
+  (out, lse), vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, **options), q, k, v)
+  return (out, lse) + vjp((d_out, jnp.zeros_like(lse)))
+
+
+def _compare(got, want):
+  names = ("out", "lse", "dq", "dk", "dv")
+  for name, g, w in zip(names, got, want):
+    assert rel_err(g, w) < F32_TOLERANCE * 5, name
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_ring_matches_the_whole_sequence(layout, causal, implementation):
+  """GQA 4/2, 4 chunks of 16 tokens: output, LSE and gradients as the dense reference."""
+  q, k, v, d_out = random_qkv(0, 2, 64, 64, 4, 2, 16)
+  got = _ring_call(layout, implementation, is_causal=causal)(q, k, v, d_out)
+  _compare(got, _reference(q, k, v, d_out, is_causal=causal))
+
+
+def test_ring_with_segments_and_a_window():
+  """Packed documents whose boundaries fall inside and across chunks, with a local window."""
+  q, k, v, d_out = random_qkv(1, 2, 64, 64, 2, 1, 16)
+  starts = random_array(2, (2, 64), "bool") & (jnp.arange(64) % 7 == 3)
+  segments = jnp.cumsum(starts, axis=1).astype(jnp.int32)
+  options = dict(is_causal=True, local_window_size=(20, 0))
+  got = _ring_call("zigzag", **options)(q, k, v, d_out, segments)
+  _compare(got, _reference(q, k, v, d_out, segment_ids=segments, **options))
+
+
+def test_ring_dropout_is_the_unsplit_calls():
+  """Dropout coordinates are global positions: the ring drops what `flash_attention` on the
+  whole sequence drops (same key), so the outputs agree."""
+  q, k, v, d_out = random_qkv(2, 1, 64, 64, 2, 2, 16)
+  options = dict(is_causal=True, dropout_rate=0.3, dropout_rng=jax.random.key(5))
+  got = _ring_call("contiguous", **options)(q, k, v, d_out)
+  (out, lse), vjp = jax.vjp(lambda q, k, v: jaxflash.flash_attention(
+      q, k, v, return_residual=True, implementation="xla", **options), q, k, v)
+  want = (out, lse) + vjp((d_out, jnp.zeros_like(lse)))
+  _compare(got, want)
+
+
+def test_zigzag_order_round_trips():
+  x = jnp.arange(2 * 24).reshape(2, 24)
+  z = ring.to_zigzag(x, 3)
+  assert z[0, :4].tolist() == [0, 1, 2, 3] and z[0, 4:8].tolist() == [20, 21, 22, 23]
+  assert (ring.from_zigzag(z, 3) == x).all()
+
+
+def test_ring_rejects_bad_arguments():
+  q = jnp.zeros((1, 8, 2, 16))
+  with pytest.raises(ValueError, match="axis_name"):
+    jaxflash.ring_attention(q, q, q, axis_name="nope")
+  with pytest.raises(ValueError, match="layout"):
+    jaxflash.ring_attention(q, q, q, axis_name="sp", layout="striped")

@@ -1,0 +1,220 @@
+"""Sharded calls (issue 15), on four fake CPU devices (tests/conftest.py): batch- and
+head-sharded inputs under jit compute each device's share with no collective, on Auto and
+Explicit meshes, with every option sharded along; results and gradients equal the unsharded
+call's (dropout included: its coordinates are global); what must communicate (the gradient of
+a bias broadcast over a sharded batch, dK/dV of an MQA head shared by sharded query heads) does;
+a sequence-sharded call is gathered and right; calls inside `jax.shard_map` work with
+``check_vma=True``. The same tests run on a machine with 2 or more GPUs, and
+``benchmarks/multi_gpu.py`` times the batch-sharded step there.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxflash
+from checks import ON_GPU, attention, random_array, random_qkv, rel_err
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
+# Meshes are written for 4 devices; with 2 (a two-GPU machine) each shrinks to 2.
+DEVICES = min(jax.device_count(), 4)
+
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+# Pallas's interpreter fails inside shard_map with check_vma=True (a `pad` it emits mixes
+# types), so on a CPU those tests run the XLA backend; on a GPU the kernels are compiled.
+SHARD_MAP_BACKENDS = ("triton", "xla") if ON_GPU else ("xla",)
+TOL = 1e-5 if not ON_GPU else 2e-3
+
+
+def _mesh(axis_type, shape=(2, 2), names=("b", "h")):
+  if DEVICES < 4:
+    shape = (2, 1) if len(shape) == 2 else (2,)
+  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+
+
+def _collectives(compiled_text: str) -> list[str]:
+  return [c for c in COLLECTIVES if c in compiled_text]
+
+
+def _fwd_bwd(implementation, **options):
+  """jit of (q, k, v, d_out, **arrays) -> (out, dq, dk, dv): a VJP with a sharded cotangent, so
+  that any collective in the program is one of the op's own (a scalar loss would all-reduce).
+  ``arrays`` are more options, passed as arguments so that they can be sharded too."""
+  def fn(q, k, v, d_out, **arrays):
+    out, vjp = jax.vjp(lambda q, k, v: attention(implementation, q, k, v, **options, **arrays),
+                       q, k, v)
+    return (out,) + vjp(d_out)
+  return jax.jit(fn)
+
+
+def _close(got, want):
+  for g, w in zip(got, want):
+    assert rel_err(g, w) < TOL
+
+
+def _put(mesh, spec, *xs):
+  return tuple(jax.device_put(x, NamedSharding(mesh, spec)) for x in xs)
+
+
+@pytest.mark.parametrize("implementation", ("triton", "xla"))
+@pytest.mark.parametrize("axis_type", (AxisType.Auto, AxisType.Explicit), ids=("auto", "explicit"))
+def test_batch_and_head_sharded_calls_run_locally(implementation, axis_type):
+  """Batch over one mesh axis and heads (GQA 4/2) over the other: no collective in forward or
+  backward, outputs and gradients sharded like their inputs, values equal to one device's, with
+  causal, key lengths, segments and dropout sharded along."""
+  b, t, n, k, h = 4, 40, 4, 2, 16
+  q, kk, v, d_out = random_qkv(0, b, t, t, n, k, h)
+  segments = jnp.cumsum(random_array(1, (b, t), "bool") & (jnp.arange(t) % 9 == 0), axis=1)
+  lengths = jnp.array([40, 33, 7, 25])
+  fn = _fwd_bwd(implementation, is_causal=True, dropout_rate=0.2,
+                dropout_rng=jax.random.key(7))
+  want = fn(q, kk, v, d_out, key_value_seq_lengths=lengths, segment_ids=segments)
+  mesh = _mesh(axis_type)
+  spec = P("b", None, "h")
+  with jax.set_mesh(mesh):
+    args = _put(mesh, spec, q, kk, v, d_out)
+    rows = dict(zip(("key_value_seq_lengths", "segment_ids"), _put(mesh, P("b"), lengths,
+                                                                   segments)))
+    got = fn(*args, **rows)
+    assert _collectives(fn.lower(*args, **rows).compile().as_text()) == []
+  for x in got:
+    assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
+  _close(got, want)
+
+
+def test_a_mesh_with_an_unused_axis_and_a_batch_only_sharding():
+  """A 4-device mesh whose second axis shards nothing: still local, still exact."""
+  q, kk, v, d_out = random_qkv(1, 4, 24, 24, 2, 2, 16)
+  fn = _fwd_bwd("xla", is_causal=True)
+  want = fn(q, kk, v, d_out)
+  mesh = _mesh(AxisType.Auto, (2, 2), ("data", "model"))
+  with jax.set_mesh(mesh):
+    args = _put(mesh, P("data"), q, kk, v, d_out)
+    got = fn(*args)
+    assert _collectives(fn.lower(*args).compile().as_text()) == []
+  _close(got, want)
+
+
+@pytest.mark.parametrize("axis_type", (AxisType.Auto, AxisType.Explicit), ids=("auto", "explicit"))
+def test_mqa_heads_sharded_sum_the_shared_key_gradients(axis_type):
+  """One K/V head shared by query heads split over 4 devices: each device holds K/V whole,
+  and dK/dV are summed over the devices (one all-reduce, in the backward only)."""
+  q, kk, v, d_out = random_qkv(2, 2, 24, 30, 4, 1, 16)
+  fn = _fwd_bwd("xla", is_causal=True)
+  want = fn(q, kk, v, d_out)
+  mesh = _mesh(axis_type, (4,), ("h",))
+  with jax.set_mesh(mesh):
+    q_s, d_s = _put(mesh, P(None, None, "h"), q, d_out)
+    k_s, v_s = _put(mesh, P(), kk, v)
+    got = fn(q_s, k_s, v_s, d_s)
+    forward = jax.jit(lambda q, k, v: attention("xla", q, k, v, is_causal=True))
+    assert _collectives(forward.lower(q_s, k_s, v_s).compile().as_text()) == []
+    assert _collectives(fn.lower(q_s, k_s, v_s, d_s).compile().as_text()) == ["all-reduce"]
+  _close(got, want)
+
+
+@pytest.mark.parametrize("axis_type", (AxisType.Auto, AxisType.Explicit), ids=("auto", "explicit"))
+def test_bias_broadcast_over_a_sharded_batch(axis_type):
+  """A [1, N, T, S] bias with a batch-sharded call: its gradient is summed over the devices;
+  a per-batch-row mask shards with the batch."""
+  b, t, s, n = 4, 20, 28, 2
+  q, kk, v, d_out = random_qkv(3, b, t, s, n, n, 16)
+  bias = random_array(3, (1, n, t, s), "float")
+  mask = random_array(4, (b, 1, t, s), "bool")
+
+  def fn(q, k, v, bias, mask, d_out):
+    out, vjp = jax.vjp(lambda q, k, v, bias: attention("xla", q, k, v, bias, mask), q, k, v, bias)
+    return (out,) + vjp(d_out)
+
+  fn = jax.jit(fn)
+  want = fn(q, kk, v, bias, mask, d_out)
+  mesh = _mesh(axis_type, (4,), ("b",))
+  with jax.set_mesh(mesh):
+    q_s, k_s, v_s, d_s, mask_s = _put(mesh, P("b"), q, kk, v, d_out, mask)
+    bias_s, = _put(mesh, P(), bias)
+    got = fn(q_s, k_s, v_s, bias_s, mask_s, d_s)
+  _close(got, want)
+
+
+@pytest.mark.parametrize("axis_type", (AxisType.Auto, AxisType.Explicit), ids=("auto", "explicit"))
+def test_sequence_sharded_inputs_are_gathered_and_right(axis_type):
+  """Queries and keys sharded along the sequence: the call gathers what it needs (context
+  parallelism is ring attention's job) and the result is the unsharded one."""
+  q, kk, v, d_out = random_qkv(4, 2, 32, 32, 2, 2, 16)
+  fn = _fwd_bwd("xla", is_causal=True)
+  want = fn(q, kk, v, d_out)
+  mesh = _mesh(axis_type, (4,), ("s",))
+  with jax.set_mesh(mesh):
+    got = fn(*_put(mesh, P(None, "s"), q, kk, v, d_out))
+  _close(got, want)
+  if axis_type == AxisType.Explicit:  # types say where things are: the output is the query's
+    assert tuple(got[0].sharding.spec[:2]) == (None, "s")
+
+
+@pytest.mark.parametrize("implementation", SHARD_MAP_BACKENDS)
+def test_inside_shard_map_with_check_vma(implementation):
+  """Forward and gradients inside `jax.shard_map` (``check_vma=True``, the default), batch
+  split over the devices: each device's result is the unsharded call's rows."""
+  q, kk, v, d_out = random_qkv(5, 4, 24, 24, 2, 1, 16)
+  fn = _fwd_bwd(implementation, is_causal=True, key_value_seq_lengths=jnp.array([24, 3, 0, 17]))
+  want = fn(q, kk, v, d_out)
+
+  mesh = _mesh(AxisType.Explicit, (4,), ("b",))
+
+  def local(q, k, v, lengths, d_out):
+    out, vjp = jax.vjp(lambda q, k, v: attention(implementation, q, k, v, is_causal=True,
+                                                 key_value_seq_lengths=lengths), q, k, v)
+    return (out,) + vjp(d_out)
+
+  sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("b"), out_specs=P("b")))
+  with jax.set_mesh(mesh):
+    args = _put(mesh, P("b"), q, kk, v, jnp.array([24, 3, 0, 17]), d_out)
+    got = sharded(*args)
+  _close(got, want)
+
+
+def test_dropout_is_the_same_however_the_call_is_sharded():
+  """The keep mask depends on global (batch, head) coordinates: batch-sharded, head-sharded
+  and unsharded calls drop the same entries (outputs equal to rounding)."""
+  q, kk, v, _ = random_qkv(6, 4, 16, 16, 4, 4, 16)
+  fn = jax.jit(lambda q, k, v: attention("xla", q, k, v, dropout_rate=0.5,
+                                         dropout_rng=jax.random.key(1)))
+  want = fn(q, kk, v)
+  for spec in (P("b"), P(None, None, "b"), P("b", None, None)):
+    mesh = _mesh(AxisType.Auto, (4,), ("b",))
+    with jax.set_mesh(mesh):
+      got = fn(*_put(mesh, spec, q, kk, v))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_vmap_of_a_sharded_call():
+  """vmap over a leading axis of batch-sharded inputs: the primitive's batching rule."""
+  q, kk, v, _ = random_qkv(7, 4, 16, 16, 2, 2, 16)
+  stack = lambda x: jnp.stack([x, 2 * x])  # noqa: E731
+  fn = jax.jit(jax.vmap(lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=True,
+                                                                 implementation="xla")))
+  want = fn(stack(q), stack(kk), stack(v))
+  mesh = _mesh(AxisType.Auto, (4,), ("b",))
+  with jax.set_mesh(mesh):
+    got = fn(*_put(mesh, P(None, "b"), stack(q), stack(kk), stack(v)))
+  assert rel_err(got, want) < TOL
+
+
+def test_decode_attention_batch_sharded():
+  """The decoding op on a batch-sharded cache: local, and equal to one device's result."""
+  b, s_max, t = 4, 40, 2
+  q, kk, v, _ = random_qkv(8, b, t, s_max, 4, 2, 16)
+  lengths = jnp.array([40, 5, 2, 31])
+  fn = jax.jit(lambda q, k, v, lengths: jaxflash.decode_attention(q, k, v, lengths,
+                                                                  implementation="xla"))
+  want = fn(q, kk, v, lengths)
+  mesh = _mesh(AxisType.Auto, (4,), ("b",))
+  with jax.set_mesh(mesh):
+    args = _put(mesh, P("b"), q, kk, v, lengths)
+    got = fn(*args)
+    assert _collectives(fn.lower(*args).compile().as_text()) == []
+  assert rel_err(got, want) < TOL
