@@ -91,7 +91,12 @@ def run(cfg: dict) -> dict:
     if interpret and impl == "cudnn":
       continue
     step = jax.jit(step_fn(attention_fn(impl, cfg["causal"], interpret)))
-    alone_ms = cases.time_call(step, share, calls=cfg["calls"], repeats=cfg["repeats"])
+    try:
+      alone_ms = cases.time_call(step, share, calls=cfg["calls"], repeats=cfg["repeats"])
+    except Exception as e:  # e.g. dense XLA out of memory: a result, not the end of the run
+      rows.append(dict(impl=impl, mesh="one share", failed=f"{type(e).__name__}: "
+                       f"{str(e)[:300]}"))
+      continue
     for kind in cfg["mesh_kinds"]:
       row = dict(impl=impl, mesh=kind, devices=count, B=b, T=t, N=n, D=d,
                  causal=cfg["causal"], dtype=str(dtype), one_share_ms=alone_ms)
@@ -225,8 +230,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--no-causal", dest="causal", action="store_false")
   parser.add_argument("--dtype", default="bfloat16")
+  # (Dense XLA is left out by default: at B = 4 x 8192 tokens its logits take tens of GB.)
   parser.add_argument("--impls", nargs="+", choices=IMPLS,
-                      default=["jaxflash", "jaxflash_triton", "cudnn", "xla"])
+                      default=["jaxflash", "jaxflash_triton", "cudnn"])
   parser.add_argument("--mesh-kinds", nargs="+", choices=("Auto", "Explicit"),
                       default=["Auto", "Explicit"])
   parser.add_argument("--ring-chunks", type=int, nargs="*", default=[16384],
