@@ -152,8 +152,13 @@ def run(local: Local, operands: tuple) -> tuple:
   mesh = jax.sharding.get_abstract_mesh()
   types = () if mesh.empty else tuple(mesh.axis_types)
   if types and all(t == AxisType.Manual for t in types):
-    # Inside shard_map: this device's share is the call.
-    return local.run(jnp.zeros((2,), jnp.int32), *_varying(operands))
+    # Inside shard_map: this device's share is the call. Results vary like the operands even
+    # where a kernel's launcher drops the type (Mosaic GPU's `plgpu.kernel` does): a VJP wants
+    # the cotangent's type to be its output's.
+    operands = _varying(operands)
+    axes = frozenset().union(*(_core.varying_axes(x) for x in operands))
+    return tuple(_core.varying_like(r, axes)
+                 for r in local.run(jnp.zeros((2,), jnp.int32), *operands))
   if AxisType.Explicit in types:
     return _run_explicit(local, operands, mesh)
   if jax.device_count() == 1:  # nothing can be sharded: no primitive, no second trace
