@@ -120,3 +120,36 @@ def kernel_can_serve(query: jax.Array, key: jax.Array, value: jax.Array) -> bool
   if not query.shape[-1] == key.shape[-1] == value.shape[-1]:
     return False
   return query.shape[-2] % key.shape[-2] == 0 and key.shape == value.shape
+
+
+def ring_attention_fn(axis_name: str, *, layout: str = "contiguous", is_causal: bool = False):
+  """A Flax ``attention_fn`` (linen or nnx) that runs `jaxflash.ring_attention` over the mesh axis
+  ``axis_name``: pass it to a module whose call runs inside `jax.shard_map` with the sequence
+  split along that axis, and each device attends its chunk of queries to the whole sequence.
+
+  ``layout`` and ``is_causal`` are fixed here (the module has no such arguments). A ``mask`` or
+  ``bias`` is refused (a dense [T, S] array is what the ring exists to avoid; use ``is_causal``,
+  or `jaxflash.ring_attention`'s ``segment_ids`` and ``local_window_size`` directly). Dropout is
+  Flax's: ``dropout_rate``, ``dropout_rng``, ``deterministic`` and ``broadcast_dropout``.
+  """
+  from jaxflash.attention import ring_attention
+
+  def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                   dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                   precision=None, module=None, **unused):
+    del precision, module, unused  # the kernels' own precision; no weights to sow
+    if bias is not None or mask is not None:
+      raise ValueError("ring_attention_fn takes no mask or bias: build it with is_causal=True "
+                       "for a causal mask, or call jaxflash.ring_attention directly")
+    if dtype is not None:
+      query, key, value = (x.astype(dtype) for x in (query, key, value))
+    batch_shape = query.shape[:-3]
+    b = math.prod(batch_shape)
+    q, k, v = (x.reshape((b,) + x.shape[-3:]) for x in (query, key, value))
+    rate = 0.0 if deterministic else float(dropout_rate)
+    out = ring_attention(q, k, v, axis_name=axis_name, layout=layout, is_causal=is_causal,
+                         dropout_rate=rate, dropout_rng=dropout_rng if rate > 0.0 else None,
+                         broadcast_dropout=broadcast_dropout)
+    return out.reshape(query.shape[:-1] + value.shape[-1:])
+
+  return attention_fn

@@ -25,6 +25,7 @@ except ModuleNotFoundError as e:  # Flax is an optional extra
                             "pip install flax)") from e
 
 from jaxflash import _flax
+from jaxflash._flax import ring_attention_fn  # noqa: F401 (re-exported: the ring as an attention_fn)
 
 
 def dot_product_attention(

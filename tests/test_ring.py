@@ -110,3 +110,27 @@ def test_ring_rejects_bad_arguments():
     jaxflash.ring_attention(q, q, q, axis_name="nope")
   with pytest.raises(ValueError, match="layout"):
     jaxflash.ring_attention(q, q, q, axis_name="sp", layout="striped")
+
+
+def test_flax_module_with_the_ring_as_its_attention_fn():
+  """A linen module whose attention_fn is `jaxflash.linen.ring_attention_fn`, applied inside
+  shard_map to sequence-split activations, gives the causal module's output on the whole
+  sequence (same parameters); a mask is refused."""
+  flax_linen = pytest.importorskip("flax.linen")
+  import jaxflash.linen
+
+  x = jax.random.normal(jax.random.key(3), (2, 64, 32))
+  whole = jaxflash.linen.MultiHeadDotProductAttention(num_heads=4, is_causal=True)
+  params = whole.init(jax.random.key(0), x)
+  want = whole.apply(params, x)
+  ringed = flax_linen.MultiHeadDotProductAttention(
+      num_heads=4, attention_fn=jaxflash.linen.ring_attention_fn("sp", layout="zigzag",
+                                                                 is_causal=True))
+  mesh = _mesh()
+  fn = jax.jit(jax.shard_map(lambda x: ringed.apply(params, x), mesh=mesh,
+                             in_specs=P(None, "sp"), out_specs=P(None, "sp")))
+  with jax.set_mesh(mesh):
+    got = fn(jax.device_put(ring.to_zigzag(x, RING), NamedSharding(mesh, P(None, "sp"))))
+  assert rel_err(ring.from_zigzag(np.asarray(got), RING), want) < F32_TOLERANCE * 5
+  with pytest.raises(ValueError, match="no mask"):
+    ringed.apply(params, x, mask=jnp.ones((2, 1, 64, 64), bool))
