@@ -142,13 +142,13 @@ def test_bias_broadcast_over_a_sharded_batch(axis_type):
 
 @pytest.mark.parametrize("axis_type", (AxisType.Auto, AxisType.Explicit), ids=("auto", "explicit"))
 def test_sequence_sharded_inputs_are_gathered_and_right(axis_type):
-  """Queries and keys sharded along the sequence: the call gathers what it needs (context
-  parallelism is ring attention's job) and the result is the unsharded one."""
+  """Queries and keys sharded along the sequence: the call gathers what it needs, warns that
+  context parallelism is ring attention's job, and the result is the unsharded one."""
   q, kk, v, d_out = random_qkv(4, 2, 32, 32, 2, 2, 16)
   fn = _fwd_bwd("xla", is_causal=True)
   want = fn(q, kk, v, d_out)
   mesh = _mesh(axis_type, (4,), ("s",))
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), pytest.warns(UserWarning, match="ring_attention"):
     got = fn(*_put(mesh, P(None, "s"), q, kk, v, d_out))
   _close(got, want)
   if axis_type == AxisType.Explicit:  # types say where things are: the output is the query's

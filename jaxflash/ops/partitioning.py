@@ -8,8 +8,8 @@ each device's share instead, wherever a call comes from:
 - **Under `jax.jit` with `AxisType.Auto` mesh axes** (or shardings given to jit, no mesh set):
   the call is one primitive whose lowering is a `custom_partitioning` op. The partitioner tells
   it how the operands are sharded; it keeps the batch axis and the head axes sharded as the
-  query is, and asks for everything else whole (a sequence-sharded operand is gathered: the
-  result is right, and context parallelism is `jaxflash.ring_attention`'s job).
+  query is, and asks for everything else whole (a sequence-sharded operand is gathered, with a
+  warning: the result is right, and context parallelism is `jaxflash.ring_attention`'s job).
 - **Under `AxisType.Explicit` mesh axes**, the shardings are part of the types, so the call is
   a `jax.shard_map` over the axes that shard the query's batch and heads; operands are
   `jax.reshard`-ed to that layout first and results back to their operand's sharding. (Its
@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Callable
 
 import jax
@@ -130,6 +131,12 @@ class Local:
     d = _size(heads, sizes)
     if n % d or (k % d and k != 1):
       heads = ()
+    others = [e for i, e in enumerate(spec) if i < len(q_roles) and q_roles[i] is None and e]
+    if others:
+      warnings.warn(
+          f"jaxflash: the query is sharded as {spec}, along its sequence or head dim; every "
+          "device gathers it and computes the whole call there. To split a sequence over "
+          "devices use jaxflash.ring_attention inside jax.shard_map.", stacklevel=2)
     return Plan(batch, heads, kv_heads_split=bool(heads) and k % d == 0)
 
   def run_shard(self, plan: Plan, operands) -> tuple:
