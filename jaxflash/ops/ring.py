@@ -113,14 +113,19 @@ def _pair(inputs: Inputs, kv, q_part: int, kv_part: int, parts: int, q_start, kv
   """The inputs of one (query part, key part) pair: slices and their absolute offsets."""
   k, v, kv_seg = kv
   tq, tk = inputs.query.shape[1] // parts, k.shape[1] // parts
-  q_sl = lambda x: None if x is None else lax.slice_in_dim(x, q_part * tq, (q_part + 1) * tq, axis=1)  # noqa: E731,E501
-  k_sl = lambda x: None if x is None else lax.slice_in_dim(x, kv_part * tk, (kv_part + 1) * tk, axis=1)  # noqa: E731,E501
+  q_sl = functools.partial(_part_of, start=q_part * tq, size=tq)
+  k_sl = functools.partial(_part_of, start=kv_part * tk, size=tk)
   b = inputs.query.shape[0]
   offsets = jnp.broadcast_to(jnp.stack([q_start, kv_start]).astype(jnp.int32), (b, 2))
   lengths = jnp.broadcast_to(jnp.array([tq, tk], jnp.int32), (b, 2))
   return inputs._replace(query=q_sl(inputs.query), key=k_sl(k), value=k_sl(v),
                          q_segment_ids=q_sl(inputs.q_segment_ids),
                          kv_segment_ids=k_sl(kv_seg), lengths=lengths, offsets=offsets)
+
+
+def _part_of(x, start: int, size: int):
+  """Tokens ``start ... start + size - 1`` of a [B, C, ...] array (None stays None)."""
+  return None if x is None else lax.slice_in_dim(x, start, start + size, axis=1)
 
 
 def _forward(inputs: Inputs, params: Params, ring: Ring):
