@@ -41,8 +41,6 @@ def as_u32(x):
   return jnp.asarray(x).astype(jnp.uint32)
 
 
-_u32 = as_u32
-
 
 def _mix(x):
   """Bijective uint32 -> uint32 mixer (every output bit depends on every input bit)."""
@@ -77,10 +75,10 @@ def keep_probability(rate: float) -> float:
 
 def stream_key(seed0, seed1, batch, head):
   """Per-(batch, head) key; scalars inside a kernel, broadcastable arrays outside."""
-  h = _mix(_u32(seed0) ^ jnp.uint32(_SALT))
-  h = _mix(h ^ _u32(seed1))
-  h = _mix(h ^ _u32(batch))
-  return _mix(h ^ _u32(head))
+  h = _mix(as_u32(seed0) ^ jnp.uint32(_SALT))
+  h = _mix(h ^ as_u32(seed1))
+  h = _mix(h ^ as_u32(batch))
+  return _mix(h ^ as_u32(head))
 
 
 def keep(stream, rows, first_col, num_cols: int, rate: float, even_start: bool = True):
@@ -103,7 +101,7 @@ def keep(stream, rows, first_col, num_cols: int, rate: float, even_start: bool =
     return keep_entries(row_key, first_col + _lift(jnp.arange(num_cols), rank), rate)
   if num_cols % 2:
     return keep(stream, rows, first_col, num_cols + 1, rate)[..., :num_cols]
-  pairs = _u32(first_col // 2 + _lift(jnp.arange(num_cols // 2), rank))
+  pairs = as_u32(first_col // 2 + _lift(jnp.arange(num_cols // 2), rank))
   bits = _mix(row_key ^ (pairs * jnp.uint32(_GOLDEN)))
   even = (bits & jnp.uint32(0xFFFF)) >= cut
   odd = (bits >> 16) >= cut
@@ -113,14 +111,14 @@ def keep(stream, rows, first_col, num_cols: int, rate: float, even_start: bool =
 
 def row_keys(stream, rows):
   """The hash key of each absolute query row of a stream (`keep_entries` takes it)."""
-  return _mix(stream ^ _u32(rows))
+  return _mix(stream ^ as_u32(rows))
 
 
 def keep_entries(row_key, cols, rate: float):
   """`keep`'s mask entry by entry: ``row_key`` (from `row_keys`) and absolute key columns
   ``cols`` broadcast against each other, in any layout (a kernel's register tiles, say). Each
   entry computes its column pair's hash itself: the same mask as `keep`, twice the work."""
-  cols = _u32(cols)
+  cols = as_u32(cols)
   bits = _mix(row_key ^ ((cols >> 1) * jnp.uint32(_GOLDEN)))
   return jnp.where((cols & 1) == 1, bits >> 16, bits & jnp.uint32(0xFFFF)) >= jnp.uint32(
       threshold(rate))

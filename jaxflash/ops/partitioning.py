@@ -100,7 +100,8 @@ class Local:
   """A per-device computation and the layout of its operands and results.
 
   ``run(origin, *operands) -> tuple of results``, where ``origin`` is int32 [2], the batch row
-  and query head of the device's first row and head in the whole call. ``run`` is a frozen
+  and query head of the device's first row and head in the whole call, or None for the whole
+  call on one device. ``run`` is a frozen
   dataclass or another value-hashable callable: the primitive's jit cache keys on it.
   """
 
@@ -139,6 +140,10 @@ class Local:
           "devices use jaxflash.ring_attention inside jax.shard_map.", stacklevel=2)
     return Plan(batch, heads, kv_heads_split=bool(heads) and k % d == 0)
 
+  def whole(self, *operands) -> tuple:
+    """The call as one device computes it: no share, so no origin for the dropout seed."""
+    return tuple(self.run(None, *operands))
+
   def run_shard(self, plan: Plan, operands) -> tuple:
     """The body each device runs on its share: its origin from its mesh coordinates, its call,
     and the psums that complete partial results."""
@@ -147,7 +152,7 @@ class Local:
     for i, (role, axes) in enumerate(((BATCH, plan.batch), (HEADS, plan.heads))):
       if axes:  # the device's index along the axes times its share's size
         origin[i] = jax.lax.axis_index(axes).astype(jnp.int32) * q_shape[q_roles.index(role)]
-    results = self.run(jnp.stack(origin), *_varying(operands))
+    results = self.run(jnp.stack(origin), *_varying(operands)[0])
     return tuple(jax.lax.psum(r, plan.sum_axes(s)) if plan.sum_axes(s) else r
                  for r, s in zip(results, self.out_sums))
 
@@ -155,21 +160,19 @@ class Local:
 def run(local: Local, operands: tuple) -> tuple:
   """``local`` on ``operands`` (a tuple of arrays), per device wherever they are sharded."""
   if local.direct:
-    return tuple(local.run(jnp.zeros((2,), jnp.int32), *operands))
+    return local.whole(*operands)
   mesh = jax.sharding.get_abstract_mesh()
   types = () if mesh.empty else tuple(mesh.axis_types)
   if types and all(t == AxisType.Manual for t in types):
     # Inside shard_map: this device's share is the call. Results vary like the operands even
     # where a kernel's launcher drops the type (Mosaic GPU's `plgpu.kernel` does): a VJP wants
     # the cotangent's type to be its output's.
-    operands = _varying(operands)
-    axes = frozenset().union(*(_core.varying_axes(x) for x in operands))
-    return tuple(_core.varying_like(r, axes)
-                 for r in local.run(jnp.zeros((2,), jnp.int32), *operands))
+    operands, axes = _varying(operands)
+    return tuple(_core.varying_like(r, axes) for r in local.whole(*operands))
   if AxisType.Explicit in types:
     return _run_explicit(local, operands, mesh)
   if jax.device_count() == 1:  # nothing can be sharded: no primitive, no second trace
-    return tuple(local.run(jnp.zeros((2,), jnp.int32), *operands))
+    return local.whole(*operands)
   return tuple(_partitioned_p.bind(*operands, local=local))
 
 
@@ -188,7 +191,7 @@ def _run_explicit(local: Local, operands: tuple, mesh) -> tuple:
                             out_specs=tuple(plan.spec(r) for r in local.out_roles),
                             axis_names=frozenset(plan.axes), check_vma=False)(*operands)
   else:
-    results = local.run(jnp.zeros((2,), jnp.int32), *operands)
+    results = local.whole(*operands)
   # Each result goes back to the sharding of the operand it stands for (the output like the
   # query, dK like K, ...): a gradient's type must be its primal's.
   return tuple(r if i is None else _reshard(r, originals[i])
@@ -219,7 +222,7 @@ def _abstract_eval(*avals, local):
 
 def _result_shapes(local: Local, avals):
   structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-  return jax.eval_shape(lambda *xs: local.run(jnp.zeros((2,), jnp.int32), *xs), *structs)
+  return jax.eval_shape(local.whole, *structs)
 
 
 def _batch_rule(operands, dims, *, local):
@@ -260,7 +263,7 @@ _dispatch.prim_requires_devices_during_lowering.add(_partitioned_p)
 def _partitioner(local: Local):
   """The `custom_partitioning` op of one call: Shardy's rule names each dimension's factor, and
   `partition` turns the operands' shardings into the plan."""
-  fn = custom_partitioning(lambda *xs: tuple(local.run(jnp.zeros((2,), jnp.int32), *xs)))
+  fn = custom_partitioning(local.whole)
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
@@ -307,11 +310,12 @@ def _reshard(x, spec: P):
   return x if jax.typeof(x).sharding.spec == spec else jax.reshard(x, spec)
 
 
-def _varying(operands) -> tuple:
-  """The operands, each varying over every manual axis any of them varies over: a kernel's
-  outputs and a loop's carries then have one type (`check_vma`)."""
+def _varying(operands) -> tuple[tuple, frozenset]:
+  """The operands, each varying over every manual axis any of them varies over (a kernel's
+  outputs and a loop's carries then have one type under `check_vma`), and those axes."""
   axes = frozenset().union(*(_core.varying_axes(x) for x in operands))
-  return tuple(_core.varying_like(x, axes) for x in operands)
+  return tuple(_core.varying_like(x, axes) for x in operands), axes
+
 
 # --- Attention's forward and backward as `Local`s ----------------------------------------------
 
@@ -375,9 +379,10 @@ def _operands(inputs: Inputs):
 
 
 def _inputs(names, arrays, origin) -> Inputs:
-  """`Inputs` from a device's arrays; the dropout seed learns the share's origin."""
+  """`Inputs` from a device's arrays; the dropout seed learns the share's origin (None: the
+  whole call, whose seed stays two words)."""
   inputs = Inputs(**dict(zip(names, arrays)))
-  if inputs.dropout_seed is not None:
+  if inputs.dropout_seed is not None and origin is not None:
     seed = jnp.concatenate([inputs.dropout_seed[:2], origin.astype(jnp.uint32)])
     inputs = inputs._replace(dropout_seed=seed)
   return inputs
@@ -396,11 +401,7 @@ class _Forward:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Backward:
-  backend: object
-  params: Params
-  config: object
-  names: tuple[str, ...]
+class _Backward(_Forward):
   want_dbias: bool
 
   def __call__(self, origin, *arrays):

@@ -101,8 +101,7 @@ class Ring:
     """Every device sends ``xs`` to the next one on the ring."""
     ring = self.size()
     perm = [(j, (j + 1) % ring) for j in range(ring)]
-    return jax.tree.map(lambda x: None if x is None else lax.ppermute(x, self.axis_name, perm),
-                        xs)
+    return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, perm), xs)  # (None stays)
 
 
 def _parts(ring: Ring) -> int:
@@ -123,6 +122,23 @@ def _pair(inputs: Inputs, kv, q_part: int, kv_part: int, parts: int, q_start, kv
                          kv_segment_ids=k_sl(kv_seg), lengths=lengths, offsets=offsets)
 
 
+def _step_pairs(inputs: Inputs, ring: Ring, kv, step: int) -> list:
+  """``(query part, key part, inputs)`` of every pair of one ring step, where ``kv`` (K, V, key
+  segment ids) is the chunk this device holds at that step."""
+  size, me, parts = ring.size(), lax.axis_index(ring.axis_name), _parts(ring)
+  chunk = inputs.query.shape[1]
+  q_starts = chunk_starts(ring.layout, size, me, chunk)
+  kv_starts = chunk_starts(ring.layout, size, (me - step) % size, chunk)  # its owner's chunk
+  return [(p, r, _pair(inputs, kv, p, r, parts, q_starts[p], kv_starts[r]))
+          for p in range(parts) for r in range(parts)]
+
+
+def _add_part(acc, share, start: int):
+  """``acc`` with ``share`` added to its tokens ``start ...`` (static bounds)."""
+  part = _part_of(acc, start, share.shape[1]) + share
+  return lax.dynamic_update_slice_in_dim(acc, part, start, axis=1)
+
+
 def _part_of(x, start: int, size: int):
   """Tokens ``start ... start + size - 1`` of a [B, C, ...] array (None stays None)."""
   return None if x is None else lax.slice_in_dim(x, start, start + size, axis=1)
@@ -130,23 +146,16 @@ def _part_of(x, start: int, size: int):
 
 def _forward(inputs: Inputs, params: Params, ring: Ring):
   """(out [B, T, N, H], lse2 [B, N, T]) of the local queries against the whole sequence."""
-  size, me = ring.size(), lax.axis_index(ring.axis_name)
-  parts = _parts(ring)
-  chunk = inputs.query.shape[1]
-  q_starts = chunk_starts(ring.layout, size, me, chunk)
+  size, parts = ring.size(), _parts(ring)
   partial_params = dataclasses.replace(params, partial=True)
   kv = (inputs.key, inputs.value, inputs.kv_segment_ids)
   outs = [[] for _ in range(parts)]
   lses = [[] for _ in range(parts)]
   for step in range(size):
-    owner = (me - step) % size  # whose K/V chunk this device holds now
-    kv_starts = chunk_starts(ring.layout, size, owner, chunk)
-    for p in range(parts):
-      for r in range(parts):
-        pair = _pair(inputs, kv, p, r, parts, q_starts[p], kv_starts[r])
-        out, lse2 = flash.forward(ring.backend, pair, partial_params, ring.config)
-        outs[p].append(out)
-        lses[p].append(jnp.swapaxes(_core.user_lse(lse2), 1, 2))
+    for p, _, pair in _step_pairs(inputs, ring, kv, step):
+      out, lse2 = flash.forward(ring.backend, pair, partial_params, ring.config)
+      outs[p].append(out)
+      lses[p].append(jnp.swapaxes(_core.user_lse(lse2), 1, 2))
     if step < size - 1:
       kv = ring.shift(kv)
   merged = [partial.merge(o, s) for o, s in zip(outs, lses)]
@@ -172,39 +181,28 @@ def _fwd(inputs, params, ring):
 def _bwd(params, ring, residuals, cotangents):
   inputs, out, lse2 = residuals
   d_out, delta = flash.output_cotangents(out, cotangents)
-  size, me = ring.size(), lax.axis_index(ring.axis_name)
-  parts = _parts(ring)
-  chunk = inputs.query.shape[1]
-  tq = chunk // parts
-  q_starts = chunk_starts(ring.layout, size, me, chunk)
+  size, parts = ring.size(), _parts(ring)
+  tq = inputs.query.shape[1] // parts
   partial_params = dataclasses.replace(params, partial=True)  # float32 shares, summed
   kv = (inputs.key, inputs.value, inputs.kv_segment_ids)
   # Accumulators vary over the manual axes like the gradients added to them (check_vma).
   zeros = _core.varying_like(jnp.zeros(inputs.key.shape, jnp.float32),
                              _core.varying_axes(inputs.key))
   dq = [0.0] * parts
-  dkv = (zeros, zeros)
+  dk, dv = zeros, zeros
   rows = lambda x, p, axis: lax.slice_in_dim(x, p * tq, (p + 1) * tq, axis=axis)  # noqa: E731
   for step in range(size):
-    owner = (me - step) % size
-    kv_starts = chunk_starts(ring.layout, size, owner, chunk)
-    dk, dv = dkv
-    for p in range(parts):
-      for r in range(parts):
-        pair = _pair(inputs, kv, p, r, parts, q_starts[p], kv_starts[r])
-        g = flash.backward(ring.backend, pair, partial_params, ring.config,
-                           rows(lse2, p, 2), rows(d_out, p, 1), rows(delta, p, 2), False)
-        dq[p] = dq[p] + g[0]
-        tk = pair.key.shape[1]
-        dk = lax.dynamic_update_slice_in_dim(
-            dk, lax.dynamic_slice_in_dim(dk, r * tk, tk, axis=1) + g[1], r * tk, axis=1)
-        dv = lax.dynamic_update_slice_in_dim(
-            dv, lax.dynamic_slice_in_dim(dv, r * tk, tk, axis=1) + g[2], r * tk, axis=1)
-    dkv = (dk, dv)
+    for p, r, pair in _step_pairs(inputs, ring, kv, step):
+      g = flash.backward(ring.backend, pair, partial_params, ring.config,
+                         rows(lse2, p, 2), rows(d_out, p, 1), rows(delta, p, 2), False)
+      dq[p] = dq[p] + g[0]
+      tk = pair.key.shape[1]
+      dk = _add_part(dk, g[1], r * tk)
+      dv = _add_part(dv, g[2], r * tk)
     if step < size - 1:
-      kv, dkv = ring.shift((kv, dkv))
+      kv, (dk, dv) = ring.shift((kv, (dk, dv)))
   # The accumulators now belong to the next device's chunk: one more shift sends them home.
-  dk, dv = ring.shift(dkv)
+  dk, dv = ring.shift((dk, dv))
   dq = jnp.concatenate(dq, axis=1) if parts > 1 else dq[0]
   return (flash.cotangents_of(inputs, dq, dk, dv, None),)
 
