@@ -26,10 +26,9 @@ def tune(cfg: dict) -> list[dict]:
     families = cfg.get("tune_families") or FORWARD_FAMILIES
     if set(families) - set(BACKWARD_FAMILIES):
       rows += tune_mosaic(cfg)
-    if "backward" in families:
-      rows += tune_mosaic_backward(cfg)
-    elif "one_pass" in families:
-      rows += tune_mosaic_backward(cfg, one_pass_only=True)
+    for family in BACKWARD_FAMILIES:
+      if family in families:
+        rows += tune_mosaic_backward(cfg, family)
   return rows
 
 
@@ -67,9 +66,10 @@ def _cases(cfg: dict):
 
 # The families of Mosaic candidates `--tune-families` can pick (all by default).
 # The forward's families, timed by default; "backward" (forward+backward with each backward
-# tile set) and "one_pass" (the shipped backward and the one-pass candidates only) when named.
+# tile set), "one_pass" (the shipped backward and the one-pass candidates only) and "pingpong"
+# (the shipped backward with the ping-pong on in either kernel or both) when named.
 FORWARD_FAMILIES = ("tiles", "persistent", "overlap", "order", "persistent_ctas", "q_buffers")
-BACKWARD_FAMILIES = ("backward", "one_pass")
+BACKWARD_FAMILIES = ("backward", "one_pass", "pingpong")
 MOSAIC_FAMILIES = FORWARD_FAMILIES + BACKWARD_FAMILIES
 
 
@@ -152,11 +152,19 @@ def tune_mosaic(cfg: dict) -> list[dict]:
   return rows
 
 
-def _backward_candidates(d: int, one_pass_only: bool = False):
-  """The Mosaic backward's tiles that fit (`mosaic.Backward`); None stands for the Triton
-  backward. With ``one_pass_only``: the shipped default and the one-pass candidates."""
+def _backward_candidates(d: int, family: str = "backward"):
+  """The Mosaic backward's tiles that fit (`mosaic.Backward`) of a `BACKWARD_FAMILIES` family;
+  None stands for the Triton backward. "one_pass" and "pingpong" start with the shipped
+  default."""
+  shipped = mosaic.config.BACKWARD_TUNED.get(mosaic.config.padded_head_dim(d), mosaic.Backward())
+  one_pass_only = family == "one_pass"
+  if family == "pingpong":
+    off = dataclasses.replace(shipped, dkv_pingpong=False, dq_pingpong=False)
+    for dkv, dq in ((False, False), (True, False), (False, True), (True, True)):
+      yield dataclasses.replace(off, dkv_pingpong=dkv, dq_pingpong=dq)
+    return
   if one_pass_only:
-    yield mosaic.config.BACKWARD_TUNED.get(mosaic.config.padded_head_dim(d), mosaic.Backward())
+    yield shipped
   else:
     yield None
   if d <= 128:
@@ -200,7 +208,7 @@ def _backward_candidates(d: int, one_pass_only: bool = False):
 def _backward_label(backward, d: int) -> str | tuple:
   """"triton", ("one pass", dkv_block_q, dkv_stages, registers), or (dkv_block_q, dkv_stages,
   dq_block_kv, dq_stages), then the dV pass's tiles and the consumer registers where they differ
-  from the defaults."""
+  from the defaults, and ("pingpong", dkv_pingpong, dq_pingpong) where either is on."""
   if backward is None:
     return "triton"
   if backward.runs_one_pass(mosaic.config.padded_head_dim(d)):
@@ -210,12 +218,14 @@ def _backward_label(backward, d: int) -> str | tuple:
   if (backward.dv_block_q, backward.dv_stages, backward.registers) != (
       default.dv_block_q, default.dv_stages, default.registers):
     label += (backward.dv_block_q, backward.dv_stages, backward.registers)
+  if backward.dkv_pingpong or backward.dq_pingpong:
+    label += ("pingpong", backward.dkv_pingpong, backward.dq_pingpong)
   return label
 
 
-def tune_mosaic_backward(cfg: dict, one_pass_only: bool = False) -> list[dict]:
-  """Times forward+backward with the default Mosaic forward and each backward candidate
-  (`_backward_candidates`), and cuDNN's forward+backward on the same inputs (rows of kind
+def tune_mosaic_backward(cfg: dict, family: str = "backward") -> list[dict]:
+  """Times forward+backward with the default Mosaic forward and each backward candidate of
+  ``family`` (`_backward_candidates`), and cuDNN's forward+backward on the same inputs (rows of kind
   "cudnn_fwdbwd") as the yardstick. A row's "blocks" are (dkv_block_q, dkv_stages,
   dq_block_kv, dq_stages), or "triton"."""
   rows = []
@@ -226,7 +236,7 @@ def tune_mosaic_backward(cfg: dict, one_pass_only: bool = False) -> list[dict]:
     print(f"tune S={case.s} D={d} causal={causal} cuDNN fwdbwd: {_outcome(cudnn_tf, err)}",
           file=sys.stderr, flush=True)
     default = mosaic.default_config(d, jnp.bfloat16, causal, case.s, kind)
-    for backward in _backward_candidates(d, one_pass_only):
+    for backward in _backward_candidates(d, family):
       blocks = _backward_label(backward, d)
       fn = attention_fn("jaxflash_mosaic", causal,
                         config=dataclasses.replace(default, backward=backward))

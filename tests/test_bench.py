@@ -195,6 +195,18 @@ def test_one_pass_tuner_rows():
   assert all(t[:2] == ("one pass", 128) for t in tiles[1:])
 
 
+def test_pingpong_tuner_rows():
+  """The "pingpong" family: the shipped backward with the ping-pong off, in dK/dV, in dQ, in
+  both (D = 256's two dK/dV passes included)."""
+  import tune
+  cfg = dict(head_dims=[256], tokens=4096, hidden=256, impls=["jaxflash_mosaic"],
+             tune_families=["pingpong"], causal="n")
+  tiles = [r["blocks"] for r in tune.tune(cfg) if r["kind"] == "mosaic_fwdbwd"]
+  shipped = (32, 2, 32, 2, 64, None, 240)
+  assert tiles == [shipped] + [shipped + ("pingpong", dkv, dq)
+                               for dkv, dq in ((True, False), (False, True), (True, True))]
+
+
 def test_decode_bench_smoke(tmp_path):
   """benchmarks/decode.py on its tiny grid: every cell checked against the reference, then
   timed, for contiguous and paged caches and T = 1 and 3 (jax.nn only at T = 1, contiguous)."""

@@ -123,20 +123,34 @@ def _visible(k_idx, first_key, last_key, q_ids, kv_ids):
   return functools.reduce(jnp.logical_and, conds)
 
 
-def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then):
+def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then, issued=None):
   """A Bᵀ and C Dᵀ on the tensor cores, back to back: ``then(A Bᵀ)`` runs while C Dᵀ is in
-  flight; returns ``(then(A Bᵀ), C Dᵀ)``, or ``(then(A Bᵀ), None)`` when C and D are None."""
+  flight; returns ``(then(A Bᵀ), C Dᵀ)``, or ``(then(A Bᵀ), None)`` when C and D are None.
+  ``issued()`` (the ping-pong's hand-over) runs once both are issued."""
   second = c_smem is not None
 
   def run(s_ref, *dp_ref):
     plgpu.wgmma(s_ref, a_smem, b_smem.T)
     if second:
       plgpu.wgmma(dp_ref[0], c_smem, d_smem.T)
+    if issued is not None:
+      issued()
     # Each wgmma is its own commit group: the first is done once at most one is pending.
     first = then(plgpu.wgmma_accumulator_load(s_ref, wait_n=int(second)))
     return first, plgpu.wgmma_accumulator_load(dp_ref[0], wait_n=0) if second else None
 
   return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32)] * (1 + second))
+
+
+def _turns(pingpong: bool, wg, barriers) -> fwd.Turns | None:
+  """The consumers' ping-pong turns (`forward.Turns`) when the kernel runs one, else None.
+
+  A turn runs from before one tile's gradient products to after the next tile's scores are
+  issued: while one consumer's [dV, dK, next Sᵀ, next dPᵀ] (dK/dV kernel) or [dQ, next S,
+  next dP] (dQ kernel) run, the other turns its scores into Pᵀ and dSᵀ. Both consumers walk the
+  same tiles, so the turns alternate over the whole walk: consumer 1 takes one turn before its
+  first tile, and consumer 0 hands one over after its last."""
+  return fwd.Turns(wg, barriers) if pingpong else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,6 +213,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     plgpu.barrier_wait(kv_ready.at[wg])
     if want_dk:
       plgpu.barrier_wait(kv_ready.at[_CONSUMERS + wg])
+    turn = _turns(config.dkv_pingpong, wg, smem.get("turns"))
     dq_part = None
     if want_dq:
       dq_part = _DqPart(out["dq"], smem, sems, params, split=dq_split(block_q, hp),
@@ -243,12 +258,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       ds16 = None
       if want_dk:
         plgpu.barrier_wait(smem["delta_ready"].at[slot])
-        (p, cap_t), dp = _wgmma_scores(k_tile, q_tile, v_tile, do_tile, shape, probabilities)
+        (p, cap_t), dp = _wgmma_scores(k_tile, q_tile, v_tile, do_tile, shape, probabilities,
+                                       turn and turn.hand_over)
         delta = _cols(plgpu.load(smem["delta"].at[slot], layout=_COLS), shape)
         ds16 = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
                                     cap_t).astype(q_tile.dtype)
       else:
-        (p, _), _ = _wgmma_scores(k_tile, q_tile, None, None, shape, probabilities)
+        (p, _), _ = _wgmma_scores(k_tile, q_tile, None, None, shape, probabilities,
+                                  turn and turn.hand_over)
       p16 = _core.dropped(p, keep, params).astype(q_tile.dtype) if want_dv else None
 
       # dV += Pᵀ dO (in flight while dSᵀ is stored) and dK += dSᵀ Q; then this consumer's part
@@ -256,6 +273,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       operands = {"dv": (p16, do_tile), "dk": (ds16, q_tile)}
       names = [name for name in ("dv", "dk") if name in grads]
       ds_slot = lax.rem(visit_of(g, i), 2) if want_dq else None
+      if turn is not None:
+        turn.take()  # the other consumer has issued its scores: the tensor cores are ours
       if params.interpret:  # no register operands in the interpreter: plain dots
         sums = [carry[name] + jnp.dot(operands[name][0], operands[name][1][...],
                                       preferred_element_type=jnp.float32) for name in names]
@@ -286,7 +305,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     carry = {name: zeros for name in grads if name != "dq"}
     if want_dq:
       carry["pending"] = _DqPart.nothing_pending()
+    if turn is not None:  # consumer 0 issues first, and hands consumer 1 its last turn
+      pl.when(wg == 1)(turn.take)
     sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=groups, reverse=reverse)
+    if turn is not None:
+      pl.when(wg == 0)(turn.hand_over)
     if want_dq:  # the other consumer's dQ products read this one's K tile until its last one
       plgpu.barrier_arrive(smem["k_done"])
       plgpu.barrier_wait(smem["k_done"])
@@ -485,6 +508,8 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
         delta=plgpu.SMEM((stages, block_q), jnp.float32),  # delta rows
         delta_ready=plgpu.Barrier(num_barriers=stages),
     )
+  if config.dkv_pingpong and params.interpret:  # (named barriers on the GPU need no memory)
+    smem["turns"] = plgpu.Barrier(num_barriers=_CONSUMERS)
   out_type = {"dk": _core.out_struct(k.shape, k.dtype, q),
               "dv": _core.out_struct(v.shape, v.dtype, q)}
   sem_shape = first = None
@@ -564,7 +589,7 @@ def _first_visitors(schedule: Schedule, inputs: Inputs, q_blocks: int):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, offsets_ref,
                extras: fwd._Extras, dq_ref, q_smem, do_smem, k_smem, v_smem, q_ready, k_ready,
-               v_ready, k_free, v_free, *, params: Params, config: Backward,
+               v_ready, k_free, v_free, turns, *, params: Params, config: Backward,
                schedule: Schedule, groups: int, q_tiles: int, heavy_first: bool):
   block_kv, stages = config.dq_block_kv, config.dq_stages
   wg = lax.axis_index("wg")
@@ -610,6 +635,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
                           shape)
     plgpu.barrier_wait(q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[_CONSUMERS + wg])
+    turn = _turns(config.dq_pingpong, wg, turns)
 
     def step(j, dq, masked: bool):
       slot = slot_of(j)
@@ -632,10 +658,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
       k_tile = k_smem.at[slot]
       (p, cap_t), dp = _wgmma_scores(
           q_tile, k_tile, do_tile, v_smem.at[slot], shape,
-          lambda s: _probabilities(s, lse2, params, visible))
+          lambda s: _probabilities(s, lse2, params, visible), turn and turn.hand_over)
       plgpu.barrier_arrive(v_free.at[slot])
       ds16 = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
                                   cap_t).astype(k_tile.dtype)
+      if turn is not None:
+        turn.take()
       if params.interpret:
         dq = dq + jnp.dot(ds16, k_tile[...], preferred_element_type=jnp.float32)
       else:
@@ -648,7 +676,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
 
     hp = q_tile.shape[-1]
     zeros = plgpu.layout_cast(jnp.zeros((_KEYS, hp), jnp.float32), plgpu.Layout.WGMMA)
+    if turn is not None:
+      pl.when(wg == 1)(turn.take)
     dq = schedule.visit_kv(cta_start, pos, step, zeros)
+    if turn is not None:
+      pl.when(wg == 0)(turn.hand_over)
     # Q is read no more: dQ goes out through its tile (rows past T are clipped by TMA).
     q_tile[...] = (dq * params.scale).astype(q_tile.dtype)
     plgpu.commit_smem()
@@ -692,6 +724,9 @@ def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Bac
       plgpu.Barrier(num_barriers=stages),  # v_ready
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # k_free
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # v_free
+      # The ping-pong's turns in the interpreter (named barriers on the GPU need no memory).
+      plgpu.Barrier(num_barriers=_CONSUMERS) if config.dq_pingpong and params.interpret
+      else None,
   )
   kernel = functools.partial(_dq_kernel, params=params, config=config, schedule=schedule,
                              groups=groups, q_tiles=q_tiles,

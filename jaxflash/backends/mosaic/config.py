@@ -49,6 +49,11 @@ class Backward:
   # 232, 24 at 240).
   registers: int = 232
   one_pass: bool = False
+  # Ping-pong (as in the forward): the two consumers take turns on the tensor cores, each issuing
+  # one tile's dV and dK (dQ) products and the next tile's scores in its turn while the other
+  # turns its scores into Pᵀ and dSᵀ (P and dS). Per kernel: dK/dV, dQ.
+  dkv_pingpong: bool = False
+  dq_pingpong: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -61,6 +66,8 @@ class Backward:
         raise ValueError(f"{name} must be at least 1, got {value}")
     if self.registers not in (232, 240):
       raise ValueError(f"registers must be 232 or 240, got {self.registers}")
+    if self.one_pass and self.dkv_pingpong:
+      raise ValueError("one_pass=True runs no dK/dV ping-pong: dkv_pingpong must be False")
 
   def dv_pass(self) -> Backward:
     """The tiles of the dV pass (as ``dkv_block_q`` and ``dkv_stages``)."""
