@@ -207,6 +207,21 @@ def test_pingpong_tuner_rows():
                                for dkv, dq in ((True, False), (False, True), (True, True))]
 
 
+def test_bwd_parts_smoke(tmp_path):
+  """benchmarks/bwd_parts.py in the interpreter: the gradients checked, then each part of the
+  Mosaic backend's forward+backward timed alone (dK/dV, dQ, and a variant's dQ)."""
+  import bwd_parts
+  out = tmp_path / "parts.json"
+  result = bwd_parts.main(["--smoke", "--variants", "--causal", "n", "--out", str(out)])
+  rows = result["rows"]
+  assert [r["rel_err"] < 2e-2 for r in rows if r["part"] == "check"] == [True]
+  timed = {(r["part"], json.dumps(r["variant"])) for r in rows if "ms" in r}
+  assert timed == {("fwd", "null"), ("glue", "null"), ("dkv", "null"), ("dq", "null"),
+                   ("dq", '{"dq_stages": 1}'), ("fwdbwd", "null")}
+  assert all(r["ms"] > 0 for r in rows if "ms" in r)
+  assert "| 64 | 128 | n |" in out.with_suffix(".md").read_text()
+
+
 def test_decode_bench_smoke(tmp_path):
   """benchmarks/decode.py on its tiny grid: every cell checked against the reference, then
   timed, for contiguous and paged caches and T = 1 and 3 (jax.nn only at T = 1, contiguous)."""

@@ -747,14 +747,12 @@ def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Bac
 # ----------------------------------------------------------------------------------------------
 
 
-def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta, want_dbias):
-  """``(dq, dk, dv, dbias)`` (see `jaxflash._core`); calls `unsupported` names go to the Triton
-  backward."""
-  if unsupported(inputs, params, config) is not None or want_dbias:
-    return triton_backward.backward(inputs, params, config.triton, lse2, d_out, delta,
-                                    want_dbias)
+def kernel_args(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta) -> tuple:
+  """The arguments of `_dkv` and `_dq` for a call (padded operands, LSE and delta rows, the
+  optional inputs padded to whole tiles), as `backward` passes them; ``benchmarks/bwd_parts.py``
+  times the kernels on them one by one."""
   q, k, v = inputs.query, inputs.key, inputs.value
-  b, t, n, h = q.shape
+  t, h = q.shape[1], q.shape[3]
   s = k.shape[1]
   hp = padded_head_dim(h)
   rows = _CONSUMERS * _KEYS
@@ -771,7 +769,19 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
   delta_p = jnp.pad(delta, [(0, 0), (0, 0), (0, t_pad - t)])
   extras = fwd._extras(inputs, t_pad, fwd._round_up(s, math.lcm(config.backward.dq_block_kv,
                                                                  rows)))
-  args = (q_p, k_p, v_p, do_p, lse_p, delta_p, inputs, params, config.backward, extras, hp)
+  return (q_p, k_p, v_p, do_p, lse_p, delta_p, inputs, params, config.backward, extras, hp)
+
+
+def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta, want_dbias):
+  """``(dq, dk, dv, dbias)`` (see `jaxflash._core`); calls `unsupported` names go to the Triton
+  backward."""
+  if unsupported(inputs, params, config) is not None or want_dbias:
+    return triton_backward.backward(inputs, params, config.triton, lse2, d_out, delta,
+                                    want_dbias)
+  t, h = inputs.query.shape[1], inputs.query.shape[3]
+  s = inputs.key.shape[1]
+  args = kernel_args(inputs, params, config, lse2, d_out, delta)
+  hp = args[-1]
   if hp > SPLIT_HEAD_DIM:  # dV, then dK: one 64 x D float32 accumulator per pass
     grads = {**_dkv(*args, grads=("dv",)), **_dkv(*args, grads=("dk",))}
     dq = _dq(*args)[:, :t, :, :h]

@@ -1,0 +1,224 @@
+"""Where the Mosaic backend's forward+backward time goes: the forward, the dK/dV kernel (or its
+dV and dK passes above head dim 128), the dQ kernel and the glue between them (delta, padding),
+each timed alone on the same inputs, next to cuDNN's forward and forward+backward.
+
+Each kernel's rate is quoted in the matmul work it really does, in units of one T x S x D
+product (2·B·N·T·S·D FLOPs, halved with a causal band): the forward 2 (S, P V), dK/dV 4 (Sᵀ,
+dPᵀ, dV, dK), the dV pass 2, the dK pass 3, dQ 3 (S, dP, dQ). cuDNN's backward does 5 in all
+(it adds dQ up with atomics), jaxflash's deterministic two kernels 7. The forward+backward rows
+use the grid's convention instead (3.5x the forward's FLOPs, `cases.flops`), as in bench.py.
+
+``--variants`` also times each kernel with other `mosaic.Backward` tiles (`VARIANTS`), one
+kernel at a time, which compiles in seconds where the tuner compiles whole training steps.
+Before timing, the backward's gradients of batch row 0 and head 0 are checked against a float32
+reference. ``--smoke`` runs a tiny grid in Mosaic GPU's interpreter on a CPU (CI), where the
+times mean nothing.
+
+    python benchmarks/bwd_parts.py --head-dims 64 128 256 --seqs 4096 16384 --out parts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflash import _checks, _core, devices
+from jaxflash.backends import mosaic
+from jaxflash.backends.mosaic import backward as mosaic_backward
+from jaxflash.backends.mosaic import forward as mosaic_forward
+
+from cases import Case, attention_fn, flops, grad_fn, make_inputs, time_call
+from report import environment
+
+# Work of each part in units of one T x S x D matmul (see the module docstring).
+UNITS = {"fwd": 2, "dkv": 4, "dv": 2, "dk": 3, "dq": 3}
+# Other backward tiles that --variants times kernel by kernel (fields of `mosaic.Backward` over
+# the shipped ones of the head dim; those that do not fit in shared memory are skipped).
+VARIANTS = [dict(registers=240), dict(registers=232), dict(dkv_stages=3), dict(dq_stages=3),
+            dict(dq_block_kv=128), dict(dkv_block_q=128), dict(dq_block_kv=32),
+            dict(dkv_block_q=32)]
+
+
+def _rel_err(got, want) -> float:
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def _check(q, k, v, d_out, causal: bool, grads) -> float:
+  """The largest relative error of (dq, dk, dv) over batch row 0, head 0, against float32."""
+  one = lambda x: x[:1, :, :1].astype(jnp.float32)
+
+  def reference(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+
+  with jax.default_matmul_precision("highest"):
+    _, vjp = jax.vjp(reference, one(q), one(k), one(v))
+    want = vjp(one(d_out))
+  return max(_rel_err(one(g), w) for g, w in zip(grads, want))
+
+
+def _kernels(backward: mosaic.Backward, hp: int) -> list[str]:
+  """The backward's kernels at padded head dim ``hp``, as keys of `UNITS`."""
+  dkv = ["dv", "dk"] if hp > mosaic.config.SPLIT_HEAD_DIM else ["dkv"]
+  return dkv + ["dq"]
+
+
+def _kernel_fn(name: str, inputs, params, config):
+  """``(lse2, d_out, delta) -> outputs`` of one backward kernel, jitted."""
+  grads = {"dkv": ("dk", "dv"), "dv": ("dv",), "dk": ("dk",)}
+
+  def run(lse2, d_out, delta):
+    args = mosaic_backward.kernel_args(inputs, params, config, lse2, d_out, delta)
+    if name == "dq":
+      return mosaic_backward._dq(*args)
+    return mosaic_backward._dkv(*args, grads=grads[name])
+
+  return jax.jit(run)
+
+
+def measure_cell(case: Case, cfg: dict) -> list[dict]:
+  """The rows of one (D, S, causal) cell: the check, then every part and cuDNN, timed."""
+  interpret = cfg["interpret"]
+  q, k, v, d_out = make_inputs(case, 0)
+  call = _checks.normalise(q, k, v, is_causal=case.causal, interpret=interpret)
+  inputs, params = call.inputs, call.params
+  config = mosaic.default_config(case.d, q.dtype, case.causal, case.s, devices.current().kind)
+  hp = mosaic.config.padded_head_dim(case.d)
+  unit = 2.0 * case.b * case.n * case.s * case.s * case.d * (0.5 if case.causal else 1.0)
+  timing = dict(calls=cfg["calls"], repeats=cfg["repeats"])
+  rows = []
+
+  def add(part, ms, tflops, variant=None):
+    rows.append(dict(case.row(), part=part, variant=variant, ms=ms, tflops=tflops))
+    label = f"{part}{'' if variant is None else ' ' + json.dumps(variant)}"
+    print(f"{case.label()} {label}: {ms:.3f} ms" + ("" if tflops is None else
+                                                     f", {tflops:.0f} TFLOP/s"),
+          file=sys.stderr, flush=True)
+
+  mosaic_fn = attention_fn("jaxflash_mosaic", case.causal, interpret=interpret, config=config)
+  fwdbwd = jax.jit(grad_fn(mosaic_fn))
+  err = _check(q, k, v, d_out, case.causal, fwdbwd(q, k, v, d_out))
+  rows.append(dict(case.row(), part="check", rel_err=err))
+  print(f"{case.label()} gradients vs float32, batch row 0, head 0: {err:.2e}", file=sys.stderr)
+  if err > 2e-2:
+    raise AssertionError(f"{case.label()}: gradient error {err:.2e}")
+
+  fwd = jax.jit(lambda inputs: mosaic_forward.forward(inputs, params, config))
+  out, lse2 = fwd(inputs)
+  delta = jax.jit(_core.delta)(out, d_out, jnp.zeros_like(lse2))
+  ms = time_call(fwd, (inputs,), **timing)
+  add("fwd", ms, UNITS["fwd"] * unit / (ms * 1e-3) / 1e12)
+
+  def glue(out, lse2, d_out, dlse):
+    return mosaic_backward.kernel_args(inputs, params, config, lse2, d_out,
+                                       _core.delta(out, d_out, dlse))[:6]
+
+  add("glue", time_call(jax.jit(glue), (out, lse2, d_out, jnp.zeros_like(lse2)), **timing),
+      None)
+  variants = [None] + (cfg["variants"] if cfg["variants"] else [])
+  for variant in variants:
+    backward = config.backward
+    if variant is not None:
+      fields = {name: value for name, value in variant.items()
+                if getattr(backward, name) != value}
+      if not fields:
+        continue  # (the shipped tiles already)
+      backward = dataclasses.replace(backward, **fields)
+      if mosaic.config.backward_smem_bytes(backward, case.d) > mosaic.config.SMEM_BUDGET:
+        continue
+    run_config = dataclasses.replace(config, backward=backward)
+    for name in _kernels(backward, hp):
+      if variant is not None and not _touches(name, variant):
+        continue
+      try:
+        ms = time_call(_kernel_fn(name, inputs, params, run_config), (lse2, d_out, delta),
+                       **timing)
+      except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
+        print(f"{case.label()} {name} {variant}: failed {repr(e)[:200]}", file=sys.stderr)
+        continue
+      add(name, ms, UNITS[name] * unit / (ms * 1e-3) / 1e12, variant)
+
+  ms = time_call(fwdbwd, (q, k, v, d_out), **timing)
+  add("fwdbwd", ms, flops(case.b, case.n, case.s, case.d, case.causal, "fwdbwd") / (ms * 1e-3)
+      / 1e12)
+  if cfg["cudnn"]:
+    cudnn = attention_fn("cudnn", case.causal)
+    ms = time_call(jax.jit(cudnn), (q, k, v), **timing)
+    add("cudnn_fwd", ms, flops(case.b, case.n, case.s, case.d, case.causal, "fwd")
+        / (ms * 1e-3) / 1e12)
+    ms = time_call(jax.jit(grad_fn(cudnn)), (q, k, v, d_out), **timing)
+    add("cudnn_fwdbwd", ms, flops(case.b, case.n, case.s, case.d, case.causal, "fwdbwd")
+        / (ms * 1e-3) / 1e12)
+  return rows
+
+
+def _touches(kernel: str, variant: dict) -> bool:
+  """Whether ``variant``'s fields change ``kernel`` (registers change all of them)."""
+  prefix = {"dkv": ("dkv_",), "dk": ("dkv_",), "dv": ("dkv_", "dv_"), "dq": ("dq_",)}[kernel]
+  return any(name == "registers" or name.startswith(prefix) for name in variant)
+
+
+def table(rows: list[dict]) -> str:
+  """Markdown: one line per cell, ms and TFLOP/s of each part with the shipped tiles."""
+  parts = ["fwd", "dkv", "dv", "dk", "dq", "glue", "fwdbwd", "cudnn_fwd", "cudnn_fwdbwd"]
+  cells = sorted({(r["D"], r["S"], r["causal"]) for r in rows})
+  present = [p for p in parts if any(r["part"] == p for r in rows)]
+  lines = ["| D | S | causal | " + " | ".join(present) + " | fwdbwd vs cuDNN |",
+           "|" + "---|" * (len(present) + 4)]
+  for d, s, causal in cells:
+    got = {r["part"]: r for r in rows if (r["D"], r["S"], r["causal"]) == (d, s, causal)
+           and r.get("variant") is None and "ms" in r}
+    cols = []
+    for p in present:
+      r = got.get(p)
+      cols.append("" if r is None else f"{r['ms']:.3f} ms" if r["tflops"] is None
+                  else f"{r['ms']:.3f} ms, {r['tflops']:.0f}")
+    ratio = ""
+    if "fwdbwd" in got and "cudnn_fwdbwd" in got:
+      ratio = f"{got['cudnn_fwdbwd']['ms'] / got['fwdbwd']['ms']:.3f}"
+    lines.append(f"| {d} | {s} | {'y' if causal else 'n'} | " + " | ".join(cols) + f" | {ratio} |")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+  parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
+  parser.add_argument("--causal", choices=("both", "y", "n"), default="both")
+  parser.add_argument("--tokens", type=int, default=16384, help="B = tokens / S")
+  parser.add_argument("--hidden", type=int, default=2048, help="N = hidden / D")
+  parser.add_argument("--variants", action="store_true", help="also time `VARIANTS`")
+  parser.add_argument("--smoke", action="store_true",
+                      help="a tiny grid in the interpreter on a CPU (the times mean nothing)")
+  parser.add_argument("--out", help="results JSON; the .md table goes beside it")
+  args = parser.parse_args(argv)
+  cfg = dict(interpret=args.smoke, variants=VARIANTS if args.variants else None,
+             cudnn=not args.smoke, calls=2 if args.smoke else 10, repeats=1 if args.smoke else 5)
+  if args.smoke:
+    args.head_dims, args.seqs, args.tokens, args.hidden = [64], [128], 128, 128
+    cfg["variants"] = [dict(dq_stages=1)] if args.variants else None
+  causal_modes = {"both": (False, True), "n": (False,), "y": (True,)}[args.causal]
+  rows = []
+  for s in args.seqs:
+    for d in args.head_dims:
+      for causal in causal_modes:
+        b, n = max(1, args.tokens // s), max(1, args.hidden // d)
+        rows += measure_cell(Case("bf16", b, s, n, n, d, causal), cfg)
+  result = dict(environment=environment(), config=dict(vars(args), units=UNITS), rows=rows)
+  md = table(rows)
+  if args.out:
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    Path(args.out).with_suffix(".md").write_text(md + "\n")
+  print(md)
+  return result
+
+
+if __name__ == "__main__":
+  main()
