@@ -1,12 +1,17 @@
 """Where the Mosaic backend's forward+backward time goes: the forward, the dK/dV kernel (or its
-dV and dK passes above head dim 128), the dQ kernel and the glue between them (delta, padding),
-each timed alone on the same inputs, next to cuDNN's forward and forward+backward.
+dV and dK passes above head dim 128), the dQ kernel and the glue between them (delta, the
+LSE's padding), each timed alone on the same inputs, next to cuDNN's forward and
+forward+backward.
 
 Each kernel's rate is quoted in the matmul work it really does, in units of one T x S x D
 product (2·B·N·T·S·D FLOPs, halved with a causal band): the forward 2 (S, P V), dK/dV 4 (Sᵀ,
 dPᵀ, dV, dK), the dV pass 2, the dK pass 3, dQ 3 (S, dP, dQ). cuDNN's backward does 5 in all
 (it adds dQ up with atomics), jaxflash's deterministic two kernels 7. The forward+backward rows
 use the grid's convention instead (3.5x the forward's FLOPs, `cases.flops`), as in bench.py.
+
+``--profile`` also traces the whole forward+backward of jaxflash and of cuDNN with
+`jax.profiler` and lists the GPU time of every kernel per step (XLA's fusions included), which
+shows what the parts above leave out.
 
 ``--variants`` also times each kernel with other `mosaic.Backward` tiles (`VARIANTS`), one
 kernel at a time, which compiles in seconds where the tuner compiles whole training steps.
@@ -23,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -116,13 +122,15 @@ def measure_cell(case: Case, cfg: dict) -> list[dict]:
   ms = time_call(fwd, (inputs,), **timing)
   add("fwd", ms, UNITS["fwd"] * unit / (ms * 1e-3) / 1e12)
 
-  def glue(out, lse2, d_out, dlse):
-    return mosaic_backward.kernel_args(inputs, params, config, lse2, d_out,
-                                       _core.delta(out, d_out, dlse))[:6]
+  def glue(out, lse2, d_out, dlse):  # (the LSE and delta rows: padded Q, K, V and dO, when
+    # they need padding, are not counted, as returning them unpadded would time their copies)
+    args = mosaic_backward.kernel_args(inputs, params, config, lse2, d_out,
+                                       _core.delta(out, d_out, dlse))
+    return args[4], args[5]
 
   add("glue", time_call(jax.jit(glue), (out, lse2, d_out, jnp.zeros_like(lse2)), **timing),
       None)
-  variants = [None] + (cfg["variants"] if cfg["variants"] else [])
+  variants = [None] + (cfg["variants"] or []) if cfg["parts"] else []
   for variant in variants:
     backward = config.backward
     if variant is not None:
@@ -148,8 +156,19 @@ def measure_cell(case: Case, cfg: dict) -> list[dict]:
   ms = time_call(fwdbwd, (q, k, v, d_out), **timing)
   add("fwdbwd", ms, flops(case.b, case.n, case.s, case.d, case.causal, "fwdbwd") / (ms * 1e-3)
       / 1e12)
+  cudnn = attention_fn("cudnn", case.causal)
+  if cfg["profile"]:
+    impls = [("jaxflash", fwdbwd)] + ([("cudnn", jax.jit(grad_fn(cudnn)))] if cfg["cudnn"]
+                                      else [])
+    for impl, fn in impls:
+      kernels = profile_kernels(fn, (q, k, v, d_out))
+      rows.append(dict(case.row(), part=f"profile_{impl}", kernels=kernels))
+      print(f"{case.label()} {impl} forward+backward kernels, us per step "
+            f"({sum(k['us'] for k in kernels):.0f} in all):", file=sys.stderr)
+      for kernel in kernels[:12]:
+        print(f"  {kernel['us']:9.1f} x{kernel['count']:g} {kernel['name'][:100]}",
+              file=sys.stderr)
   if cfg["cudnn"]:
-    cudnn = attention_fn("cudnn", case.causal)
     ms = time_call(jax.jit(cudnn), (q, k, v), **timing)
     add("cudnn_fwd", ms, flops(case.b, case.n, case.s, case.d, case.causal, "fwd")
         / (ms * 1e-3) / 1e12)
@@ -157,6 +176,35 @@ def measure_cell(case: Case, cfg: dict) -> list[dict]:
     add("cudnn_fwdbwd", ms, flops(case.b, case.n, case.s, case.d, case.causal, "fwdbwd")
         / (ms * 1e-3) / 1e12)
   return rows
+
+
+def profile_kernels(fn, args, calls: int = 5) -> list[dict]:
+  """GPU kernels of one call of a compiled ``fn``: ``{"name", "us", "count"}`` per kernel name,
+  microseconds and launches per call, from a `jax.profiler` trace of ``calls`` calls, longest
+  first. Empty without a GPU plane in the trace."""
+  from jax.profiler import ProfileData
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir):
+      for _ in range(calls):
+        out = fn(*args)
+      jax.block_until_ready(out)
+    (path,) = Path(trace_dir).glob("**/*.xplane.pb")
+    data = ProfileData.from_file(str(path))
+  totals: dict[str, list] = {}
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if "stream" not in line.name.lower():  # (not the per-op and per-module summary lines)
+        continue
+      for event in line.events:
+        entry = totals.setdefault(event.name, [0.0, 0])
+        entry[0] += event.duration_ns / 1e3
+        entry[1] += 1
+  kernels = [dict(name=name, us=us / calls, count=count / calls)
+             for name, (us, count) in totals.items()]
+  return sorted(kernels, key=lambda k: -k["us"])
 
 
 def _touches(kernel: str, variant: dict) -> bool:
@@ -195,11 +243,16 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--tokens", type=int, default=16384, help="B = tokens / S")
   parser.add_argument("--hidden", type=int, default=2048, help="N = hidden / D")
   parser.add_argument("--variants", action="store_true", help="also time `VARIANTS`")
+  parser.add_argument("--profile", action="store_true",
+                      help="also list the GPU kernels of a whole step (`profile_kernels`)")
+  parser.add_argument("--no-parts", dest="parts", action="store_false",
+                      help="skip the kernels' own timings (the check and the steps remain)")
   parser.add_argument("--smoke", action="store_true",
                       help="a tiny grid in the interpreter on a CPU (the times mean nothing)")
   parser.add_argument("--out", help="results JSON; the .md table goes beside it")
   args = parser.parse_args(argv)
   cfg = dict(interpret=args.smoke, variants=VARIANTS if args.variants else None,
+             profile=args.profile, parts=args.parts,
              cudnn=not args.smoke, calls=2 if args.smoke else 10, repeats=1 if args.smoke else 5)
   if args.smoke:
     args.head_dims, args.seqs, args.tokens, args.hidden = [64], [128], 128, 128
