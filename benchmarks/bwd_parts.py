@@ -89,6 +89,20 @@ def _kernel_fn(name: str, inputs, params, config):
   return jax.jit(run)
 
 
+def launch_once(case: Case) -> None:
+  """The forward and each backward kernel of ``case``, launched once each and untimed: the
+  program ``--ncu`` runs under NVIDIA Nsight Compute (``ncu -k regex:mosaic --launch-skip 1``
+  then profiles the backward's kernels alone)."""
+  q, k, v, d_out = make_inputs(case, 0)
+  call = _checks.normalise(q, k, v, is_causal=case.causal)
+  inputs, params = call.inputs, call.params
+  config = mosaic.default_config(case.d, q.dtype, case.causal, case.s, devices.current().kind)
+  out, lse2 = jax.jit(lambda inputs: mosaic_forward.forward(inputs, params, config))(inputs)
+  delta = jax.jit(_core.delta)(out, d_out, jnp.zeros_like(lse2))
+  for name in _kernels(config.backward, mosaic.config.padded_head_dim(case.d)):
+    jax.block_until_ready(_kernel_fn(name, inputs, params, config)(lse2, d_out, delta))
+
+
 def measure_cell(case: Case, cfg: dict) -> list[dict]:
   """The rows of one (D, S, causal) cell: the check, then every part and cuDNN, timed."""
   interpret = cfg["interpret"]
@@ -161,13 +175,16 @@ def measure_cell(case: Case, cfg: dict) -> list[dict]:
     impls = [("jaxflash", fwdbwd)] + ([("cudnn", jax.jit(grad_fn(cudnn)))] if cfg["cudnn"]
                                       else [])
     for impl, fn in impls:
-      kernels = profile_kernels(fn, (q, k, v, d_out))
-      rows.append(dict(case.row(), part=f"profile_{impl}", kernels=kernels))
+      kernels, idle = profile_kernels(fn, (q, k, v, d_out))
+      rows.append(dict(case.row(), part=f"profile_{impl}", kernels=kernels, idle=idle))
       print(f"{case.label()} {impl} forward+backward kernels, us per step "
-            f"({sum(k['us'] for k in kernels):.0f} in all):", file=sys.stderr)
+            f"({sum(k['us'] for k in kernels):.0f} in all; the GPU's span "
+            f"{idle['span_us']:.0f}, idle {idle['idle_us']:.0f}):", file=sys.stderr)
       for kernel in kernels[:12]:
         print(f"  {kernel['us']:9.1f} x{kernel['count']:g} {kernel['name'][:100]}",
               file=sys.stderr)
+      for where, us in sorted(idle["gaps"].items(), key=lambda g: -g[1])[:6]:
+        print(f"  idle {us:7.1f} us per step: {where}", file=sys.stderr)
   if cfg["cudnn"]:
     ms = time_call(jax.jit(cudnn), (q, k, v), **timing)
     add("cudnn_fwd", ms, flops(case.b, case.n, case.s, case.d, case.causal, "fwd")
@@ -178,10 +195,12 @@ def measure_cell(case: Case, cfg: dict) -> list[dict]:
   return rows
 
 
-def profile_kernels(fn, args, calls: int = 5) -> list[dict]:
-  """GPU kernels of one call of a compiled ``fn``: ``{"name", "us", "count"}`` per kernel name,
-  microseconds and launches per call, from a `jax.profiler` trace of ``calls`` calls, longest
-  first. Empty without a GPU plane in the trace."""
+def profile_kernels(fn, args, calls: int = 5) -> tuple[list[dict], dict]:
+  """GPU kernels of one call of a compiled ``fn`` from a `jax.profiler` trace of ``calls``
+  back-to-back calls: ``{"name", "us", "count"}`` per kernel name (microseconds and launches per
+  call), longest first, and the idle time: ``{"span_us", "idle_us", "gaps"}`` per call, the
+  GPU's time from the first kernel's start to the last one's end, the part of it no kernel ran,
+  and where (``"previous -> next"`` kernel: microseconds per call). Empty without a GPU."""
   from jax.profiler import ProfileData
   jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as trace_dir:
@@ -192,6 +211,7 @@ def profile_kernels(fn, args, calls: int = 5) -> list[dict]:
     (path,) = Path(trace_dir).glob("**/*.xplane.pb")
     data = ProfileData.from_file(str(path))
   totals: dict[str, list] = {}
+  events = []
   for plane in data.planes:
     if not plane.name.startswith("/device:GPU"):
       continue
@@ -202,9 +222,23 @@ def profile_kernels(fn, args, calls: int = 5) -> list[dict]:
         entry = totals.setdefault(event.name, [0.0, 0])
         entry[0] += event.duration_ns / 1e3
         entry[1] += 1
+        events.append((event.start_ns, event.end_ns, event.name[:40]))
   kernels = [dict(name=name, us=us / calls, count=count / calls)
              for name, (us, count) in totals.items()]
-  return sorted(kernels, key=lambda k: -k["us"])
+  idle = dict(span_us=0.0, idle_us=0.0, gaps={})
+  if events:
+    events.sort()
+    idle["span_us"] = (max(e[1] for e in events) - events[0][0]) / 1e3 / calls
+    busy_until, previous = events[0][1], events[0][2]
+    for start, end, name in events[1:]:
+      if start > busy_until:
+        gap = (start - busy_until) / 1e3 / calls
+        idle["idle_us"] += gap
+        where = f"{previous} -> {name}"
+        idle["gaps"][where] = idle["gaps"].get(where, 0.0) + gap
+      if end > busy_until:
+        busy_until, previous = end, name
+  return sorted(kernels, key=lambda k: -k["us"]), idle
 
 
 def _touches(kernel: str, variant: dict) -> bool:
@@ -245,6 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--variants", action="store_true", help="also time `VARIANTS`")
   parser.add_argument("--profile", action="store_true",
                       help="also list the GPU kernels of a whole step (`profile_kernels`)")
+  parser.add_argument("--launch-once", action="store_true",
+                      help="launch each kernel of each cell once, untimed (for ncu)")
   parser.add_argument("--no-parts", dest="parts", action="store_false",
                       help="skip the kernels' own timings (the check and the steps remain)")
   parser.add_argument("--smoke", action="store_true",
@@ -263,7 +299,11 @@ def main(argv: list[str] | None = None) -> dict:
     for d in args.head_dims:
       for causal in causal_modes:
         b, n = max(1, args.tokens // s), max(1, args.hidden // d)
-        rows += measure_cell(Case("bf16", b, s, n, n, d, causal), cfg)
+        case = Case("bf16", b, s, n, n, d, causal)
+        if args.launch_once:
+          launch_once(case)
+          continue
+        rows += measure_cell(case, cfg)
   result = dict(environment=environment(), config=dict(vars(args), units=UNITS), rows=rows)
   md = table(rows)
   if args.out:
