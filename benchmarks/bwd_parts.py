@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--causal", choices=("both", "y", "n"), default="both")
   parser.add_argument("--tokens", type=int, default=16384, help="B = tokens / S")
   parser.add_argument("--hidden", type=int, default=2048, help="N = hidden / D")
-  parser.add_argument("--variants", action="store_true", help="also time `VARIANTS`")
+  parser.add_argument("--variants", nargs="*", metavar="FIELD",
+                      help="also time `VARIANTS` (those setting these Backward fields, if named)")
   parser.add_argument("--profile", action="store_true",
                       help="also list the GPU kernels of a whole step (`profile_kernels`)")
   parser.add_argument("--launch-once", action="store_true",
@@ -287,12 +288,15 @@ def main(argv: list[str] | None = None) -> dict:
                       help="a tiny grid in the interpreter on a CPU (the times mean nothing)")
   parser.add_argument("--out", help="results JSON; the .md table goes beside it")
   args = parser.parse_args(argv)
-  cfg = dict(interpret=args.smoke, variants=VARIANTS if args.variants else None,
+  variants = None
+  if args.variants is not None:
+    variants = [v for v in VARIANTS if not args.variants or set(v) & set(args.variants)]
+  cfg = dict(interpret=args.smoke, variants=variants,
              profile=args.profile, parts=args.parts,
              cudnn=not args.smoke, calls=2 if args.smoke else 10, repeats=1 if args.smoke else 5)
   if args.smoke:
     args.head_dims, args.seqs, args.tokens, args.hidden = [64], [128], 128, 128
-    cfg["variants"] = [dict(dq_stages=1)] if args.variants else None
+    cfg["variants"] = [dict(dq_stages=1)] if variants else None
   causal_modes = {"both": (False, True), "n": (False,), "y": (True,)}[args.causal]
   rows = []
   for s in args.seqs:

@@ -350,8 +350,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
                                 smem["delta_ready"].at[slot])
       return carry
 
-    schedule.visit_q_split(cta_start, pos, lambda g, i, c, masked: load(g, i, c), fwd._i32(0),
-                           repeat=groups, reverse=reverse)
+    # One flat loop over the visits (the consumers' masked and unmasked spans are the same
+    # tiles): the producer runs on the few registers the consumers leave it.
+    @pl.loop(fwd._i32(0), groups * count)
+    def _(n):
+      g = lax.div(n, jnp.maximum(count, 1))
+      place = lax.rem(n, jnp.maximum(count, 1))
+      load(g, hi - 1 - place if reverse else lo + place, None)
+
     fwd.observe_last_releases(groups * count, stages, q_free, do_free)
 
 
