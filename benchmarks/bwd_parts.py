@@ -14,7 +14,9 @@ use the grid's convention instead (3.5x the forward's FLOPs, `cases.flops`), as 
 shows what the parts above leave out.
 
 ``--variants`` also times each kernel with other `mosaic.Backward` tiles (`VARIANTS`), one
-kernel at a time, which compiles in seconds where the tuner compiles whole training steps.
+kernel at a time, which compiles in seconds where the tuner compiles whole training steps; a
+variant's ``"module.NAME"`` keys set constants of `jaxflash.backends.mosaic.backward` while it
+traces (A/B tests of code paths). The kernels are timed in interleaved rounds (``--rounds``).
 Before timing, the backward's gradients of batch row 0 and head 0 are checked against a float32
 reference. ``--smoke`` runs a tiny grid in Mosaic GPU's interpreter on a CPU (CI), where the
 times mean nothing.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -49,7 +52,8 @@ UNITS = {"fwd": 2, "dkv": 4, "dv": 2, "dk": 3, "dq": 3}
 # the shipped ones of the head dim; those that do not fit in shared memory are skipped).
 VARIANTS = [dict(registers=240), dict(registers=232), dict(dkv_stages=3), dict(dq_stages=3),
             dict(dq_block_kv=128), dict(dkv_block_q=128), dict(dq_block_kv=32),
-            dict(dkv_block_q=32)]
+            dict(dkv_block_q=32), dict(registers=240, dkv_stages=3),
+            {"module._FLAT_PRODUCER": False}, {"module._FLAT_PRODUCER": False, "registers": 240}]
 
 
 def _rel_err(got, want) -> float:
@@ -144,13 +148,20 @@ def measure_cell(case: Case, cfg: dict) -> list[dict]:
 
   add("glue", time_call(jax.jit(glue), (out, lse2, d_out, jnp.zeros_like(lse2)), **timing),
       None)
+  # Every kernel of the shipped tiles and of each variant is compiled first, then timed in
+  # interleaved rounds (the median of each over the rounds), so that a drift of the card's
+  # clocks during the run does not favour whichever ran first.
+  compiled = []
   variants = [None] + (cfg["variants"] or []) if cfg["parts"] else []
   for variant in variants:
-    backward = config.backward
+    backward, patches = config.backward, {}
     if variant is not None:
+      patches = {name.removeprefix("module."): value for name, value in variant.items()
+                 if name.startswith("module.")}
       fields = {name: value for name, value in variant.items()
-                if getattr(backward, name) != value}
-      if not fields:
+                if name not in patches and not name.startswith("module.")
+                and getattr(backward, name) != value}
+      if not fields and not patches:
         continue  # (the shipped tiles already)
       backward = dataclasses.replace(backward, **fields)
       if mosaic.config.backward_smem_bytes(backward, case.d) > mosaic.config.SMEM_BUDGET:
@@ -160,12 +171,19 @@ def measure_cell(case: Case, cfg: dict) -> list[dict]:
       if variant is not None and not _touches(name, variant):
         continue
       try:
-        ms = time_call(_kernel_fn(name, inputs, params, run_config), (lse2, d_out, delta),
-                       **timing)
+        fn = _compile(_kernel_fn(name, inputs, params, run_config), (lse2, d_out, delta),
+                      patches)
       except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
         print(f"{case.label()} {name} {variant}: failed {repr(e)[:200]}", file=sys.stderr)
         continue
-      add(name, ms, UNITS[name] * unit / (ms * 1e-3) / 1e12, variant)
+      compiled.append((name, variant, fn))
+  times = {index: [] for index in range(len(compiled))}
+  for _ in range(cfg["rounds"]):
+    for index, (_, _, fn) in enumerate(compiled):
+      times[index].append(time_call(fn, (lse2, d_out, delta), calls=cfg["calls"], repeats=1))
+  for index, (name, variant, _) in enumerate(compiled):
+    ms = statistics.median(times[index])
+    add(name, ms, UNITS[name] * unit / (ms * 1e-3) / 1e12, variant)
 
   ms = time_call(fwdbwd, (q, k, v, d_out), **timing)
   add("fwdbwd", ms, flops(case.b, case.n, case.s, case.d, case.causal, "fwdbwd") / (ms * 1e-3)
@@ -242,9 +260,23 @@ def profile_kernels(fn, args, calls: int = 5) -> tuple[list[dict], dict]:
 
 
 def _touches(kernel: str, variant: dict) -> bool:
-  """Whether ``variant``'s fields change ``kernel`` (registers change all of them)."""
+  """Whether ``variant``'s fields change ``kernel`` (registers and module patches change all of
+  them)."""
   prefix = {"dkv": ("dkv_",), "dk": ("dkv_",), "dv": ("dkv_", "dv_"), "dq": ("dq_",)}[kernel]
-  return any(name == "registers" or name.startswith(prefix) for name in variant)
+  return any(name == "registers" or name.startswith(prefix + ("module.",)) for name in variant)
+
+
+def _compile(fn, args, patches: dict):
+  """``fn`` (jitted) compiled for ``args`` with the `backward` module's attributes set to
+  ``patches`` while it traces (experiments with module constants such as ``_WALK_DOWN``)."""
+  saved = {name: getattr(mosaic_backward, name) for name in patches}
+  try:
+    for name, value in patches.items():
+      setattr(mosaic_backward, name, value)
+    return fn.lower(*args).compile()
+  finally:
+    for name, value in saved.items():
+      setattr(mosaic_backward, name, value)
 
 
 def table(rows: list[dict]) -> str:
@@ -280,6 +312,8 @@ def main(argv: list[str] | None = None) -> dict:
                       help="also time `VARIANTS` (those setting these Backward fields, if named)")
   parser.add_argument("--profile", action="store_true",
                       help="also list the GPU kernels of a whole step (`profile_kernels`)")
+  parser.add_argument("--rounds", type=int, default=5,
+                      help="interleaved timing rounds of the kernels (the median is kept)")
   parser.add_argument("--launch-once", action="store_true",
                       help="launch each kernel of each cell once, untimed (for ncu)")
   parser.add_argument("--no-parts", dest="parts", action="store_false",
@@ -292,11 +326,11 @@ def main(argv: list[str] | None = None) -> dict:
   if args.variants is not None:
     variants = [v for v in VARIANTS if not args.variants or set(v) & set(args.variants)]
   cfg = dict(interpret=args.smoke, variants=variants,
-             profile=args.profile, parts=args.parts,
+             profile=args.profile, parts=args.parts, rounds=1 if args.smoke else args.rounds,
              cudnn=not args.smoke, calls=2 if args.smoke else 10, repeats=1 if args.smoke else 5)
   if args.smoke:
     args.head_dims, args.seqs, args.tokens, args.hidden = [64], [128], 128, 128
-    cfg["variants"] = [dict(dq_stages=1)] if variants else None
+    cfg["variants"] = [dict(dq_stages=1), {"module._FLAT_PRODUCER": False}] if variants else None
   causal_modes = {"both": (False, True), "n": (False,), "y": (True,)}[args.causal]
   rows = []
   for s in args.seqs:

@@ -68,6 +68,9 @@ _KEYS = 64  # keys per consumer in dK/dV, query rows per consumer in dQ (one wgm
 # increasing order, and every key tile's walk then starts at the same (last) block, where the
 # first tile of a causal band would otherwise be the last to reach its first blocks.
 _WALK_DOWN = True
+# The dK/dV producer walks the visits in one flat loop (False: in the consumers' three loops of
+# masked and unmasked spans, which ptxas spilled more around at head dim 128).
+_FLAT_PRODUCER = True
 
 
 def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
@@ -350,13 +353,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
                                 smem["delta_ready"].at[slot])
       return carry
 
-    # One flat loop over the visits (the consumers' masked and unmasked spans are the same
-    # tiles): the producer runs on the few registers the consumers leave it.
-    @pl.loop(fwd._i32(0), groups * count)
-    def _(n):
-      g = lax.div(n, jnp.maximum(count, 1))
-      place = lax.rem(n, jnp.maximum(count, 1))
-      load(g, hi - 1 - place if reverse else lo + place, None)
+    if _FLAT_PRODUCER:
+      # One flat loop over the visits (the consumers' masked and unmasked spans are the same
+      # tiles): the producer runs on the few registers the consumers leave it.
+      @pl.loop(fwd._i32(0), groups * count)
+      def _(n):
+        g = lax.div(n, jnp.maximum(count, 1))
+        place = lax.rem(n, jnp.maximum(count, 1))
+        load(g, hi - 1 - place if reverse else lo + place, None)
+    else:
+      schedule.visit_q_split(cta_start, pos, lambda g, i, c, masked: load(g, i, c), fwd._i32(0),
+                             repeat=groups, reverse=reverse)
 
     fwd.observe_last_releases(groups * count, stages, q_free, do_free)
 
