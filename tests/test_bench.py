@@ -209,8 +209,8 @@ def test_pingpong_tuner_rows():
 
 def test_bwd_parts_smoke(tmp_path):
   """benchmarks/bwd_parts.py in the interpreter: the gradients checked, then each part of the
-  Mosaic backend's forward+backward timed alone (dK/dV, dQ, a variant's dQ, and dK/dV with a
-  module constant patched while it traces)."""
+  Mosaic backend's forward+backward timed alone (dK/dV, dQ, a variant's dQ, and both kernels with
+  a module constant patched while they trace)."""
   import bwd_parts
   out = tmp_path / "parts.json"
   result = bwd_parts.main(["--smoke", "--variants", "--causal", "n", "--out", str(out)])
@@ -219,7 +219,7 @@ def test_bwd_parts_smoke(tmp_path):
   timed = {(r["part"], json.dumps(r["variant"])) for r in rows if "ms" in r}
   assert timed == {("fwd", "null"), ("glue", "null"), ("dkv", "null"), ("dq", "null"),
                    ("dq", '{"dq_stages": 1}'), ("dkv", '{"module._FLAT_PRODUCER": false}'),
-                   ("fwdbwd", "null")}
+                   ("dq", '{"module._FLAT_PRODUCER": false}'), ("fwdbwd", "null")}
   assert all(r["ms"] > 0 for r in rows if "ms" in r)
   assert "| 64 | 128 | n |" in out.with_suffix(".md").read_text()
 
