@@ -53,7 +53,8 @@ UNITS = {"fwd": 2, "dkv": 4, "dv": 2, "dk": 3, "dq": 3}
 VARIANTS = [dict(registers=240), dict(registers=232), dict(dkv_stages=3), dict(dq_stages=3),
             dict(dq_block_kv=128), dict(dkv_block_q=128), dict(dq_block_kv=32),
             dict(dkv_block_q=32), dict(registers=240, dkv_stages=3),
-            {"module._FLAT_PRODUCER": False}, {"module._FLAT_PRODUCER": False, "registers": 240}]
+            {"module._FLAT_PRODUCER": False}, {"module._FLAT_PRODUCER": False, "registers": 240},
+            dict(dkv_overlap=True), dict(dkv_overlap=True, dkv_stages=3)]
 
 
 def _rel_err(got, want) -> float:

@@ -217,13 +217,26 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     if want_dk:
       plgpu.barrier_wait(kv_ready.at[_CONSUMERS + wg])
     turn = _turns(config.dkv_pingpong, wg, smem.get("turns"))
+    # Deferred waits (`Backward.dkv_overlap`): dV and dK accumulate in refs that live over the
+    # whole walk, and a visit issues its products without waiting for them. The next visit's
+    # wait for its Sᵀ also covers them (a warpgroup's wgmmas complete in issue order), and only
+    # then are the previous visit's Q and dO slots released, and its Pᵀ and dSᵀ registers reused.
+    overlap = config.dkv_overlap and not params.interpret
+    names = [name for name in ("dv", "dk") if name in grads]
+
+    def release(slot):  # the Q and dO slot of a visit whose products are done (-1: none)
+      def arrive():
+        plgpu.barrier_arrive(q_free.at[slot])
+        plgpu.barrier_arrive(do_free.at[slot])
+      pl.when(slot >= 0)(arrive)
+
     dq_part = None
     if want_dq:
       dq_part = _DqPart(out["dq"], smem, sems, params, split=dq_split(block_q, hp),
                         block_q=block_q, hp=hp, wg=wg, batch=batch, k_tile=k_tile_index,
                         first_ref=first_ref)
 
-    def step(g, i, carry, masked: bool):
+    def step(g, i, carry, masked: bool, acc_refs=None):
       slot = slot_of(g, i)
       head = kv_head * groups + g
       q_start = i * block_q
@@ -255,6 +268,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
 
       def probabilities(s):  # Pᵀ (while dPᵀ is in flight)
+        if overlap:  # the previous visit's products are done with its slot
+          release(carry["pending"])
         lse2 = _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape)
         return _probabilities(s, lse2, params, visible)
 
@@ -274,7 +289,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       # dV += Pᵀ dO (in flight while dSᵀ is stored) and dK += dSᵀ Q; then this consumer's part
       # of the query block's dQ from both consumers' dSᵀ.
       operands = {"dv": (p16, do_tile), "dk": (ds16, q_tile)}
-      names = [name for name in ("dv", "dk") if name in grads]
+      if overlap:  # issued, not waited for: the next visit's scores wait for them
+        for acc_ref, name in zip(acc_refs, names):
+          plgpu.wgmma(acc_ref, *operands[name])
+        return {"pending": slot}
       ds_slot = lax.rem(visit_of(g, i), 2) if want_dq else None
       if turn is not None:
         turn.take()  # the other consumer has issued its scores: the tensor cores are ours
@@ -310,7 +328,20 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       carry["pending"] = _DqPart.nothing_pending()
     if turn is not None:  # consumer 0 issues first, and hands consumer 1 its last turn
       pl.when(wg == 1)(turn.take)
-    sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=groups, reverse=reverse)
+    if overlap:
+      def walk(*acc_refs):
+        last = schedule.visit_q_split(
+            cta_start, pos, lambda g, i, c, masked: step(g, i, c, masked, acc_refs),
+            {"pending": fwd._i32(-1)}, repeat=groups, reverse=reverse)
+        # (each wgmma is its own commit group: waiting for none pending covers both)
+        done = tuple(plgpu.wgmma_accumulator_load(ref, wait_n=0) for ref in acc_refs)
+        release(last["pending"])
+        return done
+
+      sums = dict(zip(names, pl.run_scoped(
+          walk, *[plgpu.ACC((_KEYS, hp), jnp.float32) for _ in names])))
+    else:
+      sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=groups, reverse=reverse)
     if turn is not None:
       pl.when(wg == 0)(turn.hand_over)
     if want_dq:  # the other consumer's dQ products read this one's K tile until its last one
