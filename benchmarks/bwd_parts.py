@@ -52,9 +52,7 @@ UNITS = {"fwd": 2, "dkv": 4, "dv": 2, "dk": 3, "dq": 3}
 # the shipped ones of the head dim; those that do not fit in shared memory are skipped).
 VARIANTS = [dict(registers=240), dict(registers=232), dict(dkv_stages=3), dict(dq_stages=3),
             dict(dq_block_kv=128), dict(dkv_block_q=128), dict(dq_block_kv=32),
-            dict(dkv_block_q=32), dict(registers=240, dkv_stages=3),
-            {"module._FLAT_PRODUCER": False}, {"module._FLAT_PRODUCER": False, "registers": 240},
-            dict(dkv_overlap=True), dict(dkv_overlap=True, dkv_stages=3)]
+            dict(dkv_block_q=32), dict(registers=240, dkv_stages=3)]
 
 
 def _rel_err(got, want) -> float:
@@ -331,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
              cudnn=not args.smoke, calls=2 if args.smoke else 10, repeats=1 if args.smoke else 5)
   if args.smoke:
     args.head_dims, args.seqs, args.tokens, args.hidden = [64], [128], 128, 128
-    cfg["variants"] = [dict(dq_stages=1), {"module._FLAT_PRODUCER": False}] if variants else None
+    cfg["variants"] = [dict(dq_stages=1), {"module._WALK_DOWN": False}] if variants else None
   causal_modes = {"both": (False, True), "n": (False,), "y": (True,)}[args.causal]
   rows = []
   for s in args.seqs:

@@ -34,8 +34,6 @@ CONFIGS = {
     "bwd_d128_kv128": (128, True, dict(backward=dict(dq_block_kv=128))),
     "bwd_d128_r240": (128, True, dict(backward=dict(registers=240))),
     "bwd_d128_full": (128, False, {}),
-    "bwd_d128_overlap": (128, True, dict(backward=dict(dkv_overlap=True))),
-    "bwd_d128_overlap_s3": (128, True, dict(backward=dict(dkv_overlap=True, dkv_stages=3))),
     # dQ from the dK/dV kernel (`Backward.one_pass`, experimental). These compile and then run
     # once: with one_pass they can hang on the GPU (see backward._DqPart).
     "bwd_d64_one_pass": (64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128,

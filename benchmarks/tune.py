@@ -66,10 +66,9 @@ def _cases(cfg: dict):
 
 # The families of Mosaic candidates `--tune-families` can pick (all by default).
 # The forward's families, timed by default; "backward" (forward+backward with each backward
-# tile set), "one_pass" (the shipped backward and the one-pass candidates only) and "pingpong"
-# (the shipped backward with the ping-pong on in either kernel or both) when named.
+# tile set) and "one_pass" (the shipped backward and the one-pass candidates only) when named.
 FORWARD_FAMILIES = ("tiles", "persistent", "overlap", "order", "persistent_ctas", "q_buffers")
-BACKWARD_FAMILIES = ("backward", "one_pass", "pingpong")
+BACKWARD_FAMILIES = ("backward", "one_pass")
 MOSAIC_FAMILIES = FORWARD_FAMILIES + BACKWARD_FAMILIES
 
 
@@ -154,15 +153,9 @@ def tune_mosaic(cfg: dict) -> list[dict]:
 
 def _backward_candidates(d: int, family: str = "backward"):
   """The Mosaic backward's tiles that fit (`mosaic.Backward`) of a `BACKWARD_FAMILIES` family;
-  None stands for the Triton backward. "one_pass" and "pingpong" start with the shipped
-  default."""
+  None stands for the Triton backward. "one_pass" starts with the shipped default."""
   shipped = mosaic.config.BACKWARD_TUNED.get(mosaic.config.padded_head_dim(d), mosaic.Backward())
   one_pass_only = family == "one_pass"
-  if family == "pingpong":
-    off = dataclasses.replace(shipped, dkv_pingpong=False, dq_pingpong=False)
-    for dkv, dq in ((False, False), (True, False), (False, True), (True, True)):
-      yield dataclasses.replace(off, dkv_pingpong=dkv, dq_pingpong=dq)
-    return
   if one_pass_only:
     yield shipped
   else:
@@ -208,7 +201,7 @@ def _backward_candidates(d: int, family: str = "backward"):
 def _backward_label(backward, d: int) -> str | tuple:
   """"triton", ("one pass", dkv_block_q, dkv_stages, registers), or (dkv_block_q, dkv_stages,
   dq_block_kv, dq_stages), then the dV pass's tiles and the consumer registers where they differ
-  from the defaults, and ("pingpong", dkv_pingpong, dq_pingpong) where either is on."""
+  from the defaults."""
   if backward is None:
     return "triton"
   if backward.runs_one_pass(mosaic.config.padded_head_dim(d)):
@@ -218,8 +211,6 @@ def _backward_label(backward, d: int) -> str | tuple:
   if (backward.dv_block_q, backward.dv_stages, backward.registers) != (
       default.dv_block_q, default.dv_stages, default.registers):
     label += (backward.dv_block_q, backward.dv_stages, backward.registers)
-  if backward.dkv_pingpong or backward.dq_pingpong:
-    label += ("pingpong", backward.dkv_pingpong, backward.dq_pingpong)
   return label
 
 

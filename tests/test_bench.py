@@ -195,18 +195,6 @@ def test_one_pass_tuner_rows():
   assert all(t[:2] == ("one pass", 128) for t in tiles[1:])
 
 
-def test_pingpong_tuner_rows():
-  """The "pingpong" family: the shipped backward with the ping-pong off, in dK/dV, in dQ, in
-  both (D = 256's two dK/dV passes included)."""
-  import tune
-  cfg = dict(head_dims=[256], tokens=4096, hidden=256, impls=["jaxflash_mosaic"],
-             tune_families=["pingpong"], causal="n")
-  tiles = [r["blocks"] for r in tune.tune(cfg) if r["kind"] == "mosaic_fwdbwd"]
-  shipped = (32, 2, 32, 2, 64, None, 240)
-  assert tiles == [shipped] + [shipped + ("pingpong", dkv, dq)
-                               for dkv, dq in ((True, False), (False, True), (True, True))]
-
-
 def test_bwd_parts_smoke(tmp_path):
   """benchmarks/bwd_parts.py in the interpreter: the gradients checked, then each part of the
   Mosaic backend's forward+backward timed alone (dK/dV, dQ, a variant's dQ, and both kernels with
@@ -218,8 +206,8 @@ def test_bwd_parts_smoke(tmp_path):
   assert [r["rel_err"] < 2e-2 for r in rows if r["part"] == "check"] == [True]
   timed = {(r["part"], json.dumps(r["variant"])) for r in rows if "ms" in r}
   assert timed == {("fwd", "null"), ("glue", "null"), ("dkv", "null"), ("dq", "null"),
-                   ("dq", '{"dq_stages": 1}'), ("dkv", '{"module._FLAT_PRODUCER": false}'),
-                   ("dq", '{"module._FLAT_PRODUCER": false}'), ("fwdbwd", "null")}
+                   ("dq", '{"dq_stages": 1}'), ("dkv", '{"module._WALK_DOWN": false}'),
+                   ("dq", '{"module._WALK_DOWN": false}'), ("fwdbwd", "null")}
   assert all(r["ms"] > 0 for r in rows if "ms" in r)
   assert "| 64 | 128 | n |" in out.with_suffix(".md").read_text()
 

@@ -180,9 +180,7 @@ def test_configs_are_checked():
       (lambda: mosaic.Config(q_buffers=2), "q_buffers"),  # only a persistent grid has a next item
       (lambda: mosaic.Backward(dkv_block_q=96), "dkv_block_q"),
       (lambda: mosaic.Backward(dv_stages=0), "dv_stages"),
-      (lambda: mosaic.Backward(registers=236), "registers"),
-      (lambda: mosaic.Backward(one_pass=True, dkv_overlap=True), "dkv_overlap"),
-      (lambda: mosaic.Backward(dkv_pingpong=True, dkv_overlap=True), "dkv_overlap")]:
+      (lambda: mosaic.Backward(registers=236), "registers")]:
     with pytest.raises(ValueError, match=field):
       make()
   budget = mosaic.config.SMEM_BUDGET
@@ -404,35 +402,6 @@ def test_backward_tiles_lower(dkv_block_q, dq_block_kv, stages, h, causal, one_p
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("h,causal", [(64, True), (128, False), (256, True)])
-def test_pingpong_backward_lowers(h, causal):
-  """The ping-ponged backward (`Backward.dkv_pingpong`, ``dq_pingpong``) with the shipped tiles
-  of each head dim, the two dK/dV passes at D = 256 included, all Mosaic."""
-  q = jax.ShapeDtypeStruct((2, 1000, 4, h), BF16)
-  kv = jax.ShapeDtypeStruct((2, 777, 2, h), BF16)
-  config = mosaic.default_config(h, BF16, causal, 1000, "NVIDIA H200")
-  config = dataclasses.replace(config, backward=dataclasses.replace(
-      config.backward, dkv_pingpong=True, dq_pingpong=True))
-  text = _lower(_gradients(config, is_causal=causal), q, kv, kv)
-  assert _mosaic_kernels(text) == (4 if h > 128 else 3)
-  assert "jaxflash_backward_dq" not in text
-
-
-@needs_cuda_plugin
-@pytest.mark.parametrize("h,causal", [(64, True), (128, False), (256, True)])
-def test_overlapped_backward_lowers(h, causal):
-  """dK/dV with deferred waits (`Backward.dkv_overlap`: dV and dK in refs over the whole walk),
-  with the shipped tiles of each head dim and D = 256's dV and dK passes, all Mosaic."""
-  q = jax.ShapeDtypeStruct((2, 1000, 4, h), BF16)
-  kv = jax.ShapeDtypeStruct((2, 777, 2, h), BF16)
-  config = mosaic.default_config(h, BF16, causal, 1000, "NVIDIA H200")
-  config = dataclasses.replace(config, backward=dataclasses.replace(config.backward,
-                                                                    dkv_overlap=True))
-  text = _lower(_gradients(config, is_causal=causal), q, kv, kv)
-  assert _mosaic_kernels(text) == (4 if h > 128 else 3)
-
-
-@needs_cuda_plugin
 @pytest.mark.parametrize("h,causal", [(192, True), (256, False)])
 def test_wide_head_backward_lowers(h, causal):
   """Head dims above 128 with the shipped tiles: the forward, dQ and the two dK/dV passes (at
@@ -536,8 +505,6 @@ NUMERIC_OPTIONS = SUPPORTED if ON_GPU else ("none", "causal_window", "lengths", 
 # in every suite: CI's newest-jax suite skips them (`-m "not variants"`, see .ci/run) to stay
 # well under 30 minutes; the pinned suite and the GPU run them all.
 variant = pytest.mark.variants
-# Cases whose code only the GPU runs (the interpreter would repeat another case).
-on_gpu_only = pytest.mark.skipif(not ON_GPU, reason="the interpreter runs the plain dK/dV loop")
 
 
 @pytest.mark.parametrize("option", [pytest.param(option, marks=variant)
@@ -584,25 +551,13 @@ WIDE_BACKWARD = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Bac
     dkv_block_q=128, dq_block_kv=128))
 ONE_SLOT_BACKWARD = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
     dkv_stages=1, dq_stages=1))
-# dK/dV with deferred waits (on the GPU only: the interpreter runs the plain loop).
-OVERLAP_BACKWARD = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
-    dkv_overlap=True))
-OVERLAP_WIDE_BACKWARD = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
-    dkv_overlap=True, dkv_block_q=128, dq_block_kv=128))
-# Both kernels ping-ponged (the consumers take turns on the tensor cores).
-PINGPONG_BACKWARD = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
-    dkv_pingpong=True, dq_pingpong=True))
 
 
 @pytest.mark.parametrize("option,config", [
     ("everything_but_dense", SMALL_CONFIGS["mosaic"]),
     pytest.param("causal", WIDE_BACKWARD, marks=variant),
     pytest.param("everything_but_dense", WIDE_BACKWARD, marks=variant),
-    pytest.param("lengths", ONE_SLOT_BACKWARD, marks=variant),
-    ("everything_but_dense", PINGPONG_BACKWARD),
-    pytest.param("everything_but_dense", OVERLAP_BACKWARD, marks=on_gpu_only),
-    pytest.param("causal", OVERLAP_WIDE_BACKWARD, marks=on_gpu_only),
-    pytest.param("causal", PINGPONG_BACKWARD, marks=variant)])
+    pytest.param("lengths", ONE_SLOT_BACKWARD, marks=variant)])
 def test_mosaic_backward(option, config):
   """The Mosaic backward with every option it serves at once (causal window, soft cap, scale,
   segments, lengths, dropout; GQA), and with other tiles: gradients against the reference."""

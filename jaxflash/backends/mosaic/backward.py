@@ -68,9 +68,6 @@ _KEYS = 64  # keys per consumer in dK/dV, query rows per consumer in dQ (one wgm
 # increasing order, and every key tile's walk then starts at the same (last) block, where the
 # first tile of a causal band would otherwise be the last to reach its first blocks.
 _WALK_DOWN = True
-# The dK/dV producer walks the visits in one flat loop (False: in the consumers' three loops of
-# masked and unmasked spans, which ptxas spilled more around at head dim 128).
-_FLAT_PRODUCER = True
 
 
 def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
@@ -126,34 +123,20 @@ def _visible(k_idx, first_key, last_key, q_ids, kv_ids):
   return functools.reduce(jnp.logical_and, conds)
 
 
-def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then, issued=None):
+def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then):
   """A Bᵀ and C Dᵀ on the tensor cores, back to back: ``then(A Bᵀ)`` runs while C Dᵀ is in
-  flight; returns ``(then(A Bᵀ), C Dᵀ)``, or ``(then(A Bᵀ), None)`` when C and D are None.
-  ``issued()`` (the ping-pong's hand-over) runs once both are issued."""
+  flight; returns ``(then(A Bᵀ), C Dᵀ)``, or ``(then(A Bᵀ), None)`` when C and D are None."""
   second = c_smem is not None
 
   def run(s_ref, *dp_ref):
     plgpu.wgmma(s_ref, a_smem, b_smem.T)
     if second:
       plgpu.wgmma(dp_ref[0], c_smem, d_smem.T)
-    if issued is not None:
-      issued()
     # Each wgmma is its own commit group: the first is done once at most one is pending.
     first = then(plgpu.wgmma_accumulator_load(s_ref, wait_n=int(second)))
     return first, plgpu.wgmma_accumulator_load(dp_ref[0], wait_n=0) if second else None
 
   return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32)] * (1 + second))
-
-
-def _turns(pingpong: bool, wg, barriers) -> fwd.Turns | None:
-  """The consumers' ping-pong turns (`forward.Turns`) when the kernel runs one, else None.
-
-  A turn runs from before one tile's gradient products to after the next tile's scores are
-  issued: while one consumer's [dV, dK, next Sᵀ, next dPᵀ] (dK/dV kernel) or [dQ, next S,
-  next dP] (dQ kernel) run, the other turns its scores into Pᵀ and dSᵀ. Both consumers walk the
-  same tiles, so the turns alternate over the whole walk: consumer 1 takes one turn before its
-  first tile, and consumer 0 hands one over after its last."""
-  return fwd.Turns(wg, barriers) if pingpong else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,27 +199,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     plgpu.barrier_wait(kv_ready.at[wg])
     if want_dk:
       plgpu.barrier_wait(kv_ready.at[_CONSUMERS + wg])
-    turn = _turns(config.dkv_pingpong, wg, smem.get("turns"))
-    # Deferred waits (`Backward.dkv_overlap`): dV and dK accumulate in refs that live over the
-    # whole walk, and a visit issues its products without waiting for them. The next visit's
-    # wait for its Sᵀ also covers them (a warpgroup's wgmmas complete in issue order), and only
-    # then are the previous visit's Q and dO slots released, and its Pᵀ and dSᵀ registers reused.
-    overlap = config.dkv_overlap and not params.interpret
-    names = [name for name in ("dv", "dk") if name in grads]
-
-    def release(slot):  # the Q and dO slot of a visit whose products are done (-1: none)
-      def arrive():
-        plgpu.barrier_arrive(q_free.at[slot])
-        plgpu.barrier_arrive(do_free.at[slot])
-      pl.when(slot >= 0)(arrive)
-
     dq_part = None
     if want_dq:
       dq_part = _DqPart(out["dq"], smem, sems, params, split=dq_split(block_q, hp),
                         block_q=block_q, hp=hp, wg=wg, batch=batch, k_tile=k_tile_index,
                         first_ref=first_ref)
 
-    def step(g, i, carry, masked: bool, acc_refs=None):
+    def step(g, i, carry, masked: bool):
       slot = slot_of(g, i)
       head = kv_head * groups + g
       q_start = i * block_q
@@ -268,34 +237,25 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
 
       def probabilities(s):  # Pᵀ (while dPᵀ is in flight)
-        if overlap:  # the previous visit's products are done with its slot
-          release(carry["pending"])
         lse2 = _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape)
         return _probabilities(s, lse2, params, visible)
 
       ds16 = None
       if want_dk:
         plgpu.barrier_wait(smem["delta_ready"].at[slot])
-        (p, cap_t), dp = _wgmma_scores(k_tile, q_tile, v_tile, do_tile, shape, probabilities,
-                                       turn and turn.hand_over)
+        (p, cap_t), dp = _wgmma_scores(k_tile, q_tile, v_tile, do_tile, shape, probabilities)
         delta = _cols(plgpu.load(smem["delta"].at[slot], layout=_COLS), shape)
         ds16 = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
                                     cap_t).astype(q_tile.dtype)
       else:
-        (p, _), _ = _wgmma_scores(k_tile, q_tile, None, None, shape, probabilities,
-                                  turn and turn.hand_over)
+        (p, _), _ = _wgmma_scores(k_tile, q_tile, None, None, shape, probabilities)
       p16 = _core.dropped(p, keep, params).astype(q_tile.dtype) if want_dv else None
 
       # dV += Pᵀ dO (in flight while dSᵀ is stored) and dK += dSᵀ Q; then this consumer's part
       # of the query block's dQ from both consumers' dSᵀ.
       operands = {"dv": (p16, do_tile), "dk": (ds16, q_tile)}
-      if overlap:  # issued, not waited for: the next visit's scores wait for them
-        for acc_ref, name in zip(acc_refs, names):
-          plgpu.wgmma(acc_ref, *operands[name])
-        return {"pending": slot}
+      names = [name for name in ("dv", "dk") if name in grads]
       ds_slot = lax.rem(visit_of(g, i), 2) if want_dq else None
-      if turn is not None:
-        turn.take()  # the other consumer has issued its scores: the tensor cores are ours
       if params.interpret:  # no register operands in the interpreter: plain dots
         sums = [carry[name] + jnp.dot(operands[name][0], operands[name][1][...],
                                       preferred_element_type=jnp.float32) for name in names]
@@ -326,24 +286,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     carry = {name: zeros for name in grads if name != "dq"}
     if want_dq:
       carry["pending"] = _DqPart.nothing_pending()
-    if turn is not None:  # consumer 0 issues first, and hands consumer 1 its last turn
-      pl.when(wg == 1)(turn.take)
-    if overlap:
-      def walk(*acc_refs):
-        last = schedule.visit_q_split(
-            cta_start, pos, lambda g, i, c, masked: step(g, i, c, masked, acc_refs),
-            {"pending": fwd._i32(-1)}, repeat=groups, reverse=reverse)
-        # (each wgmma is its own commit group: waiting for none pending covers both)
-        done = tuple(plgpu.wgmma_accumulator_load(ref, wait_n=0) for ref in acc_refs)
-        release(last["pending"])
-        return done
-
-      sums = dict(zip(names, pl.run_scoped(
-          walk, *[plgpu.ACC((_KEYS, hp), jnp.float32) for _ in names])))
-    else:
-      sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=groups, reverse=reverse)
-    if turn is not None:
-      pl.when(wg == 0)(turn.hand_over)
+    sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=groups, reverse=reverse)
     if want_dq:  # the other consumer's dQ products read this one's K tile until its last one
       plgpu.barrier_arrive(smem["k_done"])
       plgpu.barrier_wait(smem["k_done"])
@@ -384,17 +327,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
                                 smem["delta_ready"].at[slot])
       return carry
 
-    if _FLAT_PRODUCER:
-      # One flat loop over the visits (the consumers' masked and unmasked spans are the same
-      # tiles): the producer runs on the few registers the consumers leave it.
-      @pl.loop(fwd._i32(0), groups * count)
-      def _(n):
-        g = lax.div(n, jnp.maximum(count, 1))
-        place = lax.rem(n, jnp.maximum(count, 1))
-        load(g, hi - 1 - place if reverse else lo + place, None)
-    else:
-      schedule.visit_q_split(cta_start, pos, lambda g, i, c, masked: load(g, i, c), fwd._i32(0),
-                             repeat=groups, reverse=reverse)
+    # One flat loop over the visits (the consumers' masked and unmasked spans walk the same
+    # tiles). Against the consumers' three loops, ptxas spilled 76 bytes instead of 92 at head
+    # dim 128, and the kernel's time did not change beyond the noise (H200, 2026-11-22).
+    @pl.loop(fwd._i32(0), groups * count)
+    def _(n):
+      g = lax.div(n, jnp.maximum(count, 1))
+      place = lax.rem(n, jnp.maximum(count, 1))
+      load(g, hi - 1 - place if reverse else lo + place, None)
 
     fwd.observe_last_releases(groups * count, stages, q_free, do_free)
 
@@ -552,8 +492,6 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
         delta=plgpu.SMEM((stages, block_q), jnp.float32),  # delta rows
         delta_ready=plgpu.Barrier(num_barriers=stages),
     )
-  if config.dkv_pingpong and params.interpret:  # (named barriers on the GPU need no memory)
-    smem["turns"] = plgpu.Barrier(num_barriers=_CONSUMERS)
   out_type = {"dk": _core.out_struct(k.shape, k.dtype, q),
               "dv": _core.out_struct(v.shape, v.dtype, q)}
   sem_shape = first = None
@@ -633,7 +571,7 @@ def _first_visitors(schedule: Schedule, inputs: Inputs, q_blocks: int):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, offsets_ref,
                extras: fwd._Extras, dq_ref, q_smem, do_smem, k_smem, v_smem, q_ready, k_ready,
-               v_ready, k_free, v_free, turns, *, params: Params, config: Backward,
+               v_ready, k_free, v_free, *, params: Params, config: Backward,
                schedule: Schedule, groups: int, q_tiles: int, heavy_first: bool):
   block_kv, stages = config.dq_block_kv, config.dq_stages
   wg = lax.axis_index("wg")
@@ -679,7 +617,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
                           shape)
     plgpu.barrier_wait(q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[_CONSUMERS + wg])
-    turn = _turns(config.dq_pingpong, wg, turns)
 
     def step(j, dq, masked: bool):
       slot = slot_of(j)
@@ -702,12 +639,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
       k_tile = k_smem.at[slot]
       (p, cap_t), dp = _wgmma_scores(
           q_tile, k_tile, do_tile, v_smem.at[slot], shape,
-          lambda s: _probabilities(s, lse2, params, visible), turn and turn.hand_over)
+          lambda s: _probabilities(s, lse2, params, visible))
       plgpu.barrier_arrive(v_free.at[slot])
       ds16 = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
                                   cap_t).astype(k_tile.dtype)
-      if turn is not None:
-        turn.take()
       if params.interpret:
         dq = dq + jnp.dot(ds16, k_tile[...], preferred_element_type=jnp.float32)
       else:
@@ -720,11 +655,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
 
     hp = q_tile.shape[-1]
     zeros = plgpu.layout_cast(jnp.zeros((_KEYS, hp), jnp.float32), plgpu.Layout.WGMMA)
-    if turn is not None:
-      pl.when(wg == 1)(turn.take)
     dq = schedule.visit_kv(cta_start, pos, step, zeros)
-    if turn is not None:
-      pl.when(wg == 0)(turn.hand_over)
     # Q is read no more: dQ goes out through its tile (rows past T are clipped by TMA).
     q_tile[...] = (dq * params.scale).astype(q_tile.dtype)
     plgpu.commit_smem()
@@ -768,9 +699,6 @@ def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Bac
       plgpu.Barrier(num_barriers=stages),  # v_ready
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # k_free
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # v_free
-      # The ping-pong's turns in the interpreter (named barriers on the GPU need no memory).
-      plgpu.Barrier(num_barriers=_CONSUMERS) if config.dq_pingpong and params.interpret
-      else None,
   )
   kernel = functools.partial(_dq_kernel, params=params, config=config, schedule=schedule,
                              groups=groups, q_tiles=q_tiles,

@@ -49,14 +49,6 @@ class Backward:
   # 232, 24 at 240).
   registers: int = 232
   one_pass: bool = False
-  # Ping-pong (as in the forward): the two consumers take turns on the tensor cores, each issuing
-  # one tile's dV and dK (dQ) products and the next tile's scores in its turn while the other
-  # turns its scores into Pᵀ and dSᵀ (P and dS). Per kernel: dK/dV, dQ.
-  dkv_pingpong: bool = False
-  dq_pingpong: bool = False
-  # dK/dV with deferred waits: a visit issues its dV and dK products and goes on to the next
-  # visit's scores without waiting for them (see `backward._dkv_kernel`).
-  dkv_overlap: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -69,11 +61,6 @@ class Backward:
         raise ValueError(f"{name} must be at least 1, got {value}")
     if self.registers not in (232, 240):
       raise ValueError(f"registers must be 232 or 240, got {self.registers}")
-    if self.one_pass and (self.dkv_pingpong or self.dkv_overlap):
-      raise ValueError("one_pass=True runs neither a dK/dV ping-pong nor deferred waits: "
-                       "dkv_pingpong and dkv_overlap must be False")
-    if self.dkv_pingpong and self.dkv_overlap:
-      raise ValueError("dkv_pingpong and dkv_overlap cannot both be True")
 
   def dv_pass(self) -> Backward:
     """The tiles of the dV pass (as ``dkv_block_q`` and ``dkv_stages``)."""

@@ -105,8 +105,7 @@ def _named_barrier(instruction: str, other: bool):
 
 
 class Turns(NamedTuple):
-  """The two consumers' ping-pong turns on the tensor cores (the forward's, and the backward's
-  with ``Backward.pingpong``). A turn is taken with `take` before a consumer issues its matmuls
+  """The two consumers' ping-pong turns on the tensor cores. A turn is taken with `take` before a consumer issues its matmuls
   and handed over with `hand_over` once they are issued; each side must alternate the two, so
   that no turn is handed over twice before it is taken. ``barriers`` are the interpreter's
   (one mbarrier per consumer; None on the GPU, where they are named barriers)."""
