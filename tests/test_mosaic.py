@@ -402,6 +402,26 @@ def test_backward_tiles_lower(dkv_block_q, dq_block_kv, stages, h, causal, one_p
 
 
 @needs_cuda_plugin
+@pytest.mark.parametrize("h", [64, 128])
+def test_partial_backward_lowers(h):
+  """Partial calls' gradients (keys split in two ranges) on the Mosaic backward with its float32
+  tiles: a forward, dQ and dK/dV per range, all Mosaic, no Triton."""
+  def fn(q, k, v):
+    def loss(q, k, v):
+      call = _checks.normalise(q, k, v, is_causal=True)
+      config = mosaic.default_config(h, BF16, True, q.shape[1], "NVIDIA H200", partial=True)
+      out, _ = partial.split_keys_attention(call.inputs, call.params, mosaic.BACKEND, config,
+                                            (300,))
+      return out.astype(jnp.float32).sum()
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  q = jax.ShapeDtypeStruct((2, 300, 4, h), BF16)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, h), BF16)
+  text = _lower(fn, q, kv, kv)
+  assert _mosaic_kernels(text) == 6
+  assert "jaxflash_backward_dq" not in text
+
+
+@needs_cuda_plugin
 @pytest.mark.parametrize("h,causal", [(192, True), (256, False)])
 def test_wide_head_backward_lowers(h, causal):
   """Head dims above 128 with the shipped tiles: the forward, dQ and the two dK/dV passes (at
@@ -532,6 +552,43 @@ def test_key_split_equals_whole_call():
   assert rel_err(np.where(finite, got_lse, 0), np.where(finite, lse, 0)) < 1e-5
 
 
+@pytest.mark.parametrize("h", [64, 128])
+def test_partial_backward(h, monkeypatch):
+  """Partial calls' gradients from the Mosaic backward itself (float32, out through float32
+  tiles): keys split mid-block (21), each range's backward run with the global LSE and delta
+  and summed, equal the float32 reference's gradients, with causal masking, dropout, GQA and
+  lengths; no Triton backward runs."""
+  from jaxflash.backends.triton import backward as triton_backward
+
+  def no_triton(*args, **kwargs):
+    raise AssertionError("the Triton backward ran")
+
+  monkeypatch.setattr(triton_backward, "backward", no_triton)
+  b, t, s, n, k, _ = OPTION_SHAPE
+  q, kk, v, d_out = random_qkv(6, b, t, s, n, k, h, BF16)
+  options = dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3),
+                 **random_lengths(b, t, s, n, 2))
+  config = SMALL_CONFIGS["mosaic"]
+
+  def split(q, kk, v):
+    call = _checks.normalise(q, kk, v, interpret=not ON_GPU, **options)
+    return partial.split_keys_attention(call.inputs, call.params, mosaic.BACKEND, config,
+                                        (21,))[0]
+
+  def whole(q, kk, v):  # the same call, unsplit, in float32 on the XLA backend (same dropout)
+    return attention_with_config(q, kk, v, implementation="xla", **options)
+
+  def grads(fn, *args):
+    out, vjp = jax.vjp(fn, *args)
+    return vjp(d_out.astype(out.dtype))
+
+  got = jax.jit(lambda *x: grads(split, *x))(q, kk, v)
+  want = grads(whole, *(x.astype(jnp.float32) for x in (q, kk, v)))
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    assert g.dtype == BF16, name  # (the float32 shares are summed, then cast once)
+    assert rel_err(g, w) < 2e-2, name
+
+
 def test_every_supported_option_at_once():
   """Causal, window, soft cap, scale, mask, bias (and its gradient), segments, lengths and
   dropout (the mask the other backends draw, from absolute coordinates)."""
@@ -643,8 +700,9 @@ def test_mosaic_backward_wide_heads(h):
 
 
 def test_backward_serves_what_it_can():
-  """Masks, biases, partial results and tiles that do not fit go to the Triton
-  backward (`backward.unsupported` says why); everything else is the Mosaic backward's."""
+  """Masks, biases, partial calls above head dim 128 or in one pass, and tiles that do not
+  fit go to the Triton backward (`backward.unsupported` says why); everything else is the
+  Mosaic backward's."""
   from jaxflash.backends.mosaic import backward
   q = jnp.zeros((1, 64, 2, 128), BF16)
   config = mosaic.Config()
@@ -663,8 +721,15 @@ def test_backward_serves_what_it_can():
   big = mosaic.Config(backward=mosaic.Backward(dq_block_kv=128, dq_stages=3))
   call = _checks.normalise(q, q, q)
   assert "shared memory" in backward.unsupported(call.inputs, call.params, big)
+  # Partial calls (float32 gradients) are served up to head dim 128, in two kernels.
   partial_params = dataclasses.replace(call.params, partial=True)
-  assert "partial" in backward.unsupported(call.inputs, partial_params, config)
+  assert backward.unsupported(call.inputs, partial_params, config) is None
+  one_pass = mosaic.Config(backward=mosaic.Backward(one_pass=True))
+  assert "one pass" in backward.unsupported(call.inputs, partial_params, one_pass)
+  call = _checks.normalise(wide, wide, wide)
+  assert "float32 gradients" in backward.unsupported(
+      call.inputs, dataclasses.replace(call.params, partial=True),
+      mosaic.default_config(256, BF16, False, 64, "NVIDIA H200"))
 
 
 @pytest.mark.parametrize("h,one_pass", [(128, False), (256, False), (128, True), (64, True)]

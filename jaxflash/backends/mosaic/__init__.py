@@ -3,7 +3,7 @@
 - `config.py`: tiles and pipeline depth (`Config`) and the rule that picks them;
 - `forward.py`: the warp-specialised forward (TMA producer, two ping-ponging wgmma consumers);
 - `backward.py`: the warp-specialised dK/dV and dQ kernels (deterministic, no atomics); calls
-  they do not serve (dense masks, biases, partial results) run the Triton
+  they do not serve (dense masks, biases, partial results above head dim 128) run the Triton
   backward on the Mosaic forward's LSE.
 
 What the forward does not do (float32; partial results at D = 256) is declared here, so

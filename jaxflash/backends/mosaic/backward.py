@@ -30,8 +30,11 @@ Block ranges come from the shared `jaxflash.schedule.Schedule` (`visit_q_split` 
 regenerated entry by entry from absolute coordinates). Keys past the key length are masked;
 query rows past the query length have an LSE of +inf, so their P is exactly 0.
 
-What this backward does not serve (`unsupported`: dense masks, biases, partial results, tiles
-that do not fit in shared memory) goes to the Triton backward, which differentiates the Mosaic
+A partial call (``params.partial``: ring attention's pieces) returns float32 gradients, which go
+out through float32 tiles of their own (dK, then dV, through one per consumer).
+
+What this backward does not serve (`unsupported`: dense masks, biases, tiles that do not fit in
+shared memory, partial calls above head dim 128 or in one pass) goes to the Triton backward, which differentiates the Mosaic
 forward exactly: both read the same LSE.
 
 With ``params.interpret`` the kernels run in Mosaic GPU's interpreter (tests on a CPU), which
@@ -75,12 +78,13 @@ def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
   if config.backward is None:
     return "config.backward is None"
   head_dim = inputs.query.shape[-1]
-  if backward_smem_bytes(config.backward, head_dim) > SMEM_BUDGET:
-    return f"{config.backward} does not fit in shared memory at head dim {head_dim}"
+  if params.partial and config.backward.runs_one_pass(padded_head_dim(head_dim)):
+    return "partial results (float32 gradients) in one pass"
+  if backward_smem_bytes(config.backward, head_dim, params.partial) > SMEM_BUDGET:
+    what = " with float32 gradients (a partial call)" if params.partial else ""
+    return f"{config.backward} does not fit in shared memory at head dim {head_dim}{what}"
   if inputs.mask is not None or inputs.bias is not None:
     return "dense masks and biases"
-  if params.partial:
-    return "partial results (float32 gradients)"
   return None
 
 
@@ -290,17 +294,29 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     if want_dq:  # the other consumer's dQ products read this one's K tile until its last one
       plgpu.barrier_arrive(smem["k_done"])
       plgpu.barrier_wait(smem["k_done"])
-    # K and V are read no more: dK and dV go out through their tiles (dV through K's when the
-    # pass has no V).
-    out_tiles = {"dk": k_tile, "dv": v_tile if want_dk else k_tile}
-    if want_dk:
-      k_tile[...] = (sums["dk"] * params.scale).astype(k_tile.dtype)
+    results = {"dk": sums["dk"] * params.scale} if want_dk else {}
     if want_dv:
-      out_tiles["dv"][...] = sums["dv"].astype(out_tiles["dv"].dtype)
-    plgpu.commit_smem()
-    for name in ("dk", "dv"):
-      if name in grads:
-        plgpu.copy_smem_to_gmem(out_tiles[name], out[name].at[batch, keys, kv_head])
+      results["dv"] = sums["dv"]
+    if params.partial:
+      # Float32 gradients (to be summed over the calls) go out one after the other through
+      # this consumer's float32 tile.
+      stage = smem["out32"].at[wg]
+      for name in ("dk", "dv"):
+        if name in results:
+          stage[...] = results[name]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(stage, out[name].at[batch, keys, kv_head])
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (before the tile is written again)
+    else:
+      # K and V are read no more: dK and dV go out through their tiles (dV through K's when the
+      # pass has no V).
+      out_tiles = {"dk": k_tile, "dv": v_tile if want_dk else k_tile}
+      for name, value in results.items():
+        out_tiles[name][...] = value.astype(out_tiles[name].dtype)
+      plgpu.commit_smem()
+      for name in ("dk", "dv"):
+        if name in results:
+          plgpu.copy_smem_to_gmem(out_tiles[name], out[name].at[batch, keys, kv_head])
     plgpu.wait_smem_to_gmem(0)
     if want_dq:
       dq_part.release(sums["pending"])
@@ -492,8 +508,11 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
         delta=plgpu.SMEM((stages, block_q), jnp.float32),  # delta rows
         delta_ready=plgpu.Barrier(num_barriers=stages),
     )
-  out_type = {"dk": _core.out_struct(k.shape, k.dtype, q),
-              "dv": _core.out_struct(v.shape, v.dtype, q)}
+  grad_dtype = jnp.float32 if params.partial else k.dtype
+  out_type = {"dk": _core.out_struct(k.shape, grad_dtype, q),
+              "dv": _core.out_struct(v.shape, grad_dtype, q)}
+  if params.partial:  # each consumer's float32 dK and dV on the way out
+    smem["out32"] = plgpu.SMEM((_CONSUMERS, _KEYS, hp), jnp.float32)
   sem_shape = first = None
   if want_dq:
     split = dq_split(block_q, hp)
@@ -571,7 +590,7 @@ def _first_visitors(schedule: Schedule, inputs: Inputs, q_blocks: int):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, offsets_ref,
                extras: fwd._Extras, dq_ref, q_smem, do_smem, k_smem, v_smem, q_ready, k_ready,
-               v_ready, k_free, v_free, *, params: Params, config: Backward,
+               v_ready, k_free, v_free, dq32_smem, *, params: Params, config: Backward,
                schedule: Schedule, groups: int, q_tiles: int, heavy_first: bool):
   block_kv, stages = config.dq_block_kv, config.dq_stages
   wg = lax.axis_index("wg")
@@ -656,10 +675,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
     hp = q_tile.shape[-1]
     zeros = plgpu.layout_cast(jnp.zeros((_KEYS, hp), jnp.float32), plgpu.Layout.WGMMA)
     dq = schedule.visit_kv(cta_start, pos, step, zeros)
-    # Q is read no more: dQ goes out through its tile (rows past T are clipped by TMA).
-    q_tile[...] = (dq * params.scale).astype(q_tile.dtype)
+    # Q is read no more: dQ goes out through its tile, or a float32 tile of its own in a partial
+    # call (rows past T are clipped by TMA).
+    out_tile = q_tile if dq32_smem is None else dq32_smem.at[wg]
+    out_tile[...] = (dq * params.scale).astype(out_tile.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[batch, rows, head])
+    plgpu.copy_smem_to_gmem(out_tile, dq_ref.at[batch, rows, head])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _CONSUMERS)
@@ -699,13 +720,15 @@ def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Bac
       plgpu.Barrier(num_barriers=stages),  # v_ready
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # k_free
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # v_free
+      # dQ on the way out in a partial call (float32, to be summed over the calls)
+      plgpu.SMEM((_CONSUMERS, _KEYS, hp), jnp.float32) if params.partial else None,
   )
   kernel = functools.partial(_dq_kernel, params=params, config=config, schedule=schedule,
                              groups=groups, q_tiles=q_tiles,
                              heavy_first=params.window.right is not None)
   return plgpu.kernel(
       kernel,
-      out_type=_core.out_struct(q.shape, q.dtype, q),
+      out_type=_core.out_struct(q.shape, jnp.float32 if params.partial else q.dtype, q),
       scratch_types=scratch,
       grid=(n, q_tiles, b),
       grid_names=("heads", "q_tiles", "batch"),

@@ -165,13 +165,15 @@ def sm_count(device_kind: str) -> int:
 SPLIT_HEAD_DIM = 128
 
 
-def backward_smem_bytes(backward: Backward, head_dim: int) -> int:
+def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False) -> int:
   """Shared memory of the largest backward CTA: 64 resident rows of two 16-bit tiles per
   consumer (K and V, or Q and dO; a dV-only pass holds K alone), and the ring of the streamed
   side (Q and dO tiles with their float32 LSE and delta rows, or K and V tiles), and in the
-  one-pass kernel the dSᵀ tiles and staged dQ parts."""
+  one-pass kernel the dSᵀ tiles and staged dQ parts. A ``partial`` call's float32 gradients
+  go out through a float32 tile of 64 rows per consumer in every kernel."""
   hp = padded_head_dim(head_dim)
-  resident = 2 * 2 * 2 * 64 * hp
+  out32 = 2 * 64 * hp * 4 if partial else 0
+  resident = 2 * 2 * 2 * 64 * hp + out32
   dkv = resident + backward.dkv_stages * backward.dkv_block_q * (2 * 2 * hp + 2 * 4)
   if backward.runs_one_pass(hp):  # both consumers' dSᵀ for 2 visits, their float32 dQ parts
     dkv += 2 * 2 * 64 * backward.dkv_block_q * 2 + backward.dkv_block_q * hp * 4
@@ -179,7 +181,8 @@ def backward_smem_bytes(backward: Backward, head_dim: int) -> int:
   dv = 0
   if hp > SPLIT_HEAD_DIM:
     dv_pass = backward.dv_pass()
-    dv = resident // 2 + dv_pass.dkv_stages * dv_pass.dkv_block_q * (2 * 2 * hp + 4)
+    dv = (resident - out32) // 2 + out32 + dv_pass.dkv_stages * dv_pass.dkv_block_q * (
+        2 * 2 * hp + 4)
   return max(dkv, dq, dv)
 
 
