@@ -34,8 +34,8 @@ A partial call (``params.partial``: ring attention's pieces) returns float32 gra
 out through float32 tiles of their own (dK, then dV, through one per consumer).
 
 What this backward does not serve (`unsupported`: dense masks, biases, tiles that do not fit in
-shared memory, partial calls above head dim 128 or in one pass) goes to the Triton backward, which differentiates the Mosaic
-forward exactly: both read the same LSE.
+shared memory, partial calls above head dim 128 or in one pass) goes to the Triton backward,
+which differentiates the Mosaic forward exactly: both read the same LSE.
 
 With ``params.interpret`` the kernels run in Mosaic GPU's interpreter (tests on a CPU), which
 has no wgmma with a register operand and no ``run_state``: the three products with a register
@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
 
 from jaxflash import _core
 from jaxflash import dropout
@@ -301,12 +302,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       # Float32 gradients (to be summed over the calls) go out one after the other through
       # this consumer's float32 tile.
       stage = smem["out32"].at[wg]
-      for name in ("dk", "dv"):
-        if name in results:
-          stage[...] = results[name]
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(stage, out[name].at[batch, keys, kv_head])
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (before the tile is written again)
+      for n, name in enumerate(results):
+        if n:
+          # The last one has left the tile: only the thread that issued its store waits, so
+          # the warpgroup meets before anyone overwrites it.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          if not params.interpret:  # the interpreter runs a warpgroup as one thread
+            fwd._emit(mgpu.utils.warpgroup_barrier)
+        stage[...] = results[name]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage, out[name].at[batch, keys, kv_head])
     else:
       # K and V are read no more: dK and dV go out through their tiles (dV through K's when the
       # pass has no V).

@@ -104,28 +104,6 @@ def _named_barrier(instruction: str, other: bool):
   _emit(build)
 
 
-class Turns(NamedTuple):
-  """The two consumers' ping-pong turns on the tensor cores. A turn is taken with `take` before a consumer issues its matmuls
-  and handed over with `hand_over` once they are issued; each side must alternate the two, so
-  that no turn is handed over twice before it is taken. ``barriers`` are the interpreter's
-  (one mbarrier per consumer; None on the GPU, where they are named barriers)."""
-
-  wg: jax.Array
-  barriers: object | None
-
-  def hand_over(self):  # to the other consumer: its matmuls may go after the ones just issued
-    if self.barriers is not None:
-      plgpu.barrier_arrive(self.barriers.at[1 - self.wg])
-    else:
-      _named_barrier("bar.arrive", other=True)
-
-  def take(self):  # waits until the other consumer has issued its matmuls
-    if self.barriers is not None:
-      plgpu.barrier_wait(self.barriers.at[self.wg])
-    else:
-      _named_barrier("bar.sync", other=False)
-
-
 def _rows(x, shape):
   """A per-row vector broadcast over the columns of a tile."""
   return lax.broadcast_in_dim(x, shape, [0])
@@ -253,8 +231,17 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   def slot_of(n):
     return lax.rem(n, jnp.asarray(stages, n.dtype))
 
-  turn = Turns(wg, turns if params.interpret else None)
-  pass_turn, await_turn = turn.hand_over, turn.take
+  def pass_turn():  # to the other consumer: its matmuls may go after the ones just issued
+    if params.interpret:
+      plgpu.barrier_arrive(turns.at[1 - wg])
+    else:
+      _named_barrier("bar.arrive", other=True)
+
+  def await_turn():  # until the other consumer has issued its matmuls
+    if params.interpret:
+      plgpu.barrier_wait(turns.at[wg])
+    else:
+      _named_barrier("bar.sync", other=False)
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
