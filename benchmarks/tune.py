@@ -26,9 +26,10 @@ def tune(cfg: dict) -> list[dict]:
     families = cfg.get("tune_families") or FORWARD_FAMILIES
     if set(families) - set(BACKWARD_FAMILIES):
       rows += tune_mosaic(cfg)
-    for family in BACKWARD_FAMILIES:
-      if family in families:
-        rows += tune_mosaic_backward(cfg, family)
+    if "backward" in families:
+      rows += tune_mosaic_backward(cfg)
+    elif "one_pass" in families:
+      rows += tune_mosaic_backward(cfg, one_pass_only=True)
   return rows
 
 
@@ -151,13 +152,11 @@ def tune_mosaic(cfg: dict) -> list[dict]:
   return rows
 
 
-def _backward_candidates(d: int, family: str = "backward"):
-  """The Mosaic backward's tiles that fit (`mosaic.Backward`) of a `BACKWARD_FAMILIES` family;
-  None stands for the Triton backward. "one_pass" starts with the shipped default."""
-  shipped = mosaic.config.BACKWARD_TUNED.get(mosaic.config.padded_head_dim(d), mosaic.Backward())
-  one_pass_only = family == "one_pass"
+def _backward_candidates(d: int, one_pass_only: bool = False):
+  """The Mosaic backward's tiles that fit (`mosaic.Backward`); None stands for the Triton
+  backward. With ``one_pass_only``: the shipped default and the one-pass candidates."""
   if one_pass_only:
-    yield shipped
+    yield mosaic.config.BACKWARD_TUNED.get(mosaic.config.padded_head_dim(d), mosaic.Backward())
   else:
     yield None
   if d <= 128:
@@ -214,9 +213,9 @@ def _backward_label(backward, d: int) -> str | tuple:
   return label
 
 
-def tune_mosaic_backward(cfg: dict, family: str = "backward") -> list[dict]:
-  """Times forward+backward with the default Mosaic forward and each backward candidate of
-  ``family`` (`_backward_candidates`), and cuDNN's forward+backward on the same inputs (rows of kind
+def tune_mosaic_backward(cfg: dict, one_pass_only: bool = False) -> list[dict]:
+  """Times forward+backward with the default Mosaic forward and each backward candidate
+  (`_backward_candidates`), and cuDNN's forward+backward on the same inputs (rows of kind
   "cudnn_fwdbwd") as the yardstick. A row's "blocks" are (dkv_block_q, dkv_stages,
   dq_block_kv, dq_stages), or "triton"."""
   rows = []
@@ -227,7 +226,7 @@ def tune_mosaic_backward(cfg: dict, family: str = "backward") -> list[dict]:
     print(f"tune S={case.s} D={d} causal={causal} cuDNN fwdbwd: {_outcome(cudnn_tf, err)}",
           file=sys.stderr, flush=True)
     default = mosaic.default_config(d, jnp.bfloat16, causal, case.s, kind)
-    for backward in _backward_candidates(d, family):
+    for backward in _backward_candidates(d, one_pass_only):
       blocks = _backward_label(backward, d)
       fn = attention_fn("jaxflash_mosaic", causal,
                         config=dataclasses.replace(default, backward=backward))
