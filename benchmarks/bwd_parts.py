@@ -43,7 +43,8 @@ from jaxflash.backends import mosaic
 from jaxflash.backends.mosaic import backward as mosaic_backward
 from jaxflash.backends.mosaic import forward as mosaic_forward
 
-from cases import Case, attention_fn, flops, grad_fn, make_inputs, time_call
+from cases import (Case, attention_fn, causal_modes, flops, grad_fn, make_inputs, relerr,
+                   time_call)
 from report import environment
 
 # Work of each part in units of one T x S x D matmul (see the module docstring).
@@ -53,11 +54,6 @@ UNITS = {"fwd": 2, "dkv": 4, "dv": 2, "dk": 3, "dq": 3}
 VARIANTS = [dict(registers=240), dict(registers=232), dict(dkv_stages=3), dict(dq_stages=3),
             dict(dq_block_kv=128), dict(dkv_block_q=128), dict(dq_block_kv=32),
             dict(dkv_block_q=32), dict(registers=240, dkv_stages=3)]
-
-
-def _rel_err(got, want) -> float:
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 def _check(q, k, v, d_out, causal: bool, grads) -> float:
@@ -70,7 +66,7 @@ def _check(q, k, v, d_out, causal: bool, grads) -> float:
   with jax.default_matmul_precision("highest"):
     _, vjp = jax.vjp(reference, one(q), one(k), one(v))
     want = vjp(one(d_out))
-  return max(_rel_err(one(g), w) for g, w in zip(grads, want))
+  return max(relerr(one(g), np.asarray(w, np.float64)) for g, w in zip(grads, want))
 
 
 def _kernels(backward: mosaic.Backward, hp: int) -> list[str]:
@@ -92,16 +88,29 @@ def _kernel_fn(name: str, inputs, params, config):
   return jax.jit(run)
 
 
+def _setup(case: Case, interpret: bool):
+  """``(q, k, v, d_out, inputs, params, config, fwd)`` of a cell: random inputs, the call as
+  the backends see it, the default Mosaic config, and its forward (jitted, on ``inputs``)."""
+  q, k, v, d_out = make_inputs(case, 0)
+  call = _checks.normalise(q, k, v, is_causal=case.causal, interpret=interpret)
+  inputs, params = call.inputs, call.params
+  config = mosaic.default_config(case.d, q.dtype, case.causal, case.s, devices.current().kind)
+  fwd = jax.jit(lambda inputs: mosaic_forward.forward(inputs, params, config))
+  return q, k, v, d_out, inputs, params, config, fwd
+
+
+def _residuals(fwd, inputs, d_out):
+  """``(out, lse2, delta)``: the forward's output and what the backward kernels read."""
+  out, lse2 = fwd(inputs)
+  return out, lse2, jax.jit(_core.delta)(out, d_out, jnp.zeros_like(lse2))
+
+
 def launch_once(case: Case) -> None:
   """The forward and each backward kernel of ``case``, launched once each and untimed: the
   program ``--ncu`` runs under NVIDIA Nsight Compute (``ncu -k regex:mosaic --launch-skip 1``
   then profiles the backward's kernels alone)."""
-  q, k, v, d_out = make_inputs(case, 0)
-  call = _checks.normalise(q, k, v, is_causal=case.causal)
-  inputs, params = call.inputs, call.params
-  config = mosaic.default_config(case.d, q.dtype, case.causal, case.s, devices.current().kind)
-  out, lse2 = jax.jit(lambda inputs: mosaic_forward.forward(inputs, params, config))(inputs)
-  delta = jax.jit(_core.delta)(out, d_out, jnp.zeros_like(lse2))
+  _, _, _, d_out, inputs, params, config, fwd = _setup(case, interpret=False)
+  _, lse2, delta = _residuals(fwd, inputs, d_out)
   for name in _kernels(config.backward, mosaic.config.padded_head_dim(case.d)):
     jax.block_until_ready(_kernel_fn(name, inputs, params, config)(lse2, d_out, delta))
 
@@ -109,10 +118,7 @@ def launch_once(case: Case) -> None:
 def measure_cell(case: Case, cfg: dict) -> list[dict]:
   """The rows of one (D, S, causal) cell: the check, then every part and cuDNN, timed."""
   interpret = cfg["interpret"]
-  q, k, v, d_out = make_inputs(case, 0)
-  call = _checks.normalise(q, k, v, is_causal=case.causal, interpret=interpret)
-  inputs, params = call.inputs, call.params
-  config = mosaic.default_config(case.d, q.dtype, case.causal, case.s, devices.current().kind)
+  q, k, v, d_out, inputs, params, config, fwd = _setup(case, interpret)
   hp = mosaic.config.padded_head_dim(case.d)
   unit = 2.0 * case.b * case.n * case.s * case.s * case.d * (0.5 if case.causal else 1.0)
   timing = dict(calls=cfg["calls"], repeats=cfg["repeats"])
@@ -133,9 +139,7 @@ def measure_cell(case: Case, cfg: dict) -> list[dict]:
   if err > 2e-2:
     raise AssertionError(f"{case.label()}: gradient error {err:.2e}")
 
-  fwd = jax.jit(lambda inputs: mosaic_forward.forward(inputs, params, config))
-  out, lse2 = fwd(inputs)
-  delta = jax.jit(_core.delta)(out, d_out, jnp.zeros_like(lse2))
+  out, lse2, delta = _residuals(fwd, inputs, d_out)
   ms = time_call(fwd, (inputs,), **timing)
   add("fwd", ms, UNITS["fwd"] * unit / (ms * 1e-3) / 1e12)
 
@@ -158,8 +162,7 @@ def measure_cell(case: Case, cfg: dict) -> list[dict]:
       patches = {name.removeprefix("module."): value for name, value in variant.items()
                  if name.startswith("module.")}
       fields = {name: value for name, value in variant.items()
-                if name not in patches and not name.startswith("module.")
-                and getattr(backward, name) != value}
+                if not name.startswith("module.") and getattr(backward, name) != value}
       if not fields and not patches:
         continue  # (the shipped tiles already)
       backward = dataclasses.replace(backward, **fields)
@@ -330,11 +333,10 @@ def main(argv: list[str] | None = None) -> dict:
   if args.smoke:
     args.head_dims, args.seqs, args.tokens, args.hidden = [64], [128], 128, 128
     cfg["variants"] = [dict(dq_stages=1), {"module._WALK_DOWN": False}] if variants else None
-  causal_modes = {"both": (False, True), "n": (False,), "y": (True,)}[args.causal]
   rows = []
   for s in args.seqs:
     for d in args.head_dims:
-      for causal in causal_modes:
+      for causal in causal_modes(dict(causal=args.causal)):
         b, n = max(1, args.tokens // s), max(1, args.hidden // d)
         case = Case("bf16", b, s, n, n, d, causal)
         if args.launch_once:

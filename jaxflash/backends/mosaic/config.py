@@ -172,17 +172,16 @@ def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False
   one-pass kernel the dSᵀ tiles and staged dQ parts. A ``partial`` call's float32 gradients
   go out through a float32 tile of 64 rows per consumer in every kernel."""
   hp = padded_head_dim(head_dim)
-  out32 = 2 * 64 * hp * 4 if partial else 0
-  resident = 2 * 2 * 2 * 64 * hp + out32
-  dkv = resident + backward.dkv_stages * backward.dkv_block_q * (2 * 2 * hp + 2 * 4)
+  tile = 2 * 64 * hp * 2  # one 16-bit 64-row tile per consumer
+  out32 = 2 * 64 * hp * 4 if partial else 0  # one float32 tile per consumer
+  dkv = 2 * tile + out32 + backward.dkv_stages * backward.dkv_block_q * (2 * 2 * hp + 2 * 4)
   if backward.runs_one_pass(hp):  # both consumers' dSᵀ for 2 visits, their float32 dQ parts
     dkv += 2 * 2 * 64 * backward.dkv_block_q * 2 + backward.dkv_block_q * hp * 4
-  dq = resident + backward.dq_stages * backward.dq_block_kv * 2 * 2 * hp
+  dq = 2 * tile + out32 + backward.dq_stages * backward.dq_block_kv * 2 * 2 * hp
   dv = 0
   if hp > SPLIT_HEAD_DIM:
     dv_pass = backward.dv_pass()
-    dv = (resident - out32) // 2 + out32 + dv_pass.dkv_stages * dv_pass.dkv_block_q * (
-        2 * 2 * hp + 4)
+    dv = tile + out32 + dv_pass.dkv_stages * dv_pass.dkv_block_q * (2 * 2 * hp + 4)
   return max(dkv, dq, dv)
 
 
