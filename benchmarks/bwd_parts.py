@@ -31,7 +31,6 @@ import dataclasses
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -221,28 +220,14 @@ def profile_kernels(fn, args, calls: int = 5) -> tuple[list[dict], dict]:
   call), longest first, and the idle time: ``{"span_us", "idle_us", "gaps"}`` per call, the
   GPU's time from the first kernel's start to the last one's end, the part of it no kernel ran,
   and where (``"previous -> next"`` kernel: microseconds per call). Empty without a GPU."""
-  from jax.profiler import ProfileData
-  jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as trace_dir:
-    with jax.profiler.trace(trace_dir):
-      for _ in range(calls):
-        out = fn(*args)
-      jax.block_until_ready(out)
-    (path,) = Path(trace_dir).glob("**/*.xplane.pb")
-    data = ProfileData.from_file(str(path))
   totals: dict[str, list] = {}
   events = []
-  for plane in data.planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    for line in plane.lines:
-      if "stream" not in line.name.lower():  # (not the per-op and per-module summary lines)
-        continue
-      for event in line.events:
-        entry = totals.setdefault(event.name, [0.0, 0])
-        entry[0] += event.duration_ns / 1e3
-        entry[1] += 1
-        events.append((event.start_ns, event.end_ns, event.name[:40]))
+  for plane_events in cases.gpu_events(fn, args, calls).values():
+    for start, end, name in plane_events:
+      entry = totals.setdefault(name, [0.0, 0])
+      entry[0] += (end - start) / 1e3
+      entry[1] += 1
+      events.append((start, end, name[:40]))
   kernels = [dict(name=name, us=us / calls, count=count / calls)
              for name, (us, count) in totals.items()]
   idle = dict(span_us=0.0, idle_us=0.0, gaps={})

@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -209,3 +211,29 @@ def time_calls(fn: Callable, args, *, warmups: int = 2, calls: int = 20, repeats
 def time_call(fn: Callable, args, calls: int = 20, repeats: int = 5) -> float:
   """Median milliseconds per call of a jitted ``fn`` (two warm-ups first, fixed call count)."""
   return time_calls(fn, args, calls=calls, repeats=repeats, slow_ms=math.inf)[0]
+
+
+def gpu_events(fn: Callable, args, calls: int = 5) -> dict[str, list[tuple[int, int, str]]]:
+  """The GPU work of ``calls`` back-to-back calls of a compiled ``fn``, from a `jax.profiler`
+  trace: ``(start_ns, end_ns, kernel name)`` per kernel or copy, sorted, keyed by the device's
+  plane name (``"/device:GPU:0"`` ...). Empty without a GPU. One call runs first, untraced."""
+  from jax.profiler import ProfileData
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir):
+      for _ in range(calls):
+        out = fn(*args)
+      jax.block_until_ready(out)
+    (path,) = Path(trace_dir).glob("**/*.xplane.pb")
+    data = ProfileData.from_file(str(path))
+  planes: dict[str, list] = {}
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    events = planes.setdefault(plane.name, [])
+    for line in plane.lines:
+      if "stream" not in line.name.lower():  # (not the per-op and per-module summary lines)
+        continue
+      events += [(e.start_ns, e.end_ns, e.name) for e in line.events]
+    events.sort()
+  return planes

@@ -152,7 +152,7 @@ def ring_rows(cfg: dict) -> list[dict]:
   mesh = jax.make_mesh((count,), ("sp",), axis_types=(AxisType.Explicit,))
   rows = []
   for chunk in cfg["ring_chunks"]:
-    for causal in (False, True):
+    for causal in cfg.get("ring_causal", (False, True)):
       layout = "zigzag" if causal else "contiguous"
       total = chunk * count
       q, k, v, d_out = make_inputs(1, total, cfg["heads"], cfg["head_dim"],
@@ -185,10 +185,53 @@ def ring_rows(cfg: dict) -> list[dict]:
                                    for g, w in zip(grads, want))
           row["ring_ms"] = cases.time_call(fn, args, calls=cfg["calls"], repeats=cfg["repeats"])
         row["efficiency"] = row["whole_one_device_ms"] / count / row["ring_ms"]
+        if cfg.get("ring_profile") and not interpret:
+          row["profile"] = ring_profile(fn, args)
       except Exception as e:
         row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
       rows.append(row)
   return rows
+
+
+def ring_profile(fn, args, calls: int = 3) -> dict:
+  """Where device 0's time goes in one ring call, from a `jax.profiler` trace: milliseconds per
+  call of the GPU's span (first kernel's start to last one's end), of compute kernels, of NCCL
+  kernels (the ring's ppermutes), of NCCL time no compute kernel overlaps (``exposed_comm_ms``)
+  and of idle time, and the longest kernels."""
+  events = cases.gpu_events(fn, args, calls).get("/device:GPU:0", [])
+  if not events:
+    return {}
+  is_comm = lambda name: "nccl" in name.lower()  # noqa: E731
+  compute = _union([(a, b) for a, b, name in events if not is_comm(name)])
+  comm = _union([(a, b) for a, b, name in events if is_comm(name)])
+  busy = _union([(a, b) for a, b, _ in events])
+  span = max(b for _, b, _ in events) - events[0][0]
+  ms = lambda ns: ns / 1e6 / calls  # noqa: E731
+  kernels: dict[str, list] = {}
+  for a, b, name in events:
+    entry = kernels.setdefault(name[:70], [0, 0])
+    entry[0] += b - a
+    entry[1] += 1
+  top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:12]
+  return dict(span_ms=ms(span), compute_ms=ms(_total(compute)), comm_ms=ms(_total(comm)),
+              exposed_comm_ms=ms(_total(busy) - _total(compute)),
+              idle_ms=ms(span - _total(busy)),
+              kernels=[dict(name=n, ms=ms(t), count=c / calls) for n, (t, c) in top])
+
+
+def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+  """Disjoint, sorted intervals covering the same time as ``intervals``."""
+  merged: list[list[int]] = []
+  for a, b in sorted(intervals):
+    if merged and a <= merged[-1][1]:
+      merged[-1][1] = max(merged[-1][1], b)
+    else:
+      merged.append([a, b])
+  return [(a, b) for a, b in merged]
+
+
+def _total(intervals) -> int:
+  return sum(b - a for a, b in intervals)
 
 
 def ring_table(rows: list[dict]) -> str:
@@ -202,6 +245,16 @@ def ring_table(rows: list[dict]) -> str:
     lines.append(f"| {r['layout']} | {r['causal']} | {r['devices']} x {r['chunk']} | "
                  f"{r['ring_ms']:.2f} | {r['whole_one_device_ms']:.2f} | {r['efficiency']:.3f}"
                  f" | {r['max_rel_err']:.1e} |")
+  profiled = [r for r in rows if r.get("profile")]
+  if profiled:
+    lines += ["", "Device 0 in one ring call (ms, from a profiler trace):", "",
+              "| layout | devices x chunk | GPU span | compute | NCCL | NCCL exposed | idle |",
+              "|---|---|---|---|---|---|---|"]
+    for r in profiled:
+      p = r["profile"]
+      lines.append(f"| {r['layout']} | {r['devices']} x {r['chunk']} | {p['span_ms']:.2f} | "
+                   f"{p['compute_ms']:.2f} | {p['comm_ms']:.2f} | {p['exposed_comm_ms']:.2f} | "
+                   f"{p['idle_ms']:.2f} |")
   return "\n".join(lines)
 
 
@@ -237,6 +290,13 @@ def main(argv=None) -> dict:
                       default=["Auto", "Explicit"])
   parser.add_argument("--ring-chunks", type=int, nargs="*", default=[16384],
                       help="ring attention: tokens per device (none: skip the ring)")
+  parser.add_argument("--ring-causal", type=lambda x: x == "causal", nargs="+",
+                      default=[False, True], metavar="{causal,full}",
+                      help="ring attention: causal (zigzag layout) and/or full (contiguous)")
+  parser.add_argument("--ring-profile", action="store_true",
+                      help="ring attention: trace one call and list device 0's time")
+  parser.add_argument("--skip-batch", action="store_true",
+                      help="ring attention only (no batch-sharded step)")
   parser.add_argument("--calls", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--tolerance", type=float, default=2e-2)
@@ -247,7 +307,8 @@ def main(argv=None) -> dict:
   if args.smoke:
     cfg.update(per_device_batch=1, seq=64, heads=2, head_dim=16, dtype="float32", calls=1,
                repeats=1, tolerance=1e-4, impls=["jaxflash_xla", "xla"], ring_chunks=[32])
-  result = run(cfg)
+  result = (dict(environment=report.environment(), config=cfg, rows=[]) if args.skip_batch
+            else run(cfg))
   result["rows"] += ring_rows(cfg)
   text = table(result["rows"]) + "\n\nRing attention, forward+backward:\n\n" + ring_table(
       [r for r in result["rows"] if r.get("kind") == "ring"])
