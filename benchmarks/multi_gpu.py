@@ -198,9 +198,13 @@ def ring_profile(fn, args, calls: int = 3) -> dict:
   call of the GPU's span (first kernel's start to last one's end), of compute kernels, of NCCL
   kernels (the ring's ppermutes), of NCCL time no compute kernel overlaps (``exposed_comm_ms``)
   and of idle time, and the longest kernels."""
-  events = cases.gpu_events(fn, args, calls).get("/device:GPU:0", [])
+  planes = cases.gpu_events(fn, args, calls)
+  events = planes.get("/device:GPU:0", [])
   if not events:
     return {}
+  # Every device's span too: the ring runs at the pace of the slowest.
+  spans = {name: (max(b for _, b, _ in ev) - ev[0][0]) / 1e6 / calls
+           for name, ev in planes.items() if ev}
   is_comm = lambda name: "nccl" in name.lower()  # noqa: E731
   compute = _union([(a, b) for a, b, name in events if not is_comm(name)])
   comm = _union([(a, b) for a, b, name in events if is_comm(name)])
@@ -215,7 +219,7 @@ def ring_profile(fn, args, calls: int = 3) -> dict:
   top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:12]
   return dict(span_ms=ms(span), compute_ms=ms(_total(compute)), comm_ms=ms(_total(comm)),
               exposed_comm_ms=ms(_total(busy) - _total(compute)),
-              idle_ms=ms(span - _total(busy)),
+              idle_ms=ms(span - _total(busy)), device_spans_ms=spans,
               kernels=[dict(name=n, ms=ms(t), count=c / calls) for n, (t, c) in top])
 
 

@@ -85,16 +85,41 @@ def test_ring_with_segments_and_a_window():
   _compare(got, _reference(q, k, v, d_out, segment_ids=segments, **options))
 
 
-def test_ring_dropout_is_the_unsplit_calls():
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+def test_ring_dropout_is_the_unsplit_calls(layout):
   """Dropout coordinates are global positions: the ring drops what `flash_attention` on the
-  whole sequence drops (same key), so the outputs agree."""
+  whole sequence drops (same key), so the outputs agree (zigzag: with the pair each device
+  picks at run time)."""
   q, k, v, d_out = random_qkv(2, 1, 64, 64, 2, 2, 16)
   options = dict(is_causal=True, dropout_rate=0.3, dropout_rng=jax.random.key(5))
-  got = _ring_call("contiguous", **options)(q, k, v, d_out)
+  got = _ring_call(layout, **options)(q, k, v, d_out)
   (out, lse), vjp = jax.vjp(lambda q, k, v: jaxflash.flash_attention(
       q, k, v, return_residual=True, implementation="xla", **options), q, k, v)
   want = (out, lse) + vjp((d_out, jnp.zeros_like(lse)))
   _compare(got, want)
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_zigzag_skips_the_pairs_a_causal_band_hides(causal, monkeypatch):
+  """Under a causal band each device computes 3 (query half, key half) pairs at the first step
+  and 2 at each later one, forward and backward; without one, all 4 at every step."""
+  from jaxflash.ops import flash
+  counts = {"forward": 0, "backward": 0}
+
+  def counting(name):
+    original = getattr(flash, name)
+
+    def wrapped(*args, **kwargs):
+      counts[name] += 1
+      return original(*args, **kwargs)
+    return wrapped
+
+  for name in counts:
+    monkeypatch.setattr(flash, name, counting(name))
+  q, k, v, d_out = random_qkv(0, 1, 64, 64, 2, 2, 16)
+  _ring_call("zigzag", is_causal=causal)(q, k, v, d_out)
+  pairs = 4 * RING if not causal else 3 + 2 * (RING - 1)
+  assert counts == {"forward": pairs, "backward": pairs}
 
 
 def test_zigzag_order_round_trips():

@@ -16,8 +16,9 @@ their keys. Layouts:
 - ``"zigzag"``: the sequence is cut into 2R chunks and device ``i`` holds chunks ``i`` and
   ``2R - 1 - i``, so that under a causal mask every device has the same work (MaxText's
   ``DUAL_CHUNK_SWAP``). `to_zigzag` and `from_zigzag` reorder a whole sequence into and out of
-  it. Each step then computes the four pairs of (query half, key half); pairs the band hides
-  entirely cost a launch (the block schedule visits nothing).
+  it. Each step then computes the pairs of (query half, key half) that the band leaves
+  visible: three at the first step and two at the others under a causal band, all four
+  without one (`_step_pairs`).
 """
 
 from __future__ import annotations
@@ -108,40 +109,54 @@ def _parts(ring: Ring) -> int:
   return 1 if ring.layout == "contiguous" else 2
 
 
-def _pair(inputs: Inputs, kv, q_part: int, kv_part: int, parts: int, q_start, kv_start):
-  """The inputs of one (query part, key part) pair: slices and their absolute offsets."""
+def _pair(inputs: Inputs, kv, q_part, kv_part, parts: int, q_starts, kv_starts):
+  """The inputs of one (query part, key part) pair: slices and their absolute offsets. The part
+  indices may be traced (a pair chosen by the device's place on the ring)."""
   k, v, kv_seg = kv
   tq, tk = inputs.query.shape[1] // parts, k.shape[1] // parts
   q_sl = functools.partial(_part_of, start=q_part * tq, size=tq)
   k_sl = functools.partial(_part_of, start=kv_part * tk, size=tk)
   b = inputs.query.shape[0]
-  offsets = jnp.broadcast_to(jnp.stack([q_start, kv_start]).astype(jnp.int32), (b, 2))
+  starts = jnp.stack([jnp.stack(q_starts)[q_part], jnp.stack(kv_starts)[kv_part]])
+  offsets = jnp.broadcast_to(starts.astype(jnp.int32), (b, 2))
   lengths = jnp.broadcast_to(jnp.array([tq, tk], jnp.int32), (b, 2))
   return inputs._replace(query=q_sl(inputs.query), key=k_sl(k), value=k_sl(v),
                          q_segment_ids=q_sl(inputs.q_segment_ids),
                          kv_segment_ids=k_sl(kv_seg), lengths=lengths, offsets=offsets)
 
 
-def _step_pairs(inputs: Inputs, ring: Ring, kv, step: int) -> list:
-  """``(query part, key part, inputs)`` of every pair of one ring step, where ``kv`` (K, V, key
-  segment ids) is the chunk this device holds at that step."""
+def _step_pairs(inputs: Inputs, params: Params, ring: Ring, kv, step: int) -> list:
+  """``(query part, key part, inputs)`` of the pairs one ring step computes, where ``kv`` (K, V,
+  key segment ids) is the chunk this device holds at that step.
+
+  Under a causal band the zigzag layout needs three of its four pairs at step 0 (the query
+  half before the key half sees none of it) and two at every later step: the late query half
+  always sees the early key half, and of the two same-side pairs only the one whose key chunk
+  came from an earlier device (``step <= me``) is visible. That pair's part index is traced.
+  Skipping a hidden pair is exact: the band hides all of it, whatever else masks it."""
   size, me, parts = ring.size(), lax.axis_index(ring.axis_name), _parts(ring)
   chunk = inputs.query.shape[1]
   q_starts = chunk_starts(ring.layout, size, me, chunk)
   kv_starts = chunk_starts(ring.layout, size, (me - step) % size, chunk)  # its owner's chunk
-  return [(p, r, _pair(inputs, kv, p, r, parts, q_starts[p], kv_starts[r]))
-          for p in range(parts) for r in range(parts)]
+  if parts == 1 or not params.window.is_causal:
+    pairs = [(p, r) for p in range(parts) for r in range(parts)]
+  elif step == 0:
+    pairs = [(0, 0), (1, 0), (1, 1)]
+  else:
+    same_side = jnp.where(step <= me, 0, 1)
+    pairs = [(1, 0), (same_side, same_side)]
+  return [(p, r, _pair(inputs, kv, p, r, parts, q_starts, kv_starts)) for p, r in pairs]
 
 
-def _add_part(acc, share, start: int):
-  """``acc`` with ``share`` added to its tokens ``start ...`` (static bounds)."""
+def _add_part(acc, share, start):
+  """``acc`` with ``share`` added to its tokens ``start ...`` (``start`` may be traced)."""
   part = _part_of(acc, start, share.shape[1]) + share
   return lax.dynamic_update_slice_in_dim(acc, part, start, axis=1)
 
 
-def _part_of(x, start: int, size: int):
-  """Tokens ``start ... start + size - 1`` of a [B, C, ...] array (None stays None)."""
-  return None if x is None else lax.slice_in_dim(x, start, start + size, axis=1)
+def _part_of(x, start, size: int, axis: int = 1):
+  """Tokens ``start ... start + size - 1`` of ``x`` along ``axis`` (None stays None)."""
+  return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
 def _forward(inputs: Inputs, params: Params, ring: Ring):
@@ -152,12 +167,19 @@ def _forward(inputs: Inputs, params: Params, ring: Ring):
   outs = [[] for _ in range(parts)]
   lses = [[] for _ in range(parts)]
   for step in range(size):
-    for p, _, pair in _step_pairs(inputs, ring, kv, step):
+    # The next chunk is on its way while this one computes (it depends on nothing computed).
+    next_kv = ring.shift(kv) if step < size - 1 else None
+    for p, _, pair in _step_pairs(inputs, params, ring, kv, step):
       out, lse2 = flash.forward(ring.backend, pair, partial_params, ring.config)
-      outs[p].append(out)
-      lses[p].append(jnp.swapaxes(_core.user_lse(lse2), 1, 2))
-    if step < size - 1:
-      kv = ring.shift(kv)
+      lse = jnp.swapaxes(_core.user_lse(lse2), 1, 2)
+      if isinstance(p, int):
+        outs[p].append(out)
+        lses[p].append(lse)
+        continue
+      for part in range(parts):  # a traced part: the result counts (weight 1) for it alone
+        outs[part].append(jnp.where(p == part, out, 0.0))
+        lses[part].append(jnp.where(p == part, lse, -jnp.inf))
+    kv = next_kv
   merged = [partial.merge(o, s) for o, s in zip(outs, lses)]
   out = jnp.concatenate([m[0] for m in merged], axis=1)
   lse = jnp.concatenate([m[1] for m in merged], axis=1)  # [B, T, N]
@@ -186,24 +208,24 @@ def _bwd(params, ring, residuals, cotangents):
   partial_params = dataclasses.replace(params, partial=True)  # float32 shares, summed
   kv = (inputs.key, inputs.value, inputs.kv_segment_ids)
   # Accumulators vary over the manual axes like the gradients added to them (check_vma).
-  zeros = _core.varying_like(jnp.zeros(inputs.key.shape, jnp.float32),
-                             _core.varying_axes(inputs.key))
-  dq = [0.0] * parts
-  dk, dv = zeros, zeros
-  rows = lambda x, p, axis: lax.slice_in_dim(x, p * tq, (p + 1) * tq, axis=axis)  # noqa: E731
+  zeros = lambda x: _core.varying_like(jnp.zeros(x.shape, jnp.float32),  # noqa: E731
+                                       _core.varying_axes(x))
+  dq, dk, dv = zeros(inputs.query), zeros(inputs.key), zeros(inputs.key)
   for step in range(size):
-    for p, r, pair in _step_pairs(inputs, ring, kv, step):
+    next_kv = ring.shift(kv) if step < size - 1 else None
+    for p, r, pair in _step_pairs(inputs, params, ring, kv, step):
+      rows = functools.partial(_part_of, start=p * tq, size=tq)
       g = flash.backward(ring.backend, pair, partial_params, ring.config,
-                         rows(lse2, p, 2), rows(d_out, p, 1), rows(delta, p, 2), False)
-      dq[p] = dq[p] + g[0]
+                         rows(lse2, axis=2), rows(d_out), rows(delta, axis=2), False)
       tk = pair.key.shape[1]
+      dq = _add_part(dq, g[0], p * tq)
       dk = _add_part(dk, g[1], r * tk)
       dv = _add_part(dv, g[2], r * tk)
     if step < size - 1:
-      kv, (dk, dv) = ring.shift((kv, (dk, dv)))
-  # The accumulators now belong to the next device's chunk: one more shift sends them home.
-  dk, dv = ring.shift((dk, dv))
-  dq = jnp.concatenate(dq, axis=1) if parts > 1 else dq[0]
+      kv, (dk, dv) = next_kv, ring.shift((dk, dv))
+  # The accumulators now belong to the next device's chunk: one more shift sends them home,
+  # already in the gradients' dtype (casting before or after the trip gives the same bits).
+  dk, dv = ring.shift((dk.astype(inputs.key.dtype), dv.astype(inputs.value.dtype)))
   return (flash.cotangents_of(inputs, dq, dk, dv, None),)
 
 
