@@ -193,6 +193,64 @@ def ring_rows(cfg: dict) -> list[dict]:
   return rows
 
 
+def longest_rows(cfg: dict) -> list[dict]:
+  """The longest sequences: a causal ring call (zigzag) of ``total`` tokens over every device,
+  forward+backward, too long for a whole-sequence reference. Checked on sampled query rows
+  against a float32 reference of those rows over all their keys, gradients checked to be
+  finite; timed; each device's peak memory."""
+  from jaxflash.ops import ring
+  count = len(jax.devices())
+  interpret = jax.default_backend() == "cpu"
+  impl = "xla" if interpret else None
+  mesh = jax.make_mesh((count,), ("sp",), axis_types=(AxisType.Explicit,))
+  rows = []
+  for total in cfg["ring_longest"]:
+    row = dict(kind="longest", layout="zigzag", causal=True, devices=count,
+               chunk=total // count, T=total, N=cfg["heads"], D=cfg["head_dim"],
+               dtype=cfg["dtype"])
+    try:
+      q, k, v, d_out = make_inputs(1, total, cfg["heads"], cfg["head_dim"],
+                                   jnp.dtype(cfg["dtype"]), seed=2)
+
+      def local(q, k, v, d_out):
+        attn = lambda q, k, v: jaxflash.ring_attention(  # noqa: E731
+            q, k, v, axis_name="sp", layout="zigzag", is_causal=True, implementation=impl,
+            interpret=interpret)
+        out, vjp = jax.vjp(attn, q, k, v)
+        return (out,) + vjp(d_out)
+
+      fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(None, "sp"),
+                                 out_specs=P(None, "sp")))
+      with jax.set_mesh(mesh):
+        args = tuple(jax.device_put(ring.to_zigzag(x, count), NamedSharding(mesh, P(None, "sp")))
+                     for x in (q, k, v, d_out))
+        del q, d_out
+        results = fn(*args)
+        tokens = np.array([0, total // 3, total // 2 + 1, total - 1])
+        place = jnp.asarray(np.argsort(np.asarray(ring.zigzag_order(total, count)))[tokens])
+        rows_of = lambda x: np.asarray(x.at[:, place].get(out_sharding=P()), np.float32)  # noqa: E731
+        got, q_rows = rows_of(results[0]), rows_of(args[0])
+        row["grads_finite"] = all(bool(jnp.isfinite(g).all()) for g in results[1:])
+        del results
+        row["ring_ms"] = cases.time_call(fn, args, calls=cfg["calls"], repeats=cfg["repeats"])
+      row["max_rel_err"] = cases.relerr(got, _rows_reference(q_rows, k, v, tokens))
+      row["peak_gib"] = [d.memory_stats()["peak_bytes_in_use"] / 2**30
+                         for d in jax.devices() if d.memory_stats()]
+    except Exception as e:
+      row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+    rows.append(row)
+  return rows
+
+
+def _rows_reference(q, k, v, tokens) -> np.ndarray:
+  """Float32 causal attention of query rows ``q`` [1, R, N, H] (tokens ``tokens`` of the
+  sequence) over all keys of ``k``, ``v`` (in sequence order)."""
+  logits = jnp.einsum("brnh,bsnh->bnrs", q, k.astype(jnp.float32)) / np.sqrt(q.shape[-1])
+  visible = jnp.arange(k.shape[1])[None, :] <= jnp.asarray(tokens)[:, None]
+  probs = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)
+  return np.asarray(jnp.einsum("bnrs,bsnh->brnh", probs, v.astype(jnp.float32)))
+
+
 def ring_profile(fn, args, calls: int = 3) -> dict:
   """Where device 0's time goes in one ring call, from a `jax.profiler` trace: milliseconds per
   call of the GPU's span (first kernel's start to last one's end), of compute kernels, of NCCL
@@ -241,7 +299,7 @@ def _total(intervals) -> int:
 def ring_table(rows: list[dict]) -> str:
   lines = ["| layout | causal | devices x chunk | ring ms | whole sequence, one device ms | "
            "efficiency | max rel err |", "|---|---|---|---|---|---|---|"]
-  for r in rows:
+  for r in (r for r in rows if r.get("kind") != "longest"):
     if "failed" in r:
       lines.append(f"| {r['layout']} | {r['causal']} | {r['devices']} x {r['chunk']} | "
                    f"failed: {r['failed'][:80]} | | | |")
@@ -249,6 +307,15 @@ def ring_table(rows: list[dict]) -> str:
     lines.append(f"| {r['layout']} | {r['causal']} | {r['devices']} x {r['chunk']} | "
                  f"{r['ring_ms']:.2f} | {r['whole_one_device_ms']:.2f} | {r['efficiency']:.3f}"
                  f" | {r['max_rel_err']:.1e} |")
+  for r in (r for r in rows if r.get("kind") == "longest"):
+    if "failed" in r:
+      lines.append(f"| longest | causal | {r['devices']} x {r['chunk']} | failed: "
+                   f"{r['failed'][:80]} | | | |")
+      continue
+    peak = max(r["peak_gib"], default=float("nan"))
+    lines.append(f"| zigzag, longest | True | {r['devices']} x {r['chunk']} | {r['ring_ms']:.1f}"
+                 f" | (peak {peak:.1f} GiB per device; gradients finite: "
+                 f"{r['grads_finite']}) | | {r['max_rel_err']:.1e} (sampled rows) |")
   profiled = [r for r in rows if r.get("profile")]
   if profiled:
     lines += ["", "Device 0 in one ring call (ms, from a profiler trace):", "",
@@ -266,7 +333,7 @@ def table(rows: list[dict]) -> str:
   lines = ["| impl | mesh | sharded ms | one share ms | ratio | collectives | max rel err |",
            "|---|---|---|---|---|---|---|"]
   for r in rows:
-    if r.get("kind") == "ring":
+    if r.get("kind") in ("ring", "longest"):
       continue
     if "failed" in r:
       lines.append(f"| {r['impl']} | {r['mesh']} | failed: {r['failed'][:80]} | | | | |")
@@ -297,6 +364,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--ring-causal", type=lambda x: x == "causal", nargs="+",
                       default=[False, True], metavar="{causal,full}",
                       help="ring attention: causal (zigzag layout) and/or full (contiguous)")
+  parser.add_argument("--ring-longest", type=int, nargs="*", default=[],
+                      help="ring attention: total tokens of causal calls too long for a "
+                           "whole-sequence reference (checked on sampled rows)")
   parser.add_argument("--ring-profile", action="store_true",
                       help="ring attention: trace one call and list device 0's time")
   parser.add_argument("--skip-batch", action="store_true",
@@ -313,9 +383,9 @@ def main(argv=None) -> dict:
                repeats=1, tolerance=1e-4, impls=["jaxflash_xla", "xla"], ring_chunks=[32])
   result = (dict(environment=report.environment(), config=cfg, rows=[]) if args.skip_batch
             else run(cfg))
-  result["rows"] += ring_rows(cfg)
+  result["rows"] += ring_rows(cfg) + longest_rows(cfg)
   text = table(result["rows"]) + "\n\nRing attention, forward+backward:\n\n" + ring_table(
-      [r for r in result["rows"] if r.get("kind") == "ring"])
+      [r for r in result["rows"] if r.get("kind") in ("ring", "longest")])
   print(text)
   if args.out:
     out = Path(args.out)
@@ -325,8 +395,8 @@ def main(argv=None) -> dict:
         f"Batch-sharded attention step, {env['device']} x {len(jax.devices())}, jax "
         f"{env['jax']}, {env['date']}: forward+backward (ms) against one device running its "
         f"share alone\n\n{text}\n")
-  bad = [r for r in result["rows"]
-         if "failed" in r or r.get("max_rel_err", 0.0) > cfg["tolerance"]]
+  bad = [r for r in result["rows"] if "failed" in r or r.get("grads_finite") is False
+         or r.get("max_rel_err", 0.0) > cfg["tolerance"]]
   if bad:
     raise SystemExit(f"{len(bad)} rows failed or are wrong: {bad[:3]}")
   return result

@@ -230,3 +230,24 @@ def test_decode_bench_smoke(tmp_path):
   import plot
   png = out.with_suffix(".png")
   assert plot.main([str(out)]) == [png] and png.stat().st_size > 0
+
+
+def test_multi_gpu_smoke(tmp_path, monkeypatch):
+  """benchmarks/multi_gpu.py on the fake CPU devices (XLA backend): the batch-sharded step,
+  the ring rows and a longest-sequence row checked on sampled rows; and the profile's
+  bookkeeping (exposed NCCL time is what no compute kernel covers) on a made-up trace."""
+  import cases
+  import multi_gpu
+  out = tmp_path / "multi.json"
+  result = multi_gpu.main(["--smoke", "--ring-longest", "256", "--out", str(out)])
+  kinds = [r.get("kind") for r in result["rows"]]
+  assert kinds.count("ring") == 2 and kinds.count("longest") == 1 and None in kinds
+  longest = result["rows"][-1]
+  assert longest["grads_finite"] and longest["max_rel_err"] < 1e-4
+  assert "zigzag, longest" in out.with_suffix(".md").read_text()
+
+  trace = [(0, 10, "fwd"), (5, 20, "ncclKernel"), (25, 30, "bwd"), (26, 28, "ncclKernel")]
+  monkeypatch.setattr(cases, "gpu_events", lambda fn, args, calls: {"/device:GPU:0": trace})
+  p = multi_gpu.ring_profile(None, None, calls=1)
+  assert [round(p[k] * 1e6) for k in ("span_ms", "compute_ms", "comm_ms", "exposed_comm_ms",
+                                      "idle_ms")] == [30, 15, 17, 10, 5]
