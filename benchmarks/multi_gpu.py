@@ -187,6 +187,10 @@ def ring_rows(cfg: dict) -> list[dict]:
         row["efficiency"] = row["whole_one_device_ms"] / count / row["ring_ms"]
         if cfg.get("ring_profile") and not interpret:
           row["profile"] = ring_profile(fn, args)
+          whole_profile = ring_profile(whole, (q, k, v, d_out))
+          row["whole_span_ms"] = whole_profile["span_ms"]
+          row["span_efficiency"] = (whole_profile["span_ms"] / count
+                                    / max(row["profile"]["device_spans_ms"].values()))
       except Exception as e:
         row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
       rows.append(row)
@@ -318,14 +322,16 @@ def ring_table(rows: list[dict]) -> str:
                  f"{r['grads_finite']}) | | {r['max_rel_err']:.1e} (sampled rows) |")
   profiled = [r for r in rows if r.get("profile")]
   if profiled:
-    lines += ["", "Device 0 in one ring call (ms, from a profiler trace):", "",
-              "| layout | devices x chunk | GPU span | compute | NCCL | NCCL exposed | idle |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "Device 0 in one ring call (ms, from a profiler trace; span efficiency: the "
+              "same ratio as above, of GPU spans, the slowest device's for the ring):", "",
+              "| layout | devices x chunk | GPU span | compute | NCCL | NCCL exposed | idle | "
+              "whole sequence span | span efficiency |", "|---|---|---|---|---|---|---|---|---|"]
     for r in profiled:
       p = r["profile"]
       lines.append(f"| {r['layout']} | {r['devices']} x {r['chunk']} | {p['span_ms']:.2f} | "
                    f"{p['compute_ms']:.2f} | {p['comm_ms']:.2f} | {p['exposed_comm_ms']:.2f} | "
-                   f"{p['idle_ms']:.2f} |")
+                   f"{p['idle_ms']:.2f} | {r['whole_span_ms']:.2f} | "
+                   f"{r['span_efficiency']:.3f} |")
   return "\n".join(lines)
 
 
