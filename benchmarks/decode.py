@@ -149,7 +149,7 @@ def run(cfg: dict) -> dict:
       row = _measure(dict(base, impl=impl), fn, (q, kc, vc, lengths), want, cfg)
       rows.append(row)
       print(_line(row), file=sys.stderr, flush=True)
-    if cfg.get("tune"):
+    if cfg.get("tune") or cfg.get("tune_splits"):
       rows += _tune(base, lambda: attention_fn("jaxflash_triton", t, table, cfg["interpret"]),
                     (q, kc, vc, lengths), want, cfg)
   return dict(environment=env, config=cfg, rows=rows)
@@ -173,6 +173,24 @@ def _measure(row: dict, fn, args, want, cfg: dict) -> dict:
   except Exception as e:  # noqa: BLE001 - one failing implementation must not end the run
     row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
   return row
+
+
+SPLIT_SWEEP_PER_SM = (0.5, 1, 1.5, 2, 2.5, 3, 4, 6, 8)
+
+
+def _split_candidates(row: dict, sm_count: int):
+  """The shipped tiles (64-key blocks, 4 warps, 3 stages up to D = 64, else 2) with split
+  counts for 0.5 to 8 programs per SM (`SPLIT_SWEEP_PER_SM`): how the split count's wave
+  quantization moves a cell, with nothing else changed."""
+  from jax.experimental import pallas as pl
+  blocks = pl.cdiv(row["S"], 64 if row["layout"] == "contiguous" else row["page_size"])
+  seen = set()
+  for per_sm in SPLIT_SWEEP_PER_SM:
+    splits = max(1, min(blocks, round(per_sm * sm_count / (row["B"] * row["K"]))))
+    splits = pl.cdiv(blocks, pl.cdiv(blocks, splits))  # (as default_config: none left empty)
+    if splits not in seen:
+      seen.add(splits)
+      yield dict(block_k=64, num_warps=4, num_stages=3 if row["D"] <= 64 else 2, splits=splits)
 
 
 def _tune_candidates(row: dict, sm_count: int):
@@ -204,7 +222,8 @@ def _tune(base: dict, make_fn, args, want, cfg: dict) -> list[dict]:
   rows = []
   cell = dict(base, page_size=cfg["page_size"])
   try:
-    for fields in _tune_candidates(cell, sm_count(devices.current().kind)):
+    candidates = _split_candidates if cfg.get("tune_splits") else _tune_candidates
+    for fields in candidates(cell, sm_count(devices.current().kind)):
       kernel.default_config = lambda inputs, training, device, f=fields: kernel.DecodeConfig(
           training=training, **f)
       row = _measure(dict(base, impl="tune", tune=fields), make_fn(), args, want, cfg)
@@ -269,6 +288,9 @@ def main(argv=None) -> None:
                       help="a tiny grid that runs anywhere (a CPU test of this script)")
   parser.add_argument("--tune", action="store_true",
                       help="also time the Triton split-KV kernel with each candidate config")
+  parser.add_argument("--tune-splits", action="store_true",
+                      help="also time the shipped tiles with split counts for 0.5 to 8 "
+                           "programs per SM (wave quantization)")
   parser.add_argument("--out", help="results JSON (a .md table is written next to it)")
   args = parser.parse_args(argv)
   cfg = dict(vars(args))
