@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -185,8 +186,8 @@ def _split_candidates(row: dict, sm_count: int):
   from jax.experimental import pallas as pl
   blocks = pl.cdiv(row["S"], 64 if row["layout"] == "contiguous" else row["page_size"])
   seen = set()
-  for per_sm in SPLIT_SWEEP_PER_SM:
-    splits = max(1, min(blocks, round(per_sm * sm_count / (row["B"] * row["K"]))))
+  for per_sm in SPLIT_SWEEP_PER_SM:  # (2: the rule shipped before `wave_splits`)
+    splits = max(1, min(blocks, math.ceil(per_sm * sm_count / (row["B"] * row["K"]))))
     splits = pl.cdiv(blocks, pl.cdiv(blocks, splits))  # (as default_config: none left empty)
     if splits not in seen:
       seen.add(splits)

@@ -262,3 +262,25 @@ def test_flash_attention_routes_few_queries_to_split_kv(options, monkeypatch):
   jaxflash.flash_attention(q17, kk, v, implementation="triton",
                            interpret=interpret_for("triton"))
   assert ran["split_kv"] == split_kv and ran["training"] >= 1
+
+
+@pytest.mark.parametrize("blocks,rows,want", [
+    (2048, 32, 12),  # 32 K/V heads at B = 1, 128k keys: 384 programs, not 288 (measured)
+    (512, 64, 6),  # 8 K/V heads at B = 8, 32k keys: 384 programs, not 320
+    (2048, 8, 33),  # 8 K/V heads at B = 1: 264 programs, two per SM already
+    (512, 256, 2),
+    (64, 2048, 1),
+    (3, 4, 3),  # never more splits than key blocks
+])
+def test_wave_splits(blocks, rows, want):
+  """The split count spreads programs evenly over an H200's 132 SMs (2 to 4 per SM), leaves no
+  split without a key block, and spreads them at least as evenly as two per SM rounded up."""
+  from jax.experimental import pallas as pl
+  from jaxflash.backends.triton.decode import wave_splits
+  splits = wave_splits(blocks, rows, 132)
+  assert splits == want
+  assert pl.cdiv(blocks, pl.cdiv(blocks, splits)) == splits <= blocks
+  fill = lambda p: p / (pl.cdiv(p, 132) * 132)  # noqa: E731
+  old = min(blocks, pl.cdiv(264, rows))
+  old = pl.cdiv(blocks, pl.cdiv(blocks, old))
+  assert fill(splits * rows) >= fill(old * rows)

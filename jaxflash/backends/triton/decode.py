@@ -73,27 +73,45 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
 
 
 def default_config(inputs: Inputs, training: Config, device: Device) -> DecodeConfig:
-  """About two programs per SM in all: ``splits`` from the batch and K/V heads, at most one per
-  key block; 64-key blocks, 4 warps, 2 stages (3 at head dims up to 64, whose tiles are half
-  as large).
+  """Splits from `wave_splits` (2 to 4 programs per SM, spread evenly over the SMs); 64-key
+  blocks, 4 warps, 2 stages (3 at head dims up to 64, whose tiles are half as large).
 
   Tuned on an H200 (2026-11-22, bf16, T = 1; `benchmarks/decode.py --tune`, results in
   benchmarks/results/decode_h200_2026-11-22) over 64 or 128 keys, 4 or 8 warps, 2 to 4 stages
   and 1, 2 or 4 programs per SM. At GQA 32/8, D = 128 this was the fastest or within 1% of it
   at B x S = 8 x 32k, 8 x 128k, 64 x 4k and 64 x 32k (3.9-4.4 TB/s), where 128-key blocks ran
-  up to 13% slower; at 8 x 4k four programs per SM won by 11% (a launch-bound 50 us call). At
-  D = 64, 3 stages were the fastest at B = 8 (2 stages: up to 24% slower) and within 1% of it
-  at B = 1. With 32 K/V heads (MHA) the best split count swings with wave quantization
-  (1 or 2 splits differ by up to 15% at 8 x 128k): this rule is 0-5% off the best there."""
+  up to 13% slower. At D = 64, 3 stages were the fastest at B = 8 (2 stages: up to 24% slower)
+  and within 1% of it at B = 1. The split count was swept alone later the same day
+  (`decode.py --tune-splits`, `splits_*.json` there): see `wave_splits`."""
   from jaxflash.backends.mosaic.config import sm_count  # (a table of device kinds)
-  sm_count = sm_count(device.kind)
   b, s, k = inputs.key.shape[:3]
   block_k = tiles.fit(64, s)
-  blocks = pl.cdiv(s, block_k)
-  splits = max(1, min(blocks, pl.cdiv(2 * sm_count, b * k)))
-  splits = pl.cdiv(blocks, pl.cdiv(blocks, splits))  # no split left without a block
+  splits = wave_splits(pl.cdiv(s, block_k), b * k, sm_count(device.kind))
   stages = 3 if inputs.query.shape[-1] <= 64 else 2
   return DecodeConfig(splits=splits, block_k=block_k, num_stages=stages, training=training)
+
+
+def wave_splits(blocks: int, rows: int, sm_count: int) -> int:
+  """Splits of each cache row for ``rows`` (batch row, K/V head) pairs of ``blocks`` key blocks.
+
+  Among the counts that give 2 to 4 programs per SM, it takes the one whose programs are spread
+  most evenly over the SMs (programs / (SMs x waves), ties to fewer programs), with no split
+  left without a key block. Why: in the H200 sweep (`decode.py --tune-splits`, 132 SMs), 32
+  K/V heads at B = 1 ran 4-7% faster with 12 splits (384 programs, 2.9 per SM) than with 9
+  (288, 2.2 per SM, which leaves part of a wave idle at the end). 8 splits (256 programs, 1.9
+  per SM) were slower, as were 13 to 16. At B = 8 with 8 K/V heads, 6 splits (384 programs)
+  matched or beat 5 (320). Where two programs per SM already fill whole waves (8 K/V heads at
+  B = 1, 33 splits) the count is unchanged."""
+  low = max(1, pl.cdiv(2 * sm_count, rows))
+  best_fill, best = -1.0, 1
+  for splits in range(low, max(low, 4 * sm_count // rows) + 1):
+    splits = min(splits, blocks)
+    splits = pl.cdiv(blocks, pl.cdiv(blocks, splits))  # no split left without a block
+    programs = splits * rows
+    fill = programs / (pl.cdiv(programs, sm_count) * sm_count)
+    if fill > best_fill:
+      best_fill, best = fill, splits
+  return best
 
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse_ref, *,
