@@ -151,9 +151,11 @@ def ring_rows(cfg: dict) -> list[dict]:
   impl = "xla" if interpret else None
   mesh = jax.make_mesh((count,), ("sp",), axis_types=(AxisType.Explicit,))
   rows = []
+  runs = [(causal, layout) for causal in cfg.get("ring_causal", (False, True))
+          for layout in (cfg.get("ring_causal_layouts", ["zigzag"]) if causal
+                         else ["contiguous"])]
   for chunk in cfg["ring_chunks"]:
-    for causal in cfg.get("ring_causal", (False, True)):
-      layout = "zigzag" if causal else "contiguous"
+    for causal, layout in runs:
       total = chunk * count
       q, k, v, d_out = make_inputs(1, total, cfg["heads"], cfg["head_dim"],
                                    jnp.dtype(cfg["dtype"]), seed=1)
@@ -172,9 +174,7 @@ def ring_rows(cfg: dict) -> list[dict]:
               interpret=interpret)
           return step_fn(attn)(q, k, v, d_out)
 
-        from jaxflash.ops import ring
-        order = (lambda x: ring.to_zigzag(x, count)) if causal else (lambda x: x)
-        undo = (lambda x: ring.from_zigzag(x, count)) if causal else (lambda x: x)
+        order, undo = _reorders(layout, count)
         fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(None, "sp"),
                                    out_specs=P(None, "sp")))
         with jax.set_mesh(mesh):
@@ -195,6 +195,16 @@ def ring_rows(cfg: dict) -> list[dict]:
         row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
       rows.append(row)
   return rows
+
+
+def _reorders(layout: str, count: int):
+  """(whole sequence -> the ring layout's order, and back), on axis 1."""
+  from jaxflash.ops import ring
+  if layout == "contiguous":
+    return (lambda x: x), (lambda x: x)
+  to, back = {"zigzag": (ring.to_zigzag, ring.from_zigzag),
+              "striped": (ring.to_striped, ring.from_striped)}[layout]
+  return (lambda x: to(x, count)), (lambda x: back(x, count))
 
 
 def longest_rows(cfg: dict) -> list[dict]:
@@ -370,6 +380,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--ring-causal", type=lambda x: x == "causal", nargs="+",
                       default=[False, True], metavar="{causal,full}",
                       help="ring attention: causal (zigzag layout) and/or full (contiguous)")
+  parser.add_argument("--ring-causal-layouts", nargs="+", choices=("zigzag", "striped"),
+                      default=["zigzag"], help="ring attention: layouts of the causal runs")
   parser.add_argument("--ring-longest", type=int, nargs="*", default=[],
                       help="ring attention: total tokens of causal calls too long for a "
                            "whole-sequence reference (checked on sampled rows)")

@@ -311,7 +311,9 @@ def ring_attention(
     layout: ``"contiguous"`` (device ``i`` holds tokens ``i*C ... (i+1)*C - 1``) or
       ``"zigzag"`` (the sequence cut into 2R chunks, device ``i`` holds chunks ``i`` and
       ``2R-1-i``: the same causal work on every device; reorder a whole sequence with
-      `jaxflash.ops.ring.to_zigzag` / `from_zigzag`). C must be even for ``"zigzag"``.
+      `jaxflash.ops.ring.to_zigzag` / `from_zigzag`; C must be even) or ``"striped"``
+      (device ``i`` holds tokens ``i, i+R, i+2R, ...``: the same causal work in one launch
+      per step; `to_striped` / `from_striped`; no window and no dropout).
     scale, is_causal, local_window_size, logits_soft_cap, dropout_rate, dropout_rng,
       broadcast_dropout, return_residual, implementation, interpret: as in `flash_attention`;
       positions (the causal band, windows, dropout) are those of the whole sequence.
@@ -324,7 +326,8 @@ def ring_attention(
 
   Raises:
     ValueError: a bad argument (as `flash_attention`), ``axis_name`` not bound by an enclosing
-      `shard_map`, query and key chunks of different lengths, or an odd chunk for ``"zigzag"``.
+      `shard_map`, query and key chunks of different lengths, an odd chunk for ``"zigzag"``,
+      or a window or dropout with ``"striped"``.
   """
   from jaxflash.ops import ring as ring_op
   backends.preferences(implementation)
@@ -349,8 +352,7 @@ def ring_attention(
   if call.inputs.key.shape[1] != chunk:
     raise ValueError(f"query and key chunks must have the same length, got {chunk} and "
                      f"{call.inputs.key.shape[1]}")
-  if layout == "zigzag" and chunk % 2:
-    raise ValueError(f"layout='zigzag' needs an even chunk length, got {chunk}")
+  ring_op.validate(layout, call.params, chunk)
   # Each pair of the ring is a partial call with offsets: the backend must serve those.
   b = call.inputs.query.shape[0]
   probe = call.inputs._replace(offsets=jnp.zeros((b, 2), jnp.int32))

@@ -13,6 +13,11 @@ dropout mask see every token at its place in the whole sequence, and segment ids
 their keys. Layouts:
 
 - ``"contiguous"``: device ``i`` of R holds tokens ``[i * C, (i + 1) * C)``.
+- ``"striped"``: device ``i`` holds tokens ``i, i + R, i + 2R, ...`` (MaxText's ``STRIPED``):
+  under a causal band every step is one call whose band is the chunk's own diagonal, or the
+  one below it, so every device has the same work in one launch per step. `to_striped` and
+  `from_striped` reorder a whole sequence. Positions then do not follow from an offset, so
+  this layout takes no window and no dropout.
 - ``"zigzag"``: the sequence is cut into 2R chunks and device ``i`` holds chunks ``i`` and
   ``2R - 1 - i``, so that under a causal mask every device has the same work (MaxText's
   ``DUAL_CHUNK_SWAP``). `to_zigzag` and `from_zigzag` reorder a whole sequence into and out of
@@ -35,7 +40,7 @@ from jaxflash._core import Inputs, Params
 from jaxflash.ops import flash
 from jaxflash.ops import partial
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "striped")
 
 
 def chunk_starts(layout: str, ring: int, device, chunk: int) -> list:
@@ -45,6 +50,24 @@ def chunk_starts(layout: str, ring: int, device, chunk: int) -> list:
     return [device * chunk]
   half = chunk // 2
   return [device * half, (2 * ring - 1 - device) * half]
+
+
+def striped_order(seq_len: int, ring: int) -> jax.Array:
+  """Token indices such that ``x[:, order]`` split into ``ring`` contiguous chunks gives device
+  ``i`` the tokens ``i, i + ring, i + 2 * ring, ...`` (``seq_len`` divisible by ``ring``)."""
+  if seq_len % ring:
+    raise ValueError(f"seq_len must be divisible by ring = {ring}, got {seq_len}")
+  return jnp.arange(seq_len).reshape(seq_len // ring, ring).T.reshape(-1)
+
+
+def to_striped(x: jax.Array, ring: int, axis: int = 1) -> jax.Array:
+  """Reorders the sequence axis of ``x`` into the striped layout (see `striped_order`)."""
+  return _reorder(x, striped_order(x.shape[axis], ring), axis)
+
+
+def from_striped(x: jax.Array, ring: int, axis: int = 1) -> jax.Array:
+  """The inverse of `to_striped`."""
+  return _reorder(x, jnp.argsort(striped_order(x.shape[axis], ring)), axis)
 
 
 def zigzag_order(seq_len: int, ring: int) -> jax.Array:
@@ -86,6 +109,22 @@ def _reorder(x, order, axis: int):
   return jax.reshard(jnp.take(x, order, axis=axis), named(*spec))
 
 
+def validate(layout: str, params: Params, chunk: int) -> None:
+  """Raises ValueError where ``layout`` cannot give the whole sequence's result."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  if layout == "zigzag" and chunk % 2:
+    raise ValueError(f"layout='zigzag' needs an even chunk length, got {chunk}")
+  if layout == "striped":
+    window = params.window
+    if not (window.is_full or (window.left is None and window.right == 0)):
+      raise ValueError("layout='striped' takes no local_window_size (a device's tokens are "
+                       "R apart, so a window is not a band of its chunk): use 'zigzag'")
+    if params.dropout_rate > 0:
+      raise ValueError("layout='striped' takes no dropout_rate (the dropout mask is drawn at "
+                       "positions a striped chunk cannot give the kernels): use 'zigzag'")
+
+
 @dataclasses.dataclass(frozen=True)
 class Ring:
   """The static description of one ring call (hashable: a nondiff argument of the VJP)."""
@@ -106,7 +145,8 @@ class Ring:
 
 
 def _parts(ring: Ring) -> int:
-  return 1 if ring.layout == "contiguous" else 2
+  """Parts of a chunk computed as pairs: the zigzag layout's two halves lie apart."""
+  return 2 if ring.layout == "zigzag" else 1
 
 
 def _pair(inputs: Inputs, kv, q_part, kv_part, parts: int, q_starts, kv_starts):
@@ -136,8 +176,16 @@ def _step_pairs(inputs: Inputs, params: Params, ring: Ring, kv, step: int) -> li
   Skipping a hidden pair is exact: the band hides all of it, whatever else masks it."""
   size, me, parts = ring.size(), lax.axis_index(ring.axis_name), _parts(ring)
   chunk = inputs.query.shape[1]
-  q_starts = chunk_starts(ring.layout, size, me, chunk)
-  kv_starts = chunk_starts(ring.layout, size, (me - step) % size, chunk)  # its owner's chunk
+  owner = (me - step) % size  # of the K/V chunk this device holds at this step
+  if ring.layout == "striped":
+    # Row r of device d's chunk is token r * R + d. Under a causal band query row r then sees
+    # key row c iff c * R + owner <= r * R + me: c <= r if the keys' owner is this device or
+    # an earlier one, c < r otherwise. That is a band shifted by one, which the offsets say
+    # (and all they need to: a striped call has no window and no dropout, see `validate`).
+    q_starts, kv_starts = [0], [(owner > me).astype(jnp.int32)]
+  else:
+    q_starts = chunk_starts(ring.layout, size, me, chunk)
+    kv_starts = chunk_starts(ring.layout, size, owner, chunk)
   if parts == 1 or not params.window.is_causal:
     pairs = [(p, r) for p in range(parts) for r in range(parts)]
   elif step == 0:
