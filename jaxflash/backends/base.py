@@ -42,6 +42,10 @@ class Backend:
     preferred: ``(inputs, params, device) -> bool``, whether ``implementation=None`` may pick
       this backend for a call it supports (by measurement: a backend that is not yet the
       faster one for such calls leaves them to the next). None: always.
+    interpreter_partitions: whether its kernels in interpret mode (``interpret=True``, the CPU
+      tests) can run inside a partitioned op (`jaxflash.ops.partitioning`). Mosaic GPU's
+      interpreter works through ordered io_callbacks, which `custom_partitioning` cannot lower,
+      so its interpreted calls run whole.
   """
 
   name: str
@@ -50,6 +54,7 @@ class Backend:
   supports: Callable[[Inputs, Params, Device], str | None]
   default_config: Callable[[Inputs, Params, Device], Any]
   preferred: Callable[[Inputs, Params, Device], bool] | None = None
+  interpreter_partitions: bool = True
 
   def forward(self, inputs: Inputs, params: Params, config: Any) -> tuple[jax.Array, jax.Array]:
     return importlib.import_module(f"{self.package}.forward").forward(inputs, params, config)

@@ -64,6 +64,10 @@ class SplitKV:
   def name(self) -> str:
     return self.training.name
 
+  @property
+  def interpreter_partitions(self) -> bool:
+    return self.training.interpreter_partitions
+
   def kernel(self):
     return importlib.import_module(self.module)
 

@@ -112,8 +112,7 @@ class Local:
   out_like: tuple[int | None, ...]  # per result, the operand whose sharding it takes back
   query: int = 0  # the operand whose sharding decides the plan
   key: int = 1
-  # Run as it is, never partitioned: Mosaic GPU's interpreter (a CPU test path) works through
-  # ordered io_callbacks, which a custom_partitioning op cannot lower.
+  # Run as it is, never partitioned (see `Backend.interpreter_partitions`).
   direct: bool = False
 
   def plan(self, spec: P, shapes, sizes: dict[str, int]) -> Plan:
@@ -325,7 +324,7 @@ def forward(backend, inputs: Inputs, params: Params, config) -> tuple[jax.Array,
   q_roles = roles[0]
   local = Local(run=_Forward(backend, params, config, names), in_roles=roles,
                 out_roles=(q_roles, (BATCH, HEADS, None)), out_sums=((), ()),
-                out_like=(0, None), direct=_interpreted_mosaic(backend, params))
+                out_like=(0, None), direct=_runs_whole(backend, params))
   return run(local, operands)
 
 
@@ -346,13 +345,13 @@ def backward(backend, inputs: Inputs, params: Params, config, lse2, d_out, delta
   local = Local(run=_Backward(backend, params, config, names, want_dbias),
                 in_roles=roles + (stats, roles[0], stats), out_roles=tuple(out_roles),
                 out_sums=tuple(out_sums), out_like=tuple(out_like),
-                direct=_interpreted_mosaic(backend, params))
+                direct=_runs_whole(backend, params))
   grads = run(local, operands + (lse2, d_out, delta))
   return tuple(grads[:3]) + ((grads[3] if want_dbias else None),)
 
 
-def _interpreted_mosaic(backend, params: Params) -> bool:
-  return params.interpret and backend.name == "mosaic"
+def _runs_whole(backend, params: Params) -> bool:
+  return params.interpret and not backend.interpreter_partitions
 
 
 def _operands(inputs: Inputs):

@@ -64,4 +64,5 @@ def _preferred(inputs: Inputs, params: Params, device: Device) -> bool:
 
 
 BACKEND = Backend(name="mosaic", Config=Config, package=__name__, supports=_supports,
-                  default_config=_default_config, preferred=_preferred)
+                  default_config=_default_config, preferred=_preferred,
+                  interpreter_partitions=False)
