@@ -218,3 +218,37 @@ def test_decode_attention_batch_sharded():
     got = fn(*args)
     assert _collectives(fn.lower(*args).compile().as_text()) == []
   assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("axis_type", (AxisType.Auto, AxisType.Explicit), ids=("auto", "explicit"))
+def test_paged_decode_sharded(axis_type):
+  """Decoding on a paged cache (the split-KV kernel reading the pages where they lie) with the
+  batch, the page table and the lengths over one mesh axis and the heads and the pages' K/V
+  heads over the other: no collective, equal to one device's result, gradients included."""
+  from test_decode import _paged
+  b, s, t, n, k, h, page = 4, 64, 2, 4, 2, 32, 16
+  q, kk, v, d_out = random_qkv(9, b, t, s, n, k, h)
+  lengths = jnp.array([64, 5, 2, 33], jnp.int32)
+  k_pages, table = _paged(kk, page, 1)
+  v_pages, _ = _paged(v, page, 1)
+  on_gpu = dict(interpret=False) if ON_GPU else dict(interpret=True)
+
+  def fn(q, k_pages, v_pages, table, lengths, d_out):
+    out, vjp = jax.vjp(lambda q, kp, vp: jaxflash.decode_attention(
+        q, kp, vp, lengths, page_table=table, implementation="triton", **on_gpu),
+        q, k_pages, v_pages)
+    return (out,) + vjp(d_out)
+
+  fn = jax.jit(fn)
+  want = fn(q, k_pages, v_pages, table, lengths, d_out)
+  mesh = _mesh(axis_type)
+  with jax.set_mesh(mesh):
+    args = (*_put(mesh, P("b", None, "h"), q), *_put(mesh, P(None, None, "h"), k_pages,
+                                                        v_pages),
+            *_put(mesh, P("b"), table, lengths), *_put(mesh, P("b", None, "h"), d_out))
+    got = fn(*args)
+    forward_only = jax.jit(lambda *a: jaxflash.decode_attention(
+        a[0], a[1], a[2], a[4], page_table=a[3], implementation="triton", **on_gpu))
+    assert _collectives(forward_only.lower(*args[:5]).compile().as_text()) == []
+  assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, P("b", None, "h")), 4)
+  _close(got, want)

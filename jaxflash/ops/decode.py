@@ -31,14 +31,33 @@ from jaxflash._core import Inputs, Params
 from jaxflash.backends.base import Backend
 from jaxflash.ops import flash
 from jaxflash.ops import partial
+from jaxflash.ops import partitioning
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
   """The rows ``[B, pages_per_row * page_size, K, H]`` of a paged cache: row ``b`` is the pages
   ``page_table[b, 0], page_table[b, 1], ...`` one after another."""
-  rows = jnp.take(pages, page_table, axis=0)  # [B, pages_per_row, page_size, K, H]
+  table_spec, pages_spec = _explicit_spec(page_table), _explicit_spec(pages)
+  if table_spec is None and pages_spec is None:
+    rows = jnp.take(pages, page_table, axis=0)  # [B, pages_per_row, page_size, K, H]
+  else:  # Explicit mesh axes: the rows are sharded like the table's rows and the pages' heads
+    table_spec, pages_spec = table_spec or (None,) * 2, pages_spec or (None,) * 4
+    pool = jax.sharding.PartitionSpec(None, None, pages_spec[2], None)
+    if tuple(pages_spec) != tuple(pool):  # (any row may use any page: the pool is whole)
+      pages = jax.reshard(pages, pool)
+    rows = pages.at[page_table].get(out_sharding=jax.sharding.PartitionSpec(
+        table_spec[0], None, None, pages_spec[2], None))
   b, per_row, page_size = rows.shape[:3]
   return rows.reshape(b, per_row * page_size, *pages.shape[2:])
+
+
+def _explicit_spec(x) -> tuple | None:
+  """``x``'s partition spec, one entry per dim, where Explicit mesh axes shard it; else None."""
+  sharding = jax.typeof(x).sharding
+  explicit = any(t == jax.sharding.AxisType.Explicit
+                 for t in getattr(sharding.mesh, "axis_types", ()))
+  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+  return spec if explicit and any(e is not None for e in spec) else None
 
 
 def decode_inputs(inputs: Inputs) -> Inputs:
@@ -124,12 +143,12 @@ def paged_attention(path: SplitKV, inputs: Inputs, pages, params: Params, config
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _paged(inputs, pages, params, path, config):
-  out, lse2 = path.forward(inputs, params, config, pages)
+  out, lse2 = partitioning.paged_forward(path, inputs, pages, params, config)
   return out, _core.user_lse(lse2)
 
 
 def _paged_fwd(inputs, pages, params, path, config):
-  out, lse2 = path.forward(inputs, params, config, pages)
+  out, lse2 = partitioning.paged_forward(path, inputs, pages, params, config)
   return (out, _core.user_lse(lse2)), (inputs, out, lse2)
 
 

@@ -350,6 +350,24 @@ def backward(backend, inputs: Inputs, params: Params, config, lse2, d_out, delta
   return tuple(grads[:3]) + ((grads[3] if want_dbias else None),)
 
 
+def paged_forward(backend, inputs: Inputs, pages, params: Params, config):
+  """``backend.forward(inputs, params, config, pages)`` of a decoding call on a paged cache, on
+  each device's share: ``(out, lse2)``.
+
+  ``pages`` = (key pages, value pages [num_pages, page_size, K, H], page table [B,
+  pages_per_row]). The page table's rows go with the query's batch rows, and the pages' K/V
+  heads go with its heads. The page pool is otherwise whole on every device, because any row
+  may use any page. ``inputs.key`` and ``inputs.value`` (the rows the pages make) are not
+  operands: the kernel reads only their shapes, so nothing computes them."""
+  names, operands, roles = _operands(inputs._replace(key=None, value=None))
+  page_roles = (None, None, KV_HEADS, None)
+  run_ = _PagedForward(backend, params, config, names, inputs.key.shape[1], inputs.key.dtype)
+  local = Local(run=run_, in_roles=roles + (page_roles, page_roles, (BATCH, None)),
+                out_roles=(roles[0], (BATCH, HEADS, None)), out_sums=((), ()),
+                out_like=(0, None), key=len(names), direct=_runs_whole(backend, params))
+  return run(local, operands + tuple(pages))
+
+
 def _runs_whole(backend, params: Params) -> bool:
   return params.interpret and not backend.interpreter_partitions
 
@@ -377,10 +395,10 @@ def _operands(inputs: Inputs):
   return tuple(names), tuple(operands), tuple(roles)
 
 
-def _inputs(names, arrays, origin) -> Inputs:
-  """`Inputs` from a device's arrays; the dropout seed learns the share's origin (None: the
-  whole call, whose seed stays two words)."""
-  inputs = Inputs(**dict(zip(names, arrays)))
+def _inputs(names, arrays, origin, **absent) -> Inputs:
+  """`Inputs` from a device's arrays (and ``absent`` fields, e.g. ``key=None``); the dropout
+  seed learns the share's origin (None: the whole call, whose seed stays two words)."""
+  inputs = Inputs(**absent, **dict(zip(names, arrays)))
   if inputs.dropout_seed is not None and origin is not None:
     seed = jnp.concatenate([inputs.dropout_seed[:2], origin.astype(jnp.uint32)])
     inputs = inputs._replace(dropout_seed=seed)
@@ -397,6 +415,22 @@ class _Forward:
   def __call__(self, origin, *arrays):
     return tuple(self.backend.forward(_inputs(self.names, arrays, origin), self.params,
                                       self.config))
+
+
+@dataclasses.dataclass(frozen=True)
+class _PagedForward(_Forward):
+  seq: int  # the rows' length: pages_per_row * page_size
+  dtype: object
+
+  def __call__(self, origin, *arrays):
+    *arrays, key_pages, value_pages, table = arrays
+    inputs = _inputs(self.names, arrays, origin, key=None, value=None)
+    # The rows' shapes for the kernel: a broadcast scalar, never materialised.
+    rows = jnp.broadcast_to(jnp.zeros((), self.dtype), (inputs.query.shape[0], self.seq)
+                            + key_pages.shape[2:])
+    inputs = inputs._replace(key=rows, value=rows)
+    return tuple(self.backend.forward(inputs, self.params, self.config,
+                                      (key_pages, value_pages, table)))
 
 
 @dataclasses.dataclass(frozen=True)
