@@ -174,7 +174,9 @@ def ring_rows(cfg: dict) -> list[dict]:
               interpret=interpret)
           return step_fn(attn)(q, k, v, d_out)
 
-        order, undo = _reorders(layout, count)
+        from jaxflash.ops import ring
+        order = lambda x: ring.to_layout(x, layout, count)  # noqa: E731
+        undo = lambda x: ring.from_layout(x, layout, count)  # noqa: E731
         fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(None, "sp"),
                                    out_specs=P(None, "sp")))
         with jax.set_mesh(mesh):
@@ -195,16 +197,6 @@ def ring_rows(cfg: dict) -> list[dict]:
         row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
       rows.append(row)
   return rows
-
-
-def _reorders(layout: str, count: int):
-  """(whole sequence -> the ring layout's order, and back), on axis 1."""
-  from jaxflash.ops import ring
-  if layout == "contiguous":
-    return (lambda x: x), (lambda x: x)
-  to, back = {"zigzag": (ring.to_zigzag, ring.from_zigzag),
-              "striped": (ring.to_striped, ring.from_striped)}[layout]
-  return (lambda x: to(x, count)), (lambda x: back(x, count))
 
 
 def longest_rows(cfg: dict) -> list[dict]:

@@ -43,7 +43,8 @@ def _ring_call(layout, implementation="xla", **options):
     return (out, lse) + vjp((d_out, jnp.zeros_like(lse)))
 
   def run(q, k, v, d_out, *segments):
-    order, undo = _reorders(layout)
+    order = lambda x: ring.to_layout(x, layout, RING)  # noqa: E731
+    undo = lambda x: ring.from_layout(x, layout, RING)  # noqa: E731
     args = tuple(order(x) for x in (q, k, v, d_out) + segments)
     with jax.set_mesh(mesh):
       args = tuple(jax.device_put(x, NamedSharding(mesh, P(None, "sp"))) for x in args)
@@ -51,15 +52,6 @@ def _ring_call(layout, implementation="xla", **options):
                                  out_specs=P(None, "sp")))
       return tuple(undo(np.asarray(x)) for x in fn(*args))
   return run
-
-
-def _reorders(layout):
-  """(whole sequence -> the layout's order, and back) on axis 1."""
-  if layout == "contiguous":
-    return (lambda x: x), (lambda x: x)
-  to, back = {"zigzag": (ring.to_zigzag, ring.from_zigzag),
-              "striped": (ring.to_striped, ring.from_striped)}[layout]
-  return (lambda x: to(x, RING)), (lambda x: back(x, RING))
 
 
 def _reference(q, k, v, d_out, **options):
@@ -148,6 +140,8 @@ def test_orders_round_trip():
   z = ring.to_striped(x, 3)
   assert z[0, :8].tolist() == [0, 3, 6, 9, 12, 15, 18, 21] and z[0, 8:10].tolist() == [1, 4]
   assert (ring.from_striped(z, 3) == x).all()
+  for layout in ring.LAYOUTS:
+    assert (ring.from_layout(ring.to_layout(x, layout, 3), layout, 3) == x).all()
 
 
 def test_ring_rejects_bad_arguments():
