@@ -69,6 +69,15 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   return Call(inputs, params, unbatched)
 
 
+def global_lengths(query_seq_lengths, key_value_seq_lengths, batch: int,
+                   total: int) -> jax.Array:
+  """Ring attention's lengths: (q_len, kv_len) int32 [B, 2] in the whole sequence of ``total``
+  tokens (each device holds a chunk of it), checked and clipped as `normalise` does."""
+  q_lens = _check_lengths(query_seq_lengths, "query_seq_lengths", batch, False)
+  kv_lens = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch, False)
+  return _lengths(q_lens, kv_lens, batch, total, total)
+
+
 def check_cache(query, key_cache, value_cache, page_table):
   """Checks `jaxflash.decode_attention`'s query and cache (the rest goes through `normalise`);
   returns the caches as arrays (pages unchanged: the caller gathers them)."""

@@ -287,6 +287,8 @@ def ring_attention(
     layout: str = "contiguous",
     scale: float | None = None,
     is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     segment_ids: jax.Array | None = None,
     logits_soft_cap: float | None = None,
@@ -319,6 +321,9 @@ def ring_attention(
       positions (the causal band, windows, dropout) are those of the whole sequence.
     segment_ids: int [B, C], this chunk's segment ids (packed documents); they travel with
       their keys.
+    query_seq_lengths, key_value_seq_lengths: int [B], the valid tokens of each row of the
+      *whole* sequence (the same array on every device), as in `flash_attention`: query rows
+      past it give zeros, keys past it are masked, wherever the layout put them.
 
   Returns:
     This device's chunk of the output, like ``query``; with ``return_residual`` also its LSE
@@ -353,8 +358,11 @@ def ring_attention(
     raise ValueError(f"query and key chunks must have the same length, got {chunk} and "
                      f"{call.inputs.key.shape[1]}")
   ring_op.validate(layout, call.params, chunk)
-  # Each pair of the ring is a partial call with offsets: the backend must serve those.
   b = call.inputs.query.shape[0]
+  total = chunk * jax.lax.axis_size(axis_name)
+  call = call._replace(inputs=call.inputs._replace(lengths=_checks.global_lengths(
+      query_seq_lengths, key_value_seq_lengths, b, total)))
+  # Each pair of the ring is a partial call with offsets: the backend must serve those.
   probe = call.inputs._replace(offsets=jnp.zeros((b, 2), jnp.int32))
   partial_params = dataclasses.replace(call.params, partial=True)
   backend = backends.select(implementation, probe, partial_params)

@@ -75,6 +75,26 @@ def test_ring_matches_the_whole_sequence(layout, causal, implementation):
   _compare(got, _reference(q, k, v, d_out, is_causal=causal))
 
 
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_ring_with_lengths(layout, causal):
+  """Query and key lengths of the whole sequence (cut inside a chunk, at a chunk
+  boundary, one row empty): padded query rows give zeros and an LSE of -inf, padded keys
+  are masked, wherever the layout puts them."""
+  q, k, v, d_out = random_qkv(4, 3, 64, 64, 4, 2, 16)
+  lengths = dict(query_seq_lengths=jnp.array([64, 37, 0]),
+                 key_value_seq_lengths=jnp.array([48, 64, 9]))
+  got = _ring_call(layout, is_causal=causal, **lengths)(q, k, v, d_out)
+  want = _reference(q, k, v, d_out, is_causal=causal, **lengths)
+  empty = ~np.isfinite(np.asarray(want[1]))
+  assert empty[1, 37:].all() and empty[2].all() and not empty[0].any()
+  np.testing.assert_array_equal(~np.isfinite(np.asarray(got[1])), empty)
+  np.testing.assert_array_equal(np.asarray(got[0])[np.broadcast_to(empty[..., None],
+                                                                     got[0].shape)], 0.0)
+  lse = lambda x: np.where(empty, 0.0, x)  # noqa: E731
+  _compare((got[0], lse(got[1])) + tuple(got[2:]), (want[0], lse(want[1])) + tuple(want[2:]))
+
+
 def test_striped_ring_with_segments_and_a_soft_cap():
   """Packed documents (boundaries inside and across the stripes), causal, a soft cap, GQA."""
   q, k, v, d_out = random_qkv(3, 2, 64, 64, 4, 2, 16)

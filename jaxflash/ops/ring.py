@@ -10,7 +10,8 @@ are sent home by one last `ppermute`. Nothing of size T x S is stored, on any de
 
 Positions come from the chunks' offsets (`Inputs.offsets`), so the causal band, windows and the
 dropout mask see every token at its place in the whole sequence, and segment ids travel with
-their keys. Layouts:
+their keys. ``Inputs.lengths`` hold the whole sequence's (query, key) lengths here; each pair
+gets the valid rows of its own parts. Layouts:
 
 - ``"contiguous"``: device ``i`` of R holds tokens ``[i * C, (i + 1) * C)``.
 - ``"striped"``: device ``i`` holds tokens ``i, i + R, i + 2R, ...`` (MaxText's ``STRIPED``):
@@ -163,8 +164,9 @@ def _parts(ring: Ring) -> int:
   return 2 if ring.layout == "zigzag" else 1
 
 
-def _pair(inputs: Inputs, kv, q_part, kv_part, parts: int, q_starts, kv_starts):
-  """The inputs of one (query part, key part) pair: slices and their absolute offsets. The part
+def _pair(inputs: Inputs, kv, q_part, kv_part, parts: int, q_starts, kv_starts, valid):
+  """The inputs of one (query part, key part) pair: slices, their offsets and their lengths
+  (``valid``: per part, the valid rows [B] of the query parts and of the key parts). The part
   indices may be traced (a pair chosen by the device's place on the ring)."""
   k, v, kv_seg = kv
   tq, tk = inputs.query.shape[1] // parts, k.shape[1] // parts
@@ -173,7 +175,8 @@ def _pair(inputs: Inputs, kv, q_part, kv_part, parts: int, q_starts, kv_starts):
   b = inputs.query.shape[0]
   starts = jnp.stack([jnp.stack(q_starts)[q_part], jnp.stack(kv_starts)[kv_part]])
   offsets = jnp.broadcast_to(starts.astype(jnp.int32), (b, 2))
-  lengths = jnp.broadcast_to(jnp.array([tq, tk], jnp.int32), (b, 2))
+  q_valid, kv_valid = valid
+  lengths = jnp.stack([jnp.stack(q_valid)[q_part], jnp.stack(kv_valid)[kv_part]], axis=1)
   return inputs._replace(query=q_sl(inputs.query), key=k_sl(k), value=k_sl(v),
                          q_segment_ids=q_sl(inputs.q_segment_ids),
                          kv_segment_ids=k_sl(kv_seg), lengths=lengths, offsets=offsets)
@@ -191,15 +194,22 @@ def _step_pairs(inputs: Inputs, params: Params, ring: Ring, kv, step: int) -> li
   size, me, parts = ring.size(), lax.axis_index(ring.axis_name), _parts(ring)
   chunk = inputs.query.shape[1]
   owner = (me - step) % size  # of the K/V chunk this device holds at this step
+  q_len, kv_len = inputs.lengths[:, 0], inputs.lengths[:, 1]  # in the whole sequence
   if ring.layout == "striped":
     # Row r of device d's chunk is token r * R + d. Under a causal band query row r then sees
     # key row c iff c * R + owner <= r * R + me: c <= r if the keys' owner is this device or
     # an earlier one, c < r otherwise. That is a band shifted by one, which the offsets say
     # (and all they need to: a striped call has no window and no dropout, see `validate`).
     q_starts, kv_starts = [0], [(owner > me).astype(jnp.int32)]
+    # Rows r with r * R + d < length are valid: the first ceil((length - d) / R).
+    valid = ([jnp.clip((q_len - me + size - 1) // size, 0, chunk)],
+             [jnp.clip((kv_len - owner + size - 1) // size, 0, chunk)])
   else:
     q_starts = chunk_starts(ring.layout, size, me, chunk)
     kv_starts = chunk_starts(ring.layout, size, owner, chunk)
+    part = chunk // parts
+    valid = ([jnp.clip(q_len - start, 0, part) for start in q_starts],
+             [jnp.clip(kv_len - start, 0, part) for start in kv_starts])
   if parts == 1 or not params.window.is_causal:
     pairs = [(p, r) for p in range(parts) for r in range(parts)]
   elif step == 0:
@@ -207,7 +217,8 @@ def _step_pairs(inputs: Inputs, params: Params, ring: Ring, kv, step: int) -> li
   else:
     same_side = jnp.where(step <= me, 0, 1)
     pairs = [(1, 0), (same_side, same_side)]
-  return [(p, r, _pair(inputs, kv, p, r, parts, q_starts, kv_starts)) for p, r in pairs]
+  return [(p, r, _pair(inputs, kv, p, r, parts, q_starts, kv_starts, valid))
+          for p, r in pairs]
 
 
 def _add_part(acc, share, start):
