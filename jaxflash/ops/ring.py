@@ -237,8 +237,14 @@ def _forward(inputs: Inputs, params: Params, ring: Ring):
   size, parts = ring.size(), _parts(ring)
   partial_params = dataclasses.replace(params, partial=True)
   kv = (inputs.key, inputs.value, inputs.kv_segment_ids)
-  outs = [[] for _ in range(parts)]
-  lses = [[] for _ in range(parts)]
+  # Per query part, the (out, lse) merged so far: each partial is merged in as it comes, so
+  # that one float32 output per part is alive, not one per pair.
+  merged = [None] * parts
+
+  def merge_in(part, out, lse):
+    merged[part] = (out, lse) if merged[part] is None else partial.merge(
+        [merged[part][0], out], [merged[part][1], lse])
+
   for step in range(size):
     # The next chunk is on its way while this one computes (it depends on nothing computed).
     next_kv = ring.shift(kv) if step < size - 1 else None
@@ -246,14 +252,11 @@ def _forward(inputs: Inputs, params: Params, ring: Ring):
       out, lse2 = flash.forward(ring.backend, pair, partial_params, ring.config)
       lse = jnp.swapaxes(_core.user_lse(lse2), 1, 2)
       if isinstance(p, int):
-        outs[p].append(out)
-        lses[p].append(lse)
+        merge_in(p, out, lse)
         continue
       for part in range(parts):  # a traced part: the result counts (weight 1) for it alone
-        outs[part].append(jnp.where(p == part, out, 0.0))
-        lses[part].append(jnp.where(p == part, lse, -jnp.inf))
+        merge_in(part, jnp.where(p == part, out, 0.0), jnp.where(p == part, lse, -jnp.inf))
     kv = next_kv
-  merged = [partial.merge(o, s) for o, s in zip(outs, lses)]
   out = jnp.concatenate([m[0] for m in merged], axis=1)
   lse = jnp.concatenate([m[1] for m in merged], axis=1)  # [B, T, N]
   out = out if params.partial else out.astype(inputs.query.dtype)
