@@ -200,18 +200,19 @@ def ring_rows(cfg: dict) -> list[dict]:
 
 
 def longest_rows(cfg: dict) -> list[dict]:
-  """The longest sequences: a causal ring call (zigzag) of ``total`` tokens over every device,
-  forward+backward, too long for a whole-sequence reference. Checked on sampled query rows
-  against a float32 reference of those rows over all their keys, gradients checked to be
-  finite; timed; each device's peak memory."""
+  """The longest sequences: a causal ring call of ``total`` tokens over every device (the first
+  of ``ring_causal_layouts``), forward+backward, too long for a whole-sequence reference.
+  Checked on sampled query rows against a float32 reference of those rows over all their keys,
+  gradients checked to be finite; timed; each device's peak memory."""
   from jaxflash.ops import ring
   count = len(jax.devices())
   interpret = jax.default_backend() == "cpu"
   impl = "xla" if interpret else None
   mesh = jax.make_mesh((count,), ("sp",), axis_types=(AxisType.Explicit,))
   rows = []
+  layout = cfg.get("ring_causal_layouts", ["zigzag"])[0]
   for total in cfg["ring_longest"]:
-    row = dict(kind="longest", layout="zigzag", causal=True, devices=count,
+    row = dict(kind="longest", layout=layout, causal=True, devices=count,
                chunk=total // count, T=total, N=cfg["heads"], D=cfg["head_dim"],
                dtype=cfg["dtype"])
     try:
@@ -220,7 +221,7 @@ def longest_rows(cfg: dict) -> list[dict]:
 
       def local(q, k, v, d_out):
         attn = lambda q, k, v: jaxflash.ring_attention(  # noqa: E731
-            q, k, v, axis_name="sp", layout="zigzag", is_causal=True, implementation=impl,
+            q, k, v, axis_name="sp", layout=layout, is_causal=True, implementation=impl,
             interpret=interpret)
         out, vjp = jax.vjp(attn, q, k, v)
         return (out,) + vjp(d_out)
@@ -228,12 +229,13 @@ def longest_rows(cfg: dict) -> list[dict]:
       fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(None, "sp"),
                                  out_specs=P(None, "sp")))
       with jax.set_mesh(mesh):
-        args = tuple(jax.device_put(ring.to_zigzag(x, count), NamedSharding(mesh, P(None, "sp")))
-                     for x in (q, k, v, d_out))
+        args = tuple(jax.device_put(ring.to_layout(x, layout, count),
+                                    NamedSharding(mesh, P(None, "sp"))) for x in (q, k, v, d_out))
         del q, d_out
         results = fn(*args)
         tokens = np.array([0, total // 3, total // 2 + 1, total - 1])
-        place = jnp.asarray(np.argsort(np.asarray(ring.zigzag_order(total, count)))[tokens])
+        order = np.asarray(ring.layout_order(total, layout, count))
+        place = jnp.asarray(np.argsort(order)[tokens])  # where the layout put those tokens
         rows_of = lambda x: np.asarray(x.at[:, place].get(out_sharding=P()), np.float32)  # noqa: E731
         got, q_rows = rows_of(results[0]), rows_of(args[0])
         row["grads_finite"] = all(bool(jnp.isfinite(g).all()) for g in results[1:])
@@ -319,7 +321,8 @@ def ring_table(rows: list[dict]) -> str:
                    f"{r['failed'][:80]} | | | |")
       continue
     peak = max(r["peak_gib"], default=float("nan"))
-    lines.append(f"| zigzag, longest | True | {r['devices']} x {r['chunk']} | {r['ring_ms']:.1f}"
+    lines.append(f"| {r['layout']}, longest | True | {r['devices']} x {r['chunk']} | "
+                 f"{r['ring_ms']:.1f}"
                  f" | (peak {peak:.1f} GiB per device; gradients finite: "
                  f"{r['grads_finite']}) | | {r['max_rel_err']:.1e} (sampled rows) |")
   profiled = [r for r in rows if r.get("profile")]
@@ -371,7 +374,8 @@ def main(argv=None) -> dict:
                       help="ring attention: tokens per device (none: skip the ring)")
   parser.add_argument("--ring-causal", type=lambda x: x == "causal", nargs="+",
                       default=[False, True], metavar="{causal,full}",
-                      help="ring attention: causal (zigzag layout) and/or full (contiguous)")
+                      help="ring attention: causal (--ring-causal-layouts) and/or full "
+                           "(contiguous)")
   parser.add_argument("--ring-causal-layouts", nargs="+", choices=("zigzag", "striped"),
                       default=["zigzag"], help="ring attention: layouts of the causal runs")
   parser.add_argument("--ring-longest", type=int, nargs="*", default=[],

@@ -239,12 +239,13 @@ def test_multi_gpu_smoke(tmp_path, monkeypatch):
   import cases
   import multi_gpu
   out = tmp_path / "multi.json"
-  result = multi_gpu.main(["--smoke", "--ring-longest", "256", "--out", str(out)])
+  result = multi_gpu.main(["--smoke", "--ring-longest", "256", "--ring-causal-layouts",
+                           "striped", "zigzag", "--out", str(out)])
   kinds = [r.get("kind") for r in result["rows"]]
-  assert kinds.count("ring") == 2 and kinds.count("longest") == 1 and None in kinds
+  assert kinds.count("ring") == 3 and kinds.count("longest") == 1 and None in kinds
   longest = result["rows"][-1]
   assert longest["grads_finite"] and longest["max_rel_err"] < 1e-4
-  assert "zigzag, longest" in out.with_suffix(".md").read_text()
+  assert "striped, longest" in out.with_suffix(".md").read_text()
 
   trace = [(0, 10, "fwd"), (5, 20, "ncclKernel"), (25, 30, "bwd"), (26, 28, "ncclKernel")]
   monkeypatch.setattr(cases, "gpu_events", lambda fn, args, calls: {"/device:GPU:0": trace})

@@ -71,18 +71,26 @@ def from_striped(x: jax.Array, ring: int, axis: int = 1) -> jax.Array:
   return _reorder(x, jnp.argsort(striped_order(x.shape[axis], ring)), axis)
 
 
+def layout_order(seq_len: int, layout: str, ring: int) -> jax.Array:
+  """Token indices such that ``x[:, order]`` split into ``ring`` contiguous chunks gives each
+  device its chunk in ``layout``."""
+  if layout == "contiguous":
+    return jnp.arange(seq_len)
+  return {"zigzag": zigzag_order, "striped": striped_order}[layout](seq_len, ring)
+
+
 def to_layout(x: jax.Array, layout: str, ring: int, axis: int = 1) -> jax.Array:
   """Reorders the sequence axis of ``x`` into ``layout`` (contiguous: unchanged)."""
   if layout == "contiguous":
     return x
-  return {"zigzag": to_zigzag, "striped": to_striped}[layout](x, ring, axis)
+  return _reorder(x, layout_order(x.shape[axis], layout, ring), axis)
 
 
 def from_layout(x: jax.Array, layout: str, ring: int, axis: int = 1) -> jax.Array:
   """The inverse of `to_layout`."""
   if layout == "contiguous":
     return x
-  return {"zigzag": from_zigzag, "striped": from_striped}[layout](x, ring, axis)
+  return _reorder(x, jnp.argsort(layout_order(x.shape[axis], layout, ring)), axis)
 
 
 def zigzag_order(seq_len: int, ring: int) -> jax.Array:
