@@ -132,6 +132,16 @@ def dropout_stream(params: Params, seed, batch, head):
   return dropout.stream_key(seed[0], seed[1], batch, head)
 
 
+def explicit_spec(x) -> tuple | None:
+  """``x``'s partition spec, one entry per dim, where Explicit mesh axes shard it; else None
+  (no mesh, Auto axes, or replicated): ops whose sharding rule must be spelled out then."""
+  sharding = jax.typeof(x).sharding
+  explicit = any(t == jax.sharding.AxisType.Explicit
+                 for t in getattr(sharding.mesh, "axis_types", ()))
+  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+  return spec if explicit and any(e is not None for e in spec) else None
+
+
 def varying_axes(x) -> frozenset:
   """The manual mesh axes (inside `jax.shard_map`) that ``x`` varies over; empty elsewhere."""
   mat = getattr(jax.typeof(x), "mat", None)

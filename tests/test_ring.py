@@ -164,6 +164,19 @@ def test_orders_round_trip():
     assert (ring.from_layout(ring.to_layout(x, layout, 3), layout, 3) == x).all()
 
 
+def test_reorders_of_a_sequence_sharded_on_an_explicit_mesh():
+  """A sequence axis that an Explicit mesh shards is reordered as an unsharded one is, and comes
+  back sharded as it was."""
+  mesh = _mesh()
+  x = jnp.arange(2 * 8 * RING * 3, dtype=jnp.float32).reshape(2, 8 * RING, 3)
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(x, NamedSharding(mesh, P(None, "sp")))
+    for layout in ring.LAYOUTS:
+      got = ring.to_layout(sharded, layout, RING)
+      assert got.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "sp")), 3)
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(ring.to_layout(x, layout, RING)))
+
+
 def test_ring_rejects_bad_arguments():
   q = jnp.zeros((1, 8, 2, 16))
   with pytest.raises(ValueError, match="axis_name"):

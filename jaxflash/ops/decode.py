@@ -37,7 +37,7 @@ from jaxflash.ops import partitioning
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
   """The rows ``[B, pages_per_row * page_size, K, H]`` of a paged cache: row ``b`` is the pages
   ``page_table[b, 0], page_table[b, 1], ...`` one after another."""
-  table_spec, pages_spec = _explicit_spec(page_table), _explicit_spec(pages)
+  table_spec, pages_spec = _core.explicit_spec(page_table), _core.explicit_spec(pages)
   if table_spec is None and pages_spec is None:
     rows = jnp.take(pages, page_table, axis=0)  # [B, pages_per_row, page_size, K, H]
   else:  # Explicit mesh axes: the rows are sharded like the table's rows and the pages' heads
@@ -49,15 +49,6 @@ def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
         table_spec[0], None, None, pages_spec[2], None))
   b, per_row, page_size = rows.shape[:3]
   return rows.reshape(b, per_row * page_size, *pages.shape[2:])
-
-
-def _explicit_spec(x) -> tuple | None:
-  """``x``'s partition spec, one entry per dim, where Explicit mesh axes shard it; else None."""
-  sharding = jax.typeof(x).sharding
-  explicit = any(t == jax.sharding.AxisType.Explicit
-                 for t in getattr(sharding.mesh, "axis_types", ()))
-  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-  return spec if explicit and any(e is not None for e in spec) else None
 
 
 def decode_inputs(inputs: Inputs) -> Inputs:

@@ -120,14 +120,11 @@ def _reorder(x, order, axis: int):
   """``x`` with its ``axis`` permuted. An axis that an Explicit mesh shards is gathered for the
   permutation and sharded again after it (a gather along a sharded axis has no sharding rule);
   reorder token ids before embedding them, where that costs nothing."""
-  sharding = jax.typeof(x).sharding
-  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-  explicit = any(t == jax.sharding.AxisType.Explicit
-                 for t in getattr(sharding.mesh, "axis_types", ()))
-  if not explicit or spec[axis] is None:
+  spec = _core.explicit_spec(x)
+  if spec is None or spec[axis] is None:
     return jnp.take(x, order, axis=axis)
   named = lambda *entries: jax.sharding.NamedSharding(  # noqa: E731
-      sharding.mesh, jax.sharding.PartitionSpec(*entries))
+      jax.typeof(x).sharding.mesh, jax.sharding.PartitionSpec(*entries))
   x = jax.reshard(x, named(*spec[:axis], None, *spec[axis + 1:]))
   return jax.reshard(jnp.take(x, order, axis=axis), named(*spec))
 
