@@ -220,16 +220,9 @@ def profile_kernels(fn, args, calls: int = 5) -> tuple[list[dict], dict]:
   call), longest first, and the idle time: ``{"span_us", "idle_us", "gaps"}`` per call, the
   GPU's time from the first kernel's start to the last one's end, the part of it no kernel ran,
   and where (``"previous -> next"`` kernel: microseconds per call). Empty without a GPU."""
-  totals: dict[str, list] = {}
-  events = []
-  for plane_events in cases.gpu_events(fn, args, calls).values():
-    for start, end, name in plane_events:
-      entry = totals.setdefault(name, [0.0, 0])
-      entry[0] += (end - start) / 1e3
-      entry[1] += 1
-      events.append((start, end, name[:40]))
-  kernels = [dict(name=name, us=us / calls, count=count / calls)
-             for name, (us, count) in totals.items()]
+  events = [e for plane in cases.gpu_events(fn, args, calls).values() for e in plane]
+  kernels = cases.kernel_totals(events, calls, width=1000)
+  events = [(start, end, name[:40]) for start, end, name in events]
   idle = dict(span_us=0.0, idle_us=0.0, gaps={})
   if events:
     events.sort()
@@ -243,7 +236,7 @@ def profile_kernels(fn, args, calls: int = 5) -> tuple[list[dict], dict]:
         idle["gaps"][where] = idle["gaps"].get(where, 0.0) + gap
       if end > busy_until:
         busy_until, previous = end, name
-  return sorted(kernels, key=lambda k: -k["us"]), idle
+  return kernels, idle
 
 
 def _touches(kernel: str, variant: dict) -> bool:

@@ -237,3 +237,16 @@ def gpu_events(fn: Callable, args, calls: int = 5) -> dict[str, list[tuple[int, 
       events += [(e.start_ns, e.end_ns, e.name) for e in line.events]
     events.sort()
   return planes
+
+
+def kernel_totals(events, calls: int, width: int = 70) -> list[dict]:
+  """``{"name", "us", "count"}`` per kernel name (its first ``width`` characters) of
+  `gpu_events` ``events`` from ``calls`` calls: microseconds and launches per call, longest
+  first."""
+  totals: dict[str, list] = {}
+  for start, end, name in events:
+    entry = totals.setdefault(name[:width], [0, 0])
+    entry[0] += end - start
+    entry[1] += 1
+  return sorted((dict(name=name, us=ns / 1e3 / calls, count=count / calls)
+                 for name, (ns, count) in totals.items()), key=lambda k: -k["us"])

@@ -141,61 +141,81 @@ def _shard_map_row(impl, cfg, args, want, interpret) -> dict:
   return row
 
 
+def _ring_step(mesh, layout: str, causal: bool, with_out: bool):
+  """jit(shard_map) of one ring call's forward+backward over mesh axis "sp": (q, k, v, d_out)
+  chunks -> (dq, dk, dv), with the output first when ``with_out``."""
+  interpret = jax.default_backend() == "cpu"
+
+  def local(q, k, v, d_out):
+    out, vjp = jax.vjp(lambda q, k, v: jaxflash.ring_attention(
+        q, k, v, axis_name="sp", layout=layout, is_causal=causal,
+        implementation="xla" if interpret else None, interpret=interpret), q, k, v)
+    return ((out,) if with_out else ()) + vjp(d_out)
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(None, "sp"),
+                               out_specs=P(None, "sp")))
+
+
+def _ring_args(mesh, layout: str, xs):
+  """The whole-sequence arrays ``xs`` in ``layout``, each device holding its chunk."""
+  from jaxflash.ops import ring
+  count = mesh.shape["sp"]
+  return tuple(jax.device_put(ring.to_layout(x, layout, count), NamedSharding(mesh, P(None, "sp")))
+               for x in xs)
+
+
 def ring_rows(cfg: dict) -> list[dict]:
   """Ring attention over every device (axis "sp"), one sequence of devices x chunk tokens,
   forward+backward: checked against jaxflash on the whole sequence on one device, then timed
   next to it. ``efficiency`` = (one device on the whole sequence / devices) / ring time: 1.0
   is a perfect split of the work (communication hidden, no load imbalance)."""
+  from jaxflash.ops import ring
   count = len(jax.devices())
   interpret = jax.default_backend() == "cpu"
   impl = "xla" if interpret else None
   mesh = jax.make_mesh((count,), ("sp",), axis_types=(AxisType.Explicit,))
   rows = []
-  runs = [(causal, layout) for causal in cfg.get("ring_causal", (False, True))
-          for layout in (cfg.get("ring_causal_layouts", ["zigzag"]) if causal
-                         else ["contiguous"])]
   for chunk in cfg["ring_chunks"]:
-    for causal, layout in runs:
-      total = chunk * count
-      q, k, v, d_out = make_inputs(1, total, cfg["heads"], cfg["head_dim"],
-                                   jnp.dtype(cfg["dtype"]), seed=1)
-      row = dict(kind="ring", layout=layout, causal=causal, devices=count, chunk=chunk,
-                 T=total, N=cfg["heads"], D=cfg["head_dim"], dtype=cfg["dtype"])
-      try:
+    total = chunk * count
+    q, k, v, d_out = make_inputs(1, total, cfg["heads"], cfg["head_dim"],
+                                 jnp.dtype(cfg["dtype"]), seed=1)
+    for causal in cfg.get("ring_causal", (False, True)):
+      layouts = cfg.get("ring_causal_layouts", ["zigzag"]) if causal else ["contiguous"]
+      base = dict(kind="ring", causal=causal, devices=count, chunk=chunk, T=total,
+                  N=cfg["heads"], D=cfg["head_dim"], dtype=cfg["dtype"])
+      try:  # one whole-sequence reference (values, time, trace) for every layout
         whole = jax.jit(step_fn(lambda q, k, v: jaxflash.flash_attention(
             q, k, v, is_causal=causal, implementation=impl, interpret=interpret)))
         want = [np.asarray(g, np.float32) for g in whole(q, k, v, d_out)]
-        row["whole_one_device_ms"] = cases.time_call(whole, (q, k, v, d_out),
-                                                     calls=cfg["calls"], repeats=cfg["repeats"])
-
-        def local(q, k, v, d_out):
-          attn = lambda q, k, v: jaxflash.ring_attention(  # noqa: E731
-              q, k, v, axis_name="sp", layout=layout, is_causal=causal, implementation=impl,
-              interpret=interpret)
-          return step_fn(attn)(q, k, v, d_out)
-
-        from jaxflash.ops import ring
-        order = lambda x: ring.to_layout(x, layout, count)  # noqa: E731
-        undo = lambda x: ring.from_layout(x, layout, count)  # noqa: E731
-        fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(None, "sp"),
-                                   out_specs=P(None, "sp")))
-        with jax.set_mesh(mesh):
-          args = tuple(jax.device_put(order(x), NamedSharding(mesh, P(None, "sp")))
-                       for x in (q, k, v, d_out))
-          grads = fn(*args)
-          row["max_rel_err"] = max(cases.relerr(np.asarray(undo(np.asarray(g, np.float32))), w)
-                                   for g, w in zip(grads, want))
-          row["ring_ms"] = cases.time_call(fn, args, calls=cfg["calls"], repeats=cfg["repeats"])
-        row["efficiency"] = row["whole_one_device_ms"] / count / row["ring_ms"]
+        base["whole_one_device_ms"] = cases.time_call(
+            whole, (q, k, v, d_out), calls=cfg["calls"], repeats=cfg["repeats"])
         if cfg.get("ring_profile") and not interpret:
-          row["profile"] = ring_profile(fn, args)
-          whole_profile = ring_profile(whole, (q, k, v, d_out))
-          row["whole_span_ms"] = whole_profile["span_ms"]
-          row["span_efficiency"] = (whole_profile["span_ms"] / count
-                                    / max(row["profile"]["device_spans_ms"].values()))
+          base["whole_span_ms"] = ring_profile(whole, (q, k, v, d_out))["span_ms"]
       except Exception as e:
-        row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
-      rows.append(row)
+        rows += [dict(base, layout=layout, failed=f"{type(e).__name__}: {str(e)[:300]}")
+                 for layout in layouts]
+        continue
+      for layout in layouts:
+        row = dict(base, layout=layout)
+        try:
+          fn = _ring_step(mesh, layout, causal, with_out=False)
+          with jax.set_mesh(mesh):
+            args = _ring_args(mesh, layout, (q, k, v, d_out))
+            grads = fn(*args)
+            row["max_rel_err"] = max(
+                cases.relerr(np.asarray(ring.from_layout(np.asarray(g, np.float32), layout,
+                                                         count)), w)
+                for g, w in zip(grads, want))
+            row["ring_ms"] = cases.time_call(fn, args, calls=cfg["calls"],
+                                             repeats=cfg["repeats"])
+          row["efficiency"] = row["whole_one_device_ms"] / count / row["ring_ms"]
+          if "whole_span_ms" in row:
+            row["profile"] = ring_profile(fn, args)
+            row["span_efficiency"] = (row["whole_span_ms"] / count
+                                      / max(row["profile"]["device_spans_ms"].values()))
+        except Exception as e:
+          row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
   return rows
 
 
@@ -206,8 +226,6 @@ def longest_rows(cfg: dict) -> list[dict]:
   gradients checked to be finite; timed; each device's peak memory."""
   from jaxflash.ops import ring
   count = len(jax.devices())
-  interpret = jax.default_backend() == "cpu"
-  impl = "xla" if interpret else None
   mesh = jax.make_mesh((count,), ("sp",), axis_types=(AxisType.Explicit,))
   rows = []
   layout = cfg.get("ring_causal_layouts", ["zigzag"])[0]
@@ -218,19 +236,9 @@ def longest_rows(cfg: dict) -> list[dict]:
     try:
       q, k, v, d_out = make_inputs(1, total, cfg["heads"], cfg["head_dim"],
                                    jnp.dtype(cfg["dtype"]), seed=2)
-
-      def local(q, k, v, d_out):
-        attn = lambda q, k, v: jaxflash.ring_attention(  # noqa: E731
-            q, k, v, axis_name="sp", layout=layout, is_causal=True, implementation=impl,
-            interpret=interpret)
-        out, vjp = jax.vjp(attn, q, k, v)
-        return (out,) + vjp(d_out)
-
-      fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(None, "sp"),
-                                 out_specs=P(None, "sp")))
+      fn = _ring_step(mesh, layout, True, with_out=True)
       with jax.set_mesh(mesh):
-        args = tuple(jax.device_put(ring.to_layout(x, layout, count),
-                                    NamedSharding(mesh, P(None, "sp"))) for x in (q, k, v, d_out))
+        args = _ring_args(mesh, layout, (q, k, v, d_out))
         del q, d_out
         results = fn(*args)
         tokens = np.array([0, total // 3, total // 2 + 1, total - 1])
@@ -277,16 +285,11 @@ def ring_profile(fn, args, calls: int = 3) -> dict:
   busy = _union([(a, b) for a, b, _ in events])
   span = max(b for _, b, _ in events) - events[0][0]
   ms = lambda ns: ns / 1e6 / calls  # noqa: E731
-  kernels: dict[str, list] = {}
-  for a, b, name in events:
-    entry = kernels.setdefault(name[:70], [0, 0])
-    entry[0] += b - a
-    entry[1] += 1
-  top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:12]
   return dict(span_ms=ms(span), compute_ms=ms(_total(compute)), comm_ms=ms(_total(comm)),
               exposed_comm_ms=ms(_total(busy) - _total(compute)),
               idle_ms=ms(span - _total(busy)), device_spans_ms=spans,
-              kernels=[dict(name=n, ms=ms(t), count=c / calls) for n, (t, c) in top])
+              kernels=[dict(name=k["name"], ms=k["us"] / 1e3, count=k["count"])
+                       for k in cases.kernel_totals(events, calls)[:12]])
 
 
 def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
