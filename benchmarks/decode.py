@@ -184,11 +184,11 @@ def _split_candidates(row: dict, sm_count: int):
   counts for 0.5 to 8 programs per SM (`SPLIT_SWEEP_PER_SM`): how the split count's wave
   quantization moves a cell, with nothing else changed."""
   from jax.experimental import pallas as pl
+  from jaxflash.backends.triton.decode import used_splits
   blocks = pl.cdiv(row["S"], 64 if row["layout"] == "contiguous" else row["page_size"])
   seen = set()
   for per_sm in SPLIT_SWEEP_PER_SM:  # (2: the rule shipped before `wave_splits`)
-    splits = max(1, min(blocks, math.ceil(per_sm * sm_count / (row["B"] * row["K"]))))
-    splits = pl.cdiv(blocks, pl.cdiv(blocks, splits))  # (as default_config: none left empty)
+    splits = used_splits(blocks, math.ceil(per_sm * sm_count / (row["B"] * row["K"])))
     if splits not in seen:
       seen.add(splits)
       yield dict(block_k=64, num_warps=4, num_stages=3 if row["D"] <= 64 else 2, splits=splits)

@@ -276,11 +276,10 @@ def test_wave_splits(blocks, rows, want):
   """The split count spreads programs evenly over an H200's 132 SMs (2 to 4 per SM), leaves no
   split without a key block, and spreads them at least as evenly as two per SM rounded up."""
   from jax.experimental import pallas as pl
-  from jaxflash.backends.triton.decode import wave_splits
+  from jaxflash.backends.triton.decode import used_splits, wave_splits
   splits = wave_splits(blocks, rows, 132)
   assert splits == want
   assert pl.cdiv(blocks, pl.cdiv(blocks, splits)) == splits <= blocks
   fill = lambda p: p / (pl.cdiv(p, 132) * 132)  # noqa: E731
-  old = min(blocks, pl.cdiv(264, rows))
-  old = pl.cdiv(blocks, pl.cdiv(blocks, old))
+  old = used_splits(blocks, pl.cdiv(264, rows))
   assert fill(splits * rows) >= fill(old * rows)

@@ -105,13 +105,18 @@ def wave_splits(blocks: int, rows: int, sm_count: int) -> int:
   low = max(1, pl.cdiv(2 * sm_count, rows))
   best_fill, best = -1.0, 1
   for splits in range(low, max(low, 4 * sm_count // rows) + 1):
-    splits = min(splits, blocks)
-    splits = pl.cdiv(blocks, pl.cdiv(blocks, splits))  # no split left without a block
+    splits = used_splits(blocks, splits)
     programs = splits * rows
     fill = programs / (pl.cdiv(programs, sm_count) * sm_count)
     if fill > best_fill:
       best_fill, best = fill, splits
   return best
+
+
+def used_splits(blocks: int, splits: int) -> int:
+  """The splits a grid of ``blocks`` key blocks really has when asked for ``splits``: each takes
+  ceil(blocks / splits) blocks, so none is left without one."""
+  return pl.cdiv(blocks, pl.cdiv(blocks, max(1, min(splits, blocks))))
 
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse_ref, *,
@@ -200,9 +205,8 @@ def partials(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
     kv = pl.BlockSpec((k.shape[0], block_k, None, hp), lambda sp, i, j: (0, 0, j, 0))
     table_spec = pl.BlockSpec((None, table.shape[1]), lambda sp, i, j: (i, 0))
   blocks = pl.cdiv(inputs.key.shape[1], block_k)
-  splits = min(config.splits, blocks)
+  splits = used_splits(blocks, config.splits)
   per_split = pl.cdiv(blocks, splits)
-  splits = pl.cdiv(blocks, per_split)
   kernel = functools.partial(_kernel, params=params, t=t, rows_used=g * t,
                              blocks_per_split=per_split, block_k=block_k, st=st)
   row_pair = pl.BlockSpec((None, 2), lambda sp, i, j: (i, 0))
