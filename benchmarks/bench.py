@@ -25,7 +25,9 @@ Grid (the FlashAttention-2 paper's, as in ../shared/anchors): bf16 and fp16; hea
 heads, D = 128, bf16, the same S and B. Implementations, all in this process on the same card:
 jaxflash_mosaic, jaxflash_triton and jaxflash_xla (jaxflash.flash_attention, implementation
 "mosaic", "triton" and "xla"),
-xla and cudnn (jax.nn.dot_product_attention) and pallas_mha (JAX's Pallas kernel,
+xla and cudnn (jax.nn.dot_product_attention), cudnn_det (cudnn compiled with XLA's
+xla_gpu_exclude_nondeterministic_ops, which makes cuDNN's backward deterministic like
+jaxflash's; not in the default set) and pallas_mha (JAX's Pallas kernel,
 jax.experimental.pallas.ops.gpu.attention.mha with its defaults; not applicable to GQA, so
 skipped there; it does not fit at D = 256 and those rows record the error). Without a GPU the
 default is jaxflash_triton (its kernels in interpret mode), jaxflash_xla and xla.
@@ -41,7 +43,8 @@ jax.grad of sum(out.astype(f32) * dO) w.r.t. q, k, v (forward included). FLOPs: 
 4*B*N*S^2*D with N the query heads, halved when causal; forward+backward 3.5x forward.
 
 Rows: impl, mode, dtype, B, S, N (query heads), K (KV heads), D, causal, ms, tflops, temp_bytes,
-relerr (fwd), relerr_dq (fwdbwd), wrong, calls, and error or skipped when it did not run. An
+relerr (fwd), relerr_dq (fwdbwd), repeatable (fwdbwd: a second call on the same inputs gave
+bitwise the same dQ, dK and dV), wrong, calls, and error or skipped when it did not run. An
 implementation that fails (unsupported, out of memory, compile error) gives error rows and the
 sweep goes on. The floor summary checks the rows against an acceptance floor (data:
 benchmarks/floors/issue5.json by default, --floor to pick another).
@@ -61,12 +64,14 @@ from jaxflash import devices
 
 import report
 import tune as tuner
-from cases import (DTYPES, Case, build_cases, check_slices, compile_mode, flops, make_inputs, take,
-                   reference, relerr, skip_reason, time_calls)
+from cases import (DTYPES, Case, build_cases, check_slices, compile_mode, flops, make_inputs,
+                   reference, relerr, same_bits, skip_reason, take, time_calls)
 from report import FLOP_CONVENTION, HIDDEN, IMPLS, TOKENS, TOLERANCE, Progress, row_key
 
 # What runs without an NVIDIA GPU (the Triton kernels in interpret mode).
 CPU_IMPLS = ("jaxflash_triton", "jaxflash_xla", "xla")
+# What runs by default on a GPU: every implementation but the deterministic cuDNN (--impls).
+GPU_IMPLS = tuple(impl for impl in IMPLS if impl != "cudnn_det")
 MODES = ("fwd", "fwdbwd")
 METHOD = ("compiled once per (case, impl, mode); output and dQ of batch rows 0 and B-1, query "
           "heads 0 and N-1 checked against float32 jax.nn xla at highest precision; "
@@ -104,6 +109,8 @@ def run_impl(impl: str, case: Case, inputs, ref, *, interpret: bool, timing: dic
         row["relerr"] = err = relerr(take(result, q_sl), ref[0])
       else:
         row["relerr_dq"] = err = relerr(take(result[0], q_sl), ref[1])
+        # A second call on the same inputs: are dQ, dK and dV bitwise the same?
+        row["repeatable"] = same_bits(result, executable(*args))
       row["wrong"] = not err < TOLERANCE  # NaN counts as wrong
       del result
       row["ms"], row["calls"] = time_calls(executable, args, **timing)
@@ -188,7 +195,7 @@ def config(args) -> dict:
       tune_families=args.tune_families,  # --tune: Mosaic families (None: the forward's)
       causal=args.causal,
       modes=args.modes or list(MODES),
-      impls=args.impls or list(IMPLS if on_gpu else CPU_IMPLS),
+      impls=args.impls or list(GPU_IMPLS if on_gpu else CPU_IMPLS),
       gqa=args.gqa,
       gqa_heads=[4, 2, 32] if smoke else [32, 8, 128],
       tokens=pick(args.tokens, TOKENS, 256),
@@ -212,7 +219,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--causal", choices=("both", "y", "n"), default="both")
   parser.add_argument("--modes", nargs="+", choices=MODES, help="default: fwd fwdbwd")
   parser.add_argument("--impls", nargs="+", choices=IMPLS,
-                      help="default: all on a GPU; without one, " + " ".join(CPU_IMPLS))
+                      help="default on a GPU: " + " ".join(GPU_IMPLS) + "; without one, "
+                      + " ".join(CPU_IMPLS))
   parser.add_argument("--gqa", action=argparse.BooleanOptionalAction, default=True,
                       help="add the GQA case (32 query / 8 KV heads, D=128, bf16)")
   parser.add_argument("--tokens", type=int, help="tokens per batch, B = tokens / S (16384)")

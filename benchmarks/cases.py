@@ -78,6 +78,20 @@ def build_cases(cfg: dict) -> list[Case]:
   return cases
 
 
+# Compiler options an implementation needs on top of the run's. cuDNN's backward adds dQ up with
+# float32 atomics, so its gradients can differ between runs; XLA's documented switch to
+# deterministic implementations (docs/determinism.md in openxla/xla) makes cuDNN take its
+# deterministic backward. jaxflash's gradients are deterministic by default, so "cudnn_det" is
+# the like-for-like yardstick.
+IMPL_OPTIONS = {"cudnn_det": {"xla_gpu_exclude_nondeterministic_ops": True}}
+
+
+def impl_options(impl: str, compiler_options: dict | None) -> dict | None:
+  """The run's compiler options with those ``impl`` needs (`IMPL_OPTIONS`)."""
+  extra = IMPL_OPTIONS.get(impl)
+  return dict(compiler_options or {}, **extra) if extra else compiler_options
+
+
 def attention_fn(impl: str, causal: bool, interpret: bool = False, config=None) -> Callable:
   """``impl`` as a function of (q, k, v) in [B, S, heads, D] layout; ``config``: a jaxflash
   backend config to run instead of the backend's default (the tuner's candidates)."""
@@ -85,9 +99,10 @@ def attention_fn(impl: str, causal: bool, interpret: bool = False, config=None) 
     backend = impl.removeprefix("jaxflash_")
     return lambda q, k, v: attention_with_config(q, k, v, is_causal=causal, config=config,
                                                  implementation=backend, interpret=interpret)
-  if impl in ("xla", "cudnn"):
+  if impl in ("xla", "cudnn", "cudnn_det"):
+    backend = impl.removesuffix("_det")
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                                        implementation=impl)
+                                                        implementation=backend)
   if impl == "pallas_mha":
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")  # the module is deprecated in favour of tokamax
@@ -180,7 +195,14 @@ def compile_mode(impl: str, case: Case, inputs, mode: str, interpret: bool,
   q, k, v, d_out = inputs
   fn = attention_fn(impl, case.causal, interpret)
   f, args = (fn, (q, k, v)) if mode == "fwd" else (grad_fn(fn), (q, k, v, d_out))
-  return jax.jit(f).lower(*args).compile(compiler_options), args
+  return jax.jit(f).lower(*args).compile(impl_options(impl, compiler_options)), args
+
+
+def same_bits(first, second) -> bool:
+  """Whether two results (arrays or tuples of arrays) are bitwise identical, NaNs included."""
+  pairs = zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True)
+  return all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+             for a, b in pairs)
 
 
 def time_calls(fn: Callable, args, *, warmups: int = 2, calls: int = 20, repeats: int = 5,

@@ -27,7 +27,7 @@ from matplotlib.lines import Line2D
 
 # Fixed order, so an implementation keeps its colour across panels, figures and runs.
 IMPL_ORDER = ("jaxflash_triton", "jaxflash_xla", "xla", "cudnn", "pallas_mha",
-              "jaxflash_mosaic")  # appended last: earlier plots keep their colours
+              "jaxflash_mosaic", "cudnn_det")  # appended last: earlier plots keep their colours
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 

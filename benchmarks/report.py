@@ -20,7 +20,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FLOOR = Path(__file__).resolve().parent / "floors" / "issue5.json"
 # jaxflash_triton first: memory.py learns the platform from the first worker, which must run
 # everywhere.
-IMPLS = ("jaxflash_triton", "jaxflash_mosaic", "jaxflash_xla", "xla", "cudnn", "pallas_mha")
+IMPLS = ("jaxflash_triton", "jaxflash_mosaic", "jaxflash_xla", "xla", "cudnn", "cudnn_det",
+         "pallas_mha")
 TOKENS, HIDDEN = 16384, 2048
 TOLERANCE = 2e-2
 FLOP_CONVENTION = "fwd 4*B*N*S^2*D (x0.5 causal); fwdbwd 3.5x fwd; N = query heads"
@@ -157,6 +158,8 @@ def _cell(row: dict | None) -> str:
     return "err"
   rate = row["tflops"]
   text = f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"  # CPU smoke runs are far below 1
+  if row.get("repeatable") is False:  # a second call gave different gradient bits
+    text += " nondet"
   return text + (" WRONG" if row.get("wrong") else "")
 
 
