@@ -52,11 +52,9 @@ UNITS = {"fwd": 2, "dkv": 4, "dv": 2, "dk": 3, "dq": 3}
 # the shipped ones of the head dim; those that do not fit in shared memory are skipped).
 VARIANTS = [dict(registers=240), dict(registers=232), dict(dkv_stages=3), dict(dq_stages=3),
             dict(dq_block_kv=128), dict(dkv_block_q=128), dict(dq_block_kv=32),
-            dict(dkv_block_q=32), dict(registers=240, dkv_stages=3),
-            # Pᵀ and dSᵀ from shared memory with deferred waits (`Backward.dkv_staged`); at
-            # D = 64 and in the D = 256 dV pass only with 64- and 32-row query tiles.
-            dict(dkv_staged=True), dict(dkv_staged=True, registers=240),
-            dict(dkv_staged=True, dkv_block_q=64), dict(dkv_staged=True, dv_block_q=32)]
+            dict(dkv_block_q=32), dict(registers=240, dkv_stages=3), dict(dq_registers=240),
+            dict(dq_registers=240, dq_stages=3), dict(dq_registers=240, dq_block_kv=128),
+            dict(dq_registers=232)]
 
 
 def _check(q, k, v, d_out, causal: bool, grads) -> float:

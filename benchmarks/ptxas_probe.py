@@ -40,11 +40,6 @@ CONFIGS = {
                                                       one_pass=True))),
     "bwd_d128_one_pass": (128, True, dict(backward=dict(one_pass=True))),
     "bwd_d128_one_pass_r240": (128, True, dict(backward=dict(one_pass=True, registers=240))),
-    # Pᵀ and dSᵀ staged in shared memory, deferred waits (`Backward.dkv_staged`).
-    "bwd_d128_staged": (128, True, dict(backward=dict(dkv_staged=True))),
-    "bwd_d128_staged_r240": (128, True, dict(backward=dict(dkv_staged=True, registers=240))),
-    "bwd_d64_staged": (64, True, dict(backward=dict(dkv_block_q=64, dq_block_kv=128,
-                                                    dkv_staged=True))),
     # Head dims above 128: dK/dV in two passes; at 256, 32-row streamed tiles, with a 64-row dV
     # pass or 240 consumer registers.
     "bwd_d192": (192, True, dict(block_kv=64)),

@@ -181,9 +181,14 @@ def test_configs_are_checked():
       (lambda: mosaic.Backward(dkv_block_q=96), "dkv_block_q"),
       (lambda: mosaic.Backward(dv_stages=0), "dv_stages"),
       (lambda: mosaic.Backward(registers=236), "registers"),
-      (lambda: mosaic.Backward(one_pass=True, dkv_staged=True), "dkv_staged")]:
+      (lambda: mosaic.Backward(dq_registers=236), "dq_registers")]:
     with pytest.raises(ValueError, match=field):
       make()
+  # The dQ kernel's own register split, and the shared one where it has none.
+  split = mosaic.Backward(dq_registers=240).dq_pass()
+  assert (split.registers, split.producer_registers) == (240, 24)
+  assert mosaic.Backward(registers=240).dq_pass().registers == 240
+  assert mosaic.Backward().dq_pass().registers == 232
   budget = mosaic.config.SMEM_BUDGET
   for h in (40, 64, 96, 128, 192, 256):
     config = mosaic.default_config(h, BF16, False, 4096, "NVIDIA H200")
@@ -387,23 +392,17 @@ def test_one_pass_semaphores_are_shared():
 @pytest.mark.parametrize("dkv_block_q,dq_block_kv,stages,h,causal,one_pass", [
     (64, 64, 1, 40, True, True), (128, 64, 2, 64, False, True), (64, 128, 2, 128, True, False),
     (64, 64, 3, 64, False, True), (128, 128, 2, 40, False, True), (64, 64, 2, 128, False, True),
-    (64, 64, 1, 128, True, True), (64, 64, 2, 128, True, "staged"),
-    (64, 128, 2, 64, False, "staged"), (32, 32, 2, 256, True, "staged")])
+    (64, 64, 1, 128, True, True)])
 def test_backward_tiles_lower(dkv_block_q, dq_block_kv, stages, h, causal, one_pass):
   """Backward tiles that fit, each lowered as the Mosaic backward (two kernels where dQ comes
-  from the dK/dV kernel, three where it cannot or ``one_pass`` is off; ``"staged"``: two
-  kernels with `Backward.dkv_staged`, four at D = 256)."""
+  from the dK/dV kernel, three where it cannot or ``one_pass`` is off)."""
   q = jax.ShapeDtypeStruct((2, 1000, 4, h), BF16)
   kv = jax.ShapeDtypeStruct((2, 777, 2, h), BF16)
-  staged = one_pass == "staged"
   backward = mosaic.Backward(dkv_block_q=dkv_block_q, dq_block_kv=dq_block_kv,
-                             dkv_stages=stages, dq_stages=stages, one_pass=one_pass is True,
-                             dkv_staged=staged)
+                             dkv_stages=stages, dq_stages=stages, one_pass=one_pass)
   assert mosaic.config.backward_smem_bytes(backward, h) <= mosaic.config.SMEM_BUDGET
-  # (the forward's 128-key tiles do not fit at D = 256)
-  config = mosaic.Config(backward=backward, block_kv=64 if h > 128 else 128)
-  hp = mosaic.config.padded_head_dim(h)
-  kernels = 2 if backward.runs_one_pass(hp) else 4 if hp > 128 else 3
+  config = mosaic.Config(backward=backward)
+  kernels = 2 if backward.runs_one_pass(mosaic.config.padded_head_dim(h)) else 3
   text = _lower(_gradients(config, is_causal=causal), q, kv, kv)
   assert _mosaic_kernels(text) == kernels
 
@@ -631,20 +630,6 @@ def test_mosaic_backward(option, config):
         **make(b, t, s, n, 0))
 
 
-@pytest.mark.parametrize("h,block_q", [(128, 64), pytest.param(64, 64, marks=variant),
-                                       pytest.param(256, 32, marks=variant)])
-def test_staged_backward(h, block_q):
-  """dK/dV with Pᵀ and dSᵀ staged in shared memory and deferred waits (`Backward.dkv_staged`):
-  every option the backward serves, GQA (the products of one query head's visits still in
-  flight when the next head's begin), against the reference; at D = 256 in both passes."""
-  b, t, s, n, k, _ = OPTION_SHAPE
-  backward = mosaic.Backward(dkv_block_q=block_q, dq_block_kv=block_q, dkv_staged=True)
-  assert mosaic.config.backward_smem_bytes(backward, h) <= mosaic.config.SMEM_BUDGET
-  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=backward)
-  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config,
-        **_everything_but_dense(b, t, s, n, 0))
-
-
 @pytest.mark.parametrize("h,block_q,band", [
     (128, 64, False), (64, 128, False), pytest.param(128, 64, True, marks=variant)])
 def test_one_pass_backward(h, block_q, band, monkeypatch):
@@ -753,8 +738,7 @@ def test_backward_serves_what_it_can():
       mosaic.default_config(256, BF16, False, 64, "NVIDIA H200"))
 
 
-@pytest.mark.parametrize("h,one_pass", [(128, False), (256, False), (128, True), (64, True),
-                                        (128, "staged")]
+@pytest.mark.parametrize("h,one_pass", [(128, False), (256, False), (128, True), (64, True)]
                          if ON_GPU else [(64, False), (64, True)])
 def test_gradients_are_bitwise_deterministic(h, one_pass):
   """Two runs give the same bits for dQ, dK and dV, with dropout and GQA (no atomics: every
@@ -763,19 +747,14 @@ def test_gradients_are_bitwise_deterministic(h, one_pass):
   parts in a fixed order of key tiles: on the GPU its shape has 16 key tiles visiting each
   query block, so that many CTAs wait on one block at once."""
   b, t, s, n, k = (2, 300, 517, 8, 2) if ON_GPU else (1, 70, 90, 2, 1)
-  staged = one_pass == "staged"  # (`Backward.dkv_staged`)
-  one_pass = one_pass is True
   if ON_GPU and one_pass:
     b, t, s = 2, 1000, 2048
   q, kk, v, d_out = random_qkv(5, b, t, s, n, k, h, BF16)
   options = dict(is_causal=not one_pass, dropout_rate=0.1, dropout_rng=jax.random.key(3))
   block_q = 64 if h > 64 else 128
-  config = None
-  if one_pass or staged:
-    fields = dict(dkv_staged=True) if staged else dict(dkv_block_q=block_q,
-                                                       dq_block_kv=block_q, one_pass=True)
-    config = dataclasses.replace(SMALL_CONFIGS["mosaic"] if not ON_GPU else mosaic.Config(),
-                                 backward=mosaic.Backward(**fields))
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"] if not ON_GPU else mosaic.Config(),
+                               backward=mosaic.Backward(dkv_block_q=block_q, dq_block_kv=block_q,
+                                                        one_pass=True)) if one_pass else None
 
   def grads(q, kk, v):
     out, vjp = jax.vjp(lambda *x: _run(*x, config=config, **options), q, kk, v)

@@ -209,20 +209,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       dq_part = _DqPart(out["dq"], smem, sems, params, split=dq_split(block_q, hp),
                         block_q=block_q, hp=hp, wg=wg, batch=batch, k_tile=k_tile_index,
                         first_ref=first_ref)
-    # `Backward.dkv_staged`: dV and dK accumulate in refs that live over the whole walk, and a
-    # visit issues its products from the Pᵀ and dSᵀ it staged in shared memory without waiting
-    # for them. The next visit's wait for its Sᵀ covers them, and only then is the previous
-    # visit's Q and dO slot released; its staging slot is rewritten a visit later still.
-    staged = config.dkv_staged
-    names = [name for name in ("dv", "dk") if name in grads]
 
-    def release(slot):  # the Q and dO slot of a visit whose products are done (-1: none)
-      def arrive():
-        plgpu.barrier_arrive(q_free.at[slot])
-        plgpu.barrier_arrive(do_free.at[slot])
-      pl.when(slot >= 0)(arrive)
-
-    def step(g, i, carry, masked: bool, acc_refs=None):
+    def step(g, i, carry, masked: bool):
       slot = slot_of(g, i)
       head = kv_head * groups + g
       q_start = i * block_q
@@ -254,8 +242,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
 
       def probabilities(s):  # Pᵀ (while dPᵀ is in flight)
-        if staged:  # the previous visit's products are done with its slot
-          release(carry["pending"])
         lse2 = _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape)
         return _probabilities(s, lse2, params, visible)
 
@@ -273,15 +259,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       # dV += Pᵀ dO (in flight while dSᵀ is stored) and dK += dSᵀ Q; then this consumer's part
       # of the query block's dQ from both consumers' dSᵀ.
       operands = {"dv": (p16, do_tile), "dk": (ds16, q_tile)}
-      if staged:  # issued from shared memory, not waited for: the next visit's scores wait
-        parity = lax.rem(visit_of(g, i), 2)
-        tiles = {"dv": smem.get("pt"), "dk": smem.get("dst")}
-        for name in names:
-          tiles[name].at[wg, parity][...] = operands[name][0]
-        plgpu.commit_smem()
-        for acc_ref, name in zip(acc_refs, names):
-          plgpu.wgmma(acc_ref, tiles[name].at[wg, parity], operands[name][1])
-        return {"pending": slot}
+      names = [name for name in ("dv", "dk") if name in grads]
       ds_slot = lax.rem(visit_of(g, i), 2) if want_dq else None
       if params.interpret:  # no register operands in the interpreter: plain dots
         sums = [carry[name] + jnp.dot(operands[name][0], operands[name][1][...],
@@ -313,21 +291,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     carry = {name: zeros for name in grads if name != "dq"}
     if want_dq:
       carry["pending"] = _DqPart.nothing_pending()
-    if staged:
-      def walk(*acc_refs):
-        last = schedule.visit_q_split(
-            cta_start, pos, lambda g, i, c, masked: step(g, i, c, masked, acc_refs),
-            {"pending": fwd._i32(-1)}, repeat=groups, reverse=reverse)
-        # (each wgmma is its own commit group: waiting until none is pending covers all)
-        done = tuple(plgpu.wgmma_accumulator_load(ref, wait_n=0) for ref in acc_refs)
-        release(last["pending"])
-        return done
-
-      sums = dict(zip(names, pl.run_scoped(
-          walk, *[plgpu.ACC((_KEYS, hp), jnp.float32) for _ in names])))
-    else:
-      sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=groups,
-                                    reverse=reverse)
+    sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=groups, reverse=reverse)
     if want_dq:  # the other consumer's dQ products read this one's K tile until its last one
       plgpu.barrier_arrive(smem["k_done"])
       plgpu.barrier_wait(smem["k_done"])
@@ -543,10 +507,6 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
       q_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
       do_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
   )
-  if config.dkv_staged:  # Pᵀ and dSᵀ per consumer, 2 visits (`Backward.dkv_staged`)
-    for name, grad in (("pt", "dv"), ("dst", "dk")):
-      if grad in grads:
-        smem[name] = tile((_CONSUMERS, 2, _KEYS, block_q), q.dtype)
   if want_dk:
     smem.update(
         v=tile((_CONSUMERS, _KEYS, hp), v.dtype),  # V, then dV on the way out
@@ -748,6 +708,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
 
 def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Backward,
         extras: fwd._Extras, hp: int):
+  config = config.dq_pass()
   b, _, n, _ = q.shape
   groups = n // k.shape[2]
   block_kv, stages = config.dq_block_kv, config.dq_stages

@@ -48,12 +48,11 @@ class Backward:
   # Registers per consumer thread; the producer warpgroup gets the rest of the CTA's 504 (40 at
   # 232, 24 at 240).
   registers: int = 232
+  # The dQ kernel's registers per consumer thread; None: ``registers``. (dQ holds one 64 x D
+  # float32 accumulator where dK/dV holds two, and measured faster at 240 at 16k keys where
+  # dK/dV is slower there.)
+  dq_registers: int | None = None
   one_pass: bool = False
-  # dK/dV stages its Pᵀ and dSᵀ tiles in shared memory (two slots per consumer) and takes them
-  # from there as the A operands of dV += Pᵀ dO and dK += dSᵀ Q, instead of from registers. A
-  # visit's products then need no registers of their own, so the visit does not wait for them:
-  # the next visit's wait for its Sᵀ covers them (a warpgroup's wgmmas complete in order).
-  dkv_staged: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -64,16 +63,21 @@ class Backward:
       value = getattr(self, name)
       if value is not None and value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}")
-    if self.registers not in (232, 240):
-      raise ValueError(f"registers must be 232 or 240, got {self.registers}")
-    if self.one_pass and self.dkv_staged:
-      raise ValueError("one_pass=True stages no Pᵀ/dSᵀ tiles: dkv_staged must be False")
+    for name in ("registers", "dq_registers"):
+      value = getattr(self, name)
+      if value is not None and value not in (232, 240):
+        raise ValueError(f"{name} must be 232 or 240, got {value}")
 
   def dv_pass(self) -> Backward:
     """The tiles of the dV pass (as ``dkv_block_q`` and ``dkv_stages``)."""
     return dataclasses.replace(
         self, dkv_block_q=self.dv_block_q or self.dkv_block_q,
         dkv_stages=self.dv_stages or self.dkv_stages, dv_block_q=None, dv_stages=None)
+
+  def dq_pass(self) -> Backward:
+    """The dQ kernel's settings (its ``registers``)."""
+    return dataclasses.replace(self, registers=self.dq_registers or self.registers,
+                               dq_registers=None)
 
   @property
   def producer_registers(self) -> int:
@@ -176,8 +180,7 @@ def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False
   """Shared memory of the largest backward CTA: 64 resident rows of two 16-bit tiles per
   consumer (K and V, or Q and dO; a dV-only pass holds K alone), and the ring of the streamed
   side (Q and dO tiles with their float32 LSE and delta rows, or K and V tiles), and in the
-  one-pass kernel the dSᵀ tiles and staged dQ parts, with ``dkv_staged`` two slots of Pᵀ and
-  dSᵀ per consumer (of the tiles the pass forms). A ``partial`` call's float32 gradients
+  one-pass kernel the dSᵀ tiles and staged dQ parts. A ``partial`` call's float32 gradients
   go out through a float32 tile of 64 rows per consumer in every kernel."""
   hp = padded_head_dim(head_dim)
   tile = 2 * 64 * hp * 2  # one 16-bit 64-row tile per consumer
@@ -185,17 +188,11 @@ def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False
   dkv = 2 * tile + out32 + backward.dkv_stages * backward.dkv_block_q * (2 * 2 * hp + 2 * 4)
   if backward.runs_one_pass(hp):  # both consumers' dSᵀ for 2 visits, their float32 dQ parts
     dkv += 2 * 2 * 64 * backward.dkv_block_q * 2 + backward.dkv_block_q * hp * 4
-
-  def staged(block_q: int, tiles: int) -> int:  # 2 consumers x 2 slots of 64 x block_q 16-bit
-    return 2 * 2 * 64 * block_q * 2 * tiles if backward.dkv_staged else 0
-
-  dkv += staged(backward.dkv_block_q, 1 if hp > SPLIT_HEAD_DIM else 2)  # dSᵀ, and Pᵀ
   dq = 2 * tile + out32 + backward.dq_stages * backward.dq_block_kv * 2 * 2 * hp
   dv = 0
   if hp > SPLIT_HEAD_DIM:
     dv_pass = backward.dv_pass()
-    dv = (tile + out32 + dv_pass.dkv_stages * dv_pass.dkv_block_q * (2 * 2 * hp + 4)
-          + staged(dv_pass.dkv_block_q, 1))
+    dv = tile + out32 + dv_pass.dkv_stages * dv_pass.dkv_block_q * (2 * 2 * hp + 4)
   return max(dkv, dq, dv)
 
 
