@@ -52,9 +52,7 @@ UNITS = {"fwd": 2, "dkv": 4, "dv": 2, "dk": 3, "dq": 3}
 # the shipped ones of the head dim; those that do not fit in shared memory are skipped).
 VARIANTS = [dict(registers=240), dict(registers=232), dict(dkv_stages=3), dict(dq_stages=3),
             dict(dq_block_kv=128), dict(dkv_block_q=128), dict(dq_block_kv=32),
-            dict(dkv_block_q=32), dict(registers=240, dkv_stages=3), dict(dq_registers=240),
-            dict(dq_registers=240, dq_stages=3), dict(dq_registers=240, dq_block_kv=128),
-            dict(dq_registers=232)]
+            dict(dkv_block_q=32), dict(registers=240, dkv_stages=3)]
 
 
 def _check(q, k, v, d_out, causal: bool, grads) -> float:

@@ -180,15 +180,9 @@ def test_configs_are_checked():
       (lambda: mosaic.Config(q_buffers=2), "q_buffers"),  # only a persistent grid has a next item
       (lambda: mosaic.Backward(dkv_block_q=96), "dkv_block_q"),
       (lambda: mosaic.Backward(dv_stages=0), "dv_stages"),
-      (lambda: mosaic.Backward(registers=236), "registers"),
-      (lambda: mosaic.Backward(dq_registers=236), "dq_registers")]:
+      (lambda: mosaic.Backward(registers=236), "registers")]:
     with pytest.raises(ValueError, match=field):
       make()
-  # The dQ kernel's own register split, and the shared one where it has none.
-  split = mosaic.Backward(dq_registers=240).dq_pass()
-  assert (split.registers, split.producer_registers) == (240, 24)
-  assert mosaic.Backward(registers=240).dq_pass().registers == 240
-  assert mosaic.Backward().dq_pass().registers == 232
   budget = mosaic.config.SMEM_BUDGET
   for h in (40, 64, 96, 128, 192, 256):
     config = mosaic.default_config(h, BF16, False, 4096, "NVIDIA H200")

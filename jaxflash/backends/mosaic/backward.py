@@ -708,7 +708,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
 
 def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Backward,
         extras: fwd._Extras, hp: int):
-  config = config.dq_pass()
   b, _, n, _ = q.shape
   groups = n // k.shape[2]
   block_kv, stages = config.dq_block_kv, config.dq_stages

@@ -48,10 +48,6 @@ class Backward:
   # Registers per consumer thread; the producer warpgroup gets the rest of the CTA's 504 (40 at
   # 232, 24 at 240).
   registers: int = 232
-  # The dQ kernel's registers per consumer thread; None: ``registers``. (dQ holds one 64 x D
-  # float32 accumulator where dK/dV holds two, and measured faster at 240 at 16k keys where
-  # dK/dV is slower there.)
-  dq_registers: int | None = None
   one_pass: bool = False
 
   def __post_init__(self):
@@ -63,21 +59,14 @@ class Backward:
       value = getattr(self, name)
       if value is not None and value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}")
-    for name in ("registers", "dq_registers"):
-      value = getattr(self, name)
-      if value is not None and value not in (232, 240):
-        raise ValueError(f"{name} must be 232 or 240, got {value}")
+    if self.registers not in (232, 240):
+      raise ValueError(f"registers must be 232 or 240, got {self.registers}")
 
   def dv_pass(self) -> Backward:
     """The tiles of the dV pass (as ``dkv_block_q`` and ``dkv_stages``)."""
     return dataclasses.replace(
         self, dkv_block_q=self.dv_block_q or self.dkv_block_q,
         dkv_stages=self.dv_stages or self.dkv_stages, dv_block_q=None, dv_stages=None)
-
-  def dq_pass(self) -> Backward:
-    """The dQ kernel's settings (its ``registers``)."""
-    return dataclasses.replace(self, registers=self.dq_registers or self.registers,
-                               dq_registers=None)
 
   @property
   def producer_registers(self) -> int:
