@@ -150,7 +150,7 @@ def run(cfg: dict) -> dict:
       row = _measure(dict(base, impl=impl), fn, (q, kc, vc, lengths), want, cfg)
       rows.append(row)
       print(_line(row), file=sys.stderr, flush=True)
-    if cfg.get("tune") or cfg.get("tune_splits"):
+    if cfg.get("tune") or cfg.get("tune_splits") or cfg.get("candidates"):
       rows += _tune(base, lambda: attention_fn("jaxflash_triton", t, table, cfg["interpret"]),
                     (q, kc, vc, lengths), want, cfg)
   return dict(environment=env, config=cfg, rows=rows)
@@ -212,6 +212,21 @@ def _tune_candidates(row: dict, sm_count: int):
       yield fields
 
 
+def _given_candidates(given: list[dict]):
+  """`--candidates`: these `DecodeConfig` fields in every cell; a missing ``splits`` is
+  `wave_splits`'s count for the candidate's key blocks (the shipped rule)."""
+  def candidates(row: dict, sm_count: int):
+    from jax.experimental import pallas as pl
+    from jaxflash.backends.triton.decode import wave_splits
+    for fields in given:
+      fields = dict(fields)
+      if "splits" not in fields:
+        blocks = pl.cdiv(row["S"], fields.get("block_k", 64))
+        fields["splits"] = wave_splits(blocks, row["B"] * row["K"], sm_count)
+      yield fields
+  return candidates
+
+
 def _tune(base: dict, make_fn, args, want, cfg: dict) -> list[dict]:
   """Rows of the Triton split-KV kernel (impl "tune") with each `_tune_candidates` config in
   turn (`jaxflash.backends.triton.decode.default_config` patched to return it), then the best.
@@ -223,7 +238,8 @@ def _tune(base: dict, make_fn, args, want, cfg: dict) -> list[dict]:
   rows = []
   cell = dict(base, page_size=cfg["page_size"])
   try:
-    candidates = _split_candidates if cfg.get("tune_splits") else _tune_candidates
+    candidates = (_given_candidates(cfg["candidates"]) if cfg.get("candidates") else
+                  _split_candidates if cfg.get("tune_splits") else _tune_candidates)
     for fields in candidates(cell, sm_count(devices.current().kind)):
       kernel.default_config = lambda inputs, training, device, f=fields: kernel.DecodeConfig(
           training=training, **f)
@@ -292,6 +308,9 @@ def main(argv=None) -> None:
   parser.add_argument("--tune-splits", action="store_true",
                       help="also time the shipped tiles with split counts for 0.5 to 8 "
                            "programs per SM (wave quantization)")
+  parser.add_argument("--candidates", type=json.loads, metavar="JSON",
+                      help='also time these DecodeConfig fields in every cell, e.g. '
+                           '\'[{"block_k": 128, "num_stages": 4}]\' (splits: wave_splits\'s)')
   parser.add_argument("--out", help="results JSON (a .md table is written next to it)")
   args = parser.parse_args(argv)
   cfg = dict(vars(args))
