@@ -46,6 +46,7 @@ def test_bench_smoke(tmp_path):
     assert err < report.TOLERANCE and not r["wrong"], r
     assert r["ms"] > 0 and r["tflops"] > 0 and r["calls"] >= 1, r
     assert isinstance(r["temp_bytes"], int), r
+    assert r.get("repeatable") is (True if r["mode"] == "fwdbwd" else None), r
 
   # One floor entry per check the floor file names (counted from the data, not hard-coded).
   floor = report.load_floor()
@@ -63,6 +64,23 @@ def test_bench_smoke(tmp_path):
   # --resume finds every row in --out already: nothing is measured again.
   again = bench.main(["--smoke", "--seqs", "128", "--out", str(out), "--resume"])
   assert again["rows"] == data["rows"]
+
+
+def test_same_bits_and_the_deterministic_cudnn_options():
+  """The repeatability check compares bits (a NaN equals itself; -0.0 is not 0.0), over
+  tuples; "cudnn_det" adds XLA's deterministic switch to the run's compiler options and no
+  other implementation gets it."""
+  import cases
+  import jax.numpy as jnp
+  a = (jnp.array([1.0, jnp.nan], jnp.bfloat16), jnp.zeros(3))
+  assert cases.same_bits(a, (a[0] + 0, jnp.zeros(3)))
+  assert not cases.same_bits(a, (a[0], jnp.array([0.0, -0.0, 0.0])))
+  assert not cases.same_bits(a, (jnp.array([1.0, 2.0], jnp.bfloat16), a[1]))
+  switch = {"xla_gpu_exclude_nondeterministic_ops": True}
+  assert cases.impl_options("cudnn_det", None) == switch
+  assert cases.impl_options("cudnn_det", {"a": 1}) == {"a": 1, **switch}
+  assert cases.impl_options("cudnn", {"a": 1}) == {"a": 1}
+  assert "cudnn_det" not in bench.GPU_IMPLS and "cudnn_det" in bench.IMPLS
 
 
 def test_memory_smoke(tmp_path):
@@ -230,6 +248,19 @@ def test_decode_bench_smoke(tmp_path):
   import plot
   png = out.with_suffix(".png")
   assert plot.main([str(out)]) == [png] and png.stat().st_size > 0
+
+
+def test_decode_candidates_take_wave_splits_unless_given():
+  """decode.py --candidates: each candidate's fields in every cell, with `wave_splits`'s count
+  for its own key blocks where it names no split count."""
+  import decode
+  from jaxflash.backends.triton.decode import wave_splits
+  given = [{"block_k": 128, "num_stages": 4}, {"splits": 3}]
+  cell = dict(B=8, K=32, S=32768)
+  got = list(decode._given_candidates(given)(cell, 132))
+  assert got == [{"block_k": 128, "num_stages": 4, "splits": wave_splits(256, 256, 132)},
+                 {"splits": 3}]
+  assert given == [{"block_k": 128, "num_stages": 4}, {"splits": 3}]  # (not changed)
 
 
 def test_multi_gpu_smoke(tmp_path, monkeypatch):
