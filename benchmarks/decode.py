@@ -220,8 +220,9 @@ def _given_candidates(given: list[dict]):
     from jaxflash.backends.triton.decode import wave_splits
     for fields in given:
       fields = dict(fields)
-      if "splits" not in fields:
-        blocks = pl.cdiv(row["S"], fields.get("block_k", 64))
+      if "splits" not in fields:  # (a paged cache's key blocks are its pages)
+        block_k = fields.get("block_k", 64) if row["layout"] == "contiguous" else row["page_size"]
+        blocks = pl.cdiv(row["S"], block_k)
         fields["splits"] = wave_splits(blocks, row["B"] * row["K"], sm_count)
       yield fields
   return candidates

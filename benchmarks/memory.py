@@ -69,7 +69,8 @@ def worker(cfg: dict, impl: str) -> None:
   env = report.environment()
   _emit("ENV", env)
   on_gpu = devices.has_nvidia_gpu()
-  options = {"xla_backend_optimization_level": 0} if cfg["smoke"] and not on_gpu else None
+  options = cases.impl_options(
+      impl, {"xla_backend_optimization_level": 0} if cfg["smoke"] and not on_gpu else None)
   step = cases.grad_fn(cases.attention_fn(impl, cfg["causal"], interpret=not on_gpu))
   dtype = cases.DTYPES[cfg["dtype"]]
   for s in sorted(cfg["seqs"]):
@@ -211,7 +212,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--out", help="results JSON (default results/<device>_memory_<date>.json)")
   parser.add_argument("--seqs", type=int, nargs="+", help="default: 1024 2048 ... 131072")
   parser.add_argument("--impls", nargs="+", choices=report.IMPLS,
-                      help="default: all (cudnn and pallas_mha only where there is a GPU)")
+                      help="default: all but cudnn_det (cudnn and pallas_mha only where there "
+                      "is a GPU)")
   parser.add_argument("--causal", choices=("y", "n"), default="y")
   parser.add_argument("--heads", type=int, help="default 16")
   parser.add_argument("--head-dim", type=int, help="default 128")
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict | None:
   # This process never touches the device (it would hold memory the workers need); the
   # environment comes from the first worker.
   env, rows, done = None, [], []
-  todo = list(cfg["impls"] or report.IMPLS)
+  todo = list(cfg["impls"] or bench.GPU_IMPLS)
   while len(done) < len(todo):
     impl = todo[len(done)]
     print(f"[{len(done) + 1}/{len(todo)}] {impl}: S = {' '.join(map(str, cfg['seqs']))}",

@@ -256,10 +256,14 @@ def test_decode_candidates_take_wave_splits_unless_given():
   import decode
   from jaxflash.backends.triton.decode import wave_splits
   given = [{"block_k": 128, "num_stages": 4}, {"splits": 3}]
-  cell = dict(B=8, K=32, S=32768)
+  cell = dict(B=1, K=8, S=32768, layout="contiguous", page_size=16)
   got = list(decode._given_candidates(given)(cell, 132))
-  assert got == [{"block_k": 128, "num_stages": 4, "splits": wave_splits(256, 256, 132)},
+  assert got == [{"block_k": 128, "num_stages": 4, "splits": wave_splits(256, 8, 132)},
                  {"splits": 3}]
+  # In a paged cell the key blocks are the pages, whatever the candidate's block_k (the two
+  # counts differ here: 32 and 33).
+  paged = list(decode._given_candidates(given)(dict(cell, layout="paged"), 132))
+  assert paged[0]["splits"] == wave_splits(2048, 8, 132) != got[0]["splits"]
   assert given == [{"block_k": 128, "num_stages": 4}, {"splits": 3}]  # (not changed)
 
 
