@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402
-from cases import time_call  # noqa: E402
+from cases import gpu_events, kernel_totals, time_call  # noqa: E402
 
 import jaxflash  # noqa: E402
 from jaxflash.ops.decode import gather_pages  # noqa: E402
@@ -171,6 +171,11 @@ def _measure(row: dict, fn, args, want, cfg: dict) -> dict:
       tb_s = row["bytes"] / ms / 1e9
       row.update(us=round(ms * 1e3, 2), tb_s=round(tb_s, 3),
                  of_copy=round(tb_s / row["copy_tb_s"], 3))
+      if cfg.get("profile"):  # where a call's GPU time goes: the attention kernel and the rest
+        calls = 5
+        events = [e for plane in gpu_events(compiled, args, calls).values() for e in plane]
+        row["kernels"] = [dict(k, us=round(k["us"], 2))
+                          for k in kernel_totals(events, calls, width=60)]
   except Exception as e:  # noqa: BLE001 - one failing implementation must not end the run
     row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
   return row
@@ -261,8 +266,10 @@ def _line(r: dict) -> str:
           f"{r['impl']:16}")
   if "failed" in r:
     return f"{cell} FAILED {r['failed']}"
+  kernels = "".join(f"\n    {k['us']:9.1f} us x{k['count']:g} {k['name']}"
+                    for k in r.get("kernels", []))
   return (f"{cell} {r['us']:9.1f} us {r['tb_s']:6.2f} TB/s ({r['of_copy']:.2f} of copy, "
-          f"{r['copy_tb_s']:.2f} TB/s)")
+          f"{r['copy_tb_s']:.2f} TB/s){kernels}")
 
 
 def table(rows: list[dict]) -> str:
@@ -312,6 +319,8 @@ def main(argv=None) -> None:
   parser.add_argument("--candidates", type=json.loads, metavar="JSON",
                       help='also time these DecodeConfig fields in every cell, e.g. '
                            '\'[{"block_k": 128, "num_stages": 4}]\' (splits: wave_splits\'s)')
+  parser.add_argument("--profile", action="store_true",
+                      help="also record each timed row's GPU kernels (a jax.profiler trace)")
   parser.add_argument("--out", help="results JSON (a .md table is written next to it)")
   args = parser.parse_args(argv)
   cfg = dict(vars(args))

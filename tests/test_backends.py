@@ -74,6 +74,11 @@ def test_configs_are_keyword_only_and_frozen():
   with pytest.raises(AttributeError):
     tiles.block_q = 16
   assert hash(triton.Config()) == hash(triton.Config())
+  from jaxflash.backends.triton.decode import DecodeConfig
+  assert DecodeConfig(splits=2, grid_order=["head", "batch", "split"]).grid_order == (
+      "head", "batch", "split")  # a JSON list is kept as a (hashable) tuple
+  with pytest.raises(ValueError, match="grid_order"):
+    DecodeConfig(splits=2, grid_order=("head", "batch"))
 
 
 @pytest.mark.parametrize("kind", ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100", "cpu"])

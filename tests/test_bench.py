@@ -230,12 +230,16 @@ def test_bwd_parts_smoke(tmp_path):
   assert "| 64 | 128 | n |" in out.with_suffix(".md").read_text()
 
 
-def test_decode_bench_smoke(tmp_path):
+def test_decode_bench_smoke(tmp_path, monkeypatch):
   """benchmarks/decode.py on its tiny grid: every cell checked against the reference, then
-  timed, for contiguous and paged caches and T = 1 and 3 (jax.nn only at T = 1, contiguous)."""
+  timed, for contiguous and paged caches and T = 1 and 3 (jax.nn only at T = 1, contiguous);
+  with --profile, each row's kernels per call from a (here made-up) trace of 5 calls."""
   import decode
+  trace = [(0, 4000, "fusion"), (4000, 24000, "jaxflash_decode_split_kv"), (24000, 26000,
+                                                                            "fusion")] * 5
+  monkeypatch.setattr(decode, "gpu_events", lambda fn, args, calls: {"/device:GPU:0": trace})
   out = tmp_path / "decode.json"
-  decode.main(["--smoke", "--out", str(out)])
+  decode.main(["--smoke", "--profile", "--out", str(out)])
   data = json.loads(out.read_text())
   assert data["environment"]["device"] and data["config"]["smoke"]
   cells = {(r["impl"], r["T"], r["layout"]) for r in data["rows"]}
@@ -244,6 +248,8 @@ def test_decode_bench_smoke(tmp_path):
                    ("xla", 1, "contiguous")}
   for row in data["rows"]:
     assert "failed" not in row and row["error"] < 1e-3 and row["us"] > 0 and row["of_copy"] > 0
+    assert row["kernels"] == [dict(name="jaxflash_decode_split_kv", us=20.0, count=1),
+                              dict(name="fusion", us=6.0, count=2)]
   assert "| B | S | T |" in out.with_suffix(".md").read_text()
   import plot
   png = out.with_suffix(".png")
@@ -255,16 +261,17 @@ def test_decode_candidates_take_wave_splits_unless_given():
   for its own key blocks where it names no split count."""
   import decode
   from jaxflash.backends.triton.decode import wave_splits
-  given = [{"block_k": 128, "num_stages": 4}, {"splits": 3}]
+  given = [{"block_k": 128, "num_stages": 4}, {"splits": 3, "grid_order": ["head", "split",
+                                                                         "batch"]}]
   cell = dict(B=1, K=8, S=32768, layout="contiguous", page_size=16)
   got = list(decode._given_candidates(given)(cell, 132))
   assert got == [{"block_k": 128, "num_stages": 4, "splits": wave_splits(256, 8, 132)},
-                 {"splits": 3}]
+                 given[1]]
   # In a paged cell the key blocks are the pages, whatever the candidate's block_k (the two
   # counts differ here: 32 and 33).
   paged = list(decode._given_candidates(given)(dict(cell, layout="paged"), 132))
   assert paged[0]["splits"] == wave_splits(2048, 8, 132) != got[0]["splits"]
-  assert given == [{"block_k": 128, "num_stages": 4}, {"splits": 3}]  # (not changed)
+  assert given[0] == {"block_k": 128, "num_stages": 4}  # (not changed)
 
 
 def test_multi_gpu_smoke(tmp_path, monkeypatch):

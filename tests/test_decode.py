@@ -3,6 +3,8 @@ float32 reference whose mask is built here from the cache positions (not from ja
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,18 +185,20 @@ def test_decode_with_x64_and_strict_rank_promotion():
   assert rel_err(got, want) < TOLERANCE[jnp.float32]
 
 
-@pytest.mark.parametrize("t,window,cap", [(1, None, None), (3, 150, 1.5)])
-def test_split_kv_kernel_serves_triton_decoding(t, window, cap, monkeypatch):
+@pytest.mark.parametrize("t,window,cap,order", [
+    (1, None, None, None), (3, 150, 1.5, ("head", "split", "batch"))])
+def test_split_kv_kernel_serves_triton_decoding(t, window, cap, order, monkeypatch):
   """On the Triton backend a decoding call runs the split-KV forward (not the training forward):
   several splits of a 600-key cache (a partial last block), merged through the LSE; GQA with 3
-  query heads per K/V head, ragged rows, a window and a soft cap. Its gradients come from the
-  training backward and match the reference's."""
+  query heads per K/V head, ragged rows, a window and a soft cap, and a grid in another launch
+  order. Its gradients come from the training backward and match the reference's."""
   from jaxflash.backends.triton import decode, forward
   monkeypatch.setattr(forward, "forward", lambda *a: pytest.fail("the training forward ran"))
   configs = []
   default = decode.default_config
+  ordered = lambda c: c if order is None else dataclasses.replace(c, grid_order=order)  # noqa: E731
   monkeypatch.setattr(decode, "default_config",
-                      lambda *a: configs.append(default(*a)) or configs[-1])
+                      lambda *a: configs.append(ordered(default(*a))) or configs[-1])
   b, s, n, k, h = 2, 600, 6, 2, 64
   q, kk, v, d_out = random_qkv(8, b, t, s, n, k, h)
   lengths = jnp.array([600, 290], jnp.int32)
@@ -210,6 +214,7 @@ def test_split_kv_kernel_serves_triton_decoding(t, window, cap, monkeypatch):
   out, vjp = jax.vjp(ours, q, kk, v)
   want, ref_vjp = jax.vjp(ref, q, kk, v)
   assert configs and configs[0].splits > 1
+  assert configs[0].grid_order == (order or ("split", "batch", "head"))
   assert rel_err(out, want) < TOLERANCE[jnp.float32]
   for g, w in zip(vjp(d_out[:, :t]), ref_vjp(d_out[:, :t])):
     assert rel_err(g, w) < TOLERANCE[jnp.float32]

@@ -3,8 +3,8 @@
 A decoding call has few query rows (T new tokens for each of the N query heads) and a long cache.
 The training forward would give each (batch row, query head) one program, which fills one row of
 a 16-row tile and reads every K/V byte once per query head of a GQA group. Here:
-- grid (splits, B, K): one program per K/V head and split of the cache, so a single long row
-  still spreads over the GPU;
+- grid over (split, B, K): one program per K/V head and split of the cache, so a single long
+  row still spreads over the GPU (`DecodeConfig.grid_order` gives the axes' launch order);
 - a program's query tile holds the T tokens of all G query heads of its K/V head (G·T rows,
   padded to a power of two, at least 16), so each K/V byte of the split is read once;
 - each program writes a partial output and LSE over its keys (`partials`), and
@@ -50,7 +50,15 @@ class DecodeConfig:
   block_k: int = 64
   num_warps: int = 4
   num_stages: int = 2
+  # The grid's axes in launch order, fastest first: CUDA starts programs in this order, so it
+  # decides which parts of the cache the programs running together read.
+  grid_order: tuple[str, ...] = ("split", "batch", "head")
   training: Config = dataclasses.field(default_factory=Config)
+
+  def __post_init__(self):
+    object.__setattr__(self, "grid_order", tuple(self.grid_order))  # (lists from JSON)
+    if sorted(self.grid_order) != ["batch", "head", "split"]:
+      raise ValueError(f"grid_order must order 'split', 'batch' and 'head', got {self.grid_order}")
 
 
 def rows_for(inputs: Inputs) -> int:
@@ -121,8 +129,8 @@ def used_splits(blocks: int, splits: int) -> int:
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse_ref, *,
             params: Params, t: int, rows_used: int, blocks_per_split: int, block_k: int,
-            st: tiles.Static):
-  """One (split, batch row, K/V head). ``k_ref``/``v_ref`` are the row's cache [S, hp], or with
+            split_axis: int, st: tiles.Static):
+  """One (split, batch row, K/V head); the split is grid axis ``split_axis``. ``k_ref``/``v_ref`` are the row's cache [S, hp], or with
   ``table_ref`` (the row's page table) the K/V head's pages [num_pages, block_k, hp]: key block
   ``j`` is then page ``table_ref[j]``. ``offsets_ref`` holds the row's (query, key) offsets
   (a decoding call's put the T tokens at the cache's end), or is None: both 0."""
@@ -133,7 +141,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse
   r = jnp.arange(rows)
   token = r % t  # rows are (query head, token) pairs, token fastest
   row_ok = r < rows_used
-  lo = pl.program_id(0) * blocks_per_split
+  lo = pl.program_id(split_axis) * blocks_per_split
   hi = jnp.minimum(lo + blocks_per_split, pl.cdiv(kv_len, block_k))
   left, right = params.window.left, params.window.right
   if left is not None:  # blocks wholly before the earliest row's window hold nothing
@@ -197,26 +205,36 @@ def partials(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   qg = jnp.pad(qg, [(0, 0), (0, 0), (0, rows - g * t), (0, hp - h)])
   block_k = config.block_k
   table = table_spec = None
+  order = config.grid_order
+  named = lambda f: lambda *ids: f(**dict(zip(order, ids)))  # noqa: E731  (index maps by axis)
   if pages is None:
-    kv = pl.BlockSpec((None, k.shape[1], None, hp), lambda sp, i, j: (i, 0, j, 0))
+    kv = pl.BlockSpec((None, k.shape[1], None, hp), named(lambda split, batch, head: (
+        batch, 0, head, 0)))
   else:
     k, v, table = pages
     block_k = k.shape[1]
-    kv = pl.BlockSpec((k.shape[0], block_k, None, hp), lambda sp, i, j: (0, 0, j, 0))
-    table_spec = pl.BlockSpec((None, table.shape[1]), lambda sp, i, j: (i, 0))
+    kv = pl.BlockSpec((k.shape[0], block_k, None, hp), named(lambda split, batch, head: (
+        0, 0, head, 0)))
+    table_spec = pl.BlockSpec((None, table.shape[1]), named(lambda split, batch, head: (
+        batch, 0)))
   blocks = pl.cdiv(inputs.key.shape[1], block_k)
   splits = used_splits(blocks, config.splits)
   per_split = pl.cdiv(blocks, splits)
   kernel = functools.partial(_kernel, params=params, t=t, rows_used=g * t,
-                             blocks_per_split=per_split, block_k=block_k, st=st)
-  row_pair = pl.BlockSpec((None, 2), lambda sp, i, j: (i, 0))
+                             blocks_per_split=per_split, block_k=block_k,
+                             split_axis=order.index("split"), st=st)
+  row_pair = pl.BlockSpec((None, 2), named(lambda split, batch, head: (batch, 0)))
+  sizes = dict(split=splits, batch=b, head=kv_heads)
   outs, lse2 = pl.pallas_call(
       kernel,
-      grid=(splits, b, kv_heads),
-      in_specs=[pl.BlockSpec((None, None, rows, hp), lambda sp, i, j: (i, j, 0, 0)), kv, kv,
+      grid=tuple(sizes[axis] for axis in order),
+      in_specs=[pl.BlockSpec((None, None, rows, hp), named(lambda split, batch, head: (
+                    batch, head, 0, 0))), kv, kv,
                 row_pair, None if inputs.offsets is None else row_pair, table_spec],
-      out_specs=[pl.BlockSpec((None, None, None, rows, hp), lambda sp, i, j: (i, j, sp, 0, 0)),
-                 pl.BlockSpec((None, None, None, rows), lambda sp, i, j: (i, j, sp, 0))],
+      out_specs=[pl.BlockSpec((None, None, None, rows, hp), named(lambda split, batch, head: (
+                     batch, head, split, 0, 0))),
+                 pl.BlockSpec((None, None, None, rows), named(lambda split, batch, head: (
+                     batch, head, split, 0)))],
       out_shape=[_core.out_struct((b, kv_heads, splits, rows, hp), jnp.float32, q),
                  _core.out_struct((b, kv_heads, splits, rows), jnp.float32, q)],
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
