@@ -135,12 +135,15 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse
   ``j`` is then page ``table_ref[j]``. ``offsets_ref`` holds the row's (query, key) offsets
   (a decoding call's put the T tokens at the cache's end), or is None: both 0."""
   rows = q_ref.shape[0]
-  q = q_ref[...]  # [rows, hp], padded with zeros in XLA (it is tiny)
-  q_len, kv_len = lengths_ref[0], lengths_ref[1]
-  diagonal = 0 if offsets_ref is None else offsets_ref[0] - offsets_ref[1]
   r = jnp.arange(rows)
   token = r % t  # rows are (query head, token) pairs, token fastest
   row_ok = r < rows_used
+  # The tile's padding rows and columns lie past the arrays' ends: masked, never read or written
+  # (padding them in XLA cost a pass over the queries and up to 16x the partial outputs' bytes).
+  store_ok = tiles.tile_ok(None if rows_used == rows else row_ok, st.dim_ok)
+  q = tiles.load(q_ref, mask=store_ok, other=0.0)  # [rows, hp]
+  q_len, kv_len = lengths_ref[0], lengths_ref[1]
+  diagonal = 0 if offsets_ref is None else offsets_ref[0] - offsets_ref[1]
   lo = pl.program_id(split_axis) * blocks_per_split
   hi = jnp.minimum(lo + blocks_per_split, pl.cdiv(kv_len, block_k))
   left, right = params.window.left, params.window.right
@@ -176,8 +179,10 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse
   acc, m, l = lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
   # NaN logits make l NaN: such rows stay NaN (l != 0), as in the training forward.
   seen = l != 0.0
-  o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
-  lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+  plgpu.store(o_ref, jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0),
+              mask=store_ok)
+  plgpu.store(lse_ref, jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf),
+              mask=None if rows_used == rows else row_ok)
 
 
 def paged_block(page_size: int) -> bool:
@@ -200,9 +205,9 @@ def partials(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   st = tiles.static(inputs)
   rows = rows_for(inputs)
   hp = st.head_dim_p
-  # Query rows (head g, token t) of each K/V head, padded to the tile: [B, K, rows, hp].
+  # Query rows (head g, token t) of each K/V head: [B, K, G·T, H] (at T = 1 a free reshape). The
+  # tile, [rows, hp], reaches past its ends.
   qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)
-  qg = jnp.pad(qg, [(0, 0), (0, 0), (0, rows - g * t), (0, hp - h)])
   block_k = config.block_k
   table = table_spec = None
   order = config.grid_order
@@ -235,16 +240,16 @@ def partials(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
                      batch, head, split, 0, 0))),
                  pl.BlockSpec((None, None, None, rows), named(lambda split, batch, head: (
                      batch, head, split, 0)))],
-      out_shape=[_core.out_struct((b, kv_heads, splits, rows, hp), jnp.float32, q),
-                 _core.out_struct((b, kv_heads, splits, rows), jnp.float32, q)],
+      out_shape=[_core.out_struct((b, kv_heads, splits, g * t, h), jnp.float32, q),
+                 _core.out_struct((b, kv_heads, splits, g * t), jnp.float32, q)],
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
       interpret=params.interpret,
       name="jaxflash_decode_split_kv",
   )(qg, k, v, inputs.lengths, inputs.offsets, table)
   # Rows (head g, token t) of K/V head k back to query head k * G + g: [splits, B, T, N, ...].
-  outs = outs[:, :, :, :g * t, :h].reshape(b, kv_heads, splits, g, t, h)
+  outs = outs.reshape(b, kv_heads, splits, g, t, h)
   outs = outs.transpose(2, 0, 4, 1, 3, 5).reshape(splits, b, t, n, h)
-  lse2 = lse2[:, :, :, :g * t].reshape(b, kv_heads, splits, g, t)
+  lse2 = lse2.reshape(b, kv_heads, splits, g, t)
   lse2 = lse2.transpose(2, 0, 4, 1, 3).reshape(splits, b, t, n)
   return outs, lse2 * (1.0 / _core.LOG2_E)
