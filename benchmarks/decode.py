@@ -21,6 +21,7 @@ Paged cells run the jaxflash implementations only, next to the contiguous ones.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -40,7 +41,7 @@ from jaxflash.ops.decode import gather_pages  # noqa: E402
 from jaxflash.reference import reference_attention  # noqa: E402
 
 IMPLS = ("jaxflash", "jaxflash_triton", "jaxflash_mosaic", "jaxflash_flash", "cudnn", "xla",
-         "pallas_decode")
+         "pallas_decode", "fold_mosaic", "fold_triton")
 MAX_CACHE_BYTES = 24 * 2**30  # K and V together; larger cells are skipped
 
 
@@ -69,6 +70,10 @@ def make_inputs(b, s, t, n, k, d, dtype, seed: int, page_size: int | None):
 def attention_fn(impl: str, t: int, table, interpret: bool):
   """A function (q, k_cache, v_cache, lengths) -> out, or None where ``impl`` cannot run this
   cell."""
+  if impl.startswith("fold_"):
+    if table is not None or t != 1:
+      return None
+    return functools.partial(folded_decode, backend_name=impl.split("_", 1)[1])
   if impl == "jaxflash_flash":  # the routing of `flash_attention`'s few-query calls
     if table is not None or t != 1:
       return None
@@ -89,6 +94,43 @@ def attention_fn(impl: str, t: int, table, interpret: bool):
     return lambda q, k, v, lengths: pallas.gqa(q[:, 0], k, v, kv_seq_len=lengths,
                                                interpret=interpret)[:, None]
   raise ValueError(impl)
+
+
+def folded_decode(q, kc, vc, lengths, backend_name: str, splits: int | None = None):
+  """An experiment: T = 1 decoding as one call of a backend's *training* forward. The cache
+  [B, S, K, H] is read as [B * splits, S / splits, K, H] (a free reshape), the G query heads of
+  a K/V head become G query rows of that head (all at the same position, so with T = 1 the key
+  lengths alone are the causal mask), and the splits' partial results are merged through the
+  LSE. Splits: the largest divisor of S up to ``wave_splits``'s count for 128-key blocks."""
+  import dataclasses as dc
+
+  from jax.experimental import pallas as pl
+  from jaxflash import _core, backends, devices, masking
+  from jaxflash.backends.mosaic.config import sm_count
+  from jaxflash.backends.triton.decode import wave_splits
+  from jaxflash.ops import partial
+  b, t, n, h = q.shape
+  s, kh = kc.shape[1], kc.shape[2]
+  g = n // kh
+  if splits is None:
+    want = wave_splits(pl.cdiv(s, 128), b * kh, sm_count(devices.current().kind))
+    splits = max(d for d in range(1, want + 1) if s % d == 0)
+  sp = s // splits
+  qf = q.reshape(b, kh, g, h).transpose(0, 2, 1, 3)  # [B, G, K, H]: heads of a group as rows
+  qf = jnp.broadcast_to(qf[:, None], (b, splits, g, kh, h)).reshape(b * splits, g, kh, h)
+  kv_len = jnp.clip(lengths[:, None] - jnp.arange(splits)[None] * sp, 0, sp).reshape(-1)
+  lens = jnp.stack([jnp.full_like(kv_len, g), kv_len], axis=1).astype(jnp.int32)
+  inputs = _core.Inputs(qf, kc.reshape(b * splits, sp, kh, h), vc.reshape(b * splits, sp, kh, h),
+                        lens)
+  params = _core.Params(scale=h ** -0.5, window=masking.Window(None, None), partial=True)
+  backend = backends.get(backend_name)
+  config = backend.default_config(inputs, dc.replace(params, partial=False), devices.current())
+  out, lse2 = backend.forward(inputs, params, config)  # [B*sp, G, K, H], [B*sp, K, G]
+  outs = out.reshape(b, splits, g, kh, h).transpose(1, 0, 3, 2, 4).reshape(splits, b, 1, n, h)
+  lses = _core.user_lse(lse2).reshape(b, splits, kh, g).transpose(1, 0, 2, 3).reshape(
+      splits, b, 1, n)
+  merged, _ = partial.merge(outs, lses)
+  return merged.astype(q.dtype)
 
 
 REFERENCE_BYTES = 8 * 2**30  # float32 temporaries of one reference chunk of batch rows
@@ -143,22 +185,29 @@ def run(cfg: dict) -> dict:
     copy_tbs = copies[nbytes]
     base = dict(B=b, S=s, T=t, N=n, K=k, D=d, layout=layout, dtype=dtype.name, bytes=nbytes,
                 copy_tb_s=round(copy_tbs, 3))
+    prepared = []
     for impl in cfg["impls"]:
       fn = attention_fn(impl, t, table, cfg["interpret"])
-      if fn is None:
-        continue
-      row = _measure(dict(base, impl=impl), fn, (q, kc, vc, lengths), want, cfg)
-      rows.append(row)
-      print(_line(row), file=sys.stderr, flush=True)
+      if fn is not None:
+        prepared.append(_prepare(dict(base, impl=impl), fn, (q, kc, vc, lengths), want, cfg))
     if cfg.get("tune") or cfg.get("tune_splits") or cfg.get("candidates"):
-      rows += _tune(base, lambda: attention_fn("jaxflash_triton", t, table, cfg["interpret"]),
-                    (q, kc, vc, lengths), want, cfg)
+      prepared += _tune(base, lambda: attention_fn("jaxflash_triton", t, table, cfg["interpret"]),
+                        (q, kc, vc, lengths), want, cfg)
+    _time_rounds(prepared, (q, kc, vc, lengths), cfg)
+    for row, _ in prepared:
+      rows.append(row)
+      print(_line(row) + (f" {row['tune']}" if "tune" in row else ""), file=sys.stderr,
+            flush=True)
+    timed = [row for row, _ in prepared if "tune" in row and "us" in row]
+    if timed:
+      best = min(timed, key=lambda r: r["us"])
+      print(f"best {_line(best)} {best['tune']}", file=sys.stderr, flush=True)
   return dict(environment=env, config=cfg, rows=rows)
 
 
-def _measure(row: dict, fn, args, want, cfg: dict) -> dict:
-  """``row`` with the relative error of ``fn`` against ``want`` and, if it is right, its
-  microseconds, TB/s and fraction of the copy (or "failed": why)."""
+def _prepare(row: dict, fn, args, want, cfg: dict):
+  """``(row, compiled fn)``: ``row`` with the relative error of ``fn`` against ``want``, or
+  "failed" (why) and no function."""
   try:
     compiled = jax.jit(fn).lower(*args).compile()
     out = np.asarray(compiled(*args), np.float32)
@@ -166,19 +215,31 @@ def _measure(row: dict, fn, args, want, cfg: dict) -> dict:
       row["error"] = float(np.linalg.norm(out - want) / np.linalg.norm(want))
       if not row["error"] < cfg["tolerance"]:
         row["failed"] = f"relative error {row['error']:.3g}"
-    if "failed" not in row:
-      ms = time_call(compiled, args, calls=cfg["calls"], repeats=cfg["repeats"])
-      tb_s = row["bytes"] / ms / 1e9
-      row.update(us=round(ms * 1e3, 2), tb_s=round(tb_s, 3),
-                 of_copy=round(tb_s / row["copy_tb_s"], 3))
-      if cfg.get("profile"):  # where a call's GPU time goes: the attention kernel and the rest
-        calls = 5
-        events = [e for plane in gpu_events(compiled, args, calls).values() for e in plane]
-        row["kernels"] = [dict(k, us=round(k["us"], 2))
-                          for k in kernel_totals(events, calls, width=60)]
   except Exception as e:  # noqa: BLE001 - one failing implementation must not end the run
     row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-  return row
+  return row, (None if "failed" in row else compiled)
+
+
+def _time_rounds(prepared, args, cfg: dict) -> None:
+  """Times the prepared implementations of one cell (`_prepare`'s pairs; failed ones are
+  skipped) in ``cfg["rounds"]`` interleaved rounds: one timing of each in turn per round, so
+  that a drift of the card's clocks or of the host between rounds reaches them all alike. A row
+  gets the median of its rounds (``us``; each round in ``us_rounds``), its TB/s and fraction
+  of the copy, and with ``cfg["profile"]`` its GPU kernels per call."""
+  timed = [(row, compiled) for row, compiled in prepared if compiled is not None]
+  for _ in range(cfg.get("rounds") or 1):
+    for row, compiled in timed:
+      ms = time_call(compiled, args, calls=cfg["calls"], repeats=cfg["repeats"])
+      row.setdefault("us_rounds", []).append(round(ms * 1e3, 2))
+  for row, compiled in timed:
+    us = float(np.median(row["us_rounds"]))
+    tb_s = row["bytes"] / us / 1e6
+    row.update(us=round(us, 2), tb_s=round(tb_s, 3), of_copy=round(tb_s / row["copy_tb_s"], 3))
+    if cfg.get("profile"):  # where a call's GPU time goes: the attention kernel and the rest
+      calls = 5
+      events = [e for plane in gpu_events(compiled, args, calls).values() for e in plane]
+      row["kernels"] = [dict(k, us=round(k["us"], 2))
+                        for k in kernel_totals(events, calls, width=60)]
 
 
 SPLIT_SWEEP_PER_SM = (0.5, 1, 1.5, 2, 2.5, 3, 4, 6, 8)
@@ -233,15 +294,16 @@ def _given_candidates(given: list[dict]):
   return candidates
 
 
-def _tune(base: dict, make_fn, args, want, cfg: dict) -> list[dict]:
-  """Rows of the Triton split-KV kernel (impl "tune") with each `_tune_candidates` config in
-  turn (`jaxflash.backends.triton.decode.default_config` patched to return it), then the best.
-  ``make_fn`` makes a new function each time: jit would reuse the trace of one it has seen."""
+def _tune(base: dict, make_fn, args, want, cfg: dict) -> list:
+  """`_prepare`'s pairs for the Triton split-KV kernel (impl "tune") with each candidate config
+  in turn (`jaxflash.backends.triton.decode.default_config` patched to return it while it
+  compiles), to be timed with the cell's other rows. ``make_fn`` makes a new function each
+  time: jit would reuse the trace of one it has seen."""
   from jaxflash import devices
   from jaxflash.backends.mosaic.config import sm_count
   from jaxflash.backends.triton import decode as kernel
   shipped = kernel.default_config
-  rows = []
+  prepared = []
   cell = dict(base, page_size=cfg["page_size"])
   try:
     candidates = (_given_candidates(cfg["candidates"]) if cfg.get("candidates") else
@@ -249,16 +311,10 @@ def _tune(base: dict, make_fn, args, want, cfg: dict) -> list[dict]:
     for fields in candidates(cell, sm_count(devices.current().kind)):
       kernel.default_config = lambda inputs, training, device, f=fields: kernel.DecodeConfig(
           training=training, **f)
-      row = _measure(dict(base, impl="tune", tune=fields), make_fn(), args, want, cfg)
-      rows.append(row)
-      print(f"{_line(row)} {fields}", file=sys.stderr, flush=True)
+      prepared.append(_prepare(dict(base, impl="tune", tune=fields), make_fn(), args, want, cfg))
   finally:
     kernel.default_config = shipped
-  timed = [r for r in rows if "us" in r]
-  if timed:
-    best = min(timed, key=lambda r: r["us"])
-    print(f"best {_line(best)} {best['tune']}", file=sys.stderr, flush=True)
-  return rows
+  return prepared
 
 
 def _line(r: dict) -> str:
@@ -272,12 +328,24 @@ def _line(r: dict) -> str:
           f"{r['copy_tb_s']:.2f} TB/s){kernels}")
 
 
+def speedup(ours: dict, theirs: dict) -> tuple[float, float, float] | None:
+  """``theirs`` µs over ``ours`` µs, round by round (the rounds were interleaved, so each pair
+  saw the same state of the card): (median, min, max), or None without timings."""
+  if "us_rounds" not in ours or "us_rounds" not in theirs:
+    return None
+  ratios = [b / a for a, b in zip(ours["us_rounds"], theirs["us_rounds"])]
+  return float(np.median(ratios)), min(ratios), max(ratios)
+
+
 def table(rows: list[dict]) -> str:
-  """Markdown: one line per cell, TB/s per implementation (fraction of copy in brackets)."""
+  """Markdown: one line per cell, TB/s per implementation (fraction of copy in brackets), and
+  where both ran, cuDNN's time over jaxflash's (`speedup`: median round, and the range)."""
   impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+  versus = "jaxflash" in impls and "cudnn" in impls
   cells = sorted({(r["B"], r["S"], r["T"], r["N"], r["K"], r["D"], r["layout"]) for r in rows})
-  lines = ["| B | S | T | N/K | D | layout | " + " | ".join(impls) + " |",
-           "|" + "---|" * (6 + len(impls))]
+  lines = ["| B | S | T | N/K | D | layout | " + " | ".join(impls) +
+           (" | cuDNN ÷ jaxflash |" if versus else " |"),
+           "|" + "---|" * (6 + len(impls) + versus)]
   for cell in cells:
     found = {r["impl"]: r for r in rows
              if (r["B"], r["S"], r["T"], r["N"], r["K"], r["D"], r["layout"]) == cell}
@@ -286,6 +354,9 @@ def table(rows: list[dict]) -> str:
       r = found.get(impl)
       values.append("" if r is None else "failed" if "failed" in r
                     else f"{r['tb_s']:.2f} ({r['of_copy']:.2f})")
+    if versus:
+      ratio = speedup(found.get("jaxflash", {}), found.get("cudnn", {}))
+      values.append("" if ratio is None else f"{ratio[0]:.3f} ({ratio[1]:.3f}–{ratio[2]:.3f})")
     b, s, t, n, k, d, layout = cell
     lines.append(f"| {b} | {s} | {t} | {n}/{k} | {d} | {layout} | " + " | ".join(values) + " |")
   return "\n".join(lines)
@@ -306,6 +377,9 @@ def main(argv=None) -> None:
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
   parser.add_argument("--calls", type=int, default=20)
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="interleaved rounds per cell: each implementation timed once per "
+                           "round, in turn; rows report the median round")
   parser.add_argument("--tolerance", type=float, default=2e-2)
   parser.add_argument("--no-check", dest="check", action="store_false")
   parser.add_argument("--interpret", action="store_true", help="Pallas in interpret mode (CPU)")

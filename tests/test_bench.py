@@ -8,6 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
+
 # benchmarks/ is a folder of scripts, not a package; its scripts import each other by name.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -239,7 +242,7 @@ def test_decode_bench_smoke(tmp_path, monkeypatch):
                                                                             "fusion")] * 5
   monkeypatch.setattr(decode, "gpu_events", lambda fn, args, calls: {"/device:GPU:0": trace})
   out = tmp_path / "decode.json"
-  decode.main(["--smoke", "--profile", "--out", str(out)])
+  decode.main(["--smoke", "--profile", "--rounds", "2", "--out", str(out)])
   data = json.loads(out.read_text())
   assert data["environment"]["device"] and data["config"]["smoke"]
   cells = {(r["impl"], r["T"], r["layout"]) for r in data["rows"]}
@@ -250,10 +253,36 @@ def test_decode_bench_smoke(tmp_path, monkeypatch):
     assert "failed" not in row and row["error"] < 1e-3 and row["us"] > 0 and row["of_copy"] > 0
     assert row["kernels"] == [dict(name="jaxflash_decode_split_kv", us=20.0, count=1),
                               dict(name="fusion", us=6.0, count=2)]
+    assert len(row["us_rounds"]) == 2 and row["us"] == round(sum(row["us_rounds"]) / 2, 2)
   assert "| B | S | T |" in out.with_suffix(".md").read_text()
   import plot
   png = out.with_suffix(".png")
   assert plot.main([str(out)]) == [png] and png.stat().st_size > 0
+
+
+def test_decode_folded_experiment_matches_the_reference():
+  """decode.py's ``fold_*`` experiment (T = 1 as one training-forward call over the cache cut
+  into splits) against the float32 reference: ragged rows, one of them empty, GQA."""
+  import decode
+  q, kc, vc, _, _ = decode.make_inputs(3, 96, 1, 6, 2, 32, jnp.float32, 0, None)
+  lengths = jnp.array([96, 41, 0], jnp.int32)
+  want = decode.reference(q, kc, vc, jnp.maximum(lengths, 1), None)
+  want[2] = 0.0  # (the reference cannot express an empty row)
+  got = np.asarray(decode.folded_decode(q, kc, vc, lengths, "xla", splits=4))
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+
+
+def test_decode_speedup_pairs_the_interleaved_rounds():
+  """cuDNN ÷ jaxflash is taken round by round (pairs timed back to back), not from the two
+  medians; the table shows the median pair and the range."""
+  import decode
+  ours = dict(us_rounds=[100.0, 120.0, 90.0])
+  theirs = dict(us_rounds=[110.0, 114.0, 99.0])
+  assert decode.speedup(ours, theirs) == (1.1, 0.95, 1.1)
+  assert decode.speedup(ours, {}) is None
+  base = dict(B=1, S=8, T=1, N=2, K=2, D=4, layout="contiguous", tb_s=1.0, of_copy=0.5)
+  text = decode.table([dict(base, impl="jaxflash", **ours), dict(base, impl="cudnn", **theirs)])
+  assert text.splitlines()[-1].endswith("| 1.100 (0.950–1.100) |")
 
 
 def test_decode_candidates_take_wave_splits_unless_given():
