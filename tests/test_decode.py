@@ -4,6 +4,7 @@ float32 reference whose mask is built here from the cache positions (not from ja
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,53 @@ def _paged(cache, page_size: int, seed: int):
 def test_decode_matches_the_reference(implementation, t, window, cap):
   """Ragged rows (empty, fewer tokens than T, partly full, full), GQA, T = 1 and T > 1 causal,
   a window, a soft cap; the LSE too."""
+  _check_against_reference(implementation, t, window, cap)
+
+
+def _force_splits(monkeypatch, splits: int) -> list:
+  """Makes the Triton split-KV kernel run ``splits`` splits; returns the merges' log (one entry
+  per merge of split results traced)."""
+  from jaxflash.backends.triton import decode
+  default, merge, merges = decode.default_config, decode._merge_splits, []
+  monkeypatch.setattr(decode, "default_config", lambda *a: dataclasses.replace(
+      default(*a), splits=splits))
+  monkeypatch.setattr(decode, "_merge_splits", lambda *a: merges.append(1) or merge(*a))
+  return merges
+
+
+@pytest.mark.parametrize("t,window,cap", [(1, None, None), (5, 7, 2.0)])
+def test_one_split_writes_the_result_itself(t, window, cap, monkeypatch):
+  """With a single split the Triton kernel writes the output (query dtype) and the LSE itself,
+  with nothing to merge: the reference test's rows, empty ones included."""
+  jax.clear_caches()  # (the spy counts traces)
+  merges = _force_splits(monkeypatch, 1)
+  _check_against_reference("triton", t, window, cap)
+  assert not merges
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_nan_in_the_cache_or_query_gives_nan_rows(implementation, splits, monkeypatch):
+  """A NaN in a query, or in a key that a row sees, makes that row's output and LSE NaN (on
+  Triton whether the kernel writes the result itself or a merge of two splits does); rows
+  that do not see the NaN key stay finite."""
+  jax.clear_caches()
+  merges = _force_splits(monkeypatch, splits)
+  b, t, s, n, k, h = 2, 2, 96, 4, 2, 32
+  q, kk, v, _ = random_qkv(4, b, t, s, n, k, h)
+  kv_lengths = jnp.array([96, 50], jnp.int32)
+  run = functools.partial(jaxflash.decode_attention, return_residual=True,
+                          implementation=implementation, interpret=interpret_for(implementation))
+  out, lse = run(q.at[1, 0, 3, 5].set(jnp.nan), kk, v, kv_lengths)
+  assert np.isnan(out[1, 0, 3]).all() and np.isnan(lse[1, 0, 3])  # (LSE [B, T, N])
+  assert np.isfinite(out[0]).all() and np.isfinite(out[1, 1]).all()
+  out, lse = run(q, kk.at[1, 10, 0, 2].set(jnp.nan), v, kv_lengths)  # K/V head 0: heads 0, 1
+  assert np.isnan(out[1, :, :2]).all() and np.isnan(lse[1, :, :2]).all()
+  assert np.isfinite(out[1, :, 2:]).all() and np.isfinite(out[0]).all()
+  assert bool(merges) == (implementation == "triton" and splits > 1)
+
+
+def _check_against_reference(implementation, t, window, cap):
   b, s, n, k, h = 4, 80, 4, 2, 40
   dtype = BF16 if implementation == "mosaic" else jnp.float32  # (Mosaic: 16-bit inputs only)
   q, kk, v, _ = random_qkv(1, b, t, s, n, k, h, dtype)
@@ -80,8 +128,8 @@ def test_paged_cache_matches_contiguous(implementation, page_size, monkeypatch):
   from jaxflash.backends.triton import decode
   jax.clear_caches()  # the spy counts traces: none may come from an earlier test's cache
   paged_reads = []
-  kernel = decode.partials
-  monkeypatch.setattr(decode, "partials", lambda *a: paged_reads.append(
+  kernel = decode.forward
+  monkeypatch.setattr(decode, "forward", lambda *a: paged_reads.append(
       len(a) > 3 and a[3] is not None) or kernel(*a))
   b, s, n, k, h, t = 3, 96, 4, 1, 64, 2
   q, kk, v, d_out = random_qkv(2, b, t, s, n, k, h, BF16)
@@ -235,9 +283,9 @@ def test_flash_attention_routes_few_queries_to_split_kv(options, monkeypatch):
   training_forward = forward.forward
   jax.clear_caches()  # the spies count traces: none may come from an earlier test's cache
   ran = {"split_kv": 0, "training": 0}
-  partials = decode.partials
-  monkeypatch.setattr(decode, "partials", lambda *a: ran.update(split_kv=ran["split_kv"] + 1)
-                      or partials(*a))
+  split_kv = decode.forward
+  monkeypatch.setattr(decode, "forward", lambda *a: ran.update(split_kv=ran["split_kv"] + 1)
+                      or split_kv(*a))
   monkeypatch.setattr(forward, "forward", lambda *a: ran.update(training=ran["training"] + 1)
                       or training_forward(*a))
   b, t, s, n, k, h = 3, 4, 300, 6, 2, 40

@@ -30,7 +30,6 @@ from jaxflash import _core
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.base import Backend
 from jaxflash.ops import flash
-from jaxflash.ops import partial
 from jaxflash.ops import partitioning
 
 
@@ -68,7 +67,7 @@ class SplitKV:
   whose ``training`` field configures the backward."""
 
   training: Backend
-  module: str  # the module with ``partials``, ``unsupported`` and ``default_config``
+  module: str  # the module with ``forward``, ``unsupported`` and ``default_config``
 
   @property
   def name(self) -> str:
@@ -82,11 +81,9 @@ class SplitKV:
     return importlib.import_module(self.module)
 
   def forward(self, inputs: Inputs, params: Params, config, pages=None):
-    """The training forward's ``(out, lse2)``: the kernel's partial results over the splits of
-    the cache (from ``pages`` where given, see `paged_attention`), merged through the LSE."""
-    outs, lses = self.kernel().partials(inputs, params, config, pages)
-    out, lse = partial.merge(outs, lses)
-    return out.astype(inputs.query.dtype), _core.base2_lse(jnp.swapaxes(lse, 1, 2))
+    """The training forward's ``(out, lse2)``: the kernel's results over the splits of the cache
+    (from ``pages`` where given, see `paged_attention`), merged through the LSE."""
+    return self.kernel().forward(inputs, params, config, pages)
 
   def backward(self, inputs: Inputs, params: Params, config, lse2, d_out, delta, want_dbias):
     return self.training.backward(inputs, params, config.training, lse2, d_out, delta,

@@ -129,11 +129,14 @@ def used_splits(blocks: int, splits: int) -> int:
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse_ref, *,
             params: Params, t: int, rows_used: int, blocks_per_split: int, block_k: int,
-            split_axis: int, st: tiles.Static):
-  """One (split, batch row, K/V head); the split is grid axis ``split_axis``. ``k_ref``/``v_ref`` are the row's cache [S, hp], or with
-  ``table_ref`` (the row's page table) the K/V head's pages [num_pages, block_k, hp]: key block
-  ``j`` is then page ``table_ref[j]``. ``offsets_ref`` holds the row's (query, key) offsets
-  (a decoding call's put the T tokens at the cache's end), or is None: both 0."""
+            split_axis: int, whole: bool, st: tiles.Static):
+  """One (split, batch row, K/V head); the split is grid axis ``split_axis``. ``k_ref`` and
+  ``v_ref`` are the row's cache [S, hp], or with ``table_ref`` (the row's page table) the K/V
+  head's pages [num_pages, block_k, hp]: key block ``j`` is then page ``table_ref[j]``.
+  ``offsets_ref`` holds the row's (query, key) offsets (a decoding call's put the T tokens at the
+  cache's end), or is None: both 0. A partial result (float32 O, base-2 LSE, -inf where the
+  split sees no key), or with ``whole`` (one split) the result itself: O in the query dtype and
+  the internal LSE (+inf on empty rows, `jaxflash._core`)."""
   rows = q_ref.shape[0]
   r = jnp.arange(rows)
   token = r % t  # rows are (query head, token) pairs, token fastest
@@ -179,15 +182,46 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse
   acc, m, l = lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
   # NaN logits make l NaN: such rows stay NaN (l != 0), as in the training forward.
   seen = l != 0.0
-  plgpu.store(o_ref, jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0),
-              mask=store_ok)
-  plgpu.store(lse_ref, jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf),
+  out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+  plgpu.store(o_ref, out.astype(o_ref.dtype), mask=store_ok)
+  plgpu.store(lse_ref, jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)),
+                                 jnp.inf if whole else -jnp.inf),
               mask=None if rows_used == rows else row_ok)
 
 
 def paged_block(page_size: int) -> bool:
   """Whether pages of ``page_size`` keys can be the kernel's key blocks."""
   return 16 <= page_size <= 256 and page_size == pl.next_power_of_2(page_size)
+
+
+def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
+  """The training forward's ``(out [B, T, N, H] in the query dtype, lse2 [B, N, T])`` of a
+  decoding call (see `partials` for ``pages``). With one split the kernel writes them itself;
+  otherwise its partial results are merged here through the LSE, in the kernel's own layout
+  (a transpose to `partials`' layout before the merge cost XLA a pass of its own)."""
+  b, t, n, h = inputs.query.shape
+  outs, lse2 = _launch(inputs, params, config, pages, whole=_splits(inputs, config, pages) == 1)
+  if outs.shape[2] == 1:
+    out, lse2 = outs[:, :, 0], lse2[:, :, 0]
+  else:
+    out, lse2 = _merge_splits(outs, lse2)
+  kv_heads = outs.shape[1]
+  out = out.reshape(b, kv_heads, n // kv_heads, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+  return out.astype(inputs.query.dtype), lse2.reshape(b, n, t)
+
+
+def _merge_splits(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Partial results ``[B, K, splits, rows, H]`` (float32) and base-2 LSEs ``[B, K, splits,
+  rows]`` (-inf where a split sees nothing) merged over the splits: ``(out [B, K, rows, H]
+  float32, lse2 [B, K, rows], +inf on rows no split saw)``. The exact LSE combine of
+  `jaxflash.ops.partial.merge`, in base 2; a NaN in any split stays NaN in both."""
+  top = jnp.max(lse2, axis=2, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)  # every split empty: any finite shift will do
+  weights = jnp.exp2(lse2 - top)
+  total = jnp.sum(weights, axis=2)
+  seen = total != 0.0
+  out = jnp.sum(weights[..., None] * outs, axis=2) / jnp.where(seen, total, 1.0)[..., None]
+  return out, jnp.where(seen, top[:, :, 0] + jnp.log2(jnp.where(seen, total, 1.0)), jnp.inf)
 
 
 def partials(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
@@ -198,6 +232,25 @@ def partials(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   ``inputs.key`` and ``inputs.value`` only give shapes (the rows the pages make,
   `jaxflash.ops.decode.gather_pages`: under jit nothing computes them unless a backward needs
   them)."""
+  b, t, n, h = inputs.query.shape
+  outs, lse2 = _launch(inputs, params, config, pages, whole=False)
+  kv_heads, splits = outs.shape[1:3]
+  # Rows (head g, token t) of K/V head k back to query head k * G + g: [splits, B, T, N, ...].
+  outs = outs.reshape(b, kv_heads, splits, n // kv_heads, t, h)
+  outs = outs.transpose(2, 0, 4, 1, 3, 5).reshape(splits, b, t, n, h)
+  lse2 = lse2.reshape(b, kv_heads, splits, n // kv_heads, t)
+  lse2 = lse2.transpose(2, 0, 4, 1, 3).reshape(splits, b, t, n)
+  return outs, lse2 * (1.0 / _core.LOG2_E)
+
+
+def _splits(inputs: Inputs, config: DecodeConfig, pages) -> int:
+  block_k = config.block_k if pages is None else pages[0].shape[1]
+  return used_splits(pl.cdiv(inputs.key.shape[1], block_k), config.splits)
+
+
+def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, whole: bool):
+  """The kernel over the grid: ``(outs [B, K, splits, G·T, H], lse2 [B, K, splits, G·T])``,
+  rows (head g, token t) with the token fastest; see `_kernel` for ``whole``."""
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
@@ -223,14 +276,14 @@ def partials(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
     table_spec = pl.BlockSpec((None, table.shape[1]), named(lambda split, batch, head: (
         batch, 0)))
   blocks = pl.cdiv(inputs.key.shape[1], block_k)
-  splits = used_splits(blocks, config.splits)
+  splits = _splits(inputs, config, pages)
   per_split = pl.cdiv(blocks, splits)
   kernel = functools.partial(_kernel, params=params, t=t, rows_used=g * t,
                              blocks_per_split=per_split, block_k=block_k,
-                             split_axis=order.index("split"), st=st)
+                             split_axis=order.index("split"), whole=whole, st=st)
   row_pair = pl.BlockSpec((None, 2), named(lambda split, batch, head: (batch, 0)))
   sizes = dict(split=splits, batch=b, head=kv_heads)
-  outs, lse2 = pl.pallas_call(
+  return pl.pallas_call(
       kernel,
       grid=tuple(sizes[axis] for axis in order),
       in_specs=[pl.BlockSpec((None, None, rows, hp), named(lambda split, batch, head: (
@@ -240,16 +293,11 @@ def partials(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
                      batch, head, split, 0, 0))),
                  pl.BlockSpec((None, None, None, rows), named(lambda split, batch, head: (
                      batch, head, split, 0)))],
-      out_shape=[_core.out_struct((b, kv_heads, splits, g * t, h), jnp.float32, q),
+      out_shape=[_core.out_struct((b, kv_heads, splits, g * t, h),
+                                  q.dtype if whole else jnp.float32, q),
                  _core.out_struct((b, kv_heads, splits, g * t), jnp.float32, q)],
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
       interpret=params.interpret,
       name="jaxflash_decode_split_kv",
   )(qg, k, v, inputs.lengths, inputs.offsets, table)
-  # Rows (head g, token t) of K/V head k back to query head k * G + g: [splits, B, T, N, ...].
-  outs = outs.reshape(b, kv_heads, splits, g, t, h)
-  outs = outs.transpose(2, 0, 4, 1, 3, 5).reshape(splits, b, t, n, h)
-  lse2 = lse2.reshape(b, kv_heads, splits, g, t)
-  lse2 = lse2.transpose(2, 0, 4, 1, 3).reshape(splits, b, t, n)
-  return outs, lse2 * (1.0 / _core.LOG2_E)
