@@ -56,15 +56,64 @@ def test_decode_matches_the_reference(implementation, t, window, cap):
   _check_against_reference(implementation, t, window, cap)
 
 
-def _force_splits(monkeypatch, splits: int) -> list:
-  """Makes the Triton split-KV kernel run ``splits`` splits; returns the merges' log (one entry
-  per merge of split results traced)."""
+def _force_splits(monkeypatch, splits: int, merge: str = "kernel") -> list:
+  """Makes the Triton split-KV kernel run ``splits`` splits, merged by ``merge``; returns the
+  merges' log (the merge each trace ran)."""
   from jaxflash.backends.triton import decode
-  default, merge, merges = decode.default_config, decode._merge_splits, []
+  default, merges = decode.default_config, []
   monkeypatch.setattr(decode, "default_config", lambda *a: dataclasses.replace(
-      default(*a), splits=splits))
-  monkeypatch.setattr(decode, "_merge_splits", lambda *a: merges.append(1) or merge(*a))
+      default(*a), splits=splits, merge=merge))
+  for name, kind in (("_merge_splits", "xla"), ("_merge_in_kernel", "kernel")):
+    monkeypatch.setattr(decode, name, lambda *a, f=getattr(decode, name), kind=kind: (
+        merges.append(kind) or f(*a)))
   return merges
+
+
+@pytest.mark.parametrize("b,n,k,h,stages", [
+    (1, 32, 8, 128, 3),  # 264 programs at 3 x 32 KiB: two per SM fit
+    (1, 32, 32, 128, 2),  # 384 programs: three per SM would not
+    (8, 32, 8, 128, 2),
+    (1, 32, 8, 64, 3),
+    (1, 32, 8, 256, 2),
+    (1, 32, 8, 96, 3),  # (padded to 128)
+])
+def test_stage_count_follows_residency(b, n, k, h, stages):
+  """The shipped config on an H200 (132 SMs, 128k-key bf16 cache): 3 stages at head dims up to
+  64, and up to 128 where every program fits on the GPU at once with 3; else 2."""
+  from jaxflash import _core
+  from jaxflash.backends import triton
+  from jaxflash.backends.triton import decode
+  from jaxflash.devices import Device
+  q = jax.ShapeDtypeStruct((b, 1, n, h), BF16)
+  kv = jax.ShapeDtypeStruct((b, 131072, k, h), BF16)
+  inputs = _core.Inputs(q, kv, kv, jax.ShapeDtypeStruct((b, 2), jnp.int32))
+  config = decode.default_config(inputs, triton.Config(), Device("gpu", "NVIDIA H200", True))
+  assert config.num_stages == stages
+  if 64 < h <= 128:
+    assert decode.all_resident(config.splits * b * k, 132, 3, 64, 128, 2) == (stages == 3)
+
+
+@pytest.mark.parametrize("splits,h", [(70, 40), (5, 64)])
+def test_merge_kernel_matches_the_xla_merge(splits, h):
+  """The Triton merge over many splits (70: three chunks, the last partial) and few, against
+  the XLA merge: splits that saw nothing (-inf), a row no split saw (zeros, +inf), a NaN split
+  (a NaN row); the output in bf16."""
+  from jaxflash.backends.triton import decode
+  keys = jax.random.split(jax.random.key(3), 3)
+  b, kv_heads, rows = 2, 3, 5
+  outs = jax.random.normal(keys[0], (b, kv_heads, splits, rows, h), jnp.float32)
+  lse2 = 4 * jax.random.normal(keys[1], (b, kv_heads, splits, rows), jnp.float32)
+  empty = jax.random.bernoulli(keys[2], 0.3, lse2.shape)
+  lse2 = jnp.where(empty, -jnp.inf, lse2)
+  outs = jnp.where(empty[..., None], 0.0, outs)
+  lse2 = lse2.at[0, 1, :, 2].set(-jnp.inf).at[1, 2, splits // 2, 4].set(jnp.nan)
+  got_out, got_lse = decode._merge_in_kernel(outs, lse2, BF16, interpret=True)
+  want_out, want_lse = decode._merge_splits(outs, lse2)
+  assert got_out.dtype == BF16 and got_out.shape == (b, kv_heads, rows, h)
+  np.testing.assert_allclose(np.asarray(got_out, np.float32), np.asarray(want_out), atol=2e-2)
+  np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), rtol=1e-6)
+  assert got_lse[0, 1, 2] == jnp.inf and not np.asarray(got_out[0, 1, 2], np.float32).any()
+  assert np.isnan(got_lse[1, 2, 4]) and np.isnan(np.asarray(got_out[1, 2, 4], np.float32)).all()
 
 
 @pytest.mark.parametrize("t,window,cap", [(1, None, None), (5, 7, 2.0)])
@@ -77,14 +126,14 @@ def test_one_split_writes_the_result_itself(t, window, cap, monkeypatch):
   assert not merges
 
 
-@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("splits,merge", [(1, "kernel"), (3, "kernel"), (3, "xla")])
 @pytest.mark.parametrize("implementation", ["xla", "triton"])
-def test_nan_in_the_cache_or_query_gives_nan_rows(implementation, splits, monkeypatch):
+def test_nan_in_the_cache_or_query_gives_nan_rows(implementation, splits, merge, monkeypatch):
   """A NaN in a query, or in a key that a row sees, makes that row's output and LSE NaN (on
-  Triton whether the kernel writes the result itself or a merge of two splits does); rows
-  that do not see the NaN key stay finite."""
+  Triton whether the kernel writes the result itself or either merge of three splits does);
+  rows that do not see the NaN key stay finite."""
   jax.clear_caches()
-  merges = _force_splits(monkeypatch, splits)
+  merges = _force_splits(monkeypatch, splits, merge)
   b, t, s, n, k, h = 2, 2, 96, 4, 2, 32
   q, kk, v, _ = random_qkv(4, b, t, s, n, k, h)
   kv_lengths = jnp.array([96, 50], jnp.int32)
@@ -96,7 +145,7 @@ def test_nan_in_the_cache_or_query_gives_nan_rows(implementation, splits, monkey
   out, lse = run(q, kk.at[1, 10, 0, 2].set(jnp.nan), v, kv_lengths)  # K/V head 0: heads 0, 1
   assert np.isnan(out[1, :, :2]).all() and np.isnan(lse[1, :, :2]).all()
   assert np.isfinite(out[1, :, 2:]).all() and np.isfinite(out[0]).all()
-  assert bool(merges) == (implementation == "triton" and splits > 1)
+  assert set(merges) == ({merge} if implementation == "triton" and splits > 1 else set())
 
 
 def _check_against_reference(implementation, t, window, cap):
@@ -233,18 +282,19 @@ def test_decode_with_x64_and_strict_rank_promotion():
   assert rel_err(got, want) < TOLERANCE[jnp.float32]
 
 
-@pytest.mark.parametrize("t,window,cap,order", [
-    (1, None, None, None), (3, 150, 1.5, ("head", "split", "batch"))])
-def test_split_kv_kernel_serves_triton_decoding(t, window, cap, order, monkeypatch):
+@pytest.mark.parametrize("t,window,cap,order,merge", [
+    (1, None, None, None, "kernel"), (3, 150, 1.5, ("head", "split", "batch"), "xla")])
+def test_split_kv_kernel_serves_triton_decoding(t, window, cap, order, merge, monkeypatch):
   """On the Triton backend a decoding call runs the split-KV forward (not the training forward):
-  several splits of a 600-key cache (a partial last block), merged through the LSE; GQA with 3
-  query heads per K/V head, ragged rows, a window and a soft cap, and a grid in another launch
-  order. Its gradients come from the training backward and match the reference's."""
+  several splits of a 600-key cache (a partial last block), merged through the LSE by either
+  merge; GQA with 3 query heads per K/V head, ragged rows, a window and a soft cap, and a grid in
+  another launch order. Its gradients come from the training backward and match the
+  reference's."""
   from jaxflash.backends.triton import decode, forward
   monkeypatch.setattr(forward, "forward", lambda *a: pytest.fail("the training forward ran"))
   configs = []
   default = decode.default_config
-  ordered = lambda c: c if order is None else dataclasses.replace(c, grid_order=order)  # noqa: E731
+  ordered = lambda c: dataclasses.replace(c, grid_order=order or c.grid_order, merge=merge)  # noqa: E731
   monkeypatch.setattr(decode, "default_config",
                       lambda *a: configs.append(ordered(default(*a))) or configs[-1])
   b, s, n, k, h = 2, 600, 6, 2, 64
@@ -263,6 +313,7 @@ def test_split_kv_kernel_serves_triton_decoding(t, window, cap, order, monkeypat
   want, ref_vjp = jax.vjp(ref, q, kk, v)
   assert configs and configs[0].splits > 1
   assert configs[0].grid_order == (order or ("split", "batch", "head"))
+  assert configs[0].merge == merge
   assert rel_err(out, want) < TOLERANCE[jnp.float32]
   for g, w in zip(vjp(d_out[:, :t]), ref_vjp(d_out[:, :t])):
     assert rel_err(g, w) < TOLERANCE[jnp.float32]

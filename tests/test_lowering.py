@@ -106,8 +106,9 @@ def test_verifier_catches_what_the_gpu_would_refuse(monkeypatch):
     (1, 32, 8, 128, jnp.bfloat16), (16, 32, 8, 64, jnp.float16), (4, 8, 8, 256, jnp.bfloat16),
     (2, 6, 2, 80, jnp.float32)])
 def test_decode_split_kv_lowers(t, n, k, h, dtype):
-  """The split-KV decoding kernel (GQA 32/8 and MHA, T up to 16, padded head dims) and, under
-  jax.grad, the training backward behind it; no training forward."""
+  """The split-KV decoding kernel (GQA 32/8 and MHA, T up to 16, padded head dims) with the
+  kernel that merges its splits and, under jax.grad, the training backward behind it; no
+  training forward."""
   q = jax.ShapeDtypeStruct((2, t, n, h), dtype)
   cache = jax.ShapeDtypeStruct((2, 5000, k, h), dtype)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
@@ -120,6 +121,7 @@ def test_decode_split_kv_lowers(t, n, k, h, dtype):
 
   text = lower_for_cuda(fn, q, cache, cache, lengths)
   assert "jaxflash_decode_split_kv" in text and "jaxflash_forward" not in text
+  assert "jaxflash_decode_merge" in text
   assert "jaxflash_backward_dq" in text and "jaxflash_backward_dkv" in text
 
 

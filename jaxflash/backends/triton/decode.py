@@ -35,7 +35,7 @@ from jaxflash import _core
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.triton import tiles
-from jaxflash.backends.triton.config import Config
+from jaxflash.backends.triton.config import Config, padded_head_dim
 from jaxflash.devices import Device
 
 MAX_ROWS = 128  # G·T query rows per program: the accumulator is [rows, head dim] in registers
@@ -53,12 +53,17 @@ class DecodeConfig:
   # The grid's axes in launch order, fastest first: CUDA starts programs in this order, so it
   # decides which parts of the cache the programs running together read.
   grid_order: tuple[str, ...] = ("split", "batch", "head")
+  # How several splits' results are merged: "kernel" (`_merge_kernel`, one launch) or "xla"
+  # (`_merge_splits`, which XLA runs as a few small fusions).
+  merge: str = "kernel"
   training: Config = dataclasses.field(default_factory=Config)
 
   def __post_init__(self):
     object.__setattr__(self, "grid_order", tuple(self.grid_order))  # (lists from JSON)
     if sorted(self.grid_order) != ["batch", "head", "split"]:
       raise ValueError(f"grid_order must order 'split', 'batch' and 'head', got {self.grid_order}")
+    if self.merge not in ("kernel", "xla"):
+      raise ValueError(f"merge must be 'kernel' or 'xla', got {self.merge!r}")
 
 
 def rows_for(inputs: Inputs) -> int:
@@ -82,7 +87,8 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
 
 def default_config(inputs: Inputs, training: Config, device: Device) -> DecodeConfig:
   """Splits from `wave_splits` (2 to 4 programs per SM, spread evenly over the SMs); 64-key
-  blocks, 4 warps, 2 stages (3 at head dims up to 64, whose tiles are half as large).
+  blocks, 4 warps, 2 stages (3 at head dims up to 64, whose tiles are half as large, and up to
+  128 where all programs fit on the GPU at once with 3: `all_resident`).
 
   Tuned on an H200 (2026-11-22, bf16, T = 1; `benchmarks/decode.py --tune`, results in
   benchmarks/results/decode_h200_2026-11-22) over 64 or 128 keys, 4 or 8 warps, 2 to 4 stages
@@ -94,9 +100,31 @@ def default_config(inputs: Inputs, training: Config, device: Device) -> DecodeCo
   from jaxflash.backends.mosaic.config import sm_count  # (a table of device kinds)
   b, s, k = inputs.key.shape[:3]
   block_k = tiles.fit(64, s)
-  splits = wave_splits(pl.cdiv(s, block_k), b * k, sm_count(device.kind))
-  stages = 3 if inputs.query.shape[-1] <= 64 else 2
+  sms = sm_count(device.kind)
+  splits = wave_splits(pl.cdiv(s, block_k), b * k, sms)
+  hp = padded_head_dim(inputs.query.shape[-1])
+  stages = 3 if hp <= 64 else 2
+  if hp <= 128 and all_resident(splits * b * k, sms, 3, block_k, hp, inputs.key.dtype.itemsize):
+    stages = 3  # (deeper, where every program still has a place at once)
   return DecodeConfig(splits=splits, block_k=block_k, num_stages=stages, training=training)
+
+
+SMEM_PER_SM = 227 * 1024  # what one SM of a Hopper GPU gives its resident programs
+
+
+def all_resident(programs: int, sm_count: int, stages: int, block_k: int, hp: int,
+                 itemsize: int) -> bool:
+  """Whether ``programs`` each with ``stages`` buffers of a K and a V block fit on the GPU's SMs
+  at once (one wave, in shared memory).
+
+  Why it sets the stage count at D = 128 (H200, 2026-11-22, `decode.py --candidates` with
+  interleaved rounds, `decode_h200_2026-11-22/stages/`): at B = 1 with 8 K/V heads (264
+  programs, two per SM) 3 stages took the kernel from 125.9-127.5 to 120.3-120.4 µs at 128k
+  (cuDNN 120.7-121.1) and from 35.6 to 33.5 µs at 32k. Where 3 stages would not leave room
+  for every program (32 K/V heads at B = 1: 384 programs), they were slower or level, and at
+  B = 8 with 32 K/V heads (512 programs) they took 17% longer."""
+  per_sm = pl.cdiv(programs, sm_count)
+  return per_sm * stages * 2 * block_k * hp * itemsize <= SMEM_PER_SM
 
 
 def wave_splits(blocks: int, rows: int, sm_count: int) -> int:
@@ -203,6 +231,8 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   outs, lse2 = _launch(inputs, params, config, pages, whole=_splits(inputs, config, pages) == 1)
   if outs.shape[2] == 1:
     out, lse2 = outs[:, :, 0], lse2[:, :, 0]
+  elif config.merge == "kernel":
+    out, lse2 = _merge_in_kernel(outs, lse2, inputs.query.dtype, params.interpret)
   else:
     out, lse2 = _merge_splits(outs, lse2)
   kv_heads = outs.shape[1]
@@ -222,6 +252,61 @@ def _merge_splits(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Arra
   seen = total != 0.0
   out = jnp.sum(weights[..., None] * outs, axis=2) / jnp.where(seen, total, 1.0)[..., None]
   return out, jnp.where(seen, top[:, :, 0] + jnp.log2(jnp.where(seen, total, 1.0)), jnp.inf)
+
+
+MERGE_CHUNK = 32  # splits merged per step of `_merge_kernel`: a [32, hp] float32 tile
+
+
+def _merge_kernel(outs_ref, lse_ref, o_ref, lse_out_ref, *, splits: int, head_dim: int):
+  """One query row of one (batch row, K/V head): its ``splits`` partial results (``outs_ref``
+  [splits padded, hp], ``lse_ref`` base-2 [splits padded]) merged through the LSE, a chunk of
+  splits at a time with a running maximum (as the attention kernels run over key blocks). A NaN
+  in any split makes the weights and so the row NaN; a row no split saw gets zeros and +inf."""
+  hp = outs_ref.shape[-1]
+  chunk = min(MERGE_CHUNK, outs_ref.shape[0])
+  dim_ok = None if head_dim == hp else jnp.arange(hp) < head_dim
+
+  def body(c, carry):
+    acc, m, l = carry
+    idx = c * chunk + jnp.arange(chunk)
+    ok = idx < splits
+    lse = plgpu.load(lse_ref.at[pl.ds(c * chunk, chunk)], mask=ok, other=-jnp.inf)
+    part = plgpu.load(outs_ref.at[pl.ds(c * chunk, chunk), :],
+                      mask=tiles.tile_ok(ok, dim_ok), other=0.0)
+    m_new = jnp.maximum(m, jnp.max(lse))
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - shift)
+    weights = jnp.exp2(lse - shift)
+    acc = acc * alpha + jnp.sum(weights[:, None] * part, axis=0)
+    return acc, m_new, l * alpha + jnp.sum(weights)
+
+  init = (jnp.zeros((hp,), jnp.float32), jnp.float32(-jnp.inf), jnp.float32(0.0))
+  acc, m, l = lax.fori_loop(0, pl.cdiv(splits, chunk), body, init)
+  seen = l != 0.0
+  out = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0)
+  plgpu.store(o_ref, out[None].astype(o_ref.dtype), mask=None if dim_ok is None else dim_ok[None])
+  lse_out_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)[None]
+
+
+def _merge_in_kernel(outs: jax.Array, lse2: jax.Array, dtype, interpret: bool):
+  """`_merge_splits` as one Triton launch over (batch row, K/V head, query row), writing the
+  output in ``dtype``."""
+  b, kv_heads, splits, rows, h = outs.shape
+  hp = padded_head_dim(h)
+  splits_p = pl.next_power_of_2(splits)
+  return pl.pallas_call(
+      functools.partial(_merge_kernel, splits=splits, head_dim=h),
+      grid=(b, kv_heads, rows),
+      in_specs=[pl.BlockSpec((None, None, splits_p, None, hp), lambda i, j, r: (i, j, 0, r, 0)),
+                pl.BlockSpec((None, None, splits_p, None), lambda i, j, r: (i, j, 0, r))],
+      out_specs=[pl.BlockSpec((None, None, 1, hp), lambda i, j, r: (i, j, r, 0)),
+                 pl.BlockSpec((None, None, 1), lambda i, j, r: (i, j, r))],
+      out_shape=[_core.out_struct((b, kv_heads, rows, h), dtype, outs),
+                 _core.out_struct((b, kv_heads, rows), jnp.float32, outs)],
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret,
+      name="jaxflash_decode_merge",
+  )(outs, lse2)
 
 
 def partials(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
