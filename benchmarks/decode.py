@@ -21,6 +21,7 @@ Paged cells run the jaxflash implementations only, next to the contiguous ones.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -279,8 +280,9 @@ def _tune_candidates(row: dict, sm_count: int):
 
 
 def _given_candidates(given: list[dict]):
-  """`--candidates`: these `DecodeConfig` fields in every cell; a missing ``splits`` is
-  `wave_splits`'s count for the candidate's key blocks (the shipped rule)."""
+  """`--candidates`: these `DecodeConfig` fields in every cell, on top of the shipped config; a
+  missing ``splits`` is `wave_splits`'s count for the candidate's key blocks (the shipped
+  rule)."""
   def candidates(row: dict, sm_count: int):
     from jax.experimental import pallas as pl
     from jaxflash.backends.triton.decode import wave_splits
@@ -309,8 +311,12 @@ def _tune(base: dict, make_fn, args, want, cfg: dict) -> list:
     candidates = (_given_candidates(cfg["candidates"]) if cfg.get("candidates") else
                   _split_candidates if cfg.get("tune_splits") else _tune_candidates)
     for fields in candidates(cell, sm_count(devices.current().kind)):
-      kernel.default_config = lambda inputs, training, device, f=fields: kernel.DecodeConfig(
-          training=training, **f)
+      if cfg.get("candidates"):  # given fields change the shipped config, and nothing else
+        kernel.default_config = lambda inputs, training, device, f=fields: dataclasses.replace(
+            shipped(inputs, training, device), **f)
+      else:
+        kernel.default_config = lambda inputs, training, device, f=fields: kernel.DecodeConfig(
+            training=training, **f)
       prepared.append(_prepare(dict(base, impl="tune", tune=fields), make_fn(), args, want, cfg))
   finally:
     kernel.default_config = shipped
@@ -391,8 +397,9 @@ def main(argv=None) -> None:
                       help="also time the shipped tiles with split counts for 0.5 to 8 "
                            "programs per SM (wave quantization)")
   parser.add_argument("--candidates", type=json.loads, metavar="JSON",
-                      help='also time these DecodeConfig fields in every cell, e.g. '
-                           '\'[{"block_k": 128, "num_stages": 4}]\' (splits: wave_splits\'s)')
+                      help='also time the shipped config with these DecodeConfig fields changed, '
+                           'in every cell, e.g. \'[{"block_k": 128, "num_stages": 4}]\' '
+                           '(splits: wave_splits\'s)')
   parser.add_argument("--profile", action="store_true",
                       help="also record each timed row's GPU kernels (a jax.profiler trace)")
   parser.add_argument("--out", help="results JSON (a .md table is written next to it)")

@@ -285,6 +285,25 @@ def test_decode_speedup_pairs_the_interleaved_rounds():
   assert text.splitlines()[-1].endswith("| 1.100 (0.950–1.100) |")
 
 
+def test_decode_candidates_change_only_their_fields(monkeypatch):
+  """decode.py --candidates compiles the shipped config with the given fields changed (not a
+  fresh config whose other fields are the dataclass defaults)."""
+  import dataclasses
+
+  import decode
+  from jaxflash.backends.triton import decode as kernel
+  shipped = kernel.DecodeConfig(splits=7, num_stages=3, block_k=32)
+  monkeypatch.setattr(kernel, "default_config", lambda *a: shipped)
+  compiled_with = []
+  monkeypatch.setattr(decode, "_prepare", lambda row, *a: compiled_with.append(
+      kernel.default_config(None, shipped.training, None)) or (row, None))
+  cell = dict(B=1, K=8, S=4096, layout="contiguous")
+  decode._tune(cell, lambda: None, (), None, dict(candidates=[{"merge": "xla", "splits": 5}],
+                                                  page_size=64))
+  assert compiled_with == [dataclasses.replace(shipped, merge="xla", splits=5)]
+  assert kernel.default_config(None, None, None) is shipped  # (put back)
+
+
 def test_decode_candidates_take_wave_splits_unless_given():
   """decode.py --candidates: each candidate's fields in every cell, with `wave_splits`'s count
   for its own key blocks where it names no split count."""
