@@ -56,7 +56,7 @@ def test_decode_matches_the_reference(implementation, t, window, cap):
   _check_against_reference(implementation, t, window, cap)
 
 
-def _force_splits(monkeypatch, splits: int, merge: str = "kernel") -> list:
+def _force_splits(monkeypatch, splits: int, merge: str = "xla") -> list:
   """Makes the Triton split-KV kernel run ``splits`` splits, merged by ``merge``; returns the
   merges' log (the merge each trace ran)."""
   from jaxflash.backends.triton import decode
@@ -283,7 +283,7 @@ def test_decode_with_x64_and_strict_rank_promotion():
 
 
 @pytest.mark.parametrize("t,window,cap,order,merge", [
-    (1, None, None, None, "kernel"), (3, 150, 1.5, ("head", "split", "batch"), "xla")])
+    (1, None, None, None, "xla"), (3, 150, 1.5, ("head", "split", "batch"), "kernel")])
 def test_split_kv_kernel_serves_triton_decoding(t, window, cap, order, merge, monkeypatch):
   """On the Triton backend a decoding call runs the split-KV forward (not the training forward):
   several splits of a 600-key cache (a partial last block), merged through the LSE by either

@@ -105,10 +105,16 @@ def test_verifier_catches_what_the_gpu_would_refuse(monkeypatch):
 @pytest.mark.parametrize("t,n,k,h,dtype", [
     (1, 32, 8, 128, jnp.bfloat16), (16, 32, 8, 64, jnp.float16), (4, 8, 8, 256, jnp.bfloat16),
     (2, 6, 2, 80, jnp.float32)])
-def test_decode_split_kv_lowers(t, n, k, h, dtype):
+def test_decode_split_kv_lowers(t, n, k, h, dtype, monkeypatch):
   """The split-KV decoding kernel (GQA 32/8 and MHA, T up to 16, padded head dims) with the
-  kernel that merges its splits and, under jax.grad, the training backward behind it; no
-  training forward."""
+  kernel that merges its splits (``merge="kernel"``, not the default) and, under jax.grad, the
+  training backward behind it; no training forward."""
+  import dataclasses
+
+  from jaxflash.backends.triton import decode
+  default = decode.default_config
+  monkeypatch.setattr(decode, "default_config", lambda *a: dataclasses.replace(
+      default(*a), merge="kernel"))
   q = jax.ShapeDtypeStruct((2, t, n, h), dtype)
   cache = jax.ShapeDtypeStruct((2, 5000, k, h), dtype)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)

@@ -53,9 +53,12 @@ class DecodeConfig:
   # The grid's axes in launch order, fastest first: CUDA starts programs in this order, so it
   # decides which parts of the cache the programs running together read.
   grid_order: tuple[str, ...] = ("split", "batch", "head")
-  # How several splits' results are merged: "kernel" (`_merge_kernel`, one launch) or "xla"
-  # (`_merge_splits`, which XLA runs as a few small fusions).
-  merge: str = "kernel"
+  # How several splits' results are merged: "xla" (`_merge_splits`, which XLA runs as two to
+  # four small fusions) or "kernel" (`_merge_kernel`, one launch). On an H200 (2026-11-22,
+  # `decode_h200_2026-11-22/merge/`) the kernel took 1-2 µs less GPU time per call at B = 1,
+  # but calls timed end to end were 5-6 µs slower at B = 1, 4k (its launch costs the host more
+  # than XLA's fusions do) and level elsewhere: so XLA's by default.
+  merge: str = "xla"
   training: Config = dataclasses.field(default_factory=Config)
 
   def __post_init__(self):
