@@ -7,9 +7,9 @@ a 16-row tile and reads every K/V byte once per query head of a GQA group. Here:
   row still spreads over the GPU (`DecodeConfig.grid_order` gives the axes' launch order);
 - a program's query tile holds the T tokens of all G query heads of its K/V head (G·T rows,
   padded to a power of two, at least 16), so each K/V byte of the split is read once;
-- each program writes a partial output and LSE over its keys (`partials`), and
-  `jaxflash.ops.decode` combines the splits exactly through the LSE with the project's partial
-  results merge (in XLA: [splits, B, T, N] values, next to nothing).
+- each program writes a partial output and LSE over its keys, and `forward` combines the
+  splits exactly through the LSE (in XLA by default, or in one more launch: `DecodeConfig.merge`);
+  with a single split the kernel writes the result itself.
 
 Inputs are the training op's, and the band is the shared one, shifted by the offsets' diagonal
 as in the training kernels. A decoding call's come from `jaxflash.ops.decode.decode_inputs`:
