@@ -69,17 +69,22 @@ def _force_splits(monkeypatch, splits: int, merge: str = "xla") -> list:
   return merges
 
 
-@pytest.mark.parametrize("b,n,k,h,stages", [
-    (1, 32, 8, 128, 3),  # 264 programs at 3 x 32 KiB: two per SM fit
-    (1, 32, 32, 128, 2),  # 384 programs: three per SM would not
-    (8, 32, 8, 128, 2),
-    (1, 32, 8, 64, 3),
-    (1, 32, 8, 256, 2),
-    (1, 32, 8, 96, 3),  # (padded to 128)
+@pytest.mark.parametrize("b,n,k,h,stages,splits", [
+    (1, 32, 8, 128, 3, 33),  # 264 programs at 3 x 32 KiB: two per SM fit
+    (1, 32, 32, 128, 2, 12),  # 384 programs: three per SM would not
+    (8, 32, 8, 128, 2, 6),
+    (1, 32, 8, 64, 3, 33),
+    (1, 32, 8, 256, 2, 33),
+    (1, 32, 8, 96, 3, 33),  # (padded to 128)
+    (8, 32, 32, 128, 3, 1),  # 256 (batch row, K/V head) pairs: one split each, all resident
+    (8, 32, 32, 256, 2, 2),  # ... but not at D = 256, where they would not fit at once
+    (7, 28, 28, 128, 2, 2),  # 196 pairs: too few for two per SM
+    (64, 32, 8, 128, 2, 1),
 ])
-def test_stage_count_follows_residency(b, n, k, h, stages):
+def test_stage_and_split_counts(b, n, k, h, stages, splits):
   """The shipped config on an H200 (132 SMs, 128k-key bf16 cache): 3 stages at head dims up to
-  64, and up to 128 where every program fits on the GPU at once with 3; else 2."""
+  64, and up to 128 where every program fits on the GPU at once with 3; else 2. One split where
+  the (batch row, K/V head) pairs alone nearly fill two programs per SM and fit at once."""
   from jaxflash import _core
   from jaxflash.backends import triton
   from jaxflash.backends.triton import decode
@@ -88,7 +93,7 @@ def test_stage_count_follows_residency(b, n, k, h, stages):
   kv = jax.ShapeDtypeStruct((b, 131072, k, h), BF16)
   inputs = _core.Inputs(q, kv, kv, jax.ShapeDtypeStruct((b, 2), jnp.int32))
   config = decode.default_config(inputs, triton.Config(), Device("gpu", "NVIDIA H200", True))
-  assert config.num_stages == stages
+  assert (config.num_stages, config.splits) == (stages, splits)
   if 64 < h <= 128:
     assert decode.all_resident(config.splits * b * k, 132, 3, 64, 128, 2) == (stages == 3)
 

@@ -91,7 +91,9 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
 def default_config(inputs: Inputs, training: Config, device: Device) -> DecodeConfig:
   """Splits from `wave_splits` (2 to 4 programs per SM, spread evenly over the SMs); 64-key
   blocks, 4 warps, 2 stages (3 at head dims up to 64, whose tiles are half as large, and up to
-  128 where all programs fit on the GPU at once with 3: `all_resident`).
+  128 where all programs fit on the GPU at once with 3: `all_resident`). Where the (batch row,
+  K/V head) pairs alone make 90-100% of two programs per SM and fit at once with 3 stages, one
+  split each.
 
   Tuned on an H200 (2026-11-22, bf16, T = 1; `benchmarks/decode.py --tune`, results in
   benchmarks/results/decode_h200_2026-11-22) over 64 or 128 keys, 4 or 8 warps, 2 to 4 stages
@@ -104,10 +106,17 @@ def default_config(inputs: Inputs, training: Config, device: Device) -> DecodeCo
   b, s, k = inputs.key.shape[:3]
   block_k = tiles.fit(64, s)
   sms = sm_count(device.kind)
-  splits = wave_splits(pl.cdiv(s, block_k), b * k, sms)
   hp = padded_head_dim(inputs.query.shape[-1])
+  resident = functools.partial(all_resident, sm_count=sms, stages=3, block_k=block_k, hp=hp,
+                               itemsize=inputs.key.dtype.itemsize)
+  if hp <= 128 and b * k >= 0.9 * 2 * sms and resident(b * k):
+    # The (batch row, K/V head) pairs alone nearly fill two programs per SM, and fit at once:
+    # one split each, nothing to merge. (H200, MHA 32/32 at B = 8: 1.4-4% faster than 2 splits
+    # at 4k to 128k keys, `decode_h200_2026-11-22/one_split/`.)
+    return DecodeConfig(splits=1, block_k=block_k, num_stages=3, training=training)
+  splits = wave_splits(pl.cdiv(s, block_k), b * k, sms)
   stages = 3 if hp <= 64 else 2
-  if hp <= 128 and all_resident(splits * b * k, sms, 3, block_k, hp, inputs.key.dtype.itemsize):
+  if hp <= 128 and resident(splits * b * k):
     stages = 3  # (deeper, where every program still has a place at once)
   return DecodeConfig(splits=splits, block_k=block_k, num_stages=stages, training=training)
 
@@ -227,9 +236,15 @@ def paged_block(page_size: int) -> bool:
 
 def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   """The training forward's ``(out [B, T, N, H] in the query dtype, lse2 [B, N, T])`` of a
-  decoding call (see `partials` for ``pages``). With one split the kernel writes them itself;
-  otherwise its partial results are merged here through the LSE, in the kernel's own layout
-  (a transpose to `partials`' layout before the merge cost XLA a pass of its own)."""
+  decoding call. With one split the kernel writes them itself; otherwise its partial results
+  are merged here through the LSE, in the kernel's own layout (a transpose to [splits, B, T, N,
+  H] for `jaxflash.ops.partial.merge` cost XLA a pass of its own).
+
+  With ``pages`` = (key pages, value pages [num_pages, page_size, K, H], page table [B,
+  pages_per_row]) the kernel reads the cache from the pages, and ``inputs.key`` and
+  ``inputs.value`` only give shapes (the rows the pages make,
+  `jaxflash.ops.decode.gather_pages`: under jit nothing computes them unless a backward needs
+  them)."""
   b, t, n, h = inputs.query.shape
   outs, lse2 = _launch(inputs, params, config, pages, whole=_splits(inputs, config, pages) == 1)
   if outs.shape[2] == 1:
@@ -310,25 +325,6 @@ def _merge_in_kernel(outs: jax.Array, lse2: jax.Array, dtype, interpret: bool):
       interpret=interpret,
       name="jaxflash_decode_merge",
   )(outs, lse2)
-
-
-def partials(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
-  """The splits' partial results of a decoding call: ``(outs [splits, B, T, N, H] float32,
-  natural LSEs [splits, B, T, N], -inf where a split sees nothing)``, for
-  `jaxflash.ops.partial.merge`. With ``pages`` = (key pages, value pages [num_pages, page_size,
-  K, H], page table [B, pages_per_row]) the kernel reads the cache from the pages, and
-  ``inputs.key`` and ``inputs.value`` only give shapes (the rows the pages make,
-  `jaxflash.ops.decode.gather_pages`: under jit nothing computes them unless a backward needs
-  them)."""
-  b, t, n, h = inputs.query.shape
-  outs, lse2 = _launch(inputs, params, config, pages, whole=False)
-  kv_heads, splits = outs.shape[1:3]
-  # Rows (head g, token t) of K/V head k back to query head k * G + g: [splits, B, T, N, ...].
-  outs = outs.reshape(b, kv_heads, splits, n // kv_heads, t, h)
-  outs = outs.transpose(2, 0, 4, 1, 3, 5).reshape(splits, b, t, n, h)
-  lse2 = lse2.reshape(b, kv_heads, splits, n // kv_heads, t)
-  lse2 = lse2.transpose(2, 0, 4, 1, 3).reshape(splits, b, t, n)
-  return outs, lse2 * (1.0 / _core.LOG2_E)
 
 
 def _splits(inputs: Inputs, config: DecodeConfig, pages) -> int:
