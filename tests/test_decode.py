@@ -287,22 +287,19 @@ def test_decode_with_x64_and_strict_rank_promotion():
   assert rel_err(got, want) < TOLERANCE[jnp.float32]
 
 
-@pytest.mark.parametrize("t,window,cap,order,merge,unmask", [
-    (1, None, None, None, "xla", True), (3, 150, 1.5, ("head", "split", "batch"), "kernel", True),
-    (3, 150, None, None, "xla", False)])
-def test_split_kv_kernel_serves_triton_decoding(t, window, cap, order, merge, unmask,
-                                                monkeypatch):
+@pytest.mark.parametrize("t,window,cap,order,merge", [
+    (1, None, None, None, "xla"), (3, 150, 1.5, ("head", "split", "batch"), "kernel")])
+def test_split_kv_kernel_serves_triton_decoding(t, window, cap, order, merge, monkeypatch):
   """On the Triton backend a decoding call runs the split-KV forward (not the training forward):
   several splits of a 600-key cache (a partial last block), merged through the LSE by either
-  merge; GQA with 3 query heads per K/V head, ragged rows, a window and a soft cap, a grid in
-  another launch order, and every block masked. Its gradients come from the training backward
-  and match the reference's."""
+  merge; GQA with 3 query heads per K/V head, ragged rows, a window and a soft cap, and a grid in
+  another launch order. Its gradients come from the training backward and match the
+  reference's."""
   from jaxflash.backends.triton import decode, forward
   monkeypatch.setattr(forward, "forward", lambda *a: pytest.fail("the training forward ran"))
   configs = []
   default = decode.default_config
-  ordered = lambda c: dataclasses.replace(  # noqa: E731
-      c, grid_order=order or c.grid_order, merge=merge, unmask_full_blocks=unmask)
+  ordered = lambda c: dataclasses.replace(c, grid_order=order or c.grid_order, merge=merge)  # noqa: E731
   monkeypatch.setattr(decode, "default_config",
                       lambda *a: configs.append(ordered(default(*a))) or configs[-1])
   b, s, n, k, h = 2, 600, 6, 2, 64

@@ -33,7 +33,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxflash import _core
 from jaxflash import masking
-from jaxflash import schedule
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.triton import tiles
 from jaxflash.backends.triton.config import Config, padded_head_dim
@@ -60,8 +59,6 @@ class DecodeConfig:
   # but calls timed end to end were 5-6 µs slower at B = 1, 4k (its launch costs the host more
   # than XLA's fusions do) and level elsewhere: so XLA's by default.
   merge: str = "xla"
-  # Key blocks that every row sees whole skip the per-entry band and length mask.
-  unmask_full_blocks: bool = True
   training: Config = dataclasses.field(default_factory=Config)
 
   def __post_init__(self):
@@ -172,7 +169,7 @@ def used_splits(blocks: int, splits: int) -> int:
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse_ref, *,
             params: Params, t: int, rows_used: int, blocks_per_split: int, block_k: int,
-            split_axis: int, whole: bool, unmask_full: bool, st: tiles.Static):
+            split_axis: int, whole: bool, st: tiles.Static):
   """One (split, batch row, K/V head); the split is grid axis ``split_axis``. ``k_ref`` and
   ``v_ref`` are the row's cache [S, hp], or with ``table_ref`` (the row's page table) the K/V
   head's pages [num_pages, block_k, hp]: key block ``j`` is then page ``table_ref[j]``.
@@ -198,7 +195,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse
   if right is not None:  # nor blocks wholly after the last row's (a top-left band ends early)
     hi = jnp.minimum(hi, lax.div(jnp.maximum(diagonal + t - 1 + right, -1), block_k) + 1)
 
-  def body(j, carry, masked: bool):
+  def body(j, carry):
     acc, m, l = carry
     cols, col_ok = st.bounds(j * block_k, block_k, st.seq_k)
     if table_ref is None:
@@ -208,12 +205,10 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse
     kv_ok = tiles.tile_ok(col_ok, st.dim_ok)
     k = tiles.load(k_ref.at[block], mask=kv_ok, other=0.0)
     s2, _ = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, None)
-    if masked:  # (a block every row sees whole needs none: rows that are not valid are dropped
-      # at the end) The shared band rule, with the token index as the row and the offsets'
-      # diagonal.
-      visible = masking.visible(token[:, None], cols[None, :], params.window, diagonal=diagonal,
-                                q_len=q_len, kv_len=kv_len) & row_ok[:, None]
-      s2 = jnp.where(visible, s2, -jnp.inf)
+    # The shared band rule, with the token index as the row and the offsets' diagonal.
+    visible = masking.visible(token[:, None], cols[None, :], params.window, diagonal=diagonal,
+                              q_len=q_len, kv_len=kv_len) & row_ok[:, None]
+    s2 = jnp.where(visible, s2, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s2, axis=1))
     m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen nothing yet
     alpha = jnp.exp2(m - m_shift)
@@ -222,26 +217,11 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
     return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
-  carry = (jnp.zeros((rows, st.head_dim_p), jnp.float32),
-           jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
-  hi = jnp.maximum(hi, lo)
-  masked = functools.partial(body, masked=True)
-  if unmask_full:
-    # Blocks [a, b) are visible whole to every token's row (the shared `schedule` rule, rows
-    # in the keys' frame): they skip the per-entry mask. The rest of [lo, hi) applies it.
-    full_lo, full_hi = schedule.kv_full_block_range(diagonal, diagonal + t, kv_len,
-                                                    params.window, block_k)
-    a = jnp.minimum(jnp.maximum(full_lo, lo), hi)
-    b = jnp.minimum(jnp.maximum(full_hi, a), hi)
-    carry = lax.fori_loop(lo, a, masked, carry)
-    carry = lax.fori_loop(a, b, functools.partial(body, masked=False), carry)
-    carry = lax.fori_loop(b, hi, masked, carry)
-  else:
-    carry = lax.fori_loop(lo, hi, masked, carry)
-  acc, m, l = carry
-  # NaN logits make l NaN: such rows stay NaN (l != 0), as in the training forward. Rows that
-  # are not valid (padding, or past a query length) come out empty.
-  seen = (l != 0.0) & row_ok & (token < q_len)
+  init = (jnp.zeros((rows, st.head_dim_p), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+  acc, m, l = lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
+  # NaN logits make l NaN: such rows stay NaN (l != 0), as in the training forward.
+  seen = l != 0.0
   out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
   plgpu.store(o_ref, out.astype(o_ref.dtype), mask=store_ok)
   plgpu.store(lse_ref, jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)),
@@ -384,8 +364,7 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, whole: 
   per_split = pl.cdiv(blocks, splits)
   kernel = functools.partial(_kernel, params=params, t=t, rows_used=g * t,
                              blocks_per_split=per_split, block_k=block_k,
-                             split_axis=order.index("split"), whole=whole,
-                             unmask_full=config.unmask_full_blocks, st=st)
+                             split_axis=order.index("split"), whole=whole, st=st)
   row_pair = pl.BlockSpec((None, 2), named(lambda split, batch, head: (batch, 0)))
   sizes = dict(split=splits, batch=b, head=kv_heads)
   return pl.pallas_call(
