@@ -280,17 +280,16 @@ def _tune_candidates(row: dict, sm_count: int):
 
 
 def _given_candidates(given: list[dict]):
-  """`--candidates`: these `DecodeConfig` fields in every cell, on top of the shipped config; a
-  missing ``splits`` is `wave_splits`'s count for the candidate's key blocks (the shipped
-  rule)."""
+  """`--candidates`: these `DecodeConfig` fields in every cell, on top of the shipped config. A
+  candidate that changes the key blocks but names no ``splits`` gets `wave_splits`'s count for
+  its blocks; any other keeps the shipped config's count."""
   def candidates(row: dict, sm_count: int):
     from jax.experimental import pallas as pl
     from jaxflash.backends.triton.decode import wave_splits
     for fields in given:
       fields = dict(fields)
-      if "splits" not in fields:  # (a paged cache's key blocks are its pages)
-        block_k = fields.get("block_k", 64) if row["layout"] == "contiguous" else row["page_size"]
-        blocks = pl.cdiv(row["S"], block_k)
+      if "splits" not in fields and "block_k" in fields and row["layout"] == "contiguous":
+        blocks = pl.cdiv(row["S"], fields["block_k"])  # (a paged cache's blocks are its pages)
         fields["splits"] = wave_splits(blocks, row["B"] * row["K"], sm_count)
       yield fields
   return candidates
@@ -399,7 +398,7 @@ def main(argv=None) -> None:
   parser.add_argument("--candidates", type=json.loads, metavar="JSON",
                       help='also time the shipped config with these DecodeConfig fields changed, '
                            'in every cell, e.g. \'[{"block_k": 128, "num_stages": 4}]\' '
-                           '(splits: wave_splits\'s)')
+                           '(splits: the shipped count, or wave_splits\' for a given block_k)')
   parser.add_argument("--profile", action="store_true",
                       help="also record each timed row's GPU kernels (a jax.profiler trace)")
   parser.add_argument("--out", help="results JSON (a .md table is written next to it)")

@@ -304,21 +304,22 @@ def test_decode_candidates_change_only_their_fields(monkeypatch):
   assert kernel.default_config(None, None, None) is shipped  # (put back)
 
 
-def test_decode_candidates_take_wave_splits_unless_given():
-  """decode.py --candidates: each candidate's fields in every cell, with `wave_splits`'s count
-  for its own key blocks where it names no split count."""
+def test_decode_candidates_take_wave_splits_for_their_own_blocks():
+  """decode.py --candidates: a candidate that changes the key blocks but names no split count
+  gets `wave_splits`'s count for its blocks; one that names a count, or keeps the blocks, or
+  runs on a paged cache (whose blocks are its pages), keeps what it gives (the shipped count
+  where it gives none)."""
   import decode
   from jaxflash.backends.triton.decode import wave_splits
   given = [{"block_k": 128, "num_stages": 4}, {"splits": 3, "grid_order": ["head", "split",
-                                                                         "batch"]}]
+                                                                         "batch"]},
+           {"num_stages": 3}]
   cell = dict(B=1, K=8, S=32768, layout="contiguous", page_size=16)
   got = list(decode._given_candidates(given)(cell, 132))
   assert got == [{"block_k": 128, "num_stages": 4, "splits": wave_splits(256, 8, 132)},
-                 given[1]]
-  # In a paged cell the key blocks are the pages, whatever the candidate's block_k (the two
-  # counts differ here: 32 and 33).
+                 given[1], {"num_stages": 3}]
   paged = list(decode._given_candidates(given)(dict(cell, layout="paged"), 132))
-  assert paged[0]["splits"] == wave_splits(2048, 8, 132) != got[0]["splits"]
+  assert paged == given
   assert given[0] == {"block_k": 128, "num_stages": 4}  # (not changed)
 
 
