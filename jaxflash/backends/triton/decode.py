@@ -92,8 +92,8 @@ def default_config(inputs: Inputs, training: Config, device: Device) -> DecodeCo
   """Splits from `wave_splits` (2 to 4 programs per SM, spread evenly over the SMs); 64-key
   blocks, 4 warps, 2 stages (3 at head dims up to 64, whose tiles are half as large, and up to
   128 where all programs fit on the GPU at once with 3: `all_resident`). Where the (batch row,
-  K/V head) pairs alone make 90-100% of two programs per SM and fit at once with 3 stages, one
-  split each.
+  K/V head) pairs alone make at least 90% of two programs per SM and fit at once with 3
+  stages, one split each (`wave_splits` would give them 2 only between 90 and 100%).
 
   Tuned on an H200 (2026-11-22, bf16, T = 1; `benchmarks/decode.py --tune`, results in
   benchmarks/results/decode_h200_2026-11-22) over 64 or 128 keys, 4 or 8 warps, 2 to 4 stages
