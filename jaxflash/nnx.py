@@ -92,6 +92,11 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
     decode = kwargs.get("decode")
     decode = self.decode if decode is None else decode
+    if decode and kwargs.get("is_causal"):
+      # The cache's occupancy mask is already causal, and a causal band for one query row
+      # against the cache would keep key 0 alone. Flax 0.12.12 drops ``is_causal`` in decode
+      # mode itself; older versions passed it on (seen on the GPU machine's Flax, 2026-11-23).
+      kwargs = dict(kwargs, is_causal=False)
     if decode and kwargs.get("mask") is None and self.attention_fn is dot_product_attention:
       with _flax.cache_step():
         return super().__call__(*args, **kwargs)
