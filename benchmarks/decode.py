@@ -103,8 +103,6 @@ def folded_decode(q, kc, vc, lengths, backend_name: str, splits: int | None = No
   a K/V head become G query rows of that head (all at the same position, so with T = 1 the key
   lengths alone are the causal mask), and the splits' partial results are merged through the
   LSE. Splits: the largest divisor of S up to ``wave_splits``'s count for 128-key blocks."""
-  import dataclasses as dc
-
   from jax.experimental import pallas as pl
   from jaxflash import _core, backends, devices, masking
   from jaxflash.backends.mosaic.config import sm_count
@@ -125,7 +123,7 @@ def folded_decode(q, kc, vc, lengths, backend_name: str, splits: int | None = No
                         lens)
   params = _core.Params(scale=h ** -0.5, window=masking.Window(None, None), partial=True)
   backend = backends.get(backend_name)
-  config = backend.default_config(inputs, dc.replace(params, partial=False), devices.current())
+  config = backend.default_config(inputs, dataclasses.replace(params, partial=False), devices.current())
   out, lse2 = backend.forward(inputs, params, config)  # [B*sp, G, K, H], [B*sp, K, G]
   outs = out.reshape(b, splits, g, kh, h).transpose(1, 0, 3, 2, 4).reshape(splits, b, 1, n, h)
   lses = _core.user_lse(lse2).reshape(b, splits, kh, g).transpose(1, 0, 2, 3).reshape(

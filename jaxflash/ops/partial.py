@@ -32,34 +32,37 @@ from jaxflash.ops import flash
 
 
 def merge(outs: Sequence[jax.Array] | jax.Array,
-          lses: Sequence[jax.Array] | jax.Array) -> tuple[jax.Array, jax.Array]:
+          lses: Sequence[jax.Array] | jax.Array, axis: int = 0) -> tuple[jax.Array, jax.Array]:
   """Merges partial results of disjoint key ranges of the same queries.
 
   Args:
     outs: partial outputs, each float32 [..., T, N, H] and normalised over its own keys (zeros
-      on rows that see none of them); a sequence, or one array with the ranges on axis 0 (a
-      split-KV kernel's output).
+      on rows that see none of them); a sequence, or one array with the ranges on axis ``axis``
+      (a split-KV kernel's output).
     lses: their natural-log LSEs, each [..., T, N] (``-inf`` on rows that see no key), likewise.
+    axis: the ranges' axis in arrays (of ``lses``; ``outs`` has one more, trailing, axis).
+      Sequences are stacked on axis 0.
 
   Returns:
     ``(out, lse)``: the output over all the keys (float32) and its LSE; rows that see no key in
     any range get zeros and ``-inf``; a NaN in a partial stays NaN in both. Differentiable,
     without NaN for empty partials.
   """
-  if len(outs) != len(lses) or len(outs) == 0:
+  count = lambda xs: xs.shape[axis] if isinstance(xs, jax.Array) else len(xs)  # noqa: E731
+  if count(outs) != count(lses) or count(outs) == 0:
     raise ValueError(f"merge needs one LSE per partial output and at least one of each, got "
-                     f"{len(outs)} outputs and {len(lses)} LSEs")
+                     f"{count(outs)} outputs and {count(lses)} LSEs")
   stack = lambda xs: jnp.asarray(xs if isinstance(xs, jax.Array) else jnp.stack(xs))  # noqa: E731
   lse = stack(lses).astype(jnp.float32)
-  top = jnp.max(lse, axis=0)
+  top = jnp.max(lse, axis=axis, keepdims=True)
   top = jnp.where(jnp.isfinite(top), top, 0.0)  # all ranges empty: any finite shift will do
   weights = jnp.exp(lse - top)  # exp(-inf) = 0 for empty ranges
-  total = jnp.sum(weights, axis=0)
+  total = jnp.sum(weights, axis=axis, keepdims=True)
   seen = total != 0.0  # (a NaN partial makes the total NaN: it stays NaN, out and LSE)
   merged_lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
   weights = weights / jnp.where(seen, total, 1.0)
-  out = jnp.sum(weights[..., None] * stack(outs).astype(jnp.float32), axis=0)
-  return out, merged_lse
+  out = jnp.sum(weights[..., None] * stack(outs).astype(jnp.float32), axis=axis)
+  return out, jnp.squeeze(merged_lse, axis)
 
 
 def key_range(inputs: Inputs, start: int, stop: int) -> Inputs:

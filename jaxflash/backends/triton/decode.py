@@ -37,6 +37,7 @@ from jaxflash._core import Inputs, Params
 from jaxflash.backends.triton import tiles
 from jaxflash.backends.triton.config import Config, padded_head_dim
 from jaxflash.devices import Device
+from jaxflash.ops import partial
 
 MAX_ROWS = 128  # G·T query rows per program: the accumulator is [rows, head dim] in registers
 
@@ -183,8 +184,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse
   row_ok = r < rows_used
   # The tile's padding rows and columns lie past the arrays' ends: masked, never read or written
   # (padding them in XLA cost a pass over the queries and up to 16x the partial outputs' bytes).
-  store_ok = tiles.tile_ok(None if rows_used == rows else row_ok, st.dim_ok)
-  q = tiles.load(q_ref, mask=store_ok, other=0.0)  # [rows, hp]
+  io_ok = tiles.tile_ok(None if rows_used == rows else row_ok, st.dim_ok)
+  q = tiles.load(q_ref, mask=io_ok, other=0.0)  # [rows, hp]
   q_len, kv_len = lengths_ref[0], lengths_ref[1]
   diagonal = 0 if offsets_ref is None else offsets_ref[0] - offsets_ref[1]
   lo = pl.program_id(split_axis) * blocks_per_split
@@ -223,7 +224,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse
   # NaN logits make l NaN: such rows stay NaN (l != 0), as in the training forward.
   seen = l != 0.0
   out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
-  plgpu.store(o_ref, out.astype(o_ref.dtype), mask=store_ok)
+  plgpu.store(o_ref, out.astype(o_ref.dtype), mask=io_ok)
   plgpu.store(lse_ref, jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)),
                                  jnp.inf if whole else -jnp.inf),
               mask=None if rows_used == rows else row_ok)
@@ -246,8 +247,8 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   `jaxflash.ops.decode.gather_pages`: under jit nothing computes them unless a backward needs
   them)."""
   b, t, n, h = inputs.query.shape
-  outs, lse2 = _launch(inputs, params, config, pages, whole=_splits(inputs, config, pages) == 1)
-  if outs.shape[2] == 1:
+  outs, lse2 = _launch(inputs, params, config, pages)
+  if outs.shape[2] == 1:  # (the kernel wrote the result itself)
     out, lse2 = outs[:, :, 0], lse2[:, :, 0]
   elif config.merge == "kernel":
     out, lse2 = _merge_in_kernel(outs, lse2, inputs.query.dtype, params.interpret)
@@ -260,16 +261,11 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
 
 def _merge_splits(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Partial results ``[B, K, splits, rows, H]`` (float32) and base-2 LSEs ``[B, K, splits,
-  rows]`` (-inf where a split sees nothing) merged over the splits: ``(out [B, K, rows, H]
-  float32, lse2 [B, K, rows], +inf on rows no split saw)``. The exact LSE combine of
-  `jaxflash.ops.partial.merge`, in base 2; a NaN in any split stays NaN in both."""
-  top = jnp.max(lse2, axis=2, keepdims=True)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)  # every split empty: any finite shift will do
-  weights = jnp.exp2(lse2 - top)
-  total = jnp.sum(weights, axis=2)
-  seen = total != 0.0
-  out = jnp.sum(weights[..., None] * outs, axis=2) / jnp.where(seen, total, 1.0)[..., None]
-  return out, jnp.where(seen, top[:, :, 0] + jnp.log2(jnp.where(seen, total, 1.0)), jnp.inf)
+  rows]`` (-inf where a split sees nothing) merged over the splits by
+  `jaxflash.ops.partial.merge`, in their own layout: ``(out [B, K, rows, H] float32, lse2
+  [B, K, rows], +inf on rows no split saw)``."""
+  out, lse = partial.merge(outs, lse2 * (1.0 / _core.LOG2_E), axis=2)
+  return out, _core.base2_lse(lse)
 
 
 MERGE_CHUNK = 32  # splits merged per step of `_merge_kernel`: a [32, hp] float32 tile
@@ -327,14 +323,10 @@ def _merge_in_kernel(outs: jax.Array, lse2: jax.Array, dtype, interpret: bool):
   )(outs, lse2)
 
 
-def _splits(inputs: Inputs, config: DecodeConfig, pages) -> int:
-  block_k = config.block_k if pages is None else pages[0].shape[1]
-  return used_splits(pl.cdiv(inputs.key.shape[1], block_k), config.splits)
-
-
-def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, whole: bool):
+def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
   """The kernel over the grid: ``(outs [B, K, splits, G·T, H], lse2 [B, K, splits, G·T])``,
-  rows (head g, token t) with the token fastest; see `_kernel` for ``whole``."""
+  rows (head g, token t) with the token fastest. With one split these are the result itself
+  (`_kernel`'s ``whole``), else float32 partial results."""
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
@@ -360,7 +352,8 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, whole: 
     table_spec = pl.BlockSpec((None, table.shape[1]), named(lambda split, batch, head: (
         batch, 0)))
   blocks = pl.cdiv(inputs.key.shape[1], block_k)
-  splits = _splits(inputs, config, pages)
+  splits = used_splits(blocks, config.splits)
+  whole = splits == 1
   per_split = pl.cdiv(blocks, splits)
   kernel = functools.partial(_kernel, params=params, t=t, rows_used=g * t,
                              blocks_per_split=per_split, block_k=block_k,
