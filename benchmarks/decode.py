@@ -279,16 +279,18 @@ def _tune_candidates(row: dict, sm_count: int):
 
 def _given_candidates(given: list[dict]):
   """`--candidates`: these `DecodeConfig` fields in every cell, on top of the shipped config. A
-  candidate that changes the key blocks but names no ``splits`` gets `wave_splits`'s count for
-  its blocks; any other keeps the shipped config's count."""
+  candidate that changes the key blocks or the heads per program but names no ``splits`` gets
+  `wave_splits`'s count for its programs; any other keeps the shipped config's count."""
   def candidates(row: dict, sm_count: int):
     from jax.experimental import pallas as pl
     from jaxflash.backends.triton.decode import wave_splits
     for fields in given:
       fields = dict(fields)
-      if "splits" not in fields and "block_k" in fields and row["layout"] == "contiguous":
-        blocks = pl.cdiv(row["S"], fields["block_k"])  # (a paged cache's blocks are its pages)
-        fields["splits"] = wave_splits(blocks, row["B"] * row["K"], sm_count)
+      if "splits" not in fields and ("block_k" in fields or "heads" in fields):
+        block_k = fields.get("block_k", 64) if row["layout"] == "contiguous" else row[
+            "page_size"]  # (a paged cache's blocks are its pages)
+        fields["splits"] = wave_splits(pl.cdiv(row["S"], block_k),
+                                       row["B"] * row["K"] // fields.get("heads", 1), sm_count)
       yield fields
   return candidates
 

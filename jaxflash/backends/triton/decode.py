@@ -60,6 +60,10 @@ class DecodeConfig:
   # but calls timed end to end were 5-6 µs slower at B = 1, 4k (its launch costs the host more
   # than XLA's fusions do) and level elsewhere: so XLA's by default.
   merge: str = "xla"
+  # K/V heads per program: its loads of one key row then cover ``heads`` neighbouring heads'
+  # vectors (``heads`` x H x itemsize bytes in a row of the cache), each head with its own
+  # query tile, dot products and softmax state. The head axis of the grid is K / heads.
+  heads: int = 1
   training: Config = dataclasses.field(default_factory=Config)
 
   def __post_init__(self):
@@ -68,6 +72,8 @@ class DecodeConfig:
       raise ValueError(f"grid_order must order 'split', 'batch' and 'head', got {self.grid_order}")
     if self.merge not in ("kernel", "xla"):
       raise ValueError(f"merge must be 'kernel' or 'xla', got {self.merge!r}")
+    if self.heads < 1:
+      raise ValueError(f"heads must be at least 1, got {self.heads}")
 
 
 def rows_for(inputs: Inputs) -> int:
@@ -171,21 +177,24 @@ def used_splits(blocks: int, splits: int) -> int:
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse_ref, *,
             params: Params, t: int, rows_used: int, blocks_per_split: int, block_k: int,
             split_axis: int, whole: bool, st: tiles.Static):
-  """One (split, batch row, K/V head); the split is grid axis ``split_axis``. ``k_ref`` and
-  ``v_ref`` are the row's cache [S, hp], or with ``table_ref`` (the row's page table) the K/V
-  head's pages [num_pages, block_k, hp]: key block ``j`` is then page ``table_ref[j]``.
-  ``offsets_ref`` holds the row's (query, key) offsets (a decoding call's put the T tokens at the
-  cache's end), or is None: both 0. A partial result (float32 O, base-2 LSE, -inf where the
-  split sees no key), or with ``whole`` (one split) the result itself: O in the query dtype and
-  the internal LSE (+inf on empty rows, `jaxflash._core`)."""
-  rows = q_ref.shape[0]
+  """One (split, batch row, group of F K/V heads); the split is grid axis ``split_axis``.
+  ``q_ref`` is the group's query tiles [F, rows, hp]; ``k_ref`` and ``v_ref`` are the row's
+  cache [S, F, hp], or with ``table_ref`` (the row's page table) the group's pages [num_pages,
+  block_k, F, hp]: key block ``j`` is then page ``table_ref[j]``. ``offsets_ref`` holds the
+  row's (query, key) offsets (a decoding call's put the T tokens at the cache's end), or is
+  None: both 0. Writes ``o_ref`` [F, rows, hp] and ``lse_ref`` [F, rows]: a partial result
+  (float32 O, base-2 LSE, -inf where the split sees no key), or with ``whole`` (one split) the
+  result itself: O in the query dtype and the internal LSE (+inf on empty rows,
+  `jaxflash._core`)."""
+  heads, rows = q_ref.shape[:2]
+  head_ids = [jnp.int32(i) for i in range(heads)]  # (Pallas wants array indices in loads)
   r = jnp.arange(rows)
   token = r % t  # rows are (query head, token) pairs, token fastest
   row_ok = r < rows_used
   # The tile's padding rows and columns lie past the arrays' ends: masked, never read or written
   # (padding them in XLA cost a pass over the queries and up to 16x the partial outputs' bytes).
   io_ok = tiles.tile_ok(None if rows_used == rows else row_ok, st.dim_ok)
-  q = tiles.load(q_ref, mask=io_ok, other=0.0)  # [rows, hp]
+  qs = [tiles.load(q_ref.at[i], mask=io_ok, other=0.0) for i in head_ids]  # [rows, hp]
   q_len, kv_len = lengths_ref[0], lengths_ref[1]
   diagonal = 0 if offsets_ref is None else offsets_ref[0] - offsets_ref[1]
   lo = pl.program_id(split_axis) * blocks_per_split
@@ -197,37 +206,42 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse
     hi = jnp.minimum(hi, lax.div(jnp.maximum(diagonal + t - 1 + right, -1), block_k) + 1)
 
   def body(j, carry):
-    acc, m, l = carry
     cols, col_ok = st.bounds(j * block_k, block_k, st.seq_k)
     if table_ref is None:
-      block = (pl.ds(j * block_k, block_k), slice(None))
+      block = lambda i: (pl.ds(j * block_k, block_k), i, slice(None))  # noqa: E731
     else:  # whole pages: no key past the page's end
-      block, col_ok = (table_ref[j], slice(None), slice(None)), None
+      block, col_ok = lambda i: (table_ref[j], slice(None), i, slice(None)), None  # noqa: E731
     kv_ok = tiles.tile_ok(col_ok, st.dim_ok)
-    k = tiles.load(k_ref.at[block], mask=kv_ok, other=0.0)
-    s2, _ = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, None)
-    # The shared band rule, with the token index as the row and the offsets' diagonal.
+    # The shared band rule, with the token index as the row and the offsets' diagonal: the same
+    # for every head of the group.
     visible = masking.visible(token[:, None], cols[None, :], params.window, diagonal=diagonal,
                               q_len=q_len, kv_len=kv_len) & row_ok[:, None]
-    s2 = jnp.where(visible, s2, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s2, axis=1))
-    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen nothing yet
-    alpha = jnp.exp2(m - m_shift)
-    p = jnp.exp2(s2 - m_shift[:, None])
-    v = tiles.load(v_ref.at[block], mask=kv_ok, other=0.0)
-    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
-    return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+    new = []
+    for i, q, (acc, m, l) in zip(head_ids, qs, carry):
+      k = tiles.load(k_ref.at[block(i)], mask=kv_ok, other=0.0)
+      s2, _ = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, None)
+      s2 = jnp.where(visible, s2, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s2, axis=1))
+      m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen nothing yet
+      alpha = jnp.exp2(m - m_shift)
+      p = jnp.exp2(s2 - m_shift[:, None])
+      v = tiles.load(v_ref.at[block(i)], mask=kv_ok, other=0.0)
+      acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+      new.append((acc, m_new, l * alpha + jnp.sum(p, axis=1)))
+    return tuple(new)
 
-  init = (jnp.zeros((rows, st.head_dim_p), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
-          jnp.zeros((rows,), jnp.float32))
-  acc, m, l = lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
-  # NaN logits make l NaN: such rows stay NaN (l != 0), as in the training forward.
-  seen = l != 0.0
-  out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
-  plgpu.store(o_ref, out.astype(o_ref.dtype), mask=io_ok)
-  plgpu.store(lse_ref, jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)),
-                                 jnp.inf if whole else -jnp.inf),
-              mask=None if rows_used == rows else row_ok)
+  init = tuple((jnp.zeros((rows, st.head_dim_p), jnp.float32),
+                jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
+               for _ in range(heads))
+  results = lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
+  for i, (acc, m, l) in zip(head_ids, results):
+    # NaN logits make l NaN: such rows stay NaN (l != 0), as in the training forward.
+    seen = l != 0.0
+    out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+    plgpu.store(o_ref.at[i], out.astype(o_ref.dtype), mask=io_ok)
+    plgpu.store(lse_ref.at[i], jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)),
+                                         jnp.inf if whole else -jnp.inf),
+                mask=None if rows_used == rows else row_ok)
 
 
 def paged_block(page_size: int) -> bool:
@@ -338,16 +352,19 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
   # tile, [rows, hp], reaches past its ends.
   qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)
   block_k = config.block_k
+  fold = config.heads  # K/V heads per program
+  if kv_heads % fold:
+    raise ValueError(f"DecodeConfig.heads = {fold} must divide the {kv_heads} K/V heads")
   table = table_spec = None
   order = config.grid_order
   named = lambda f: lambda *ids: f(**dict(zip(order, ids)))  # noqa: E731  (index maps by axis)
   if pages is None:
-    kv = pl.BlockSpec((None, k.shape[1], None, hp), named(lambda split, batch, head: (
+    kv = pl.BlockSpec((None, k.shape[1], fold, hp), named(lambda split, batch, head: (
         batch, 0, head, 0)))
   else:
     k, v, table = pages
     block_k = k.shape[1]
-    kv = pl.BlockSpec((k.shape[0], block_k, None, hp), named(lambda split, batch, head: (
+    kv = pl.BlockSpec((k.shape[0], block_k, fold, hp), named(lambda split, batch, head: (
         0, 0, head, 0)))
     table_spec = pl.BlockSpec((None, table.shape[1]), named(lambda split, batch, head: (
         batch, 0)))
@@ -359,16 +376,16 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
                              blocks_per_split=per_split, block_k=block_k,
                              split_axis=order.index("split"), whole=whole, st=st)
   row_pair = pl.BlockSpec((None, 2), named(lambda split, batch, head: (batch, 0)))
-  sizes = dict(split=splits, batch=b, head=kv_heads)
+  sizes = dict(split=splits, batch=b, head=kv_heads // fold)
   return pl.pallas_call(
       kernel,
       grid=tuple(sizes[axis] for axis in order),
-      in_specs=[pl.BlockSpec((None, None, rows, hp), named(lambda split, batch, head: (
+      in_specs=[pl.BlockSpec((None, fold, rows, hp), named(lambda split, batch, head: (
                     batch, head, 0, 0))), kv, kv,
                 row_pair, None if inputs.offsets is None else row_pair, table_spec],
-      out_specs=[pl.BlockSpec((None, None, None, rows, hp), named(lambda split, batch, head: (
+      out_specs=[pl.BlockSpec((None, fold, None, rows, hp), named(lambda split, batch, head: (
                      batch, head, split, 0, 0))),
-                 pl.BlockSpec((None, None, None, rows), named(lambda split, batch, head: (
+                 pl.BlockSpec((None, fold, None, rows), named(lambda split, batch, head: (
                      batch, head, split, 0)))],
       out_shape=[_core.out_struct((b, kv_heads, splits, g * t, h),
                                   q.dtype if whole else jnp.float32, q),
