@@ -279,16 +279,17 @@ def _tune_candidates(row: dict, sm_count: int):
 
 def _given_candidates(given: list[dict]):
   """`--candidates`: these `DecodeConfig` fields in every cell, on top of the shipped config. A
-  candidate that changes the key blocks or the heads per program but names no ``splits`` gets
-  `wave_splits`'s count for its programs; any other keeps the shipped config's count."""
+  candidate that changes the heads per program, or a contiguous cache's key blocks, but names
+  no ``splits`` gets `wave_splits`'s count (2 to 4 programs per SM) for its programs; any other
+  keeps the shipped config's count."""
   def candidates(row: dict, sm_count: int):
     from jax.experimental import pallas as pl
     from jaxflash.backends.triton.decode import wave_splits
     for fields in given:
       fields = dict(fields)
-      if "splits" not in fields and ("block_k" in fields or "heads" in fields):
-        block_k = fields.get("block_k", 64) if row["layout"] == "contiguous" else row[
-            "page_size"]  # (a paged cache's blocks are its pages)
+      contiguous = row["layout"] == "contiguous"  # (a paged cache's blocks are its pages)
+      if "splits" not in fields and ("heads" in fields or "block_k" in fields and contiguous):
+        block_k = fields.get("block_k", 64) if contiguous else row["page_size"]
         fields["splits"] = wave_splits(pl.cdiv(row["S"], block_k),
                                        row["B"] * row["K"] // fields.get("heads", 1), sm_count)
       yield fields
@@ -311,11 +312,11 @@ def _tune(base: dict, make_fn, args, want, cfg: dict) -> list:
                   _split_candidates if cfg.get("tune_splits") else _tune_candidates)
     for fields in candidates(cell, sm_count(devices.current().kind)):
       if cfg.get("candidates"):  # given fields change the shipped config, and nothing else
-        kernel.default_config = lambda inputs, training, device, f=fields: dataclasses.replace(
-            shipped(inputs, training, device), **f)
+        kernel.default_config = lambda inputs, training, device, page_size=None, f=fields: (
+            dataclasses.replace(shipped(inputs, training, device, page_size), **f))
       else:
-        kernel.default_config = lambda inputs, training, device, f=fields: kernel.DecodeConfig(
-            training=training, **f)
+        kernel.default_config = lambda inputs, training, device, page_size=None, f=fields: (
+            kernel.DecodeConfig(training=training, **f))
       prepared.append(_prepare(dict(base, impl="tune", tune=fields), make_fn(), args, want, cfg))
   finally:
     kernel.default_config = shipped

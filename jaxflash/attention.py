@@ -183,13 +183,14 @@ def _run(call: _checks.Call, implementation, config, return_residual: bool,
   if config is None:
     config = backend.default_config(call.inputs, call.params, device)
   path = decode.split_kv_for(backend) if split_kv else None
-  if path is not None and path.kernel().unsupported(call.inputs, call.params) is None:
-    config = path.kernel().default_config(call.inputs, config, device)
-    backend = path
-  else:
-    pages = None
+  if path is None or path.kernel().unsupported(call.inputs, call.params) is not None:
+    path = pages = None
   if pages is not None and not path.kernel().paged_block(pages[0].shape[1]):
     pages = None
+  if path is not None:
+    config = path.kernel().default_config(call.inputs, config, device,
+                                          page_size=None if pages is None else pages[0].shape[1])
+    backend = path
   if call.inputs.query.shape[0] == 0:  # an empty batch: nothing to compute, and no grid to run
     b, t, n, _ = call.inputs.query.shape
     out, lse = jnp.zeros_like(call.inputs.query), jnp.zeros((b, t, n), jnp.float32)

@@ -293,7 +293,7 @@ def test_decode_candidates_change_only_their_fields(monkeypatch):
   import decode
   from jaxflash.backends.triton import decode as kernel
   shipped = kernel.DecodeConfig(splits=7, num_stages=3, block_k=32)
-  monkeypatch.setattr(kernel, "default_config", lambda *a: shipped)
+  monkeypatch.setattr(kernel, "default_config", lambda *a, **kw: shipped)
   compiled_with = []
   monkeypatch.setattr(decode, "_prepare", lambda row, *a: compiled_with.append(
       kernel.default_config(None, shipped.training, None)) or (row, None))
@@ -305,10 +305,10 @@ def test_decode_candidates_change_only_their_fields(monkeypatch):
 
 
 def test_decode_candidates_take_wave_splits_for_their_own_blocks():
-  """decode.py --candidates: a candidate that changes the key blocks but names no split count
-  gets `wave_splits`'s count for its blocks; one that names a count, or keeps the blocks, or
-  runs on a paged cache (whose blocks are its pages), keeps what it gives (the shipped count
-  where it gives none)."""
+  """decode.py --candidates: a candidate that changes the key blocks (or the heads per program)
+  but names no split count gets `wave_splits`'s count for its programs; one that names a count,
+  or keeps the blocks, or changes the blocks of a paged cache (whose blocks are its pages),
+  keeps what it gives (the shipped count where it gives none)."""
   import decode
   from jaxflash.backends.triton.decode import wave_splits
   given = [{"block_k": 128, "num_stages": 4}, {"splits": 3, "grid_order": ["head", "split",
@@ -321,6 +321,11 @@ def test_decode_candidates_take_wave_splits_for_their_own_blocks():
   paged = list(decode._given_candidates(given)(dict(cell, layout="paged"), 132))
   assert paged == given
   assert given[0] == {"block_k": 128, "num_stages": 4}  # (not changed)
+  # Two heads per program: half the programs per split, on either layout.
+  assert list(decode._given_candidates([{"heads": 2}])(cell, 132)) == [
+      {"heads": 2, "splits": wave_splits(512, 4, 132)}]
+  assert list(decode._given_candidates([{"heads": 2}])(dict(cell, layout="paged"), 132)) == [
+      {"heads": 2, "splits": wave_splits(2048, 4, 132)}]
 
 
 def test_multi_gpu_smoke(tmp_path, monkeypatch):

@@ -61,8 +61,8 @@ def _force_splits(monkeypatch, splits: int, merge: str = "xla") -> list:
   merges' log (the merge each trace ran)."""
   from jaxflash.backends.triton import decode
   default, merges = decode.default_config, []
-  monkeypatch.setattr(decode, "default_config", lambda *a: dataclasses.replace(
-      default(*a), splits=splits, merge=merge))
+  monkeypatch.setattr(decode, "default_config", lambda *a, **kw: dataclasses.replace(
+      default(*a, **kw), splits=splits, merge=merge))
   for name, kind in (("_merge_splits", "xla"), ("_merge_in_kernel", "kernel")):
     monkeypatch.setattr(decode, name, lambda *a, f=getattr(decode, name), kind=kind: (
         merges.append(kind) or f(*a)))
@@ -96,6 +96,83 @@ def test_stage_and_split_counts(b, n, k, h, stages, splits):
   assert (config.num_stages, config.splits) == (stages, splits)
   if 64 < h <= 128:
     assert decode.all_resident(config.splits * b * k, 132, 3, 64, 128, 2) == (stages == 3)
+
+
+@pytest.mark.parametrize("b,s,k,h,page_size,dtype,want", [
+    (8, 131072, 8, 64, None, BF16, (2, 8, ("split", "batch", "head"))),  # 256 programs, resident
+    (8, 131072, 8, 32, None, BF16, (2, 12, ("split", "batch", "head"))),  # (48 KiB: 4 per SM)
+    (64, 32768, 8, 64, None, BF16, (2, 1, ("split", "batch", "head"))),
+    (64, 4096, 32, 64, None, BF16, (2, 2, ("head", "split", "batch"))),  # several waves anyway
+    (8, 131072, 8, 64, 64, BF16, (2, 16, ("split", "batch", "head"))),  # paged: 4 per SM
+    (1, 131072, 8, 64, None, BF16, (1, 33, ("split", "batch", "head"))),  # 32 blocks a program
+    (8, 131072, 8, 64, None, jnp.float32, (1, 6, ("split", "batch", "head"))),  # 256-byte rows
+    (8, 131072, 7, 64, None, BF16, (1, 7, ("split", "batch", "head"))),  # an odd K
+    (8, 131072, 8, 128, None, BF16, (1, 6, ("split", "batch", "head"))),
+])
+def test_heads_per_program(b, s, k, h, page_size, dtype, want):
+  """The shipped config on an H200 (132 SMs) pairs neighbouring K/V heads in a program where a
+  head's key row is at most 128 bytes and K is even, on a paged cache always and on a contiguous
+  one where each program still runs at least 64 key blocks; paired programs fill the SMs' room
+  once (contiguous), or 4 per SM (paged), or where they make several waves anyway, take 2 splits
+  and launch heads first."""
+  from jaxflash import _core
+  from jaxflash.backends import triton
+  from jaxflash.backends.triton import decode
+  from jaxflash.devices import Device
+  q = jax.ShapeDtypeStruct((b, 1, 4 * k, h), dtype)
+  kv = jax.ShapeDtypeStruct((b, s, k, h), dtype)
+  inputs = _core.Inputs(q, kv, kv, jax.ShapeDtypeStruct((b, 2), jnp.int32))
+  config = decode.default_config(inputs, triton.Config(), Device("gpu", "NVIDIA H200", True),
+                                 page_size=page_size)
+  assert (config.heads, config.splits, config.grid_order) == want
+  if config.heads > 1 and page_size is None and config.grid_order[0] == "split":
+    assert decode.all_resident(config.splits * b * k // 2, 132, 3, 64, 2 * h,
+                               jnp.dtype(dtype).itemsize)
+
+
+@pytest.mark.parametrize("heads,paged,t", [(2, False, 1), (4, False, 3), (2, True, 2)])
+def test_several_kv_heads_per_program(heads, paged, t, monkeypatch):
+  """`DecodeConfig.heads`: programs of 2 or 4 neighbouring K/V heads, each head with its own
+  query tile and softmax state, on a contiguous cache and on shuffled pages: the reference's
+  results for ragged rows (empty, partly full, full), a window and a soft cap at a padded head
+  dim, over 3 splits; a NaN key of one K/V head makes NaN only its own query heads' rows."""
+  from jaxflash.backends.triton import decode
+  configs = []
+  default = decode.default_config
+  monkeypatch.setattr(decode, "default_config", lambda *a, **kw: configs.append(
+      dataclasses.replace(default(*a, **kw), heads=heads, splits=3)) or configs[-1])
+  b, s, n, k, h = 3, 192, 8, 4, 40
+  q, kk, v, _ = random_qkv(5, b, t, s, n, k, h)
+  kk = kk.at[1, 20, 2, 3].set(jnp.nan)  # K/V head 2 of row 1: query heads 4 and 5
+  kv_lengths = jnp.array([0, 100, 192], jnp.int32)
+  options = dict(local_window_size=(150, 0), logits_soft_cap=2.0, implementation="triton",
+                 interpret=interpret_for("triton"))
+  if paged:
+    (k_pages, table), (v_pages, _) = _paged(kk, 32, 6), _paged(v, 32, 6)
+    got = jaxflash.decode_attention(q, k_pages, v_pages, kv_lengths, page_table=table, **options)
+  else:
+    got = jaxflash.decode_attention(q, kk, v, kv_lengths, **options)
+  want, _ = _want(q, kk, v, kv_lengths, 150, logits_soft_cap=2.0)
+  assert configs and configs[0].heads == heads
+  nan = np.isnan(np.asarray(want))
+  assert nan[1, :, 4:6].all() and nan.sum() == nan[1, :, 4:6].size
+  np.testing.assert_array_equal(np.isnan(np.asarray(got)), nan)
+  assert rel_err(np.where(nan, 0, got), np.where(nan, 0, want)) < TOLERANCE[jnp.float32]
+  np.testing.assert_array_equal(np.asarray(got)[0], 0.0)  # (the empty row)
+
+
+def test_heads_must_divide_the_kv_heads(monkeypatch):
+  """A config whose heads per program do not divide K is refused by name, and so is none."""
+  from jaxflash.backends.triton import decode
+  with pytest.raises(ValueError, match="heads must be at least 1"):
+    decode.DecodeConfig(splits=1, heads=0)
+  default = decode.default_config
+  monkeypatch.setattr(decode, "default_config", lambda *a, **kw: dataclasses.replace(
+      default(*a, **kw), heads=2))
+  q, kk, v, _ = random_qkv(5, 1, 1, 64, 3, 3, 32)
+  with pytest.raises(ValueError, match="heads = 2 must divide the 3 K/V heads"):
+    jaxflash.decode_attention(q, kk, v, jnp.array([64], jnp.int32), implementation="triton",
+                              interpret=interpret_for("triton"))
 
 
 @pytest.mark.parametrize("splits,h", [(70, 40), (5, 64)])
@@ -301,7 +378,7 @@ def test_split_kv_kernel_serves_triton_decoding(t, window, cap, order, merge, mo
   default = decode.default_config
   ordered = lambda c: dataclasses.replace(c, grid_order=order or c.grid_order, merge=merge)  # noqa: E731
   monkeypatch.setattr(decode, "default_config",
-                      lambda *a: configs.append(ordered(default(*a))) or configs[-1])
+                      lambda *a, **kw: configs.append(ordered(default(*a, **kw))) or configs[-1])
   b, s, n, k, h = 2, 600, 6, 2, 64
   q, kk, v, d_out = random_qkv(8, b, t, s, n, k, h)
   lengths = jnp.array([600, 290], jnp.int32)

@@ -102,19 +102,19 @@ def test_verifier_catches_what_the_gpu_would_refuse(monkeypatch):
     lower_for_cuda(fn, jax.ShapeDtypeStruct((16,), jnp.float32))
 
 
-@pytest.mark.parametrize("t,n,k,h,dtype", [
-    (1, 32, 8, 128, jnp.bfloat16), (16, 32, 8, 64, jnp.float16), (4, 8, 8, 256, jnp.bfloat16),
-    (2, 6, 2, 80, jnp.float32)])
-def test_decode_split_kv_lowers(t, n, k, h, dtype, monkeypatch):
-  """The split-KV decoding kernel (GQA 32/8 and MHA, T up to 16, padded head dims) with the
-  kernel that merges its splits (``merge="kernel"``, not the default) and, under jax.grad, the
-  training backward behind it; no training forward."""
+@pytest.mark.parametrize("t,n,k,h,dtype,heads", [
+    (1, 32, 8, 128, jnp.bfloat16, 1), (16, 32, 8, 64, jnp.float16, 2),
+    (4, 8, 8, 256, jnp.bfloat16, 1), (2, 6, 2, 80, jnp.float32, 2)])
+def test_decode_split_kv_lowers(t, n, k, h, dtype, heads, monkeypatch):
+  """The split-KV decoding kernel (GQA 32/8 and MHA, T up to 16, padded head dims, one or two
+  K/V heads per program) with the kernel that merges its splits (``merge="kernel"``, not the
+  default) and, under jax.grad, the training backward behind it; no training forward."""
   import dataclasses
 
   from jaxflash.backends.triton import decode
   default = decode.default_config
-  monkeypatch.setattr(decode, "default_config", lambda *a: dataclasses.replace(
-      default(*a), merge="kernel"))
+  monkeypatch.setattr(decode, "default_config", lambda *a, **kw: dataclasses.replace(
+      default(*a, **kw), merge="kernel", heads=heads))
   q = jax.ShapeDtypeStruct((2, t, n, h), dtype)
   cache = jax.ShapeDtypeStruct((2, 5000, k, h), dtype)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
@@ -131,11 +131,12 @@ def test_decode_split_kv_lowers(t, n, k, h, dtype, monkeypatch):
   assert "jaxflash_backward_dq" in text and "jaxflash_backward_dkv" in text
 
 
-@pytest.mark.parametrize("page_size", [16, 256])
-def test_decode_split_kv_on_pages_lowers(page_size):
-  """The split-KV kernel reading a paged cache where it lies (pages as key blocks)."""
-  q = jax.ShapeDtypeStruct((3, 1, 32, 128), jnp.bfloat16)
-  pages = jax.ShapeDtypeStruct((3 * 4096 // page_size + 5, page_size, 8, 128), jnp.bfloat16)
+@pytest.mark.parametrize("page_size,h", [(16, 128), (256, 128), (64, 64)])
+def test_decode_split_kv_on_pages_lowers(page_size, h):
+  """The split-KV kernel reading a paged cache where it lies (pages as key blocks; at D = 64,
+  two K/V heads per program)."""
+  q = jax.ShapeDtypeStruct((3, 1, 32, h), jnp.bfloat16)
+  pages = jax.ShapeDtypeStruct((3 * 4096 // page_size + 5, page_size, 8, h), jnp.bfloat16)
   table = jax.ShapeDtypeStruct((3, 4096 // page_size), jnp.int32)
   lengths = jax.ShapeDtypeStruct((3,), jnp.int32)
 
@@ -149,4 +150,4 @@ def test_decode_split_kv_on_pages_lowers(page_size):
   # them here, so XLA's dead-code elimination drops them when it compiles.)
   kernel_call = next(line for line in text.splitlines()
                      if "jaxflash_decode_split_kv" in line and "custom_call" in line)
-  assert f"x{page_size}x8x128xbf16" in kernel_call  # the pages, not rows, go into the kernel
+  assert f"x{page_size}x8x{h}xbf16" in kernel_call  # the pages, not rows, go into the kernel

@@ -95,12 +95,83 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
   return None
 
 
-def default_config(inputs: Inputs, training: Config, device: Device) -> DecodeConfig:
-  """Splits from `wave_splits` (2 to 4 programs per SM, spread evenly over the SMs); 64-key
-  blocks, 4 warps, 2 stages (3 at head dims up to 64, whose tiles are half as large, and up to
-  128 where all programs fit on the GPU at once with 3: `all_resident`). Where the (batch row,
-  K/V head) pairs alone make at least 90% of two programs per SM and fit at once with 3
-  stages, one split each (`wave_splits` would give them 2 only between 90 and 100%).
+def default_config(inputs: Inputs, training: Config, device: Device,
+                   page_size: int | None = None) -> DecodeConfig:
+  """The shipped launch for a call on ``device`` (``page_size``: the pages' keys, for a paged
+  cache): two K/V heads per program where that is faster (`paired_config`), else one
+  (`single_config`)."""
+  from jaxflash.backends.mosaic.config import sm_count  # (a table of device kinds)
+  sms = sm_count(device.kind)
+  hp = padded_head_dim(inputs.query.shape[-1])
+  paired = None
+  if hp * inputs.key.dtype.itemsize <= 128 and inputs.key.shape[2] % 2 == 0:
+    paired = paired_config(inputs, training, sms, page_size)
+  return paired or single_config(inputs, training, sms)
+
+
+# Where a contiguous cache's pairs fit on the GPU at once, a program of two heads pays only if
+# it runs at least this many key blocks (4096 keys).
+MIN_PAIRED_BLOCKS = 64
+
+
+def paired_config(inputs: Inputs, training: Config, sm_count: int,
+                  page_size: int | None) -> DecodeConfig | None:
+  """Two neighbouring K/V heads per program (`DecodeConfig.heads`), 64-key blocks (or pages),
+  4 warps, 3 stages; or None where one head per program is faster.
+  - A contiguous cache gets as many programs as fit on the GPU at once, 2 per SM at D = 64 (96
+    KiB of buffers each), with one split per (batch row, head pair) where those alone nearly
+    fill that: its loads are pipelined and its programs should all be resident. None where a
+    program would then run fewer than `MIN_PAIRED_BLOCKS` key blocks (B = 1).
+  - Where the pairs alone make more than one wave, 2 splits each, launched heads first.
+  - A paged cache gets up to 4 programs per SM: the loads of its pages, whose addresses come
+    from the page table, are not pipelined, and more programs hide their latency.
+
+  Why (H200, 2026-11-23, bf16, `decode_h200_2026-11-23/heads/`): a row of one head is 128 bytes
+  at D = 64 and 64 at D = 32, of a row of the cache 8x as long (GQA 32/8). Two heads per program
+  read it faster wherever a program runs at least `MIN_PAIRED_BLOCKS` key blocks:
+  - GQA 32/8, D = 64, contiguous: 8 x 128k 506 µs (one head 524, cuDNN 512), 64 x 4k 142
+    (150), 64 x 32k 994 (1041), 64 x 128k 3886 (4073); 8 x 32k level (141, 143);
+  - D = 32: 8 x 128k 308 µs (one head 420, four heads 383), 64 x 32k 638 (865, 732);
+  - paged, D = 64: 8 x 128k 513 µs with 16 splits (one head 602; 12 splits 529), 64 x 32k 999
+    with 2 (1082);
+  - MHA 32/32, D = 64, B = 64, with 2 splits and the heads first in the grid: 4k 504 µs (one
+    head, one split 541, cuDNN 510), 32k 3807 (4178, 3881);
+  - but at B = 1, where a program runs 1 to 32 blocks, 8-15% slower than one head (1 x 4k:
+    60 against 52 µs; 1 x 128k: 90 against 83)."""
+  b, s, k = inputs.key.shape[:3]
+  heads = 2
+  groups = b * k // heads  # programs per split
+  block_k = page_size or tiles.fit(64, s)
+  blocks = pl.cdiv(s, block_k)
+  hp = padded_head_dim(inputs.query.shape[-1])
+  per_stage = 2 * block_k * hp * heads * inputs.key.dtype.itemsize  # a K and a V block
+  if page_size is not None:
+    splits = used_splits(blocks, 4 * sm_count // groups)
+    stages = max(1, min(3, SMEM_PER_SM // per_stage))  # (pages of up to 256 keys)
+    return DecodeConfig(splits=splits, block_k=block_k, num_stages=stages, heads=heads,
+                        training=training)
+  per_program = 3 * per_stage
+  per_sm = max(1, SMEM_PER_SM // per_program)
+  room = per_sm * sm_count  # programs resident at once
+  if groups > room:
+    # Several waves at any split count (MHA at B = 64): two splits, launched heads first, so
+    # that the programs running together read whole rows of the cache.
+    return DecodeConfig(splits=used_splits(blocks, 2), block_k=block_k, num_stages=3,
+                        heads=heads, grid_order=("head", "split", "batch"), training=training)
+  splits = 1 if groups >= 0.9 * room else wave_splits(blocks, groups, sm_count, per_sm)
+  if pl.cdiv(blocks, splits) < MIN_PAIRED_BLOCKS:
+    return None
+  return DecodeConfig(splits=splits, block_k=block_k, num_stages=3, heads=heads,
+                      training=training)
+
+
+def single_config(inputs: Inputs, training: Config, sm_count: int) -> DecodeConfig:
+  """One K/V head per program. Splits from `wave_splits` (2 to 4 programs per SM, spread evenly
+  over the SMs); 64-key blocks, 4 warps, 2 stages (3 at head dims up to 64, whose tiles are
+  half as large, and up to 128 where all programs fit on the GPU at once with 3:
+  `all_resident`). Where the (batch row, K/V head) pairs alone make at least 90% of two
+  programs per SM and fit at once with 3 stages, one split each (`wave_splits` would give
+  them 2 only between 90 and 100%).
 
   Tuned on an H200 (2026-11-22, bf16, T = 1; `benchmarks/decode.py --tune`, results in
   benchmarks/results/decode_h200_2026-11-22) over 64 or 128 keys, 4 or 8 warps, 2 to 4 stages
@@ -109,19 +180,17 @@ def default_config(inputs: Inputs, training: Config, device: Device) -> DecodeCo
   up to 13% slower. At D = 64, 3 stages were the fastest at B = 8 (2 stages: up to 24% slower)
   and within 1% of it at B = 1. The split count was swept alone later the same day
   (`decode.py --tune-splits`, `splits_*.json` there): see `wave_splits`."""
-  from jaxflash.backends.mosaic.config import sm_count  # (a table of device kinds)
   b, s, k = inputs.key.shape[:3]
   block_k = tiles.fit(64, s)
-  sms = sm_count(device.kind)
   hp = padded_head_dim(inputs.query.shape[-1])
-  resident = functools.partial(all_resident, sm_count=sms, stages=3, block_k=block_k, hp=hp,
-                               itemsize=inputs.key.dtype.itemsize)
-  if hp <= 128 and b * k >= 0.9 * 2 * sms and resident(b * k):
+  resident = functools.partial(all_resident, sm_count=sm_count, stages=3, block_k=block_k,
+                               hp=hp, itemsize=inputs.key.dtype.itemsize)
+  if hp <= 128 and b * k >= 0.9 * 2 * sm_count and resident(b * k):
     # The (batch row, K/V head) pairs alone nearly fill two programs per SM, and fit at once:
     # one split each, nothing to merge. (H200, MHA 32/32 at B = 8: 1.4-4% faster than 2 splits
     # at 4k to 128k keys, `decode_h200_2026-11-22/one_split/`.)
     return DecodeConfig(splits=1, block_k=block_k, num_stages=3, training=training)
-  splits = wave_splits(pl.cdiv(s, block_k), b * k, sms)
+  splits = wave_splits(pl.cdiv(s, block_k), b * k, sm_count)
   stages = 3 if hp <= 64 else 2
   if hp <= 128 and resident(splits * b * k):
     stages = 3  # (deeper, where every program still has a place at once)
@@ -146,10 +215,12 @@ def all_resident(programs: int, sm_count: int, stages: int, block_k: int, hp: in
   return per_sm * stages * 2 * block_k * hp * itemsize <= SMEM_PER_SM
 
 
-def wave_splits(blocks: int, rows: int, sm_count: int) -> int:
-  """Splits of each cache row for ``rows`` (batch row, K/V head) pairs of ``blocks`` key blocks.
+def wave_splits(blocks: int, rows: int, sm_count: int, per_sm: int = 4) -> int:
+  """Splits of each cache row for ``rows`` (batch row, K/V head group) programs of ``blocks``
+  key blocks.
 
-  Among the counts that give 2 to 4 programs per SM, it takes the one whose programs are spread
+  Among the counts that give 2 to ``per_sm`` (at most 4) programs per SM, it takes the one whose
+  programs are spread
   most evenly over the SMs (programs / (SMs x waves), ties to fewer programs), with no split
   left without a key block. Why: in the H200 sweep (`decode.py --tune-splits`, 132 SMs), 32
   K/V heads at B = 1 ran 4-7% faster with 12 splits (384 programs, 2.9 per SM) than with 9
@@ -157,9 +228,10 @@ def wave_splits(blocks: int, rows: int, sm_count: int) -> int:
   per SM) were slower, as were 13 to 16. At B = 8 with 8 K/V heads, 6 splits (384 programs)
   matched or beat 5 (320). Where two programs per SM already fill whole waves (8 K/V heads at
   B = 1, 33 splits) the count is unchanged."""
-  low = max(1, pl.cdiv(2 * sm_count, rows))
+  high = max(1, per_sm * sm_count // rows)
+  low = min(high, max(1, pl.cdiv(2 * sm_count, rows)))
   best_fill, best = -1.0, 1
-  for splits in range(low, max(low, 4 * sm_count // rows) + 1):
+  for splits in range(low, high + 1):
     splits = used_splits(blocks, splits)
     programs = splits * rows
     fill = programs / (pl.cdiv(programs, sm_count) * sm_count)
