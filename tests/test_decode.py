@@ -139,8 +139,10 @@ def test_several_kv_heads_per_program(heads, paged, t, monkeypatch):
   from jaxflash.backends.triton import decode
   configs = []
   default = decode.default_config
+  # (Four float32 heads' buffers take 64 KiB a stage: one stage of 32-key blocks fits an SM.)
+  tiles = dict(block_k=32, num_stages=1) if heads == 4 else {}
   monkeypatch.setattr(decode, "default_config", lambda *a, **kw: configs.append(
-      dataclasses.replace(default(*a, **kw), heads=heads, splits=3)) or configs[-1])
+      dataclasses.replace(default(*a, **kw), heads=heads, splits=3, **tiles)) or configs[-1])
   b, s, n, k, h = 3, 192, 8, 4, 40
   q, kk, v, _ = random_qkv(5, b, t, s, n, k, h)
   kk = kk.at[1, 20, 2, 3].set(jnp.nan)  # K/V head 2 of row 1: query heads 4 and 5
@@ -292,6 +294,36 @@ def test_paged_cache_matches_contiguous(implementation, page_size, monkeypatch):
     pages_grad = np.asarray(pages_grad, np.float32)
     assert rel_err(pages_grad[used].reshape(rows_grad.shape), rows_grad) < 5e-2
     assert not np.delete(pages_grad, used, axis=0).any()
+
+
+@pytest.mark.parametrize("page_size,block_k,heads", [(64, 16, 1), (16, 64, 2), (16, 64, 1),
+                                                     (32, 32, 2)])
+def test_key_blocks_made_of_pages(page_size, block_k, heads, monkeypatch):
+  """The split-KV kernel's key blocks on a paged cache: parts of a page (64-key pages, 16-key
+  blocks), several whole pages (16-key pages, 64-key blocks: four a block, or two where a row's
+  6 pages do not divide by four) or one; over 3 splits, against the reference, with rows that
+  end inside a page, T = 2 and a window."""
+  from jaxflash.backends.triton import decode
+  configs, blocks = [], []
+  default = decode.default_config
+  monkeypatch.setattr(decode, "default_config", lambda *a, **kw: configs.append(
+      dataclasses.replace(default(*a, **kw), block_k=block_k, splits=3, heads=heads))
+      or configs[-1])
+  key_pieces = decode._key_pieces
+  monkeypatch.setattr(decode, "_key_pieces", lambda j, table, block, *a: blocks.append(block)
+                      or key_pieces(j, table, block, *a))
+  per_row = 6 if page_size == 16 and heads == 1 else 4
+  b, t, n, k, h = 3, 2, 4, 2, 32
+  s = per_row * page_size
+  q, kk, v, _ = random_qkv(7, b, t, s, n, k, h)
+  kv_lengths = jnp.array([s, s // 2 + 5, 9], jnp.int32)
+  (k_pages, table), (v_pages, _) = _paged(kk, page_size, 8), _paged(v, page_size, 8)
+  got = jaxflash.decode_attention(q, k_pages, v_pages, kv_lengths, page_table=table,
+                                  local_window_size=(s // 2, 0), implementation="triton",
+                                  interpret=interpret_for("triton"))
+  want, _ = _want(q, kk, v, kv_lengths, s // 2)
+  assert configs and blocks and set(blocks) == {32 if per_row == 6 else block_k}
+  assert rel_err(got, want) < TOLERANCE[jnp.float32]
 
 
 def test_decode_is_flash_attention_with_shifted_positions():
