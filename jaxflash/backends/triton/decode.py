@@ -65,9 +65,6 @@ class DecodeConfig:
   # vectors (``heads`` x H x itemsize bytes in a row of the cache), each head with its own
   # query tile, dot products and softmax state. The head axis of the grid is K / heads.
   heads: int = 1
-  # The L2 eviction hint of the K/V loads (None, "evict_first", "evict_last"): each K/V byte is
-  # read once.
-  eviction: str | None = None
   training: Config = dataclasses.field(default_factory=Config)
 
   def __post_init__(self):
@@ -78,9 +75,6 @@ class DecodeConfig:
       raise ValueError(f"merge must be 'kernel' or 'xla', got {self.merge!r}")
     if self.heads < 1:
       raise ValueError(f"heads must be at least 1, got {self.heads}")
-    if self.eviction not in (None, "evict_first", "evict_last"):
-      raise ValueError(f"eviction must be None, 'evict_first' or 'evict_last', got "
-                       f"{self.eviction!r}")
 
 
 def rows_for(inputs: Inputs) -> int:
@@ -253,8 +247,7 @@ def used_splits(blocks: int, splits: int) -> int:
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse_ref, *,
             params: Params, t: int, rows_used: int, blocks_per_split: int, block_k: int,
-            page_size: int | None, split_axis: int, whole: bool, st: tiles.Static,
-            eviction: str | None):
+            page_size: int | None, split_axis: int, whole: bool, st: tiles.Static):
   """One (split, batch row, group of F K/V heads); the split is grid axis ``split_axis``.
   ``q_ref`` is the group's query tiles [F, rows, hp]; ``k_ref`` and ``v_ref`` are the row's
   cache [S, F, hp], or with ``table_ref`` (the row's page table) the group's pages [num_pages,
@@ -265,7 +258,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse
   and the internal LSE (+inf on empty rows, `jaxflash._core`)."""
   heads, rows = q_ref.shape[:2]
   head_ids = [jnp.int32(i) for i in range(heads)]  # (Pallas wants array indices in loads)
-  hints = {} if eviction is None else dict(eviction_policy=eviction)
   r = jnp.arange(rows)
   token = r % t  # rows are (query head, token) pairs, token fastest
   row_ok = r < rows_used
@@ -294,7 +286,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse
     for i, q, (acc, m, l) in zip(head_ids, qs, carry):
       logits = []
       for (index, _, kv_ok), seen in zip(pieces, visible):
-        k = tiles.load(k_ref.at[index(i)], mask=kv_ok, other=0.0, **hints)
+        k = tiles.load(k_ref.at[index(i)], mask=kv_ok, other=0.0)
         s2, _ = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, None)
         logits.append(jnp.where(seen, s2, -jnp.inf))
       m_new = functools.reduce(jnp.maximum, [jnp.max(s2, axis=1) for s2 in logits], m)
@@ -303,7 +295,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse
       acc, l = acc * alpha[:, None], l * alpha
       for (index, _, kv_ok), s2 in zip(pieces, logits):
         p = jnp.exp2(s2 - m_shift[:, None])
-        v = tiles.load(v_ref.at[index(i)], mask=kv_ok, other=0.0, **hints)
+        v = tiles.load(v_ref.at[index(i)], mask=kv_ok, other=0.0)
         acc, l = acc + plgpu.dot(p.astype(v.dtype), v), l + jnp.sum(p, axis=1)
       new.append((acc, m_new, l))
     return tuple(new)
@@ -483,8 +475,7 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
   kernel = functools.partial(_kernel, params=params, t=t, rows_used=g * t,
                              blocks_per_split=per_split, block_k=block_k,
                              page_size=None if pages is None else page_size,
-                             split_axis=order.index("split"), whole=whole, st=st,
-                             eviction=config.eviction)
+                             split_axis=order.index("split"), whole=whole, st=st)
   row_pair = pl.BlockSpec((None, 2), named(lambda split, batch, head: (batch, 0)))
   sizes = dict(split=splits, batch=b, head=kv_heads // fold)
   return pl.pallas_call(

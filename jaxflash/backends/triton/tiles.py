@@ -108,12 +108,11 @@ def _and(a, b):
   return jnp.logical_and(a, b)
 
 
-def load(ref, mask, other, **hints):
-  """Masked tile load; Triton refuses ``other`` without a mask, and in-bounds tiles have none.
-  ``hints``: `plgpu.load`'s cache hints (``eviction_policy``)."""
+def load(ref, mask, other):
+  """Masked tile load; Triton refuses ``other`` without a mask, and in-bounds tiles have none."""
   if mask is None:
-    return plgpu.load(ref, **hints)
-  return plgpu.load(ref, mask=mask, other=other, **hints)
+    return plgpu.load(ref)
+  return plgpu.load(ref, mask=mask, other=other)
 
 
 def tile_ok(row_ok, col_ok):
