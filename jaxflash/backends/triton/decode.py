@@ -450,9 +450,9 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
   # tile, [rows, hp], reaches past its ends.
   qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)
   block_k = config.block_k
-  fold = config.heads  # K/V heads per program
-  if kv_heads % fold:
-    raise ValueError(f"DecodeConfig.heads = {fold} must divide the {kv_heads} K/V heads")
+  # K/V heads per program: the config's where they divide the K/V heads here (a shard of a call
+  # sharded over its heads may hold fewer than the whole call the config was chosen for).
+  fold = math.gcd(config.heads, kv_heads)
   table = table_spec = None
   order = config.grid_order
   named = lambda f: lambda *ids: f(**dict(zip(order, ids)))  # noqa: E731  (index maps by axis)
