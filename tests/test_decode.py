@@ -100,6 +100,7 @@ def test_stage_and_split_counts(b, n, k, h, stages, splits):
 
 @pytest.mark.parametrize("b,s,k,h,page_size,dtype,want", [
     (8, 131072, 8, 64, None, BF16, (2, 8, ("split", "batch", "head"))),  # 256 programs, resident
+    ((8, 16), 131072, 8, 64, None, BF16, (1, 6, ("split", "batch", "head"))),  # T = 16: 64 rows
     (8, 131072, 8, 32, None, BF16, (2, 12, ("split", "batch", "head"))),  # (48 KiB: 4 per SM)
     (64, 32768, 8, 64, None, BF16, (2, 1, ("split", "batch", "head"))),
     (64, 4096, 32, 64, None, BF16, (2, 2, ("head", "split", "batch"))),  # several waves anyway
@@ -111,15 +112,17 @@ def test_stage_and_split_counts(b, n, k, h, stages, splits):
 ])
 def test_heads_per_program(b, s, k, h, page_size, dtype, want):
   """The shipped config on an H200 (132 SMs) pairs neighbouring K/V heads in a program where a
-  head's key row is at most 128 bytes and K is even, on a paged cache always and on a contiguous
-  one where each program still runs at least 64 key blocks; paired programs fill the SMs' room
-  once (contiguous), or 4 per SM (paged), or where they make several waves anyway, take 2 splits
-  and launch heads first."""
+  head's key row is at most 128 bytes, K is even and a head's query tile has 16 rows (T = 1 to
+  4 at GQA 32/8; ``b`` is (B, T) for T > 1), on a paged cache always and on a contiguous one
+  where each program still runs at least 64 key blocks; paired programs fill the SMs' room once
+  (contiguous), or 4 per SM (paged), or where they make several waves anyway, take 2 splits and
+  launch heads first."""
   from jaxflash import _core
   from jaxflash.backends import triton
   from jaxflash.backends.triton import decode
   from jaxflash.devices import Device
-  q = jax.ShapeDtypeStruct((b, 1, 4 * k, h), dtype)
+  b, t = b if isinstance(b, tuple) else (b, 1)
+  q = jax.ShapeDtypeStruct((b, t, 4 * k, h), dtype)
   kv = jax.ShapeDtypeStruct((b, s, k, h), dtype)
   inputs = _core.Inputs(q, kv, kv, jax.ShapeDtypeStruct((b, 2), jnp.int32))
   config = decode.default_config(inputs, triton.Config(), Device("gpu", "NVIDIA H200", True),

@@ -105,7 +105,8 @@ def default_config(inputs: Inputs, training: Config, device: Device,
   sms = sm_count(device.kind)
   hp = padded_head_dim(inputs.query.shape[-1])
   paired = None
-  if hp * inputs.key.dtype.itemsize <= 128 and inputs.key.shape[2] % 2 == 0:
+  if (hp * inputs.key.dtype.itemsize <= 128 and inputs.key.shape[2] % 2 == 0
+      and rows_for(inputs) <= PAIRED_ROWS):
     paired = paired_config(inputs, training, sms, page_size)
   return paired or single_config(inputs, training, sms)
 
@@ -113,12 +114,18 @@ def default_config(inputs: Inputs, training: Config, device: Device,
 # Where a contiguous cache's pairs fit on the GPU at once, a program of two heads pays only if
 # it runs at least this many key blocks (4096 keys).
 MIN_PAIRED_BLOCKS = 64
+# Two heads per program only where each head's query tile has at most this many rows: GQA 32/8
+# at D = 64 with T = 16 (64 rows a head) ran 1-17% slower with two (H200, 2026-11-23,
+# `decode_h200_2026-11-23/heads/6_tokens_t4_t16_d64.json`), and T = 4 (16 rows) up to 14% faster.
+PAIRED_ROWS = 16
 
 
 def paired_config(inputs: Inputs, training: Config, sm_count: int,
                   page_size: int | None) -> DecodeConfig | None:
-  """Two neighbouring K/V heads per program (`DecodeConfig.heads`), 64-key blocks (or pages),
-  4 warps, 3 stages; or None where one head per program is faster.
+  """Two neighbouring K/V heads per program (`DecodeConfig.heads`), 64-key blocks, 4 warps,
+  3 stages; or None where one head per program is faster. (`default_config` asks only where
+  a head's key row is at most 128 bytes, K is even and the query tiles have at most
+  `PAIRED_ROWS` rows.)
   - A contiguous cache gets as many programs as fit on the GPU at once, 2 per SM at D = 64 (96
     KiB of buffers each), with one split per (batch row, head pair) where those alone nearly
     fill that: its loads are pipelined and its programs should all be resident. None where a
