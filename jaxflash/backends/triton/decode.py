@@ -3,10 +3,12 @@
 A decoding call has few query rows (T new tokens for each of the N query heads) and a long cache.
 The training forward would give each (batch row, query head) one program, which fills one row of
 a 16-row tile and reads every K/V byte once per query head of a GQA group. Here:
-- grid over (split, B, K): one program per K/V head and split of the cache, so a single long
-  row still spreads over the GPU (`DecodeConfig.grid_order` gives the axes' launch order);
-- a program's query tile holds the T tokens of all G query heads of its K/V head (G·T rows,
-  padded to a power of two, at least 16), so each K/V byte of the split is read once;
+- grid over (split, B, K / F): one program per F neighbouring K/V heads (1, or 2 at D = 64:
+  `DecodeConfig.heads`) and split of the cache, so a single long row still spreads over the
+  GPU (`DecodeConfig.grid_order` gives the axes' launch order);
+- a program's query tile for each of its K/V heads holds the T tokens of all G query heads of
+  that head (G·T rows, padded to a power of two, at least 16), so each K/V byte of the split is
+  read once;
 - each program writes a partial output and LSE over its keys, and `forward` combines the
   splits exactly through the LSE (in XLA by default, or in one more launch: `DecodeConfig.merge`);
   with a single split the kernel writes the result itself.
@@ -45,8 +47,8 @@ MAX_ROWS = 128  # G·T query rows per program: the accumulator is [rows, head di
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeConfig:
-  """The split-KV forward's launch (``splits`` programs per (batch row, K/V head), key blocks of
-  ``block_k``), and the training kernels' config for the backward."""
+  """The split-KV forward's launch (``splits`` programs per (batch row, group of ``heads`` K/V
+  heads), key blocks of ``block_k``), and the training kernels' config for the backward."""
 
   splits: int
   block_k: int = 64
@@ -226,8 +228,7 @@ def wave_splits(blocks: int, rows: int, sm_count: int, per_sm: int = 4) -> int:
   key blocks.
 
   Among the counts that give 2 to ``per_sm`` (at most 4) programs per SM, it takes the one whose
-  programs are spread
-  most evenly over the SMs (programs / (SMs x waves), ties to fewer programs), with no split
+  programs are spread most evenly over the SMs (programs / (SMs x waves), ties to fewer programs), with no split
   left without a key block. Why: in the H200 sweep (`decode.py --tune-splits`, 132 SMs), 32
   K/V heads at B = 1 ran 4-7% faster with 12 splits (384 programs, 2.9 per SM) than with 9
   (288, 2.2 per SM, which leaves part of a wave idle at the end). 8 splits (256 programs, 1.9
