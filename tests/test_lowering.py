@@ -133,8 +133,9 @@ def test_decode_split_kv_lowers(t, n, k, h, dtype, heads, monkeypatch):
 
 @pytest.mark.parametrize("page_size,h", [(16, 128), (256, 128), (64, 64)])
 def test_decode_split_kv_on_pages_lowers(page_size, h):
-  """The split-KV kernel reading a paged cache where it lies (pages as key blocks; at D = 64,
-  two K/V heads per program)."""
+  """The split-KV kernel reading a paged cache where it lies: 64-key blocks of four 16-key
+  pages, of part of a 256-key page, or of one 64-key page (at D = 64, with two K/V heads per
+  program)."""
   q = jax.ShapeDtypeStruct((3, 1, 32, h), jnp.bfloat16)
   pages = jax.ShapeDtypeStruct((3 * 4096 // page_size + 5, page_size, 8, h), jnp.bfloat16)
   table = jax.ShapeDtypeStruct((3, 4096 // page_size), jnp.int32)
