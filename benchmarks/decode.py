@@ -250,7 +250,7 @@ def _split_candidates(row: dict, sm_count: int):
   quantization moves a cell, with nothing else changed."""
   from jax.experimental import pallas as pl
   from jaxflash.backends.triton.decode import used_splits
-  blocks = pl.cdiv(row["S"], 64 if row["layout"] == "contiguous" else row["page_size"])
+  blocks = pl.cdiv(row["S"], 64)  # (on either layout: a paged cache's blocks are 64 keys too)
   seen = set()
   for per_sm in SPLIT_SWEEP_PER_SM:  # (2: the rule shipped before `wave_splits`)
     splits = used_splits(blocks, math.ceil(per_sm * sm_count / (row["B"] * row["K"])))
@@ -260,18 +260,18 @@ def _split_candidates(row: dict, sm_count: int):
 
 
 def _tune_candidates(row: dict, sm_count: int):
-  """`DecodeConfig` fields to try for one cell: key blocks of 64 and 128 (a paged cache's page
-  size stands for it), 4 warps, 2 to 4 stages, and splits for 1, 2 or 4 programs per SM; then
-  8 warps at 3 stages and 2 programs per SM."""
+  """`DecodeConfig` fields to try for one cell: key blocks of 64 and 128, 4 warps, 2 to 4
+  stages, and splits for 1, 2 or 4 programs per SM; then 8 warps at 3 stages and 2 programs per
+  SM."""
   from jax.experimental import pallas as pl
-  block_ks = (64, 128) if row["layout"] == "contiguous" else (None,)
+  block_ks = (64, 128)
   seen = set()
   grid = list(itertools.product(block_ks, (4,), (2, 3, 4), (1, 2, 4)))
   grid += [(block_k, 8, 3, 2) for block_k in block_ks]
   for block_k, warps, stages, per_sm in grid:
-    blocks = pl.cdiv(row["S"], block_k or row["page_size"])
+    blocks = pl.cdiv(row["S"], block_k)
     splits = max(1, min(blocks, pl.cdiv(per_sm * sm_count, row["B"] * row["K"])))
-    fields = dict(block_k=block_k or 64, num_warps=warps, num_stages=stages, splits=splits)
+    fields = dict(block_k=block_k, num_warps=warps, num_stages=stages, splits=splits)
     if tuple(fields.values()) not in seen:
       seen.add(tuple(fields.values()))
       yield fields
@@ -280,17 +280,17 @@ def _tune_candidates(row: dict, sm_count: int):
 def _given_candidates(given: list[dict]):
   """`--candidates`: these `DecodeConfig` fields in every cell, on top of the shipped config. A
   candidate that changes the heads per program, or a contiguous cache's key blocks, but names
-  no ``splits`` gets `wave_splits`'s count (2 to 4 programs per SM) for its programs; any other
-  keeps the shipped config's count."""
+  no ``splits`` gets `wave_splits`'s count (2 to 4 programs per SM) for its programs and key
+  blocks (64 keys unless it names others, on either layout); any other keeps the shipped
+  config's count."""
   def candidates(row: dict, sm_count: int):
     from jax.experimental import pallas as pl
     from jaxflash.backends.triton.decode import wave_splits
     for fields in given:
       fields = dict(fields)
-      contiguous = row["layout"] == "contiguous"  # (a paged cache's blocks are its pages)
+      contiguous = row["layout"] == "contiguous"
       if "splits" not in fields and ("heads" in fields or "block_k" in fields and contiguous):
-        block_k = fields.get("block_k", 64) if contiguous else row["page_size"]
-        fields["splits"] = wave_splits(pl.cdiv(row["S"], block_k),
+        fields["splits"] = wave_splits(pl.cdiv(row["S"], fields.get("block_k", 64)),
                                        row["B"] * row["K"] // fields.get("heads", 1), sm_count)
       yield fields
   return candidates

@@ -325,7 +325,7 @@ def test_decode_candidates_take_wave_splits_for_their_own_blocks():
   assert list(decode._given_candidates([{"heads": 2}])(cell, 132)) == [
       {"heads": 2, "splits": wave_splits(512, 4, 132)}]
   assert list(decode._given_candidates([{"heads": 2}])(dict(cell, layout="paged"), 132)) == [
-      {"heads": 2, "splits": wave_splits(2048, 4, 132)}]
+      {"heads": 2, "splits": wave_splits(512, 4, 132)}]  # (64-key blocks, not 16-key pages)
 
 
 def test_multi_gpu_smoke(tmp_path, monkeypatch):

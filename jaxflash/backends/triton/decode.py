@@ -158,8 +158,7 @@ def paired_config(inputs: Inputs, training: Config, sm_count: int,
     splits = used_splits(blocks, 4 * sm_count // groups)
     return DecodeConfig(splits=splits, block_k=block_k, num_stages=3, heads=heads,
                         training=training)
-  per_program = 3 * 2 * block_k * hp * heads * inputs.key.dtype.itemsize  # K and V buffers
-  per_sm = max(1, SMEM_PER_SM // per_program)
+  per_sm = max(1, SMEM_PER_SM // buffer_bytes(3, block_k, hp * heads, inputs.key.dtype.itemsize))
   room = per_sm * sm_count  # programs resident at once
   if groups > room:
     # Several waves at any split count (MHA at B = 64): two splits, launched heads first, so
@@ -220,7 +219,12 @@ def all_resident(programs: int, sm_count: int, stages: int, block_k: int, hp: in
   for every program (32 K/V heads at B = 1: 384 programs), they were slower or level, and at
   B = 8 with 32 K/V heads (512 programs) they took 17% longer."""
   per_sm = pl.cdiv(programs, sm_count)
-  return per_sm * stages * 2 * block_k * hp * itemsize <= SMEM_PER_SM
+  return per_sm * buffer_bytes(stages, block_k, hp, itemsize) <= SMEM_PER_SM
+
+
+def buffer_bytes(stages: int, block_k: int, hp: int, itemsize: int) -> int:
+  """Shared memory of one program's pipeline: ``stages`` K and V blocks of [block_k, hp]."""
+  return stages * 2 * block_k * hp * itemsize
 
 
 def wave_splits(blocks: int, rows: int, sm_count: int, per_sm: int = 4) -> int:
@@ -228,10 +232,11 @@ def wave_splits(blocks: int, rows: int, sm_count: int, per_sm: int = 4) -> int:
   key blocks.
 
   Among the counts that give 2 to ``per_sm`` (at most 4) programs per SM, it takes the one whose
-  programs are spread most evenly over the SMs (programs / (SMs x waves), ties to fewer programs), with no split
-  left without a key block. Why: in the H200 sweep (`decode.py --tune-splits`, 132 SMs), 32
-  K/V heads at B = 1 ran 4-7% faster with 12 splits (384 programs, 2.9 per SM) than with 9
-  (288, 2.2 per SM, which leaves part of a wave idle at the end). 8 splits (256 programs, 1.9
+  programs are spread most evenly over the SMs (programs / (SMs x waves), ties to fewer
+  programs), with no split left without a key block. Why: in the H200 sweep (`decode.py
+  --tune-splits`, 132 SMs), 32 K/V heads at B = 1 ran 4-7% faster with 12 splits (384
+  programs, 2.9 per SM) than with 9 (288, 2.2 per SM, which leaves part of a wave idle at the
+  end). 8 splits (256 programs, 1.9
   per SM) were slower, as were 13 to 16. At B = 8 with 8 K/V heads, 6 splits (384 programs)
   matched or beat 5 (320). Where two programs per SM already fill whole waves (8 K/V heads at
   B = 1, 33 splits) the count is unchanged."""
