@@ -307,8 +307,8 @@ def test_decode_candidates_change_only_their_fields(monkeypatch):
 def test_decode_candidates_take_wave_splits_for_their_own_blocks():
   """decode.py --candidates: a candidate that changes the key blocks (or the heads per program)
   but names no split count gets `wave_splits`'s count for its programs; one that names a count,
-  or keeps the blocks, or changes the blocks of a paged cache (whose blocks are its pages),
-  keeps what it gives (the shipped count where it gives none)."""
+  or keeps the blocks, or changes only the blocks of a paged cache, keeps what it gives (the
+  shipped count where it gives none)."""
   import decode
   from jaxflash.backends.triton.decode import wave_splits
   given = [{"block_k": 128, "num_stages": 4}, {"splits": 3, "grid_order": ["head", "split",
