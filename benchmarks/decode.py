@@ -239,6 +239,10 @@ def _time_rounds(prepared, args, cfg: dict) -> None:
       events = [e for plane in gpu_events(compiled, args, calls).values() for e in plane]
       row["kernels"] = [dict(k, us=round(k["us"], 2))
                         for k in kernel_totals(events, calls, width=60)]
+      if events:  # the traced calls' GPU time from first start to last end, per call: above
+        # the kernels' sum by the GPU's idle gaps between them
+        row["gpu_span_us"] = round((max(e[1] for e in events) - min(e[0] for e in events))
+                                   / calls / 1e3, 2)
 
 
 SPLIT_SWEEP_PER_SM = (0.5, 1, 1.5, 2, 2.5, 3, 4, 6, 8)
@@ -330,6 +334,9 @@ def _line(r: dict) -> str:
     return f"{cell} FAILED {r['failed']}"
   kernels = "".join(f"\n    {k['us']:9.1f} us x{k['count']:g} {k['name']}"
                     for k in r.get("kernels", []))
+  if "gpu_span_us" in r:
+    kernels += f"\n    {r['gpu_span_us']:9.1f} us GPU span per traced call"
+
   return (f"{cell} {r['us']:9.1f} us {r['tb_s']:6.2f} TB/s ({r['of_copy']:.2f} of copy, "
           f"{r['copy_tb_s']:.2f} TB/s){kernels}")
 

@@ -76,15 +76,15 @@ def _force_splits(monkeypatch, splits: int, merge: str = "xla") -> list:
     (1, 32, 8, 64, 3, 33),
     (1, 32, 8, 256, 2, 33),
     (1, 32, 8, 96, 3, 33),  # (padded to 128)
-    (8, 32, 32, 128, 3, 1),  # 256 (batch row, K/V head) pairs: one split each, all resident
-    (8, 32, 32, 256, 2, 2),  # ... but not at D = 256, where they would not fit at once
-    (7, 28, 28, 128, 2, 2),  # 196 pairs: too few for two per SM
-    (64, 32, 8, 128, 2, 1),
+    (8, 32, 32, 256, 2, 2),  # 256 (batch row, K/V head) pairs that would not fit at once
+    (8, 32, 32, 128, 3, 8),  # long rows: about 8 waves of 256 programs (long_row_splits)
+    (7, 28, 28, 128, 3, 10),
+    (64, 32, 8, 128, 3, 4),
 ])
 def test_stage_and_split_counts(b, n, k, h, stages, splits):
   """The shipped config on an H200 (132 SMs, 128k-key bf16 cache): 3 stages at head dims up to
-  64, and up to 128 where every program fits on the GPU at once with 3; else 2. One split where
-  the (batch row, K/V head) pairs alone nearly fill two programs per SM and fit at once."""
+  64, and up to 128 where every program fits on the GPU at once with 3, or where the rows are
+  long enough for waves of two programs per SM (`long_row_splits`); else 2."""
   from jaxflash import _core
   from jaxflash.backends import triton
   from jaxflash.backends.triton import decode
@@ -94,12 +94,44 @@ def test_stage_and_split_counts(b, n, k, h, stages, splits):
   inputs = _core.Inputs(q, kv, kv, jax.ShapeDtypeStruct((b, 2), jnp.int32))
   config = decode.default_config(inputs, triton.Config(), Device("gpu", "NVIDIA H200", True))
   assert (config.num_stages, config.splits) == (stages, splits)
-  if 64 < h <= 128:
+  if 64 < h <= 128 and config.grid_order != decode.HEADS_FIRST:  # (one wave)
     assert decode.all_resident(config.splits * b * k, 132, 3, 64, 128, 2) == (stages == 3)
+
+
+@pytest.mark.parametrize("b,t,s,n,k,h,dtype,want", [
+    (8, 1, 131072, 32, 32, 128, BF16, (8, 3, True)),  # 2048 programs of 256 blocks
+    (64, 1, 32768, 32, 8, 128, BF16, (4, 3, True)),  # 2048 of 128 blocks
+    (64, 4, 32768, 32, 8, 128, BF16, (4, 3, True)),  # T = 4: T = 1's 16-row tiles
+    (64, 16, 32768, 32, 8, 128, BF16, (1, 2, False)),  # T = 16: 64-row tiles, not measured
+    (8, 1, 131072, 32, 8, 128, BF16, (6, 2, False)),  # 8 waves would leave 62 blocks a program
+    (8, 1, 131072, 32, 32, 256, BF16, (2, 2, False)),  # two programs would not fit on an SM
+    (8, 1, 131072, 32, 32, 128, jnp.float32, (2, 2, False)),  # (nor in float32)
+])
+def test_long_rows_take_waves(b, t, s, n, k, h, dtype, want):
+  """One head per program: long rows get about 8 waves of two 3-stage programs per SM, launched
+  heads first (`long_row_splits`), where the query tiles are T = 1's, two programs fit on an SM
+  and each still runs at least 128 key blocks; elsewhere the one-wave rules stand."""
+  from jaxflash import _core
+  from jaxflash.backends import triton
+  from jaxflash.backends.triton import decode
+  from jaxflash.devices import Device
+  q = jax.ShapeDtypeStruct((b, t, n, h), dtype)
+  kv = jax.ShapeDtypeStruct((b, s, k, h), dtype)
+  inputs = _core.Inputs(q, kv, kv, jax.ShapeDtypeStruct((b, 2), jnp.int32))
+  config = decode.default_config(inputs, triton.Config(), Device("gpu", "NVIDIA H200", True))
+  splits, stages, waves = want
+  assert (config.heads, config.splits, config.num_stages) == (1, splits, stages)
+  assert (config.grid_order == decode.HEADS_FIRST) == waves
+  if waves:  # (each wave resident: two programs per SM)
+    assert decode.all_resident(2 * 132, 132, 3, 64, h, jnp.dtype(dtype).itemsize)
+    assert config.splits * b * k >= 7 * 2 * 132
 
 
 @pytest.mark.parametrize("b,s,k,h,page_size,dtype,want", [
     (8, 131072, 8, 64, None, BF16, (2, 8, ("split", "batch", "head"))),  # 256 programs, resident
+    (8, 131072, 32, 64, None, BF16, (2, 16, ("head", "split", "batch"))),  # long rows: waves
+    (64, 131072, 8, 64, None, BF16, (2, 8, ("head", "split", "batch"))),
+    (8, 32768, 32, 64, None, BF16, (2, 2, ("split", "batch", "head"))),  # (too short for them)
     ((8, 16), 131072, 8, 64, None, BF16, (1, 6, ("split", "batch", "head"))),  # T = 16: 64 rows
     (8, 131072, 8, 32, None, BF16, (2, 12, ("split", "batch", "head"))),  # (48 KiB: 4 per SM)
     (64, 32768, 8, 64, None, BF16, (2, 1, ("split", "batch", "head"))),

@@ -133,6 +133,8 @@ def paired_config(inputs: Inputs, training: Config, sm_count: int,
     fill that: its loads are pipelined and its programs should all be resident. None where a
     program would then run fewer than `MIN_PAIRED_BLOCKS` key blocks (B = 1).
   - Where the pairs alone make more than one wave, 2 splits each, launched heads first.
+  - Where they fit at once but their rows are long, `long_row_splits`'s waves (MHA 32/32 at
+    B = 8, 128k; GQA 32/8 at B = 64, 128k).
   - A paged cache gets up to 4 programs per SM: the loads of its pages, whose addresses come
     from the page table, are not pipelined, and more programs hide their latency.
 
@@ -164,12 +166,47 @@ def paired_config(inputs: Inputs, training: Config, sm_count: int,
     # Several waves at any split count (MHA at B = 64): two splits, launched heads first, so
     # that the programs running together read whole rows of the cache.
     return DecodeConfig(splits=used_splits(blocks, 2), block_k=block_k, num_stages=3,
-                        heads=heads, grid_order=("head", "split", "batch"), training=training)
+                        heads=heads, grid_order=HEADS_FIRST, training=training)
+  many = long_row_splits(blocks, groups, room)
+  if many:
+    return DecodeConfig(splits=many, block_k=block_k, num_stages=3, heads=heads,
+                        grid_order=HEADS_FIRST, training=training)
   splits = 1 if groups >= 0.9 * room else wave_splits(blocks, groups, sm_count, per_sm)
   if pl.cdiv(blocks, splits) < MIN_PAIRED_BLOCKS:
     return None
   return DecodeConfig(splits=splits, block_k=block_k, num_stages=3, heads=heads,
                       training=training)
+
+
+# The grid's order for `long_row_splits`'s waves, and for paired programs that make several
+# waves anyway: heads fastest, so that the programs running at once read whole rows of the cache.
+HEADS_FIRST = ("head", "split", "batch")
+WAVES = 8  # (`long_row_splits`)
+MIN_WAVE_BLOCKS = 128
+
+
+def long_row_splits(blocks: int, groups: int, room: int) -> int | None:
+  """Splits for ``groups`` (batch row, K/V head group) programs of ``blocks`` key blocks where
+  ``room`` of them fit on the GPU at once: about `WAVES` waves of programs (launched
+  `HEADS_FIRST`), where that leaves each at least `MIN_WAVE_BLOCKS` blocks and 2 splits. None
+  where the rows are too short for that: one wave of longer programs is faster there.
+
+  Why (H200, 2026-11-23, bf16, T = 1, `decode_h200_2026-11-23/waves/`, 5-9 interleaved rounds;
+  the kernel's GPU time, then cuDNN ÷ jaxflash end to end, median round):
+  - MHA 32/32, D = 64, 8 x 128k: one wave of 256 programs (2 splits of 1024 blocks) 1868-1890
+    µs, 0.991-0.995; 16 splits (2048 programs of 128 blocks) 1840-1890 µs, 1.003-1.008 over
+    three calls (cuDNN's kernel 1850-1900). 4, 8, 12 and 24 splits were 2-21% slower and 32
+    level: the count matters more than a rule of waves explains.
+  - MHA 32/32, D = 128, 8 x 128k: one split (256 programs) 3813 µs, 1.003; 8 splits 3755,
+    1.019; 16 splits 1.009; 4 splits 0.982.
+  - GQA 32/8, D = 128, 64 x 32k: one split (512 programs, two partial waves) 1923 µs, 1.004;
+    4 splits 1898, 1.017; 8 1.007; 16 1.000.
+  - GQA 32/8, D = 64, 64 x 128k: one split 3829 µs; 8 splits 3760 (1.139 against 1.125).
+  - Rows too short for it: 16 splits at MHA D = 64, 8 x 32k (32 blocks a program) were 0.5-1%
+    slower than one wave of 2 splits, 64 at GQA D = 64, 8 x 128k (32 blocks) level or slower,
+    and at GQA D = 128, 8 x 32k and 8 x 128k 8 and 16 splits 1-3% slower than 6."""
+  splits = used_splits(blocks, WAVES * room // groups)
+  return splits if splits >= 2 and pl.cdiv(blocks, splits) >= MIN_WAVE_BLOCKS else None
 
 
 def single_config(inputs: Inputs, training: Config, sm_count: int) -> DecodeConfig:
@@ -178,7 +215,9 @@ def single_config(inputs: Inputs, training: Config, sm_count: int) -> DecodeConf
   half as large, and up to 128 where all programs fit on the GPU at once with 3:
   `all_resident`). Where the (batch row, K/V head) pairs alone make at least 90% of two
   programs per SM and fit at once with 3 stages, one split each (`wave_splits` would give
-  them 2 only between 90 and 100%).
+  them 2 only between 90 and 100%). Long rows whose query tiles are T = 1's (at most
+  `PAIRED_ROWS` rows) and whose 3-stage programs fit twice on an SM get `long_row_splits`'s
+  waves instead.
 
   Tuned on an H200 (2026-11-22, bf16, T = 1; `benchmarks/decode.py --tune`, results in
   benchmarks/results/decode_h200_2026-11-22) over 64 or 128 keys, 4 or 8 warps, 2 to 4 stages
@@ -192,6 +231,12 @@ def single_config(inputs: Inputs, training: Config, sm_count: int) -> DecodeConf
   hp = padded_head_dim(inputs.query.shape[-1])
   resident = functools.partial(all_resident, sm_count=sm_count, stages=3, block_k=block_k,
                                hp=hp, itemsize=inputs.key.dtype.itemsize)
+  many = long_row_splits(pl.cdiv(s, block_k), b * k, 2 * sm_count)
+  if many and rows_for(inputs) <= PAIRED_ROWS and resident(2 * sm_count):
+    # Long rows: waves of two programs per SM at 3 stages (measured with T = 1's tiles in
+    # bf16 at D = 64 to 128).
+    return DecodeConfig(splits=many, block_k=block_k, num_stages=3, grid_order=HEADS_FIRST,
+                        training=training)
   if hp <= 128 and b * k >= 0.9 * 2 * sm_count and resident(b * k):
     # The (batch row, K/V head) pairs alone nearly fill two programs per SM, and fit at once:
     # one split each, nothing to merge. (H200, MHA 32/32 at B = 8: 1.4-4% faster than 2 splits
