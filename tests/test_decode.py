@@ -242,6 +242,33 @@ def test_merge_kernel_matches_the_xla_merge(splits, h):
   assert np.isnan(got_lse[1, 2, 4]) and np.isnan(np.asarray(got_out[1, 2, 4], np.float32)).all()
 
 
+@pytest.mark.parametrize("splits", [2, 5, 16])
+def test_unrolled_merge_matches_partial_merge(splits):
+  """The split-by-split merge of up to 16 splits against `jaxflash.ops.partial.merge` (which
+  the XLA merge runs for more): splits that saw nothing (-inf), a row no split saw (zeros,
+  +inf), a NaN split (a NaN row), and large LSEs (no overflow)."""
+  from jaxflash import _core
+  from jaxflash.backends.triton import decode
+  from jaxflash.ops import partial
+  keys = jax.random.split(jax.random.key(4), 3)
+  b, kv_heads, rows, h = 2, 3, 5, 40
+  outs = jax.random.normal(keys[0], (b, kv_heads, splits, rows, h), jnp.float32)
+  lse2 = 4 * jax.random.normal(keys[1], (b, kv_heads, splits, rows), jnp.float32)
+  empty = jax.random.bernoulli(keys[2], 0.3, lse2.shape)
+  lse2 = jnp.where(empty, -jnp.inf, lse2).at[0, 0, :, 1].add(300.0)
+  outs = jnp.where(empty[..., None], 0.0, outs)
+  lse2 = lse2.at[0, 1, :, 2].set(-jnp.inf).at[1, 2, splits // 2, 4].set(jnp.nan)
+  got_out, got_lse = decode._merge_unrolled(outs, lse2)
+  want_out, want_lse = partial.merge(outs, lse2 * (1.0 / _core.LOG2_E), axis=2)
+  np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got_lse), np.asarray(_core.base2_lse(want_lse)),
+                             rtol=1e-6)
+  assert np.isfinite(np.asarray(got_out[0, 0, 1])).all()
+  assert got_lse[0, 1, 2] == jnp.inf and not np.asarray(got_out[0, 1, 2]).any()
+  assert np.isnan(got_lse[1, 2, 4]) and np.isnan(np.asarray(got_out[1, 2, 4])).all()
+  np.testing.assert_array_equal(np.isnan(np.asarray(got_out)), np.isnan(np.asarray(want_out)))
+
+
 @pytest.mark.parametrize("t,window,cap", [(1, None, None), (5, 7, 2.0)])
 def test_one_split_writes_the_result_itself(t, window, cap, monkeypatch):
   """With a single split the Triton kernel writes the output (query dtype) and the LSE itself,

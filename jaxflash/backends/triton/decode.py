@@ -57,11 +57,12 @@ class DecodeConfig:
   # The grid's axes in launch order, fastest first: CUDA starts programs in this order, so it
   # decides which parts of the cache the programs running together read.
   grid_order: tuple[str, ...] = ("split", "batch", "head")
-  # How several splits' results are merged: "xla" (`_merge_splits`, which XLA runs as two to
-  # four small fusions) or "kernel" (`_merge_kernel`, one launch). On an H200 (2026-11-22,
-  # `decode_h200_2026-11-22/merge/`) the kernel took 1-2 µs less GPU time per call at B = 1,
-  # but calls timed end to end were 5-6 µs slower at B = 1, 4k (its launch costs the host more
-  # than XLA's fusions do) and level elsewhere: so XLA's by default.
+  # How several splits' results are merged: "xla" (`_merge_splits`, which XLA runs as one or
+  # two small fusions) or "kernel" (`_merge_kernel`, one launch). On an H200 (2026-11-22,
+  # `decode_h200_2026-11-22/merge/`) the kernel took 1-2 µs less GPU time per call at B = 1
+  # than XLA's merge did then (three fusions), but calls timed end to end were 5-6 µs slower at
+  # B = 1, 4k (its launch costs the host more than XLA's fusions do) and level elsewhere: so
+  # XLA's by default.
   merge: str = "xla"
   # K/V heads per program: its loads of one key row then cover ``heads`` neighbouring heads'
   # vectors (``heads`` x H x itemsize bytes in a row of the cache), each head with its own
@@ -195,7 +196,7 @@ def long_row_splits(blocks: int, groups: int, room: int) -> int | None:
   the kernel's GPU time, then cuDNN ÷ jaxflash end to end, median round):
   - MHA 32/32, D = 64, 8 x 128k: one wave of 256 programs (2 splits of 1024 blocks) 1868-1890
     µs, 0.991-0.995; 16 splits (2048 programs of 128 blocks) 1840-1890 µs, 1.003-1.008 over
-    three calls (cuDNN's kernel 1850-1900). 4, 8, 12 and 24 splits were 2-21% slower and 32
+    four calls (cuDNN's kernel 1850-1900). 4, 8, 12 and 24 splits were 2-21% slower and 32
     level: the count matters more than a rule of waves explains.
   - MHA 32/32, D = 128, 8 x 128k: one split (256 programs) 3813 µs, 1.003; 8 splits 3755,
     1.019; 16 splits 1.009; 4 splits 0.982.
@@ -431,11 +432,41 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
 
 def _merge_splits(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Partial results ``[B, K, splits, rows, H]`` (float32) and base-2 LSEs ``[B, K, splits,
-  rows]`` (-inf where a split sees nothing) merged over the splits by
-  `jaxflash.ops.partial.merge`, in their own layout: ``(out [B, K, rows, H] float32, lse2
-  [B, K, rows], +inf on rows no split saw)``."""
+  rows]`` (-inf where a split sees nothing) merged over the splits, in their own layout: ``(out
+  [B, K, rows, H] float32, lse2 [B, K, rows], +inf on rows no split saw)``. Up to
+  `MERGE_UNROLLED` splits `_merge_unrolled`, else `jaxflash.ops.partial.merge`."""
+  if outs.shape[2] <= MERGE_UNROLLED:
+    return _merge_unrolled(outs, lse2)
   out, lse = partial.merge(outs, lse2 * (1.0 / _core.LOG2_E), axis=2)
   return out, _core.base2_lse(lse)
+
+
+# Split counts up to this are merged by `_merge_unrolled` (B = 1 takes up to 33).
+MERGE_UNROLLED = 64
+
+
+def _merge_unrolled(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`partial.merge`'s arithmetic in base 2, written split by split (each split a slice) rather
+  than as reductions over the split axis. A NaN in any split makes the row NaN; a row no split
+  saw gets zeros and +inf.
+
+  Why: a reduction ends an XLA fusion, and the reductions' form ran as three small kernels.
+  Elementwise ops only fuse into fewer (H200, 2026-11-23, `decode_h200_2026-11-23/waves/
+  11_merge_unrolled.json`, GPU time per call):
+  - 2 to 8 splits (B = 8): one kernel of 1.4-1.9 µs instead of two or three, 2.9-4.4 µs;
+  - 12 and 33 splits (B = 1): two kernels, 3.2-5.1 µs instead of three, 4.1-5.2 µs.
+  Calls timed end to end moved within their noise (cuDNN ÷ jaxflash at MHA D = 64, 8 x 32k:
+  0.996 → 1.000)."""
+  parts = [lse2[:, :, i] for i in range(lse2.shape[2])]
+  top = functools.reduce(jnp.maximum, parts)
+  shift = jnp.where(jnp.isfinite(top), top, 0.0)  # (no split saw the row: any finite shift)
+  weights = [jnp.exp2(part - shift) for part in parts]  # exp2(-inf) = 0 for empty splits
+  total = functools.reduce(jnp.add, weights)
+  seen = total != 0.0  # (a NaN split makes the total NaN, and the row stays NaN)
+  scale = 1.0 / jnp.where(seen, total, 1.0)
+  out = functools.reduce(jnp.add, [w[..., None] * outs[:, :, i] for i, w in enumerate(weights)])
+  lse = jnp.where(seen, shift + jnp.log2(jnp.where(seen, total, 1.0)), jnp.inf)
+  return out * scale[..., None], lse
 
 
 MERGE_CHUNK = 32  # splits merged per step of `_merge_kernel`: a [32, hp] float32 tile
