@@ -102,7 +102,7 @@ def test_stage_and_split_counts(b, n, k, h, stages, splits):
     (8, 1, 131072, 32, 32, 128, BF16, (8, 3, True)),  # 2048 programs of 256 blocks
     (64, 1, 32768, 32, 8, 128, BF16, (4, 3, True)),  # 2048 of 128 blocks
     (64, 4, 32768, 32, 8, 128, BF16, (4, 3, True)),  # T = 4: T = 1's 16-row tiles
-    (64, 16, 32768, 32, 8, 128, BF16, (1, 2, False)),  # T = 16: 64-row tiles, not measured
+    (64, 16, 32768, 32, 8, 128, BF16, (1, 3, False)),  # T = 16: 64-row tiles (tall_tiles_config)
     (8, 1, 131072, 32, 8, 128, BF16, (6, 2, False)),  # 8 waves would leave 62 blocks a program
     (8, 1, 131072, 32, 32, 256, BF16, (2, 2, False)),  # two programs would not fit on an SM
     (8, 1, 131072, 32, 32, 128, jnp.float32, (2, 2, False)),  # (nor in float32)
@@ -125,6 +125,37 @@ def test_long_rows_take_waves(b, t, s, n, k, h, dtype, want):
   if waves:  # (each wave resident: two programs per SM)
     assert decode.all_resident(2 * 132, 132, 3, 64, h, jnp.dtype(dtype).itemsize)
     assert config.splits * b * k >= 7 * 2 * 132
+
+
+@pytest.mark.parametrize("b,t,s,h,page_size,want", [
+    (8, 16, 32768, 128, None, (4, 3, True)),  # 256 programs: all resident, two per SM
+    (8, 8, 131072, 128, None, (4, 3, True)),  # (T = 8: 32-row tiles)
+    (64, 16, 32768, 128, None, (1, 3, False)),  # 512 programs: one split each
+    (1, 16, 131072, 128, None, (33, 3, False)),  # (B = 1: the default order)
+    (8, 16, 32768, 128, 64, (4, 3, True)),  # paged: the same at 64 rows
+    (8, 8, 32768, 128, 64, (6, 3, False)),  # ... wave_splits' count at 32
+    (8, 16, 32768, 64, None, (6, 3, False)),  # D = 64 and 256: the one-wave rules
+    (8, 16, 32768, 256, None, (6, 2, False)),
+    (8, 4, 32768, 128, None, (6, 2, False)),  # T = 4: T = 1's 16-row tiles
+])
+def test_tall_query_tiles(b, t, s, h, page_size, want):
+  """GQA 32/8 with query tiles of more than 16 rows at D = 128 (`tall_tiles_config`): 3 stages,
+  and on a contiguous cache (a paged one: at 64 rows) as many splits as keep two programs per
+  SM resident, heads first where B > 1."""
+  from jaxflash import _core
+  from jaxflash.backends import triton
+  from jaxflash.backends.triton import decode
+  from jaxflash.devices import Device
+  q = jax.ShapeDtypeStruct((b, t, 32, h), BF16)
+  kv = jax.ShapeDtypeStruct((b, s, 8, h), BF16)
+  inputs = _core.Inputs(q, kv, kv, jax.ShapeDtypeStruct((b, 2), jnp.int32))
+  config = decode.default_config(inputs, triton.Config(), Device("gpu", "NVIDIA H200", True),
+                                 page_size=page_size)
+  splits, stages, heads_first = want
+  assert (config.heads, config.splits, config.num_stages) == (1, splits, stages)
+  assert (config.grid_order == decode.HEADS_FIRST) == heads_first
+  if heads_first:
+    assert decode.all_resident(splits * b * 8, 132, 3, 64, h, 2)
 
 
 @pytest.mark.parametrize("b,s,k,h,page_size,dtype,want", [

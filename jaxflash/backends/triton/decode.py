@@ -111,7 +111,7 @@ def default_config(inputs: Inputs, training: Config, device: Device,
   if (hp * inputs.key.dtype.itemsize <= 128 and inputs.key.shape[2] % 2 == 0
       and rows_for(inputs) <= PAIRED_ROWS):
     paired = paired_config(inputs, training, sms, page_size)
-  return paired or single_config(inputs, training, sms)
+  return paired or single_config(inputs, training, sms, page_size)
 
 
 # Where a contiguous cache's pairs fit on the GPU at once, a program of two heads pays only if
@@ -210,7 +210,8 @@ def long_row_splits(blocks: int, groups: int, room: int) -> int | None:
   return splits if splits >= 2 and pl.cdiv(blocks, splits) >= MIN_WAVE_BLOCKS else None
 
 
-def single_config(inputs: Inputs, training: Config, sm_count: int) -> DecodeConfig:
+def single_config(inputs: Inputs, training: Config, sm_count: int,
+                  page_size: int | None = None) -> DecodeConfig:
   """One K/V head per program. Splits from `wave_splits` (2 to 4 programs per SM, spread evenly
   over the SMs); 64-key blocks, 4 warps, 2 stages (3 at head dims up to 64, whose tiles are
   half as large, and up to 128 where all programs fit on the GPU at once with 3:
@@ -218,7 +219,7 @@ def single_config(inputs: Inputs, training: Config, sm_count: int) -> DecodeConf
   programs per SM and fit at once with 3 stages, one split each (`wave_splits` would give
   them 2 only between 90 and 100%). Long rows whose query tiles are T = 1's (at most
   `PAIRED_ROWS` rows) and whose 3-stage programs fit twice on an SM get `long_row_splits`'s
-  waves instead.
+  waves instead, and taller tiles at D = 128 their own rule (`tall_tiles_config`).
 
   Tuned on an H200 (2026-11-22, bf16, T = 1; `benchmarks/decode.py --tune`, results in
   benchmarks/results/decode_h200_2026-11-22) over 64 or 128 keys, 4 or 8 warps, 2 to 4 stages
@@ -232,6 +233,8 @@ def single_config(inputs: Inputs, training: Config, sm_count: int) -> DecodeConf
   hp = padded_head_dim(inputs.query.shape[-1])
   resident = functools.partial(all_resident, sm_count=sm_count, stages=3, block_k=block_k,
                                hp=hp, itemsize=inputs.key.dtype.itemsize)
+  if 64 < hp <= 128 and rows_for(inputs) > PAIRED_ROWS and resident(2 * sm_count):
+    return tall_tiles_config(inputs, training, sm_count, page_size)
   many = long_row_splits(pl.cdiv(s, block_k), b * k, 2 * sm_count)
   if many and rows_for(inputs) <= PAIRED_ROWS and resident(2 * sm_count):
     # Long rows: waves of two programs per SM at 3 stages (measured with T = 1's tiles in
@@ -248,6 +251,39 @@ def single_config(inputs: Inputs, training: Config, sm_count: int) -> DecodeConf
   if hp <= 128 and resident(splits * b * k):
     stages = 3  # (deeper, where every program still has a place at once)
   return DecodeConfig(splits=splits, block_k=block_k, num_stages=stages, training=training)
+
+
+def tall_tiles_config(inputs: Inputs, training: Config, sm_count: int,
+                      page_size: int | None) -> DecodeConfig:
+  """One head per program at D = 128 with query tiles of more than `PAIRED_ROWS` rows (T = 8
+  and 16 at GQA 32/8: 32 and 64 rows), where two 3-stage programs fit on an SM: 3 stages. On a
+  contiguous cache, and on a paged one with tiles of 64 rows, as many splits as let every
+  program be resident at once (two per SM), launched heads first (`HEADS_FIRST`) where B > 1;
+  on a paged cache with shorter tiles, `wave_splits`'s.
+
+  Why (H200, 2026-11-23, bf16, `decode_h200_2026-11-23/tokens/`; µs, contiguous and paged;
+  the rule before this one took 2 stages and `wave_splits`'s 6 splits at B = 8, one at 64):
+  - T = 16, contiguous: 8 x 32k 367 → 273, 8 x 128k 1358 → 1001, 64 x 32k 2354 → 1998
+    (0.70-0.86 of the copy → 0.95-1.01);
+  - T = 8, contiguous: 8 x 32k 280 → 270, 8 x 128k 1053 → 991, 64 x 32k 2553 → 1973;
+  - 3 stages with 6 splits (384 programs, more than fit at once) were 14% slower than 2 stages
+    at T = 8, 8 x 32k; 12 splits were 3-8% slower than 4 at B = 8 and 8-9% at B = 64;
+  - paged (64-key pages): 3 stages took T = 8 from 290, 1061 and 2679 µs to 290, 1054 and
+    2482; the contiguous cache's splits would take it 10% back at B = 8 (318 and 1166), so
+    there pages keep `wave_splits`'s. At T = 16 those splits took B = 8 from 370 and 1384 µs
+    to 300 and 1155 (3 stages alone: 355 and 1320), and B = 64 (one split) from 2354 to
+    2250."""
+  b, s, k = inputs.key.shape[:3]
+  block_k = tiles.fit(64, s)
+  blocks = pl.cdiv(s, block_k)
+  if page_size is not None and rows_for(inputs) < 64:
+    return DecodeConfig(splits=wave_splits(blocks, b * k, sm_count), block_k=block_k,
+                        num_stages=3, training=training)
+  splits = used_splits(blocks, max(1, 2 * sm_count // (b * k)))
+  # (Heads first as measured, at B = 8; B = 1 and one split keep the default order.)
+  order = HEADS_FIRST if b > 1 and splits > 1 else DecodeConfig.grid_order
+  return DecodeConfig(splits=splits, block_k=block_k, num_stages=3, grid_order=order,
+                      training=training)
 
 
 SMEM_PER_SM = 227 * 1024  # what one SM of a Hopper GPU gives its resident programs
