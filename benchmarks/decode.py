@@ -283,17 +283,16 @@ def _tune_candidates(row: dict, sm_count: int):
 
 def _given_candidates(given: list[dict]):
   """`--candidates`: these `DecodeConfig` fields in every cell, on top of the shipped config. A
-  candidate that changes the heads per program, or a contiguous cache's key blocks, but names
-  no ``splits`` gets `wave_splits`'s count (2 to 4 programs per SM) for its programs and key
-  blocks (64 keys unless it names others, on either layout); any other keeps the shipped
-  config's count."""
+  candidate that changes the heads per program or the key blocks but names no ``splits`` gets
+  `wave_splits`'s count (2 to 4 programs per SM) for its programs and key blocks (64 keys
+  unless it names others, on either layout: a paged cache's blocks are not its pages); any
+  other keeps the shipped config's count."""
   def candidates(row: dict, sm_count: int):
     from jax.experimental import pallas as pl
     from jaxflash.backends.triton.decode import wave_splits
     for fields in given:
       fields = dict(fields)
-      contiguous = row["layout"] == "contiguous"
-      if "splits" not in fields and ("heads" in fields or "block_k" in fields and contiguous):
+      if "splits" not in fields and ("heads" in fields or "block_k" in fields):
         fields["splits"] = wave_splits(pl.cdiv(row["S"], fields.get("block_k", 64)),
                                        row["B"] * row["K"] // fields.get("heads", 1), sm_count)
       yield fields

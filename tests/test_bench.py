@@ -306,9 +306,9 @@ def test_decode_candidates_change_only_their_fields(monkeypatch):
 
 def test_decode_candidates_take_wave_splits_for_their_own_blocks():
   """decode.py --candidates: a candidate that changes the key blocks (or the heads per program)
-  but names no split count gets `wave_splits`'s count for its programs; one that names a count,
-  or keeps the blocks, or changes only the blocks of a paged cache, keeps what it gives (the
-  shipped count where it gives none)."""
+  but names no split count gets `wave_splits`'s count for its programs, on a paged cache too
+  (its blocks are not its pages); one that names a count, or keeps the blocks, keeps what it
+  gives (the shipped count where it gives none)."""
   import decode
   from jaxflash.backends.triton.decode import wave_splits
   given = [{"block_k": 128, "num_stages": 4}, {"splits": 3, "grid_order": ["head", "split",
@@ -319,7 +319,7 @@ def test_decode_candidates_take_wave_splits_for_their_own_blocks():
   assert got == [{"block_k": 128, "num_stages": 4, "splits": wave_splits(256, 8, 132)},
                  given[1], {"num_stages": 3}]
   paged = list(decode._given_candidates(given)(dict(cell, layout="paged"), 132))
-  assert paged == given
+  assert paged == got
   assert given[0] == {"block_k": 128, "num_stages": 4}  # (not changed)
   # Two heads per program: half the programs per split, on either layout.
   assert list(decode._given_candidates([{"heads": 2}])(cell, 132)) == [
