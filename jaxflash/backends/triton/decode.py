@@ -267,7 +267,8 @@ def tall_tiles_config(inputs: Inputs, training: Config, sm_count: int,
     (0.70-0.86 of the copy → 0.95-1.01);
   - T = 8, contiguous: 8 x 32k 280 → 270, 8 x 128k 1053 → 991, 64 x 32k 2553 → 1973;
   - 3 stages with 6 splits (384 programs, more than fit at once) were 14% slower than 2 stages
-    at T = 8, 8 x 32k; 12 splits were 3-8% slower than 4 at B = 8 and 8-9% at B = 64;
+    at T = 8, 8 x 32k; 12 splits were 2-6% slower than 4 at B = 8, and 7-9% slower than one
+    at B = 64;
   - paged (64-key pages): 3 stages took T = 8 from 290, 1061 and 2679 µs to 290, 1054 and
     2482; the contiguous cache's splits would take it 10% back at B = 8 (318 and 1166), so
     there pages keep `wave_splits`'s. At T = 16 those splits took B = 8 from 370 and 1384 µs
