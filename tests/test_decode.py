@@ -274,10 +274,11 @@ def test_merge_kernel_matches_the_xla_merge(splits, h):
 
 
 @pytest.mark.parametrize("splits", [2, 5, 16])
-def test_unrolled_merge_matches_partial_merge(splits):
-  """The split-by-split merge of up to 16 splits against `jaxflash.ops.partial.merge` (which
-  the XLA merge runs for more): splits that saw nothing (-inf), a row no split saw (zeros,
-  +inf), a NaN split (a NaN row), and large LSEs (no overflow)."""
+def test_unrolled_merge_matches_partial_merge(splits, monkeypatch):
+  """The split-KV merge of up to 16 splits, which `jaxflash.ops.partial.merge` works split by
+  split, against its stacked form (reductions over the split axis, as it merges more than
+  `MERGE_UNROLLED`): splits that saw nothing (-inf), a row no split saw (zeros, +inf), a NaN
+  split (a NaN row), and large LSEs (no overflow)."""
   from jaxflash import _core
   from jaxflash.backends.triton import decode
   from jaxflash.ops import partial
@@ -289,7 +290,8 @@ def test_unrolled_merge_matches_partial_merge(splits):
   lse2 = jnp.where(empty, -jnp.inf, lse2).at[0, 0, :, 1].add(300.0)
   outs = jnp.where(empty[..., None], 0.0, outs)
   lse2 = lse2.at[0, 1, :, 2].set(-jnp.inf).at[1, 2, splits // 2, 4].set(jnp.nan)
-  got_out, got_lse = decode._merge_unrolled(outs, lse2)
+  got_out, got_lse = decode._merge_splits(outs, lse2)
+  monkeypatch.setattr(partial, "MERGE_UNROLLED", 0)
   want_out, want_lse = partial.merge(outs, lse2 * (1.0 / _core.LOG2_E), axis=2)
   np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(got_lse), np.asarray(_core.base2_lse(want_lse)),

@@ -469,41 +469,12 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
 
 def _merge_splits(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Partial results ``[B, K, splits, rows, H]`` (float32) and base-2 LSEs ``[B, K, splits,
-  rows]`` (-inf where a split sees nothing) merged over the splits, in their own layout: ``(out
-  [B, K, rows, H] float32, lse2 [B, K, rows], +inf on rows no split saw)``. Up to
-  `MERGE_UNROLLED` splits `_merge_unrolled`, else `jaxflash.ops.partial.merge`."""
-  if outs.shape[2] <= MERGE_UNROLLED:
-    return _merge_unrolled(outs, lse2)
+  rows]`` (-inf where a split sees nothing) merged over the splits by
+  `jaxflash.ops.partial.merge` (range by range up to `partial.MERGE_UNROLLED` splits, so XLA
+  fuses it into one or two kernels), in their own layout: ``(out [B, K, rows, H] float32,
+  lse2 [B, K, rows], +inf on rows no split saw)``."""
   out, lse = partial.merge(outs, lse2 * (1.0 / _core.LOG2_E), axis=2)
   return out, _core.base2_lse(lse)
-
-
-# Split counts up to this are merged by `_merge_unrolled` (B = 1 takes up to 33).
-MERGE_UNROLLED = 64
-
-
-def _merge_unrolled(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`partial.merge`'s arithmetic in base 2, written split by split (each split a slice) rather
-  than as reductions over the split axis. A NaN in any split makes the row NaN; a row no split
-  saw gets zeros and +inf.
-
-  Why: a reduction ends an XLA fusion, and the reductions' form ran as three small kernels.
-  Elementwise ops only fuse into fewer (H200, 2026-11-23, `decode_h200_2026-11-23/waves/
-  11_merge_unrolled.json`, GPU time per call):
-  - 2 to 8 splits (B = 8): one kernel of 1.4-1.9 µs instead of two or three, 2.9-4.4 µs;
-  - 12 and 33 splits (B = 1): two kernels, 3.2-5.1 µs instead of three, 4.1-5.2 µs.
-  Calls timed end to end moved within their noise (cuDNN ÷ jaxflash at MHA D = 64, 8 x 32k:
-  0.996 → 1.000)."""
-  parts = [lse2[:, :, i] for i in range(lse2.shape[2])]
-  top = functools.reduce(jnp.maximum, parts)
-  shift = jnp.where(jnp.isfinite(top), top, 0.0)  # (no split saw the row: any finite shift)
-  weights = [jnp.exp2(part - shift) for part in parts]  # exp2(-inf) = 0 for empty splits
-  total = functools.reduce(jnp.add, weights)
-  seen = total != 0.0  # (a NaN split makes the total NaN, and the row stays NaN)
-  scale = 1.0 / jnp.where(seen, total, 1.0)
-  out = functools.reduce(jnp.add, [w[..., None] * outs[:, :, i] for i, w in enumerate(weights)])
-  lse = jnp.where(seen, shift + jnp.log2(jnp.where(seen, total, 1.0)), jnp.inf)
-  return out * scale[..., None], lse
 
 
 MERGE_CHUNK = 32  # splits merged per step of `_merge_kernel`: a [32, hp] float32 tile
