@@ -140,8 +140,12 @@ class Local:
     return Plan(batch, heads, kv_heads_split=bool(heads) and k % d == 0)
 
   def whole(self, *operands) -> tuple:
-    """The call as one device computes it: no share, so no origin for the dropout seed."""
-    return tuple(self.run(None, *operands))
+    """The call as one device computes it: no share, so no origin for the dropout seed.
+
+    It runs as one `jax.jit` per distinct ``run`` (`_compiled_once`): identical attention calls
+    of a program (the layers of a model) then share one traced jaxpr, which JAX lowers once and
+    calls at every site, so their kernels are lowered and compiled once, not once per layer."""
+    return tuple(_compiled_once(self.run)(*operands))
 
   def run_shard(self, plan: Plan, operands) -> tuple:
     """The body each device runs on its share: its origin from its mesh coordinates, its call,
@@ -154,6 +158,16 @@ class Local:
     results = self.run(jnp.stack(origin), *_varying(operands)[0])
     return tuple(jax.lax.psum(r, plan.sum_axes(s)) if plan.sum_axes(s) else r
                  for r, s in zip(results, self.out_sums))
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_once(run_: Callable[..., tuple]) -> Callable[..., tuple]:
+  """``run_`` on the whole call (no origin) as a jitted function, one per distinct ``run_``
+  (frozen dataclasses: equal calls give equal keys). JAX caches a jitted function's trace per
+  argument types and reuses the lowering of a traced jaxpr within one program, which a plain
+  Python call at each site would trace, lower and compile again (a Mosaic GPU kernel is named
+  by a per-lowering counter, so even its compiled binary was not shared)."""
+  return jax.jit(functools.partial(run_, None))
 
 
 def run(local: Local, operands: tuple) -> tuple:
