@@ -2,8 +2,9 @@
 
 from jaxflash.attention import (decode_attention, dot_product_attention, flash_attention,
                                 implementation_for, ring_attention)
+from jaxflash.block_mask import BlockMask, create_block_mask
 from jaxflash.reference import reference_attention
 
 __all__ = ["flash_attention", "dot_product_attention", "decode_attention", "ring_attention",
-           "implementation_for", "reference_attention"]
+           "implementation_for", "reference_attention", "create_block_mask", "BlockMask"]
 __version__ = "0.1.0"

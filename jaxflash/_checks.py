@@ -8,6 +8,7 @@ call as the backends see it: `jaxflash._core.Inputs` (rank-4 arrays, int32 lengt
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import NamedTuple, Sequence
 
@@ -15,9 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxflash import block_mask as block_mask_lib
 from jaxflash import dropout
+from jaxflash import mask_mod as mask_mod_lib
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
+from jaxflash.block_mask import BlockMask
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 
@@ -33,7 +37,8 @@ class Call(NamedTuple):
 def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               segment_ids=None, logits_soft_cap=None, dropout_rate=0.0, dropout_rng=None,
-              broadcast_dropout=False, interpret=False) -> Call:
+              broadcast_dropout=False, interpret=False, mask_mod=None,
+              block_mask=None) -> Call:
   """Checks every argument of `jaxflash.flash_attention` (but ``implementation`` and
   ``return_residual``) and returns the call as backends see it."""
   query, key, value = (_as_array(x, name) for x, name in
@@ -59,14 +64,72 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   kv_lens = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, unbatched)
   segments = _check_segments(segment_ids, b, t, s, unbatched)
 
+  block_mask = _check_block_mask(mask_mod, block_mask, b, n, t, s, unbatched)
+  table, table_block = _block_table(block_mask, mask, segments, t, s)
+  split = None if block_mask is None else block_mask.split
+  mask_consts = None
+  if split is not None and split.kernel_reason is not None:
+    mask_consts = tuple(split.closed.consts)
+
   inputs = Inputs(
       query=query, key=key, value=value, lengths=_lengths(q_lens, kv_lens, b, t, s),
       bias=bias, mask=mask, q_segment_ids=None if segments is None else segments[0],
-      kv_segment_ids=None if segments is None else segments[1], dropout_seed=dropout_seed)
+      kv_segment_ids=None if segments is None else segments[1], dropout_seed=dropout_seed,
+      block_table=table,
+      q_features=None if block_mask is None else block_mask.q_features,
+      kv_features=None if block_mask is None else block_mask.kv_features,
+      mask_consts=mask_consts)
   params = Params(scale=scale, window=window, logits_soft_cap=logits_soft_cap,
                   dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
-                  interpret=interpret)
+                  interpret=interpret, table_block=table_block, mask_rule=split)
   return Call(inputs, params, unbatched)
+
+
+def _check_block_mask(mask_mod, block_mask, b: int, n: int, t: int, s: int,
+                      unbatched: bool) -> BlockMask | None:
+  """The call's `BlockMask`: the one given, or one made from ``mask_mod`` (checked first)."""
+  if block_mask is not None:
+    if not isinstance(block_mask, BlockMask):
+      raise ValueError(f"block_mask must be a jaxflash.BlockMask (jaxflash.create_block_mask), "
+                       f"got {type(block_mask).__name__}")
+    if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+      raise ValueError("pass mask_mod or block_mask, not both (a block_mask carries the "
+                       "mask_mod it was made from)")
+    if (block_mask.q_len, block_mask.kv_len) != (t, s):
+      raise ValueError(f"block_mask was made for q_len = {block_mask.q_len}, kv_len = "
+                       f"{block_mask.kv_len}; this call has T = {t}, S = {s}")
+    tb, tn = block_mask.table.shape[:2]
+    if tb not in (1, b) or tn not in (1, n) or (unbatched and tb != 1):
+      raise ValueError(f"block_mask was made for batch {tb} and {tn} heads; this call has "
+                       f"batch {b} and {n} query heads (a mask for all is made with None)")
+    return block_mask
+  if mask_mod is None:
+    return None
+  reason = mask_mod_lib.signature_error(mask_mod)
+  if reason is not None:
+    raise ValueError(reason)
+  return block_mask_lib.create_block_mask(mask_mod, None if unbatched else b, n, t, s)
+
+
+def _block_table(block_mask, mask, segments, t: int, s: int):
+  """The block table of everything that hides entries element by element (a block mask, a
+  dense mask, segment ids) as one, and its block sizes; (None, None) without any."""
+  tables = []
+  if block_mask is not None:
+    tables.append((block_mask.table, (block_mask.block_q, block_mask.block_k)))
+  if mask is not None:
+    tables.append((block_mask_lib.classify_dense(mask), (block_mask_lib.CLASSIFY_BLOCK,) * 2))
+  if segments is not None:
+    tables.append((block_mask_lib.classify_segments(*segments),
+                   (block_mask_lib.CLASSIFY_BLOCK,) * 2))
+  if not tables:
+    return None, None
+  block = tuple(math.gcd(*(blk[axis] for _, blk in tables)) for axis in (0, 1))
+  table = None
+  for x, blk in tables:
+    x = block_mask_lib.resample(x, blk, block, (t, s))
+    table = x if table is None else block_mask_lib.intersect(table, x)
+  return table, block
 
 
 def global_lengths(query_seq_lengths, key_value_seq_lengths, batch: int,

@@ -55,6 +55,15 @@ class Inputs(NamedTuple):
   q_segment_ids: jax.Array | None = None  # int32 [B, T]
   kv_segment_ids: jax.Array | None = None  # int32 [B, S]
   dropout_seed: jax.Array | None = None  # uint32 [2], present iff params.dropout_rate > 0
+  # int8 [B or 1, N or 1, query blocks, key blocks] of `params.table_block` blocks: which blocks
+  # a mask_mod, a dense mask or segment ids leave empty, partial or full (`jaxflash.block_mask`).
+  block_table: jax.Array | None = None
+  # A mask_mod's row and column features, int32 [F, B or 1, N or 1, T] and [F', ..., S]
+  # (`jaxflash.mask_mod`), for `params.mask_rule`'s tile rule.
+  q_features: jax.Array | None = None
+  kv_features: jax.Array | None = None
+  # The arrays a mask_mod that the kernels cannot run closes over (its XLA evaluation).
+  mask_consts: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +79,15 @@ class Params:
   # Return a partial result: the output in float32, normalised over this call's keys only, to be
   # merged with others through the LSE (`jaxflash.ops.partial`); gradients in float32 too.
   partial: bool = False
+  # (query, key) block sizes of `Inputs.block_table`, or None without one.
+  table_block: tuple[int, int] | None = None
+  # The mask_mod of a block mask (`jaxflash.mask_mod.Split`), evaluated in partial blocks.
+  mask_rule: object = None
+
+  @property
+  def kernel_mask_reason(self) -> str | None:
+    """Why the Pallas kernels cannot evaluate this call's mask_mod per tile, or None."""
+    return None if self.mask_rule is None else self.mask_rule.kernel_reason
 
   @property
   def keep_scale(self) -> float:

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from jaxflash import _checks
 from jaxflash import backends
 from jaxflash import devices
+from jaxflash.block_mask import BlockMask
+from jaxflash.mask_mod import MaskMod
 from jaxflash.ops import decode
 from jaxflash.ops import flash
 
@@ -40,6 +42,8 @@ def flash_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     broadcast_dropout: bool = False,
+    mask_mod: MaskMod | None = None,
+    block_mask: BlockMask | None = None,
     return_residual: bool = False,
     implementation: Implementation | Sequence[Implementation] | None = None,
     interpret: bool = False,
@@ -87,6 +91,16 @@ def flash_attention(
       ``dropout_rate > 0``. The same key gives the same mask.
     broadcast_dropout: share one [T, S] dropout mask across the batch and heads (Flax's
       ``broadcast_dropout=True``); by default every batch row and head has its own.
+    mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` (FlexAttention's signature):
+      whether query ``q_idx`` of batch row ``batch`` and query head ``head`` may attend to key
+      ``kv_idx``, as jnp code on broadcasting int32 index arrays; it may close over arrays
+      (document ids, a prefix length per row). The call builds its block mask
+      (`jaxflash.create_block_mask`) and skips the blocks it hides; build one yourself and pass
+      ``block_mask`` to reuse it across calls and layers. Combines with every other option.
+    block_mask: a `jaxflash.BlockMask` (from `jaxflash.create_block_mask` or
+      `BlockMask.from_blocks`) for this call's T and S: only its non-empty blocks are computed,
+      and only its partial blocks evaluate the mask per entry. A dense ``mask`` and
+      ``segment_ids`` are classified block by block the same way, in every call.
     return_residual: also return the logsumexp of the logits, [B, T, N] in the query's dtype as
       jax.nn returns it (natural log, ``-inf`` for rows that see no key; computed in float32).
     implementation: ``"mosaic"`` (Pallas Mosaic GPU kernels for Hopper GPUs; the Triton
@@ -111,8 +125,8 @@ def flash_attention(
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
       logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-      broadcast_dropout=broadcast_dropout, return_residual=return_residual,
-      implementation=implementation, interpret=interpret)
+      broadcast_dropout=broadcast_dropout, mask_mod=mask_mod, block_mask=block_mask,
+      return_residual=return_residual, implementation=implementation, interpret=interpret)
 
 
 dot_product_attention = flash_attention

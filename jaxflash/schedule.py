@@ -10,9 +10,13 @@ A blockwise kernel asks two questions again and again:
 
 `Schedule` answers both from the band (`masking.Window`), the block sizes and one row's
 `masking.Positions`, and runs the kernel's loop body over the answer (`visit_kv`, `visit_q`).
-Today's answers are contiguous ranges of blocks. A per-block table (block-sparse masks,
-segment-aware skipping) is a different `Schedule` with the same two visit methods: kernels pass a
-body and a carry and never see how the blocks were chosen.
+Without a block table the answers are contiguous ranges of blocks. With one (block-sparse masks,
+dense masks, segment ids: `jaxflash.block_mask`), `block_lists` intersects it with the band and
+the lengths at the kernel's block sizes and lists, per query block, the partial and the full key
+blocks to visit (or, transposed, per key block its query blocks); the same visit methods then
+walk the lists. Either way a walk is a few `Span`s, each a run of visits that are all masked or
+all unmasked: kernels pass a body and a carry and never see how the blocks were chosen, and
+kernels that stream tiles through a ring count visits with `walk`'s ordinal.
 
 The range helpers below take query rows already shifted into the keys' frame (``row + q_offset -
 kv_offset``, see `masking.Positions.diagonal`); they accept Python ints (and then return Python
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple, Sequence
 
 import jax.numpy as jnp
 from jax import lax
@@ -144,6 +148,123 @@ def _union(lo, hi):
 Body = Callable  # body(block_index, carry, masked: bool) -> carry
 
 
+class Span(NamedTuple):
+  """A run of ``count`` visits, all masked or all not (``masked`` is static): visit ``m`` of
+  the run is to block ``block(m)``."""
+
+  masked: bool
+  count: object  # int32 scalar, >= 0
+  block: Callable
+
+
+def walk(spans: Sequence[Span], body: Callable, carry, *, skip=0, count=None):
+  """Runs ``carry = body(n, j, carry, masked)`` over the visits of ``spans`` in order: ``n``
+  counts the visits from 0 over all the spans (a ring slot), ``j`` is the block visited.
+  ``skip`` and ``count`` clip the walk to visits ``skip ... skip + count - 1`` (kernels that
+  peel the first visit off their loop)."""
+  offset = _i32(0)
+  for span in spans:
+    start = offset
+    stop = offset + jnp.maximum(span.count, 0)
+    lo = start if isinstance(skip, int) and skip == 0 else jnp.maximum(start, skip)
+    hi = stop if count is None else jnp.minimum(stop, skip + count)
+    def step(n, c, span=span, start=start):
+      return body(n, span.block(n - start), c, span.masked)
+    carry = lax.fori_loop(_i32(lo), _i32(hi), step, carry)
+    offset = stop
+  return carry
+
+
+def total(spans: Sequence[Span]):
+  """How many visits ``spans`` make."""
+  return functools.reduce(lambda a, b: a + b, [jnp.maximum(s.count, 0) for s in spans],
+                          _i32(0))
+
+
+class BlockLists(NamedTuple):
+  """The blocks each row of blocks visits: for every (batch row, head, row of blocks), the
+  partial blocks (element mask) and the full ones, each ascending, packed in one int32 row
+  ``[partial count, full count, partial blocks..., full blocks...]`` (entries past a count
+  are unused). An array or a kernel's ref [B or 1, N or 1, rows, 2 + 2 * blocks]; a batch or
+  head axis of size 1 is shared by all.
+
+  "Rows" are query blocks and the listed blocks key blocks for the forward and dQ; transposed
+  (`block_lists(..., transpose=True)`) they are key blocks and query blocks, for dK/dV.
+  """
+
+  packed: object
+
+  @property
+  def blocks(self) -> int:
+    return (self.packed.shape[-1] - 2) // 2
+
+  def spans(self, batch, head, row) -> tuple[Span, Span]:
+    """The visits of one row: its partial blocks (masked), then its full ones."""
+    b = batch if self.packed.shape[0] > 1 else 0
+    h = head if self.packed.shape[1] > 1 else 0
+    return row_spans(lambda k: self.packed[b, h, row, k], self.blocks)
+
+
+def row_spans(read: Callable, blocks: int) -> tuple[Span, Span]:
+  """The `Span`s of one packed row of `BlockLists`, given ``read(k)``, its ``k``-th entry."""
+  return (Span(True, read(0), lambda m: read(2 + m)),
+          Span(False, read(1), lambda m: read(2 + blocks + m)))
+
+
+def block_lists(table, table_block: tuple[int, int], window: Window, block_q: int,
+                block_k: int, lengths, offsets, q_len: int, kv_len: int, *,
+                transpose: bool = False, union: bool = False) -> BlockLists:
+  """The visits of a kernel with ``block_q`` x ``block_k`` tiles under a block table.
+
+  ``table`` (int8 [B or 1, N or 1, ...] of ``table_block`` blocks, `jaxflash.block_mask`) is
+  resampled to the kernel's tiles and intersected with what the band, the lengths and the
+  offsets (int32 [B, 2] each, offsets None) leave visible, as `Schedule` decides it for
+  contiguous ranges: a block is visited if both call it non-empty, and full (no element mask)
+  if both call it full. ``transpose`` lists, per key block, its query blocks (dK/dV).
+  ``union`` lists for all batch rows and heads at once (batch and head axes of size 1) every
+  block that any of them visits, all as partial: for code that computes them together.
+  """
+  from jaxflash import block_mask as bm  # (below schedule in the layers; imported late)
+  table = bm.resample(table, table_block, (block_q, block_k), (q_len, kv_len))
+  nq, nk = table.shape[2:]
+  table = bm.intersect(table, _band_table(window, block_q, block_k, lengths, offsets, nq, nk))
+  if transpose:
+    table = jnp.swapaxes(table, 2, 3)
+  if union:
+    table = jnp.where(jnp.any(table != bm.EMPTY, axis=(0, 1), keepdims=True), bm.PARTIAL,
+                      bm.EMPTY).astype(jnp.int8)
+  (partial_count, partial), (full_count, full) = (_compact(table, x) for x in (bm.PARTIAL, bm.FULL))
+  return BlockLists(jnp.concatenate([partial_count[..., None], full_count[..., None], partial,
+                                     full], axis=-1))
+
+
+def _band_table(window: Window, block_q: int, block_k: int, lengths, offsets, nq: int, nk: int):
+  """int8 [B, 1, nq, nk]: the blocks the band and the lengths make visible (`PARTIAL`) and
+  full (`FULL`), per batch row, as `Schedule.kv_blocks` decides them."""
+  from jaxflash import block_mask as bm
+  b = lengths.shape[0]
+  column = lambda x: x.reshape(b, 1)  # noqa: E731
+  extra = () if offsets is None else (column(offsets[:, 0]), column(offsets[:, 1]))
+  pos = Positions(column(lengths[:, 0]), column(lengths[:, 1]), *extra)
+  starts = (jnp.arange(nq, dtype=jnp.int32) * block_q).reshape(1, nq)
+  lo, full_lo, full_hi, hi = Schedule(window, block_q, block_k).kv_blocks(starts, pos)
+  j = jnp.arange(nk, dtype=jnp.int32).reshape(1, 1, nk)
+  within = lambda a, z: jnp.logical_and(j >= a[..., None], j < z[..., None])  # noqa: E731
+  table = jnp.where(within(full_lo, full_hi), bm.FULL,
+                    jnp.where(within(lo, hi), bm.PARTIAL, bm.EMPTY)).astype(jnp.int8)
+  return jnp.broadcast_to(table, (b, nq, nk))[:, None]
+
+
+def _compact(table, state):
+  """The blocks of ``state`` in each row of ``table`` [..., rows, blocks], ascending, as
+  ``(count [..., rows], blocks [..., rows, blocks])`` (entries past the count are unused)."""
+  width = table.shape[-1]
+  column = jnp.arange(width, dtype=jnp.int32)
+  key = jnp.where(table == state, column, width + column)
+  return (jnp.sum(table == state, axis=-1, dtype=jnp.int32),
+          jnp.argsort(key, axis=-1).astype(jnp.int32))
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   """Contiguous block ranges from a band and per-row positions (static, hashable).
@@ -194,59 +315,83 @@ class Schedule:
     full_lo = jnp.clip(_i32(full_lo), lo, hi)
     return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
 
-  def visit_q_split(self, k_start, pos: Positions, body: Body, carry, repeat: int = 1,
-                    reverse: bool = False):
-    """Runs ``carry = body(g, i, carry, masked)`` for ``g < repeat`` (the query heads sharing a
-    K/V head) and each query block ``i`` of `q_block_ranges`, in increasing ``i`` per head
-    (decreasing with ``reverse``); ``masked=False`` only on full blocks. Kernels that stream
-    query tiles through a ring count the visits as ``g * (hi - lo) + i - lo``, or
-    ``g * (hi - lo) + hi - 1 - i`` with ``reverse``."""
+  def q_spans(self, k_start, pos: Positions) -> tuple[Span, ...]:
+    """The visits of the key block at ``k_start`` in dK/dV, as `Span`s of query blocks
+    (`q_block_ranges`): masked, full, masked."""
     lo, full_lo, full_hi, hi = self.q_block_ranges(k_start, pos)
-    masked, unmasked = (functools.partial(body, masked=m) for m in (True, False))
+    if self.elementwise:
+      return (Span(True, hi - lo, lambda m: lo + m),)
+    return (Span(True, full_lo - lo, lambda m: lo + m),
+            Span(False, full_hi - full_lo, lambda m: full_lo + m),
+            Span(True, hi - full_hi, lambda m: full_hi + m))
 
-    def one_head(g, carry):
-      def at(fn, start, stop, carry):
-        if not reverse:
-          return lax.fori_loop(start, stop, lambda i, c: fn(g, i, c), carry)
-        # i = stop - 1 ... start
-        return lax.fori_loop(start, stop, lambda n, c: fn(g, start + stop - 1 - n, c), carry)
+  def visit_q_split(self, k_start, pos: Positions, body: Body, carry, repeat: int = 1,
+                    reverse: bool = False, spans_of: Callable | None = None):
+    """Runs ``carry = body(n, g, i, carry, masked)`` for ``g < repeat`` (the query heads sharing
+    a K/V head) and each query block ``i`` that the key block at ``k_start`` visits
+    (`q_spans`, or ``spans_of(g)`` from a block table's lists), head after head; ``n`` counts
+    the visits from 0 over all heads (a ring slot). Blocks go in increasing ``i`` per head, or in
+    decreasing ``i`` with ``reverse`` (contiguous ranges only); ``masked=False`` only on full
+    blocks."""
+    if spans_of is None:
+      spans = self.q_spans(k_start, pos)
+      if reverse:  # i = hi - 1 ... lo: the runs in reverse order, each walked backwards
+        spans = tuple(Span(s.masked, s.count,
+                           lambda m, s=s: s.block(jnp.maximum(s.count, 0) - 1 - m))
+                      for s in reversed(spans))
+      spans_of = lambda g: spans  # noqa: E731
+    else:
+      assert not reverse, "a block table's lists are walked forwards"
 
-      spans = [(masked, lo, full_lo), (unmasked, full_lo, full_hi), (masked, full_hi, hi)]
-      for fn, start, stop in (reversed(spans) if reverse else spans):
-        carry = at(fn, start, stop, carry)
-      return carry
+    def one_head(g, state):
+      carry, n0 = state
+      head_spans = spans_of(g)
+      carry = walk(head_spans, lambda n, i, c, masked: body(n0 + n, g, i, c, masked), carry)
+      return carry, n0 + total(head_spans)
 
-    return lax.fori_loop(_i32(0), _i32(repeat), one_head, carry)
+    return lax.fori_loop(_i32(0), _i32(repeat), one_head, (carry, _i32(0)))[0]
 
-  def visit_kv(self, q_start, pos: Positions, body: Body, carry, *, skip: int = 0,
-               count: int | None = None):
-    """Runs ``carry = body(j, carry, masked)`` over the key blocks of the query block at
-    ``q_start``, in increasing ``j``; ``masked=False`` only on full blocks. ``skip`` and ``count``
-    clip the walk to blocks ``lo + skip ...`` (at most ``count`` of them), for kernels that peel
-    the first block off their loop. With batched ``pos`` (the XLA backend walks every batch row at
-    once) it visits the union of the rows' blocks, all masked."""
+  def kv_spans(self, q_start, pos: Positions) -> tuple[Span, ...]:
+    """The visits of the query block at ``q_start`` as `Span`s of key blocks (`kv_blocks`):
+    masked, full, masked, leaving out the runs that are empty whatever the positions (a band
+    without a left side starts at key 0, where its full blocks start too; with segments or a
+    dense mask every block is masked). With batched ``pos`` (the XLA backend walks every batch
+    row at once) it is the union of the rows' blocks, all masked."""
     lo, full_lo, full_hi, hi = self.kv_blocks(q_start, pos)
     if jnp.ndim(hi) > 0:
       lo, hi = _union(lo, hi)
-      full_lo = full_hi = hi
-    if skip or count is not None:
-      start = lo + skip
-      stop = hi if count is None else jnp.minimum(hi, start + count)
-      lo, full_lo, full_hi, hi = (start, jnp.maximum(full_lo, start),
-                                  jnp.clip(full_hi, start, stop), stop)
-      full_lo = jnp.minimum(full_lo, full_hi)
-    masked, unmasked = (functools.partial(body, masked=m) for m in (True, False))
-    carry = lax.fori_loop(lo, full_lo, masked, carry)
-    carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
-    return lax.fori_loop(full_hi, hi, masked, carry)
+      return (Span(True, hi - lo, lambda m: lo + m),)
+    if self.elementwise:
+      return (Span(True, hi - lo, lambda m: lo + m),)
+    spans = (Span(False, full_hi - full_lo, lambda m: full_lo + m),
+             Span(True, hi - full_hi, lambda m: full_hi + m))
+    if self.window.left is not None:
+      spans = (Span(True, full_lo - lo, lambda m: lo + m),) + spans
+    return spans
 
-  def visit_q(self, k_start, pos: Positions, body: Callable, carry, repeat: int = 1):
+  def visit_kv(self, q_start, pos: Positions, body: Body, carry, *, skip: int = 0,
+               count: int | None = None, spans: Sequence[Span] | None = None):
+    """Runs ``carry = body(j, carry, masked)`` over the key blocks of the query block at
+    ``q_start`` (`kv_spans`, or ``spans`` from a block table's lists), ``masked=False`` only on
+    full blocks. ``skip`` and ``count`` clip the walk to visits ``skip ...`` (at most ``count``
+    of them), for kernels that peel the first visit off their loop."""
+    spans = self.kv_spans(q_start, pos) if spans is None else spans
+    return walk(spans, lambda n, j, c, masked: body(j, c, masked), carry, skip=skip,
+                count=count)
+
+  def visit_q(self, k_start, pos: Positions, body: Callable, carry, repeat: int = 1,
+              spans: Sequence[Span] | None = None):
     """Runs ``carry = body(g, i, carry)`` for ``g < repeat`` (the query heads sharing a K/V head)
-    and each query block ``i`` that the key block at ``k_start`` must visit, as one flat loop.
+    and each query block ``i`` that the key block at ``k_start`` must visit, as one flat loop
+    (or over ``spans`` from a block table's lists, head by head).
 
     Every block is masked: splitting off full blocks here (three loops instead of one) measured
     slower on an H200 (benchmarks/NOTES.md). With batched ``pos`` it visits the union.
     """
+    if spans is not None:
+      def one_head(g, c):
+        return walk(spans, lambda n, i, c2, masked: body(g, i, c2), c)
+      return lax.fori_loop(_i32(0), _i32(repeat), one_head, carry)
     lo, hi = self.q_blocks(k_start, pos)
     if jnp.ndim(hi) > 0:
       lo, hi = _union(lo, hi)

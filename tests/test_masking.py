@@ -480,9 +480,10 @@ def test_visit_q_split_walks_each_head_in_order(reverse):
   lo, full_lo, full_hi, hi = (int(x) for x in sched.q_block_ranges(jnp.int32(8), pos))
   assert (lo, full_lo, full_hi, hi) == (1, 2, 5, 5)
 
-  def body(g, i, log, masked):
+  def body(visit, g, i, log, masked):
     n, rows = log
-    return n + 1, rows.at[n].set(jnp.stack([g, i, jnp.int32(masked)]))
+    assert_visit = jnp.where(visit == n, 0, 10)  # the ordinal counts the visits from 0
+    return n + 1, rows.at[n].set(jnp.stack([g, i, jnp.int32(masked) + assert_visit]))
 
   n, rows = sched.visit_q_split(jnp.int32(8), pos, body, (jnp.int32(0), jnp.zeros((12, 3),
                                                                                   jnp.int32)),

@@ -383,7 +383,10 @@ def paged_forward(backend, inputs: Inputs, pages, params: Params, config):
 
 
 def _runs_whole(backend, params: Params) -> bool:
-  return params.interpret and not backend.interpreter_partitions
+  # A mask_mod that only the XLA backend runs reads the arrays it closes over with the batch
+  # and head indices of the whole call: its (plain JAX) call is left to XLA's partitioner.
+  return ((params.interpret and not backend.interpreter_partitions)
+          or params.kernel_mask_reason is not None)
 
 
 def _operands(inputs: Inputs):
@@ -399,8 +402,17 @@ def _operands(inputs: Inputs):
     x = getattr(inputs, name)
     if x is None:
       continue
-    if name in ("bias", "mask"):  # [B or 1, N or 1, T, S]: broadcast axes are never split
+    if name == "mask_consts":  # arrays a mask_mod closes over: whole on every device
+      for i, c in enumerate(x):
+        names.append(f"{name}.{i}")
+        operands.append(c)
+        roles.append((None,) * jnp.ndim(c))
+      continue
+    if name in ("bias", "mask", "block_table"):
+      # [B or 1, N or 1, ...]: broadcast axes are never split
       role = (BATCH if x.shape[0] == b else None, HEADS if x.shape[1] == n else None, None, None)
+    elif name in ("q_features", "kv_features"):  # [F, B or 1, N or 1, T or S]
+      role = (None, BATCH if x.shape[1] == b else None, HEADS if x.shape[2] == n else None, None)
     else:
       role = fixed[name]
     names.append(name)
@@ -412,7 +424,9 @@ def _operands(inputs: Inputs):
 def _inputs(names, arrays, origin, **absent) -> Inputs:
   """`Inputs` from a device's arrays (and ``absent`` fields, e.g. ``key=None``); the dropout
   seed learns the share's origin (None: the whole call, whose seed stays two words)."""
-  inputs = Inputs(**absent, **dict(zip(names, arrays)))
+  fields = {n: x for n, x in zip(names, arrays) if not n.startswith("mask_consts.")}
+  consts = tuple(x for n, x in zip(names, arrays) if n.startswith("mask_consts."))
+  inputs = Inputs(**absent, **fields, mask_consts=consts or None)
   if inputs.dropout_seed is not None and origin is not None:
     seed = jnp.concatenate([inputs.dropout_seed[:2], origin.astype(jnp.uint32)])
     inputs = inputs._replace(dropout_seed=seed)

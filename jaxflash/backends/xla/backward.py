@@ -74,7 +74,8 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
     dbias = (jnp.zeros(inputs.bias.shape[:2] + (bq, lay.s_pad), jnp.float32) if want_dbias
              else None)
     dq, dbias = blk.schedule.visit_kv(q_start, blk.pos, body,
-                                      blk.carry((jnp.zeros(q_blk.shape, jnp.float32), dbias)))
+                                      blk.carry((jnp.zeros(q_blk.shape, jnp.float32), dbias)),
+                                      spans=blk.kv_spans(i))
     return (dq * params.scale).astype(out_dtype), dbias
 
   def dkv_block(j):
@@ -94,7 +95,8 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
       return dk, dv
 
     zeros = jnp.zeros(k_blk.shape, jnp.float32)
-    dk, dv = blk.schedule.visit_q(k_start, blk.pos, body, blk.carry((zeros, zeros)))
+    dk, dv = blk.schedule.visit_q(k_start, blk.pos, body, blk.carry((zeros, zeros)),
+                                  spans=blk.q_spans(j))
     return (dk * params.scale).astype(out_dtype), dv.astype(out_dtype)
 
   dq, dbias = lax.map(dq_block, jnp.arange(lay.t_pad // bq, dtype=jnp.int32))

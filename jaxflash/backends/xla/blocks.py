@@ -15,7 +15,9 @@ from jax import lax
 
 from jaxflash import _core
 from jaxflash import dropout
+from jaxflash import mask_mod as mask_mod_lib
 from jaxflash import masking
+from jaxflash import schedule as schedule_lib
 from jaxflash._core import Inputs, Params
 from jaxflash.masking import Positions
 from jaxflash.schedule import Schedule
@@ -92,6 +94,16 @@ class Blocks:
     offsets = (0, 0) if inputs.offsets is None else (inputs.offsets[:, 0], inputs.offsets[:, 1])
     self.pos = Positions(inputs.lengths[:, 0], inputs.lengths[:, 1], *offsets)
     self.schedule = Schedule(params.window, lay.block_q, lay.block_k)
+    # With a block table, the blocks that any batch row or head visits (all rows are computed
+    # together), per query block and per key block.
+    self.lists = self.lists_t = None
+    if inputs.block_table is not None:
+      lists = lambda transpose: schedule_lib.block_lists(  # noqa: E731
+          inputs.block_table, params.table_block, params.window, lay.block_q, lay.block_k,
+          inputs.lengths, inputs.offsets, lay.t, lay.s, transpose=transpose, union=True)
+      self.lists, self.lists_t = lists(False), lists(True)
+    self.features = (inputs.q_features, inputs.kv_features)
+    self.mask_consts = inputs.mask_consts
     self.q_seg = pad_axis(inputs.q_segment_ids, 1, lay.t_pad)
     self.kv_seg = pad_axis(inputs.kv_segment_ids, 1, lay.s_pad)
     self.mask = self._dense(inputs.mask)
@@ -102,6 +114,14 @@ class Blocks:
       heads = jnp.arange(lay.kh * lay.g).reshape(1, lay.kh, lay.g, 1, 1)
       batch = jnp.arange(lay.b).reshape(lay.b, 1, 1, 1, 1)
       self.stream = _core.dropout_stream(params, inputs.dropout_seed, batch, heads)
+
+  def kv_spans(self, i):
+    """The visits of query block ``i`` under a block table (None: the schedule's ranges)."""
+    return None if self.lists is None else self.lists.spans(0, 0, i)
+
+  def q_spans(self, j):
+    """The visits of key block ``j`` under a block table (None: the schedule's ranges)."""
+    return None if self.lists_t is None else self.lists_t.spans(0, 0, j)
 
   def carry(self, init):
     """A loop's initial carry, typed like what its body returns (inside `jax.shard_map`, where
@@ -132,14 +152,44 @@ class Blocks:
       q_seg = rows(self.q_seg, q_start, bq)[:, None, None, :, None]
       kv_seg = rows(self.kv_seg, k_start, bk)[:, None, None, None, :]
     diagonal = self.pos.diagonal
+    q_idx = (q_start + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, 1, bq, 1)
+    k_idx = (k_start + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, bk)
     vis = masking.visible(
-        (q_start + jnp.arange(bq)).reshape(1, 1, 1, bq, 1),
-        (k_start + jnp.arange(bk)).reshape(1, 1, 1, 1, bk),
-        self.params.window, diagonal=diagonal if isinstance(diagonal, int)
+        q_idx, k_idx, self.params.window, diagonal=diagonal if isinstance(diagonal, int)
         else _per_row(diagonal, self.lay), kv_len=_per_row(self.pos.kv_len, self.lay),
         q_segment=q_seg, kv_segment=kv_seg,
         dense_mask=None if self.mask is None else self._tile(self.mask, q_start, k_start))
+    if self.params.mask_rule is not None:
+      vis = jnp.logical_and(vis, self._mask_mod_tile(q_idx, k_idx, q_start, k_start))
     return jnp.where(vis, s2, -jnp.inf), cap_t
+
+  def _mask_mod_tile(self, q_idx, k_idx, q_start, k_start):
+    """The mask_mod's mask of one tile, [B, K, G, bq, bk]: from its features and tile rule, or
+    (a rule the kernels cannot run) from the whole function on the captured arrays."""
+    lay, rule = self.lay, self.params.mask_rule
+    shape = (lay.b, lay.kh, lay.g, lay.block_q, lay.block_k)
+    q_idx, k_idx = jnp.broadcast_to(q_idx, shape), jnp.broadcast_to(k_idx, shape)
+    if rule.kernel_reason is not None:
+      heads = jnp.arange(lay.kh * lay.g, dtype=jnp.int32).reshape(1, lay.kh, lay.g, 1, 1)
+      batch = jnp.arange(lay.b, dtype=jnp.int32).reshape(lay.b, 1, 1, 1, 1)
+      # (Padding rows and keys are clamped into range: the function may index arrays.)
+      return rule.reference(batch, heads, jnp.minimum(q_idx, lay.t - 1),
+                            jnp.minimum(k_idx, lay.s - 1), consts=self.mask_consts)
+
+    def features(x, start, size, dtypes, axis):  # [F, B|1, N|1, L] -> F tiles
+      if x is None:
+        return []
+      x = pad_axis(x, 3, lay.t_pad if axis == 3 else lay.s_pad)
+      x = rows(x, start, size, axis=3)
+      heads = (1, 1) if x.shape[2] == 1 else (lay.kh, lay.g)
+      x = x.reshape(x.shape[:2] + heads + (size,))
+      x = x[..., :, None] if axis == 3 else x[..., None, :]
+      return [mask_mod_lib.from_int32(jnp.broadcast_to(f, shape), d) for f, d in zip(x, dtypes)]
+
+    q_features, kv_features = self.features
+    return rule.tile(q_idx, k_idx,
+                     features(q_features, q_start, lay.block_q, rule.row_dtypes, 3),
+                     features(kv_features, k_start, lay.block_k, rule.col_dtypes, 4))
 
   def keep(self, q_start, k_start):
     """Dropout keep mask [B, K, G, bq, bk] of one tile (absolute coordinates), or None."""

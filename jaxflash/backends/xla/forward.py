@@ -50,7 +50,8 @@ def forward(inputs: Inputs, params: Params, config: Config):
     stats = (lay.b, lay.kh, lay.g, bq)
     init = (jnp.zeros(stats + (lay.h,), jnp.float32), jnp.full(stats, -jnp.inf, jnp.float32),
             jnp.zeros(stats, jnp.float32))
-    acc, m, l = blk.schedule.visit_kv(q_start, blk.pos, body, blk.carry(init))
+    acc, m, l = blk.schedule.visit_kv(q_start, blk.pos, body, blk.carry(init),
+                                      spans=blk.kv_spans(i))
     # Empty means l == 0 exactly: NaN logits give l = NaN and must make the row NaN.
     seen = jnp.logical_and(blk.q_is_valid(q_start), l != 0.0)
     inv_l = (params.keep_scale if blk.stream is not None else 1.0) / jnp.where(seen, l, 1.0)

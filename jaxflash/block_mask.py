@@ -1,0 +1,270 @@
+"""Block masks: for each (batch row, head, query block), which key blocks hold a visible entry,
+and which of those are *full* (every entry visible, so no element mask is evaluated or read).
+
+A block table is int8 [B or 1, N or 1, query blocks, key blocks] of `EMPTY`, `PARTIAL` and
+`FULL` (batch and head axes of size 1 broadcast). It is built on the device by jitted code,
+whatever says which entries are visible:
+
+- a `mask_mod` (`create_block_mask`): evaluated over every entry once, a query block at a time,
+  and reduced per block; its element mask is then what `jaxflash.mask_mod.Split` makes of it;
+- a dense boolean ``mask=`` (`classify_dense`): one pass over the mask;
+- segment ids (`classify_segments`): from each block's smallest and largest id, without
+  looking at entries;
+- a table of visible blocks (`BlockMask.from_blocks`): block-aligned patterns, all full.
+
+The band (causal, windows), the lengths and the offsets are not in the table: every kernel
+knows them as ranges. `jaxflash.schedule` intersects a table with them at the kernel's own block
+sizes (`resample`), and turns the result into the lists of blocks each query block visits and,
+transposed, each key block visits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflash import mask_mod as mask_mod_lib
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+# The finest block size of tables that jaxflash builds itself (dense masks, segment ids): every
+# kernel tile is a multiple of it, so resampling to a kernel's tiles loses nothing.
+CLASSIFY_BLOCK = 64
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+  """Which blocks of the (query, key) plane hold visible entries, reusable across calls.
+
+  Made by `jaxflash.create_block_mask` (from a ``mask_mod``) or `BlockMask.from_blocks` (from a
+  table of visible blocks), and passed as ``flash_attention(..., block_mask=...)``. A pytree:
+  it goes through `jax.jit`, shardings and `jax.vmap` like any argument, and is built on the
+  device. Layers that share a mask share one BlockMask.
+
+  Attributes:
+    table: int8 [B or 1, N or 1, ceil(q_len / block_q), ceil(kv_len / block_k)]: `EMPTY`,
+      `PARTIAL` or `FULL` per block.
+    q_features, kv_features: the mask_mod's row and column features (int32 [F, B or 1, N or 1,
+      q_len] and [F', ..., kv_len], see `jaxflash.mask_mod`), or None.
+    split: the traced mask_mod (static), or None for a table without one (every visible block
+      is full).
+    block_q, block_k, q_len, kv_len: the block sizes and the lengths it was made for (static).
+  """
+
+  table: jax.Array
+  q_features: jax.Array | None
+  kv_features: jax.Array | None
+  split: mask_mod_lib.Split | None = dataclasses.field(metadata=dict(static=True))
+  block_q: int = dataclasses.field(metadata=dict(static=True))
+  block_k: int = dataclasses.field(metadata=dict(static=True))
+  q_len: int = dataclasses.field(metadata=dict(static=True))
+  kv_len: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def mask_mod(self) -> Callable | None:
+    """The mask_mod it was made from (None for `from_blocks`)."""
+    return None if self.split is None else self.split.mask_mod
+
+  @property
+  def shape(self) -> tuple[int, int, int, int]:
+    """(batch or 1, heads or 1, q_len, kv_len): the attention it masks."""
+    return self.table.shape[:2] + (self.q_len, self.kv_len)
+
+  def sparsity(self) -> jax.Array:
+    """The fraction of blocks that are empty (skipped), over the table's batch rows and heads."""
+    return jnp.mean(self.table == EMPTY)
+
+  @classmethod
+  def from_blocks(cls, visible: jax.Array, q_len: int, kv_len: int,
+                  block_size: int | tuple[int, int] = 128) -> "BlockMask":
+    """A block mask from a table of visible blocks: bool [B or 1, N or 1, ceil(q_len /
+    block_q), ceil(kv_len / block_k)] (or without the leading axes), every visible block full.
+    For block-aligned patterns (block-sparse attention), which need no element mask at all."""
+    block_q, block_k = _block_sizes(block_size)
+    visible = jnp.asarray(visible)
+    want = (-(-q_len // block_q), -(-kv_len // block_k))
+    if visible.dtype != jnp.bool_ or visible.ndim not in (2, 3, 4) or visible.shape[-2:] != want:
+      raise ValueError(f"visible must be a boolean block table ending in (query blocks, key "
+                       f"blocks) = {want}, got {visible.dtype}{list(visible.shape)}")
+    visible = visible.reshape((1,) * (4 - visible.ndim) + visible.shape)
+    table = jnp.where(visible, FULL, EMPTY).astype(jnp.int8)
+    return cls(table, None, None, None, block_q, block_k, q_len, kv_len)
+
+
+def create_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, q_len: int,
+                      kv_len: int, *, block_size: int | tuple[int, int] = 128) -> BlockMask:
+  """The block mask of ``mask_mod`` for attention of ``q_len`` queries to ``kv_len`` keys.
+
+  ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` says whether query ``q_idx`` of batch row
+  ``batch`` and query head ``head`` may attend to key ``kv_idx`` (FlexAttention's signature):
+  jnp code on broadcasting int32 index arrays, which may close over arrays (document ids, a
+  prefix length per row). It is evaluated on every entry once here, a query block at a time, and
+  never stored as a T x S array; the block mask keeps per block whether it is empty, partial or
+  full, plus the per-row and per-key values the kernels need to evaluate the partial blocks
+  (`jaxflash.mask_mod`).
+
+  Args:
+    mask_mod: the mask function.
+    batch: the batch size, or None if the mask is the same for every batch row.
+    heads: the number of query heads, or None if the mask is the same for every head.
+    q_len, kv_len: the query and key lengths of the calls it is for.
+    block_size: the block size (or (query block, key block)); a multiple of 64 suits every
+      kernel's tiles (finer tiles refine it exactly; coarser ones see partial blocks).
+
+  Returns:
+    A `BlockMask` for ``flash_attention(..., block_mask=...)``.
+
+  Raises:
+    ValueError: a bad size, or a ``mask_mod`` that is not a boolean function of four indices.
+  """
+  for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+    if not _is_positive_int(value):
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
+  for name, value in (("batch", batch), ("heads", heads)):
+    if value is not None and not _is_positive_int(value):
+      raise ValueError(f"{name} must be a positive int or None (the same mask for all), "
+                       f"got {value!r}")
+  block_q, block_k = _block_sizes(block_size)
+  split = mask_mod_lib.split(mask_mod)
+  b = batch if batch is not None and split.depends_on(mask_mod_lib.BATCH) else 1
+  n = heads if heads is not None and split.depends_on(mask_mod_lib.HEAD) else 1
+  table = _classify_mask_mod(split, b, n, q_len, kv_len, block_q, block_k)
+  q_features = kv_features = None
+  if split.kernel_reason is None:
+    q_features = split.features(split.row_vars, b, n, q_len, mask_mod_lib.Q)
+    kv_features = split.features(split.col_vars, b, n, kv_len, mask_mod_lib.KV)
+  return BlockMask(table, q_features, kv_features, split, block_q, block_k, q_len, kv_len)
+
+
+def _classify_mask_mod(split, b: int, n: int, q_len: int, kv_len: int, block_q: int,
+                       block_k: int) -> jax.Array:
+  """The block table of a mask_mod: evaluated one query block at a time (a [b, n, block_q,
+  kv_len] slab of booleans at once), reduced to its blocks."""
+  nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
+  batch = jnp.arange(b, dtype=jnp.int32).reshape(b, 1, 1, 1)
+  head = jnp.arange(n, dtype=jnp.int32).reshape(1, n, 1, 1)
+  keys = jnp.arange(nk * block_k, dtype=jnp.int32).reshape(1, 1, 1, -1)
+
+  def one_row_of_blocks(i):
+    rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32)).reshape(1, 1, -1, 1)
+    # Entries past the lengths are neither visible nor hidden: they never decide a block.
+    real = jnp.logical_and(rows < q_len, keys < kv_len)
+    # (Indices past the lengths are clamped into range for the function: it may index arrays.)
+    visible = split.reference(batch, head, jnp.minimum(rows, q_len - 1),
+                              jnp.minimum(keys, kv_len - 1))
+    visible = jnp.broadcast_to(visible, (b, n, block_q, nk * block_k))
+    return _reduce_blocks(visible, real, block_q, block_k)[:, :, 0]
+
+  table = jax.lax.map(one_row_of_blocks, jnp.arange(nq, dtype=jnp.int32))
+  return jnp.moveaxis(table, 0, 2)
+
+
+def _reduce_blocks(visible, real, block_q: int, block_k: int) -> jax.Array:
+  """[..., rows, keys] booleans (and which entries are real) -> int8 [..., row blocks, key
+  blocks]: `EMPTY` if no real entry is visible, `FULL` if every real one is, else `PARTIAL`."""
+  shape = visible.shape[:-2] + (visible.shape[-2] // block_q, block_q,
+                                visible.shape[-1] // block_k, block_k)
+  real = jnp.broadcast_to(real, visible.shape)
+  any_ = jnp.any(jnp.logical_and(visible, real).reshape(shape), axis=(-3, -1))
+  all_ = jnp.all(jnp.logical_or(visible, ~real).reshape(shape), axis=(-3, -1))
+  return jnp.where(all_, FULL, jnp.where(any_, PARTIAL, EMPTY)).astype(jnp.int8)
+
+
+def classify_dense(mask: jax.Array, block: int = CLASSIFY_BLOCK) -> jax.Array:
+  """The block table of a dense boolean mask [B or 1, N or 1, T, S] at ``block`` x ``block``,
+  in one pass over it (entries past T and S do not count)."""
+  t, s = mask.shape[-2:]
+  tp, sp = _round_up(t, block), _round_up(s, block)
+  padded = jnp.pad(mask, [(0, 0), (0, 0), (0, tp - t), (0, sp - s)])
+  real = jnp.logical_and(jnp.arange(tp)[:, None] < t, jnp.arange(sp)[None, :] < s)
+  return _reduce_blocks(padded, real, block, block)
+
+
+def classify_segments(q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
+                      block: int = CLASSIFY_BLOCK) -> jax.Array:
+  """The block table [B, 1, T blocks, S blocks] of segment ids (a query sees keys of its own
+  segment) from each block's smallest and largest id: a block whose query and key id ranges do
+  not meet is empty, one where both hold a single, equal id is full. Exact for packed documents
+  (sorted ids); for others it may call an empty block partial, never the reverse."""
+  q_lo, q_hi = _block_range(q_segment_ids, block)
+  k_lo, k_hi = _block_range(kv_segment_ids, block)
+  meet = jnp.logical_and(q_lo[:, :, None] <= k_hi[:, None, :], k_lo[:, None, :] <= q_hi[:, :, None])
+  single = jnp.logical_and(q_lo[:, :, None] == q_hi[:, :, None], k_lo[:, None, :] == k_hi[:, None, :])
+  full = jnp.logical_and(single, q_lo[:, :, None] == k_lo[:, None, :])
+  table = jnp.where(full, FULL, jnp.where(meet, PARTIAL, EMPTY)).astype(jnp.int8)
+  return table[:, None]
+
+
+def _block_range(ids, block: int):
+  """Per block of ``block`` positions of int [B, L]: the smallest and largest id."""
+  b, length = ids.shape
+  lp = _round_up(length, block)
+  big = jnp.iinfo(jnp.int32).max
+  lo = jnp.pad(ids, [(0, 0), (0, lp - length)], constant_values=big).reshape(b, -1, block)
+  hi = jnp.pad(ids, [(0, 0), (0, lp - length)], constant_values=-big).reshape(b, -1, block)
+  return lo.min(axis=-1), hi.max(axis=-1)
+
+
+def intersect(a: jax.Array, b: jax.Array) -> jax.Array:
+  """Two tables of one block size (broadcasting) as one: a block is empty where either is,
+  full where both are, else partial."""
+  return jnp.where(jnp.logical_or(a == EMPTY, b == EMPTY), EMPTY,
+                   jnp.where(jnp.logical_and(a == FULL, b == FULL), FULL, PARTIAL)
+                   ).astype(jnp.int8)
+
+
+def resample(table: jax.Array, block: tuple[int, int], to: tuple[int, int],
+             lengths: tuple[int, int]) -> jax.Array:
+  """A table of ``block`` = (query, key) block sizes as one of ``to`` block sizes for
+  ``lengths`` = (T, S): each new block is empty if every old block it overlaps is, full if every
+  one is full, else partial. Exact when the sizes divide each other."""
+  for axis, (old, new, length) in enumerate(zip(block, to, lengths)):
+    table = _resample_axis(table, 2 + axis, old, new, length)
+  return table
+
+
+def _resample_axis(table, axis: int, old: int, new: int, length: int):
+  if old == new:
+    return table
+  fine = math.gcd(old, new)
+  count = -(-length // fine)  # fine blocks that cover the length
+  table = jnp.repeat(table, old // fine, axis=axis)
+  table = jax.lax.slice_in_dim(table, 0, min(count, table.shape[axis]), axis=axis)
+  if table.shape[axis] < count:  # (a table made for a shorter length: the rest is empty)
+    pad = [(0, 0)] * table.ndim
+    pad[axis] = (0, count - table.shape[axis])
+    table = jnp.pad(table, pad, constant_values=EMPTY)
+  group = new // fine
+  groups = -(-count // group)
+  pad = [(0, 0)] * table.ndim
+  # Fine blocks past the length only widen the last group: they count as neither.
+  pad[axis] = (0, groups * group - count)
+  lo = jnp.pad(table, pad, constant_values=FULL)
+  hi = jnp.pad(table, pad, constant_values=EMPTY)
+  shape = table.shape[:axis] + (groups, group) + table.shape[axis + 1:]
+  all_full = jnp.all(lo.reshape(shape) == FULL, axis=axis + 1)
+  any_visible = jnp.any(hi.reshape(shape) != EMPTY, axis=axis + 1)
+  return jnp.where(all_full, FULL, jnp.where(any_visible, PARTIAL, EMPTY)).astype(jnp.int8)
+
+
+def _block_sizes(block_size) -> tuple[int, int]:
+  if _is_positive_int(block_size):
+    return int(block_size), int(block_size)
+  if (isinstance(block_size, (tuple, list)) and len(block_size) == 2
+      and all(_is_positive_int(x) for x in block_size)):
+    return int(block_size[0]), int(block_size[1])
+  raise ValueError(f"block_size must be a positive int or a pair of them, got {block_size!r}")
+
+
+def _is_positive_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x > 0
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple

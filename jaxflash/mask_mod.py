@@ -1,0 +1,321 @@
+"""A `mask_mod` split into what kernels can evaluate per tile: per-row and per-column features
+computed once outside the kernels, and an elementwise rule that combines them.
+
+A mask_mod is FlexAttention's ``mask_mod(batch, head, q_idx, kv_idx) -> bool``, written with
+jnp on broadcasting int32 index arrays; it may close over arrays (document ids, a prefix length
+per batch row, a block pattern). A kernel cannot index a captured array with a tile of indices
+(Mosaic GPU has no gather from global memory), but it does not need to: tracing the function
+on scalar indices shows, for every intermediate value, which of the four indices it depends
+on. Values that depend on the query index and not on the key index (``doc_ids[b, q_idx]``, a
+row's prefix length) are *row features*: they are computed outside the kernels for every (batch
+row, head, query) as an array [B or 1, N or 1, T], and a kernel loads a tile's rows of them as
+it loads segment ids. Values of the key index alone are *column features* [B or 1, N or 1, S].
+What depends on both (``q_idx >= kv_idx``, ``doc_q == doc_kv``) is the *tile rule*: elementwise
+operations that the kernels run on tiles of features, vectorised with `jax.vmap`.
+
+Kernels can serve a mask_mod whose tile rule is elementwise (`Split.kernel_reason` is None):
+comparisons, arithmetic, logic, selects and conversions. One that indexes a captured array with
+both indices (``table[q_idx, kv_idx]``) has a gather in its tile rule; the Pallas backends
+decline it with that reason, and the XLA backend evaluates the function itself, tile by tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+MaskMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+# What each index of a mask_mod is called in dependency sets and messages.
+BATCH, HEAD, Q, KV = "batch", "head", "q_idx", "kv_idx"
+INDICES = (BATCH, HEAD, Q, KV)
+
+# Primitives a tile rule may hold for the kernels to run it: elementwise on tiles once
+# vectorised. Calls (jit, custom_jvp) are looked into.
+_ELEMENTWISE = frozenset("""
+  abs add and atan2 ceil clamp convert_element_type cos div eq exp exp2 floor ge gt integer_pow
+  is_finite le log lt max min mul ne neg nextafter not or population_count pow rem round rsqrt
+  select_n shift_left shift_right_arithmetic shift_right_logical sign sin sqrt square sub tan tanh
+  xor logistic copy copy_p
+""".split())
+# Shape operations that are no-ops on the scalars the rule was traced with.
+_SCALAR_SHAPE_OPS = frozenset(("broadcast_in_dim", "reshape", "squeeze", "expand_dims"))
+_CALLS = frozenset(("pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+                    "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint"))
+
+
+def signature_error(mask_mod) -> str | None:
+  """Why ``mask_mod`` cannot be called as ``mask_mod(batch, head, q_idx, kv_idx)``, or None."""
+  if not callable(mask_mod):
+    return f"mask_mod must be a function of (batch, head, q_idx, kv_idx), got {mask_mod!r}"
+  try:
+    inspect.signature(mask_mod).bind(0, 0, 0, 0)
+  except TypeError as e:
+    return (f"mask_mod must take four positional arguments (batch, head, q_idx, kv_idx): "
+            f"{e}")
+  except ValueError:  # no signature to inspect (some builtins): tracing will tell
+    pass
+  return None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # static (hashed by identity) in jit and vjp
+class Split:
+  """A traced mask_mod, split into row features, column features and a tile rule.
+
+  Attributes:
+    mask_mod: the user's function.
+    closed: its jaxpr on int32 scalars (batch, head, q_idx, kv_idx).
+    deps: for every variable of the jaxpr, the indices it depends on.
+    row_vars, col_vars: the variables the tile rule reads that depend on the query index (or
+      on neither index: they are row features too) and on the key index alone.
+    tile_eqns: the equations that depend on both indices, in order.
+    kernel_reason: None if the tile rule is elementwise (the kernels can run it), else why not.
+  """
+
+  mask_mod: MaskMod
+  closed: jcore.ClosedJaxpr
+  deps: dict
+  row_vars: tuple
+  col_vars: tuple
+  tile_eqns: tuple
+  kernel_reason: str | None
+
+  @property
+  def row_dtypes(self) -> tuple:
+    return tuple(v.aval.dtype for v in self.row_vars)
+
+  @property
+  def col_dtypes(self) -> tuple:
+    return tuple(v.aval.dtype for v in self.col_vars)
+
+  def depends_on(self, index: str) -> bool:
+    """Whether the mask depends on ``index`` (one of `INDICES`) at all."""
+    return index in self.deps[self.closed.jaxpr.outvars[0]]
+
+  # --- Features, outside the kernels ---------------------------------------------------------
+
+  def features(self, variables: tuple, batch: int, heads: int, length: int,
+               index: str) -> jax.Array | None:
+    """``variables`` (row or column features) for every (batch row, head, position) of the
+    axis ``index`` (`Q` or `KV`), stacked as int32 [F, B or 1, N or 1, length] (`to_int32`);
+    a feature's batch (head) axis is 1 where no feature depends on the batch row (head).
+    None when there are none."""
+    if not variables:
+      return None
+    deps = set().union(*(self.deps[v] for v in variables))
+    b_axis = jnp.arange(batch, dtype=jnp.int32) if BATCH in deps else jnp.zeros(1, jnp.int32)
+    h_axis = jnp.arange(heads, dtype=jnp.int32) if HEAD in deps else jnp.zeros(1, jnp.int32)
+    positions = jnp.arange(length, dtype=jnp.int32)
+    zero = jnp.int32(0)
+
+    def at(b, h, i):
+      env = {BATCH: b, HEAD: h, Q: i if index == Q else zero, KV: i if index == KV else zero}
+      values = self._evaluate(env, variables)
+      return jnp.stack([to_int32(x) for x in values])
+
+    per_position = jax.vmap(at, in_axes=(None, None, 0), out_axes=-1)
+    per_head = jax.vmap(per_position, in_axes=(None, 0, None), out_axes=-2)
+    return jax.vmap(per_head, in_axes=(0, None, None), out_axes=-3)(b_axis, h_axis, positions)
+
+  def _evaluate(self, env_by_index: dict, wanted: tuple) -> list:
+    """The values of ``wanted`` (variables that do not depend on both indices) from the
+    indices in ``env_by_index``, running only the equations they need."""
+    jaxpr = self.closed.jaxpr
+    env = dict(zip(jaxpr.constvars, self.closed.consts))
+    env.update(zip(jaxpr.invars, (env_by_index[name] for name in INDICES)))
+    needed = _needed(jaxpr, wanted)
+    for eqn in jaxpr.eqns:
+      if any(v in needed for v in eqn.outvars):
+        _run(eqn, env)
+    return [_read(env, v) for v in wanted]
+
+  # --- The tile rule, inside a kernel ------------------------------------------------------
+
+  def tile(self, q_idx, kv_idx, rows: list, cols: list):
+    """The mask of one tile: ``q_idx`` and ``kv_idx`` are the tile's query and key indices
+    (int32, shaped like the tile), ``rows`` and ``cols`` its row and column features in their
+    own dtypes (`from_int32`) broadcast to the tile. The tile rule runs vectorised over the
+    tile's entries."""
+    jaxpr = self.closed.jaxpr
+    out = jaxpr.outvars[0]
+    if out in self.row_vars or out in self.col_vars:  # the mask depends on one index only
+      values = rows if out in self.row_vars else cols
+      keys = self.row_vars if out in self.row_vars else self.col_vars
+      return values[keys.index(out)] != 0
+    if not isinstance(out, jcore.Var):  # a literal result: every entry alike
+      return jnp.full(q_idx.shape, bool(out.val))
+
+    def entry(q, kv, *features):
+      env = dict(zip(self.row_vars + self.col_vars, features))
+      env.update(zip(jaxpr.invars[2:], (q, kv)))
+      for eqn in self.tile_eqns:
+        _run(eqn, env)
+      return _read(env, out)
+
+    # One vmap per tile axis (no reshape: a kernel's tile keeps its register layout).
+    vectorised = entry
+    for _ in range(jnp.ndim(q_idx)):
+      vectorised = jax.vmap(vectorised)
+    return vectorised(*(jnp.broadcast_to(x, jnp.shape(q_idx))
+                        for x in (q_idx, kv_idx, *rows, *cols)))
+
+  def reference(self, batch, head, q_idx, kv_idx, consts=None):
+    """The whole mask_mod on broadcasting index arrays, evaluated entry by entry from its
+    jaxpr with ``consts`` (the arrays it closes over; its own by default): what the XLA backend
+    runs for a mask_mod the kernels cannot, and how block tables are made."""
+    consts = self.closed.consts if consts is None else consts
+    jaxpr = self.closed.jaxpr
+    shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in (batch, head, q_idx, kv_idx)))
+
+    def entry(*indices):
+      env = dict(zip(jaxpr.constvars, consts))
+      env.update(zip(jaxpr.invars, indices))
+      for eqn in jaxpr.eqns:
+        _run(eqn, env)
+      return _read(env, jaxpr.outvars[0])
+
+    vectorised = entry
+    for _ in shape:
+      vectorised = jax.vmap(vectorised)
+    return vectorised(*(jnp.broadcast_to(jnp.asarray(x, jnp.int32), shape)
+                        for x in (batch, head, q_idx, kv_idx)))
+
+
+def split(mask_mod: MaskMod) -> Split:
+  """Traces ``mask_mod`` on int32 scalars and splits it (see the module docstring).
+
+  Raises:
+    ValueError: naming ``mask_mod``, if it is not a function of four indices, fails on scalar
+      int32 indices, or does not return one boolean per entry.
+  """
+  reason = signature_error(mask_mod)
+  if reason is not None:
+    raise ValueError(reason)
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  try:
+    closed = jax.make_jaxpr(mask_mod)(scalar, scalar, scalar, scalar)
+  except Exception as e:  # noqa: BLE001 (any failure of the user's function)
+    raise ValueError(f"mask_mod(batch, head, q_idx, kv_idx) failed on int32 scalar indices: "
+                     f"{type(e).__name__}: {e}") from e
+  outs = closed.out_avals
+  if len(outs) != 1:
+    raise ValueError(f"mask_mod must return one boolean array, got {len(outs)} outputs")
+  if outs[0].shape != ():
+    raise ValueError(f"mask_mod must return one boolean per (batch, head, q_idx, kv_idx) and "
+                     f"broadcast like its indices; on scalar indices it returned shape "
+                     f"{outs[0].shape}")
+  if outs[0].dtype != jnp.bool_:
+    raise ValueError(f"mask_mod must return booleans (True = attend), got {outs[0].dtype}")
+  jaxpr = closed.jaxpr
+  deps = {v: frozenset() for v in jaxpr.constvars}
+  deps.update({v: frozenset((name,)) for v, name in zip(jaxpr.invars, INDICES)})
+  tile_eqns, reasons = [], []
+  for eqn in jaxpr.eqns:
+    d = frozenset().union(*(deps.get(v, frozenset()) for v in eqn.invars
+                            if isinstance(v, jcore.Var)))
+    for v in eqn.outvars:
+      deps[v] = d
+    if Q in d and KV in d:
+      tile_eqns.append(eqn)
+      why = _kernel_reason(eqn)
+      if why is not None:
+        reasons.append(why)
+  tile_inputs = []
+  for eqn in tile_eqns:
+    for v in eqn.invars:
+      # (The batch and head indices are features too: a shard of a sharded call knows its
+      # rows' and heads' global indices only through arrays made for the whole call.)
+      if (isinstance(v, jcore.Var) and not (Q in deps[v] and KV in deps[v])
+          and v not in tile_inputs and v not in jaxpr.invars[2:]):
+        tile_inputs.append(v)
+  out = jaxpr.outvars[0]
+  if isinstance(out, jcore.Var) and not (Q in deps[out] and KV in deps[out]) and (
+      out not in tile_inputs):
+    tile_inputs.append(out)  # a mask of one index: the result is itself a feature
+  row_vars = tuple(v for v in tile_inputs if KV not in deps[v])
+  col_vars = tuple(v for v in tile_inputs if KV in deps[v])
+  shaped = [v for v in tile_inputs + [w for e in tile_eqns for w in e.outvars]
+            if getattr(v.aval, "shape", ()) != ()]
+  if shaped:  # e.g. a whole captured array entering the rule: not one value per entry
+    reasons.append(f"a value of shape {shaped[0].aval.shape}")
+  reason = None
+  if reasons:
+    reason = (f"its mask_mod combines the query and key indices with {', '.join(reasons)}, "
+              f"which the kernels cannot evaluate per tile (only elementwise operations)")
+  return Split(mask_mod, closed, deps, row_vars, col_vars, tuple(tile_eqns), reason)
+
+
+def _kernel_reason(eqn) -> str | None:
+  """Why one tile equation cannot run in a kernel, or None."""
+  name = eqn.primitive.name
+  if name in _ELEMENTWISE:
+    return None
+  if name in _SCALAR_SHAPE_OPS and all(getattr(v.aval, "shape", ()) == () for v in eqn.outvars):
+    return None
+  if name in _CALLS:
+    for sub in jcore.jaxprs_in_params(eqn.params):
+      for inner in sub.eqns:
+        why = _kernel_reason(inner)
+        if why is not None:
+          return why
+    return None
+  return f"'{name}'"
+
+
+def _needed(jaxpr, wanted) -> set:
+  """The variables that the values of ``wanted`` are computed from (``wanted`` included)."""
+  producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+  needed, stack = set(), [v for v in wanted if isinstance(v, jcore.Var)]
+  while stack:
+    v = stack.pop()
+    if v in needed:
+      continue
+    needed.add(v)
+    eqn = producer.get(v)
+    if eqn is not None:
+      stack.extend(x for x in eqn.invars if isinstance(x, jcore.Var))
+  return needed
+
+
+def _read(env, v):
+  return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def _run(eqn, env):
+  """Binds one equation on the values in ``env`` and stores its results there (what
+  `jax.core.eval_jaxpr` does for each equation)."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  subfuns = ()
+  if isinstance(params, tuple):  # older jax: (subfuns, params)
+    subfuns, params = params
+  outs = eqn.primitive.bind(*subfuns, *[_read(env, v) for v in eqn.invars], **params)
+  if not eqn.primitive.multiple_results:
+    outs = [outs]
+  for v, x in zip(eqn.outvars, outs):
+    env[v] = x
+
+
+def to_int32(x) -> jax.Array:
+  """A feature as int32 (the one dtype the kernels load): booleans and integers converted,
+  32-bit floats bit-cast (`from_int32` casts back)."""
+  x = jnp.asarray(x)
+  if x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.integer):
+    return x.astype(jnp.int32)
+  if x.dtype == jnp.float32:
+    return jax.lax.bitcast_convert_type(x, jnp.int32)
+  return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+
+def from_int32(x: jax.Array, dtype) -> jax.Array:
+  """The inverse of `to_int32` for a feature of ``dtype``."""
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.bool_:
+    return x != 0
+  if jnp.issubdtype(dtype, jnp.integer):
+    return x.astype(dtype)
+  return jax.lax.bitcast_convert_type(x, jnp.float32).astype(dtype)
