@@ -1,8 +1,9 @@
-"""The dense bf16 matmul rate of this card (issue 12's ceiling): ``jnp.dot`` of random square
-bf16 matrices with float32 accumulation, median of timed repeats after warm-up, for a few sizes.
+"""The dense bf16 matmul rate of this card (the ceiling the Mosaic kernels are measured against):
+``jnp.dot`` of random square bf16 matrices with float32 accumulation, median of timed repeats
+after warm-up, for a few sizes.
 Prints TFLOP/s (2 n³ FLOPs per product) and writes ``--out`` as JSON.
 
-  python3 benchmarks/matmul_ceiling.py --out /tmp/matmul.json
+  python3 benchmarks/dev/matmul_ceiling.py --out /tmp/matmul.json
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cases import time_call  # noqa: E402
 import report  # noqa: E402
 

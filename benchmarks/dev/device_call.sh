@@ -7,13 +7,13 @@
 # and 400 for tests/test_gpu.py under 8 workers; TEST_WORKERS pytest workers, 8) so that one
 # call stays under the device's 10 minutes. Everything lands in $OUT. For example:
 #   TESTS="tests/test_mosaic.py" TEST_S=250 GRID="--impls jaxflash_mosaic cudnn --dtypes fp16 \
-#     --head-dims 256 --no-gqa" GRID_S=200 benchmarks/device_call.sh
+#     --head-dims 256 --no-gqa" GRID_S=200 benchmarks/dev/device_call.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee $OUT/device.txt
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a $OUT/device.txt
 if [ -n "$PROBE" ]; then
 [ "$PROBE" = all ] && PROBE_ARGS="" || PROBE_ARGS="--configs $PROBE"
-timeout ${PROBE_S:-150} python3 benchmarks/ptxas_probe.py --out $OUT --ptx $PTX $PROBE_ARGS \
+timeout ${PROBE_S:-150} python3 benchmarks/dev/ptxas_probe.py --out $OUT --ptx $PTX $PROBE_ARGS \
   > $OUT/ptxas.log 2>&1
 sed -n '/== ptxas summary ==/,$p' $OUT/ptxas.log | grep . || tail -40 $OUT/ptxas.log
 fi

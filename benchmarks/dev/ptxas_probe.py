@@ -5,7 +5,7 @@ C7513). Each config compiles in its own process with Mosaic GPU's dump variables
 report) and a ``<name>.ptx`` for each config named in ``--ptx``: few files, as the device tool
 returns at most eight. (Mosaic GPU wrote no SASS on the H200 machine: it has no disassembler.)
 
-  python3 benchmarks/ptxas_probe.py --out /tmp/probe --ptx d128_overlap
+  python3 benchmarks/dev/ptxas_probe.py --out /tmp/probe --ptx d128_overlap
 """
 
 from __future__ import annotations

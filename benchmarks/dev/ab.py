@@ -1,7 +1,7 @@
 """Same-run A/B of two bench.py results (e.g. before and after a change, run back to back on the
 same card): TFLOP/s of each side and their ratio, per case and mode, plus the median ratio.
 
-    python benchmarks/ab.py BEFORE.json AFTER.json --impl jaxflash_triton --out ab.md
+    python benchmarks/dev/ab.py BEFORE.json AFTER.json --impl jaxflash_triton --out ab.md
 """
 
 from __future__ import annotations
@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
-from report import row_key
+# The user benchmarks' helpers live one folder up (scripts, not a package).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from report import row_key  # noqa: E402
 
 
 def compare(before: dict, after: dict, impl: str) -> tuple[list[dict], dict]:

@@ -21,7 +21,7 @@ Before timing, the backward's gradients of batch row 0 and head 0 are checked ag
 reference. ``--smoke`` runs a tiny grid in Mosaic GPU's interpreter on a CPU (CI), where the
 times mean nothing.
 
-    python benchmarks/bwd_parts.py --head-dims 64 128 256 --seqs 4096 16384 --out parts.json
+    python benchmarks/dev/bwd_parts.py --head-dims 64 128 256 --seqs 4096 16384 --out parts.json
 """
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ from jaxflash.backends import mosaic
 from jaxflash.backends.mosaic import backward as mosaic_backward
 from jaxflash.backends.mosaic import forward as mosaic_forward
 
-from cases import (Case, attention_fn, causal_modes, flops, grad_fn, make_inputs, relerr,
-                   time_call)
-from report import environment
+# The user benchmarks' helpers live one folder up (scripts, not a package).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cases import (Case, attention_fn, causal_modes, flops, grad_fn, make_inputs,  # noqa: E402
+                   relerr, time_call)
+from report import environment  # noqa: E402
 
 # Work of each part in units of one T x S x D matmul (see the module docstring).
 UNITS = {"fwd": 2, "dkv": 4, "dv": 2, "dk": 3, "dq": 3}

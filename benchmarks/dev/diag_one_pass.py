@@ -15,10 +15,10 @@ counter reaches the tile's place among the block's visitors, without taking from
 (2026-11-22) "default" was correct with the same bits twice in every case, and "consume" hung
 in E and F (in A it gave different bits twice). Timed (`--cases T128 T128c T64`), the one-pass
 backward ran 0.76-0.86x of the two kernels, and 0.82-0.94x with "no_wait"
-(benchmarks/results/mosaic_one_pass_h200_2026-11-22).
+(raw results in git history: a126e32:benchmarks/results/mosaic_one_pass_h200_2026-11-22).
 
-  PYTHONPATH=. python3 benchmarks/diag_one_pass.py [--cases A E] [--variants default consume]
-  PYTHONPATH=. python3 benchmarks/diag_one_pass.py --cases T128 T64 --variants default no_wait
+  PYTHONPATH=. python3 benchmarks/dev/diag_one_pass.py [--cases A E] [--variants default consume]
+  PYTHONPATH=. python3 benchmarks/dev/diag_one_pass.py --cases T128 T64 --variants default no_wait
 """
 
 from __future__ import annotations
