@@ -227,6 +227,12 @@ def _cell(row: dict | None) -> str:
   return text + (" WRONG" if row.get("wrong") else "")
 
 
+def _rate_text(row: dict | None) -> str:
+  """TFLOP/s of a row that ran and was right, rounded; "-" otherwise."""
+  rate = _rate(row)
+  return "-" if rate is None else f"{rate:.0f}"
+
+
 def table(rows: list[dict]) -> str:
   """Markdown TFLOP/s tables, one per dtype: rows heads/D/S/causal/mode, one column per impl."""
   rows = [r for r in rows if "mode" in r]
@@ -337,7 +343,7 @@ def summary_table(result: dict, impl: str = "jaxflash_mosaic", dtype: str = "bfl
   for d in sorted({r["D"] for r in rows}):
     for s in seqs:
       for causal in (False, True):
-        values = [_cell(cells.get((i, m, d, s, causal))) for i, m in columns]
+        values = [_rate_text(cells.get((i, m, d, s, causal))) for i, m in columns]
         if all(v == "-" for v in values):
           continue
         size = f"{s // 1024}k" if s >= 1024 else str(s)
