@@ -377,3 +377,31 @@ def test_multi_gpu_smoke(tmp_path, monkeypatch):
   p = multi_gpu.ring_profile(None, None, calls=1)
   assert [round(p[k] * 1e6) for k in ("span_ms", "compute_ms", "comm_ms", "exposed_comm_ms",
                                       "idle_ms")] == [30, 15, 17, 10, 5]
+
+
+def test_committed_results():
+  """benchmarks/results/<device>/ holds the files its README names, each a table of rows that
+  report.py, plot.py and the README's table can read."""
+  h200 = BENCHMARKS / "results" / "h200"
+  names = {p.name for p in h200.iterdir()}
+  for name in ("README.md", "grid.json", "grid_bf16.png", "decode.json", "decode.png",
+               "features.json", "memory.json", "memory.png", "gpt_jaxflash.json",
+               "gpt_cudnn.json", "gpt_flax.json", "gpt_xla.json", "multi_gpu_2.json",
+               "multi_gpu_4.json"):
+    assert name in names, name
+    assert name in (h200 / "README.md").read_text() or name == "README.md", name
+  grid = json.loads((h200 / "grid.json").read_text())
+  assert {r["run"] for r in grid["rows"]} == set(grid["runs"])
+  assert all(run["code_commit"] and run["environment"]["device"] == "NVIDIA H200"
+             for run in grid["runs"].values())
+  latest = report.current_rows(grid)
+  assert {"jaxflash_mosaic", "cudnn", "cudnn_det"} <= {r["impl"] for r in latest}
+  assert all(r["tflops"] > 0 and not r["wrong"] for r in latest
+             if r["impl"] in ("jaxflash_mosaic", "cudnn", "cudnn_det"))
+  assert report.summary_table(grid).count("\n") == 1 + 18  # header + D x S x causal
+  for name in ("jaxflash", "cudnn"):
+    gpt = json.loads((h200 / f"gpt_{name}.json").read_text())
+    assert gpt["attention"] == name and gpt["summary"]["compile_s"] > 0
+  h100 = json.loads((BENCHMARKS / "results" / "h100" / "grid.json").read_text())
+  assert {run["environment"]["device"] for run in h100["runs"].values()} == {
+      "NVIDIA H100 80GB HBM3"}
