@@ -336,10 +336,12 @@ def ring_table(rows: list[dict]) -> str:
               "whole sequence span | span efficiency |", "|---|---|---|---|---|---|---|---|---|"]
     for r in profiled:
       p = r["profile"]
+      # (Runs before the whole-sequence call was traced too have no span efficiency.)
+      whole = f"{r['whole_span_ms']:.2f}" if "whole_span_ms" in r else ""
+      efficiency = f"{r['span_efficiency']:.3f}" if "span_efficiency" in r else ""
       lines.append(f"| {r['layout']} | {r['devices']} x {r['chunk']} | {p['span_ms']:.2f} | "
                    f"{p['compute_ms']:.2f} | {p['comm_ms']:.2f} | {p['exposed_comm_ms']:.2f} | "
-                   f"{p['idle_ms']:.2f} | {r['whole_span_ms']:.2f} | "
-                   f"{r['span_efficiency']:.3f} |")
+                   f"{p['idle_ms']:.2f} | {whole} | {efficiency} |")
   return "\n".join(lines)
 
 
