@@ -4,22 +4,23 @@ The one command, on the GPU machine from the repo root:
 
     PYTHONPATH=. python benchmarks/bench.py
 
-It writes benchmarks/results/<device>_<date>.json (<device> from the device kind, e.g. h200), a
-.md with the tables and one PNG per dtype beside it, and prints the tables, any ERROR and WRONG
-rows, and the floor summary. A progress bar (done/total, elapsed, ETA, current case) goes to
-stderr; one line per step when stderr is not a terminal. Other uses:
+It writes benchmarks/results/<device>/grid.json (<device> from the device kind, e.g. h200), a
+grid.md with the tables and one PNG per dtype (grid_bf16.png, grid_fp16.png) beside it, and
+prints the tables, any ERROR and WRONG rows, and (with --floor) an acceptance floor check. A
+progress bar (done/total, elapsed, ETA, current case) goes to stderr; one line per step when
+stderr is not a terminal. Other uses:
 
     PYTHONPATH=. python benchmarks/bench.py --smoke --out /tmp/smoke.json   # tiny CPU run (CI)
     PYTHONPATH=. python benchmarks/bench.py --dtypes bf16 --head-dims 64 --out a.json  # a part
     PYTHONPATH=. python benchmarks/bench.py --resume --out a.json  # measure only what a.json lacks
-    PYTHONPATH=. python benchmarks/bench.py --merge a.json b.json --out all.json  # join parts
+    PYTHONPATH=. python benchmarks/bench.py --merge a.json b.json --out all.json  # join runs
     PYTHONPATH=. python benchmarks/bench.py --tune   # try Triton/Mosaic tiles at 4k (or --seqs)
     python benchmarks/plot.py RESULTS.json           # redraw the plots
 
 The JSON is rewritten after every case, so a run that is stopped keeps what it measured and
 --resume carries on from it. benchmarks/memory.py measures memory against sequence length.
 
-Grid (the FlashAttention-2 paper's, as in ../shared/anchors): bf16 and fp16; head dims 64, 128,
+Grid (the FlashAttention-2 paper's): bf16 and fp16; head dims 64, 128,
 256; S = 512, 1k, 2k, 4k, 8k, 16k with 16k tokens per batch (B = 16384 / S) and hidden 2048
 (N = 2048 / D heads); causal and not; self-attention. Plus a GQA case: 32 query heads, 8 KV
 heads, D = 128, bf16, the same S and B. Implementations, all in this process on the same card:
@@ -27,10 +28,11 @@ jaxflash_mosaic, jaxflash_triton and jaxflash_xla (jaxflash.flash_attention, imp
 "mosaic", "triton" and "xla"),
 xla and cudnn (jax.nn.dot_product_attention), cudnn_det (cudnn compiled with XLA's
 xla_gpu_exclude_nondeterministic_ops, which makes cuDNN's backward deterministic like
-jaxflash's; not in the default set) and pallas_mha (JAX's Pallas kernel,
-jax.experimental.pallas.ops.gpu.attention.mha with its defaults; not applicable to GQA, so
-skipped there; it does not fit at D = 256 and those rows record the error). Without a GPU the
-default is jaxflash_triton (its kernels in interpret mode), jaxflash_xla and xla.
+jaxflash's) and pallas_mha (JAX's Pallas kernel, jax.experimental.pallas.ops.gpu.attention.mha
+with its defaults; not applicable to GQA, so skipped there; it does not fit at D = 256 and
+those rows record the error). On a GPU the default is jaxflash_mosaic, jaxflash_triton, cudnn,
+cudnn_det and xla; without one, jaxflash_triton (its kernels in interpret mode), jaxflash_xla and
+xla.
 
 Method: every (case, implementation, mode) is compiled once (jit, lower, compile). That executable
 gives XLA's compiled temp bytes, is checked against a float32 reference (jax.nn xla at highest
@@ -46,8 +48,9 @@ Rows: impl, mode, dtype, B, S, N (query heads), K (KV heads), D, causal, ms, tfl
 relerr (fwd), relerr_dq (fwdbwd), repeatable (fwdbwd: a second call on the same inputs gave
 bitwise the same dQ, dK and dV), wrong, calls, and error or skipped when it did not run. An
 implementation that fails (unsupported, out of memory, compile error) gives error rows and the
-sweep goes on. The floor summary checks the rows against an acceptance floor (data:
-benchmarks/floors/issue5.json by default, --floor to pick another).
+sweep goes on. --floor FILE checks the rows against an acceptance floor (data, e.g.
+benchmarks/dev/floors/triton_vs_pallas_mha.json). --merge joins results files as runs of one
+file (report.join: every row keeps its run's name; tables and plots take a cell's latest run).
 """
 
 from __future__ import annotations
@@ -70,8 +73,8 @@ from report import FLOP_CONVENTION, HIDDEN, IMPLS, TOKENS, TOLERANCE, Progress, 
 
 # What runs without an NVIDIA GPU (the Triton kernels in interpret mode).
 CPU_IMPLS = ("jaxflash_triton", "jaxflash_xla", "xla")
-# What runs by default on a GPU: every implementation but the deterministic cuDNN (--impls).
-GPU_IMPLS = tuple(impl for impl in IMPLS if impl != "cudnn_det")
+# What runs by default on a GPU (--impls for others: jaxflash_xla, pallas_mha).
+GPU_IMPLS = ("jaxflash_mosaic", "jaxflash_triton", "cudnn", "cudnn_det", "xla")
 MODES = ("fwd", "fwdbwd")
 METHOD = ("compiled once per (case, impl, mode); output and dQ of batch rows 0 and B-1, query "
           "heads 0 and N-1 checked against float32 jax.nn xla at highest precision; "
@@ -211,7 +214,7 @@ def config(args) -> dict:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--out", help="results JSON (default results/<device>_<date>.json); the "
+  parser.add_argument("--out", help="results JSON (default results/<device>/grid.json); the "
                       ".md and .png files go beside it")
   parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="default: bf16 fp16")
   parser.add_argument("--head-dims", type=int, nargs="+", help="default: 64 128 256")
@@ -231,14 +234,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="keep the rows already in --out (give it) and measure only what is "
                       "missing; the JSON is rewritten after every case, so a stopped run resumes")
   parser.add_argument("--merge", nargs="+", metavar="JSON",
-                      help="join earlier results into --out instead of measuring")
+                      help="join earlier results into --out as runs of one file, instead of "
+                      "measuring")
   parser.add_argument("--tune", action="store_true",
                       help="sweep Triton and Mosaic tiles instead (at S = 4k, or --seqs)")
   parser.add_argument("--tune-families", nargs="+", choices=tuner.MOSAIC_FAMILIES,
                       help="--tune: which Mosaic candidates to time (default: the forward's; "
                       "backward times forward+backward with each backward tile set)")
-  parser.add_argument("--floor", default=str(report.DEFAULT_FLOOR),
-                      help="acceptance floor JSON to check the rows against (default: issue 5's)")
+  parser.add_argument("--floor", help="acceptance floor JSON to check the rows against (e.g. "
+                      "benchmarks/dev/floors/triton_vs_pallas_mha.json); none by default")
   parser.add_argument("--compile-workers", type=int,
                       help="threads that compile a case's executables ahead (8 on a GPU, else 1)")
   return parser.parse_args(argv)
@@ -250,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict | list[dict]:
   if args.merge:
     if not args.out:
       raise SystemExit("--merge needs --out")
-    out, result = Path(args.out), report.merge(args.merge)
+    out, result = Path(args.out), report.join_files(args.merge)
   else:
     cfg = config(args)
     env = dict(report.environment(), flop_convention=FLOP_CONVENTION,
@@ -262,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict | list[dict]:
         Path(args.out).write_text(json.dumps(dict(environment=env, rows=rows), indent=1) + "\n")
       tuner.print_tune(cfg, rows)
       return rows
-    out = Path(args.out) if args.out else report.default_out(env)
+    out = Path(args.out) if args.out else report.default_out(env, "grid")
     result = dict(kind="speed", environment=env, config=cfg)
     previous = json.loads(out.read_text())["rows"] if args.resume and out.exists() else []
 
@@ -271,13 +275,16 @@ def main(argv: list[str] | None = None) -> dict | list[dict]:
       out.write_text(json.dumps(dict(result, rows=rows, partial=True), indent=1) + "\n")
 
     result["rows"] = sweep(cfg, previous, checkpoint)
-  result["floor"] = report.floor_summary(result["rows"], report.load_floor(args.floor))
+  if args.floor:
+    result["floor"] = report.floor_summary(report.current_rows(result),
+                                           report.load_floor(args.floor))
   written = report.write_outputs(result, out)
   for line in report.problems(result["rows"]):
     print(line)
-  print(report.table(result["rows"]))
-  print()
-  print(report.floor_text(result["floor"]))
+  print(report.table(report.current_rows(result)))
+  if result.get("floor"):
+    print()
+    print(report.floor_text(result["floor"]))
   print("\nwrote " + " ".join(str(p) for p in written))
   return result
 

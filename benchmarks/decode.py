@@ -1,4 +1,4 @@
-"""Decoding benchmark (issue 14): new tokens against a KV cache, in one process per run.
+"""Decoding benchmark: new tokens against a KV cache, in one process per run.
 
 For each cell (batch B, cache length S, new tokens T, heads N/K, head dim D, contiguous or paged
 cache), every implementation is checked against a float32 reference on fresh random inputs,
@@ -15,7 +15,8 @@ Implementations:
 - ``pallas_decode``: JAX's `jax.experimental.pallas.ops.gpu.decode_attention.gqa` (T = 1).
 Paged cells run the jaxflash implementations only, next to the contiguous ones.
 
-  python benchmarks/decode.py --batches 1 8 --seqs 4096 32768 --out results.json
+  PYTHONPATH=. python benchmarks/decode.py   # -> benchmarks/results/<device>/decode.json, .md, .png
+  PYTHONPATH=. python benchmarks/decode.py --batches 1 8 --seqs 4096 32768 --out results.json
 """
 
 from __future__ import annotations
@@ -408,7 +409,8 @@ def main(argv=None) -> None:
                            '(splits: the shipped count, or wave_splits\' for a given block_k)')
   parser.add_argument("--profile", action="store_true",
                       help="also record each timed row's GPU kernels (a jax.profiler trace)")
-  parser.add_argument("--out", help="results JSON (a .md table is written next to it)")
+  parser.add_argument("--out", help="results JSON (default results/<device>/decode.json); a .md "
+                      "table and a .png are written next to it")
   args = parser.parse_args(argv)
   cfg = dict(vars(args))
   cfg["heads"] = [tuple(int(x) for x in pair.split("/")) for pair in args.heads]
@@ -422,13 +424,19 @@ def main(argv=None) -> None:
   result = run(cfg)
   text = table(result["rows"])
   print(text)
-  if args.out:
-    out = Path(args.out)
-    out.write_text(json.dumps(result, indent=1, default=str))
-    out.with_suffix(".md").write_text(
-        f"Decoding, {result['environment']['device']}, jax {result['environment']['jax']}, "
-        f"{result['environment']['date']}: TB/s of K and V read (fraction of a measured "
-        f"copy)\n\n{text}\n")
+  out = Path(args.out) if args.out else report.default_out(result["environment"], "decode")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=1, default=str))
+  out.with_suffix(".md").write_text(
+      f"Decoding, {result['environment']['device']}, jax {result['environment']['jax']}, "
+      f"{result['environment']['date']}: TB/s of K and V read (fraction of a measured "
+      f"copy)\n\n{text}\n")
+  try:
+    import plot
+  except ImportError as e:
+    print(f"no plot: {e}", file=sys.stderr)
+  else:
+    plot.plot_decode(result, out.with_suffix(""))
   failed = [r for r in result["rows"] if "failed" in r]
   if failed and args.smoke:
     raise SystemExit(f"{len(failed)} failed: {failed[:3]}")

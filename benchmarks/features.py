@@ -2,8 +2,10 @@
 
 Run on the GPU machine from the repo root:
 
-    PYTHONPATH=. python benchmarks/features.py --impls jaxflash_triton jaxflash_mosaic \
-        --out benchmarks/results/<device>_features.json
+    PYTHONPATH=. python benchmarks/features.py --impls jaxflash_triton jaxflash_mosaic
+
+It writes benchmarks/results/<device>/features.json (<device> from the device kind, e.g. h200;
+--out to choose) and a .md table beside it.
 
 Shape: bf16, D = 128, S = 4k, B = 4, N = 16 (16k tokens, hidden 2048), causal and not. Variants:
 plain; dropout p = 0.1; a [1, N, S, S] bias that is not differentiated; the same bias with its
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +31,7 @@ from jaxflash import dropout
 from jaxflash.reference import reference_attention
 
 from cases import flops, time_call
-from report import environment
+from report import default_out, environment
 
 VARIANTS = {
     "plain": dict(),
@@ -95,7 +98,7 @@ def main(argv=None):
   parser.add_argument("--impls", nargs="+", default=["jaxflash_triton"],
                       choices=("jaxflash_triton", "jaxflash_mosaic"),
                       help="jaxflash backends to time (cuDNN runs next to them on a GPU)")
-  parser.add_argument("--out", default=None)
+  parser.add_argument("--out", help="results JSON (default results/<device>/features.json)")
   args = parser.parse_args(argv)
   s, d = args.seq, args.head_dim
   b = args.batch or max(1, 16384 // s)
@@ -133,9 +136,10 @@ def main(argv=None):
       rows.append(row)
 
   result = dict(environment=environment(), rate=RATE, rows=rows)
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(result, f, indent=1)
+  out = Path(args.out) if args.out else default_out(result["environment"], "features")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=1) + "\n")
+  out.with_suffix(".md").write_text(markdown(rows) + "\n")
   print(markdown(rows))
 
 

@@ -27,8 +27,8 @@ it did not report. Workers run with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (unless 
 default allocator, with the memory a user would give a training job. Workers run one at a time,
 never two on the card at once.
 
-Writes benchmarks/results/<device>_memory_<date>.json (environment, rows, longest_s) and a .md
-and .png beside it, and prints the table.
+Writes benchmarks/results/<device>/memory.json (environment, rows, longest_s; <device> from the
+device kind, e.g. h200) and a .md and .png beside it, and prints the table.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ import report
 from jaxflash import devices
 
 DEFAULT_SEQS = [1024 * 2**i for i in range(8)]  # 1k ... 128k
+# Every implementation but the deterministic cuDNN; the first (jaxflash_triton) runs everywhere,
+# and the platform is learnt from the first worker.
+DEFAULT_IMPLS = tuple(impl for impl in report.IMPLS if impl != "cudnn_det")
 MEM_FRACTION = "0.95"
 # Beyond this S one step takes seconds, so no warm-up call before the timed one.
 WARMUP_MAX_S = 32768
@@ -209,7 +212,7 @@ def markdown(result: dict) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--out", help="results JSON (default results/<device>_memory_<date>.json)")
+  parser.add_argument("--out", help="results JSON (default results/<device>/memory.json)")
   parser.add_argument("--seqs", type=int, nargs="+", help="default: 1024 2048 ... 131072")
   parser.add_argument("--impls", nargs="+", choices=report.IMPLS,
                       help="default: all but cudnn_det (cudnn and pallas_mha only where there "
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict | None:
   # This process never touches the device (it would hold memory the workers need); the
   # environment comes from the first worker.
   env, rows, done = None, [], []
-  todo = list(cfg["impls"] or bench.GPU_IMPLS)
+  todo = list(cfg["impls"] or DEFAULT_IMPLS)
   while len(done) < len(todo):
     impl = todo[len(done)]
     print(f"[{len(done) + 1}/{len(todo)}] {impl}: S = {' '.join(map(str, cfg['seqs']))}",
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict | None:
   cfg["impls"] = done
   result = dict(kind="memory", environment=env, config=cfg, rows=rows,
                 longest_s=longest_trainable(rows, done))
-  out = Path(args.out) if args.out else report.default_out(env, "_memory")
+  out = Path(args.out) if args.out else report.default_out(env, "memory")
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=1) + "\n")
   out.with_suffix(".md").write_text(markdown(result))

@@ -1,4 +1,4 @@
-"""Several GPUs (issue 15): a batch-sharded attention step against one device's share.
+"""Several GPUs: a batch-sharded attention step against one device's share, and ring attention.
 
 The batch of a training step is split over every device of a 1-D mesh ("b"). For each
 implementation and mesh kind (`AxisType.Auto`, `AxisType.Explicit`), the script checks the
@@ -14,8 +14,8 @@ Implementations: ``jaxflash`` (the backend `flash_attention` picks), ``jaxflash_
 run uses jaxflash's XLA backend: Pallas's interpreter cannot run inside shard_map with
 ``check_vma=True``.
 
-  python benchmarks/multi_gpu.py --out results.json
-  python benchmarks/multi_gpu.py --smoke          # 4 fake CPU devices, a tiny shape
+  PYTHONPATH=. python benchmarks/multi_gpu.py   # -> benchmarks/results/<device>/multi_gpu_<n>.json
+  PYTHONPATH=. python benchmarks/multi_gpu.py --smoke --out /tmp/m.json   # 4 fake CPU devices
 """
 
 from __future__ import annotations
@@ -336,10 +336,12 @@ def ring_table(rows: list[dict]) -> str:
               "whole sequence span | span efficiency |", "|---|---|---|---|---|---|---|---|---|"]
     for r in profiled:
       p = r["profile"]
+      # (Runs before the whole-sequence call was traced too have no span efficiency.)
+      whole = f"{r['whole_span_ms']:.2f}" if "whole_span_ms" in r else ""
+      efficiency = f"{r['span_efficiency']:.3f}" if "span_efficiency" in r else ""
       lines.append(f"| {r['layout']} | {r['devices']} x {r['chunk']} | {p['span_ms']:.2f} | "
                    f"{p['compute_ms']:.2f} | {p['comm_ms']:.2f} | {p['exposed_comm_ms']:.2f} | "
-                   f"{p['idle_ms']:.2f} | {r['whole_span_ms']:.2f} | "
-                   f"{r['span_efficiency']:.3f} |")
+                   f"{p['idle_ms']:.2f} | {whole} | {efficiency} |")
   return "\n".join(lines)
 
 
@@ -392,7 +394,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--tolerance", type=float, default=2e-2)
   parser.add_argument("--smoke", action="store_true", help="4 fake CPU devices, a tiny shape")
-  parser.add_argument("--out", help="results JSON (a .md table is written next to it)")
+  parser.add_argument("--out", help="results JSON (default results/<device>/multi_gpu_<n>.json "
+                      "for n devices); a .md table is written next to it")
   args = parser.parse_args(argv)
   cfg = dict(vars(args))
   if args.smoke:
@@ -404,14 +407,15 @@ def main(argv=None) -> dict:
   text = table(result["rows"]) + "\n\nRing attention, forward+backward:\n\n" + ring_table(
       [r for r in result["rows"] if r.get("kind") in ("ring", "longest")])
   print(text)
-  if args.out:
-    out = Path(args.out)
-    out.write_text(json.dumps(result, indent=1, default=str))
-    env = result["environment"]
-    out.with_suffix(".md").write_text(
-        f"Batch-sharded attention step, {env['device']} x {len(jax.devices())}, jax "
-        f"{env['jax']}, {env['date']}: forward+backward (ms) against one device running its "
-        f"share alone\n\n{text}\n")
+  env = result["environment"]
+  out = (Path(args.out) if args.out
+         else report.default_out(env, f"multi_gpu_{len(jax.devices())}"))
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=1, default=str))
+  out.with_suffix(".md").write_text(
+      f"Batch-sharded attention step, {env['device']} x {len(jax.devices())}, jax "
+      f"{env['jax']}, {env['date']}: forward+backward (ms) against one device running its "
+      f"share alone\n\n{text}\n")
   bad = [r for r in result["rows"] if "failed" in r or r.get("grads_finite") is False
          or r.get("max_rel_err", 0.0) > cfg["tolerance"]]
   if bad:

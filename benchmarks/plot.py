@@ -1,15 +1,17 @@
 """Plots of benchmark results, written next to the JSON.
 
-    python benchmarks/plot.py benchmarks/results/h200_2026-11-21.json         # -> ..._bf16.png ...
-    python benchmarks/plot.py benchmarks/results/h200_memory_2026-11-21.json  # -> ....png
-    python benchmarks/plot.py benchmarks/results/decode_h200_2026-11-22/main.json
+    python benchmarks/plot.py benchmarks/results/h200/grid.json     # -> grid_bf16.png, ...
+    python benchmarks/plot.py benchmarks/results/h200/memory.json   # -> memory.png
+    python benchmarks/plot.py benchmarks/results/h200/decode.json   # -> decode.png
 
 Speed results (bench.py): one figure per dtype; a row of panels per head dim (and one per GQA
 shape, titled e.g. "GQA 32/8 D=128"), a column per (causal, mode); TFLOP/s against sequence
 length, one line per implementation, an x where a result was flagged wrong. Memory results
 (memory.py): peak device memory and compiled temp bytes against S, log-log, one line per
-implementation, an X at its first failure. Colours follow the implementation everywhere.
-bench.py and memory.py call `plot_speed` and `plot_memory` directly.
+implementation, an X at its first failure. Decoding results (decode.py): TB/s per cell as bars.
+Colours follow the implementation everywhere. Files that join several runs (`report.join`) are
+drawn from the latest run of each cell. bench.py, memory.py and decode.py call the plotting
+functions directly.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 from matplotlib.lines import Line2D
+
+import report
 
 # Fixed order, so an implementation keeps its colour across panels, figures and runs.
 IMPL_ORDER = ("jaxflash_triton", "jaxflash_xla", "xla", "cudnn", "pallas_mha",
@@ -60,8 +64,8 @@ def _legend(fig, colour: dict[str, str], impls, extra=()) -> None:
 
 def plot_speed(result: dict, stem) -> list[Path]:
   """One PNG per dtype, ``<stem>_<dtype>.png``; returns the paths."""
-  rows = [r for r in result["rows"] if r.get("mode")]
-  env, cfg = result["environment"], result.get("config", {})
+  rows = [r for r in report.current_rows(result) if r.get("mode")]
+  cfg = next(iter(report.runs(result).values())).get("config", {})
   colour = colours(dict.fromkeys(r["impl"] for r in rows))
   paths = []
   for dtype in dict.fromkeys(r["dtype"] for r in rows):
@@ -96,7 +100,7 @@ def plot_speed(result: dict, stem) -> list[Path]:
         ax.set_ylim(bottom=0)
     wrong = Line2D([], [], color="grey", marker="x", linestyle="", label="wrong result")
     _legend(fig, colour, impls, [wrong] if any(r.get("wrong") for r in sub) else [])
-    paths.append(_save(fig, f"{env['device']}, jax {env['jax']}, {env['date']}: "
+    paths.append(_save(fig, f"{report.describe(result)}: "
                        f"{SHORT_DTYPE.get(dtype, dtype)}, {cfg.get('tokens', 16384)} "
                        f"tokens/batch, hidden {cfg.get('hidden', 2048)}",
                        Path(f"{stem}_{SHORT_DTYPE.get(dtype, dtype)}.png"), legend_height=0.05))
@@ -105,7 +109,7 @@ def plot_speed(result: dict, stem) -> list[Path]:
 
 def plot_memory(result: dict, stem) -> Path:
   """Peak device memory and compiled temp bytes against S in ``<stem>.png``; returns the path."""
-  rows, env, cfg = result["rows"], result["environment"], result.get("config", {})
+  rows, cfg = result["rows"], next(iter(report.runs(result).values())).get("config", {})
   colour = colours(dict.fromkeys(r["impl"] for r in rows))
   impls = [i for i in colour if any(r["impl"] == i for r in rows)]
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
@@ -133,7 +137,7 @@ def plot_memory(result: dict, stem) -> Path:
     ax.set_title(title, fontsize=10)
   fail = Line2D([], [], color="grey", marker="X", linestyle="", label="first failure")
   _legend(fig, colour, impls, [fail])
-  return _save(fig, f"{env['device']}, jax {env['jax']}, {env['date']}: fwd+bwd memory, "
+  return _save(fig, f"{report.describe(result)}: fwd+bwd memory, "
                f"B={cfg.get('batch', 1)}, {cfg.get('heads', '?')} heads, D={cfg.get('head_dim')}, "
                f"{cfg.get('dtype', '')}, {'causal' if cfg.get('causal', True) else 'full'}",
                Path(f"{stem}.png"), legend_height=0.07)
@@ -143,7 +147,6 @@ def plot_decode(result: dict, stem) -> Path:
   """Decoding results (decode.py) in ``<stem>.png``: a panel per (T, heads, head dim, layout),
   TB/s of each implementation per (B, S) cell as bars, the measured copy as a black tick."""
   rows = [r for r in result["rows"] if "tb_s" in r and r["impl"] != "tune"]
-  env = result["environment"]
   impls = list(dict.fromkeys(r["impl"] for r in rows))
   colour = colours(impls)
   panels = sorted({(r["T"], r["N"], r["K"], r["D"], r["layout"]) for r in rows})
@@ -165,7 +168,7 @@ def plot_decode(result: dict, stem) -> Path:
     ax.set_ylabel("TB/s of K, V read")
     ax.set_title(f"T={t} N/K={n}/{k} D={d} {layout}", fontsize=10)
   _legend(fig, colour, impls, [Line2D([], [], color="black", label="copy (read + write)")])
-  return _save(fig, f"Decoding, {env['device']}, jax {env['jax']}, {env['date']}",
+  return _save(fig, f"Decoding, {report.describe(result)}",
                Path(f"{stem}.png"), 0.9 / (3.2 * len(panels)))
 
 

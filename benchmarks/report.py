@@ -1,5 +1,15 @@
-"""Reporting for benchmarks/bench.py: the run's environment, markdown tables, the acceptance floor
-check, output files (JSON, .md, PNG) and merging of partial runs."""
+"""Reporting for the benchmarks: the run's environment, where results go, markdown tables, an
+optional acceptance floor check, output files (JSON, .md, PNG), and results of several runs joined
+into one file.
+
+A results file is what one script run wrote (``environment``, ``config``, ``rows``, ...), or
+several such runs joined (`join`): ``runs`` maps each run's name to its environment and config,
+and every row names its ``run``. Where two joined runs measured the same thing, both rows stay
+and tables and plots take the later run's (`current_rows`).
+
+    python benchmarks/report.py --join a.json b.json --names first second --out joined.json
+    python benchmarks/report.py --summary benchmarks/results/h200/grid.json   # README's table
+"""
 
 from __future__ import annotations
 
@@ -17,7 +27,8 @@ import jax
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_FLOOR = Path(__file__).resolve().parent / "floors" / "issue5.json"
+# The floor the Triton backend was built to (`bench.py --floor`; development data).
+TRITON_FLOOR = Path(__file__).resolve().parent / "dev" / "floors" / "triton_vs_pallas_mha.json"
 # jaxflash_triton first: memory.py learns the platform from the first worker, which must run
 # everywhere.
 IMPLS = ("jaxflash_triton", "jaxflash_mosaic", "jaxflash_xla", "xla", "cudnn", "cudnn_det",
@@ -78,8 +89,60 @@ def device_slug(kind: str) -> str:
   return "-".join(words)[:40] or "device"
 
 
-def default_out(env: dict, suffix: str = "") -> Path:
-  return RESULTS_DIR / f"{device_slug(env['device'])}{suffix}_{env['date']}.json"
+def default_out(env: dict, name: str) -> Path:
+  """Where a benchmark writes by default: results/<device kind>/<name>.json (e.g.
+  results/h200/grid.json); a later run of the same kind replaces it."""
+  return RESULTS_DIR / device_slug(env["device"]) / f"{name}.json"
+
+
+def runs(result: dict) -> dict[str, dict]:
+  """Name -> {"environment", "config", ...} of each run a results file holds. A file that one
+  script run wrote holds one run, named ""."""
+  if "runs" in result:
+    return result["runs"]
+  return {"": {key: value for key, value in result.items() if key != "rows"}}
+
+
+def current_rows(result: dict, key=row_key) -> list[dict]:
+  """The rows, where several runs measured the same ``key``, only the latest run's (runs in
+  the file's order)."""
+  order = {name: i for i, name in enumerate(runs(result))}
+  latest: dict = {}
+  for r in result["rows"]:
+    k = key(r)
+    if k not in latest or order.get(r.get("run", ""), 0) >= order.get(latest[k].get("run", ""),
+                                                                     0):
+      latest[k] = r
+  return list(latest.values())
+
+
+def describe(result: dict) -> str:
+  """"NVIDIA H200, jax 0.11.2, 2026-11-21 to 2026-11-22" for a file's runs."""
+  envs = [run.get("environment", {}) for run in runs(result).values()]
+
+  def values(key):
+    return list(dict.fromkeys(str(e[key]) for e in envs if e.get(key)))
+
+  dates = sorted(values("date"))
+  when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}" if dates else "?"
+  return f"{' / '.join(values('device')) or '?'}, jax {' / '.join(values('jax')) or '?'}, {when}"
+
+
+def join(named: list[tuple[str, dict]]) -> dict:
+  """Results of several runs as one file: their runs by name, in the order given (a result that
+  holds one run takes the name given with it), and every row with its run's name first. Nothing
+  is dropped or changed."""
+  joined_runs, rows = {}, []
+  for name, result in named:
+    for run_name, run in runs(result).items():
+      full = run_name or name
+      if full in joined_runs:
+        raise ValueError(f"two runs named {full!r}")
+      joined_runs[full] = run
+    for r in result["rows"]:
+      rows.append({"run": r.get("run") or name, **{k: v for k, v in r.items() if k != "run"}})
+  kinds = [result["kind"] for _, result in named if result.get("kind")]
+  return dict(({"kind": kinds[0]} if kinds else {}), runs=joined_runs, rows=rows)
 
 
 def _short_dtype(name: str) -> str:
@@ -100,14 +163,15 @@ def _rate(row: dict | None) -> float | None:
   return row["tflops"]
 
 
-def load_floor(path: str | Path = DEFAULT_FLOOR) -> dict:
-  """An acceptance floor (a JSON file under benchmarks/floors/): which cells to check and what
-  they need. The thresholds are data, so bench.py carries no issue's numbers."""
+def load_floor(path: str | Path = TRITON_FLOOR) -> dict:
+  """An acceptance floor (a JSON file such as benchmarks/dev/floors/*.json): which cells to check
+  and what they need. The thresholds are data, so bench.py carries no target numbers."""
   return json.loads(Path(path).read_text())
 
 
 def floor_summary(rows: list[dict], floor: dict | None = None) -> list[dict]:
-  """One entry per check of ``floor`` (default: issue 5's), with status pass, miss or missing."""
+  """One entry per check of ``floor`` (default: the Triton floor), with status pass, miss or
+  missing."""
   floor = floor or load_floor()
   impl, ratio, absolute = floor["impl"], floor["ratio"], floor["tflops"]
   same_heads = [r for r in rows
@@ -163,6 +227,12 @@ def _cell(row: dict | None) -> str:
   return text + (" WRONG" if row.get("wrong") else "")
 
 
+def _rate_text(row: dict | None) -> str:
+  """TFLOP/s of a row that ran and was right, rounded; "-" otherwise."""
+  rate = _rate(row)
+  return "-" if rate is None else f"{rate:.0f}"
+
+
 def table(rows: list[dict]) -> str:
   """Markdown TFLOP/s tables, one per dtype: rows heads/D/S/causal/mode, one column per impl."""
   rows = [r for r in rows if "mode" in r]
@@ -206,12 +276,16 @@ def problems(rows: list[dict]) -> list[str]:
 
 
 def markdown(result: dict) -> str:
-  env, cfg = result["environment"], result.get("config", {})
-  head = (f"# Attention speed: {env['device']}, jax {env['jax']}, {env['date']}\n\n"
+  cfg = next(iter(runs(result).values())).get("config", {})
+  head = (f"# Attention speed: {describe(result)}\n\n"
           f"{cfg.get('tokens', TOKENS)} tokens per batch, hidden {cfg.get('hidden', HIDDEN)}. "
           f"FLOPs: {FLOP_CONVENTION}. `err`: failed (see the JSON), `n/a`: not applicable, "
-          f"WRONG: relative error over {TOLERANCE}.\n")
-  parts = [head, table(result["rows"]), "", floor_text(result["floor"])]
+          f"WRONG: relative error over {TOLERANCE}.")
+  if len(runs(result)) > 1:
+    head += " Rows from several runs (the JSON's `runs`); where two measured a cell, the later."
+  parts = [head + "\n", table(current_rows(result))]
+  if result.get("floor"):
+    parts += ["", floor_text(result["floor"])]
   issues = problems(result["rows"])
   if issues:
     parts += ["", "Problems:", ""] + [f"- {line}" for line in issues]
@@ -234,23 +308,68 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
   return written
 
 
-def merge(paths: list[str]) -> dict:
-  """Joins results of several runs (e.g. one per dtype): a later file's row replaces an earlier
-  one of the same case, implementation and mode. Keeps the first file's environment."""
+def join_files(paths: list[str], names: list[str] | None = None) -> dict:
+  """`join` of results files, each run named by ``names`` (default: the file names' stems, with
+  _2, _3, ... where a stem repeats)."""
+  if not names:
+    names = []
+    for path in paths:
+      stem, n = Path(path).stem, 1
+      while (name := stem if n == 1 else f"{stem}_{n}") in names:
+        n += 1
+      names.append(name)
+  if len(names) != len(paths):
+    raise ValueError("one name per file")
   results = [json.loads(Path(p).read_text()) for p in paths]
-  devices = {r["environment"]["device"] for r in results}
+  devices = {run.get("environment", {}).get("device") for res in results
+             for run in runs(res).values()}
   if len(devices) > 1:
-    print(f"warning: merging results of different devices {sorted(devices)}", file=sys.stderr)
-  rows = {}
-  for res in results:
-    for r in res["rows"]:
-      rows[row_key(r)] = r
-  cfg = dict(results[0].get("config", {}), merged_from=[str(p) for p in paths])
-  for key in ("dtypes", "head_dims", "seqs", "impls"):
-    values = [v for res in results for v in res.get("config", {}).get(key, [])]
-    cfg[key] = list(dict.fromkeys(values))
-  return dict(kind="speed", environment=results[0]["environment"], config=cfg,
-              rows=list(rows.values()))
+    print(f"warning: joining results of different devices {sorted(map(str, devices))}",
+          file=sys.stderr)
+  return join(list(zip(names, results)))
+
+
+def summary_table(result: dict, impl: str = "jaxflash_mosaic", dtype: str = "bfloat16",
+                  seqs=(1024, 4096, 16384)) -> str:
+  """The README's table: TFLOP/s of ``impl`` and cuDNN per (head dim, S, causal), forward and
+  forward+backward, and cuDNN made deterministic; the latest run of each (`current_rows`)."""
+  rows = [r for r in current_rows(result) if r.get("dtype") == dtype
+          and r.get("K", r["N"]) == r["N"] and r["S"] in seqs]
+  cells = {(r["impl"], r["mode"], r["D"], r["S"], r["causal"]): r for r in rows}
+  columns = [(impl, "fwd"), ("cudnn", "fwd"), (impl, "fwdbwd"), ("cudnn", "fwdbwd"),
+             ("cudnn_det", "fwdbwd")]
+  lines = ["| D | S | causal | fwd: jaxflash | fwd: cuDNN | fwd+bwd: jaxflash | fwd+bwd: cuDNN "
+           "| fwd+bwd: cuDNN deterministic |", "|---|---|---|---|---|---|---|---|"]
+  for d in sorted({r["D"] for r in rows}):
+    for s in seqs:
+      for causal in (False, True):
+        values = [_rate_text(cells.get((i, m, d, s, causal))) for i, m in columns]
+        if all(v == "-" for v in values):
+          continue
+        size = f"{s // 1024}k" if s >= 1024 else str(s)
+        lines.append(f"| {d} | {size} | {'yes' if causal else 'no'} | " + " | ".join(values)
+                     + " |")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+  import argparse
+  parser = argparse.ArgumentParser(description="Join results files, or print the README table.")
+  parser.add_argument("--join", nargs="+", metavar="JSON", help="results files to join")
+  parser.add_argument("--names", nargs="+", help="--join: a run name per file (default: stems)")
+  parser.add_argument("--out", help="--join: the joined file")
+  parser.add_argument("--summary", metavar="JSON", help="print the README table of a grid")
+  args = parser.parse_args(argv)
+  if args.join:
+    if not args.out:
+      raise SystemExit("--join needs --out")
+    Path(args.out).write_text(json.dumps(join_files(args.join, args.names), indent=1) + "\n")
+  if args.summary:
+    print(summary_table(json.loads(Path(args.summary).read_text())))
+
+
+if __name__ == "__main__":
+  main()
 
 
 class Progress:

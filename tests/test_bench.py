@@ -1,6 +1,8 @@
-"""CPU smoke runs of the benchmark commands (benchmarks/bench.py and memory.py), so that they
-cannot silently rot between GPU runs, plus the pieces of their bookkeeping that a smoke run does
-not reach (device names, the floor summary, the slow-call timing rule, the progress bar)."""
+"""CPU smoke runs of the benchmark commands (benchmarks/*.py, and the development probes under
+benchmarks/dev/ that CI keeps working), so that they cannot silently rot between GPU runs, plus
+the pieces of their bookkeeping that a smoke run does not reach (device names, where results go,
+joined runs, the floor summary, the slow-call timing rule, the progress bar) and the committed
+results' shape."""
 
 import io
 import json
@@ -12,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 # benchmarks/ is a folder of scripts, not a package; its scripts import each other by name.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+sys.path.insert(1, str(BENCHMARKS / "dev"))
 
 import bench
 import memory
@@ -24,7 +28,8 @@ def test_bench_smoke(tmp_path):
   out = tmp_path / "smoke.json"
   # One length (the smoke grid has two) halves the run: compiling dominates it on a CPU. Two
   # compile threads take the GPU's path (every executable of a case compiled ahead, in parallel).
-  bench.main(["--smoke", "--seqs", "128", "--compile-workers", "2", "--out", str(out)])
+  bench.main(["--smoke", "--seqs", "128", "--compile-workers", "2", "--out", str(out),
+              "--floor", str(report.TRITON_FLOOR)])
   data = json.loads(out.read_text())
 
   env = data["environment"]
@@ -52,7 +57,7 @@ def test_bench_smoke(tmp_path):
     assert r.get("repeatable") is (True if r["mode"] == "fwdbwd" else None), r
 
   # One floor entry per check the floor file names (counted from the data, not hard-coded).
-  floor = report.load_floor()
+  floor = report.load_floor(report.TRITON_FLOOR)
   ratio = floor["ratio"]
   want_checks = (len(ratio["head_dims"]) * len(ratio["seqs"]) * 2 * len(ratio["need"])
                  + 2 * len(floor["tflops"]["cells"]))
@@ -66,7 +71,12 @@ def test_bench_smoke(tmp_path):
 
   # --resume finds every row in --out already: nothing is measured again.
   again = bench.main(["--smoke", "--seqs", "128", "--out", str(out), "--resume"])
-  assert again["rows"] == data["rows"]
+  assert again["rows"] == data["rows"] and "floor" not in again  # (no --floor: no check)
+
+  # --merge joins runs: every row keeps its run, and the tables take a cell's latest run.
+  joined = bench.main(["--merge", str(out), str(out), "--out", str(tmp_path / "joined.json")])
+  assert list(joined["runs"]) == ["smoke", "smoke_2"] and len(joined["rows"]) == 2 * len(want)
+  assert {r["run"] for r in report.current_rows(joined)} == {"smoke_2"}
 
 
 def test_same_bits_and_the_deterministic_cudnn_options():
@@ -83,7 +93,7 @@ def test_same_bits_and_the_deterministic_cudnn_options():
   assert cases.impl_options("cudnn_det", None) == switch
   assert cases.impl_options("cudnn_det", {"a": 1}) == {"a": 1, **switch}
   assert cases.impl_options("cudnn", {"a": 1}) == {"a": 1}
-  assert "cudnn_det" not in bench.GPU_IMPLS and "cudnn_det" in bench.IMPLS
+  assert {"cudnn", "cudnn_det", "jaxflash_mosaic"} <= set(bench.GPU_IMPLS) <= set(bench.IMPLS)
 
 
 def test_memory_smoke(tmp_path):
@@ -113,6 +123,25 @@ def test_memory_worker_timeout(tmp_path):
   assert result["longest_s"] == {"xla": None}
 
 
+def test_default_outputs_go_to_one_folder_per_device_kind():
+  env = dict(device="NVIDIA H100 80GB HBM3", date="2026-11-24")
+  assert report.default_out(env, "grid") == BENCHMARKS / "results" / "h100" / "grid.json"
+
+
+def test_joined_runs_keep_every_row_and_read_the_latest():
+  def result(ms, date):
+    return dict(kind="speed", environment=dict(device="NVIDIA H200", jax="0.11.2", date=date),
+                config={}, rows=[dict(impl="cudnn", mode="fwd", dtype="bfloat16", B=1, S=8, N=2,
+                                      K=2, D=64, causal=False, ms=ms)])
+
+  joined = report.join([("a", result(2.0, "2026-11-21")), ("b", result(1.0, "2026-11-22"))])
+  assert [r["run"] for r in joined["rows"]] == ["a", "b"]
+  assert [r["ms"] for r in report.current_rows(joined)] == [1.0]
+  assert report.describe(joined) == "NVIDIA H200, jax 0.11.2, 2026-11-21 to 2026-11-22"
+  again = report.join([("c", joined), ("d", result(3.0, "2026-11-23"))])  # (runs keep names)
+  assert list(again["runs"]) == ["a", "b", "d"]
+
+
 def test_device_slug():
   assert report.device_slug("NVIDIA H200") == "h200"
   assert report.device_slug("NVIDIA H100 80GB HBM3") == "h100"
@@ -133,13 +162,13 @@ def test_floor_summary():
           row("pallas_mha", "fwd", 100.0, causal=True),
           row("jaxflash_triton", "fwdbwd", 330.0, B=1, S=16384, N=16, K=16, D=128)]
   status = {(c["check"], c["D"], c["S"], c["causal"]): c["status"]
-            for c in report.floor_summary(rows)}
+            for c in report.floor_summary(rows, report.load_floor(report.TRITON_FLOOR))}
   assert status[("fwd vs pallas_mha", 64, 1024, False)] == "pass"  # 1.10x >= 1.05x
   assert status[("fwdbwd vs pallas_mha", 64, 1024, False)] == "miss"  # 1.5x < 2x
   assert status[("fwd vs pallas_mha", 64, 1024, True)] == "missing"  # a wrong result counts not
   assert status[("fwdbwd TFLOP/s", 128, 16384, False)] == "pass"
   assert status[("fwdbwd TFLOP/s", 128, 16384, True)] == "missing"
-  assert "1 missing" not in report.floor_text(report.floor_summary(rows))
+  assert "1 missing" not in report.floor_text(report.floor_summary(rows))  # (the same floor)
 
 
 def test_slow_calls_are_repeated_less():
@@ -217,7 +246,7 @@ def test_one_pass_tuner_rows():
 
 
 def test_bwd_parts_smoke(tmp_path):
-  """benchmarks/bwd_parts.py in the interpreter: the gradients checked, then each part of the
+  """benchmarks/dev/bwd_parts.py in the interpreter: the gradients checked, then each part of the
   Mosaic backend's forward+backward timed alone (dK/dV, dQ, a variant's dQ, and both kernels with
   a module constant patched while they trace)."""
   import bwd_parts
@@ -348,3 +377,31 @@ def test_multi_gpu_smoke(tmp_path, monkeypatch):
   p = multi_gpu.ring_profile(None, None, calls=1)
   assert [round(p[k] * 1e6) for k in ("span_ms", "compute_ms", "comm_ms", "exposed_comm_ms",
                                       "idle_ms")] == [30, 15, 17, 10, 5]
+
+
+def test_committed_results():
+  """benchmarks/results/<device>/ holds the files its README names, each a table of rows that
+  report.py, plot.py and the README's table can read."""
+  h200 = BENCHMARKS / "results" / "h200"
+  names = {p.name for p in h200.iterdir()}
+  for name in ("README.md", "grid.json", "grid_bf16.png", "decode.json", "decode.png",
+               "features.json", "memory.json", "memory.png", "gpt_jaxflash.json",
+               "gpt_cudnn.json", "gpt_flax.json", "gpt_xla.json", "multi_gpu_2.json",
+               "multi_gpu_4.json"):
+    assert name in names, name
+    assert name in (h200 / "README.md").read_text() or name == "README.md", name
+  grid = json.loads((h200 / "grid.json").read_text())
+  assert {r["run"] for r in grid["rows"]} == set(grid["runs"])
+  assert all(run["code_commit"] and run["environment"]["device"] == "NVIDIA H200"
+             for run in grid["runs"].values())
+  latest = report.current_rows(grid)
+  assert {"jaxflash_mosaic", "cudnn", "cudnn_det"} <= {r["impl"] for r in latest}
+  assert all(r["tflops"] > 0 and not r["wrong"] for r in latest
+             if r["impl"] in ("jaxflash_mosaic", "cudnn", "cudnn_det"))
+  assert report.summary_table(grid).count("\n") == 1 + 18  # header + D x S x causal
+  for name in ("jaxflash", "cudnn"):
+    gpt = json.loads((h200 / f"gpt_{name}.json").read_text())
+    assert gpt["attention"] == name and gpt["summary"]["compile_s"] > 0
+  h100 = json.loads((BENCHMARKS / "results" / "h100" / "grid.json").read_text())
+  assert {run["environment"]["device"] for run in h100["runs"].values()} == {
+      "NVIDIA H100 80GB HBM3"}
