@@ -85,7 +85,12 @@ class BlockMask:
                   block_size: int | tuple[int, int] = 128) -> "BlockMask":
     """A block mask from a table of visible blocks: bool [B or 1, N or 1, ceil(q_len /
     block_q), ceil(kv_len / block_k)] (or without the leading axes), every visible block full.
-    For block-aligned patterns (block-sparse attention), which need no element mask at all."""
+    For block-aligned patterns (block-sparse attention): kernels whose tiles divide the blocks
+    evaluate no element mask at all.
+
+    Kernels with coarser tiles see partial tiles, and evaluate the pattern per entry from each
+    query block's row of the table packed into 32-bit words (`_block_rule`): the same mask at
+    any tile size, and no T x S array."""
     block_q, block_k = _block_sizes(block_size)
     visible = jnp.asarray(visible)
     want = (-(-q_len // block_q), -(-kv_len // block_k))
@@ -94,7 +99,40 @@ class BlockMask:
                        f"blocks) = {want}, got {visible.dtype}{list(visible.shape)}")
     visible = visible.reshape((1,) * (4 - visible.ndim) + visible.shape)
     table = jnp.where(visible, FULL, EMPTY).astype(jnp.int8)
-    return cls(table, None, None, None, block_q, block_k, q_len, kv_len)
+    split = mask_mod_lib.split(_block_rule(_pack_bits(visible), block_q, block_k))
+    b, n = visible.shape[:2]
+    q_features = split.features(split.row_vars, b, n, q_len, mask_mod_lib.Q)
+    kv_features = split.features(split.col_vars, b, n, kv_len, mask_mod_lib.KV)
+    return cls(table, q_features, kv_features, split, block_q, block_k, q_len, kv_len)
+
+
+def _pack_bits(visible: jax.Array) -> jax.Array:
+  """bool [B, N, rows, cols] -> int32 [B, N, rows, ceil(cols / 32)]: bit c % 32 of word c // 32
+  is column c."""
+  cols = visible.shape[-1]
+  words = -(-cols // 32)
+  bits = jnp.pad(visible, [(0, 0)] * 3 + [(0, words * 32 - cols)]).astype(jnp.uint32)
+  bits = bits.reshape(visible.shape[:3] + (words, 32))
+  packed = jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+  return jax.lax.bitcast_convert_type(packed, jnp.int32)
+
+
+def _block_rule(packed: jax.Array, block_q: int, block_k: int):
+  """The mask_mod of a packed block table: the words of a query's row of blocks are row
+  features, and picking the key's word and bit is elementwise (a select and a shift)."""
+  words = packed.shape[-1]
+
+  def rule(batch, head, q_idx, kv_idx):
+    b = batch if packed.shape[0] > 1 else 0
+    h = head if packed.shape[1] > 1 else 0
+    row = packed[b, h, q_idx // block_q]
+    column = kv_idx // block_k
+    word = jnp.minimum(column // 32, words - 1)
+    chosen = jax.lax.select_n(word, *(row[..., w] for w in range(words))) if words > 1 else (
+        row[..., 0])
+    return jax.lax.shift_right_logical(chosen, column % 32) & 1 == 1
+
+  return rule
 
 
 def create_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, q_len: int,

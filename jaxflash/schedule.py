@@ -380,17 +380,18 @@ class Schedule:
                 count=count)
 
   def visit_q(self, k_start, pos: Positions, body: Callable, carry, repeat: int = 1,
-              spans: Sequence[Span] | None = None):
+              spans: Sequence[Span] | None = None, spans_of: Callable | None = None):
     """Runs ``carry = body(g, i, carry)`` for ``g < repeat`` (the query heads sharing a K/V head)
     and each query block ``i`` that the key block at ``k_start`` must visit, as one flat loop
-    (or over ``spans`` from a block table's lists, head by head).
+    (or, from a block table's lists, over ``spans`` or each head's ``spans_of(g)``).
 
     Every block is masked: splitting off full blocks here (three loops instead of one) measured
-    slower on an H200 (benchmarks/NOTES.md). With batched ``pos`` it visits the union.
+    slower on an H200 (docs/performance_notes.md). With batched ``pos`` it visits the union.
     """
-    if spans is not None:
+    if spans is not None or spans_of is not None:
       def one_head(g, c):
-        return walk(spans, lambda n, i, c2, masked: body(g, i, c2), c)
+        head_spans = spans if spans_of is None else spans_of(g)
+        return walk(head_spans, lambda n, i, c2, masked: body(g, i, c2), c)
       return lax.fori_loop(_i32(0), _i32(repeat), one_head, carry)
     lo, hi = self.q_blocks(k_start, pos)
     if jnp.ndim(hi) > 0:

@@ -63,7 +63,7 @@ from jaxflash.backends.mosaic.config import (SMEM_BUDGET, SPLIT_HEAD_DIM, Backwa
                                              backward_smem_bytes, dq_split, padded_head_dim)
 from jaxflash.backends.triton import backward as triton_backward
 from jaxflash.masking import Positions
-from jaxflash.schedule import Schedule
+from jaxflash.schedule import BlockLists, Schedule, Span, total, walk
 
 _CONSUMERS = fwd._CONSUMERS
 _ROWS, _COLS = fwd._ROWS, fwd._COLS
@@ -84,8 +84,10 @@ def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
   if backward_smem_bytes(config.backward, head_dim, params.partial) > SMEM_BUDGET:
     what = " with float32 gradients (a partial call)" if params.partial else ""
     return f"{config.backward} does not fit in shared memory at head dim {head_dim}{what}"
-  if inputs.mask is not None or inputs.bias is not None:
-    return "dense masks and biases"
+  if inputs.bias is not None:
+    return "biases"
+  if inputs.block_table is not None and config.backward.runs_one_pass(padded_head_dim(head_dim)):
+    return "a block table (mask, mask_mod, segment ids) in one pass"
   return None
 
 
@@ -172,15 +174,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   keys_per_cta = _CONSUMERS * _KEYS
   cta_start = k_tile_index * keys_per_cta
   pos = _positions(lengths_ref, offsets_ref, batch)
-  lo, _, _, hi = schedule.q_block_ranges(cta_start, pos)
-  count = jnp.maximum(hi - lo, 0)  # query blocks per head of the group
   reverse = want_dq and _WALK_DOWN
+  spans_of = None  # the schedule's ranges, or a block table's lists per head of the group
+  if extras.lists is not None:
+    lists = BlockLists(extras.lists)
+    spans_of = lambda g: lists.spans(batch, kv_head * groups + g, k_tile_index)  # noqa: E731
 
-  def visit_of(g, i):  # the place of the visit to (head g of the group, query block i)
-    return g * count + (hi - 1 - i if reverse else i - lo)
-
-  def slot_of(g, i):  # its ring slot
-    n = visit_of(g, i)
+  def slot_of(n):  # the ring slot of the n-th visit (over all heads of the group)
     return lax.rem(n, jnp.asarray(stages, n.dtype))
 
   @pl.when(wg < _CONSUMERS)
@@ -210,8 +210,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
                         block_q=block_q, hp=hp, wg=wg, batch=batch, k_tile=k_tile_index,
                         first_ref=first_ref)
 
-    def step(g, i, carry, masked: bool):
-      slot = slot_of(g, i)
+    def step(n, g, i, carry, masked: bool):
+      slot = slot_of(n)
       head = kv_head * groups + g
       q_start = i * block_q
       # (Index vectors are built only where they are used: Mosaic GPU's layout inference
@@ -228,6 +228,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
           q_ids = _cols(plgpu.load(extras.q_segment_ids.at[batch, pl.ds(q_start, block_q)],
                                    layout=_COLS, optimized=False), shape)
         visible = _visible(k_idx(), by_col(first_key), by_col(last_key), q_ids, kv_ids)
+        rows = pl.ds(q_start, block_q)
+        if extras.mask is not None:  # the transposed mask's [keys, rows] tile
+          visible = jnp.logical_and(visible,
+                                    fwd._entry_tile(extras.mask, batch, head, keys, rows) != 0)
+        by_rule = fwd.rule_mask(params, extras, batch, head, _cols(q_cols(), shape), k_idx(),
+                                rows, keys, lambda x: _cols(x, shape),
+                                lambda x: fwd._rows(x, shape), _COLS, _ROWS)
+        if by_rule is not None:
+          visible = jnp.logical_and(visible, by_rule)
       keep = None
       if extras.dropout_seed is not None:
         stream = _core.dropout_stream(params, extras.dropout_seed, batch, head)
@@ -260,7 +269,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       # of the query block's dQ from both consumers' dSᵀ.
       operands = {"dv": (p16, do_tile), "dk": (ds16, q_tile)}
       names = [name for name in ("dv", "dk") if name in grads]
-      ds_slot = lax.rem(visit_of(g, i), 2) if want_dq else None
+      ds_slot = lax.rem(n, 2) if want_dq else None
       if params.interpret:  # no register operands in the interpreter: plain dots
         sums = [carry[name] + jnp.dot(operands[name][0], operands[name][1][...],
                                       preferred_element_type=jnp.float32) for name in names]
@@ -291,7 +300,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     carry = {name: zeros for name in grads if name != "dq"}
     if want_dq:
       carry["pending"] = _DqPart.nothing_pending()
-    sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=groups, reverse=reverse)
+    sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=groups, reverse=reverse,
+                                  spans_of=spans_of)
     if want_dq:  # the other consumer's dQ products read this one's K tile until its last one
       plgpu.barrier_arrive(smem["k_done"])
       plgpu.barrier_wait(smem["k_done"])
@@ -330,11 +340,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   def _producer():
     plgpu.set_max_registers(config.producer_registers, action="decrease")
 
-    def load(g, i, carry):
-      slot = slot_of(g, i)
+    def load(n, g, i, carry, masked=None):
+      del masked
+      slot = slot_of(n)
       head = kv_head * groups + g
       rows = pl.ds(i * block_q, block_q)
-      refill = visit_of(g, i) >= stages  # the first pass round the ring finds it free
+      refill = n >= stages  # the first pass round the ring finds it free
       pl.when(refill)(lambda: plgpu.barrier_wait(q_free.at[slot]))
       plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot],
                               smem["q_ready"].at[slot])
@@ -348,16 +359,25 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
                                 smem["delta_ready"].at[slot])
       return carry
 
-    # One flat loop over the visits (the consumers' masked and unmasked spans walk the same
-    # tiles). Against the consumers' three loops, ptxas spilled 76 bytes instead of 92 at head
-    # dim 128, and the kernel's time did not change beyond the noise (H200, 2026-11-22).
-    @pl.loop(fwd._i32(0), groups * count)
-    def _(n):
-      g = lax.div(n, jnp.maximum(count, 1))
-      place = lax.rem(n, jnp.maximum(count, 1))
-      load(g, hi - 1 - place if reverse else lo + place, None)
+    if spans_of is not None:  # a block table's lists: the consumers' walk, visit by visit
+      visits = schedule.visit_q_split(cta_start, pos, lambda n, g, i, c, masked: c + 1,
+                                      fwd._i32(0), repeat=groups, spans_of=spans_of)
+      schedule.visit_q_split(cta_start, pos, load, None, repeat=groups, spans_of=spans_of)
+    else:
+      # One flat loop over the visits (the consumers' masked and unmasked spans walk the same
+      # tiles). Against the consumers' three loops, ptxas spilled 76 bytes instead of 92 at
+      # head dim 128, and the kernel's time did not change beyond the noise (H200, 2026-11-22).
+      lo, _, _, hi = schedule.q_block_ranges(cta_start, pos)
+      count = jnp.maximum(hi - lo, 0)  # query blocks per head of the group
+      visits = groups * count
 
-    fwd.observe_last_releases(groups * count, stages, q_free, do_free)
+      @pl.loop(fwd._i32(0), visits)
+      def _(n):
+        g = lax.div(n, jnp.maximum(count, 1))
+        place = lax.rem(n, jnp.maximum(count, 1))
+        load(n, g, hi - 1 - place if reverse else lo + place, None)
+
+    fwd.observe_last_releases(visits, stages, q_free, do_free)
 
 
 class _DqPart:
@@ -492,6 +512,11 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   keys_per_cta = _CONSUMERS * _KEYS
   k_tiles = pl.cdiv(inputs.key.shape[1], keys_per_cta)
   schedule = Schedule(params.window, block_q, keys_per_cta, extras.q_segment_ids is not None)
+  # A block table's visits per key tile, and the dense mask transposed: this kernel's tiles
+  # are [keys, queries].
+  extras = fwd.with_lists(extras, inputs, params, block_q, keys_per_cta, transpose=True)
+  if extras.mask is not None:
+    extras = extras._replace(mask=jnp.swapaxes(extras.mask, 2, 3))
   want_dk, want_dq = "dk" in grads, "dq" in grads
   resident = 2 if want_dk else 1  # K, and V for dPᵀ
   tile = functools.partial(fwd._smem_tile, swizzle=_swizzle(block_q))
@@ -605,10 +630,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
     tile = q_tiles - 1 - tile  # the rows that see the most keys first
   cta_start = tile * (_CONSUMERS * _KEYS)
   pos = _positions(lengths_ref, offsets_ref, batch)
-  lo, _, _, hi = schedule.kv_blocks(cta_start, pos)
+  if extras.lists is not None:
+    spans = BlockLists(extras.lists).spans(batch, head, tile)
+  else:
+    spans = schedule.kv_spans(cta_start, pos)
 
-  def slot_of(j):
-    n = j - lo
+  def slot_of(n):  # the ring slot of the n-th visit
     return lax.rem(n, jnp.asarray(stages, n.dtype))
 
   @pl.when(wg < _CONSUMERS)
@@ -642,8 +669,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
     plgpu.barrier_wait(q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[_CONSUMERS + wg])
 
-    def step(j, dq, masked: bool):
-      slot = slot_of(j)
+    def step(n, j, dq, masked: bool):
+      slot = slot_of(n)
       k_start = j * block_kv
       k_idx = lambda: k_start + fwd._iota(shape, 1)  # (built only where used: see `_dkv_kernel`)
       visible = None
@@ -654,6 +681,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
               extras.kv_segment_ids.at[batch, pl.ds(k_start, block_kv)], layout=_COLS,
               optimized=False), shape)
         visible = _visible(k_idx(), first_key, last_key, q_ids, kv_ids)
+        keys = pl.ds(k_start, block_kv)
+        if extras.mask is not None:
+          visible = jnp.logical_and(visible,
+                                    fwd._entry_tile(extras.mask, batch, head, rows, keys) != 0)
+        by_rule = fwd.rule_mask(params, extras, batch, head, fwd._rows(q_rows(), shape),
+                                k_idx(), rows, keys, lambda x: fwd._rows(x, shape),
+                                lambda x: _cols(x, shape), _ROWS, _COLS)
+        if by_rule is not None:
+          visible = jnp.logical_and(visible, by_rule)
       keep = None
       if row_key is not None:
         keep = dropout.keep_entries(row_key, masking.shifted(k_idx(), pos.kv_offset),
@@ -679,7 +715,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
 
     hp = q_tile.shape[-1]
     zeros = plgpu.layout_cast(jnp.zeros((_KEYS, hp), jnp.float32), plgpu.Layout.WGMMA)
-    dq = schedule.visit_kv(cta_start, pos, step, zeros)
+    dq = walk(spans, step, zeros)
     # Q is read no more: dQ goes out through its tile, or a float32 tile of its own in a partial
     # call (rows past T are clipped by TMA).
     out_tile = q_tile if dq32_smem is None else dq32_smem.at[wg]
@@ -692,18 +728,24 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
   def _producer():
     plgpu.set_max_registers(config.producer_registers, action="decrease")
     kv_head = lax.div(head, jnp.asarray(groups, head.dtype))
+    producer_spans = spans
+    if extras.lists is None:  # one flat loop over the consumers' runs of blocks
+      lo, _, _, hi = schedule.kv_blocks(cta_start, pos)
+      producer_spans = (Span(False, hi - lo, lambda m: lo + m),)
 
-    @pl.loop(lo, hi)
-    def _(j):
-      slot = slot_of(j)
+    def load(n, j, carry, masked):
+      del masked
+      slot = slot_of(n)
       keys = pl.ds(j * block_kv, block_kv)
-      refill = j - lo >= stages
+      refill = n >= stages
       pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
       plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
       pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
       plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
+      return carry
 
-    fwd.observe_last_releases(jnp.maximum(hi - lo, 0), stages, k_free, v_free)
+    walk(producer_spans, load, fwd._i32(0))
+    fwd.observe_last_releases(total(producer_spans), stages, k_free, v_free)
 
 
 def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Backward,
@@ -714,6 +756,7 @@ def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Bac
   rows_per_cta = _CONSUMERS * _KEYS
   q_tiles = pl.cdiv(inputs.query.shape[1], rows_per_cta)
   schedule = Schedule(params.window, rows_per_cta, block_kv, extras.q_segment_ids is not None)
+  extras = fwd.with_lists(extras, inputs, params, rows_per_cta, block_kv)
   tile = functools.partial(fwd._smem_tile, swizzle=_swizzle(block_kv))
   scratch = (
       tile((_CONSUMERS, _KEYS, hp), q.dtype),  # Q, then dQ on the way out

@@ -57,11 +57,12 @@ from jaxlib.mlir.dialects import arith
 
 from jaxflash import _core
 from jaxflash import dropout
+from jaxflash import mask_mod as mask_mod_lib
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.mosaic.config import Config, padded_head_dim
 from jaxflash.masking import Positions
-from jaxflash.schedule import Schedule
+from jaxflash.schedule import BlockLists, Schedule, Span, block_lists, total, walk
 
 _CONSUMERS = 2
 _ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma accumulator
@@ -118,11 +119,45 @@ class _Extras(NamedTuple):
   mask: jax.Array | None = None  # int8 [B or 1, N or 1, rows, keys]
   bias: jax.Array | None = None  # [B or 1, N or 1, rows, keys], the caller's float dtype
   dropout_seed: jax.Array | None = None  # uint32 [2], or [4] (see `_core.dropout_stream`)
+  # A block table's visits (`jaxflash.schedule.BlockLists`), per CTA tile of rows: [B, N or 1,
+  # tiles, width]; a kernel whose tiles differ takes its own (the dK/dV kernel's, per key tile).
+  lists: jax.Array | None = None
+  # A mask_mod's features, int32 [F, B or 1, N or 1, rows] and [F', ..., keys].
+  q_features: jax.Array | None = None
+  kv_features: jax.Array | None = None
 
 
 def _iota(shape, dim: int):
   """Indices along ``dim`` of a tile in the wgmma accumulator's layout."""
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def feature_tiles(ref, batch, head, index, layout, broadcast, dtypes) -> list:
+  """A mask_mod's features ([F, B or 1, N or 1, L] int32) at ``index`` (rows or keys of a
+  tile), loaded in ``layout``, broadcast to the tile by ``broadcast`` and cast back to
+  ``dtypes`` (`jaxflash.mask_mod.from_int32`)."""
+  if ref is None:
+    return []
+  b = batch if ref.shape[1] > 1 else 0
+  h = head if ref.shape[2] > 1 else 0
+  return [mask_mod_lib.from_int32(broadcast(plgpu.load(ref.at[f, b, h, index], layout=layout,
+                                                       optimized=False)), dtype)
+          for f, dtype in enumerate(dtypes)]
+
+
+def rule_mask(params: Params, extras: _Extras, batch, head, q_idx, kv_idx, rows, keys,
+              broadcast_rows, broadcast_keys, row_layout, key_layout):
+  """The mask_mod's mask of a tile (None without one): its tile rule on the tile's query and
+  key indices and features (``rows``/``keys`` index the features; ``broadcast_*`` put a row or
+  key vector on the tile)."""
+  rule = params.mask_rule
+  if rule is None:
+    return None
+  return rule.tile(q_idx, kv_idx,
+                   feature_tiles(extras.q_features, batch, head, rows, row_layout,
+                                 broadcast_rows, rule.row_dtypes),
+                   feature_tiles(extras.kv_features, batch, head, keys, key_layout,
+                                 broadcast_keys, rule.col_dtypes))
 
 
 def _entry_tile(ref, batch, head, rows, keys):
@@ -217,14 +252,17 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   rows_per_cta = _CONSUMERS * block_q
 
   def where(i):
-    """Item ``i``'s batch row, head, first row, positions and key blocks ``[lo, hi)`` (both
-    consumers and the producer walk exactly these)."""
+    """Item ``i``'s batch row, head, first row, positions, and its key blocks as `Span`s
+    (both consumers walk exactly these, and the producer loads them in the same order)."""
     batch, head, tile = item(i)
     cta_start = tile * rows_per_cta
     offsets = () if offsets_ref is None else (offsets_ref[batch, 0], offsets_ref[batch, 1])
     pos = Positions(lengths_ref[batch, 0], lengths_ref[batch, 1], *offsets)
-    lo, _, _, hi = schedule.kv_blocks(cta_start, pos)
-    return batch, head, cta_start, pos, lo, hi
+    if extras.lists is not None:
+      spans = BlockLists(extras.lists).spans(batch, head, tile)
+    else:
+      spans = schedule.kv_spans(cta_start, pos)
+    return batch, head, cta_start, pos, spans
 
   # The K/V ring runs on across items: the n-th block the CTA visits (n counts from 0 over all
   # its items) sits in slot n % stages. Items carry the count of blocks before them.
@@ -277,11 +315,12 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       pl.when(wg == 1)(await_turn)
 
     def run_item(i, first_block):
-      batch, head, cta_start, pos, lo, hi = where(i)
+      batch, head, cta_start, pos, spans = where(i)
+      visits = total(spans)
       q_start = cta_start + wg * block_q
 
-      def slot_of_block(j):
-        return slot_of(first_block + j - lo)
+      def slot_at(n):  # the ring slot of this item's n-th visit
+        return slot_of(first_block + n)
 
       q_smem, q_loaded = q_buffer(i)
       plgpu.barrier_wait(q_loaded)
@@ -289,7 +328,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         pl.when(i + 1 < count)(lambda: load_q(i + 1))
 
       if not config.intra_wg_overlap:  # (with the overlap each step waits for its own K)
-        pl.when(hi > lo)(lambda: plgpu.barrier_wait(k_ready.at[slot_of_block(lo)]))
+        pl.when(visits > 0)(lambda: plgpu.barrier_wait(k_ready.at[slot_at(_i32(0))]))
 
       # This consumer's rows (the dropout keys, the key range and the epilogue use them).
       q_rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_ROWS)
@@ -323,6 +362,11 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           conds.append(_rows(q_ids, shape) == lax.broadcast_in_dim(kv_ids, shape, [1]))
         if extras.mask is not None:
           conds.append(_entry_tile(extras.mask, batch, head, rows, keys) != 0)
+        by_rule = rule_mask(params, extras, batch, head, _rows(q_rows, shape), start + cols,
+                            rows, keys, lambda x: _rows(x, shape),
+                            lambda x: lax.broadcast_in_dim(x, shape, [1]), _ROWS, _COLS)
+        if by_rule is not None:
+          conds.append(by_rule)
         return functools.reduce(jnp.logical_and, conds)
 
       def scores(j, slot, also=None):
@@ -390,20 +434,19 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         plgpu.barrier_arrive(v_free.at[slot])
         return acc
 
-      def step(j, carry, masked: bool):
-        """Block j, one step at a time: S, softmax, then P V (the ping-pong turn spans this
-        block's P V and the next block's Q Kᵀ)."""
+      def step(n, j, carry, masked: bool):
+        """Visit n (block j), one step at a time: S, softmax, then P V (the ping-pong turn
+        spans this block's P V and the next block's Q Kᵀ)."""
         acc, m, l = carry
-        slot = slot_of_block(j)
+        slot = slot_at(n)
         s = scores(j, slot)
         p, m_new, l, alpha = softmax(j, s, m, l, masked)
         p16 = p.astype(q_smem.dtype)
         acc = acc * _rows(alpha, acc.shape)
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
 
-        # Computed outside `pv_turn`'s run_state, which must not close over constants (lo may be
-        # a literal 0).
-        next_slot, has_next = slot_of_block(j + 1), j + 1 < hi
+        # Computed outside `pv_turn`'s run_state, which must not close over constants.
+        next_slot, has_next = slot_at(n + 1), n + 1 < visits
 
         def wait_next_k():  # while the P V matmul runs
           pl.when(has_next)(lambda: plgpu.barrier_wait(k_ready.at[next_slot]))
@@ -414,17 +457,17 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       # P_{j-1} V_{j-1} in one turn, and runs block j's softmax while the P V matmul is still
       # in flight; O is rescaled once that matmul is done. The first block only computes
       # scores (`first`) and the last P V runs after the loop (`last`).
-      def first(j, carry, masked: bool):
+      def first(n, j, carry, masked: bool):
         acc, m, l, _ = carry
-        slot = slot_of_block(j)
+        slot = slot_at(n)
         plgpu.barrier_wait(k_ready.at[slot])
         await_turn()
         p, m, l, _ = softmax(j, scores(j, slot), m, l, masked)
         return acc, m, l, p.astype(q_smem.dtype)
 
-      def overlapped(j, carry, masked: bool):
+      def overlapped(n, j, carry, masked: bool):
         acc, m, l, p_prev = carry
-        slot, prev = slot_of_block(j), slot_of_block(j - 1)
+        slot, prev = slot_at(n), slot_at(n - 1)
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_wait(v_ready.at[prev])
         await_turn()
@@ -446,9 +489,9 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         plgpu.barrier_arrive(v_free.at[prev])
         return acc * _rows(alpha, acc.shape), m, l, p.astype(q_smem.dtype)
 
-      def last(j, carry):
+      def last(n, carry):
         acc, m, l, p16 = carry
-        return pv_turn(acc, p16, slot_of_block(j), pass_turn), m, l, p16
+        return pv_turn(acc, p16, slot_at(n), pass_turn), m, l, p16
 
       init = (plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
                                 plgpu.Layout.WGMMA),
@@ -457,11 +500,11 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       if config.intra_wg_overlap:
         p_init = plgpu.layout_cast(jnp.zeros((block_q, block_kv), q_smem.dtype),
                                    plgpu.Layout.WGMMA)
-        carry = schedule.visit_kv(cta_start, pos, first, init + (p_init,), count=1)
-        carry = schedule.visit_kv(cta_start, pos, overlapped, carry, skip=1)
-        acc, m, l, _ = lax.fori_loop(jnp.maximum(hi - 1, lo), hi, last, carry)
+        carry = walk(spans, first, init + (p_init,), count=1)
+        carry = walk(spans, overlapped, carry, skip=1)
+        acc, m, l, _ = lax.fori_loop(jnp.maximum(visits - 1, 0), visits, last, carry)
       else:
-        acc, m, l = schedule.visit_kv(cta_start, pos, step, init)
+        acc, m, l = walk(spans, step, init)
       if grid.ctas is not None and q_buffers == 1:
         # Q is no longer read: the next item's loads while O goes out.
         pl.when(i + 1 < count)(lambda: load_q(i + 1))
@@ -484,7 +527,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, block_q)])
-      return first_block + jnp.maximum(hi - lo, 0)
+      return first_block + visits
 
     _for_items(count, run_item)
     pl.when(wg == 0)(await_turn if config.intra_wg_overlap else pass_turn)
@@ -495,24 +538,29 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
     plgpu.set_max_registers(40, action="decrease")
 
     def run_item(i, first_block):
-      batch, head, _, _, lo, hi = where(i)
+      batch, head, cta_start, pos, spans = where(i)
       kv_head = lax.div(head, jnp.asarray(groups, head.dtype))
+      if extras.lists is None:  # one flat loop over the consumers' runs of blocks
+        lo, _, _, hi = schedule.kv_blocks(cta_start, pos)
+        spans = (Span(False, hi - lo, lambda m: lo + m),)
 
       def load(ref, smem, ready, j, slot):
         keys = pl.ds(j * block_kv, block_kv)
         plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], smem.at[slot], ready.at[slot])
 
-      @pl.loop(lo, hi)
-      def _(j):
-        n = first_block + j - lo
+      def visit(n, j, carry, masked):
+        del masked
+        n = first_block + n
         slot = slot_of(n)
         refill = n >= stages  # the first pass round the ring finds every slot free
         pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
         load(k_ref, k_smem, k_ready, j, slot)  # K goes first: the consumers need it first
         pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
         load(v_ref, v_smem, v_ready, j, slot)
+        return carry
 
-      return first_block + jnp.maximum(hi - lo, 0)
+      walk(spans, visit, _i32(0))
+      return first_block + total(spans)
 
     blocks = _for_items(count, run_item)
 
@@ -554,7 +602,7 @@ def _pad_to(x, shape):
 def _extras(inputs: Inputs, rows: int, keys: int) -> _Extras:
   """The optional per-entry inputs padded to ``rows`` x ``keys`` (every tile the kernel reads
   lies inside; padding entries are never visible: keys past the length are masked, rows past
-  T are not written)."""
+  T are not written). The block lists are each kernel's own (`with_lists`)."""
   q_ids, kv_ids, mask, bias = (inputs.q_segment_ids, inputs.kv_segment_ids, inputs.mask,
                                inputs.bias)
   if q_ids is not None:
@@ -564,7 +612,24 @@ def _extras(inputs: Inputs, rows: int, keys: int) -> _Extras:
     mask = _pad_to(mask.astype(jnp.int8), mask.shape[:2] + (rows, keys))
   if bias is not None:
     bias = _pad_to(bias, bias.shape[:2] + (rows, keys))
-  return _Extras(q_ids, kv_ids, mask, bias, inputs.dropout_seed)
+  q_features, kv_features = inputs.q_features, inputs.kv_features
+  if q_features is not None:
+    q_features = _pad_to(q_features, q_features.shape[:3] + (rows,))
+  if kv_features is not None:
+    kv_features = _pad_to(kv_features, kv_features.shape[:3] + (keys,))
+  return _Extras(q_ids, kv_ids, mask, bias, inputs.dropout_seed, None, q_features, kv_features)
+
+
+def with_lists(extras: _Extras, inputs: Inputs, params: Params, block_q: int, block_k: int,
+               transpose: bool = False) -> _Extras:
+  """``extras`` with the block lists of a kernel of ``block_q`` x ``block_k`` tiles (per key
+  tile with ``transpose``); unchanged without a block table."""
+  if inputs.block_table is None:
+    return extras
+  lists = block_lists(inputs.block_table, params.table_block, params.window, block_q, block_k,
+                      inputs.lengths, inputs.offsets, inputs.query.shape[1],
+                      inputs.key.shape[1], transpose=transpose)
+  return extras._replace(lists=lists.packed)
 
 
 def forward(inputs: Inputs, params: Params, config: Config):
@@ -579,6 +644,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
   rows_per_cta = _CONSUMERS * config.block_q
   q_tiles = pl.cdiv(t, rows_per_cta)
   extras = _extras(inputs, q_tiles * rows_per_cta, _round_up(k.shape[1], config.block_kv))
+  extras = with_lists(extras, inputs, params, rows_per_cta, config.block_kv)
   elementwise = extras.mask is not None or extras.q_segment_ids is not None
   schedule = Schedule(params.window, rows_per_cta, config.block_kv, elementwise)
   stages = config.num_stages

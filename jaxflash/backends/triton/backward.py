@@ -29,14 +29,14 @@ from jaxflash.schedule import Schedule
 
 def _dq_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, lse_ref, delta_ref,
                dq_ref, *, params: Params, st: tiles.Static, schedule: Schedule):
-  qt = tiles.query_tile(q_ref, lengths_ref, opt, params, st, schedule.block_q)
+  qt = tiles.query_tile(q_ref, lengths_ref, opt, params, st, schedule.block_q, schedule.block_k)
   do = tiles.load(do_ref, mask=tiles.tile_ok(qt.row_ok, st.dim_ok), other=0.0)
   # lse2 = +inf on rows that see nothing (and on rows past T), so P is exactly 0 there.
   lse2 = tiles.load(lse_ref, mask=qt.row_ok, other=jnp.inf)
   delta = tiles.load(delta_ref, mask=qt.row_ok, other=0.0)
 
   def body(j, dq, masked: bool):
-    kt = tiles.key_tile(j, k_ref, opt, st, schedule.block_k, masked)
+    kt = tiles.key_tile(j, k_ref, opt, st, schedule.block_k, masked, params)
     v = tiles.load(v_ref.at[kt.keys, :], mask=kt.kv_ok, other=0.0)
     s2, cap_t = tiles.tile_logits(qt, kt, opt, params, masked)
     p = jnp.exp2(s2 - lse2[:, None])
@@ -46,7 +46,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, ls
     return dq + plgpu.dot(ds.astype(kt.k.dtype), kt.k)
 
   dq = jnp.zeros((schedule.block_q, st.head_dim_p), jnp.float32)
-  dq = schedule.visit_kv(qt.q_start, qt.pos, body, dq)
+  dq = schedule.visit_kv(qt.q_start, qt.pos, body, dq, spans=qt.spans)
   plgpu.store(dq_ref, (dq * params.scale).astype(dq_ref.dtype),
               mask=tiles.tile_ok(qt.row_ok, st.dim_ok))
 
@@ -64,6 +64,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, l
   kv_seg = None if opt.kv_seg is None else tiles.load(opt.kv_seg, mask=col_ok, other=-2)
   # Program ids are read here, outside the loops (interpret mode cannot see them inside).
   batch, first_head = pl.program_id(1), pl.program_id(2) * st.groups
+  rule_rows, rule_cols = tiles._count(params, "row"), tiles._count(params, "col")
+
+  def head_of(ref, g):  # index into the group axis of a [.., G or 1, ..] ref
+    return g if ref.shape[0] > 1 else jnp.int32(0)
+
+  def features_of(ref, g, *index, ok, count):
+    """A mask_mod's row or column features for head ``g`` of the group ([] without any)."""
+    if ref is None:
+      return []
+    return tiles.feature_rows(ref, (head_of(ref.at[jnp.int32(0)], g),) + index, ok, count)
 
   def body(g, i, carry):
     # Query head g of this K/V head's group, query block i.
@@ -85,8 +95,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, l
         return None
       return ref.at[g if ref.shape[0] > 1 else jnp.int32(0), pl.ds(q_start, block_q), :]
 
+    features = (features_of(opt.q_feat, g, pl.ds(q_start, block_q), ok=row_ok, count=rule_rows),
+                features_of(opt.kv_feat, g, ok=col_ok, count=rule_cols))
     s2, cap_t = tiles.masked_logits(q, k, rows, cols, tiles.tile_ok(row_ok, col_ok), pos, params,
-                                    q_seg, kv_seg, dense_tile(opt.bias), dense_tile(opt.mask))
+                                    q_seg, kv_seg, dense_tile(opt.bias), dense_tile(opt.mask),
+                                    features=features)
     p = jnp.exp2(s2 - lse2[:, None])
     keep = tiles.keep(tiles.dropout_stream(opt, params, batch, first_head + g), rows, k_start,
                       block_k, params, pos)
@@ -97,7 +110,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, l
     return dk, dv
 
   zeros = jnp.zeros((block_k, st.head_dim_p), jnp.float32)
-  dk, dv = schedule.visit_q(k_start, pos, body, (zeros, zeros), repeat=st.groups)
+  spans_of = None
+  if opt.lists is not None:  # a block table's query blocks, per head of the group
+    blocks = pl.cdiv(st.seq_q, block_q)
+    spans_of = lambda g: tiles.list_spans(opt.lists, blocks, head_of(opt.lists, g))  # noqa: E731
+  dk, dv = schedule.visit_q(k_start, pos, body, (zeros, zeros), repeat=st.groups,
+                            spans_of=spans_of)
   plgpu.store(dk_ref, (dk * params.scale).astype(dk_ref.dtype), mask=kv_ok)
   plgpu.store(dv_ref, dv.astype(dv_ref.dtype), mask=kv_ok)
 
@@ -112,12 +130,40 @@ def _grouped_dense(x: jax.Array, t: int, block_k: int, groups: int):
   return x.reshape(x.shape[0], x.shape[1] // g, g, t, x.shape[3]), spec
 
 
+def _split_heads(x: jax.Array, axis: int, kv_heads: int, groups: int):
+  """``x`` with its head axis (N or 1) split into (K or 1, G or 1)."""
+  heads = (1, 1) if x.shape[axis] == 1 else (kv_heads, groups)
+  return x.reshape(x.shape[:axis] + heads + x.shape[axis + 1:])
+
+
+def _grouped_lists(x: jax.Array, kv_heads: int, groups: int):
+  """Block lists [B, N or 1, key blocks, W] as the dK/dV grid (key block, batch row, K/V
+  head) reads them, and their BlockSpec: one key block's row for every head of the group."""
+  x = _split_heads(x, 1, kv_heads, groups)
+  spec = pl.BlockSpec((None, None, x.shape[2], None, x.shape[-1]),
+                      lambda j, b, h: (b, h if x.shape[1] > 1 else 0, 0, j, 0))
+  return x, spec
+
+
+def _grouped_features(x: jax.Array, kv_heads: int, groups: int, block_k: int | None):
+  """Features [F, B or 1, N or 1, L] as the dK/dV grid reads them, and their BlockSpec: every
+  row of the group's heads (query features, ``block_k`` None) or one key block's columns."""
+  x = _split_heads(x, 2, kv_heads, groups)
+  b_of = lambda b: b if x.shape[1] > 1 else 0  # noqa: E731
+  h_of = lambda h: h if x.shape[2] > 1 else 0  # noqa: E731
+  length = x.shape[-1] if block_k is None else block_k
+  spec = pl.BlockSpec((x.shape[0], None, None, x.shape[3], length),
+                      lambda j, b, h: (0, b_of(b), h_of(h), 0, 0 if block_k is None else j))
+  return x, spec
+
+
 def _dq(inputs, params, config, opt, d_out, lse2, delta, out_dtype):
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, _ = q.shape
   s = k.shape[1]
   st = tiles.static(inputs)
   block_q, block_k = tiles.blocks(config.backward, inputs)
+  opt = tiles.with_lists(opt, inputs, params, block_q, block_k)
   rows = pl.BlockSpec((None, block_q, None, st.head_dim_p), lambda i, b, h: (b, i, h, 0))
   kv = pl.BlockSpec((None, s, None, st.head_dim_p), lambda i, b, h: (b, 0, h // st.groups, 0))
   stats = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
@@ -148,13 +194,22 @@ def _dkv(inputs, params, config, opt, d_out, lse2, delta, out_dtype):
   dense = {name: None if x is None else _grouped_dense(x, t, block_k, g)
            for name, x in (("mask", opt.mask), ("bias", opt.bias))}
   opt = opt._replace(**{name: None if d is None else d[0] for name, d in dense.items()})
+  opt = tiles.with_lists(opt, inputs, params, block_q, block_k, transpose=True)
+  grouped = {"lists": None if opt.lists is None else _grouped_lists(opt.lists, kh, g)}
+  for name, width in (("q_feat", None), ("kv_feat", block_k)):
+    x = getattr(opt, name)
+    grouped[name] = None if x is None else _grouped_features(x, kh, g, width)
+  opt = opt._replace(**{name: None if d is None else d[0] for name, d in grouped.items()})
   specs = opt.specs(
       offsets=lambda x: pl.BlockSpec((None, 2), lambda j, b, h: (b, 0)),
       q_seg=lambda x: pl.BlockSpec((None, t), lambda j, b, h: (b, 0)),
       kv_seg=lambda x: pl.BlockSpec((None, block_k), lambda j, b, h: (b, j)),
       mask=lambda x: dense["mask"][1],
       bias=lambda x: dense["bias"][1],
-      seed=lambda x: pl.BlockSpec(x.shape, lambda j, b, h: (0,)))
+      seed=lambda x: pl.BlockSpec(x.shape, lambda j, b, h: (0,)),
+      lists=lambda x: grouped["lists"][1],
+      q_feat=lambda x: grouped["q_feat"][1],
+      kv_feat=lambda x: grouped["kv_feat"][1])
   return pl.pallas_call(
       functools.partial(_dkv_kernel, params=params, st=st,
                         schedule=tiles.schedule(inputs, params, block_q, block_k)),

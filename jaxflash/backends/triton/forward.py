@@ -24,7 +24,7 @@ from jaxflash.schedule import Schedule
 
 def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, o_ref, lse_ref, *,
                     params: Params, st: tiles.Static, schedule: Schedule):
-  qt = tiles.query_tile(q_ref, lengths_ref, opt, params, st, schedule.block_q)
+  qt = tiles.query_tile(q_ref, lengths_ref, opt, params, st, schedule.block_q, schedule.block_k)
   # With a plain positive scale the tile's max is taken on the raw q @ k.T and scaled per row;
   # the per-entry scale then rides in the exp2 argument's multiply-add, saving one float32
   # multiply per logit on the forward's critical path.
@@ -33,7 +33,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, o_ref
 
   def body(j, carry, masked: bool):
     acc, m, l = carry
-    kt = tiles.key_tile(j, k_ref, opt, st, schedule.block_k, masked)
+    kt = tiles.key_tile(j, k_ref, opt, st, schedule.block_k, masked, params)
     s2, _ = tiles.tile_logits(qt, kt, opt, params, masked, raw=fold)
     # Online softmax. A row that has seen no visible key yet keeps m = -inf; shifting by 0 instead
     # keeps exp2 finite (exp2(-inf) = 0) so such rows stay at l = 0, acc = 0 without NaN. In a
@@ -55,7 +55,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, o_ref
   block_q = schedule.block_q
   init = (jnp.zeros((block_q, st.head_dim_p), jnp.float32),
           jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
-  acc, m, l = schedule.visit_kv(qt.q_start, qt.pos, body, init)
+  acc, m, l = schedule.visit_kv(qt.q_start, qt.pos, body, init, spans=qt.spans)
 
   # A row is empty only when it saw no visible key (l == 0). NaN logits make l NaN, and the row
   # must come out NaN (as in jax.nn), not as an empty row: `l > 0` would hide them as zeros.
@@ -75,7 +75,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
   st = tiles.static(inputs)
   block_q, block_k = tiles.blocks(config.forward, inputs)
   hp, g = st.head_dim_p, st.groups
-  opt = tiles.optional_inputs(inputs)
+  opt = tiles.with_lists(tiles.optional_inputs(inputs), inputs, params, block_q, block_k)
   rows = pl.BlockSpec((None, block_q, None, hp), lambda i, b, h: (b, i, h, 0))
   kv = pl.BlockSpec((None, s, None, hp), lambda i, b, h: (b, 0, h // g, 0))
   kernel = functools.partial(_forward_kernel, params=params, st=st,

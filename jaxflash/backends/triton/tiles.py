@@ -22,8 +22,9 @@ from jaxflash import dropout
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.triton.config import Tiles, padded_head_dim
+from jaxflash import mask_mod as mask_mod_lib
 from jaxflash.masking import Positions
-from jaxflash.schedule import Schedule
+from jaxflash.schedule import Schedule, block_lists, row_spans
 
 
 class Optional(NamedTuple):
@@ -39,6 +40,11 @@ class Optional(NamedTuple):
   mask: object = None  # int8 [B or 1, N or 1, T, S] (Triton has no boolean memory type)
   bias: object = None  # float [B or 1, N or 1, T, S]
   seed: object = None  # uint32 [2] dropout seed
+  # A block table's packed lists (`jaxflash.schedule.BlockLists`), [B, N or 1, rows, width].
+  lists: object = None
+  # A mask_mod's features (`jaxflash.mask_mod`): int32 [F, B or 1, N or 1, T] and [F', .., S].
+  q_feat: object = None
+  kv_feat: object = None
 
   def specs(self, **makers: Callable) -> "Optional":
     """The same pytree with each present field ``name`` replaced by ``makers[name](array)``."""
@@ -47,10 +53,61 @@ class Optional(NamedTuple):
 
 
 def optional_inputs(inputs: Inputs) -> Optional:
+  """The optional inputs; the block lists are each kernel's own (`with_lists`)."""
   mask = None if inputs.mask is None else inputs.mask.astype(jnp.int8)
   return Optional(offsets=inputs.offsets, q_seg=inputs.q_segment_ids,
                   kv_seg=inputs.kv_segment_ids, mask=mask, bias=inputs.bias,
-                  seed=inputs.dropout_seed)
+                  seed=inputs.dropout_seed, q_feat=_pow2_features(inputs.q_features),
+                  kv_feat=_pow2_features(inputs.kv_features))
+
+
+def _pow2_features(x):
+  """Features padded to a power-of-two count (Triton's block shapes)."""
+  if x is None:
+    return None
+  count = pl.next_power_of_2(x.shape[0])
+  return jnp.pad(x, [(0, count - x.shape[0])] + [(0, 0)] * 3)
+
+
+def with_lists(opt: Optional, inputs: Inputs, params: Params, block_q: int, block_k: int,
+               transpose: bool = False) -> Optional:
+  """``opt`` with the block lists of a kernel of ``block_q`` x ``block_k`` tiles (per key
+  block with ``transpose``), padded to a power-of-two width; unchanged without a block table."""
+  if inputs.block_table is None:
+    return opt
+  lists = block_lists(inputs.block_table, params.table_block, params.window, block_q, block_k,
+                      inputs.lengths, inputs.offsets, inputs.query.shape[1],
+                      inputs.key.shape[1], transpose=transpose).packed
+  width = pl.next_power_of_2(lists.shape[-1])
+  return opt._replace(lists=jnp.pad(lists, [(0, 0)] * 3 + [(0, width - lists.shape[-1])]))
+
+
+def list_spans(ref, blocks: int, *row):
+  """The `Span`s of one row of block lists: ``ref[*row]`` is a [width] row (`with_lists`).
+  (One indexer per load: Triton's lowering takes no ``ref.at[...][...]``.)"""
+  # (Literal int indices trip jax 0.11.2's load discharge in interpret mode: int32 scalars.)
+  return row_spans(lambda k: ref[row + (jnp.asarray(k, jnp.int32),)], blocks)
+
+
+def list_blocks(opt: Optional, inputs: Inputs, params: Params, block_q: int, block_k: int,
+                transpose: bool = False) -> int:
+  """How many blocks a row of ``opt.lists`` can name (for `list_spans`)."""
+  n = inputs.key.shape[1] if not transpose else inputs.query.shape[1]
+  return pl.cdiv(n, block_q if transpose else block_k)
+
+
+def rule_mask(params: Params, q_idx, kv_idx, rows: list, cols: list):
+  """A mask_mod's mask of a tile from its row and column features (int32 vectors of the
+  tile's rows and columns, `jaxflash.mask_mod.to_int32`), or None without one."""
+  rule = params.mask_rule
+  if rule is None:
+    return None
+  shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx))
+  rows = [mask_mod_lib.from_int32(jnp.broadcast_to(x[:, None], shape), d)
+          for x, d in zip(rows, rule.row_dtypes)]
+  cols = [mask_mod_lib.from_int32(jnp.broadcast_to(x[None, :], shape), d)
+          for x, d in zip(cols, rule.col_dtypes)]
+  return rule.tile(jnp.broadcast_to(q_idx, shape), jnp.broadcast_to(kv_idx, shape), rows, cols)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +151,14 @@ def blocks(tiles: Tiles, inputs: Inputs) -> tuple[int, int]:
 def schedule(inputs: Inputs, params: Params, block_q: int, block_k: int) -> Schedule:
   elementwise = inputs.q_segment_ids is not None or inputs.mask is not None
   return Schedule(params.window, block_q, block_k, elementwise)
+
+
+def feature_rows(ref, index, length_ok, count: int) -> list:
+  """``count`` features of a tile's rows or columns: ``ref.at[f, *index]`` for each, masked
+  with ``length_ok`` (None: in bounds)."""
+  if ref is None:
+    return []
+  return [load(ref.at[(jnp.int32(f),) + index], mask=length_ok, other=0) for f in range(count)]
 
 
 def compiler_params(tiles: Tiles):
@@ -143,13 +208,22 @@ def dense_spec(x: jax.Array, block: tuple[int, int], index: Callable):
 
 def query_block_specs(opt: Optional, block_q: int, seq_k: int) -> Optional:
   """Specs of the optional inputs for a grid (query block, batch row, head): the forward and dQ."""
+  def per_row(shape, b, h):  # batch and head indices into an array [B or 1, N or 1, ...]
+    return (b if shape[0] > 1 else 0), (h if shape[1] > 1 else 0)
+
   return opt.specs(
       offsets=lambda x: pl.BlockSpec((None, 2), lambda i, b, h: (b, 0)),
       q_seg=lambda x: pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
       kv_seg=lambda x: pl.BlockSpec((None, seq_k), lambda i, b, h: (b, 0)),
       mask=lambda x: dense_spec(x, (block_q, seq_k), lambda i: (i, 0)),
       bias=lambda x: dense_spec(x, (block_q, seq_k), lambda i: (i, 0)),
-      seed=lambda x: pl.BlockSpec(x.shape, lambda i, b, h: (0,)))
+      seed=lambda x: pl.BlockSpec(x.shape, lambda i, b, h: (0,)),
+      lists=lambda x: pl.BlockSpec((None, None, None, x.shape[-1]),
+                                   lambda i, b, h: per_row(x.shape, b, h) + (i, 0)),
+      q_feat=lambda x: pl.BlockSpec((x.shape[0], None, None, block_q),
+                                    lambda i, b, h: (0,) + per_row(x.shape[1:], b, h) + (i,)),
+      kv_feat=lambda x: pl.BlockSpec((x.shape[0], None, None, seq_k),
+                                     lambda i, b, h: (0,) + per_row(x.shape[1:], b, h) + (0,)))
 
 
 def folds_scale(params: Params, opt: Optional) -> bool:
@@ -159,7 +233,7 @@ def folds_scale(params: Params, opt: Optional) -> bool:
 
 
 def masked_logits(q, k, rows, cols, ok, pos: Positions, params: Params, q_seg, kv_seg, bias_ref,
-                  mask_ref, masked: bool = True, raw: bool = False):
+                  mask_ref, masked: bool = True, raw: bool = False, features=((), ())):
   """Base-2 logits of one (query, key) tile, invisible entries at -inf; also the soft-cap tanh.
 
   ``rows``/``cols`` are the tile's local indices and ``ok`` its in-bounds mask; ``bias_ref`` and
@@ -179,6 +253,9 @@ def masked_logits(q, k, rows, cols, ok, pos: Positions, params: Params, q_seg, k
       q_segment=None if q_seg is None else q_seg[:, None],
       kv_segment=None if kv_seg is None else kv_seg[None, :],
       dense_mask=None if dense is None else dense != 0)
+  by_rule = rule_mask(params, rows[:, None], cols[None, :], *features)
+  if by_rule is not None:
+    vis = jnp.logical_and(vis, by_rule)
   return jnp.where(vis, s2, -jnp.inf), cap_t
 
 
@@ -213,16 +290,29 @@ class QueryTile(NamedTuple):
   q_seg: object
   stream: object  # dropout stream key, or None
   pos: Positions
+  features: list  # a mask_mod's row features, [block_q] each
+  spans: object  # the key blocks to visit from a block table, or None (the schedule's)
 
 
 def query_tile(q_ref, lengths_ref, opt: Optional, params: Params, st: Static,
-               block_q: int) -> QueryTile:
+               block_q: int, block_k: int) -> QueryTile:
   q_start = pl.program_id(0) * block_q
   rows, row_ok = st.bounds(q_start, block_q, st.seq_q)
   q = load(q_ref, mask=tile_ok(row_ok, st.dim_ok), other=0.0)
   q_seg = None if opt.q_seg is None else load(opt.q_seg, mask=row_ok, other=-1)
   stream = dropout_stream(opt, params, pl.program_id(1), pl.program_id(2))
-  return QueryTile(q_start, rows, row_ok, q, q_seg, stream, positions(lengths_ref, opt.offsets))
+  features = feature_rows(opt.q_feat, (), row_ok, _count(params, "row"))
+  spans = None if opt.lists is None else list_spans(opt.lists, pl.cdiv(st.seq_k, block_k))
+  return QueryTile(q_start, rows, row_ok, q, q_seg, stream, positions(lengths_ref, opt.offsets),
+                   features, spans)
+
+
+def _count(params: Params, side: str) -> int:
+  """How many row (or column) features the call's mask_mod has."""
+  rule = params.mask_rule
+  if rule is None or rule.kernel_reason is not None:
+    return 0
+  return len(rule.row_vars if side == "row" else rule.col_vars)
 
 
 class KeyTile(NamedTuple):
@@ -235,9 +325,11 @@ class KeyTile(NamedTuple):
   kv_ok: object  # load mask of K/V tiles
   k: object
   kv_seg: object
+  features: list  # a mask_mod's column features, [block_k] each (masked blocks only)
 
 
-def key_tile(j, k_ref, opt: Optional, st: Static, block_k: int, masked: bool) -> KeyTile:
+def key_tile(j, k_ref, opt: Optional, st: Static, block_k: int, masked: bool,
+             params: Params) -> KeyTile:
   k_start = j * block_k
   cols, col_ok = st.bounds(k_start, block_k, st.seq_k)
   if not masked:
@@ -246,7 +338,8 @@ def key_tile(j, k_ref, opt: Optional, st: Static, block_k: int, masked: bool) ->
   keys = pl.ds(k_start, block_k)
   k = load(k_ref.at[keys, :], mask=kv_ok, other=0.0)
   kv_seg = None if opt.kv_seg is None else load(opt.kv_seg.at[keys], mask=col_ok, other=-2)
-  return KeyTile(k_start, cols, col_ok, keys, kv_ok, k, kv_seg)
+  features = feature_rows(opt.kv_feat, (keys,), col_ok, _count(params, "col")) if masked else []
+  return KeyTile(k_start, cols, col_ok, keys, kv_ok, k, kv_seg, features)
 
 
 def tile_logits(qt: QueryTile, kt: KeyTile, opt: Optional, params: Params, masked: bool,
@@ -254,4 +347,5 @@ def tile_logits(qt: QueryTile, kt: KeyTile, opt: Optional, params: Params, maske
   """`masked_logits` of a (query tile, key tile) pair of the forward or dQ loop."""
   return masked_logits(qt.q, kt.k, qt.rows, kt.cols, tile_ok(qt.row_ok, kt.col_ok), qt.pos,
                        params, qt.q_seg, kt.kv_seg, at(opt.bias, slice(None), kt.keys),
-                       at(opt.mask, slice(None), kt.keys), masked, raw)
+                       at(opt.mask, slice(None), kt.keys), masked, raw,
+                       features=(qt.features, kt.features))
