@@ -621,8 +621,8 @@ def markdown(result: dict) -> str:
   parts = [f"# Masks and block sparsity: {report.describe(result)}", "",
            "bf16. Time is the median per call; TFLOP/s count visible entries only "
            f"({FLOP_CONVENTION}). `visible`: the fraction of (query, key) entries visible; "
-           f"`blocks`: of {block} x {block} blocks with any visible entry. `err`: see the JSON; WRONG: "
-           f"relative error over {TOLERANCE}.", "", markdown_table(result["rows"])]
+           f"`blocks`: of {block} x {block} blocks with any visible entry. `err`: see the "
+           f"JSON; WRONG: relative error over {TOLERANCE}.", "", markdown_table(result["rows"])]
   lines = ratios(result["rows"])
   if lines:
     parts += ["", "Ratios:", ""] + [f"- {line}" for line in lines]
