@@ -412,7 +412,7 @@ def run_case(st: Setup, cfg: dict, seed: int, pool) -> list[dict]:
   """Every row of one case: counts, reference, then each (impl, mode) compiled, checked, timed,
   then the build rows."""
   shape = st.shape
-  base = dict(case=st.name, dtype="bfloat16", B=shape.b, T=shape.s, S=shape.s, N=shape.n,
+  base = dict(dtype="bfloat16", B=shape.b, T=shape.s, S=shape.s, N=shape.n,
               D=shape.d)
   timing = {key: cfg[key] for key in ("warmups", "calls", "repeats", "slow_ms", "budget_ms")}
   options = cfg.get("compiler_options")
@@ -436,8 +436,8 @@ def run_case(st: Setup, cfg: dict, seed: int, pool) -> list[dict]:
   rows = []
   for (impl, mode), future in futures.items():
     fn, extra, via = st.calls[impl]
-    row = dict(base, impl=impl, mode=mode, via=via, ms=None, visible_tflops=None, relerr=None,
-               wrong=False, calls=None, temp_bytes=None)
+    row = dict(case=st.name, impl=impl, mode=mode, ms=None, visible_tflops=None, via=via,
+               **base, relerr=None, wrong=False, calls=None, temp_bytes=None)
     if impl in JAXFLASH_IMPLS:
       row["backend"] = _served_by(fn, inputs, extra)
     print(f"[{st.name} {impl} {mode}]", file=sys.stderr, flush=True)
@@ -463,7 +463,8 @@ def run_case(st: Setup, cfg: dict, seed: int, pool) -> list[dict]:
     rows.append(row)
   del futures
   for impl, (build, args, via) in st.builds.items():
-    row = dict(base, impl=impl, mode="build", via=via, ms=None, visible_tflops=None, calls=None)
+    row = dict(case=st.name, impl=impl, mode="build", ms=None, visible_tflops=None, via=via,
+               **base, calls=None)
     print(f"[{st.name} {impl} build]", file=sys.stderr, flush=True)
     try:
       executable = jax.jit(build).lower(*args).compile(options)
