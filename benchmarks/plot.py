@@ -3,12 +3,14 @@
     python benchmarks/plot.py benchmarks/results/h200/grid.json     # -> grid_bf16.png, ...
     python benchmarks/plot.py benchmarks/results/h200/memory.json   # -> memory.png
     python benchmarks/plot.py benchmarks/results/h200/decode.json   # -> decode.png
+    python benchmarks/plot.py benchmarks/results/h200/masks.json    # -> masks.png
 
 Speed results (bench.py): one figure per dtype; a row of panels per head dim (and one per GQA
 shape, titled e.g. "GQA 32/8 D=128"), a column per (causal, mode); TFLOP/s against sequence
 length, one line per implementation, an x where a result was flagged wrong. Memory results
 (memory.py): peak device memory and compiled temp bytes against S, log-log, one line per
 implementation, an X at its first failure. Decoding results (decode.py): TB/s per cell as bars.
+Masks results (masks.py): TFLOP/s on visible entries per case as bars, forward and fwd+bwd.
 Colours follow the implementation everywhere. Files that join several runs (`report.join`) are
 drawn from the latest run of each cell. bench.py, memory.py and decode.py call the plotting
 functions directly.
@@ -172,6 +174,47 @@ def plot_decode(result: dict, stem) -> Path:
                Path(f"{stem}.png"), 0.9 / (3.2 * len(panels)))
 
 
+def plot_masks(result: dict, stem) -> Path:
+  """Masks results (masks.py) in ``<stem>.png``: a panel per mode (fwd, fwd+bwd), TFLOP/s on
+  visible entries per case as bars, side by side for the implementations that ran it, each
+  labelled with its rate; an x over a wrong result. jaxflash's ways are shades of blue."""
+  rows = [r for r in result["rows"] if r.get("mode") in ("fwd", "fwdbwd")]
+  cases = list(dict.fromkeys(r["case"] for r in rows))
+  order = ("jaxflash", "jaxflash_segments", "jaxflash_mask_mod", "cudnn", "xla")
+  impls = sorted(dict.fromkeys(r["impl"] for r in rows),
+                 key=lambda i: order.index(i) if i in order else len(order))
+  colour = colours(impls)
+  colour.update({"jaxflash": "#1f77b4", "jaxflash_segments": "#6baed6",
+                 "jaxflash_mask_mod": "#08306b"})
+  most = max(1, max(len({r["impl"] for r in rows if r["case"] == c}) for c in cases))
+  fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 1.4 * len(cases) + 2), 7.5), squeeze=False)
+  width = 0.8 / most
+  for ax, mode in zip(axes[:, 0], ("fwd", "fwdbwd")):
+    for x, case in enumerate(cases):
+      mine = [i for i in impls if any(r["case"] == case and r["impl"] == i for r in rows)]
+      for j, impl in enumerate(mine):
+        found = [r for r in rows if (r["case"], r["impl"], r["mode"]) == (case, impl, mode)
+                 and r.get("visible_tflops")]
+        if not found:
+          continue
+        at = x + (j - (len(mine) - 1) / 2) * width
+        rate = found[0]["visible_tflops"]
+        ax.bar(at, rate, width, color=colour[impl])
+        ax.annotate(f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}", (at, rate),
+                    ha="center", va="bottom", fontsize=7)
+        if found[0].get("wrong"):
+          ax.scatter([at], [rate / 2], color="black", marker="x", s=40, zorder=3)
+    ax.set_xticks(range(len(cases)), cases, fontsize=9)
+    ax.set_ylabel("TFLOP/s on visible entries")
+    ax.set_title({"fwd": "forward", "fwdbwd": "forward + backward"}[mode], fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.margins(y=0.12)
+  wrong = Line2D([], [], color="black", marker="x", linestyle="", label="wrong result")
+  _legend(fig, colour, impls, [wrong] if any(r.get("wrong") for r in rows) else [])
+  return _save(fig, f"Masks and block sparsity, {report.describe(result)}",
+               Path(f"{stem}.png"), legend_height=0.06)
+
+
 def _save(fig, title: str, path: Path, legend_height: float) -> Path:
   """Titles, lays out (leaving ``legend_height`` of the figure for the shared legend), writes and
   closes ``fig``; returns ``path``."""
@@ -188,7 +231,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
   for name in (sys.argv[1:] if argv is None else argv):
     data = json.loads(Path(name).read_text())
     stem = Path(name).with_suffix("")
-    if data.get("kind") == "memory" or "longest_s" in data:
+    if data.get("kind") == "masks":
+      paths.append(plot_masks(data, stem))
+    elif data.get("kind") == "memory" or "longest_s" in data:
       paths.append(plot_memory(data, stem))
     elif any("tb_s" in r for r in data.get("rows", [])):
       paths.append(plot_decode(data, stem))

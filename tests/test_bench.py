@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 # benchmarks/ is a folder of scripts, not a package; its scripts import each other by name.
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -405,3 +406,95 @@ def test_committed_results():
   h100 = json.loads((BENCHMARKS / "results" / "h100" / "grid.json").read_text())
   assert {run["environment"]["device"] for run in h100["runs"].values()} == {
       "NVIDIA H100 80GB HBM3"}
+
+
+def test_masks_smoke(tmp_path):
+  """benchmarks/masks.py on tiny shapes (XLA backend, jax.nn's XLA path standing in for cuDNN):
+  every row checked right, timed and counted; the build row of the reused block mask; the
+  table and the plot."""
+  import masks
+  out = tmp_path / "masks.json"
+  masks.main(["--smoke", "--cases", "dense_mask", "documents_8", "--compile-workers", "2",
+              "--out", str(out)])
+  data = json.loads(out.read_text())
+  assert data["kind"] == "masks" and not data.get("partial")
+  want = {("dense_mask", impl, mode) for impl in ("jaxflash", "xla") for mode in masks.MODES}
+  want |= {("documents_8", impl, mode) for impl in ("jaxflash_segments", "jaxflash_mask_mod",
+                                                    "xla") for mode in masks.MODES}
+  want.add(("documents_8", "jaxflash_mask_mod", "build"))
+  rows = data["rows"]
+  assert {(r["case"], r["impl"], r["mode"]) for r in rows} == want and len(rows) == len(want)
+  for r in rows:
+    assert not r.get("error") and r["ms"] > 0 and r["calls"] >= 1 and r["via"], r
+    if r["mode"] == "build":
+      continue
+    assert r["relerr"] < report.TOLERANCE and not r["wrong"], r
+    assert r["visible_tflops"] > 0 and 0 < r["visible_fraction"] <= r["block_fraction"] <= 1, r
+    assert r.get("repeatable") is (True if r["mode"] == "fwdbwd" else None), r
+    assert r.get("backend") == ("xla" if r["impl"].startswith("jaxflash") else None), r
+
+  # The counts are exact: the dense mask's own sum, and sum of l (l + 1) / 2 over documents.
+  meta = data["cases"]
+  s = meta["dense_mask"]["S"]
+  dense = masks.flax_mask(jnp.asarray(meta["dense_mask"]["lengths"]), s)
+  got = {r["case"]: r["visible_fraction"] for r in rows}
+  assert got["dense_mask"] == float(np.mean(np.asarray(dense)))
+  lengths = np.array(meta["documents_8"]["document_lengths"])
+  assert len(lengths) == 8 and lengths.sum() == meta["documents_8"]["S"] == s * 4
+  assert got["documents_8"] == (lengths * (lengths + 1) // 2).sum() / (s * 4) ** 2
+  # The same rates from visible FLOPs: fwd+bwd counts 3.5x the forward's.
+  fwd = next(r for r in rows if (r["case"], r["impl"], r["mode"]) == ("dense_mask", "xla", "fwd"))
+  assert fwd["visible_tflops"] == pytest.approx(
+      4 * fwd["D"] * fwd["visible_fraction"] * fwd["B"] * fwd["N"] * s * s / fwd["ms"] / 1e9)
+  md = out.with_suffix(".md").read_text()
+  assert "| documents_8 | jaxflash_mask_mod |" in md
+  assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_masks_flax_mask_is_flaxs():
+  """dense_mask's mask is what Flax's make_causal_mask & make_attention_mask give for padded
+  token rows."""
+  pytest.importorskip("flax")
+  from flax import linen as nn
+  import masks
+  lengths = jnp.array([16, 11, 7, 1])
+  tokens = (jnp.arange(16)[None, :] < lengths[:, None]).astype(jnp.int32) * 5
+  want = nn.combine_masks(nn.make_causal_mask(tokens),
+                          nn.make_attention_mask(tokens > 0, tokens > 0))
+  np.testing.assert_array_equal(masks.flax_mask(lengths, 16), want.astype(bool))
+
+
+def test_masks_patterns_and_counts():
+  """The random block pattern holds its fraction of blocks and the diagonal; documents fill the
+  sequence; counting visible entries block by block agrees with the dense mask."""
+  import masks
+  visible = masks.block_pattern(128, 0.1, seed=0)
+  assert visible.sum() == round(0.1 * 128 * 128) and visible.diagonal().all()
+  assert masks.block_pattern(4, 0.1, seed=0).sum() == 4  # (at least the diagonal)
+  doc = masks.document_ids(300, 7, seed=1)
+  assert doc[0] == 0 and doc[-1] == 6 and (np.diff(doc) >= 0).all()
+  shape = masks.Shape(b=2, s=200, n=3, d=8)
+  prefix = jnp.array([50, 130])
+  table = jnp.asarray(masks.block_pattern(4, 0.3, seed=2))[None, None]
+  for mod in (masks.prefix_lm_mod(prefix), masks.block_pattern_mod(table, 64),
+              masks.document_mod(jnp.asarray(np.stack([doc[:200], doc[100:]]))),
+              lambda b, h, q, kv: (q >= kv) & (h != 1)):  # (one that depends on the head)
+    idx = np.arange(200)
+    dense = np.broadcast_to(mod(jnp.arange(2)[:, None, None, None],
+                                jnp.arange(3)[None, :, None, None], idx[None, None, :, None],
+                                idx[None, None, None, :]), (2, 3, 200, 200))
+    counts = masks.count_visible(mod, shape, block=64)
+    assert counts["visible_entries"] == dense.sum()
+    padded = np.pad(dense, [(0, 0), (0, 0), (0, 56), (0, 56)]).reshape(2, 3, 4, 64, 4, 64)
+    assert counts["block_fraction"] == padded.any(axis=(3, 5)).mean()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "jaxflash (wip): a BlockMask.from_blocks table is not applied inside a kernel tile coarser "
+    "than its blocks (the XLA backend's 256 x 256 tiles see 64 x 64 blocks as partial, and a "
+    "table without a mask_mod has no element mask for them). Remove this mark once fixed."))
+def test_masks_smoke_block_pattern(tmp_path):
+  import masks
+  result = masks.main(["--smoke", "--cases", "block_10pct", "--modes", "fwd", "--out",
+                       str(tmp_path / "masks.json")])
+  assert all(not r.get("error") and not r["wrong"] for r in result["rows"])
