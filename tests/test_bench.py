@@ -489,10 +489,6 @@ def test_masks_patterns_and_counts():
     assert counts["block_fraction"] == padded.any(axis=(3, 5)).mean()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "jaxflash (wip): a BlockMask.from_blocks table is not applied inside a kernel tile coarser "
-    "than its blocks (the XLA backend's 256 x 256 tiles see 64 x 64 blocks as partial, and a "
-    "table without a mask_mod has no element mask for them). Remove this mark once fixed."))
 def test_masks_smoke_block_pattern(tmp_path):
   import masks
   result = masks.main(["--smoke", "--cases", "block_10pct", "--modes", "fwd", "--out",

@@ -21,12 +21,6 @@ def _load_example():
 
 masks = _load_example()
 
-BLOCK_PATTERN_BUG = pytest.mark.xfail(strict=True, reason=(
-    "jaxflash (wip): a BlockMask.from_blocks table is not applied inside a kernel tile coarser "
-    "than its blocks (the XLA backend's 256 x 256 tiles see 128 x 128 blocks as partial, and a "
-    "table without a mask_mod has no element mask for them). Remove this mark once fixed."))
-
-
 @pytest.fixture(scope="module")
 def inputs():
   keys = jax.random.split(jax.random.key(0), 3)
@@ -36,9 +30,7 @@ def inputs():
   return q, k, v
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=BLOCK_PATTERN_BUG)
-                                  if name == "block_sparse" else name
-                                  for name in masks.PATTERNS])
+@pytest.mark.parametrize("name", masks.PATTERNS)
 def test_pattern_matches_jax_nn(name, inputs):
   result = masks.run(name, *inputs)
   assert result["error"] < 1e-4, result
