@@ -158,9 +158,26 @@ OPTIONS = {
 }
 
 
+def dense_mask_of(mask_mod=None, block_mask=None, *, b: int, t: int, s: int, n: int):
+  """The [B, N, T, S] boolean mask a ``mask_mod`` (or a `jaxflash.BlockMask`) stands for,
+  evaluated on broadcast index arrays (what the reference takes)."""
+  if block_mask is not None:
+    mask_mod = block_mask.split.reference
+  idx = [jnp.arange(x, dtype=jnp.int32).reshape(shape) for x, shape in
+         ((b, (b, 1, 1, 1)), (n, (1, n, 1, 1)), (t, (1, 1, t, 1)), (s, (1, 1, 1, s)))]
+  return jnp.broadcast_to(mask_mod(*idx), (b, n, t, s))
+
+
 def reference_options(options: dict, b: int, t: int, s: int, n: int) -> dict:
-  """jaxflash options as `reference_attention` takes them (dropout as the dense keep mask)."""
+  """jaxflash options as `reference_attention` takes them (dropout as the dense keep mask, a
+  mask_mod or block mask as a dense mask)."""
   ref_options = dict(options)
+  if "mask_mod" in options or "block_mask" in options:
+    dense = dense_mask_of(ref_options.pop("mask_mod", None), ref_options.pop("block_mask", None),
+                          b=b, t=t, s=s, n=n)
+    if ref_options.get("mask") is not None:
+      dense = jnp.logical_and(dense, ref_options["mask"])
+    ref_options["mask"] = dense
   if options.get("dropout_rate", 0.0) > 0:
     rate = options["dropout_rate"]
     ref_options["dropout_keep"] = dropout.dense_keep_mask(

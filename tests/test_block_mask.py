@@ -1,0 +1,304 @@
+"""Block masks and mask_mod: the block tables, the mask_mod split, the lists the kernels walk, and
+every backend against a float32 reference given the same mask as a dense array.
+
+CPU tests run the xla backend and the Triton kernels in interpret mode; the `gpu` tests run the
+Mosaic and Triton kernels compiled, in bf16, with the shipped tiles.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import block_mask as bm
+from jaxflash import mask_mod as mm
+from jaxflash.backends import UnsupportedCallError
+from jaxflash.masking import make_window
+from jaxflash.schedule import block_lists
+from checks import attention, check, dense_mask_of
+
+B, N = 2, 4
+_rng = np.random.RandomState(0)
+DOCS = jnp.asarray(np.sort(_rng.randint(0, 5, (B, 1200)), axis=1), jnp.int32)
+PREFIX = jnp.asarray([7, 90], jnp.int32)
+TABLE = jnp.asarray(_rng.rand(20, 20) < 0.5)
+
+# Each takes (batch, head, q_idx, kv_idx) on broadcasting int32 arrays (FlexAttention's mask_mod).
+MASK_MODS = {
+    "causal": lambda b, h, q, k: q >= k,
+    "documents": lambda b, h, q, k: (DOCS[b, q] == DOCS[b, k]) & (q >= k),
+    "prefix_lm": lambda b, h, q, k: (k <= q) | (k < PREFIX[b]),
+    "sliding_window": lambda b, h, q, k: (q >= k) & (q - k < 24),
+    "dilated": lambda b, h, q, k: ((q - k) % 3 == 0) & (q >= k),
+    "per_head": lambda b, h, q, k: q - k <= 11 * h,
+    "rows_only": lambda b, h, q, k: q < PREFIX[b] + 20,
+}
+# Kernels cannot index a captured array with both indices: only the xla backend serves it.
+GATHER_BOTH = lambda b, h, q, k: TABLE[q // 16, k // 16]  # noqa: E731
+
+
+def _indices(b, n, t, s):
+  return (jnp.arange(b).reshape(b, 1, 1, 1), jnp.arange(n).reshape(1, n, 1, 1),
+          jnp.arange(t).reshape(1, 1, t, 1), jnp.arange(s).reshape(1, 1, 1, s))
+
+
+def _blocks_of(dense, bq, bk):
+  """Brute-force block states of a dense [.., T, S] mask (entries past T, S do not count)."""
+  t, s = dense.shape[-2:]
+  nq, nk = -(-t // bq), -(-s // bk)
+  out = np.zeros(dense.shape[:-2] + (nq, nk), np.int8)
+  for i in range(nq):
+    for j in range(nk):
+      tile = dense[..., i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+      out[..., i, j] = np.where(tile.all(axis=(-2, -1)), bm.FULL,
+                                np.where(tile.any(axis=(-2, -1)), bm.PARTIAL, bm.EMPTY))
+  return out
+
+
+# --- mask_mod split -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(MASK_MODS))
+def test_split_features_and_tile_rule_equal_the_function(name):
+  """Row features, column features and the tile rule give the function's mask everywhere."""
+  fn, t, s = MASK_MODS[name], 45, 60
+  split = mm.split(fn)
+  assert split.kernel_reason is None
+  rows = split.features(split.row_vars, B, N, t, mm.Q)
+  cols = split.features(split.col_vars, B, N, s, mm.KV)
+  want = np.asarray(jnp.broadcast_to(fn(*_indices(B, N, t, s)), (B, N, t, s)))
+  q_idx, kv_idx = jnp.meshgrid(jnp.arange(t), jnp.arange(s), indexing="ij")
+  for b in range(B):
+    for h in range(N):
+      def tiles(x, dtypes, axis):
+        if x is None:
+          return []
+        vec = [x[f, b % x.shape[1], h % x.shape[2]] for f in range(x.shape[0])]
+        return [mm.from_int32(jnp.broadcast_to(v[:, None] if axis == 0 else v[None, :],
+                                               (t, s)), d) for v, d in zip(vec, dtypes)]
+      got = split.tile(q_idx, kv_idx, tiles(rows, split.row_dtypes, 0),
+                       tiles(cols, split.col_dtypes, 1))
+      np.testing.assert_array_equal(np.asarray(got), want[b, h], err_msg=f"{name} {b} {h}")
+
+
+def test_split_names_what_kernels_cannot_run():
+  split = mm.split(GATHER_BOTH)
+  assert split.kernel_reason is not None and "dynamic_slice" in split.kernel_reason
+  want = jnp.broadcast_to(GATHER_BOTH(*_indices(1, 1, 70, 80)), (1, 1, 70, 80))
+  chex.assert_trees_all_equal(split.reference(*_indices(1, 1, 70, 80)), want)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda b, h, q: q >= 0, "four positional arguments"),
+    (lambda b, h, q, k: q - k, "booleans"),
+    (lambda b, h, q, k: DOCS[b] == k, "one boolean per"),
+    (lambda b, h, q, k: undefined_name, "failed on int32 scalar"),  # noqa: F821
+    ("not a function", "must be a function"),
+])
+def test_bad_mask_mod_is_a_value_error_naming_it(bad, match):
+  q = jnp.zeros((1, 8, 2, 16))
+  with pytest.raises(ValueError, match="mask_mod") as info:
+    jaxflash.flash_attention(q, q, q, mask_mod=bad, implementation="xla")
+  assert match in str(info.value)
+
+
+def test_block_mask_arguments_are_checked():
+  q = jnp.zeros((2, 40, 4, 16))
+  made = jaxflash.create_block_mask(MASK_MODS["causal"], None, None, 40, 40)
+  with pytest.raises(ValueError, match="block_mask was made for q_len = 40"):
+    jaxflash.flash_attention(q[:, :30], q, q, block_mask=made)
+  with pytest.raises(ValueError, match="not both"):
+    jaxflash.flash_attention(q, q, q, block_mask=made, mask_mod=MASK_MODS["dilated"])
+  with pytest.raises(ValueError, match="block_mask must be a jaxflash.BlockMask"):
+    jaxflash.flash_attention(q, q, q, block_mask=np.ones((1, 1, 1, 1)))
+  per_batch = jaxflash.create_block_mask(MASK_MODS["prefix_lm"], 3, None, 40, 40)
+  with pytest.raises(ValueError, match="batch 3"):
+    jaxflash.flash_attention(q, q, q, block_mask=per_batch)
+  with pytest.raises(ValueError, match="q_len"):
+    jaxflash.create_block_mask(MASK_MODS["causal"], None, None, 0, 40)
+  with pytest.raises(ValueError, match="block_size"):
+    jaxflash.create_block_mask(MASK_MODS["causal"], None, None, 40, 40, block_size=(64,))
+
+
+# --- block tables -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["documents", "prefix_lm", "per_head"])
+def test_create_block_mask_classifies_every_block(name):
+  fn, t, s = MASK_MODS[name], 200, 150
+  made = jaxflash.create_block_mask(fn, B, N, t, s, block_size=(32, 64))
+  dense = np.asarray(jnp.broadcast_to(fn(*_indices(B, N, t, s)), (B, N, t, s)))
+  want = _blocks_of(dense, 32, 64)
+  got = np.asarray(made.table)
+  # Axes the mask does not depend on are kept at size 1.
+  assert got.shape[0] in (1, B) and got.shape[1] in (1, N)
+  np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want)
+
+
+def test_dense_and_segment_tables():
+  mask = np.array(jax.random.bernoulli(jax.random.key(1), 0.9, (2, 1, 100, 130)))
+  mask[:, :, 40:70, :] = False  # whole empty blocks
+  np.testing.assert_array_equal(bm.classify_dense(jnp.asarray(mask), 32),
+                                _blocks_of(mask, 32, 32))
+  ids = np.sort(_rng.randint(0, 6, (2, 190)), axis=1)
+  dense = ids[:, None, :, None] == ids[:, None, None, :]
+  np.testing.assert_array_equal(bm.classify_segments(jnp.asarray(ids), jnp.asarray(ids), 32),
+                                _blocks_of(dense, 32, 32))
+
+
+@pytest.mark.parametrize("to", [(16, 16), (64, 128), (96, 32), (256, 256)])
+def test_resample_keeps_the_states_of_the_entries(to):
+  """A table resampled to other blocks says of each new block what the entries say."""
+  mask = np.array(jax.random.bernoulli(jax.random.key(2), 0.02, (1, 2, 300, 260)))
+  mask |= np.tril(np.ones((300, 260), bool))
+  table = bm.classify_dense(jnp.asarray(mask), 32)
+  got = bm.resample(table, (32, 32), to, (300, 260))
+  want = _blocks_of(mask, *to)
+  # Exact where the new blocks are made of whole old ones; finer blocks inherit a partial
+  # block's state, which may be conservative, but never call a block empty or full wrongly.
+  if all(a % 32 == 0 for a in to):
+    np.testing.assert_array_equal(got, want)
+  else:
+    got = np.asarray(got)
+    assert ((want == bm.EMPTY) | (got != bm.EMPTY)).all()
+    assert ((want == bm.FULL) | (got != bm.FULL)).all()
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_block_lists_visit_exactly_the_visible_blocks(transpose):
+  """The lists intersect the table with the band and the lengths: visited = any entry visible,
+  full = every entry visible, ascending."""
+  t, s, bq, bk = 150, 170, 32, 16
+  fn = MASK_MODS["documents"]
+  made = jaxflash.create_block_mask(fn, B, None, t, s, block_size=64)
+  lengths = jnp.asarray([[150, 120], [100, 170]], jnp.int32)
+  window = make_window(True, (60, 0))
+  lists = np.asarray(block_lists(made.table, (64, 64), window, bq, bk, lengths, None, t, s,
+                                 transpose=transpose).packed)
+  q, k = np.arange(t)[:, None], np.arange(s)[None, :]
+  for b in range(B):
+    dense = np.asarray(fn(b, 0, q, k)) & (k <= q) & (k >= q - 60) & (k < int(lengths[b, 1]))
+    dense &= q < int(lengths[b, 0])
+    states = _blocks_of(dense, bq, bk)
+    if transpose:
+      states = states.T
+    for row in range(states.shape[0]):
+      packed = lists[b, 0, row]
+      width = (packed.shape[0] - 2) // 2
+      partial = list(packed[2:2 + packed[0]])
+      full = list(packed[2 + width:2 + width + packed[1]])
+      assert partial == sorted(partial) and full == sorted(full)
+      visible = np.flatnonzero(states[row] != bm.EMPTY)
+      assert sorted(partial + full) == list(visible)
+      # A block the lists call full has every entry visible (valid query rows; padding rows
+      # past the query length are zeroed at the end and may count as visible).
+      assert set(full) <= set(np.flatnonzero(states[row] == bm.FULL)) | set(
+          np.flatnonzero(_full_but_padding(dense, b, lengths, row, bq, bk, transpose)))
+
+
+def _full_but_padding(dense, b, lengths, row, bq, bk, transpose):
+  """Blocks of one row of blocks that are full once padding query rows are left out."""
+  q_len = int(lengths[b, 0])
+  valid = np.arange(dense.shape[0]) < q_len
+  fuller = dense | ~valid[:, None]
+  states = _blocks_of(fuller, bq, bk)
+  return (states.T if transpose else states)[row] == bm.FULL
+
+
+def test_from_blocks_is_exact_at_every_tile_size():
+  visible = jnp.asarray(_rng.rand(2, 1, 5, 4) < 0.4) | jnp.eye(5, 4, dtype=bool)
+  made = jaxflash.BlockMask.from_blocks(visible, 300, 250, 64)
+  assert made.split.kernel_reason is None  # its pattern runs in kernels with coarser tiles
+  dense = jnp.repeat(jnp.repeat(visible, 64, 2), 64, 3)[:, :, :300, :250]
+  chex.assert_trees_all_equal(dense_mask_of(block_mask=made, b=2, t=300, s=250, n=1), dense)
+  with pytest.raises(ValueError, match="visible must be a boolean block table"):
+    jaxflash.BlockMask.from_blocks(visible[..., :3], 300, 250, 64)
+
+
+# --- attention with block masks (CPU) --------------------------------------------------------
+
+
+def _maker(fn):
+  return lambda *a: fn  # `check` calls option makers with (b, t, s, n, seed)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+@pytest.mark.parametrize("name", ["documents", "prefix_lm", "dilated", "per_head"])
+def test_mask_mod_matches_the_dense_reference(implementation, name):
+  check(implementation, b=B, t=57, s=57, n=N, k=2, h=32, mask_mod=_maker(MASK_MODS[name]))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_mask_mod_combines_with_other_options(implementation):
+  """A mask_mod with a causal band, lengths, a dense mask and T != S (GQA, odd sizes)."""
+  b, t, s, n = B, 45, 70, N
+  check(implementation, b=b, t=t, s=s, n=n, k=1, h=40, is_causal=True,
+        mask_mod=_maker(MASK_MODS["sliding_window"]),
+        mask=lambda *a: jax.random.bernoulli(jax.random.key(3), 0.8, (b, 1, t, s)),
+        key_value_seq_lengths=lambda *a: jnp.asarray([60, 33]),
+        query_seq_lengths=lambda *a: jnp.asarray([45, 20]))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_reused_block_mask_and_from_blocks(implementation):
+  made = jaxflash.create_block_mask(MASK_MODS["documents"], B, None, 64, 64, block_size=32)
+  check(implementation, b=B, t=64, s=64, n=N, k=2, h=32, block_mask=_maker(made))
+  pattern = jaxflash.BlockMask.from_blocks(
+      jnp.asarray(_rng.rand(B, N, 3, 2) < 0.5) | jnp.eye(3, 2, dtype=bool), 70, 64, 32)
+  check(implementation, b=B, t=70, s=64, n=N, k=2, h=32, block_mask=_maker(pattern))
+
+
+def test_gather_on_both_indices_falls_back_to_xla():
+  q = jax.random.normal(jax.random.key(0), (1, 70, 2, 16))
+  with pytest.raises(UnsupportedCallError, match="dynamic_slice"):
+    attention("triton", q, q, q, mask_mod=GATHER_BOTH)
+  assert jaxflash.implementation_for(q, q, q, mask_mod=GATHER_BOTH) == "xla"
+  check("xla", b=1, t=70, s=70, n=2, k=2, h=16, mask_mod=_maker(GATHER_BOTH))
+
+
+class MaskModTransformsTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_mask_mod_under_jit_and_vmap(self):
+    fn = MASK_MODS["prefix_lm"]
+    q = jax.random.normal(jax.random.key(1), (3, B, 33, N, 16))
+    run = self.variant(jax.vmap(lambda x: jaxflash.flash_attention(x, x, x, mask_mod=fn,
+                                                                    implementation="xla")))
+    dense = dense_mask_of(fn, b=B, t=33, s=33, n=N)
+    want = jax.vmap(lambda x: jax.nn.dot_product_attention(x, x, x, mask=dense))(q)
+    chex.assert_trees_all_close(run(q), want, atol=2e-5, rtol=2e-5)
+
+
+# --- the GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+@pytest.mark.parametrize("name", ["documents", "prefix_lm", "dilated", "per_head"])
+def test_mask_mod_on_gpu(implementation, name):
+  check(implementation, small=False, b=B, t=1000, s=1000, n=N, k=2, h=128, dtype=jnp.bfloat16,
+        mask_mod=_maker(MASK_MODS[name]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+@pytest.mark.parametrize("h", [64, 96, 256])
+def test_masks_on_gpu(implementation, h):
+  """A dense mask (causal and padding, as Flax makes it), segment ids and a block pattern, at
+  odd lengths, T != S and GQA."""
+  b, t, s = 2, 777, 1300
+  q_len, kv_len = np.array([777, 500]), np.array([1300, 900])
+  dense = ((np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t))[None, None]
+           & (np.arange(t)[None, None, :, None] < q_len[:, None, None, None])
+           & (np.arange(s)[None, None, None, :] < kv_len[:, None, None, None]))
+  check(implementation, small=False, b=b, t=t, s=s, n=8, k=2, h=h, dtype=jnp.bfloat16,
+        mask=lambda *a: jnp.asarray(dense))
+  ids = lambda length: jnp.asarray(np.sort(_rng.randint(0, 7, (b, length)), axis=1))  # noqa: E731
+  check(implementation, small=False, b=b, t=t, s=s, n=8, k=2, h=h, dtype=jnp.bfloat16,
+        is_causal=True, segment_ids=lambda *a: (ids(t), ids(s)))
+  pattern = jaxflash.BlockMask.from_blocks(
+      jnp.asarray(_rng.rand(1, 8, 7, 11) < 0.3) | jnp.eye(7, 11, dtype=bool), t, s, 128)
+  check(implementation, small=False, b=b, t=t, s=s, n=8, k=2, h=h, dtype=jnp.bfloat16,
+        block_mask=_maker(pattern))
