@@ -307,6 +307,32 @@ def test_lowers_with_x64_and_strict_rank_promotion(ctas, with_dense):
     assert "mosaic_gpu" in text and ("jaxflash_backward_dq" in text) == with_dense
 
 
+@needs_cuda_plugin
+@pytest.mark.parametrize("h", [64, 128, 256])
+@pytest.mark.parametrize("masking", ["dense", "mask_mod", "segments"])
+def test_block_masks_lower(h, masking):
+  """A dense mask, a mask_mod (with features and an elementwise rule) and segment ids: the
+  forward and the Mosaic backward walk block lists (no Triton kernel), at every head dim."""
+  b, t, s, n, k = 2, 777, 1300, 8, 2
+  ids = jnp.asarray(np.sort(np.random.RandomState(0).randint(0, 5, (b, s)), axis=1))
+  options = {
+      "dense": {},
+      "mask_mod": dict(mask_mod=lambda bb, hh, q, kv: (ids[bb, q] == ids[bb, kv])
+                       & ((q - kv) % 3 != 1) & (q >= kv)),
+      "segments": dict(is_causal=True, segment_ids=(ids[:, :t], ids)),
+  }[masking]
+
+  def fn(q, kk, v, mask):
+    extra = dict(mask=mask) if masking == "dense" else {}
+    return jax.grad(lambda q, kk, v: jnp.sum(_forward(**options, **extra)(q, kk, v).astype(
+        jnp.float32)), argnums=(0, 1, 2))(q, kk, v)
+
+  q = jax.ShapeDtypeStruct((b, t, n, h), BF16)
+  kv = jax.ShapeDtypeStruct((b, s, k, h), BF16)
+  text = _lower(fn, q, kv, kv, jax.ShapeDtypeStruct((b, 1, t, s), jnp.bool_))
+  assert _mosaic_kernels(text) >= 3 and "jaxflash_backward_dq" not in text
+
+
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU's interpreter (jax 0.11.2) cannot run under "
                     "jax_enable_x64: its own while loops mix i32 and i64 carries")
 def test_x64_numerics():

@@ -147,12 +147,10 @@ def feature_tiles(ref, batch, head, index, layout, broadcast, dtypes) -> list:
 
 def rule_mask(params: Params, extras: _Extras, batch, head, q_idx, kv_idx, rows, keys,
               broadcast_rows, broadcast_keys, row_layout, key_layout):
-  """The mask_mod's mask of a tile (None without one): its tile rule on the tile's query and
-  key indices and features (``rows``/``keys`` index the features; ``broadcast_*`` put a row or
-  key vector on the tile)."""
+  """The mask_mod's mask of a tile: its tile rule on the tile's query and key indices and
+  features (``rows``/``keys`` index the features; ``broadcast_*`` put a row or key vector on
+  the tile). Call it only with a mask_mod (the index tiles must not be built otherwise)."""
   rule = params.mask_rule
-  if rule is None:
-    return None
   return rule.tile(q_idx, kv_idx,
                    feature_tiles(extras.q_features, batch, head, rows, row_layout,
                                  broadcast_rows, rule.row_dtypes),
@@ -362,11 +360,10 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           conds.append(_rows(q_ids, shape) == lax.broadcast_in_dim(kv_ids, shape, [1]))
         if extras.mask is not None:
           conds.append(_entry_tile(extras.mask, batch, head, rows, keys) != 0)
-        by_rule = rule_mask(params, extras, batch, head, _rows(q_rows, shape), start + cols,
-                            rows, keys, lambda x: _rows(x, shape),
-                            lambda x: lax.broadcast_in_dim(x, shape, [1]), _ROWS, _COLS)
-        if by_rule is not None:
-          conds.append(by_rule)
+        if params.mask_rule is not None:  # (Mosaic GPU infers no layout for an unread tile)
+          conds.append(rule_mask(params, extras, batch, head, _rows(q_rows, shape), start + cols,
+                                 rows, keys, lambda x: _rows(x, shape),
+                                 lambda x: lax.broadcast_in_dim(x, shape, [1]), _ROWS, _COLS))
         return functools.reduce(jnp.logical_and, conds)
 
       def scores(j, slot, also=None):
