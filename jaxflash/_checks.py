@@ -65,6 +65,10 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   segments = _check_segments(segment_ids, b, t, s, unbatched)
 
   block_mask = _check_block_mask(mask_mod, block_mask, b, n, t, s, unbatched)
+  if mask is not None:
+    # One byte per entry, nonzero = visible: what every kernel reads (Mosaic GPU and Triton
+    # load no booleans), made once here rather than in each kernel's launcher.
+    mask = mask.astype(jnp.int8)
   table, table_block = _block_table(block_mask, mask, segments, t, s)
   split = None if block_mask is None else block_mask.split
   mask_consts = None

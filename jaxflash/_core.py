@@ -51,7 +51,7 @@ class Inputs(NamedTuple):
   # batch row (see `jaxflash.masking`); None means zeros and costs nothing.
   offsets: jax.Array | None = None
   bias: jax.Array | None = None  # [B or 1, N or 1, T, S] float
-  mask: jax.Array | None = None  # [B or 1, N or 1, T, S] bool
+  mask: jax.Array | None = None  # [B or 1, N or 1, T, S] int8, nonzero = visible
   q_segment_ids: jax.Array | None = None  # int32 [B, T]
   kv_segment_ids: jax.Array | None = None  # int32 [B, S]
   dropout_seed: jax.Array | None = None  # uint32 [2], present iff params.dropout_rate > 0

@@ -136,11 +136,12 @@ class Split:
 
   # --- The tile rule, inside a kernel ------------------------------------------------------
 
-  def tile(self, q_idx, kv_idx, rows: list, cols: list):
-    """The mask of one tile: ``q_idx`` and ``kv_idx`` are the tile's query and key indices
-    (int32, shaped like the tile), ``rows`` and ``cols`` its row and column features in their
-    own dtypes (`from_int32`) broadcast to the tile. The tile rule runs vectorised over the
-    tile's entries."""
+  def tile(self, shape, q_idx, kv_idx, rows: list, cols: list):
+    """The mask of one ``shape`` tile: ``q_idx`` and ``kv_idx`` give the tile's query and key
+    indices (int32 tiles, or functions that make them: called only if the rule reads them,
+    since a kernel must not build a tile nothing reads), ``rows`` and ``cols`` its row and
+    column features in their own dtypes (`from_int32`) broadcast to the tile. The tile rule runs
+    vectorised over the tile's entries."""
     jaxpr = self.closed.jaxpr
     out = jaxpr.outvars[0]
     if out in self.row_vars or out in self.col_vars:  # the mask depends on one index only
@@ -148,21 +149,22 @@ class Split:
       keys = self.row_vars if out in self.row_vars else self.col_vars
       return values[keys.index(out)] != 0
     if not isinstance(out, jcore.Var):  # a literal result: every entry alike
-      return jnp.full(q_idx.shape, bool(out.val))
+      return jnp.full(shape, bool(out.val))
+    read = {v for eqn in self.tile_eqns for v in eqn.invars if isinstance(v, jcore.Var)}
+    indices = [(var, idx) for var, idx in zip(jaxpr.invars[2:], (q_idx, kv_idx)) if var in read]
 
-    def entry(q, kv, *features):
-      env = dict(zip(self.row_vars + self.col_vars, features))
-      env.update(zip(jaxpr.invars[2:], (q, kv)))
+    def entry(*values):
+      env = dict(zip([var for var, _ in indices] + list(self.row_vars + self.col_vars), values))
       for eqn in self.tile_eqns:
         _run(eqn, env)
       return _read(env, out)
 
     # One vmap per tile axis (no reshape: a kernel's tile keeps its register layout).
     vectorised = entry
-    for _ in range(jnp.ndim(q_idx)):
+    for _ in shape:
       vectorised = jax.vmap(vectorised)
-    return vectorised(*(jnp.broadcast_to(x, jnp.shape(q_idx))
-                        for x in (q_idx, kv_idx, *rows, *cols)))
+    made = [idx() if callable(idx) else idx for _, idx in indices]
+    return vectorised(*(jnp.broadcast_to(x, shape) for x in (*made, *rows, *cols)))
 
   def reference(self, batch, head, q_idx, kv_idx, consts=None):
     """The whole mask_mod on broadcasting index arrays, evaluated entry by entry from its

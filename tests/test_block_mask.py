@@ -78,7 +78,7 @@ def test_split_features_and_tile_rule_equal_the_function(name):
         vec = [x[f, b % x.shape[1], h % x.shape[2]] for f in range(x.shape[0])]
         return [mm.from_int32(jnp.broadcast_to(v[:, None] if axis == 0 else v[None, :],
                                                (t, s)), d) for v, d in zip(vec, dtypes)]
-      got = split.tile(q_idx, kv_idx, tiles(rows, split.row_dtypes, 0),
+      got = split.tile((t, s), q_idx, kv_idx, tiles(rows, split.row_dtypes, 0),
                        tiles(cols, split.col_dtypes, 1))
       np.testing.assert_array_equal(np.asarray(got), want[b, h], err_msg=f"{name} {b} {h}")
 

@@ -309,17 +309,21 @@ def test_lowers_with_x64_and_strict_rank_promotion(ctas, with_dense):
 
 @needs_cuda_plugin
 @pytest.mark.parametrize("h", [64, 128, 256])
-@pytest.mark.parametrize("masking", ["dense", "mask_mod", "segments"])
+@pytest.mark.parametrize("masking", ["dense", "mask_mod", "segments", "blocks"])
 def test_block_masks_lower(h, masking):
-  """A dense mask, a mask_mod (with features and an elementwise rule) and segment ids: the
-  forward and the Mosaic backward walk block lists (no Triton kernel), at every head dim."""
+  """A dense mask, a mask_mod (with features and an elementwise rule), segment ids and a block
+  pattern (whose rule reads features only): the forward and the Mosaic backward walk block
+  lists (no Triton kernel), at every head dim."""
   b, t, s, n, k = 2, 777, 1300, 8, 2
-  ids = jnp.asarray(np.sort(np.random.RandomState(0).randint(0, 5, (b, s)), axis=1))
+  rng = np.random.RandomState(0)
+  ids = jnp.asarray(np.sort(rng.randint(0, 5, (b, s)), axis=1))
   options = {
       "dense": {},
       "mask_mod": dict(mask_mod=lambda bb, hh, q, kv: (ids[bb, q] == ids[bb, kv])
                        & ((q - kv) % 3 != 1) & (q >= kv)),
       "segments": dict(is_causal=True, segment_ids=(ids[:, :t], ids)),
+      "blocks": dict(block_mask=jaxflash.BlockMask.from_blocks(
+          jnp.asarray(rng.rand(1, n, 7, 11) < 0.3) | jnp.eye(7, 11, dtype=bool), t, s, 128)),
   }[masking]
 
   def fn(q, kk, v, mask):

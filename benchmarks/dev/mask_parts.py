@@ -1,31 +1,33 @@
-"""Where the time of a masked call goes: the block table, the lists, and the kernels, one by one.
+"""Where the time of a masked call goes: every GPU kernel of the call, from a profile.
 
-    PYTHONPATH=. python benchmarks/dev/mask_parts.py
+    PYTHONPATH=. python benchmarks/dev/mask_parts.py [--out DIR]
 
-Times (median of repeats, bf16, the issue's dense causal+padding case: B=4, S=4096, N=16, D=128)
-each piece of a call with a dense mask as its own jitted program, next to the structured call.
+The issue's dense causal+padding case (bf16, B=4, S=4096, N=16, D=128, lengths
+4096/3000/2048/1000) as a dense mask and as is_causal + lengths, forward and forward+backward:
+wall time per call (median), and per call the GPU time of each kernel (a jax.profiler trace,
+summed by kernel name), largest first.
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
 import statistics
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jaxflash
-from jaxflash import _checks
-from jaxflash import block_mask as bm
-from jaxflash.attention import attention_with_config
-from jaxflash.backends import mosaic
-from jaxflash.schedule import block_lists
 
 
-def timed(fn, *args, repeats=5, calls=10):
-  out = fn(*args)
-  jax.block_until_ready(out)
+def wall_ms(fn, *args, repeats=5, calls=10):
+  jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
@@ -36,7 +38,32 @@ def timed(fn, *args, repeats=5, calls=10):
   return statistics.median(times)
 
 
+def kernel_ms(fn, *args, calls=5):
+  """GPU time per call of each kernel name (a profile of ``calls`` calls)."""
+  jax.block_until_ready(fn(*args))
+  folder = tempfile.mkdtemp()
+  jax.profiler.start_trace(folder, create_perfetto_trace=True)
+  for _ in range(calls):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  jax.profiler.stop_trace()
+  path = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)[0]
+  events = json.load(gzip.open(path))
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  names = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
+           for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  totals = collections.Counter()
+  for e in events:
+    thread = names.get((e.get("pid"), e.get("tid")), "")
+    if e.get("ph") == "X" and "stream" in thread.lower():
+      totals[e["name"][:60]] += e.get("dur", 0) / 1e3 / calls
+  return totals
+
+
 def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out")
+  args = parser.parse_args()
   b, t, n, h = 4, 4096, 16, 128
   lengths = jnp.asarray([4096, 3000, 2048, 1000], jnp.int32)
   keys = jax.random.split(jax.random.key(0), 3)
@@ -45,37 +72,26 @@ def main():
   valid = pos[None, :] < lengths[:, None]
   mask = (valid[:, None, :, None] & valid[:, None, None, :]
           & (pos[None, None, None, :] <= pos[None, None, :, None]))
-  rows = {}
-  rows["classify_dense"] = timed(jax.jit(bm.classify_dense), mask)
-  rows["normalise(mask)"] = timed(jax.jit(lambda q, m: _checks.normalise(q, q, q, mask=m)
-                                          .inputs.block_table), q, mask)
-  table = jax.jit(bm.classify_dense)(mask)
-  lengths2 = jnp.stack([lengths * 0 + t, lengths * 0 + t], axis=1)
-  window = jaxflash.masking.make_window(False, None)
-  rows["block_lists fwd"] = timed(jax.jit(lambda tb, ln: block_lists(
-      tb, (64, 64), window, 128, 128, ln, None, t, t).packed), table, lengths2)
-  rows["block_lists dkv"] = timed(jax.jit(lambda tb, ln: block_lists(
-      tb, (64, 64), window, 64, 128, ln, None, t, t, transpose=True).packed), table, lengths2)
-  rows["mask astype int8"] = timed(jax.jit(lambda m: m.astype(jnp.int8)), mask)
-  rows["mask transpose"] = timed(jax.jit(lambda m: jnp.swapaxes(m.astype(jnp.int8), 2, 3)), mask)
-  lists = np.asarray(jax.jit(lambda tb, ln: block_lists(tb, (64, 64), window, 128, 128, ln, None,
-                                                        t, t).packed)(table, lengths2))
-  print("fwd visits: partial", lists[..., 0].sum(), "full", lists[..., 1].sum())
-  for impl in ("mosaic", "triton"):
-    fwd = jax.jit(lambda q, k, v, m: jaxflash.flash_attention(q, k, v, mask=m, implementation=impl))
-    rows[f"{impl} fwd mask"] = timed(fwd, q, k, v, mask)
-    struct = jax.jit(lambda q, k, v: jaxflash.flash_attention(
-        q, k, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-        implementation=impl))
-    rows[f"{impl} fwd structured"] = timed(struct, q, k, v)
-    grad = jax.jit(jax.grad(lambda q, k, v, m: jnp.sum(jaxflash.flash_attention(
-        q, k, v, mask=m, implementation=impl).astype(jnp.float32)), argnums=(0, 1, 2)))
-    rows[f"{impl} fwdbwd mask"] = timed(grad, q, k, v, mask)
-  # The Mosaic forward with a dense mask but no table (every block masked: the old path).
-  cfg = mosaic.default_config(h, jnp.bfloat16, False, t, jax.devices()[0].device_kind)
-  print("mosaic config", cfg)
-  for name, ms in rows.items():
-    print(f"{name:28s} {ms:8.3f} ms")
+  calls = {
+      "mask": lambda q, k, v: jaxflash.flash_attention(q, k, v, mask=mask),
+      "structured": lambda q, k, v: jaxflash.flash_attention(
+          q, k, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths),
+  }
+  report = {}
+  for name, call in calls.items():
+    fwd = jax.jit(call)
+    fwdbwd = jax.jit(jax.grad(lambda q, k, v, call=call: jnp.sum(
+        call(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
+    for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+      kernels = kernel_ms(fn, q, k, v)
+      report[f"{name} {mode}"] = dict(wall_ms=wall_ms(fn, q, k, v), gpu_ms=sum(kernels.values()),
+                                      kernels=dict(kernels.most_common()))
+  for key, row in report.items():
+    print(f"== {key}: wall {row['wall_ms']:.3f} ms, GPU {row['gpu_ms']:.3f} ms")
+    for kernel, ms in row["kernels"].items():
+      print(f"   {ms:8.4f} ms  {kernel}")
+  if args.out:
+    json.dump(report, open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -234,8 +234,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
                                     fwd._entry_tile(extras.mask, batch, head, keys, rows) != 0)
         if params.mask_rule is not None:  # (index tiles only where read: see above)
           visible = jnp.logical_and(visible, fwd.rule_mask(
-              params, extras, batch, head, _cols(q_cols(), shape), k_idx(), rows, keys,
-              lambda x: _cols(x, shape), lambda x: fwd._rows(x, shape), _COLS, _ROWS))
+              params, extras, batch, head, shape, lambda: _cols(q_cols(), shape), k_idx,
+              rows, keys, lambda x: _cols(x, shape), lambda x: fwd._rows(x, shape), _COLS,
+              _ROWS))
       keep = None
       if extras.dropout_seed is not None:
         stream = _core.dropout_stream(params, extras.dropout_seed, batch, head)
@@ -686,8 +687,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
                                     fwd._entry_tile(extras.mask, batch, head, rows, keys) != 0)
         if params.mask_rule is not None:  # (index tiles only where read: see `_dkv_kernel`)
           visible = jnp.logical_and(visible, fwd.rule_mask(
-              params, extras, batch, head, fwd._rows(q_rows(), shape), k_idx(), rows, keys,
-              lambda x: fwd._rows(x, shape), lambda x: _cols(x, shape), _ROWS, _COLS))
+              params, extras, batch, head, shape, lambda: fwd._rows(q_rows(), shape), k_idx,
+              rows, keys, lambda x: fwd._rows(x, shape), lambda x: _cols(x, shape), _ROWS,
+              _COLS))
       keep = None
       if row_key is not None:
         keep = dropout.keep_entries(row_key, masking.shifted(k_idx(), pos.kv_offset),

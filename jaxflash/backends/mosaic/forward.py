@@ -145,13 +145,14 @@ def feature_tiles(ref, batch, head, index, layout, broadcast, dtypes) -> list:
           for f, dtype in enumerate(dtypes)]
 
 
-def rule_mask(params: Params, extras: _Extras, batch, head, q_idx, kv_idx, rows, keys,
+def rule_mask(params: Params, extras: _Extras, batch, head, shape, q_idx, kv_idx, rows, keys,
               broadcast_rows, broadcast_keys, row_layout, key_layout):
-  """The mask_mod's mask of a tile: its tile rule on the tile's query and key indices and
-  features (``rows``/``keys`` index the features; ``broadcast_*`` put a row or key vector on
-  the tile). Call it only with a mask_mod (the index tiles must not be built otherwise)."""
+  """The mask_mod's mask of a ``shape`` tile: its tile rule on the tile's query and key
+  indices (functions that build them: Mosaic GPU infers no layout for a tile nothing reads)
+  and features (``rows``/``keys`` index the features; ``broadcast_*`` put a row or key vector
+  on the tile). Call it only with a mask_mod."""
   rule = params.mask_rule
-  return rule.tile(q_idx, kv_idx,
+  return rule.tile(shape, q_idx, kv_idx,
                    feature_tiles(extras.q_features, batch, head, rows, row_layout,
                                  broadcast_rows, rule.row_dtypes),
                    feature_tiles(extras.kv_features, batch, head, keys, key_layout,
@@ -361,7 +362,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         if extras.mask is not None:
           conds.append(_entry_tile(extras.mask, batch, head, rows, keys) != 0)
         if params.mask_rule is not None:  # (Mosaic GPU infers no layout for an unread tile)
-          conds.append(rule_mask(params, extras, batch, head, _rows(q_rows, shape), start + cols,
+          conds.append(rule_mask(params, extras, batch, head, shape,
+                                 lambda: _rows(q_rows, shape), lambda: start + cols,
                                  rows, keys, lambda x: _rows(x, shape),
                                  lambda x: lax.broadcast_in_dim(x, shape, [1]), _ROWS, _COLS))
         return functools.reduce(jnp.logical_and, conds)

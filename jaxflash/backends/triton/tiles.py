@@ -107,7 +107,7 @@ def rule_mask(params: Params, q_idx, kv_idx, rows: list, cols: list):
           for x, d in zip(rows, rule.row_dtypes)]
   cols = [mask_mod_lib.from_int32(jnp.broadcast_to(x[None, :], shape), d)
           for x, d in zip(cols, rule.col_dtypes)]
-  return rule.tile(jnp.broadcast_to(q_idx, shape), jnp.broadcast_to(kv_idx, shape), rows, cols)
+  return rule.tile(shape, q_idx, kv_idx, rows, cols)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,7 +106,7 @@ class Blocks:
     self.mask_consts = inputs.mask_consts
     self.q_seg = pad_axis(inputs.q_segment_ids, 1, lay.t_pad)
     self.kv_seg = pad_axis(inputs.kv_segment_ids, 1, lay.s_pad)
-    self.mask = self._dense(inputs.mask)
+    self.mask = self._dense(None if inputs.mask is None else inputs.mask != 0)
     self.bias = self._dense(inputs.bias)
     self.manual_axes = _core.varying_axes(inputs.query)
     self.stream = None
@@ -187,7 +187,7 @@ class Blocks:
       return [mask_mod_lib.from_int32(jnp.broadcast_to(f, shape), d) for f, d in zip(x, dtypes)]
 
     q_features, kv_features = self.features
-    return rule.tile(q_idx, k_idx,
+    return rule.tile(shape, q_idx, k_idx,
                      features(q_features, q_start, lay.block_q, rule.row_dtypes, 3),
                      features(kv_features, k_start, lay.block_k, rule.col_dtypes, 4))
 
