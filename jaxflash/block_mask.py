@@ -128,8 +128,10 @@ def _block_rule(packed: jax.Array, block_q: int, block_k: int):
     row = packed[b, h, q_idx // block_q]
     column = kv_idx // block_k
     word = jnp.minimum(column // 32, words - 1)
-    chosen = jax.lax.select_n(word, *(row[..., w] for w in range(words))) if words > 1 else (
-        row[..., 0])
+    # A chain of two-way selects (Mosaic GPU lowers no select_n of more cases).
+    chosen = row[..., words - 1]
+    for w in range(words - 2, -1, -1):
+      chosen = jnp.where(word == w, row[..., w], chosen)
     return jax.lax.shift_right_logical(chosen, column % 32) & 1 == 1
 
   return rule

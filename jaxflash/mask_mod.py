@@ -255,6 +255,8 @@ def split(mask_mod: MaskMod) -> Split:
 def _kernel_reason(eqn) -> str | None:
   """Why one tile equation cannot run in a kernel, or None."""
   name = eqn.primitive.name
+  if name == "select_n" and len(eqn.invars) > 3:  # (Mosaic GPU lowers two cases only)
+    return f"'select_n' of {len(eqn.invars) - 1} cases (write a chain of jnp.where)"
   if name in _ELEMENTWISE:
     return None
   if name in _SCALAR_SHAPE_OPS and all(getattr(v.aval, "shape", ()) == () for v in eqn.outvars):

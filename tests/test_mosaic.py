@@ -322,8 +322,9 @@ def test_block_masks_lower(h, masking):
       "mask_mod": dict(mask_mod=lambda bb, hh, q, kv: (ids[bb, q] == ids[bb, kv])
                        & ((q - kv) % 3 != 1) & (q >= kv)),
       "segments": dict(is_causal=True, segment_ids=(ids[:, :t], ids)),
+      # 82 key blocks: the pattern's rule picks one of three 32-bit words per key.
       "blocks": dict(block_mask=jaxflash.BlockMask.from_blocks(
-          jnp.asarray(rng.rand(1, n, 7, 11) < 0.3) | jnp.eye(7, 11, dtype=bool), t, s, 128)),
+          jnp.asarray(rng.rand(1, n, 49, 82) < 0.3) | jnp.eye(49, 82, dtype=bool), t, s, 16)),
   }[masking]
 
   def fn(q, kk, v, mask):

@@ -171,6 +171,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   wg = lax.axis_index("wg")
   kv_head, batch = lax.axis_index("heads"), lax.axis_index("batch")
   k_tile_index = lax.axis_index("k_tiles")
+  if extras.order is not None:  # a block table's key tiles, heaviest first
+    # (The grid's sizes from the operands: k_ref's rows are padded to a multiple of 8 only.)
+    b_size, _, heads_size, _ = k_ref.shape
+    k_tiles = pl.cdiv(k_ref.shape[1], _CONSUMERS * _KEYS)
+    linear = (kv_head * k_tiles + k_tile_index) * b_size + batch
+    batch, kv_head, k_tile_index = fwd.ordered(extras.order, linear, heads_size, k_tiles)
   keys_per_cta = _CONSUMERS * _KEYS
   cta_start = k_tile_index * keys_per_cta
   pos = _positions(lengths_ref, offsets_ref, batch)
@@ -515,6 +521,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   # A block table's visits per key tile, and the dense mask transposed: this kernel's tiles
   # are [keys, queries].
   extras = fwd.with_lists(extras, inputs, params, block_q, keys_per_cta, transpose=True)
+  extras = fwd.with_order(extras, inputs, groups)
   if extras.mask is not None:
     extras = extras._replace(mask=jnp.swapaxes(extras.mask, 2, 3))
   want_dk, want_dq = "dk" in grads, "dq" in grads
@@ -626,7 +633,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
   wg = lax.axis_index("wg")
   head, batch = lax.axis_index("heads"), lax.axis_index("batch")
   tile = lax.axis_index("q_tiles")
-  if heavy_first:
+  if extras.order is not None:  # a block table's query tiles, heaviest first
+    linear = (head * q_tiles + tile) * q_ref.shape[0] + batch
+    batch, head, tile = fwd.ordered(extras.order, linear, q_ref.shape[2], q_tiles)
+  elif heavy_first:
     tile = q_tiles - 1 - tile  # the rows that see the most keys first
   cta_start = tile * (_CONSUMERS * _KEYS)
   pos = _positions(lengths_ref, offsets_ref, batch)
@@ -756,7 +766,8 @@ def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Bac
   rows_per_cta = _CONSUMERS * _KEYS
   q_tiles = pl.cdiv(inputs.query.shape[1], rows_per_cta)
   schedule = Schedule(params.window, rows_per_cta, block_kv, extras.q_segment_ids is not None)
-  extras = fwd.with_lists(extras, inputs, params, rows_per_cta, block_kv)
+  extras = fwd.with_order(fwd.with_lists(extras, inputs, params, rows_per_cta, block_kv),
+                          inputs)
   tile = functools.partial(fwd._smem_tile, swizzle=_swizzle(block_kv))
   scratch = (
       tile((_CONSUMERS, _KEYS, hp), q.dtype),  # Q, then dQ on the way out

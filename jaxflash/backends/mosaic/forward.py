@@ -125,6 +125,9 @@ class _Extras(NamedTuple):
   # A mask_mod's features, int32 [F, B or 1, N or 1, rows] and [F', ..., keys].
   q_features: jax.Array | None = None
   kv_features: jax.Array | None = None
+  # With block lists: the kernel's work items (a CTA tile of one batch row and head), heaviest
+  # first (`by_cost`), int32 [items], each ``(batch * heads + head) * tiles + tile``.
+  order: jax.Array | None = None
 
 
 def _iota(shape, dim: int):
@@ -178,7 +181,30 @@ class _Grid(NamedTuple):
   ctas: int | None
 
 
-def _items(grid: _Grid, heavy_first: bool):
+def by_cost(lists: jax.Array, batch: int, heads: int, groups: int = 1) -> jax.Array:
+  """Work items in decreasing order of their visits (a block table's `BlockLists` [B, N or 1,
+  tiles, W], one row per item; ``groups`` rows of heads make one item of a kernel that walks a
+  group's heads): int32 [batch * heads * tiles], item ``(b * heads + h) * tiles + tile``. A
+  table's rows need not cost alike at all (a causal-like mask under a call without a band),
+  so kernels launch, or persistent CTAs take, the heavy ones first (longest first)."""
+  visits = lists[..., 0] + lists[..., 1]  # [B, N or 1, tiles]
+  if visits.shape[1] > 1 and groups > 1:
+    visits = visits.reshape(visits.shape[0], -1, groups, visits.shape[2]).sum(axis=2)
+  elif groups > 1:
+    visits = visits * groups
+  visits = jnp.broadcast_to(visits, (batch, heads, visits.shape[2]))
+  return jnp.argsort(-visits.reshape(-1), stable=True).astype(jnp.int32)
+
+
+def ordered(order_ref, linear, heads: int, tiles: int):
+  """The item at place ``linear`` of ``order_ref`` (`by_cost`) as (batch, head, tile)."""
+  code = order_ref[linear]
+  tile = lax.rem(code, _i32(tiles))
+  rest = lax.div(code, _i32(tiles))
+  return lax.div(rest, _i32(heads)), lax.rem(rest, _i32(heads)), tile
+
+
+def _items(grid: _Grid, heavy_first: bool, order_ref=None):
   """``(count, item)``: how many items this CTA runs and ``item(i) -> (batch, head, tile)``.
 
   Persistent CTAs share out the items in rounds of ``ctas`` consecutive ones, CTA ``c`` taking
@@ -189,20 +215,35 @@ def _items(grid: _Grid, heavy_first: bool):
   in one round takes a lighter one in the next, so every CTA ends within about one item of the
   others. (Tile-fastest order there gave CTA ``c`` tile ``c mod q_tiles`` every round when
   ``q_tiles`` divides ``ctas``: a 4.3x spread of work between CTAs at 4 tiles a head.)
+
+  With a block table (``order_ref``, `by_cost`) items go by their number of visits instead:
+  the grid's CTAs in launch order (batch fastest), or persistent CTAs in rounds as above.
   """
   if grid.ctas is None:
+    if order_ref is not None:
+      linear = (lax.axis_index("heads") * grid.q_tiles + lax.axis_index("q_tiles")) * grid.batch
+      coords = ordered(order_ref, linear + lax.axis_index("batch"), grid.heads, grid.q_tiles)
+      return 1, lambda i: coords
     tile = lax.axis_index("q_tiles")
     if heavy_first:
       tile = grid.q_tiles - 1 - tile  # the rows that see the most keys first
     coords = lax.axis_index("batch"), lax.axis_index("heads"), tile
     return 1, lambda i: coords
-  return _persistent_items(grid, heavy_first, lax.axis_index("ctas"))
+  return _persistent_items(grid, heavy_first, lax.axis_index("ctas"), order_ref)
 
 
-def _persistent_items(grid: _Grid, heavy_first: bool, cta):
+def _persistent_items(grid: _Grid, heavy_first: bool, cta, order_ref=None):
   """`_items` for persistent CTA ``cta`` (a pure function of it, for tests)."""
   ctas = _i32(grid.ctas)
   total = grid.batch * grid.heads * grid.q_tiles
+  if order_ref is not None:  # rounds over the items by cost, alternate rounds backwards
+    def place(i):
+      return jnp.where(lax.rem(i, _i32(2)) == 0, cta, ctas - 1 - cta)
+
+    rounds = total // grid.ctas
+    tail = (place(_i32(rounds)) < total % grid.ctas).astype(jnp.int32)
+    return _i32(rounds) + tail, lambda i: ordered(order_ref, i * ctas + place(i), grid.heads,
+                                                  grid.q_tiles)
   if not heavy_first:
     def item(i):
       w = cta + i * ctas
@@ -247,7 +288,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   head_dim = q_smems.shape[-1]
   wg = lax.axis_index("wg")
   heavy_first = config.heavy_first and schedule.window.right is not None
-  count, item = _items(grid, heavy_first)
+  count, item = _items(grid, heavy_first, extras.order)
   rows_per_cta = _CONSUMERS * block_q
 
   def where(i):
@@ -631,6 +672,14 @@ def with_lists(extras: _Extras, inputs: Inputs, params: Params, block_q: int, bl
   return extras._replace(lists=lists.packed)
 
 
+def with_order(extras: _Extras, inputs: Inputs, groups: int = 1) -> _Extras:
+  """``extras`` with its items by cost (`by_cost`) where it has block lists."""
+  if extras.lists is None:
+    return extras
+  b, heads = inputs.query.shape[0], inputs.query.shape[2] // groups
+  return extras._replace(order=by_cost(extras.lists, b, heads, groups))
+
+
 def forward(inputs: Inputs, params: Params, config: Config):
   """``(out [B, T, N, H], lse2 [B, N, T])`` (see `jaxflash._core`)."""
   q, k, v = inputs.query, inputs.key, inputs.value
@@ -643,7 +692,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
   rows_per_cta = _CONSUMERS * config.block_q
   q_tiles = pl.cdiv(t, rows_per_cta)
   extras = _extras(inputs, q_tiles * rows_per_cta, _round_up(k.shape[1], config.block_kv))
-  extras = with_lists(extras, inputs, params, rows_per_cta, config.block_kv)
+  extras = with_order(with_lists(extras, inputs, params, rows_per_cta, config.block_kv), inputs)
   elementwise = extras.mask is not None or extras.q_segment_ids is not None
   schedule = Schedule(params.window, rows_per_cta, config.block_kv, elementwise)
   stages = config.num_stages

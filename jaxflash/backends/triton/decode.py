@@ -17,8 +17,10 @@ Inputs are the training op's, and the band is the shared one, shifted by the off
 as in the training kernels. A decoding call's come from `jaxflash.ops.decode.decode_inputs`:
 offsets put query row ``t`` of batch row ``b`` at position ``kv_len - T + t``, causal,
 optionally with a left window. A `jaxflash.flash_attention` call with few query rows comes as it
-is, with no offsets (a top-left band), and query lengths zero the rows past them. Soft caps too;
-no masks, biases, segments or dropout.
+is, with no offsets (a top-left band), and query lengths zero the rows past them. Soft caps and
+dense masks too (a decoding step through a Flax hook brings its cache mask [B, 1, 1, S]: keys
+past a row's last visible one are skipped like a shorter cache); no biases, segments, dropout
+or mask_mod.
 The backward stays the training backward (the residuals, O and the LSE, are the same).
 """
 
@@ -91,9 +93,10 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
   few query rows."""
   if rows_for(inputs) > MAX_ROWS:
     return f"G·T = {inputs.query.shape[1] * inputs.query.shape[2] // inputs.key.shape[2]} rows"
-  if any(x is not None for x in (inputs.bias, inputs.mask, inputs.q_segment_ids,
-                                  inputs.dropout_seed)):
-    return "biases, masks, segments and dropout"
+  if any(x is not None for x in (inputs.bias, inputs.q_segment_ids, inputs.dropout_seed)):
+    return "biases, segments and dropout"
+  if params.mask_rule is not None:
+    return "mask_mod and block masks (a dense mask it takes)"
   if params.partial:
     return "partial results (ring attention)"
   return None
@@ -341,7 +344,7 @@ def used_splits(blocks: int, splits: int) -> int:
   return pl.cdiv(blocks, pl.cdiv(blocks, max(1, min(splits, blocks))))
 
 
-def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse_ref, *,
+def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, mask_ref, o_ref, lse_ref, *,
             params: Params, t: int, rows_used: int, blocks_per_split: int, block_k: int,
             page_size: int | None, split_axis: int, whole: bool, st: tiles.Static):
   """One (split, batch row, group of F K/V heads); the split is grid axis ``split_axis``.
@@ -381,9 +384,14 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, o_ref, lse
     new = []
     for i, q, (acc, m, l) in zip(head_ids, qs, carry):
       logits = []
-      for (index, _, kv_ok), seen in zip(pieces, visible):
+      for (index, cols, kv_ok), seen in zip(pieces, visible):
         k = tiles.load(k_ref.at[index(i)], mask=kv_ok, other=0.0)
         s2, _ = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, None)
+        if mask_ref is not None:  # a dense mask's rows (head g, token t) of these keys
+          dense = tiles.load(mask_ref.at[head_ids[0] if mask_ref.shape[0] == 1 else i, :,
+                                         index(i)[0]],
+                             mask=tiles.tile_ok(row_ok, cols < st.seq_k), other=0)
+          seen = jnp.logical_and(seen, dense != 0)
         logits.append(jnp.where(seen, s2, -jnp.inf))
       m_new = functools.reduce(jnp.maximum, [jnp.max(s2, axis=1) for s2 in logits], m)
       m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen nothing yet
@@ -455,6 +463,14 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   `jaxflash.ops.decode.gather_pages`: under jit nothing computes them unless a backward needs
   them)."""
   b, t, n, h = inputs.query.shape
+  if inputs.mask is not None:
+    # Keys past a row's last visible one are skipped like a shorter cache: a decoding mask
+    # (Flax's, [B, 1, 1, S]) hides the cache's unwritten tail.
+    visible = jnp.any(inputs.mask != 0, axis=(1, 2))  # [B, S]
+    last = jnp.max(jnp.where(visible, jnp.arange(1, visible.shape[1] + 1, dtype=jnp.int32), 0),
+                   axis=1)
+    lengths = inputs.lengths.at[:, 1].set(jnp.minimum(inputs.lengths[:, 1], last))
+    inputs = inputs._replace(lengths=lengths)
   outs, lse2 = _launch(inputs, params, config, pages)
   if outs.shape[2] == 1:  # (the kernel wrote the result itself)
     out, lse2 = outs[:, :, 0], lse2[:, :, 0]
@@ -575,12 +591,23 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
                              split_axis=order.index("split"), whole=whole, st=st)
   row_pair = pl.BlockSpec((None, 2), named(lambda split, batch, head: (batch, 0)))
   sizes = dict(split=splits, batch=b, head=kv_heads // fold)
+  mask = mask_spec = None
+  if inputs.mask is not None:  # [B, N or 1, T, S] -> rows (head g, token t) like the queries'
+    mask = inputs.mask
+    shared = mask.shape[1] == 1  # one mask for every head: a row per (g, t) of the group
+    if shared:
+      mask = jnp.broadcast_to(mask[:, :, None], (b, 1, g, t, mask.shape[3]))
+    mask = mask.reshape(b, 1 if shared else kv_heads, g * t, mask.shape[-1])
+    mask_spec = pl.BlockSpec((None, 1 if shared else fold, rows, mask.shape[3]),
+                             named(lambda split, batch, head: (batch, 0 if shared else head, 0,
+                                                               0)))
   return pl.pallas_call(
       kernel,
       grid=tuple(sizes[axis] for axis in order),
       in_specs=[pl.BlockSpec((None, fold, rows, hp), named(lambda split, batch, head: (
                     batch, head, 0, 0))), kv, kv,
-                row_pair, None if inputs.offsets is None else row_pair, table_spec],
+                row_pair, None if inputs.offsets is None else row_pair, table_spec,
+                mask_spec],
       out_specs=[pl.BlockSpec((None, fold, None, rows, hp), named(lambda split, batch, head: (
                      batch, head, split, 0, 0))),
                  pl.BlockSpec((None, fold, None, rows), named(lambda split, batch, head: (
@@ -592,4 +619,4 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
                                            num_stages=config.num_stages),
       interpret=params.interpret,
       name="jaxflash_decode_split_kv",
-  )(qg, k, v, inputs.lengths, inputs.offsets, table)
+  )(qg, k, v, inputs.lengths, inputs.offsets, table, mask)
