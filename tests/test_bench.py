@@ -494,3 +494,20 @@ def test_masks_smoke_block_pattern(tmp_path):
   result = masks.main(["--smoke", "--cases", "block_10pct", "--modes", "fwd", "--out",
                        str(tmp_path / "masks.json")])
   assert all(not r.get("error") and not r["wrong"] for r in result["rows"])
+
+
+def test_decode_hook_smoke(tmp_path):
+  """The Flax-hook decoding benchmark runs on the CPU and its calls agree."""
+  import decode_hook
+  result = decode_hook.main(["--smoke", "--out", str(tmp_path / "decode_hook.json")])
+  impls = {r["impl"] for r in result["rows"]}
+  assert impls == {"hook", "decode_attention"}
+  assert all(r["max_abs_diff"] < 1e-2 and r["us"] > 0 for r in result["rows"])
+
+
+def test_compile_time_smoke(tmp_path):
+  import compile_time
+  result = compile_time.main(["--smoke", "--layers", "2", "--out",
+                              str(tmp_path / "compile_time.json")])
+  assert [(r["impl"], r["layers"]) for r in result["rows"]] == [("xla", 1), ("xla", 2)]
+  assert all(r["total_s"] > 0 for r in result["rows"])

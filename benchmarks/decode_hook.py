@@ -1,0 +1,107 @@
+"""A decoding step through the Flax hook, next to `jaxflash.decode_attention` on the same cache.
+
+    PYTHONPATH=. python benchmarks/decode_hook.py [--out FILE] [--smoke]
+
+A Flax model that uses ``jaxflash.linen.dot_product_attention`` as its ``attention_fn`` decodes
+with Flax's cache mask, a dense [B, 1, 1, S] boolean mask per step (``arange(S) <= cache
+index``). This times that call (``impl: "hook"``), `jaxflash.decode_attention` with the
+equivalent ``kv_lengths`` (``"decode_attention"``) and cuDNN given the same mask (``"cudnn"``,
+on a GPU), bf16, T = 1, the cache filled to 100 tokens short of full, in one process: random
+normal inputs, checked against each other, two warm-up calls, the median of 7 repeats of 50
+back-to-back calls. Writes ``benchmarks/results/<device>/decode_hook.json``: rows ``{case, B, S,
+N, K, D, impl, us, rel_to_decode_attention, max_abs_diff}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402  (device names and results folders, as the other benchmarks)
+
+import jaxflash  # noqa: E402
+from jaxflash import linen as jaxflash_linen  # noqa: E402
+
+CASES = {  # name: (B, S, N, K, D)
+    "gqa_32k": (8, 32768, 32, 8, 128),
+    "mha_8k": (8, 8192, 32, 32, 128),
+}
+SMOKE = {"smoke": (2, 256, 4, 2, 32)}
+
+
+def time_us(fn, *args, repeats=7, calls=50) -> float:
+  for _ in range(2):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) / calls * 1e6)
+  return statistics.median(times)
+
+
+def run_case(name, b, s, n, k, d, on_gpu: bool) -> list[dict]:
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (b, 1, n, d), jnp.bfloat16)
+  k_cache, v_cache = (jax.random.normal(key, (b, s, k, d), jnp.bfloat16) for key in keys[1:])
+  index = s - 100  # the new token's position: the cache holds index + 1 tokens
+  mask = jnp.broadcast_to(jnp.arange(s)[None, None, None, :] <= index, (b, 1, 1, s))
+  lengths = jnp.full((b,), index + 1, jnp.int32)
+  calls = {
+      "hook": jax.jit(lambda q, kc, vc, m: jaxflash_linen.dot_product_attention(
+          q, kc, vc, mask=m, deterministic=True)),
+      "decode_attention": jax.jit(lambda q, kc, vc, m: jaxflash.decode_attention(
+          q, kc, vc, lengths)),
+  }
+  if on_gpu:
+    calls["cudnn"] = jax.jit(lambda q, kc, vc, m: jax.nn.dot_product_attention(
+        q, kc, vc, mask=m, implementation="cudnn"))
+  outs = {impl: fn(q, k_cache, v_cache, mask) for impl, fn in calls.items()}
+  rows = []
+  for impl, fn in calls.items():
+    us = time_us(fn, q, k_cache, v_cache, mask)
+    diff = float(jnp.max(jnp.abs(outs[impl].astype(jnp.float32)
+                                 - outs["decode_attention"].astype(jnp.float32))))
+    rows.append(dict(case=name, B=b, S=s, N=n, K=k, D=d, impl=impl, us=us, max_abs_diff=diff))
+  base = next(r["us"] for r in rows if r["impl"] == "decode_attention")
+  for r in rows:
+    r["rel_to_decode_attention"] = base / r["us"]  # speed relative to decode_attention
+  return rows
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", help="results JSON (default results/<device>/decode_hook.json)")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, seconds)")
+  args = parser.parse_args(argv)
+  device = jax.devices()[0]
+  on_gpu = device.platform == "gpu"
+  rows = []
+  for name, shape in (SMOKE if args.smoke else CASES).items():
+    rows += run_case(name, *shape, on_gpu)
+  env = report.environment()
+  result = dict(environment=env, rows=rows)
+  out = Path(args.out) if args.out else report.default_out(env, "decode_hook")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=1))
+  print("| case | impl | µs | speed vs decode_attention | max |diff| |")
+  print("|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['case']} | {r['impl']} | {r['us']:.1f} | {r['rel_to_decode_attention']:.3f} | "
+          f"{r['max_abs_diff']:.2e} |")
+  print(f"wrote {out}")
+  return result
+
+
+if __name__ == "__main__":
+  main()
