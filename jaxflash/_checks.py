@@ -112,6 +112,9 @@ def _check_block_mask(mask_mod, block_mask, b: int, n: int, t: int, s: int,
   reason = mask_mod_lib.signature_error(mask_mod)
   if reason is not None:
     raise ValueError(reason)
+  if not (t and s):  # nothing to mask (the call's result is empty or zeros): checked only
+    mask_mod_lib.split(mask_mod)
+    return None
   return block_mask_lib.create_block_mask(mask_mod, None if unbatched else b, n, t, s)
 
 
