@@ -242,6 +242,33 @@ def test_mask_mod_combines_with_other_options(implementation):
 
 
 @pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_mask_mod_with_a_differentiated_bias(implementation):
+  """The bias gradient (Triton's own kernel) evaluates the mask_mod too."""
+  check(implementation, b=B, t=50, s=50, n=N, k=2, h=32, mask_mod=_maker(MASK_MODS["documents"]),
+        bias=lambda b, t, s, n, seed: jax.random.normal(jax.random.key(seed), (1, n, t, s)))
+
+
+def test_mask_mod_on_a_sharded_batch():
+  """A mask_mod whose features depend on the batch row, under jit on a batch sharded over four
+  (CPU) devices: every device evaluates its own rows' features (`BlockMask` arrays carry the
+  batch axis), and the result is the unsharded call's."""
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices (tests/conftest.py fakes them on a CPU)")
+  mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  docs = jnp.asarray(np.sort(_rng.randint(0, 4, (4, 48)), axis=1))
+  fn = lambda b, h, q, k: (docs[b, q] == docs[b, k]) & (q >= k)  # noqa: E731
+  q = jax.random.normal(jax.random.key(5), (4, 48, 2, 16))
+  call = jax.jit(lambda x: jaxflash.flash_attention(x, x, x, mask_mod=fn, implementation="xla"))
+  want = call(q)
+  got = call(jax.device_put(q, sharding))
+  chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-6)
+  dense = dense_mask_of(fn, b=4, t=48, s=48, n=2)
+  chex.assert_trees_all_close(want, jax.nn.dot_product_attention(q, q, q, mask=dense),
+                              atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
 def test_reused_block_mask_and_from_blocks(implementation):
   made = jaxflash.create_block_mask(MASK_MODS["documents"], B, None, 64, 64, block_size=32)
   check(implementation, b=B, t=64, s=64, n=N, k=2, h=32, block_mask=_maker(made))

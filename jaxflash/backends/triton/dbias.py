@@ -72,10 +72,18 @@ def _dbias_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref,
         kv_seg = tiles.load(opt.kv_seg.at[b, keys], mask=col_ok, other=-2)
       mask = None if opt.mask is None else opt.mask.at[index(opt.mask, b, n) + (slice(None),
                                                                                keys)]
+      # A mask_mod's features of these rows and keys (refs [F, B or 1, N or 1, rows or S]).
+      features = (
+          tiles.feature_rows(opt.q_feat, index(opt.q_feat.at[0], b, n) + (slice(None),),
+                             row_ok, tiles._count(params, "row")) if opt.q_feat is not None
+          else [],
+          tiles.feature_rows(opt.kv_feat, index(opt.kv_feat.at[0], b, n) + (keys,), col_ok,
+                             tiles._count(params, "col")) if opt.kv_feat is not None else [])
       offsets = () if opt.offsets is None else (opt.offsets[b, 0], opt.offsets[b, 1])
       pos = Positions(lengths_ref[b, 0], lengths_ref[b, 1], *offsets)
       s2, _ = tiles.masked_logits(q, k, rows, cols, ok, pos, params, q_seg, kv_seg,
-                                  tiles.at(opt.bias, slice(None), keys), mask)
+                                  tiles.at(opt.bias, slice(None), keys), mask,
+                                  features=features)
       p = jnp.exp2(s2 - lse2[:, None])
       keep = tiles.keep(tiles.dropout_stream(opt, params, b, n), rows, k_start, block_k, params,
                         pos)
@@ -110,7 +118,9 @@ def dbias(inputs: Inputs, params: Params, config: Config, opt: tiles.Optional, l
       kv_seg=lambda x: whole(b, s),
       mask=lambda x: pl.BlockSpec(x.shape[:2] + (block_q, s), lambda i, bb, nb: (0, 0, i, 0)),
       bias=lambda x: pl.BlockSpec((None, None, block_q, s), lambda i, bb, nb: (bb, nb, i, 0)),
-      seed=lambda x: whole(*x.shape))
+      seed=lambda x: whole(*x.shape),
+      q_feat=lambda x: row_block(*x.shape[:3], block_q),
+      kv_feat=lambda x: whole(*x.shape))
   q_rows = pl.BlockSpec((b, block_q, n, hp), lambda i, bb, nb: (0, i, 0, 0))
   kernel = functools.partial(
       _dbias_kernel, params=params, st=st,
