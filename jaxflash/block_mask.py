@@ -249,11 +249,10 @@ def classify_segments(q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
   segment) from each block's smallest and largest id: a block whose query and key id ranges do
   not meet is empty, one where both hold a single, equal id is full. Exact for packed documents
   (sorted ids); for others it may call an empty block partial, never the reverse."""
-  q_lo, q_hi = _block_range(q_segment_ids, block)
-  k_lo, k_hi = _block_range(kv_segment_ids, block)
-  meet = jnp.logical_and(q_lo[:, :, None] <= k_hi[:, None, :], k_lo[:, None, :] <= q_hi[:, :, None])
-  single = jnp.logical_and(q_lo[:, :, None] == q_hi[:, :, None], k_lo[:, None, :] == k_hi[:, None, :])
-  full = jnp.logical_and(single, q_lo[:, :, None] == k_lo[:, None, :])
+  q_lo, q_hi = (x[:, :, None] for x in _block_range(q_segment_ids, block))  # [B, rows, 1]
+  k_lo, k_hi = (x[:, None, :] for x in _block_range(kv_segment_ids, block))  # [B, 1, cols]
+  meet = jnp.logical_and(q_lo <= k_hi, k_lo <= q_hi)
+  full = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
   table = jnp.where(full, FULL, jnp.where(meet, PARTIAL, EMPTY)).astype(jnp.int8)
   return table[:, None]
 

@@ -64,7 +64,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, l
   kv_seg = None if opt.kv_seg is None else tiles.load(opt.kv_seg, mask=col_ok, other=-2)
   # Program ids are read here, outside the loops (interpret mode cannot see them inside).
   batch, first_head = pl.program_id(1), pl.program_id(2) * st.groups
-  rule_rows, rule_cols = tiles._count(params, "row"), tiles._count(params, "col")
+  rule_rows, rule_cols = tiles.feature_count(params, "row"), tiles.feature_count(params, "col")
 
   def head_of(ref, g):  # index into the group axis of a [.., G or 1, ..] ref
     return g if ref.shape[0] > 1 else jnp.int32(0)

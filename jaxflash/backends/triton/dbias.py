@@ -73,12 +73,15 @@ def _dbias_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref,
       mask = None if opt.mask is None else opt.mask.at[index(opt.mask, b, n) + (slice(None),
                                                                                keys)]
       # A mask_mod's features of these rows and keys (refs [F, B or 1, N or 1, rows or S]).
-      features = (
-          tiles.feature_rows(opt.q_feat, index(opt.q_feat.at[0], b, n) + (slice(None),),
-                             row_ok, tiles._count(params, "row")) if opt.q_feat is not None
-          else [],
-          tiles.feature_rows(opt.kv_feat, index(opt.kv_feat.at[0], b, n) + (keys,), col_ok,
-                             tiles._count(params, "col")) if opt.kv_feat is not None else [])
+      features = ([], [])
+      if opt.q_feat is not None:
+        features[0].extend(tiles.feature_rows(
+            opt.q_feat, index(opt.q_feat.at[0], b, n) + (slice(None),), row_ok,
+            tiles.feature_count(params, "row")))
+      if opt.kv_feat is not None:
+        features[1].extend(tiles.feature_rows(
+            opt.kv_feat, index(opt.kv_feat.at[0], b, n) + (keys,), col_ok,
+            tiles.feature_count(params, "col")))
       offsets = () if opt.offsets is None else (opt.offsets[b, 0], opt.offsets[b, 1])
       pos = Positions(lengths_ref[b, 0], lengths_ref[b, 1], *offsets)
       s2, _ = tiles.masked_logits(q, k, rows, cols, ok, pos, params, q_seg, kv_seg,

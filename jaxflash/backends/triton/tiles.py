@@ -19,10 +19,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxflash import _core
 from jaxflash import dropout
+from jaxflash import mask_mod as mask_mod_lib
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.triton.config import Tiles, padded_head_dim
-from jaxflash import mask_mod as mask_mod_lib
 from jaxflash.masking import Positions
 from jaxflash.schedule import Schedule, block_lists, row_spans
 
@@ -87,13 +87,6 @@ def list_spans(ref, blocks: int, *row):
   (One indexer per load: Triton's lowering takes no ``ref.at[...][...]``.)"""
   # (Literal int indices trip jax 0.11.2's load discharge in interpret mode: int32 scalars.)
   return row_spans(lambda k: ref[row + (jnp.asarray(k, jnp.int32),)], blocks)
-
-
-def list_blocks(opt: Optional, inputs: Inputs, params: Params, block_q: int, block_k: int,
-                transpose: bool = False) -> int:
-  """How many blocks a row of ``opt.lists`` can name (for `list_spans`)."""
-  n = inputs.key.shape[1] if not transpose else inputs.query.shape[1]
-  return pl.cdiv(n, block_q if transpose else block_k)
 
 
 def rule_mask(params: Params, q_idx, kv_idx, rows: list, cols: list):
@@ -301,13 +294,13 @@ def query_tile(q_ref, lengths_ref, opt: Optional, params: Params, st: Static,
   q = load(q_ref, mask=tile_ok(row_ok, st.dim_ok), other=0.0)
   q_seg = None if opt.q_seg is None else load(opt.q_seg, mask=row_ok, other=-1)
   stream = dropout_stream(opt, params, pl.program_id(1), pl.program_id(2))
-  features = feature_rows(opt.q_feat, (), row_ok, _count(params, "row"))
+  features = feature_rows(opt.q_feat, (), row_ok, feature_count(params, "row"))
   spans = None if opt.lists is None else list_spans(opt.lists, pl.cdiv(st.seq_k, block_k))
   return QueryTile(q_start, rows, row_ok, q, q_seg, stream, positions(lengths_ref, opt.offsets),
                    features, spans)
 
 
-def _count(params: Params, side: str) -> int:
+def feature_count(params: Params, side: str) -> int:
   """How many row (or column) features the call's mask_mod has."""
   rule = params.mask_rule
   if rule is None or rule.kernel_reason is not None:
@@ -338,7 +331,9 @@ def key_tile(j, k_ref, opt: Optional, st: Static, block_k: int, masked: bool,
   keys = pl.ds(k_start, block_k)
   k = load(k_ref.at[keys, :], mask=kv_ok, other=0.0)
   kv_seg = None if opt.kv_seg is None else load(opt.kv_seg.at[keys], mask=col_ok, other=-2)
-  features = feature_rows(opt.kv_feat, (keys,), col_ok, _count(params, "col")) if masked else []
+  features = []
+  if masked:  # (full blocks evaluate no mask)
+    features = feature_rows(opt.kv_feat, (keys,), col_ok, feature_count(params, "col"))
   return KeyTile(k_start, cols, col_ok, keys, kv_ok, k, kv_seg, features)
 
 
