@@ -275,13 +275,12 @@ def test_merge_kernel_matches_the_xla_merge(splits, h):
 
 @pytest.mark.parametrize("splits", [2, 5, 16])
 def test_unrolled_merge_matches_partial_merge(splits, monkeypatch):
-  """The split-KV merge of up to 16 splits, which `jaxflash.ops.partial.merge` works split by
+  """The split-KV merge of up to 16 splits, which `jaxflash.merge.merge` works split by
   split, against its stacked form (reductions over the split axis, as it merges more than
   `MERGE_UNROLLED`): splits that saw nothing (-inf), a row no split saw (zeros, +inf), a NaN
   split (a NaN row), and large LSEs (no overflow)."""
-  from jaxflash import _core
+  from jaxflash import _core, merge
   from jaxflash.backends.triton import decode
-  from jaxflash.ops import partial
   keys = jax.random.split(jax.random.key(4), 3)
   b, kv_heads, rows, h = 2, 3, 5, 40
   outs = jax.random.normal(keys[0], (b, kv_heads, splits, rows, h), jnp.float32)
@@ -291,8 +290,8 @@ def test_unrolled_merge_matches_partial_merge(splits, monkeypatch):
   outs = jnp.where(empty[..., None], 0.0, outs)
   lse2 = lse2.at[0, 1, :, 2].set(-jnp.inf).at[1, 2, splits // 2, 4].set(jnp.nan)
   got_out, got_lse = decode._merge_splits(outs, lse2)
-  monkeypatch.setattr(partial, "MERGE_UNROLLED", 0)
-  want_out, want_lse = partial.merge(outs, lse2 * (1.0 / _core.LOG2_E), axis=2)
+  monkeypatch.setattr(merge, "MERGE_UNROLLED", 0)
+  want_out, want_lse = merge.merge(outs, lse2 * (1.0 / _core.LOG2_E), axis=2)
   np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(got_lse), np.asarray(_core.base2_lse(want_lse)),
                              rtol=1e-6)
