@@ -132,24 +132,27 @@ def test_ring_dropout_is_the_unsplit_calls(layout):
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_zigzag_skips_the_pairs_a_causal_band_hides(causal, monkeypatch):
   """Under a causal band each device computes 3 (query half, key half) pairs at the first step
-  and 2 at each later one, forward and backward; without one, all 4 at every step."""
-  from jaxflash.ops import flash
-  counts = {"forward": 0, "backward": 0}
+  and 2 at each later one, forward and backward; without one, all 4 at every step. Each pair's
+  partial is merged once into its query half (the first of each half is taken as it is), also
+  the pair whose half depends on the device."""
+  from jaxflash.ops import flash, partial
+  counts = {"forward": 0, "backward": 0, "merge": 0}
 
-  def counting(name):
-    original = getattr(flash, name)
+  def counting(module, name):
+    original = getattr(module, name)
 
     def wrapped(*args, **kwargs):
       counts[name] += 1
       return original(*args, **kwargs)
-    return wrapped
+    monkeypatch.setattr(module, name, wrapped)
 
-  for name in counts:
-    monkeypatch.setattr(flash, name, counting(name))
+  counting(flash, "forward")
+  counting(flash, "backward")
+  counting(partial, "merge")
   q, k, v, d_out = random_qkv(0, 1, 64, 64, 2, 2, 16)
   _ring_call("zigzag", is_causal=causal)(q, k, v, d_out)
   pairs = 4 * RING if not causal else 3 + 2 * (RING - 1)
-  assert counts == {"forward": pairs, "backward": pairs}
+  assert counts == {"forward": pairs, "backward": pairs, "merge": pairs - 2}
 
 
 def test_orders_round_trip():
