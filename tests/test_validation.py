@@ -77,7 +77,6 @@ QKV_CASES = {
                             "heads"),
     "query_not_array": (dict(q=object()), "query"),
     "query_ragged_list": (dict(q=[[1.0, 2.0], [3.0]]), "query"),
-    "query_empty_seq": (dict(q=_f32(B, 0, N, H)), "sequence lengths"),
     "key_zero_heads": (dict(k=_f32(B, S, 0, H), v=_f32(B, S, 0, H)), "head counts"),
 }
 
