@@ -3,6 +3,7 @@
 dense reference), contiguous, zigzag and striped, causal or not, with GQA, segments (packed documents
 across chunk boundaries), windows and dropout (the same mask as the unsplit call)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,6 +202,25 @@ def test_ring_rejects_bad_arguments():
       else:
         with pytest.raises(ValueError, match=f"striped.*{match}"):
           jax.jit(fn).trace(chunks)
+
+
+def test_ring_of_empty_chunks():
+  """Chunks of no token give empty results and gradients, as `flash_attention` does for T = 0
+  (no kernel and no ring step runs)."""
+  mesh = _mesh()
+
+  def local(q):
+    return jaxflash.ring_attention(q, q, q, axis_name="sp", layout="zigzag", is_causal=True,
+                                   return_residual=True, implementation="xla")
+
+  fn = jax.shard_map(local, mesh=mesh, in_specs=P(None, "sp"),
+                     out_specs=(P(None, "sp"), P(None, "sp")))
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.zeros((1, 0, 2, 16)), NamedSharding(mesh, P(None, "sp")))
+    out, lse = jax.jit(fn)(x)
+    grad = jax.jit(jax.grad(lambda q: jnp.sum(fn(q)[0])))(x)
+  chex.assert_shape([out, grad], x.shape)
+  chex.assert_shape(lse, (1, 0, 2))
 
 
 def test_flax_module_with_the_ring_as_its_attention_fn():
