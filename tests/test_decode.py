@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -292,9 +293,8 @@ def test_unrolled_merge_matches_partial_merge(splits, monkeypatch):
   got_out, got_lse = decode._merge_splits(outs, lse2)
   monkeypatch.setattr(merge, "MERGE_UNROLLED", 0)
   want_out, want_lse = merge.merge(outs, lse2 * (1.0 / _core.LOG2_E), axis=2)
-  np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(got_lse), np.asarray(_core.base2_lse(want_lse)),
-                             rtol=1e-6)
+  chex.assert_trees_all_close(got_out, want_out, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(got_lse, _core.base2_lse(want_lse), rtol=1e-6)
   assert np.isfinite(np.asarray(got_out[0, 0, 1])).all()
   assert got_lse[0, 1, 2] == jnp.inf and not np.asarray(got_out[0, 1, 2]).any()
   assert np.isnan(got_lse[1, 2, 4]) and np.isnan(np.asarray(got_out[1, 2, 4])).all()
@@ -436,7 +436,7 @@ def test_decode_is_flash_attention_with_shifted_positions():
   kv_lengths = jnp.full((b,), s, jnp.int32)
   got = jaxflash.decode_attention(q, kk, v, kv_lengths, implementation="xla")
   full = jaxflash.flash_attention(q_all, kk, v, is_causal=True, implementation="xla")
-  np.testing.assert_allclose(got, full[:, -t:], rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(got, full[:, -t:], rtol=1e-5, atol=1e-5)
 
   def loss(fn):
     return lambda q, kk, v: jnp.sum(fn(q, kk, v) * d_out[:, :t])

@@ -242,7 +242,7 @@ def test_inputs_jax_nn_accepts():
   want = jax.nn.dot_product_attention(q, k, v, implementation="xla")
   assert got.dtype == want.dtype == jnp.float32 and rel_err(got, want) < F32_TOLERANCE
   listed = jaxflash.flash_attention(q.tolist(), k.tolist(), v.tolist(), implementation="xla")
-  np.testing.assert_array_equal(listed, got)
+  chex.assert_trees_all_equal(listed, got)
   with pytest.raises(ValueError, match="key"):
     jaxflash.flash_attention(q, "not an array", v)
 
@@ -255,7 +255,8 @@ def test_lse_in_the_query_dtype_like_jax_nn(implementation):
                             q)
   _, want_lse = jax.nn.dot_product_attention(q, k, v, return_residual=True,
                                              implementation="xla")
-  assert lse.dtype == want_lse.dtype == jnp.bfloat16 and lse.shape == want_lse.shape
+  chex.assert_trees_all_equal_shapes_and_dtypes(lse, want_lse)
+  chex.assert_type(lse, jnp.bfloat16)
   (dq,) = vjp((jnp.ones_like(out), jnp.ones_like(lse)))
   assert dq.dtype == jnp.bfloat16 and np.isfinite(np.asarray(dq, np.float32)).all()
 
