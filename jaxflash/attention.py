@@ -92,7 +92,8 @@ def flash_attention(
       jax.nn returns it (natural log, ``-inf`` for rows that see no key; computed in float32).
     implementation: ``"mosaic"`` (Pallas Mosaic GPU kernels for Hopper GPUs; the Triton
       backward serves the gradients of masks and biases), ``"triton"`` (Pallas kernels
-      lowered through Triton, NVIDIA GPUs), ``"xla"`` (blockwise pure JAX, any device), a
+      lowered through Triton, NVIDIA GPUs), ``"xla"`` (jaxflash's blockwise pure JAX, any
+      device; `dot_product_attention` passes ``"xla"`` and ``"cudnn"`` to jax.nn instead), a
       sequence of those in order of preference, or ``None``: the first registered backend that
       supports the call on this device and is the faster one there by measurement (Triton on an
       NVIDIA GPU when the head dim allows it, XLA elsewhere; see `jaxflash.backends`).
@@ -101,6 +102,7 @@ def flash_attention(
   Returns:
     The attention output, shaped and typed like ``query``; with ``return_residual`` the pair
     ``(output, logsumexp)``. Query rows that can see no key produce zeros and zero gradients.
+    As in jax.nn, T = 0 gives empty results and S = 0 zeros (with an LSE of ``-inf``).
 
   Raises:
     ValueError: an argument has the wrong shape, dtype or value, or the named implementation
