@@ -377,9 +377,10 @@ def test_paged_cache_matches_contiguous(implementation, page_size, monkeypatch):
                                      **options)
 
   out, vjp = jax.vjp(paged, q, k_pages, v_pages)
-  # (A set: with several devices the kernel is traced twice, for its shapes and its lowering.)
-  assert set(paged_reads) == ({True} if implementation == "triton" and page_size != 24 else
-                              {False} if implementation == "triton" else set())
+  # One trace of the split-KV kernel (with several devices too: the partitioning primitive's
+  # shapes and lowering share it), reading the pages where they lie or gathered rows.
+  assert paged_reads == ([True] if implementation == "triton" and page_size != 24 else
+                         [False] if implementation == "triton" else [])
   contiguous = jaxflash.decode_attention(q, kk, v, kv_lengths, **options)
   assert rel_err(out, contiguous) < TOLERANCE[BF16]
   want, _ = _want(q, kk, v, kv_lengths)
@@ -566,7 +567,7 @@ def test_flash_attention_routes_few_queries_to_split_kv(options, monkeypatch):
   (out, lse), vjp = jax.vjp(ours, q, kk, v)
   (want, want_lse), ref_vjp = jax.vjp(
       lambda *x: reference_attention(*x, **options, **lengths), q, kk, v)
-  assert ran["split_kv"] >= 1 and ran["training"] == 0  # (traced twice with several devices)
+  assert ran == {"split_kv": 1, "training": 0}  # (one trace, with several devices too)
   assert rel_err(out, want) < TOLERANCE[jnp.float32]
   seen = np.isfinite(np.asarray(want_lse))  # [B, T, N]: rows that see some key
   assert not seen[1].any() and not seen[2].any() and seen[0].all()
