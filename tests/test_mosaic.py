@@ -518,8 +518,7 @@ NUMERIC_OPTIONS = SUPPORTED if ON_GPU else ("none", "causal_window", "lengths", 
 
 
 # Variants of an interpreter test whose base case (every option at once, the shipped tiles) runs
-# in every suite: CI's newest-jax suite skips them (`-m "not variants"`, see .ci/run) to stay
-# well under 30 minutes; the pinned suite and the GPU run them all.
+# too: both CI suites and the GPU run them all; `-m "not variants"` skips them for a quicker run.
 variant = pytest.mark.variants
 
 
