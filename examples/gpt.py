@@ -69,8 +69,13 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
+
+try:
+  import optax
+  from flax import nnx
+except ModuleNotFoundError as e:  # jaxflash's "flax" extra: Flax and optax
+  raise SystemExit(f"examples/gpt.py needs Flax and optax (missing: {e.name}), jaxflash's "
+                   "\"flax\" extra: from the repository root, pip install -e \".[flax]\"") from e
 
 from gpt_data import Batches, decode, make_corpus, vocabulary  # noqa: F401 (decode: for users)
 from gpt_model import (ATTENTIONS, GPT, Config, attention_fn, count_params,  # noqa: F401

@@ -228,9 +228,7 @@ def _check_qkv(query, key, value) -> bool:
   if q4[2] % k4[2] != 0:
     raise ValueError(f"the number of query heads ({q4[2]}) must be a multiple of the number of "
                      f"key/value heads ({k4[2]}); got query {query.shape}, key {key.shape}")
-  if q4[1] == 0 or k4[1] == 0:
-    raise ValueError(f"sequence lengths must be positive, got query {query.shape} and key "
-                     f"{key.shape}")
+  # T = 0 or S = 0 is allowed, as in jax.nn: empty outputs, or zeros (no key to see).
   return query.ndim == 3
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 import math
 from collections.abc import Iterator
 
@@ -73,8 +75,10 @@ def _to_bnts(x: jax.Array | None, batch_shape: tuple[int, ...], as_bool: bool):
 
 def attend(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
            mask: jax.Array | None, *, broadcast_dropout: bool, dropout_rng: jax.Array | None,
-           dropout_rate: float, deterministic: bool, is_causal: bool) -> jax.Array:
-  """Flax-convention attention through `jaxflash.flash_attention` (arrays already promoted)."""
+           dropout_rate: float, deterministic: bool, is_causal: bool,
+           implementation=None) -> jax.Array:
+  """Flax-convention attention through `jaxflash.flash_attention` (arrays already promoted);
+  ``implementation`` as there (jaxflash's backends)."""
   batch_shape = query.shape[:-3]
   if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
     # Flattening mismatched batch dims would pair queries with the wrong rows (or fail to
@@ -93,14 +97,46 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array |
       and q.shape[1] == 1):
     lengths = _occupancy_lengths(mask, batch_shape, k.shape[1])
     if lengths is not None:
-      out = decode_attention(q, k, v, lengths)
+      out = decode_attention(q, k, v, lengths, implementation=implementation)
       return out.reshape(query.shape[:-1] + value.shape[-1:])
   out = flash_attention(
       q, k, v, bias=_to_bnts(bias, batch_shape, as_bool=False),
       mask=_to_bnts(mask, batch_shape, as_bool=True), is_causal=is_causal,
       dropout_rate=rate, dropout_rng=dropout_rng if rate > 0.0 else None,
-      broadcast_dropout=broadcast_dropout)
+      broadcast_dropout=broadcast_dropout, implementation=implementation)
   return out.reshape(query.shape[:-1] + value.shape[-1:])
+
+
+def no_implementation_for_fallback(implementation, why: str) -> None:
+  """A hook that falls back to Flax's own attention (``why``) cannot honour a requested jaxflash
+  backend: a ValueError naming ``implementation`` rather than a silent switch."""
+  if implementation is not None:
+    raise ValueError(f"implementation={implementation!r} asks for a jaxflash backend, but this "
+                     f"call falls back to Flax's own attention ({why}); drop implementation= "
+                     "(or the option that needs the fallback)")
+
+
+def hook_of(attention_fn) -> object:
+  """The function inside an ``attention_fn`` that the modules wrapped in `functools.partial`
+  (binding ``is_causal`` or ``implementation``): compared against the jaxflash hook."""
+  while isinstance(attention_fn, functools.partial):
+    attention_fn = attention_fn.func
+  return attention_fn
+
+
+def bind_options(attention_fn, **options):
+  """``attention_fn`` with the options that are not None bound as keywords (a module field
+  passed to its hook, as Flax passes its fields), after checking that it takes them."""
+  options = {name: value for name, value in options.items() if value is not None}
+  if not options:
+    return attention_fn
+  parameters = inspect.signature(attention_fn).parameters
+  takes_any = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+  for name in options:
+    if name not in parameters and not takes_any:
+      raise ValueError(f"{name}={options[name]!r} needs an attention_fn that takes `{name}`, "
+                       f"got {attention_fn!r}")
+  return functools.partial(attention_fn, **options)
 
 
 def with_causal_mask(mask: jax.Array | None, query: jax.Array, key: jax.Array) -> jax.Array:

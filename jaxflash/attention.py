@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxflash import _checks
+from jaxflash import _core
 from jaxflash import backends
 from jaxflash import devices
 from jaxflash.block_mask import BlockMask
@@ -105,7 +106,8 @@ def flash_attention(
       jax.nn returns it (natural log, ``-inf`` for rows that see no key; computed in float32).
     implementation: ``"mosaic"`` (Pallas Mosaic GPU kernels for Hopper GPUs; the Triton
       backward serves the gradients of masks and biases), ``"triton"`` (Pallas kernels
-      lowered through Triton, NVIDIA GPUs), ``"xla"`` (blockwise pure JAX, any device), a
+      lowered through Triton, NVIDIA GPUs), ``"xla"`` (jaxflash's blockwise pure JAX, any
+      device; `dot_product_attention` passes ``"xla"`` and ``"cudnn"`` to jax.nn instead), a
       sequence of those in order of preference, or ``None``: the first registered backend that
       supports the call on this device and is the faster one there by measurement (Triton on an
       NVIDIA GPU when the head dim allows it, XLA elsewhere; see `jaxflash.backends`).
@@ -114,6 +116,7 @@ def flash_attention(
   Returns:
     The attention output, shaped and typed like ``query``; with ``return_residual`` the pair
     ``(output, logsumexp)``. Query rows that can see no key produce zeros and zero gradients.
+    As in jax.nn, T = 0 gives empty results and S = 0 zeros (with an LSE of ``-inf``).
 
   Raises:
     ValueError: an argument has the wrong shape, dtype or value, or the named implementation
@@ -129,7 +132,51 @@ def flash_attention(
       return_residual=return_residual, implementation=implementation, interpret=interpret)
 
 
-dot_product_attention = flash_attention
+# The implementations that jaxflash's drop-in passes to `jax.nn.dot_product_attention` itself.
+JAX_NN_IMPLEMENTATIONS = ("cudnn", "xla")
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Literal["cudnn", "xla", "mosaic", "triton"] | Sequence[str] | None = None,
+    return_residual: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """`jax.nn.dot_product_attention` with jaxflash's kernels: the same signature and meanings.
+
+  With ``implementation=None`` (or ``"mosaic"`` / ``"triton"``, jaxflash's GPU backends) this is
+  `flash_attention` on the same arguments. ``"cudnn"`` and ``"xla"`` mean what they mean to
+  jax.nn: the call is passed unchanged to ``jax.nn.dot_product_attention`` (cuDNN's fused
+  attention, or XLA's dense one, which stores the T x S logits), so code that names them keeps
+  its behaviour. jaxflash's own blockwise pure-JAX backend, also named ``"xla"``, is reached
+  through ``flash_attention(..., implementation="xla")``. A sequence of jaxflash backends goes to
+  `flash_attention` too, but may not name ``"cudnn"`` or ``"xla"`` (ambiguous here).
+
+  For jaxflash's further options (segment ids, soft cap, dropout, ``interpret``) call
+  `flash_attention`. Args, returns and errors as in `flash_attention` and jax.nn.
+  """
+  options = dict(scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+                 key_value_seq_lengths=key_value_seq_lengths,
+                 local_window_size=local_window_size, return_residual=return_residual)
+  if isinstance(implementation, str) and implementation in JAX_NN_IMPLEMENTATIONS:
+    return jax.nn.dot_product_attention(query, key, value, bias, mask,
+                                        implementation=implementation, **options)
+  if (not isinstance(implementation, str) and isinstance(implementation, Sequence)
+      and any(name in JAX_NN_IMPLEMENTATIONS for name in implementation)):
+    raise ValueError(f"implementation={tuple(implementation)!r}: dot_product_attention passes "
+                     "'cudnn' and 'xla' to jax.nn.dot_product_attention, which takes one name; "
+                     "for jaxflash's blockwise XLA backend in a sequence call flash_attention")
+  return flash_attention(query, key, value, bias, mask, implementation=implementation,
+                         **options)
 
 
 def implementation_for(query: jax.Array, key: jax.Array, value: jax.Array,
@@ -161,13 +208,45 @@ def attention_with_config(query: jax.Array, key: jax.Array, value: jax.Array,
   serves the call (the decoding kernel: a few query rows against many keys). ``options`` are
   `flash_attention`'s keyword arguments.
   """
-  backends.preferences(implementation)  # an unknown name fails before anything else
-  return_residual = _checks.check_flag(return_residual, "return_residual")
-  call = _checks.normalise(query, key, value, bias, mask, **options)
+  call, return_residual = _prepare(query, key, value, bias, mask, implementation=implementation,
+                                   return_residual=return_residual, **options)
   split_kv = config is None and _few_queries(call)
   if split_kv and implementation is None:
     implementation = decode.preference_order()
   return _run(call, implementation, config, return_residual, split_kv=split_kv)
+
+
+def _prepare(query, key, value, bias=None, mask=None, *, implementation, return_residual,
+             **options) -> tuple[_checks.Call, bool]:
+  """The checks an attention call starts with: an unknown ``implementation`` fails before
+  anything else, then ``return_residual`` and every other argument are checked
+  (`_checks.normalise`: a ValueError naming the argument, before any kernel runs). Returns the
+  normalised call and ``return_residual``."""
+  backends.preferences(implementation)
+  return_residual = _checks.check_flag(return_residual, "return_residual")
+  return _checks.normalise(query, key, value, bias, mask, **options), return_residual
+
+
+def _results(out: jax.Array, lse: jax.Array, call: _checks.Call, return_residual: bool):
+  """``out`` or ``(out, lse)`` as users get them from ``out`` [B, T, N, H] and the float32
+  natural-log ``lse`` [B, N, T]: the LSE as jax.nn returns it, [B, T, N] in the query's dtype
+  (so cotangents of jax.nn's dtype fit; ops use the float32 one), and no batch axis where the
+  inputs had none."""
+  lse = jnp.transpose(lse, (0, 2, 1)).astype(call.inputs.query.dtype)
+  if call.unbatched:
+    out, lse = out[0], lse[0]
+  return (out, lse) if return_residual else out
+
+
+def _empty(inputs) -> tuple[jax.Array, jax.Array] | None:
+  """The result of a call with nothing to compute, as jax.nn gives it, or None: no batch row or
+  no query row gives empty arrays, and no key gives zeros with an LSE of -inf (every row sees
+  no key). No kernel runs (there would be no grid); gradients are zeros of the inputs' shapes."""
+  b, t, n, _ = inputs.query.shape
+  if b and t and inputs.key.shape[1]:
+    return None
+  lse = jnp.full((b, n, t), -jnp.inf, jnp.float32)  # (varying like the query in a shard_map)
+  return jnp.zeros_like(inputs.query), _core.varying_like(lse, _core.varying_axes(inputs.query))
 
 
 def _few_queries(call: _checks.Call) -> bool:
@@ -193,6 +272,9 @@ def _run(call: _checks.Call, implementation, config, return_residual: bool,
   serve the call, reading a paged cache's ``pages`` (key pages, value pages, page table) where
   they lie when it can (``call.inputs`` then hold the rows the pages make, for the backward)."""
   backend = backends.select(implementation, call.inputs, call.params, config)
+  empty = _empty(call.inputs)
+  if empty is not None:
+    return _results(*empty, call, return_residual)
   device = devices.current()
   if config is None:
     config = backend.default_config(call.inputs, call.params, device)
@@ -205,21 +287,11 @@ def _run(call: _checks.Call, implementation, config, return_residual: bool,
     config = path.kernel().default_config(call.inputs, config, device,
                                           page_size=None if pages is None else pages[0].shape[1])
     backend = path
-  if call.inputs.query.shape[0] == 0:  # an empty batch: nothing to compute, and no grid to run
-    b, t, n, _ = call.inputs.query.shape
-    out, lse = jnp.zeros_like(call.inputs.query), jnp.zeros((b, t, n), jnp.float32)
+  if pages is not None:
+    out, lse = decode.paged_attention(path, call.inputs, pages, call.params, config)
   else:
-    if pages is not None:
-      out, lse = decode.paged_attention(path, call.inputs, pages, call.params, config)
-    else:
-      out, lse = flash.attention(call.inputs, call.params, backend, config)
-    lse = jnp.transpose(lse, (0, 2, 1))  # [B, N, T] -> [B, T, N], as jax.nn returns it
-  # The LSE comes back in the query's dtype, as jax.nn returns it (so cotangents of jax.nn's
-  # dtype fit); it is computed and kept in float32 inside (ops use the float32 one).
-  lse = lse.astype(call.inputs.query.dtype)
-  if call.unbatched:
-    out, lse = out[0], lse[0]
-  return (out, lse) if return_residual else out
+    out, lse = flash.attention(call.inputs, call.params, backend, config)
+  return _results(out, lse, call, return_residual)
 
 
 def decode_attention(
@@ -350,8 +422,6 @@ def ring_attention(
       or a window or dropout with ``"striped"``.
   """
   from jaxflash.ops import ring as ring_op
-  backends.preferences(implementation)
-  return_residual = _checks.check_flag(return_residual, "return_residual")
   if layout not in ring_op.LAYOUTS:
     raise ValueError(f"layout must be one of {ring_op.LAYOUTS}, got {layout!r}")
   try:
@@ -363,11 +433,13 @@ def ring_attention(
     raise ValueError("ring_attention takes batched chunks: query [B, C, N, H] and key/value "
                      f"[B, C, K, H], got query of rank {jnp.ndim(query)} and key of rank "
                      f"{jnp.ndim(key)}")
-  call = _checks.normalise(query, key, value, scale=scale, is_causal=is_causal,
-                           local_window_size=local_window_size, segment_ids=segment_ids,
-                           logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate,
-                           dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
-                           interpret=interpret)
+  # The options flash_attention shares, checked as it checks them; the lengths are the whole
+  # sequence's (below).
+  call, return_residual = _prepare(
+      query, key, value, implementation=implementation, return_residual=return_residual,
+      scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+      segment_ids=segment_ids, logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, interpret=interpret)
   chunk = call.inputs.query.shape[1]
   if call.inputs.key.shape[1] != chunk:
     raise ValueError(f"query and key chunks must have the same length, got {chunk} and "
@@ -377,6 +449,9 @@ def ring_attention(
   total = chunk * jax.lax.axis_size(axis_name)
   call = call._replace(inputs=call.inputs._replace(lengths=_checks.global_lengths(
       query_seq_lengths, key_value_seq_lengths, b, total)))
+  empty = _empty(call.inputs)
+  if empty is not None:
+    return _results(*empty, call, return_residual)
   # Each pair of the ring is a partial call with offsets: the backend must serve those.
   probe = call.inputs._replace(offsets=jnp.zeros((b, 2), jnp.int32))
   partial_params = dataclasses.replace(call.params, partial=True)
@@ -384,5 +459,4 @@ def ring_attention(
   config = backend.default_config(probe, partial_params, devices.current())
   ring = ring_op.Ring(axis_name, layout, backend, config)
   out, lse = ring_op.ring_attention(call.inputs, call.params, ring)
-  lse = jnp.transpose(lse, (0, 2, 1)).astype(call.inputs.query.dtype)
-  return (out, lse) if return_residual else out
+  return _results(out, lse, call, return_residual)

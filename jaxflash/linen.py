@@ -7,14 +7,15 @@ One-line swaps::
 
 The modules subclass Flax's, so they take the same constructor and call arguments and build the
 same parameter tree (a checkpoint of the Flax module loads unchanged); they add ``is_causal`` so
-that a causal model needs no dense T x T mask.
+that a causal model needs no dense T x T mask, and ``implementation`` (jaxflash's backend), which
+they pass to their ``attention_fn`` as Flax passes its fields.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
@@ -23,8 +24,9 @@ try:
   from flax import linen as nn
   from flax.linen.dtypes import promote_dtype
 except ModuleNotFoundError as e:  # Flax is an optional extra
-  raise ModuleNotFoundError("jaxflash.linen needs Flax: pip install 'jaxflash[flax]' (or "
-                            "pip install flax)") from e
+  raise ModuleNotFoundError(
+      "jaxflash.linen needs Flax (jaxflash's \"flax\" extra): pip install flax, or from the "
+      "jaxflash repository pip install -e \".[flax]\"") from e
 
 from jaxflash import _flax
 from jaxflash._flax import ring_attention_fn  # noqa: F401 (re-exported: the ring as an attention_fn)
@@ -49,8 +51,10 @@ def dot_product_attention(
     attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
     *,
     is_causal: bool = False,
+    implementation: str | Sequence[str] | None = None,
 ) -> jax.Array:
-  """`flax.linen.dot_product_attention` computed by jaxflash (same signature, plus ``is_causal``).
+  """`flax.linen.dot_product_attention` computed by jaxflash (same signature, plus ``is_causal``
+  and ``implementation``).
 
   Arrays are ``[batch..., length, heads, depth]``; ``query`` arrives unscaled and is scaled by
   ``1 / sqrt(depth)``. ``mask`` (bool or float, nonzero = attend) and ``bias`` broadcast to
@@ -59,9 +63,14 @@ def dot_product_attention(
   the backward pass. The softmax is always computed in float32, so ``force_fp32_for_softmax`` is
   honoured by construction. ``is_causal`` adds a causal mask without materialising it.
 
+  ``implementation`` picks jaxflash's backend as in `jaxflash.flash_attention` (``"mosaic"``,
+  ``"triton"``, ``"xla"``: jaxflash's blockwise one, or a sequence of them); None lets jaxflash
+  choose.
+
   Requests the kernels cannot serve fall back to Flax's own implementation rather than being
   ignored: ``module`` (sowing the T x S weights), ``precision``, custom einsums or dot_generals,
-  a value depth different from the query depth, or non-float inputs.
+  a value depth different from the query depth, or non-float inputs. Such a call with an
+  ``implementation`` raises a ValueError instead.
 
   Query rows that can see no key give zeros (Flax gives the mean of the values there).
   """
@@ -69,6 +78,8 @@ def dot_product_attention(
   if (module is not None or precision is not None or einsum_dot_general is not None
       or qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None
       or not _flax.kernel_can_serve(query, key, value)):
+    _flax.no_implementation_for_fallback(implementation, "weights sown, a precision, custom "
+                                         "einsums, or shapes/dtypes the kernels do not take")
     if is_causal:
       mask = _flax.with_causal_mask(mask, query, key)
     return nn.dot_product_attention(
@@ -78,37 +89,48 @@ def dot_product_attention(
         attn_weights_value_einsum=attn_weights_value_einsum)
   return _flax.attend(query, key, value, bias, mask, broadcast_dropout=broadcast_dropout,
                       dropout_rng=dropout_rng, dropout_rate=dropout_rate,
-                      deterministic=deterministic, is_causal=is_causal)
+                      deterministic=deterministic, is_causal=is_causal,
+                      implementation=implementation)
 
 
-def _with_causal(module: nn.Module) -> None:
-  """Binds ``is_causal`` into the module's attention_fn (not in decode mode, where the cache's
-  occupancy mask already is the causal mask for the one query token)."""
-  if not module.is_causal or module.decode:
-    return
-  if "is_causal" not in inspect.signature(module.attention_fn).parameters:
-    raise ValueError("is_causal=True needs an attention_fn that takes `is_causal`, got "
-                     f"{module.attention_fn!r}")
-  object.__setattr__(module, "attention_fn",
-                     functools.partial(module.attention_fn, is_causal=True))
+class _Jaxflash:
+  """What the modules below add to Flax's classes (listed first among their bases, so that these
+  methods wrap Flax's):
+
+  - ``__post_init__`` binds the fields ``is_causal`` (not in decode mode, where the cache's
+    occupancy mask already is the causal mask for the one query token) and ``implementation``
+    into ``attention_fn``, which must take them;
+  - ``__call__`` runs a decode step (``decode=True``, the cache already made) that passes no
+    ``mask`` inside `_flax.cache_step`, where the hook runs `jaxflash.decode_attention` on the
+    cache; every other call runs as Flax's.
+  """
+
+  def __post_init__(self):
+    object.__setattr__(self, "attention_fn", _flax.bind_options(
+        self.attention_fn, is_causal=True if self.is_causal and not self.decode else None,
+        implementation=self.implementation))
+    super().__post_init__()
+
+  def __call__(self, *args, **kwargs):
+    # Flax's classes take the mask as a keyword, or (SelfAttention) second positionally.
+    call = inspect.signature(super().__call__).bind_partial(*args, **kwargs)
+    step = contextlib.nullcontext()
+    if (self.decode and call.arguments.get("mask") is None
+        and _flax.hook_of(self.attention_fn) is dot_product_attention
+        and self.has_variable("cache", "cached_key")):
+      step = _flax.cache_step()
+    with step:
+      return super().__call__(*args, **kwargs)
 
 
-def _decode_step(module: nn.Module, mask: jax.Array | None):
-  """The context of one call: `_flax.cache_step` for a decode step (``decode=True``, the cache
-  already made) with no mask of the caller's, where the hook then runs
-  `jaxflash.decode_attention` on the cache; otherwise nothing."""
-  if (module.decode and mask is None and module.attention_fn is dot_product_attention
-      and module.has_variable("cache", "cached_key")):
-    return _flax.cache_step()
-  return contextlib.nullcontext()
-
-
-class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
+class MultiHeadDotProductAttention(_Jaxflash, nn.MultiHeadDotProductAttention):
   """`flax.linen.MultiHeadDotProductAttention` with jaxflash attention by default.
 
-  Attributes: those of Flax's class, plus ``is_causal`` (default False): apply a causal mask
-  inside the kernel, so the model need not pass a dense T x T one (a mask that is passed still
-  applies too).
+  Attributes: those of Flax's class, plus
+    is_causal: (default False) apply a causal mask inside the kernel, so the model need not
+      pass a dense T x T one (a mask that is passed still applies too).
+    implementation: (default None) jaxflash's backend, passed to the ``attention_fn`` as in
+      `jaxflash.flash_attention`; None lets jaxflash choose.
 
   With ``decode=True``, a step that passes no ``mask`` runs `jaxflash.decode_attention` on the
   cache (its occupancy gives the lengths): on a GPU, the split-KV decoding kernel.
@@ -116,43 +138,23 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
 
   attention_fn: Callable[..., jax.Array] = dot_product_attention
   is_causal: bool = False
-
-  def __post_init__(self):
-    _with_causal(self)
-    super().__post_init__()
-
-  def __call__(self, *args, **kwargs):
-    with _decode_step(self, kwargs.get("mask")):
-      return super().__call__(*args, **kwargs)
+  implementation: str | Sequence[str] | None = None
 
 
-class MultiHeadAttention(nn.MultiHeadAttention):
+class MultiHeadAttention(_Jaxflash, nn.MultiHeadAttention):
   """`flax.linen.MultiHeadAttention` (Flax's alias, named ``MultiHeadAttention_N``) with
-  jaxflash attention by default, ``is_causal`` and the decoding kernel in decode mode."""
+  jaxflash attention by default, ``is_causal``, ``implementation`` and the decoding kernel in
+  decode mode."""
 
   attention_fn: Callable[..., jax.Array] = dot_product_attention
   is_causal: bool = False
-
-  def __post_init__(self):
-    _with_causal(self)
-    super().__post_init__()
-
-  def __call__(self, *args, **kwargs):
-    with _decode_step(self, kwargs.get("mask")):
-      return super().__call__(*args, **kwargs)
+  implementation: str | Sequence[str] | None = None
 
 
-class SelfAttention(nn.SelfAttention):
-  """`flax.linen.SelfAttention` with jaxflash attention by default, ``is_causal`` and the
-  decoding kernel in decode mode."""
+class SelfAttention(_Jaxflash, nn.SelfAttention):
+  """`flax.linen.SelfAttention` with jaxflash attention by default, ``is_causal``,
+  ``implementation`` and the decoding kernel in decode mode."""
 
   attention_fn: Callable[..., jax.Array] = dot_product_attention
   is_causal: bool = False
-
-  def __post_init__(self):
-    _with_causal(self)
-    super().__post_init__()
-
-  def __call__(self, inputs_q, mask=None, *args, **kwargs):
-    with _decode_step(self, mask):
-      return super().__call__(inputs_q, mask, *args, **kwargs)
+  implementation: str | Sequence[str] | None = None

@@ -8,11 +8,14 @@ One-line swaps::
 ``nnx.MultiHeadAttention`` passes every keyword to its ``attention_fn`` (``module``,
 ``is_causal`` since flax 0.12.8, ...), so the hook takes them all; call the module with
 ``is_causal=True`` for causal attention without a dense T x T mask. Grouped-query attention
-(``num_kv_heads``) runs natively: the kernels index K/V heads, never repeat them.
+(``num_kv_heads``) runs natively: the kernels index K/V heads, never repeat them. The hook's
+``implementation`` keyword (and the module's constructor argument of that name, bound into its
+``attention_fn``) picks jaxflash's backend as in `jaxflash.flash_attention`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
@@ -21,8 +24,9 @@ try:
   from flax import nnx
   from flax.nnx.nn.dtypes import promote_dtype as _flax_promote_dtype
 except ModuleNotFoundError as e:  # Flax is an optional extra
-  raise ModuleNotFoundError("jaxflash.nnx needs Flax: pip install 'jaxflash[flax]' (or "
-                            "pip install flax)") from e
+  raise ModuleNotFoundError(
+      "jaxflash.nnx needs Flax (jaxflash's \"flax\" extra): pip install flax, or from the "
+      "jaxflash repository pip install -e \".[flax]\"") from e
 
 from jaxflash import _flax
 from jaxflash._flax import ring_attention_fn  # noqa: F401 (re-exported: the ring as an attention_fn)
@@ -43,21 +47,26 @@ def dot_product_attention(
     module: nnx.Module | None = None,
     promote_dtype: Callable[..., Any] = _flax_promote_dtype,
     is_causal: bool = False,
+    implementation: str | Sequence[str] | None = None,
     **kwargs: Any,
 ) -> jax.Array:
-  """`flax.nnx.dot_product_attention` computed by jaxflash (same signature, plus ``**kwargs``).
+  """`flax.nnx.dot_product_attention` computed by jaxflash (same signature, plus
+  ``implementation`` and ``**kwargs``).
 
   Arrays are ``[batch..., length, heads, depth]`` (key/value may have fewer heads: GQA);
   ``query`` arrives unscaled and is scaled by ``1 / sqrt(depth)``. ``mask`` (bool or float,
   nonzero = attend) and ``bias`` broadcast to ``[batch..., heads, q_length, kv_length]``.
   Dropout (``dropout_rate``, ``dropout_rng``, ``deterministic``, ``broadcast_dropout``) runs
   inside the kernels. ``is_causal`` applies a causal mask without materialising it.
+  ``implementation`` picks jaxflash's backend as in `jaxflash.flash_attention` (``"mosaic"``,
+  ``"triton"``, ``"xla"``: jaxflash's blockwise one, or a sequence of them); None lets jaxflash
+  choose.
 
   Falls back to Flax's own implementation for what the kernels cannot serve: ``module``
   (sowing the T x S weights), ``precision``, a value depth different from the query depth, or
-  non-float inputs. Other keywords that nnx may pass (e.g. ``input_positions``) are accepted
-  when None and refused with a TypeError otherwise, since Flax's default function has no use for
-  them either.
+  non-float inputs (with an ``implementation``, such a call raises a ValueError). Other
+  keywords that nnx may pass (e.g. ``input_positions``) are accepted when None and refused with
+  a TypeError otherwise, since Flax's default function has no use for them either.
 
   Query rows that can see no key give zeros (Flax gives the mean of the values there).
   """
@@ -67,27 +76,33 @@ def dot_product_attention(
   query, key, value = promote_dtype((query, key, value), dtype=dtype)
   if module is not None or precision is not None or not _flax.kernel_can_serve(query, key,
                                                                                  value):
+    _flax.no_implementation_for_fallback(implementation, "weights sown, a precision, or "
+                                         "shapes/dtypes the kernels do not take")
     return nnx.dot_product_attention(
         query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
         deterministic, dtype, precision, module, promote_dtype=promote_dtype,
         is_causal=is_causal)
   return _flax.attend(query, key, value, bias, mask, broadcast_dropout=broadcast_dropout,
                       dropout_rng=dropout_rng, dropout_rate=dropout_rate,
-                      deterministic=deterministic, is_causal=is_causal)
+                      deterministic=deterministic, is_causal=is_causal,
+                      implementation=implementation)
 
 
 class MultiHeadAttention(nnx.MultiHeadAttention):
   """`flax.nnx.MultiHeadAttention` with jaxflash attention by default.
 
-  Same constructor, call signature and parameter tree as Flax's class; only the default of
-  ``attention_fn`` differs. In decode mode, a step that passes no ``mask`` runs
-  `jaxflash.decode_attention` on the cache (its occupancy gives the lengths): on a GPU, the
-  split-KV decoding kernel, reading each K/V head once for its whole query group.
+  Same constructor, call signature and parameter tree as Flax's class; the default of
+  ``attention_fn`` differs, and ``implementation`` (default None: jaxflash chooses) is bound
+  into the ``attention_fn``, which must take it. In decode mode, a step that passes no
+  ``mask`` runs `jaxflash.decode_attention` on the cache (its occupancy gives the lengths): on
+  a GPU, the split-KV decoding kernel, reading each K/V head once for its whole query group.
   """
 
   def __init__(self, *args: Any, attention_fn: Callable[..., jax.Array] = dot_product_attention,
-               **kwargs: Any):
+               implementation: str | Sequence[str] | None = None, **kwargs: Any):
+    attention_fn = _flax.bind_options(attention_fn, implementation=implementation)
     super().__init__(*args, attention_fn=attention_fn, **kwargs)
+    self.implementation = implementation
 
   def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
     decode = kwargs.get("decode")
@@ -97,7 +112,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       # against the cache would keep key 0 alone. Flax 0.12.12 drops ``is_causal`` in decode
       # mode itself; older versions passed it on (seen on the GPU machine's Flax, 2026-11-23).
       kwargs = dict(kwargs, is_causal=False)
-    if decode and kwargs.get("mask") is None and self.attention_fn is dot_product_attention:
+    if (decode and kwargs.get("mask") is None
+        and _flax.hook_of(self.attention_fn) is dot_product_attention):
       with _flax.cache_step():
         return super().__call__(*args, **kwargs)
     return super().__call__(*args, **kwargs)

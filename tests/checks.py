@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -223,8 +224,9 @@ def check(implementation, *, b=2, t=37, s=53, n=4, k=2, h=40, dtype=jnp.float32,
   out, lse, got = run(q, kk, v, bias)
   upcast = [x.astype(jnp.float32) for x in (q, kk, v)]
   ref_out, ref_lse, want = with_grads(ref)(*upcast, bias)
-  assert out.dtype == q.dtype and out.shape == q.shape
-  assert lse.dtype == q.dtype and lse.shape == (b, t, n)  # jax.nn's dtype for the LSE
+  chex.assert_shape(out, q.shape)
+  chex.assert_shape(lse, (b, t, n))
+  chex.assert_type([out, lse], q.dtype)  # jax.nn's dtype for the LSE
   errors = {"out": rel_err(out, ref_out)}
   empty = ~np.isfinite(np.asarray(ref_lse))
   np.testing.assert_array_equal(np.asarray(lse) == -np.inf, empty, "rows with no visible key")
@@ -233,7 +235,8 @@ def check(implementation, *, b=2, t=37, s=53, n=4, k=2, h=40, dtype=jnp.float32,
     for name, g, w, x in zip(("dq", "dk", "dv", "dbias"), got, want, (q, kk, v, bias)):
       if x is None:
         continue
-      assert g.dtype == x.dtype and g.shape == x.shape
+      chex.assert_equal_shape([g, x])
+      chex.assert_type(g, x.dtype)
       if s == 1 and name in ("dq", "dk"):
         errors[name] = one_key_error(name, g, upcast, d_out, options.get("scale"))
       else:

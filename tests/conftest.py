@@ -1,6 +1,8 @@
-"""Shared test setup: a faster CPU compiler setting, and the `gpu` marker's skip rule (the same
-device check jaxflash itself uses)."""
+"""Shared test setup: a faster CPU compiler setting, the `gpu` marker's skip rule (the same
+device check jaxflash itself uses), and the `cuda_plugin` fixture of the tests that lower Mosaic
+GPU kernels for CUDA on a CPU-only machine."""
 
+import importlib.util
 import os
 import shutil
 
@@ -34,3 +36,26 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+def _cuda_plugin_installed() -> bool:
+  """Whether jax-cuda13-plugin is importable. (``find_spec`` of a submodule raises, rather than
+  returning None, when its parent package ``jax_plugins`` is absent too.)"""
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+  except ModuleNotFoundError:
+    return False
+
+
+@pytest.fixture
+def cuda_plugin():
+  """Lowering Mosaic GPU kernels for CUDA needs the CUDA plugin, which a plain `pip install` of
+  the package does not bring: without it the test skips, or fails where
+  ``JAXFLASH_REQUIRE_CUDA_LOWERING=1`` asks for these tests to run (CI)."""
+  if _cuda_plugin_installed():
+    return
+  message = ("lowering Mosaic GPU kernels for CUDA needs jax-cuda13-plugin and jax-cuda13-pjrt "
+             "of the installed jax's version (pip install --no-deps)")
+  if os.environ.get("JAXFLASH_REQUIRE_CUDA_LOWERING") == "1":
+    pytest.fail(f"JAXFLASH_REQUIRE_CUDA_LOWERING=1, but {message}")
+  pytest.skip(message)

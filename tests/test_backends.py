@@ -123,6 +123,25 @@ def test_forward_and_backward_are_not_imported_to_choose():
   assert out.stdout.split() == ["xla", "False"]
 
 
+def test_backends_import_no_op():
+  """Layering (docs/architecture.md): backends sit below the ops (which call them) and import
+  none of them; what both need (the LSE merge) lives below both, in `jaxflash.merge`."""
+  import ast
+  import pathlib
+  upward = []
+  for path in sorted((pathlib.Path(jaxflash.__file__).parent / "backends").rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+      else:
+        continue
+      upward += [f"{path.name}: {name}" for name in names
+                 if name == "jaxflash.ops" or name.startswith("jaxflash.ops.")]
+  assert not upward
+
+
 def test_few_query_calls_try_split_kv_backends_first(monkeypatch):
   """With ``implementation=None``, a call with at most 16 query rows that a split-KV kernel
   serves tries the backends that have one (Triton) first, even where another backend would

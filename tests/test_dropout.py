@@ -5,6 +5,7 @@ Numerical agreement with the float32 reference under dropout (alone, broadcast, 
 every other option, GQA, odd lengths, bf16) is in `test_attention.py` through `checks.check`.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,8 +110,7 @@ def test_same_key_gives_identical_output_and_gradients(implementation):
 
   step = jax.jit(step)
   first, second = step(q, k, v, jax.random.key(0)), step(q, k, v, jax.random.key(0))
-  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
-    np.testing.assert_array_equal(a, b)
+  chex.assert_trees_all_equal(first, second)
   other = step(q, k, v, jax.random.key(1))
   assert not np.array_equal(first[0], other[0])
 

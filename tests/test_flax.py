@@ -6,6 +6,7 @@ fallbacks to Flax for what the kernels cannot serve. On a CPU the hooks run jaxf
 backend (the Triton kernels are covered against the same reference in `test_attention.py`).
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -284,6 +285,74 @@ def test_rows_with_no_visible_key_are_zero(hook):
   out = hook(q, q, q, mask=mask)
   np.testing.assert_array_equal(np.asarray(out[:, 4:]), 0.0)
   assert rel_err(out[:, :4], nn.dot_product_attention(q, q, q, mask=mask)[:, :4]) < TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# implementation: jaxflash's backend, from every Flax entry point
+
+
+def _spy_implementations(monkeypatch) -> list:
+  """Records the ``implementation`` of each `flash_attention` / `decode_attention` call that the
+  hooks make."""
+  from jaxflash import _flax
+  seen = []
+  for name in ("flash_attention", "decode_attention"):
+    real = getattr(_flax, name)
+    monkeypatch.setattr(_flax, name, lambda *a, real=real, name=name, **kw: seen.append(
+        (name, kw.get("implementation"))) or real(*a, **kw))
+  return seen
+
+
+def test_implementation_reaches_jaxflash_from_every_flax_entry(monkeypatch):
+  """A linen module's ``implementation`` field, an nnx module's constructor argument and the
+  hooks' keyword all reach jaxflash (decode steps too), as Flax passes its own options; a
+  backend that cannot serve the call says so instead of being ignored."""
+  seen = _spy_implementations(monkeypatch)
+  x, _ = _inputs()
+  q = jax.random.normal(jax.random.key(1), (B, T, HEADS, 8))
+  for hook in (jaxflash.linen.dot_product_attention, jaxflash.nnx.dot_product_attention):
+    hook(q, q, q, implementation="xla")
+  model = jaxflash.linen.MultiHeadDotProductAttention(num_heads=HEADS, is_causal=True,
+                                                      implementation="xla")
+  params = model.init(jax.random.key(0), x)
+  default = jaxflash.linen.MultiHeadDotProductAttention(num_heads=HEADS, is_causal=True)
+  chex.assert_trees_all_close(model.apply(params, x), default.apply(params, x))
+  jaxflash.nnx.MultiHeadAttention(HEADS, D, decode=False, implementation="xla",
+                                  rngs=nnx.Rngs(0))(x, is_causal=True)
+  step = jaxflash.linen.SelfAttention(num_heads=HEADS, decode=True, implementation="xla")
+  cache = step.init(jax.random.key(0), x)["cache"]
+  step.apply({**params, "cache": cache}, x[:, :1], mutable=["cache"])
+  nnx_step = jaxflash.nnx.MultiHeadAttention(HEADS, D, decode=True, implementation="xla",
+                                             rngs=nnx.Rngs(0))
+  nnx_step.init_cache(x.shape)
+  nnx_step(x[:, :1])
+  flash = ("flash_attention", "xla")
+  assert seen == [flash] * 2 + [flash] * 2 + [("flash_attention", None)] + [flash] * 2 + [
+      ("decode_attention", "xla")] * 2
+  with pytest.raises(jaxflash.backends.UnsupportedCallError, match="triton"):
+    jaxflash.linen.MultiHeadDotProductAttention(num_heads=HEADS, implementation="triton").init(
+        jax.random.key(0), x)
+
+
+def test_implementation_is_never_dropped_silently():
+  """A call that falls back to Flax's own attention cannot honour ``implementation``, and an
+  ``attention_fn`` that takes no ``implementation`` cannot be given one: ValueErrors that say
+  so."""
+  x, _ = _inputs()
+  model = jaxflash.linen.MultiHeadDotProductAttention(num_heads=HEADS, implementation="xla")
+  params = model.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="implementation='xla'.*falls back"):
+    model.apply(params, x, sow_weights=True, mutable=["intermediates"])
+  with pytest.raises(ValueError, match="implementation='xla'.*falls back"):
+    jaxflash.nnx.MultiHeadAttention(HEADS, D, decode=False, implementation="xla",
+                                    rngs=nnx.Rngs(0))(x, sow_weights=True)
+  with pytest.raises(ValueError, match="attention_fn that takes `implementation`"):
+    jaxflash.linen.MultiHeadDotProductAttention(
+        num_heads=HEADS, implementation="xla", attention_fn=nn.dot_product_attention).init(
+            jax.random.key(0), x)
+  with pytest.raises(ValueError, match="attention_fn that takes `implementation`"):
+    jaxflash.nnx.MultiHeadAttention(HEADS, D, implementation="xla",
+                                    attention_fn=nnx.dot_product_attention, rngs=nnx.Rngs(0))
 
 
 # ---------------------------------------------------------------------------------------------

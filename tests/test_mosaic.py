@@ -12,8 +12,6 @@ for the calls the Mosaic one does not serve).
 
 import dataclasses
 import functools
-import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
@@ -198,10 +196,8 @@ def test_configs_are_checked():
 # --------------------------------------------------------------------------------------------
 # Lowering for CUDA on any machine.
 
-_HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
-needs_cuda_plugin = pytest.mark.skipif(
-    not _HAS_CUDA_PLUGIN and os.environ.get("JAXFLASH_REQUIRE_CUDA_LOWERING") != "1",
-    reason="lowering Mosaic GPU kernels needs jax-cuda13-plugin (CI installs it)")
+# Skipped without the CUDA plugin, failed instead with JAXFLASH_REQUIRE_CUDA_LOWERING=1 (conftest).
+needs_cuda_plugin = pytest.mark.usefixtures("cuda_plugin")
 
 
 def _lower(fn, *args) -> str:
@@ -553,8 +549,7 @@ NUMERIC_OPTIONS = SUPPORTED if ON_GPU else ("none", "causal_window", "lengths", 
 
 
 # Variants of an interpreter test whose base case (every option at once, the shipped tiles) runs
-# in every suite: CI's newest-jax suite skips them (`-m "not variants"`, see .ci/run) to stay
-# well under 30 minutes; the pinned suite and the GPU run them all.
+# too: both CI suites and the GPU run them all; `-m "not variants"` skips them for a quicker run.
 variant = pytest.mark.variants
 
 

@@ -6,6 +6,7 @@ backends. Plus the merge helper on its own, empty partials included."""
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,7 +122,7 @@ def test_partial_results_are_float32_and_merge(implementation):
   partial_params = dataclasses.replace(params, partial=True)
   parts = [flash.attention(partial.key_range(inputs, a, b), partial_params, backend, config)
            for a, b in ((0, 20), (20, 53))]
-  assert all(out.dtype == jnp.float32 for out, _ in parts)
+  chex.assert_type([out for out, _ in parts], jnp.float32)
   out, lse = partial.merge([o for o, _ in parts], [jnp.swapaxes(l, 1, 2) for _, l in parts])
   want, want_lse = reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
                                        is_causal=True)
@@ -141,8 +142,7 @@ def test_merge_takes_stacked_partials_and_keeps_nan():
   outs, lses = [p[0] for p in parts], [p[1] for p in parts]
   listed = partial.merge(outs, lses)
   stacked = partial.merge(jnp.stack(outs), jnp.stack(lses))
-  for a, b in zip(listed, stacked):
-    np.testing.assert_array_equal(a, b)
+  chex.assert_trees_all_equal(listed, stacked)
   outs[1] = outs[1].at[0, 2].set(jnp.nan)
   lses[1] = lses[1].at[0, 2].set(jnp.nan)
   out, lse = partial.merge(outs, lses)
@@ -164,7 +164,7 @@ def test_merge_is_exact_with_empty_partials():
       q, k, v, mask=(sets[0][None, :] & row_mask) | sets[1][None, :])
   out, lse = partial.merge([p[0] for p in parts], [p[1] for p in parts])
   assert rel_err(out, want) < 1e-6
-  np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+  chex.assert_trees_all_close(lse, want_lse, rtol=1e-6)
   empty_out, empty_lse = partial.merge([parts[2][0]], [parts[2][1]])
   np.testing.assert_array_equal(empty_out, 0.0)
   assert np.all(np.asarray(empty_lse) == -np.inf)

@@ -3,6 +3,7 @@
 dense reference), contiguous, zigzag and striped, causal or not, with GQA, segments (packed documents
 across chunk boundaries), windows and dropout (the same mask as the unsplit call)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,24 +133,27 @@ def test_ring_dropout_is_the_unsplit_calls(layout):
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_zigzag_skips_the_pairs_a_causal_band_hides(causal, monkeypatch):
   """Under a causal band each device computes 3 (query half, key half) pairs at the first step
-  and 2 at each later one, forward and backward; without one, all 4 at every step."""
-  from jaxflash.ops import flash
-  counts = {"forward": 0, "backward": 0}
+  and 2 at each later one, forward and backward; without one, all 4 at every step. Each pair's
+  partial is merged once into its query half (the first of each half is taken as it is), also
+  the pair whose half depends on the device."""
+  from jaxflash.ops import flash, partial
+  counts = {"forward": 0, "backward": 0, "merge": 0}
 
-  def counting(name):
-    original = getattr(flash, name)
+  def counting(module, name):
+    original = getattr(module, name)
 
     def wrapped(*args, **kwargs):
       counts[name] += 1
       return original(*args, **kwargs)
-    return wrapped
+    monkeypatch.setattr(module, name, wrapped)
 
-  for name in counts:
-    monkeypatch.setattr(flash, name, counting(name))
+  counting(flash, "forward")
+  counting(flash, "backward")
+  counting(partial, "merge")
   q, k, v, d_out = random_qkv(0, 1, 64, 64, 2, 2, 16)
   _ring_call("zigzag", is_causal=causal)(q, k, v, d_out)
   pairs = 4 * RING if not causal else 3 + 2 * (RING - 1)
-  assert counts == {"forward": pairs, "backward": pairs}
+  assert counts == {"forward": pairs, "backward": pairs, "merge": pairs - 2}
 
 
 def test_orders_round_trip():
@@ -198,6 +202,25 @@ def test_ring_rejects_bad_arguments():
       else:
         with pytest.raises(ValueError, match=f"striped.*{match}"):
           jax.jit(fn).trace(chunks)
+
+
+def test_ring_of_empty_chunks():
+  """Chunks of no token give empty results and gradients, as `flash_attention` does for T = 0
+  (no kernel and no ring step runs)."""
+  mesh = _mesh()
+
+  def local(q):
+    return jaxflash.ring_attention(q, q, q, axis_name="sp", layout="zigzag", is_causal=True,
+                                   return_residual=True, implementation="xla")
+
+  fn = jax.shard_map(local, mesh=mesh, in_specs=P(None, "sp"),
+                     out_specs=(P(None, "sp"), P(None, "sp")))
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.zeros((1, 0, 2, 16)), NamedSharding(mesh, P(None, "sp")))
+    out, lse = jax.jit(fn)(x)
+    grad = jax.jit(jax.grad(lambda q: jnp.sum(fn(q)[0])))(x)
+  chex.assert_shape([out, grad], x.shape)
+  chex.assert_shape(lse, (1, 0, 2))
 
 
 def test_flax_module_with_the_ring_as_its_attention_fn():

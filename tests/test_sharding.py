@@ -86,6 +86,29 @@ def test_batch_and_head_sharded_calls_run_locally(implementation, axis_type):
   _close(got, want)
 
 
+def test_kernels_are_traced_once_per_call(monkeypatch):
+  """With several devices a call under jit is the partitioning primitive: its abstract
+  evaluation (the result shapes) and its lowering share one trace of the backend's forward and
+  backward; a sharded call adds one trace of the device's share."""
+  from jaxflash.backends.xla import backward, forward
+  counts = {"forward": 0, "backward": 0}
+  for module, name in ((forward, "forward"), (backward, "backward")):
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args, real=real, name=name: counts.update(
+        {name: counts[name] + 1}) or real(*args))
+  q, k, v, d_out = random_qkv(3, 4, 24, 24, 4, 2, 16)
+
+  def traces(*arrays):
+    jax.clear_caches()  # (the counts are of traces: none may come from an earlier call)
+    counts.update(forward=0, backward=0)
+    _fwd_bwd("xla", is_causal=True)(*arrays)
+    return dict(counts)
+
+  assert traces(q, k, v, d_out) == {"forward": 1, "backward": 1}
+  mesh = _mesh(AxisType.Auto, (DEVICES,), ("b",))
+  assert traces(*_put(mesh, P("b"), q, k, v, d_out)) == {"forward": 2, "backward": 2}
+
+
 def test_a_mesh_with_an_unused_axis_and_a_batch_only_sharding():
   """A 4-device mesh whose second axis shards nothing: still local, still exact."""
   q, kk, v, d_out = random_qkv(1, 4, 24, 24, 2, 2, 16)

@@ -1,19 +1,25 @@
 """What new users run into (issue 11): NaN must show as NaN, huge windows mean "unbounded",
-jax_enable_x64 and strict rank promotion work, empty batches, non-bool flags, Flax batch-dim
-checks, second-order derivatives refused clearly, inputs jax.nn accepts, the LSE in jax.nn's dtype,
-and importing the Flax layer without Flax. Each runs on both backends where a backend is involved.
+jax_enable_x64 and strict rank promotion work, empty batches and sequences, non-bool flags, Flax
+batch-dim checks, second-order derivatives refused clearly, inputs jax.nn accepts, the drop-in's
+jax.nn implementations, the LSE in jax.nn's dtype, and importing the Flax layer (or running the
+training example) without Flax. Each runs on both backends where a backend is involved.
 """
 
+import inspect
 import os
 import subprocess
 import sys
+from unittest import mock
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 
 import jaxflash
+from jaxflash import backends
 from jaxflash.reference import reference_attention
 from checks import BACKENDS, F32_TOLERANCE, attention, random_array, random_qkv, rel_err
 
@@ -117,15 +123,34 @@ def test_strict_rank_promotion(implementation):
   assert all(np.isfinite(np.asarray(g)).all() for g in grads)
 
 
-@pytest.mark.parametrize("implementation", BACKENDS)
-def test_empty_batch(implementation):
-  """B = 0 gives empty outputs, LSE and gradients, as jax.nn does."""
-  q, k, v = (x[:0] for x in _qkv(4))
-  out, lse = attention(implementation, q, k, v, return_residual=True, is_causal=True)
-  assert out.shape == q.shape and lse.shape == (0, T, N)
-  grads = jax.grad(lambda q, k, v: jnp.sum(attention(implementation, q, k, v)),
-                   argnums=(0, 1, 2))(q, k, v)
-  assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+class EmptyInputs(chex.TestCase):
+  """B = 0, T = 0 or S = 0 give what jax.nn gives, eagerly and under jit: empty arrays where
+  there is no batch row or no query row, zeros and an LSE of -inf where there is no key (every
+  row sees none); gradients are zeros shaped like the inputs. No kernel runs."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(*[
+      (f"{implementation}_{name}", implementation, shape) for implementation in BACKENDS
+      for name, shape in (("no_batch", (0, T, S)), ("no_queries", (B, 0, S)),
+                          ("no_keys", (B, T, 0)), ("neither", (B, 0, 0)))])
+  def test_like_jax_nn(self, implementation, shape):
+    b, t, s = shape
+    q, k, v, _ = random_qkv(4, b, t, s, N, K, H)
+    bias = jnp.ones((b, N, t, s))
+
+    def run(attend):
+      def loss(q, k, v, bias):
+        out, lse = attend(q, k, v, bias)
+        return jnp.sum(out), (out, lse)
+      grad = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+      return self.variant(lambda *args: grad(*args)[::-1])(q, k, v, bias)
+
+    got = run(lambda *args: attention(implementation, *args, is_causal=True,
+                                      return_residual=True))
+    want = run(lambda *args: jax.nn.dot_product_attention(*args, is_causal=True,
+                                                          return_residual=True))
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+    chex.assert_trees_all_close(got, want)  # (zeros, and -inf LSEs where S = 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,6 +173,67 @@ def test_numpy_bool_flags_are_accepted():
   np.testing.assert_array_equal(got, want)
 
 
+class DropIn(chex.TestCase):
+  """`jaxflash.dot_product_attention` takes jax.nn's arguments with jax.nn's meanings, eagerly
+  and under jit: "xla" and "cudnn" are jax.nn's own implementations, passed to it unchanged."""
+
+  def test_signature_is_jax_nns(self):
+    ours = inspect.signature(jaxflash.dot_product_attention).parameters
+    theirs = inspect.signature(jax.nn.dot_product_attention).parameters
+    assert [(p.name, p.kind, p.default) for p in ours.values()] == [
+        (p.name, p.kind, p.default) for p in theirs.values()]
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_xla_is_jax_nns_xla(self):
+    """implementation="xla" runs jax.nn's XLA attention (no jaxflash backend runs), with every
+    argument passed on."""
+    q, k, v = _qkv(11)
+    mask = random_array(12, (B, 1, T, S), "bool")
+    options = dict(scale=0.3, is_causal=True, key_value_seq_lengths=jnp.array([S, 9]),
+                   local_window_size=(5, 2), return_residual=True, implementation="xla")
+    with mock.patch.object(jaxflash.backends.Backend, "forward", side_effect=AssertionError(
+        "a jaxflash backend ran")):
+      got = self.variant(lambda *args: jaxflash.dot_product_attention(*args, **options))(
+          q, k, v, None, mask)
+    want = self.variant(lambda *args: jax.nn.dot_product_attention(*args, **options))(
+        q, k, v, None, mask)
+    chex.assert_trees_all_equal(got, want)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_cudnn_goes_to_jax_nn(self):
+    """implementation="cudnn" reaches jax.nn.dot_product_attention with the same arguments
+    (a spy stands in for cuDNN, which this machine may not have)."""
+    q, k, v = _qkv(13, jnp.bfloat16)
+    calls = []
+
+    def spy(*args, **kwargs):
+      calls.append(kwargs)
+      return jnp.zeros_like(args[0])
+
+    with mock.patch.object(jax.nn, "dot_product_attention", spy):
+      out = self.variant(lambda q, k, v: jaxflash.dot_product_attention(
+          q, k, v, is_causal=True, implementation="cudnn"))(q, k, v)
+    chex.assert_shape(out, q.shape)
+    chex.assert_type(out, jnp.bfloat16)
+    assert len(calls) == 1 and calls[0]["implementation"] == "cudnn" and calls[0]["is_causal"]
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_other_implementations_are_jaxflashs(self):
+    """None and jaxflash's backend names run `flash_attention`; a sequence may not name jax.nn's
+    implementations (it would be ambiguous)."""
+    q, k, v = _qkv(14)
+    options = dict(is_causal=True, query_seq_lengths=jnp.array([T, 3]))
+    got = self.variant(lambda *args: jaxflash.dot_product_attention(*args, **options))(q, k, v)
+    want = self.variant(lambda *args: jaxflash.flash_attention(*args, **options))(q, k, v)
+    chex.assert_trees_all_equal(got, want)
+    with pytest.raises(backends.UnsupportedCallError, match="triton"):
+      self.variant(lambda *args: jaxflash.dot_product_attention(*args, implementation="triton"))(
+          q, k, v)
+    with pytest.raises(ValueError, match="implementation"):
+      self.variant(lambda *args: jaxflash.dot_product_attention(
+          *args, implementation=("triton", "xla")))(q, k, v)
+
+
 def test_inputs_jax_nn_accepts():
   """NumPy float64 arrays and nested lists are converted as jax.nn converts them (to float32
   with x64 off); what cannot be converted is refused by name."""
@@ -156,7 +242,7 @@ def test_inputs_jax_nn_accepts():
   want = jax.nn.dot_product_attention(q, k, v, implementation="xla")
   assert got.dtype == want.dtype == jnp.float32 and rel_err(got, want) < F32_TOLERANCE
   listed = jaxflash.flash_attention(q.tolist(), k.tolist(), v.tolist(), implementation="xla")
-  np.testing.assert_array_equal(listed, got)
+  chex.assert_trees_all_equal(listed, got)
   with pytest.raises(ValueError, match="key"):
     jaxflash.flash_attention(q, "not an array", v)
 
@@ -169,7 +255,8 @@ def test_lse_in_the_query_dtype_like_jax_nn(implementation):
                             q)
   _, want_lse = jax.nn.dot_product_attention(q, k, v, return_residual=True,
                                              implementation="xla")
-  assert lse.dtype == want_lse.dtype == jnp.bfloat16 and lse.shape == want_lse.shape
+  chex.assert_trees_all_equal_shapes_and_dtypes(lse, want_lse)
+  chex.assert_type(lse, jnp.bfloat16)
   (dq,) = vjp((jnp.ones_like(out), jnp.ones_like(lse)))
   assert dq.dtype == jnp.bfloat16 and np.isfinite(np.asarray(dq, np.float32)).all()
 
@@ -207,9 +294,26 @@ def test_flax_layer_without_flax_says_what_to_install(module):
           f"try:\n  import {module}\nexcept ModuleNotFoundError as e:\n  print(e)\n")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  assert "pip install 'jaxflash[flax]'" in out.stdout, out.stdout + out.stderr
+  # An install command that works where jaxflash is installed from (a clone of its repository).
+  assert 'pip install -e ".[flax]"' in out.stdout, out.stdout + out.stderr
   # The core package itself needs no Flax.
   core = subprocess.run([sys.executable, "-c", "import sys; sys.modules['flax'] = None; "
                          "import jaxflash; print('ok')"], capture_output=True, text=True,
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert core.stdout.strip() == "ok", core.stderr
+
+
+def test_gpt_example_without_the_flax_extra_says_what_to_install():
+  """The training example needs Flax and optax: without them (optax here) it stops with the
+  extra to install, not a bare ModuleNotFoundError."""
+  missing = "optax"
+  example = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "gpt.py")
+  code = (f"import runpy, sys; sys.modules[{missing!r}] = None; sys.argv = ['gpt.py']\n"
+          f"sys.path.insert(0, {os.path.dirname(example)!r})\n"
+          f"runpy.run_path({example!r}, run_name='__main__')\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 1, out.stdout + out.stderr
+  assert f"missing: {missing}" in out.stderr and 'pip install -e ".[flax]"' in out.stderr, (
+      out.stderr)
+  assert "Traceback" not in out.stderr

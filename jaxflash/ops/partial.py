@@ -1,14 +1,10 @@
 """Partial results over key ranges and their exact merge through the LSE.
 
-Attention over keys ``K = K_1 ∪ ... ∪ K_m`` (disjoint) can be computed one range at a time: range
-``i`` gives its *partial* output ``O_i`` (float32, normalised over ``K_i`` only) and its logsumexp
-``L_i``. Then
-
-    L = log(sum_i exp(L_i)),    O = sum_i exp(L_i - L) * O_i,
-
-which is exact (no approximation beyond float32 rounding); a range a row cannot see has
-``L_i = -inf`` and weight 0. Split-KV decoding merges the splits of one cache this way, and ring
-attention the key chunks that travel around the ring.
+Attention over disjoint key ranges can be computed one range at a time, as *partial* results
+(float32 outputs normalised over the range's keys, and their LSEs), and merged exactly through
+the LSEs by `merge` (defined in `jaxflash.merge`, below the ops and the backends, and exported
+here). Split-KV decoding merges the splits of one cache this way, and ring attention the key
+chunks that travel around the ring.
 
 The backward needs no partial outputs: with the *global* LSE and delta = rowsum(dO * O) of the
 merged output, each range's backward returns exactly its share (dQ summed over ranges, dK/dV of
@@ -20,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,68 +23,10 @@ from jax import lax
 
 from jaxflash import _core
 from jaxflash._core import Inputs, Params
+from jaxflash.merge import merge
 from jaxflash.ops import flash
 
-
-def merge(outs: Sequence[jax.Array] | jax.Array,
-          lses: Sequence[jax.Array] | jax.Array, axis: int = 0) -> tuple[jax.Array, jax.Array]:
-  """Merges partial results of disjoint key ranges of the same queries.
-
-  Args:
-    outs: partial outputs, each float32 [..., T, N, H] and normalised over its own keys (zeros
-      on rows that see none of them); a sequence, or one array with the ranges on axis ``axis``
-      (a split-KV kernel's output).
-    lses: their natural-log LSEs, each [..., T, N] (``-inf`` on rows that see no key), likewise.
-    axis: the ranges' axis in arrays (of ``lses``; ``outs`` has one more, trailing, axis).
-      A sequence holds one range per element.
-
-  Returns:
-    ``(out, lse)``: the output over all the keys (float32) and its LSE; rows that see no key in
-    any range get zeros and ``-inf``; a NaN in a partial stays NaN in both. Differentiable,
-    without NaN for empty partials.
-  """
-  count = lambda xs: xs.shape[axis] if isinstance(xs, jax.Array) else len(xs)  # noqa: E731
-  if count(outs) != count(lses) or count(outs) == 0:
-    raise ValueError(f"merge needs one LSE per partial output and at least one of each, got "
-                     f"{count(outs)} outputs and {count(lses)} LSEs")
-  if count(outs) <= MERGE_UNROLLED:  # range by range, in elementwise ops only
-    lses = [lse.astype(jnp.float32) for lse in _each_range(lses, axis)]
-    top = _finite(functools.reduce(jnp.maximum, lses))
-    weights = [jnp.exp(lse - top) for lse in lses]  # exp(-inf) = 0 for empty ranges
-    total = functools.reduce(jnp.add, weights)
-    weighted = functools.reduce(jnp.add, [w[..., None] * out.astype(jnp.float32)
-                                          for w, out in zip(weights, _each_range(outs, axis))])
-  else:  # stacked on the ranges' axis and reduced over it
-    stack = lambda xs: jnp.asarray(xs if isinstance(xs, jax.Array) else jnp.stack(xs))  # noqa: E731
-    lse = stack(lses).astype(jnp.float32)
-    top = _finite(jnp.max(lse, axis=axis))
-    weights = jnp.exp(lse - jnp.expand_dims(top, axis))
-    total = jnp.sum(weights, axis=axis)
-    weighted = jnp.sum(weights[..., None] * stack(outs).astype(jnp.float32), axis=axis)
-  seen = total != 0.0  # (a NaN partial makes the total NaN: it stays NaN, out and LSE)
-  merged_lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-  return weighted / jnp.where(seen, total, 1.0)[..., None], merged_lse
-
-
-def _each_range(xs, axis: int) -> list:
-  """The ranges of a sequence, or of an array along ``axis``, as a list."""
-  if not isinstance(xs, jax.Array):
-    return list(xs)
-  return [lax.index_in_dim(xs, i, axis, keepdims=False) for i in range(xs.shape[axis])]
-
-
-def _finite(top: jax.Array) -> jax.Array:
-  """The ranges' largest LSE as the exponentials' shift; where every range is empty (-inf),
-  any finite shift will do."""
-  return jnp.where(jnp.isfinite(top), top, 0.0)
-
-
-# Up to this many ranges `merge` works range by range in elementwise ops, which XLA fuses into
-# one or two kernels; reductions over a stacked ranges' axis each end a fusion. (H200,
-# 2026-11-23, split-KV decoding's merge, `decode_h200_2026-11-23/waves/11_merge_unrolled.json`,
-# GPU time per call: 2 to 8 splits ran as one kernel of 1.4-1.9 µs instead of two or three of
-# 2.9-4.4 µs in all; 12 and 33 splits as two kernels, 3.2-5.1 µs instead of three, 4.1-5.2.)
-MERGE_UNROLLED = 64
+__all__ = ["merge", "key_range", "split_keys_attention"]
 
 
 def key_range(inputs: Inputs, start: int, stop: int) -> Inputs:

@@ -230,12 +230,21 @@ def _impl(*operands, local):
 
 @_partitioned_p.def_abstract_eval
 def _abstract_eval(*avals, local):
-  return [jax.core.ShapedArray(r.shape, r.dtype) for r in _result_shapes(local, avals)]
+  return [jax.core.ShapedArray(r.shape, r.dtype) for r in _traced(local, avals).out_avals]
 
 
-def _result_shapes(local: Local, avals):
+def _traced(local: Local, avals) -> jax.extend.core.ClosedJaxpr:
+  """The jaxpr of ``local.whole`` on operands of these types, behind jit's trace cache (keyed
+  on ``local``, which hashes by value, and the types). The abstract evaluation and the lowering
+  (`_partitioner`) both ask for it, so a call's kernels are traced once, not once for its
+  result shapes and again for its lowering."""
   structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-  return jax.eval_shape(local.whole, *structs)
+  return _whole.trace(local, *structs).jaxpr
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _whole(local: Local, *operands) -> tuple:
+  return local.whole(*operands)
 
 
 def _batch_rule(operands, dims, *, local):
@@ -263,7 +272,7 @@ class _Vmapped:
 
 
 def _lower(*operands, local):
-  return _partitioner(local)(*operands)
+  return _partitioner(local, [jax.typeof(x) for x in operands])(*operands)
 
 
 mlir.register_lowering(_partitioned_p, mlir.lower_fun(_lower, multiple_results=True))
@@ -273,10 +282,12 @@ from jax._src import dispatch as _dispatch  # noqa: E402
 _dispatch.prim_requires_devices_during_lowering.add(_partitioned_p)
 
 
-def _partitioner(local: Local):
+def _partitioner(local: Local, avals):
   """The `custom_partitioning` op of one call: Shardy's rule names each dimension's factor, and
-  `partition` turns the operands' shardings into the plan."""
-  fn = custom_partitioning(local.whole)
+  `partition` turns the operands' shardings into the plan. Where the partitioner leaves the op
+  whole it runs the jaxpr that the abstract evaluation traced (`_traced`), not a new trace."""
+  traced = jax.extend.core.jaxpr_as_fun(_traced(local, avals))
+  fn = custom_partitioning(lambda *operands: tuple(traced(*operands)))
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape

@@ -4,7 +4,7 @@ Inside `jax.shard_map`, each device of the axis holds a chunk of the queries and
 values of one long sequence. The K/V chunks travel around the ring with `ppermute`; at each of
 the R steps every device computes the partial result (output and LSE over the keys it holds
 now) of its own queries, and the partials are merged exactly through the LSE
-(`jaxflash.ops.partial.merge`). The backward runs the ring again with the *global* LSE and delta
+(`jaxflash.merge.merge`). The backward runs the ring again with the *global* LSE and delta
 (see `jaxflash._core`): dQ stays home, and dK/dV accumulators travel with their K/V chunk and
 are sent home by one last `ppermute`. Nothing of size T x S is stored, on any device.
 
@@ -250,17 +250,22 @@ def _forward(inputs: Inputs, params: Params, ring: Ring):
     merged[part] = (out, lse) if merged[part] is None else partial.merge(
         [merged[part][0], out], [merged[part][1], lse])
 
+  def merge_traced(p, out, lse):
+    """Merges a pair whose query part ``p`` is traced (the zigzag's same-side pair after step
+    0, when both parts hold results) into part ``p`` alone: selects pick that part's results
+    and put the merged ones back, so one merge runs, not one per part."""
+    mine = [jnp.where(p == 0, first, second) for first, second in zip(*merged)]
+    new = partial.merge([mine[0], out], [mine[1], lse])
+    for part in range(parts):
+      merged[part] = tuple(jnp.where(p == part, n, old) for n, old in zip(new, merged[part]))
+
   for step in range(size):
     # The next chunk is on its way while this one computes (it depends on nothing computed).
     next_kv = ring.shift(kv) if step < size - 1 else None
     for p, _, pair in _step_pairs(inputs, params, ring, kv, step):
       out, lse2 = flash.forward(ring.backend, pair, partial_params, ring.config)
       lse = jnp.swapaxes(_core.user_lse(lse2), 1, 2)
-      if isinstance(p, int):
-        merge_in(p, out, lse)
-        continue
-      for part in range(parts):  # a traced part: the result counts (weight 1) for it alone
-        merge_in(part, jnp.where(p == part, out, 0.0), jnp.where(p == part, lse, -jnp.inf))
+      (merge_in if isinstance(p, int) else merge_traced)(p, out, lse)
     kv = next_kv
   out = jnp.concatenate([m[0] for m in merged], axis=1)
   lse = jnp.concatenate([m[1] for m in merged], axis=1)  # [B, T, N]

@@ -38,11 +38,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxflash import _core
 from jaxflash import masking
+from jaxflash import merge
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.triton import tiles
 from jaxflash.backends.triton.config import Config, padded_head_dim
 from jaxflash.devices import Device
-from jaxflash.ops import partial
 
 MAX_ROWS = 128  # G·T query rows per program: the accumulator is [rows, head dim] in registers
 
@@ -455,7 +455,7 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   """The training forward's ``(out [B, T, N, H] in the query dtype, lse2 [B, N, T])`` of a
   decoding call. With one split the kernel writes them itself; otherwise its partial results
   are merged here through the LSE, in the kernel's own layout (a transpose to [splits, B, T, N,
-  H] for `jaxflash.ops.partial.merge` cost XLA a pass of its own).
+  H] for `jaxflash.merge.merge` cost XLA a pass of its own).
 
   With ``pages`` = (key pages, value pages [num_pages, page_size, K, H], page table [B,
   pages_per_row]) the kernel reads the cache from the pages, and ``inputs.key`` and
@@ -486,10 +486,10 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
 def _merge_splits(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Partial results ``[B, K, splits, rows, H]`` (float32) and base-2 LSEs ``[B, K, splits,
   rows]`` (-inf where a split sees nothing) merged over the splits by
-  `jaxflash.ops.partial.merge` (range by range up to `partial.MERGE_UNROLLED` splits, so XLA
+  `jaxflash.merge.merge` (range by range up to `merge.MERGE_UNROLLED` splits, so XLA
   fuses it into one or two kernels), in their own layout: ``(out [B, K, rows, H] float32,
   lse2 [B, K, rows], +inf on rows no split saw)``."""
-  out, lse = partial.merge(outs, lse2 * (1.0 / _core.LOG2_E), axis=2)
+  out, lse = merge.merge(outs, lse2 * (1.0 / _core.LOG2_E), axis=2)
   return out, _core.base2_lse(lse)
 
 
