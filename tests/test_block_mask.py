@@ -275,10 +275,10 @@ def test_reused_block_mask_and_from_blocks(implementation):
   pattern = jaxflash.BlockMask.from_blocks(
       jnp.asarray(_rng.rand(B, N, 3, 2) < 0.5) | jnp.eye(3, 2, dtype=bool), 70, 64, 32)
   check(implementation, b=B, t=70, s=64, n=N, k=2, h=32, block_mask=_maker(pattern))
-  # Blocks of 1 x 2 entries: 32 x 32 tiles evaluate the pattern per entry, from 2 words a row.
+  # Blocks of 1 x 2 entries: 16 x 16 tiles evaluate the pattern per entry, from 2 words a row.
   fine = jaxflash.BlockMask.from_blocks(
-      jnp.asarray(_rng.rand(1, 1, 70, 40) < 0.5) | jnp.eye(70, 40, dtype=bool), 70, 80, (1, 2))
-  check(implementation, b=B, t=70, s=80, n=N, k=2, h=32, block_mask=_maker(fine))
+      jnp.asarray(_rng.rand(1, 1, 30, 40) < 0.5) | jnp.eye(30, 40, dtype=bool), 30, 80, (1, 2))
+  check(implementation, b=1, t=30, s=80, n=2, k=1, h=16, block_mask=_maker(fine))
 
 
 def test_gather_on_both_indices_falls_back_to_xla():

@@ -549,7 +549,8 @@ NUMERIC_OPTIONS = SUPPORTED if ON_GPU else ("none", "causal_window", "lengths", 
 
 
 # Variants of an interpreter test whose base case (every option at once, the shipped tiles) runs
-# too: both CI suites and the GPU run them all; `-m "not variants"` skips them for a quicker run.
+# too: CI's pinned suite and the GPU run them all (JAXFLASH_ALL_VARIANTS=1, tests/conftest.py);
+# the README's command skips them.
 variant = pytest.mark.variants
 
 
