@@ -240,7 +240,7 @@ def classify_dense(mask: jax.Array, block: int = CLASSIFY_BLOCK) -> jax.Array:
   # Entries of each block inside T x S, from the block's position alone.
   rows = jnp.minimum(t - jnp.arange(0, tp, block), block)[:, None]
   keys = jnp.minimum(s - jnp.arange(0, sp, block), block)[None, :]
-  return _states(counts, rows * keys)
+  return _states(counts, jnp.broadcast_to(rows * keys, counts.shape))
 
 
 def classify_segments(q_segment_ids: jax.Array, kv_segment_ids: jax.Array,

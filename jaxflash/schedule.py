@@ -249,7 +249,9 @@ def _band_table(window: Window, block_q: int, block_k: int, lengths, offsets, nq
   starts = (jnp.arange(nq, dtype=jnp.int32) * block_q).reshape(1, nq)
   lo, full_lo, full_hi, hi = Schedule(window, block_q, block_k).kv_blocks(starts, pos)
   j = jnp.arange(nk, dtype=jnp.int32).reshape(1, 1, nk)
-  within = lambda a, z: jnp.logical_and(j >= a[..., None], j < z[..., None])  # noqa: E731
+  def within(a, z):  # bounds may come back as scalars or rows: [B, nq] before comparing
+    a, z = (jnp.broadcast_to(x, (b, nq))[..., None] for x in (a, z))
+    return jnp.logical_and(j >= a, j < z)
   table = jnp.where(within(full_lo, full_hi), bm.FULL,
                     jnp.where(within(lo, hi), bm.PARTIAL, bm.EMPTY)).astype(jnp.int8)
   return jnp.broadcast_to(table, (b, nq, nk))[:, None]

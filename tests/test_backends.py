@@ -145,8 +145,9 @@ def test_backends_import_no_op():
 def test_few_query_calls_try_split_kv_backends_first(monkeypatch):
   """With ``implementation=None``, a call with at most 16 query rows that a split-KV kernel
   serves tries the backends that have one (Triton) first, even where another backend would
-  take training calls (here a Mosaic stand-in that serves everything); a call with more rows,
-  or with a mask, keeps the registry's choice."""
+  take training calls (here a Mosaic stand-in that serves everything), with a dense mask too; a
+  call with more rows, or with what the split-KV kernel cannot take (a bias), keeps the
+  registry's choice."""
   import dataclasses
   everything = dataclasses.replace(mosaic.BACKEND, supports=lambda *a: None, preferred=None)
   monkeypatch.setattr(backends, "REGISTRY", (everything, triton.BACKEND, xla.BACKEND))
@@ -154,8 +155,10 @@ def test_few_query_calls_try_split_kv_backends_first(monkeypatch):
   many = jax.ShapeDtypeStruct((2, 17, 4, 32), jnp.float32)
   kv = jax.ShapeDtypeStruct((2, 300, 2, 32), jnp.float32)
   mask = jnp.ones((1, 1, 16, 300), bool)
+  bias = jnp.zeros((1, 1, 16, 300), jnp.float32)
   assert jaxflash.implementation_for(few, kv, kv, interpret=True) == "triton"
+  assert jaxflash.implementation_for(few, kv, kv, mask=mask, interpret=True) == "triton"
   assert jaxflash.implementation_for(many, kv, kv, interpret=True) == "mosaic"
-  assert jaxflash.implementation_for(few, kv, kv, mask=mask, interpret=True) == "mosaic"
+  assert jaxflash.implementation_for(few, kv, kv, bias=bias, interpret=True) == "mosaic"
   assert jaxflash.implementation_for(few, kv, kv, implementation="mosaic",
                                      interpret=True) == "mosaic"

@@ -727,8 +727,8 @@ def test_mosaic_backward_wide_heads(h):
 
 
 def test_backward_serves_what_it_can():
-  """Masks, biases, partial calls above head dim 128 or in one pass, and tiles that do not
-  fit go to the Triton backward (`backward.unsupported` says why); everything else is the
+  """Biases, partial calls above head dim 128 or in one pass, and tiles that do not fit go
+  to the Triton backward (`backward.unsupported` says why); everything else is the
   Mosaic backward's."""
   from jaxflash.backends.mosaic import backward
   q = jnp.zeros((1, 64, 2, 128), BF16)
@@ -737,7 +737,9 @@ def test_backward_serves_what_it_can():
   call = _checks.normalise(q, q, q, is_causal=True, segment_ids=(ids, ids))
   assert backward.unsupported(call.inputs, call.params, config) is None
   masked = _checks.normalise(q, q, q, mask=jnp.ones((1, 1, 64, 64), bool))
-  assert "masks" in backward.unsupported(masked.inputs, masked.params, config)
+  assert backward.unsupported(masked.inputs, masked.params, config) is None
+  biased = _checks.normalise(q, q, q, bias=jnp.ones((1, 1, 64, 64), BF16))
+  assert "biases" in backward.unsupported(biased.inputs, biased.params, config)
   assert "None" in backward.unsupported(call.inputs, call.params,
                                         mosaic.Config(backward=None))
   wide = jnp.zeros((1, 64, 2, 256), BF16)

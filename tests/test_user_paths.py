@@ -123,6 +123,25 @@ def test_strict_rank_promotion(implementation):
   assert all(np.isfinite(np.asarray(g)).all() for g in grads)
 
 
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_strict_rank_promotion_with_block_masks(implementation):
+  """The block mask paths under jax_numpy_rank_promotion="raise": a mask_mod closing over
+  document ids (its features and tile rule), and a reused `BlockMask` with lengths."""
+  q, k, v = _qkv(4)
+  docs = jnp.array([[0] * 7 + [1] * (S - 7), [0] * 13 + [1] * (S - 13)], jnp.int32)
+
+  def same_document(b, h, q_idx, kv_idx):
+    return jnp.logical_and(docs[b, q_idx] == docs[b, kv_idx], kv_idx <= q_idx)
+
+  with jax.numpy_rank_promotion("raise"):
+    block_mask = jaxflash.create_block_mask(same_document, B, 1, T, S, block_size=8)
+    for kw in (dict(mask_mod=same_document),
+               dict(block_mask=block_mask, key_value_seq_lengths=jnp.array([20, 24]))):
+      loss = lambda q, k, v: jnp.sum(attention(implementation, q, k, v, **kw))  # noqa: E731
+      grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+      assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
 class EmptyInputs(chex.TestCase):
   """B = 0, T = 0 or S = 0 give what jax.nn gives, eagerly and under jit: empty arrays where
   there is no batch row or no query row, zeros and an LSE of -inf where there is no key (every

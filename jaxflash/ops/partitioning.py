@@ -114,6 +114,10 @@ class Local:
   key: int = 1
   # Run as it is, never partitioned (see `Backend.interpreter_partitions`).
   direct: bool = False
+  # The whole call as one cached `jax.jit` (see `whole`). Off for Mosaic GPU's interpreter: it
+  # runs each warpgroup on a thread whose callbacks dispatch XLA programs of their own, and
+  # queued behind one jitted forward+backward on a 2-core CPU those deadlocked.
+  jitted: bool = True
 
   def plan(self, spec: P, shapes, sizes: dict[str, int]) -> Plan:
     """The plan from the query's partition spec: its batch and head axes where they divide."""
@@ -145,6 +149,8 @@ class Local:
     It runs as one `jax.jit` per distinct ``run`` (`_compiled_once`): identical attention calls
     of a program (the layers of a model) then share one traced jaxpr, which JAX lowers once and
     calls at every site, so their kernels are lowered and compiled once, not once per layer."""
+    if not self.jitted:
+      return tuple(self.run(None, *operands))
     return tuple(_compiled_once(self.run)(*operands))
 
   def run_shard(self, plan: Plan, operands) -> tuple:
@@ -349,7 +355,8 @@ def forward(backend, inputs: Inputs, params: Params, config) -> tuple[jax.Array,
   q_roles = roles[0]
   local = Local(run=_Forward(backend, params, config, names), in_roles=roles,
                 out_roles=(q_roles, (BATCH, HEADS, None)), out_sums=((), ()),
-                out_like=(0, None), direct=_runs_whole(backend, params))
+                out_like=(0, None), direct=_runs_whole(backend, params),
+                jitted=_jits(backend, params))
   return run(local, operands)
 
 
@@ -370,7 +377,8 @@ def backward(backend, inputs: Inputs, params: Params, config, lse2, d_out, delta
   local = Local(run=_Backward(backend, params, config, names, want_dbias),
                 in_roles=roles + (stats, roles[0], stats), out_roles=tuple(out_roles),
                 out_sums=tuple(out_sums), out_like=tuple(out_like),
-                direct=_runs_whole(backend, params))
+                direct=_runs_whole(backend, params),
+                jitted=_jits(backend, params))
   grads = run(local, operands + (lse2, d_out, delta))
   return tuple(grads[:3]) + ((grads[3] if want_dbias else None),)
 
@@ -389,8 +397,13 @@ def paged_forward(backend, inputs: Inputs, pages, params: Params, config):
   run_ = _PagedForward(backend, params, config, names, inputs.key.shape[1], inputs.key.dtype)
   local = Local(run=run_, in_roles=roles + (page_roles, page_roles, (BATCH, None)),
                 out_roles=(roles[0], (BATCH, HEADS, None)), out_sums=((), ()),
-                out_like=(0, None), key=len(names), direct=_runs_whole(backend, params))
+                out_like=(0, None), key=len(names), direct=_runs_whole(backend, params),
+                jitted=_jits(backend, params))
   return run(local, operands + tuple(pages))
+
+
+def _jits(backend, params: Params) -> bool:
+  return not (params.interpret and not backend.interpreter_partitions)
 
 
 def _runs_whole(backend, params: Params) -> bool:
