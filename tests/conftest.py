@@ -30,6 +30,11 @@ from jaxflash import devices  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
+  # The tests that lower Mosaic GPU kernels for CUDA (they take the `cuda_plugin` fixture) are
+  # marked, so that CI's pinned suite can select them: `-m "cuda_lowering or variants"`.
+  for item in items:
+    if "cuda_plugin" in getattr(item, "fixturenames", ()):
+      item.add_marker(pytest.mark.cuda_lowering)
   # More tiles and schedules of the Mosaic interpreter tests (whose base cases always run): CI's
   # pinned suite and the GPU run them (JAXFLASH_ALL_VARIANTS=1); a plain run skips them, which
   # keeps the README's test command to about ten minutes on two cores.
