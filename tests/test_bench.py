@@ -20,6 +20,7 @@ sys.path.insert(0, str(BENCHMARKS))
 sys.path.insert(1, str(BENCHMARKS / "dev"))
 
 import bench
+import masks  # benchmarks/masks.py; examples/ has a masks.py too, see test_example._load_example
 import memory
 import report
 from jaxflash.backends import mosaic
@@ -412,7 +413,6 @@ def test_masks_smoke(tmp_path):
   """benchmarks/masks.py on tiny shapes (XLA backend, jax.nn's XLA path standing in for cuDNN):
   every row checked right, timed and counted; the build row of the reused block mask; the
   table and the plot."""
-  import masks
   out = tmp_path / "masks.json"
   masks.main(["--smoke", "--cases", "dense_mask", "documents_8", "--compile-workers", "2",
               "--out", str(out)])
@@ -456,7 +456,6 @@ def test_masks_flax_mask_is_flaxs():
   token rows."""
   pytest.importorskip("flax")
   from flax import linen as nn
-  import masks
   lengths = jnp.array([16, 11, 7, 1])
   tokens = (jnp.arange(16)[None, :] < lengths[:, None]).astype(jnp.int32) * 5
   want = nn.combine_masks(nn.make_causal_mask(tokens),
@@ -467,7 +466,6 @@ def test_masks_flax_mask_is_flaxs():
 def test_masks_patterns_and_counts():
   """The random block pattern holds its fraction of blocks and the diagonal; documents fill the
   sequence; counting visible entries block by block agrees with the dense mask."""
-  import masks
   visible = masks.block_pattern(128, 0.1, seed=0)
   assert visible.sum() == round(0.1 * 128 * 128) and visible.diagonal().all()
   assert masks.block_pattern(4, 0.1, seed=0).sum() == 4  # (at least the diagonal)
@@ -490,7 +488,6 @@ def test_masks_patterns_and_counts():
 
 
 def test_masks_smoke_block_pattern(tmp_path):
-  import masks
   result = masks.main(["--smoke", "--cases", "block_10pct", "--modes", "fwd", "--out",
                        str(tmp_path / "masks.json")])
   assert all(not r.get("error") and not r["wrong"] for r in result["rows"])

@@ -24,12 +24,17 @@ EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
 
 
 def _load_example():
-  # The example is a script in three files; as a script, its folder is on sys.path.
+  # The example is a script in three files; as a script, its folder is on sys.path. Only while
+  # it imports its siblings: left there, `import masks` elsewhere in the process (the
+  # benchmarks' masks.py) would find examples/masks.py.
   sys.path.insert(0, str(EXAMPLE.parent))
-  spec = importlib.util.spec_from_file_location("jaxflash_example_gpt", EXAMPLE)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up here
-  spec.loader.exec_module(module)
+  try:
+    spec = importlib.util.spec_from_file_location("jaxflash_example_gpt", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+  finally:
+    sys.path.remove(str(EXAMPLE.parent))
   return module
 
 
