@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -26,6 +24,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402  (device names and results folders, as the other benchmarks)
+from cases import time_calls  # noqa: E402
 
 import jaxflash  # noqa: E402
 from jaxflash import linen as jaxflash_linen  # noqa: E402
@@ -36,18 +35,6 @@ CASES = {  # name: (B, S, N, K, D)
 }
 SMOKE = {"smoke": (2, 256, 4, 2, 32)}
 
-
-def time_us(fn, *args, repeats=7, calls=50) -> float:
-  for _ in range(2):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / calls * 1e6)
-  return statistics.median(times)
 
 
 def run_case(name, b, s, n, k, d, on_gpu: bool) -> list[dict]:
@@ -69,7 +56,7 @@ def run_case(name, b, s, n, k, d, on_gpu: bool) -> list[dict]:
   outs = {impl: fn(q, k_cache, v_cache, mask) for impl, fn in calls.items()}
   rows = []
   for impl, fn in calls.items():
-    us = time_us(fn, q, k_cache, v_cache, mask)
+    us = time_calls(fn, (q, k_cache, v_cache, mask), calls=50, repeats=7)[0] * 1e3
     diff = float(jnp.max(jnp.abs(outs[impl].astype(jnp.float32)
                                  - outs["decode_attention"].astype(jnp.float32))))
     rows.append(dict(case=name, B=b, S=s, N=n, K=k, D=d, impl=impl, us=us, max_abs_diff=diff))

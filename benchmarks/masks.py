@@ -634,18 +634,9 @@ def markdown(result: dict) -> str:
 
 
 def write_outputs(result: dict, out: Path) -> list[Path]:
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1) + "\n")
-  md = out.with_suffix(".md")
-  md.write_text(markdown(result))
-  written = [out, md]
-  try:
-    import plot
-  except ImportError as e:
-    print(f"no plot: {e}", file=sys.stderr)
-  else:
-    written.append(plot.plot_masks(result, out.with_suffix("")))
-  return written
+  """The JSON, its table (.md) and the plot (.png), as `report.write_outputs` writes them."""
+  return report.write_outputs(result, out, markdown_of=markdown,
+                              plots_of=lambda plot, result, stem: [plot.plot_masks(result, stem)])
 
 
 def parse_args(argv):

@@ -292,19 +292,22 @@ def markdown(result: dict) -> str:
   return "\n".join(parts) + "\n"
 
 
-def write_outputs(result: dict, out: Path) -> list[Path]:
-  """The JSON, a .md beside it and the PNG plots (skipped with a note without matplotlib)."""
+def write_outputs(result: dict, out: Path, markdown_of=None, plots_of=None) -> list[Path]:
+  """The JSON, a .md beside it (``markdown_of(result)``, the grid's by default) and the PNG
+  plots (``plots_of(plot_module, result, stem)`` -> paths, the grid's speed plots by default;
+  skipped with a note without matplotlib)."""
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=1) + "\n")
   md = out.with_suffix(".md")
-  md.write_text(markdown(result))
+  md.write_text((markdown_of or markdown)(result))
   written = [out, md]
   try:
     import plot
   except ImportError as e:
     print(f"no plots: {e}", file=sys.stderr)
   else:
-    written += plot.plot_speed(result, out.with_suffix(""))
+    plots_of = plots_of or (lambda module, result, stem: module.plot_speed(result, stem))
+    written += plots_of(plot, result, out.with_suffix(""))
   return written
 
 

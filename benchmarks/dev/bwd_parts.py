@@ -44,6 +44,7 @@ from jaxflash.backends.mosaic import forward as mosaic_forward
 
 # The user benchmarks' helpers live one folder up (scripts, not a package).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cases  # noqa: E402
 from cases import (Case, attention_fn, causal_modes, flops, grad_fn, make_inputs,  # noqa: E402
                    relerr, time_call)
 from report import environment  # noqa: E402

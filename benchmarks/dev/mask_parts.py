@@ -16,26 +16,17 @@ import glob
 import gzip
 import json
 import os
-import statistics
+import sys
 import tempfile
-import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 import jaxflash
 
-
-def wall_ms(fn, *args, repeats=5, calls=10):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / calls * 1e3)
-  return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cases import time_calls  # noqa: E402
 
 
 def kernel_ms(fn, *args, calls=5):
@@ -84,7 +75,7 @@ def main():
         call(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
     for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
       kernels = kernel_ms(fn, q, k, v)
-      report[f"{name} {mode}"] = dict(wall_ms=wall_ms(fn, q, k, v), gpu_ms=sum(kernels.values()),
+      report[f"{name} {mode}"] = dict(wall_ms=time_calls(fn, (q, k, v), calls=10)[0], gpu_ms=sum(kernels.values()),
                                       kernels=dict(kernels.most_common()))
   for key, row in report.items():
     print(f"== {key}: wall {row['wall_ms']:.3f} ms, GPU {row['gpu_ms']:.3f} ms")
