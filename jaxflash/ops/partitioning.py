@@ -148,7 +148,8 @@ class Local:
 
     It runs as one `jax.jit` per distinct ``run`` (`_compiled_once`): identical attention calls
     of a program (the layers of a model) then share one traced jaxpr, which JAX lowers once and
-    calls at every site, so their kernels are lowered and compiled once, not once per layer."""
+    calls at every site, so their kernels are lowered and compiled once, not once per layer
+    (unless ``jitted`` is off: Mosaic GPU's interpreter)."""
     if not self.jitted:
       return tuple(self.run(None, *operands))
     return tuple(_compiled_once(self.run)(*operands))
@@ -355,8 +356,7 @@ def forward(backend, inputs: Inputs, params: Params, config) -> tuple[jax.Array,
   q_roles = roles[0]
   local = Local(run=_Forward(backend, params, config, names), in_roles=roles,
                 out_roles=(q_roles, (BATCH, HEADS, None)), out_sums=((), ()),
-                out_like=(0, None), direct=_runs_whole(backend, params),
-                jitted=_jits(backend, params))
+                out_like=(0, None), **_how_it_runs(backend, params))
   return run(local, operands)
 
 
@@ -377,8 +377,7 @@ def backward(backend, inputs: Inputs, params: Params, config, lse2, d_out, delta
   local = Local(run=_Backward(backend, params, config, names, want_dbias),
                 in_roles=roles + (stats, roles[0], stats), out_roles=tuple(out_roles),
                 out_sums=tuple(out_sums), out_like=tuple(out_like),
-                direct=_runs_whole(backend, params),
-                jitted=_jits(backend, params))
+                **_how_it_runs(backend, params))
   grads = run(local, operands + (lse2, d_out, delta))
   return tuple(grads[:3]) + ((grads[3] if want_dbias else None),)
 
@@ -397,20 +396,20 @@ def paged_forward(backend, inputs: Inputs, pages, params: Params, config):
   run_ = _PagedForward(backend, params, config, names, inputs.key.shape[1], inputs.key.dtype)
   local = Local(run=run_, in_roles=roles + (page_roles, page_roles, (BATCH, None)),
                 out_roles=(roles[0], (BATCH, HEADS, None)), out_sums=((), ()),
-                out_like=(0, None), key=len(names), direct=_runs_whole(backend, params),
-                jitted=_jits(backend, params))
+                out_like=(0, None), key=len(names), **_how_it_runs(backend, params))
   return run(local, operands + tuple(pages))
 
 
-def _jits(backend, params: Params) -> bool:
-  return not (params.interpret and not backend.interpreter_partitions)
+def _how_it_runs(backend, params: Params) -> dict:
+  """`Local`'s ``direct`` and ``jitted`` for a call of ``backend``.
 
-
-def _runs_whole(backend, params: Params) -> bool:
-  # A mask_mod that only the XLA backend runs reads the arrays it closes over with the batch
-  # and head indices of the whole call: its (plain JAX) call is left to XLA's partitioner.
-  return ((params.interpret and not backend.interpreter_partitions)
-          or params.kernel_mask_reason is not None)
+  An interpreter that cannot run per device takes the whole call, unjitted (see
+  `Local.jitted`). A mask_mod that only the XLA backend runs reads the arrays it closes over
+  with the batch and head indices of the whole call: its (plain JAX) call is left to XLA's
+  partitioner."""
+  interpreted_whole = params.interpret and not backend.interpreter_partitions
+  return dict(direct=interpreted_whole or params.kernel_mask_reason is not None,
+              jitted=not interpreted_whole)
 
 
 def _operands(inputs: Inputs):
