@@ -75,7 +75,8 @@ def main():
         call(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
     for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
       kernels = kernel_ms(fn, q, k, v)
-      report[f"{name} {mode}"] = dict(wall_ms=time_calls(fn, (q, k, v), calls=10)[0], gpu_ms=sum(kernels.values()),
+      report[f"{name} {mode}"] = dict(wall_ms=time_calls(fn, (q, k, v), calls=10)[0],
+                                      gpu_ms=sum(kernels.values()),
                                       kernels=dict(kernels.most_common()))
   for key, row in report.items():
     print(f"== {key}: wall {row['wall_ms']:.3f} ms, GPU {row['gpu_ms']:.3f} ms")
