@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxflash import _core
 from jaxflash import block_mask as block_mask_lib
 from jaxflash import dropout
 from jaxflash import mask_mod as mask_mod_lib
@@ -38,7 +39,7 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               segment_ids=None, logits_soft_cap=None, dropout_rate=0.0, dropout_rng=None,
               broadcast_dropout=False, interpret=False, mask_mod=None,
-              block_mask=None) -> Call:
+              block_mask=None, sinks=None) -> Call:
   """Checks every argument of `jaxflash.flash_attention` (but ``implementation`` and
   ``return_residual``) and returns the call as backends see it."""
   query, key, value = (_as_array(x, name) for x, name in
@@ -63,6 +64,7 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   q_lens = _check_lengths(query_seq_lengths, "query_seq_lengths", b, unbatched)
   kv_lens = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, unbatched)
   segments = _check_segments(segment_ids, b, t, s, unbatched)
+  sinks = _check_sinks(sinks, n, query)
 
   block_mask = _check_block_mask(mask_mod, block_mask, b, n, t, s, unbatched)
   if mask is not None:
@@ -82,7 +84,7 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       block_table=table,
       q_features=None if block_mask is None else block_mask.q_features,
       kv_features=None if block_mask is None else block_mask.kv_features,
-      mask_consts=mask_consts)
+      mask_consts=mask_consts, sinks=sinks)
   params = Params(scale=scale, window=window, logits_soft_cap=logits_soft_cap,
                   dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
                   interpret=interpret, table_block=table_block, mask_rule=split)
@@ -326,6 +328,21 @@ def _check_lengths(lengths, name: str, batch: int, unbatched: bool) -> jax.Array
   if lengths.shape != (batch,):
     raise ValueError(f"{name} must have shape (B,) = ({batch},), got {lengths.shape}")
   return lengths.astype(jnp.int32)
+
+
+def _check_sinks(sinks, heads: int, query) -> jax.Array | None:
+  """Attention sinks as float32 [N]. Inside `jax.shard_map` they are made varying like the
+  query before the attention op: its backward computes their gradient from varying results, and
+  the cast's own transpose then sums it over the devices that share them."""
+  if sinks is None:
+    return None
+  sinks = _as_array(sinks, "sinks")
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise ValueError(f"sinks must be a float array, got dtype {sinks.dtype}")
+  if sinks.shape != (heads,):
+    raise ValueError(f"sinks must have shape (N,) = ({heads},), one logit per query head, got "
+                     f"{sinks.shape}")
+  return _core.varying_like(sinks.astype(jnp.float32), _core.varying_axes(query))
 
 
 def _check_segments(segment_ids, batch: int, t: int, s: int, unbatched: bool):

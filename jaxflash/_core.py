@@ -64,6 +64,11 @@ class Inputs(NamedTuple):
   kv_features: jax.Array | None = None
   # The arrays a mask_mod that the kernels cannot run closes over (its XLA evaluation).
   mask_consts: tuple | None = None
+  # float32 [N]: one learnable logit per query head that joins every row's softmax
+  # denominator (attention sinks), in the units of the scaled logits. Only a whole call's
+  # forward applies it (`finish_rows`); a partial call never sees it (its op adds the sink
+  # after merging, `jaxflash.merge.with_sinks`), and a backward needs only the LSE it went into.
+  sinks: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +98,39 @@ class Params:
   def keep_scale(self) -> float:
     """Factor applied to kept probabilities under dropout: 1 / P(keep), so E[output] is exact."""
     return 1.0 / dropout.keep_probability(self.dropout_rate)
+
+
+def finish_rows(m: jax.Array, l: jax.Array, seen: jax.Array, sink2=None):
+  """``(factor, lse2)`` that end a row's online softmax: the output row is ``acc * factor``.
+
+  ``m`` is the row's running max and ``l`` its sum of ``exp2(s2 - m)`` (base-2 logits), and
+  ``seen`` says whether it saw any visible key (empty rows get factor 0 and an LSE of +inf).
+  ``sink2`` is the row's attention sink in base-2 units, or None: the sink is one more logit in
+  the denominator whose value row is zero, so the row becomes ``acc * 2^(m - top) / total`` with
+  ``top = max(m, sink2)`` and ``total = l * 2^(m - top) + 2^(sink2 - top)`` (shifted by the
+  larger of the two, so neither overflows). A row that sees no key stays empty: it has no
+  output, and an LSE of +inf keeps its P at zero in the backward. Plain jnp on row vectors (or
+  a scalar ``sink2``): every kernel's epilogue calls it.
+  """
+  if sink2 is None:
+    l_safe = jnp.where(seen, l, 1.0)
+    return jnp.where(seen, 1.0 / l_safe, 0.0), jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
+  top = jnp.maximum(m, sink2)
+  shift = jnp.exp2(jnp.where(seen, m - top, 0.0))
+  total = jnp.where(seen, l * shift + jnp.exp2(sink2 - top), 1.0)
+  return jnp.where(seen, shift / total, 0.0), jnp.where(seen, top + jnp.log2(total), jnp.inf)
+
+
+def sink_gradient(sinks: jax.Array, lse2: jax.Array, delta: jax.Array) -> jax.Array:
+  """d loss / d sinks, float32 [N], from the final base-2 LSE [B, N, T] (sinks included) and
+  ``delta`` = rowsum(dO * O) - d_lse [B, N, T].
+
+  A sink is a logit whose value row is zero, so its dP is 0 and its dS is ``-P_sink * delta``
+  with ``P_sink = 2^(sink2 - lse2)`` (0 on empty rows, whose LSE is +inf). Summed over batch
+  rows and queries by one reduction: the same order on every run (deterministic).
+  """
+  p_sink = jnp.exp2(sinks.astype(jnp.float32)[None, :, None] * LOG2_E - lse2)
+  return -jnp.sum(p_sink * delta, axis=(0, 2))
 
 
 def user_lse(lse2: jax.Array) -> jax.Array:

@@ -45,6 +45,7 @@ def flash_attention(
     broadcast_dropout: bool = False,
     mask_mod: MaskMod | None = None,
     block_mask: BlockMask | None = None,
+    sinks: jax.Array | None = None,
     return_residual: bool = False,
     implementation: Implementation | Sequence[Implementation] | None = None,
     interpret: bool = False,
@@ -102,6 +103,12 @@ def flash_attention(
       `BlockMask.from_blocks`) for this call's T and S: only its non-empty blocks are computed,
       and only its partial blocks evaluate the mask per entry. A dense ``mask`` and
       ``segment_ids`` are classified block by block the same way, in every call.
+    sinks: optional float [N], one learnable logit per query head (attention sinks, as in
+      gpt-oss and StreamingLLM) that joins every row's softmax denominator with a zero value
+      row: ``out = sum_s exp(l_s) v_s / (exp(sink) + sum_s exp(l_s))`` over the row's visible
+      logits ``l_s`` (scaled, capped and biased), and the LSE includes it. Differentiable:
+      its gradient is summed over batch rows and queries in a fixed order (deterministic).
+      A row that sees no key still gives zeros (and an LSE of ``-inf``).
     return_residual: also return the logsumexp of the logits, [B, T, N] in the query's dtype as
       jax.nn returns it (natural log, ``-inf`` for rows that see no key; computed in float32).
     implementation: ``"mosaic"`` (Pallas Mosaic GPU kernels for Hopper GPUs; the Triton
@@ -129,7 +136,8 @@ def flash_attention(
       local_window_size=local_window_size, segment_ids=segment_ids,
       logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       broadcast_dropout=broadcast_dropout, mask_mod=mask_mod, block_mask=block_mask,
-      return_residual=return_residual, implementation=implementation, interpret=interpret)
+      sinks=sinks, return_residual=return_residual, implementation=implementation,
+      interpret=interpret)
 
 
 # The implementations that jaxflash's drop-in passes to `jax.nn.dot_product_attention` itself.
@@ -304,6 +312,7 @@ def decode_attention(
     scale: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     return_residual: bool = False,
     implementation: Implementation | Sequence[Implementation] | None = None,
     interpret: bool = False,
@@ -335,6 +344,7 @@ def decode_attention(
     local_window_size: ``w`` or ``(left, right)``: a token sees at most ``left`` tokens before
       its own (``right`` has no effect: nothing after it is visible).
     logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
+    sinks: optional float [N], attention sinks (as in `flash_attention`).
     return_residual: also return the logsumexp, [B, T, N] (as `flash_attention`).
     implementation: as in `flash_attention`.
     interpret: run Pallas kernels in interpret mode (for tests on a CPU).
@@ -356,7 +366,7 @@ def decode_attention(
     key, value = decode.gather_pages(key, page_table), decode.gather_pages(value, page_table)
   call = _checks.normalise(query, key, value, scale=scale, is_causal=True,
                            key_value_seq_lengths=kv_lengths, local_window_size=local_window_size,
-                           logits_soft_cap=logits_soft_cap, interpret=interpret)
+                           logits_soft_cap=logits_soft_cap, sinks=sinks, interpret=interpret)
   call = call._replace(inputs=decode.decode_inputs(call.inputs))
   if implementation is None:
     # Backends with a split-KV decoding forward first (Triton's): the training forwards give
@@ -382,6 +392,7 @@ def ring_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     broadcast_dropout: bool = False,
+    sinks: jax.Array | None = None,
     return_residual: bool = False,
     implementation: Implementation | Sequence[Implementation] | None = None,
     interpret: bool = False,
@@ -404,8 +415,9 @@ def ring_attention(
       (device ``i`` holds tokens ``i, i+R, i+2R, ...``: the same causal work in one launch
       per step; `to_striped` / `from_striped`; no window and no dropout).
     scale, is_causal, local_window_size, logits_soft_cap, dropout_rate, dropout_rng,
-      broadcast_dropout, return_residual, implementation, interpret: as in `flash_attention`;
-      positions (the causal band, windows, dropout) are those of the whole sequence.
+      broadcast_dropout, sinks, return_residual, implementation, interpret: as in
+      `flash_attention`; positions (the causal band, windows, dropout) are those of the whole
+      sequence, and the sinks join each row's softmax once, after the ring's merge.
     segment_ids: int [B, C], this chunk's segment ids (packed documents); they travel with
       their keys.
     query_seq_lengths, key_value_seq_lengths: int [B], the valid tokens of each row of the
@@ -439,7 +451,8 @@ def ring_attention(
       query, key, value, implementation=implementation, return_residual=return_residual,
       scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       segment_ids=segment_ids, logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate,
-      dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, interpret=interpret)
+      dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, sinks=sinks,
+      interpret=interpret)
   chunk = call.inputs.query.shape[1]
   if call.inputs.key.shape[1] != chunk:
     raise ValueError(f"query and key chunks must have the same length, got {chunk} and "

@@ -64,6 +64,26 @@ def merge(outs: Sequence[jax.Array] | jax.Array,
   return weighted / jnp.where(seen, total, 1.0)[..., None], merged_lse
 
 
+def with_sinks(out: jax.Array, lse: jax.Array,
+               sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """A merged result with each head's attention sink joined to its softmax denominator.
+
+  ``out`` [..., T, N, H] and its natural-log ``lse`` [..., T, N] (``-inf`` on rows that see no
+  key) are normalised over the keys; ``sinks`` float [N] is one more logit per head whose value
+  row is zero. Each row is scaled by ``exp(lse - lse')`` with ``lse' = logaddexp(lse, sink)``.
+  Rows that see no key stay zeros with an LSE of ``-inf``, as in every kernel
+  (`jaxflash._core.finish_rows`). ``sinks`` None returns the result unchanged.
+  """
+  if sinks is None:
+    return out, lse
+  sink = sinks.astype(jnp.float32)
+  seen = lse != -jnp.inf
+  joined = jnp.logaddexp(lse.astype(jnp.float32), sink)
+  weight = jnp.where(seen, jnp.exp(jnp.where(seen, lse - joined, 0.0)), 0.0)
+  scaled = out.astype(jnp.float32) * weight[..., None]
+  return scaled.astype(out.dtype), jnp.where(seen, joined, -jnp.inf)
+
+
 def _each_range(xs, axis: int) -> list:
   """The ranges of a sequence, or of an array along ``axis``, as a list."""
   if not isinstance(xs, jax.Array):

@@ -14,12 +14,13 @@ import jax.numpy as jnp
 def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                         query_seq_lengths=None, key_value_seq_lengths=None,
                         local_window_size=None, segment_ids=None, logits_soft_cap=None,
-                        dropout_rate=0.0, dropout_keep=None):
+                        dropout_rate=0.0, dropout_keep=None, sinks=None):
   """Attention in float32 with dense masks. Arguments as `jaxflash.flash_attention` (BTNH only).
 
   Dropout takes the keep mask itself (``dropout_keep``, bool broadcastable to [B, N, T, S]) rather
   than a key, so a test can hand it the mask that `jaxflash.dropout.dense_keep_mask` says the
-  kernels use: kept probabilities are scaled by ``1 / (1 - dropout_rate)``.
+  kernels use: kept probabilities are scaled by ``1 / (1 - dropout_rate)``. ``sinks`` [N] are
+  one more logit per head, in every row that sees a key, whose value is zero.
 
   Returns ``(out, lse)``: ``out`` float32 [B, T, N, H] (zeros on rows that see no key) and ``lse``
   float32 [B, T, N] (natural log, ``-inf`` on rows that see no key).
@@ -61,6 +62,9 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
   logits = jnp.where(ok, logits, -jnp.inf)
   lse = jax.nn.logsumexp(logits, axis=-1)  # -inf where the row sees nothing
   any_visible = jnp.any(ok, axis=-1)
+  if sinks is not None:  # a column of the sink's logit, dropped again after the softmax
+    sink = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[None, :, None], lse.shape)
+    lse = jnp.where(any_visible, jnp.logaddexp(lse, sink), -jnp.inf)
   probs = jnp.where(ok, jnp.exp(logits - jnp.where(any_visible, lse, 0.0)[..., None]), 0.0)
   if dropout_keep is not None:
     probs = jnp.where(dropout_keep, probs / (1.0 - dropout_rate), 0.0)

@@ -150,12 +150,15 @@ OPTIONS = {
     # forward must not take its folded-scale path then.
     "scale_negative": lambda *a: dict(scale=-0.37),
     "scale_zero": lambda *a: dict(scale=0.0),
+    # Attention sinks: their own gradient is checked in test_sinks.py.
+    "sinks": lambda b, t, s, n, seed: dict(sinks=2.0 * random_array(seed, (n,), "float")),
     "everything": lambda b, t, s, n, seed: dict(
         is_causal=True, local_window_size=(20, 0), logits_soft_cap=3.0, scale=0.2,
         mask=random_array(seed, (b, 1, t, s), "bool"),
         bias=random_array(seed, (b, n, t, s), "float"),
         segment_ids=(random_array(seed, (b, t), 2), random_array(seed + 1, (b, s), 2)),
-        dropout_rate=0.2, dropout_rng=jax.random.key(seed), **random_lengths(b, t, s, n, seed)),
+        dropout_rate=0.2, dropout_rng=jax.random.key(seed), **random_lengths(b, t, s, n, seed),
+        sinks=random_array(seed, (n,), "float")),
 }
 
 

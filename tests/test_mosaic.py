@@ -35,7 +35,7 @@ KV = jax.ShapeDtypeStruct((2, 1000, 2, 128), BF16)
 # "everything", which test_every_supported_option_at_once runs).
 SUPPORTED = ("none", "causal", "window_pair", "causal_window", "lengths", "segments_pair",
              "mask_full", "mask_keys", "bias_full", "dropout", "dropout_broadcast", "soft_cap",
-             "scale", "scale_negative", "scale_zero")
+             "scale", "scale_negative", "scale_zero", "sinks")
 
 
 def _in(mesh, fn):
@@ -545,7 +545,7 @@ def test_forward_cells_on_gpu(t, s, n, k, causal):
 # On a CPU a subset: "everything" below covers the rest in one call.
 NUMERIC_OPTIONS = SUPPORTED if ON_GPU else ("none", "causal_window", "lengths", "segments_pair",
                                             "mask_keys", "bias_full", "dropout",
-                                            "scale_negative")
+                                            "scale_negative", "sinks")
 
 
 # Variants of an interpreter test whose base case (every option at once, the shipped tiles) runs

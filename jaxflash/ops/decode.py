@@ -143,9 +143,10 @@ def _paged_fwd(inputs, pages, params, path, config):
 def _paged_bwd(params, path, config, residuals, cotangents):
   inputs, out, lse2 = residuals
   d_out, delta = flash.output_cotangents(out, cotangents)
-  dq, dk, dv, _ = flash.backward(path.training, inputs, params, config.training, lse2, d_out,
-                                 delta, False)
-  return flash.cotangents_of(inputs, dq, dk, dv, None), (None, None, None)
+  dq, dk, dv, _ = flash.backward(path.training, flash.without_sinks(inputs), params,
+                                 config.training, lse2, d_out, delta, False)
+  return (flash.cotangents_of(inputs, dq, dk, dv, None, lse2=lse2, delta=delta),
+          (None, None, None))
 
 
 _paged.defvjp(_paged_fwd, _paged_bwd)

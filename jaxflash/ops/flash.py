@@ -36,8 +36,9 @@ def _forward(inputs, params, backend, config):
 def _backward(params, backend, config, residuals, cotangents):
   inputs, out, lse2, want_dbias = residuals
   d_out, delta = output_cotangents(out, cotangents)
-  grads = backward(backend, inputs, params, config, lse2, d_out, delta, want_dbias)
-  return (cotangents_of(inputs, *grads),)
+  grads = backward(backend, without_sinks(inputs), params, config, lse2, d_out, delta,
+                   want_dbias)
+  return (cotangents_of(inputs, *grads, lse2=lse2, delta=delta),)
 
 
 SECOND_ORDER = ("jaxflash computes first derivatives only: its backward pass (a fused kernel, or "
@@ -90,11 +91,23 @@ def primal_values(inputs: Inputs) -> Inputs:
                       is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal))
 
 
-def cotangents_of(inputs: Inputs, dq, dk, dv, dbias) -> Inputs:
-  """The `Inputs`-shaped cotangent: integer inputs, the mask and the dropout seed get none."""
+def cotangents_of(inputs: Inputs, dq, dk, dv, dbias, lse2=None, delta=None) -> Inputs:
+  """The `Inputs`-shaped cotangent: integer inputs, the mask and the dropout seed get none.
+  Attention sinks, if any, get theirs from the final ``lse2`` and ``delta``
+  (`jaxflash._core.sink_gradient`)."""
   cast = lambda g, x: None if g is None else g.astype(x.dtype)  # noqa: E731
+  d_sinks = None
+  if inputs.sinks is not None:
+    d_sinks = cast(_core.sink_gradient(inputs.sinks, lse2, delta), inputs.sinks)
   return Inputs(query=cast(dq, inputs.query), key=cast(dk, inputs.key),
-                value=cast(dv, inputs.value), lengths=None, bias=cast(dbias, inputs.bias))
+                value=cast(dv, inputs.value), lengths=None, bias=cast(dbias, inputs.bias),
+                sinks=d_sinks)
+
+
+def without_sinks(inputs: Inputs) -> Inputs:
+  """The inputs a backward (or a partial forward) gets: no sinks. A backward needs only the LSE
+  they went into, and a partial result's sinks are joined after the merge."""
+  return inputs._replace(sinks=None)
 
 
 attention.defvjp(_forward, _backward, symbolic_zeros=True)

@@ -24,9 +24,10 @@ from jax import lax
 from jaxflash import _core
 from jaxflash._core import Inputs, Params
 from jaxflash.merge import merge
+from jaxflash.merge import with_sinks
 from jaxflash.ops import flash
 
-__all__ = ["merge", "key_range", "split_keys_attention"]
+__all__ = ["merge", "with_sinks", "key_range", "split_keys_attention"]
 
 
 def key_range(inputs: Inputs, start: int, stop: int) -> Inputs:
@@ -69,11 +70,12 @@ def split_keys_attention(inputs: Inputs, params: Params, backend, config,
 def _split_forward(inputs, params, backend, config, boundaries):
   partial_params = dataclasses.replace(params, partial=True)
   outs, lses = [], []
+  ranged = flash.without_sinks(inputs)
   for start, stop in _ranges(boundaries, inputs.key.shape[1]):
-    out, lse2 = flash.forward(backend, key_range(inputs, start, stop), partial_params, config)
+    out, lse2 = flash.forward(backend, key_range(ranged, start, stop), partial_params, config)
     outs.append(out)
     lses.append(jnp.swapaxes(_core.user_lse(lse2), 1, 2))  # [B, T, N], like the outputs
-  out, lse = merge(outs, lses)
+  out, lse = with_sinks(*merge(outs, lses), inputs.sinks)
   out = out if params.partial else out.astype(inputs.query.dtype)
   return out, _core.base2_lse(jnp.swapaxes(lse, 1, 2))
 
@@ -91,8 +93,9 @@ def _split_bwd(params, backend, config, boundaries, residuals, cotangents):
   d_out, delta = flash.output_cotangents(out, cotangents)
   partial_params = dataclasses.replace(params, partial=True)  # float32 shares, summed below
   dq, dks, dvs, dbiases = 0.0, [], [], []
+  ranged = flash.without_sinks(inputs)
   for start, stop in _ranges(boundaries, inputs.key.shape[1]):
-    share = flash.backward(backend, key_range(inputs, start, stop), partial_params, config,
+    share = flash.backward(backend, key_range(ranged, start, stop), partial_params, config,
                            lse2, d_out, delta, want_dbias)
     dq = dq + share[0]
     dks.append(share[1])
@@ -100,7 +103,7 @@ def _split_bwd(params, backend, config, boundaries, residuals, cotangents):
     dbiases.append(share[3])
   dbias = jnp.concatenate(dbiases, axis=3) if want_dbias else None
   return (flash.cotangents_of(inputs, dq, jnp.concatenate(dks, axis=1),
-                              jnp.concatenate(dvs, axis=1), dbias),)
+                              jnp.concatenate(dvs, axis=1), dbias, lse2=lse2, delta=delta),)
 
 
 split_keys_attention.defvjp(_split_fwd, _split_bwd, symbolic_zeros=True)

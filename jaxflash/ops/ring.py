@@ -241,6 +241,7 @@ def _forward(inputs: Inputs, params: Params, ring: Ring):
   """(out [B, T, N, H], lse2 [B, N, T]) of the local queries against the whole sequence."""
   size, parts = ring.size(), _parts(ring)
   partial_params = dataclasses.replace(params, partial=True)
+  sinks, inputs = inputs.sinks, flash.without_sinks(inputs)  # joined after the last merge
   kv = (inputs.key, inputs.value, inputs.kv_segment_ids)
   # Per query part, the (out, lse) merged so far: each partial is merged in as it comes, so
   # that one float32 output per part is alive, not one per pair.
@@ -269,6 +270,7 @@ def _forward(inputs: Inputs, params: Params, ring: Ring):
     kv = next_kv
   out = jnp.concatenate([m[0] for m in merged], axis=1)
   lse = jnp.concatenate([m[1] for m in merged], axis=1)  # [B, T, N]
+  out, lse = partial.with_sinks(out, lse, sinks)
   out = out if params.partial else out.astype(inputs.query.dtype)
   return out, _core.base2_lse(jnp.swapaxes(lse, 1, 2))
 
@@ -292,6 +294,7 @@ def _bwd(params, ring, residuals, cotangents):
   size, parts = ring.size(), _parts(ring)
   tq = inputs.query.shape[1] // parts
   partial_params = dataclasses.replace(params, partial=True)  # float32 shares, summed
+  pairs_of = flash.without_sinks(inputs)
   kv = (inputs.key, inputs.value, inputs.kv_segment_ids)
   # Accumulators vary over the manual axes like the gradients added to them (check_vma).
   zeros = lambda x: _core.varying_like(jnp.zeros(x.shape, jnp.float32),  # noqa: E731
@@ -299,7 +302,7 @@ def _bwd(params, ring, residuals, cotangents):
   dq, dk, dv = zeros(inputs.query), zeros(inputs.key), zeros(inputs.key)
   for step in range(size):
     next_kv = ring.shift(kv) if step < size - 1 else None
-    for p, r, pair in _step_pairs(inputs, params, ring, kv, step):
+    for p, r, pair in _step_pairs(pairs_of, params, ring, kv, step):
       rows = functools.partial(_part_of, start=p * tq, size=tq)
       g = flash.backward(ring.backend, pair, partial_params, ring.config,
                          rows(lse2, axis=2), rows(d_out), rows(delta, axis=2), False)
@@ -312,7 +315,7 @@ def _bwd(params, ring, residuals, cotangents):
   # The accumulators now belong to the next device's chunk: one more shift sends them home,
   # already in the gradients' dtype (casting before or after the trip gives the same bits).
   dk, dv = ring.shift((dk.astype(inputs.key.dtype), dv.astype(inputs.value.dtype)))
-  return (flash.cotangents_of(inputs, dq, dk, dv, None),)
+  return (flash.cotangents_of(inputs, dq, dk, dv, None, lse2=lse2, delta=delta),)
 
 
 ring_attention.defvjp(_fwd, _bwd, symbolic_zeros=True)

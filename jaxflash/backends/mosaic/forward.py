@@ -128,6 +128,8 @@ class _Extras(NamedTuple):
   # With block lists: the kernel's work items (a CTA tile of one batch row and head), heaviest
   # first (`by_cost`), int32 [items], each ``(batch * heads + head) * tiles + tile``.
   order: jax.Array | None = None
+  # The forward's attention sinks in base-2 units, float32 [N] (`_core.finish_rows`).
+  sinks: jax.Array | None = None
 
 
 def _iota(shape, dim: int):
@@ -553,9 +555,11 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       # the element mask, so padding rows accumulate there); it gives zeros and an LSE of +inf.
       # NaN != 0, so a NaN row stays NaN.
       seen = jnp.logical_and(q_rows < pos.q_len, l != 0.0)
-      l_safe = jnp.where(seen, l, 1.0)
-      scale = params.keep_scale if row_key is not None else 1.0
-      out = jnp.where(_rows(seen, acc.shape), acc * _rows(scale / l_safe, acc.shape), 0.0)
+      sink2 = None if extras.sinks is None else extras.sinks[head]
+      factor, lse2 = _core.finish_rows(m, l, seen, sink2)
+      if row_key is not None:
+        factor = factor * params.keep_scale
+      out = jnp.where(_rows(seen, acc.shape), acc * _rows(factor, acc.shape), 0.0)
       if grid.ctas is not None:
         # The previous item's O and LSE tiles must have left shared memory. Only the thread
         # that issued their stores waits, so the warpgroup meets before anyone overwrites them.
@@ -563,7 +567,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         if not params.interpret:  # the interpreter runs a warpgroup as one thread
           _emit(mgpu.utils.warpgroup_barrier)  # bar.sync of this warpgroup's 128 threads
       o_smem[...] = out.astype(o_smem.dtype)
-      lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
+      lse_smem.at[wg][...] = lse2
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, block_q)])
@@ -693,6 +697,8 @@ def forward(inputs: Inputs, params: Params, config: Config):
   q_tiles = pl.cdiv(t, rows_per_cta)
   extras = _extras(inputs, q_tiles * rows_per_cta, _round_up(k.shape[1], config.block_kv))
   extras = with_order(with_lists(extras, inputs, params, rows_per_cta, config.block_kv), inputs)
+  if inputs.sinks is not None:
+    extras = extras._replace(sinks=inputs.sinks.astype(jnp.float32) * _core.LOG2_E)
   elementwise = extras.mask is not None or extras.q_segment_ids is not None
   schedule = Schedule(params.window, rows_per_cta, config.block_kv, elementwise)
   stages = config.num_stages

@@ -480,7 +480,11 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
     out, lse2 = _merge_splits(outs, lse2)
   kv_heads = outs.shape[1]
   out = out.reshape(b, kv_heads, n // kv_heads, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
-  return out.astype(inputs.query.dtype), lse2.reshape(b, n, t)
+  lse2 = lse2.reshape(b, n, t)
+  if inputs.sinks is not None:  # joined after the splits' merge
+    out, lse = merge.with_sinks(out, jnp.swapaxes(_core.user_lse(lse2), 1, 2), inputs.sinks)
+    lse2 = _core.base2_lse(jnp.swapaxes(lse, 1, 2))
+  return out.astype(inputs.query.dtype), lse2
 
 
 def _merge_splits(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -21,7 +21,8 @@ from jaxflash.backends.triton.config import Config
 from jaxflash.schedule import Schedule
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, o_ref, lse_ref, *,
+def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, sink_ref, o_ref,
+                    lse_ref, *,
                     params: Params, st: tiles.Static, schedule: Schedule):
   qt = tiles.query_tile(q_ref, lengths_ref, opt, params, st, schedule.block_q, schedule.block_k)
   # With a plain positive scale the tile's max is taken on the raw q @ k.T and scaled per row;
@@ -59,11 +60,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, o_ref
   # A row is empty only when it saw no visible key (l == 0). NaN logits make l NaN, and the row
   # must come out NaN (as in jax.nn), not as an empty row: `l > 0` would hide them as zeros.
   seen = jnp.logical_and(qt.rows < qt.pos.q_len, l != 0.0)
-  inv_l = (1.0 if qt.stream is None else params.keep_scale) / jnp.where(seen, l, 1.0)
-  out = jnp.where(seen[:, None], acc * inv_l[:, None], 0.0)
+  sink2 = None if sink_ref is None else sink_ref[0] * _core.LOG2_E
+  factor, lse2 = _core.finish_rows(m, l, seen, sink2)
+  if qt.stream is not None:
+    factor = factor * params.keep_scale
+  out = jnp.where(seen[:, None], acc * factor[:, None], 0.0)
   plgpu.store(o_ref, out.astype(o_ref.dtype), mask=tiles.tile_ok(qt.row_ok, st.dim_ok))
-  plgpu.store(lse_ref, jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf),
-              mask=qt.row_ok)
+  plgpu.store(lse_ref, lse2, mask=qt.row_ok)
 
 
 def forward(inputs: Inputs, params: Params, config: Config):
@@ -80,15 +83,18 @@ def forward(inputs: Inputs, params: Params, config: Config):
   kernel = functools.partial(_forward_kernel, params=params, st=st,
                              schedule=tiles.schedule(inputs, params, block_q, block_k))
   out_dtype = jnp.float32 if params.partial else q.dtype
+  # The heads' sinks as [N, 1]: each program reads its head's one (a block of one element).
+  sinks = None if inputs.sinks is None else inputs.sinks.astype(jnp.float32).reshape(n, 1)
   return pl.pallas_call(
       kernel,
       grid=(pl.cdiv(t, block_q), b, n),
       in_specs=[rows, kv, kv, pl.BlockSpec((None, 2), lambda i, b, h: (b, 0)),
-                tiles.query_block_specs(opt, block_q, s)],
+                tiles.query_block_specs(opt, block_q, s),
+                None if sinks is None else pl.BlockSpec((None, 1), lambda i, b, h: (h, 0))],
       out_specs=[rows, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
       out_shape=[_core.out_struct(q.shape, out_dtype, q),
                  _core.out_struct((b, n, t), jnp.float32, q)],
       compiler_params=tiles.compiler_params(config.forward),
       interpret=params.interpret,
       name="jaxflash_forward",
-  )(q, k, v, inputs.lengths, opt)
+  )(q, k, v, inputs.lengths, opt, sinks)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from jaxflash import _core
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.xla import blocks
 from jaxflash.backends.xla.blocks import Config
@@ -23,6 +24,9 @@ def forward(inputs: Inputs, params: Params, config: Config):
   blk = blocks.Blocks(inputs, lay, params)
   bq, bk = lay.block_q, lay.block_k
   out_dtype = jnp.float32 if params.partial else inputs.query.dtype
+  sink2 = None  # [1, K, G, 1], base 2, broadcast over the batch and a block's rows
+  if inputs.sinks is not None:
+    sink2 = (inputs.sinks.astype(jnp.float32) * _core.LOG2_E).reshape(1, lay.kh, lay.g, 1)
 
   def one_q_block(i):
     q_start = i * bq
@@ -54,9 +58,10 @@ def forward(inputs: Inputs, params: Params, config: Config):
                                       spans=blk.kv_spans(i))
     # Empty means l == 0 exactly: NaN logits give l = NaN and must make the row NaN.
     seen = jnp.logical_and(blk.q_is_valid(q_start), l != 0.0)
-    inv_l = (params.keep_scale if blk.stream is not None else 1.0) / jnp.where(seen, l, 1.0)
-    out = jnp.where(seen[..., None], acc * inv_l[..., None], 0.0)
-    lse2 = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
+    factor, lse2 = _core.finish_rows(m, l, seen, sink2)
+    if blk.stream is not None:
+      factor = factor * params.keep_scale
+    out = jnp.where(seen[..., None], acc * factor[..., None], 0.0)
     return jnp.moveaxis(out, 3, 1).astype(out_dtype), lse2
 
   out, lse2 = lax.map(one_q_block, jnp.arange(lay.t_pad // bq, dtype=jnp.int32))
