@@ -31,6 +31,10 @@ import jax.numpy as jnp
 from jaxflash.attention import decode_attention, flash_attention
 
 _CACHE_STEP = contextvars.ContextVar("jaxflash_flax_cache_step", default=False)
+# A module with ``sinks=True`` sets this, around its call, to a function that returns its sinks
+# parameter; the hook calls it there. Linen then creates the parameter inside the module's own
+# compact ``__call__`` (the one place Flax allows it), and nnx reads its `nnx.Param`.
+_MODULE_SINKS = contextvars.ContextVar("jaxflash_flax_module_sinks", default=None)
 
 
 @contextlib.contextmanager
@@ -42,6 +46,41 @@ def cache_step() -> Iterator[None]:
     yield
   finally:
     _CACHE_STEP.reset(token)
+
+
+@contextlib.contextmanager
+def module_sinks(get_sinks) -> Iterator[None]:
+  """Makes ``get_sinks()`` (the calling module's sinks parameter, [num_heads]) the sinks of the
+  hook calls inside (`sinks_for_call`)."""
+  token = _MODULE_SINKS.set(get_sinks)
+  try:
+    yield
+  finally:
+    _MODULE_SINKS.reset(token)
+
+
+def sinks_for_call(sinks: jax.Array | None) -> jax.Array | None:
+  """The sinks a hook call uses: its own ``sinks`` argument, else its module's, else None."""
+  if sinks is not None:
+    return sinks
+  get_sinks = _MODULE_SINKS.get()
+  return None if get_sinks is None else get_sinks()
+
+
+def check_takes_module_sinks(attention_fn, hook, flavour: str) -> None:
+  """A module with ``sinks=True`` passes its sinks only to jaxflash's hooks (``hook``, or a
+  `ring_attention_fn`): any other ``attention_fn`` would silently train without them."""
+  fn = hook_of(attention_fn)
+  if fn is not hook and not getattr(fn, "takes_module_sinks", False):
+    raise ValueError(f"sinks=True needs jaxflash's attention_fn (jaxflash.{flavour}."
+                     f"dot_product_attention or ring_attention_fn), got {attention_fn!r}")
+
+
+def no_sinks_for_fallback(sinks, why: str) -> None:
+  """Flax's own attention has no sinks: a call that falls back with sinks raises."""
+  if sinks is not None:
+    raise ValueError(f"sinks need jaxflash's kernels, but this call falls back to Flax's own "
+                     f"attention ({why})")
 
 
 def _occupancy_lengths(mask: jax.Array, batch_shape: tuple[int, ...], s: int) -> jax.Array | None:
@@ -76,9 +115,9 @@ def _to_bnts(x: jax.Array | None, batch_shape: tuple[int, ...], as_bool: bool):
 def attend(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
            mask: jax.Array | None, *, broadcast_dropout: bool, dropout_rng: jax.Array | None,
            dropout_rate: float, deterministic: bool, is_causal: bool,
-           implementation=None) -> jax.Array:
+           implementation=None, sinks: jax.Array | None = None) -> jax.Array:
   """Flax-convention attention through `jaxflash.flash_attention` (arrays already promoted);
-  ``implementation`` as there (jaxflash's backends)."""
+  ``implementation`` and ``sinks`` as there."""
   batch_shape = query.shape[:-3]
   if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
     # Flattening mismatched batch dims would pair queries with the wrong rows (or fail to
@@ -97,13 +136,13 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array |
       and q.shape[1] == 1):
     lengths = _occupancy_lengths(mask, batch_shape, k.shape[1])
     if lengths is not None:
-      out = decode_attention(q, k, v, lengths, implementation=implementation)
+      out = decode_attention(q, k, v, lengths, sinks=sinks, implementation=implementation)
       return out.reshape(query.shape[:-1] + value.shape[-1:])
   out = flash_attention(
       q, k, v, bias=_to_bnts(bias, batch_shape, as_bool=False),
       mask=_to_bnts(mask, batch_shape, as_bool=True), is_causal=is_causal,
       dropout_rate=rate, dropout_rng=dropout_rng if rate > 0.0 else None,
-      broadcast_dropout=broadcast_dropout, implementation=implementation)
+      broadcast_dropout=broadcast_dropout, sinks=sinks, implementation=implementation)
   return out.reshape(query.shape[:-1] + value.shape[-1:])
 
 
@@ -163,7 +202,8 @@ def ring_attention_fn(axis_name: str, *, layout: str = "contiguous", is_causal: 
   ``axis_name``: pass it to a module whose call runs inside `jax.shard_map` with the sequence
   split along that axis, and each device attends its chunk of queries to the whole sequence.
 
-  ``layout`` and ``is_causal`` are fixed here (the module has no such arguments). A ``mask`` or
+  ``layout`` and ``is_causal`` are fixed here (the module has no such arguments); a module's
+  sinks (``sinks=True``) are passed on. A ``mask`` or
   ``bias`` is refused (a dense [T, S] array is what the ring exists to avoid; use ``is_causal``,
   or `jaxflash.ring_attention`'s ``segment_ids`` and ``local_window_size`` directly). Dropout is
   Flax's: ``dropout_rate``, ``dropout_rng``, ``deterministic`` and ``broadcast_dropout``.
@@ -185,7 +225,8 @@ def ring_attention_fn(axis_name: str, *, layout: str = "contiguous", is_causal: 
     rate = 0.0 if deterministic else float(dropout_rate)
     out = ring_attention(q, k, v, axis_name=axis_name, layout=layout, is_causal=is_causal,
                          dropout_rate=rate, dropout_rng=dropout_rng if rate > 0.0 else None,
-                         broadcast_dropout=broadcast_dropout)
+                         broadcast_dropout=broadcast_dropout, sinks=sinks_for_call(None))
     return out.reshape(query.shape[:-1] + value.shape[-1:])
 
+  attention_fn.takes_module_sinks = True
   return attention_fn

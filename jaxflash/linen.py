@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 try:
   from flax import linen as nn
@@ -52,9 +53,10 @@ def dot_product_attention(
     *,
     is_causal: bool = False,
     implementation: str | Sequence[str] | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-  """`flax.linen.dot_product_attention` computed by jaxflash (same signature, plus ``is_causal``
-  and ``implementation``).
+  """`flax.linen.dot_product_attention` computed by jaxflash (same signature, plus ``is_causal``,
+  ``implementation`` and ``sinks``).
 
   Arrays are ``[batch..., length, heads, depth]``; ``query`` arrives unscaled and is scaled by
   ``1 / sqrt(depth)``. ``mask`` (bool or float, nonzero = attend) and ``bias`` broadcast to
@@ -65,21 +67,24 @@ def dot_product_attention(
 
   ``implementation`` picks jaxflash's backend as in `jaxflash.flash_attention` (``"mosaic"``,
   ``"triton"``, ``"xla"``: jaxflash's blockwise one, or a sequence of them); None lets jaxflash
-  choose.
+  choose. ``sinks`` (float [heads]) are attention sinks as in `jaxflash.flash_attention`; a
+  module made with ``sinks=True`` passes its own.
 
   Requests the kernels cannot serve fall back to Flax's own implementation rather than being
   ignored: ``module`` (sowing the T x S weights), ``precision``, custom einsums or dot_generals,
   a value depth different from the query depth, or non-float inputs. Such a call with an
-  ``implementation`` raises a ValueError instead.
+  ``implementation`` or sinks raises a ValueError instead.
 
   Query rows that can see no key give zeros (Flax gives the mean of the values there).
   """
   query, key, value = promote_dtype(query, key, value, dtype=dtype)
+  sinks = _flax.sinks_for_call(sinks)
   if (module is not None or precision is not None or einsum_dot_general is not None
       or qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None
       or not _flax.kernel_can_serve(query, key, value)):
-    _flax.no_implementation_for_fallback(implementation, "weights sown, a precision, custom "
-                                         "einsums, or shapes/dtypes the kernels do not take")
+    why = "weights sown, a precision, custom einsums, or shapes/dtypes the kernels do not take"
+    _flax.no_implementation_for_fallback(implementation, why)
+    _flax.no_sinks_for_fallback(sinks, why)
     if is_causal:
       mask = _flax.with_causal_mask(mask, query, key)
     return nn.dot_product_attention(
@@ -90,7 +95,7 @@ def dot_product_attention(
   return _flax.attend(query, key, value, bias, mask, broadcast_dropout=broadcast_dropout,
                       dropout_rng=dropout_rng, dropout_rate=dropout_rate,
                       deterministic=deterministic, is_causal=is_causal,
-                      implementation=implementation)
+                      implementation=implementation, sinks=sinks)
 
 
 class _Jaxflash:
@@ -102,10 +107,14 @@ class _Jaxflash:
     into ``attention_fn``, which must take them;
   - ``__call__`` runs a decode step (``decode=True``, the cache already made) that passes no
     ``mask`` inside `_flax.cache_step`, where the hook runs `jaxflash.decode_attention` on the
-    cache; every other call runs as Flax's.
+    cache; every other call runs as Flax's. With ``sinks=True`` the hook gets the module's
+    ``sinks`` parameter ([num_heads], float32 zeros at init, made by the hook's call inside
+    Flax's compact ``__call__``).
   """
 
   def __post_init__(self):
+    if self.sinks:
+      _flax.check_takes_module_sinks(self.attention_fn, dot_product_attention, "linen")
     object.__setattr__(self, "attention_fn", _flax.bind_options(
         self.attention_fn, is_causal=True if self.is_causal and not self.decode else None,
         implementation=self.implementation))
@@ -114,12 +123,14 @@ class _Jaxflash:
   def __call__(self, *args, **kwargs):
     # Flax's classes take the mask as a keyword, or (SelfAttention) second positionally.
     call = inspect.signature(super().__call__).bind_partial(*args, **kwargs)
-    step = contextlib.nullcontext()
-    if (self.decode and call.arguments.get("mask") is None
-        and _flax.hook_of(self.attention_fn) is dot_product_attention
-        and self.has_variable("cache", "cached_key")):
-      step = _flax.cache_step()
-    with step:
+    with contextlib.ExitStack() as stack:
+      if (self.decode and call.arguments.get("mask") is None
+          and _flax.hook_of(self.attention_fn) is dot_product_attention
+          and self.has_variable("cache", "cached_key")):
+        stack.enter_context(_flax.cache_step())
+      if self.sinks:
+        stack.enter_context(_flax.module_sinks(lambda: self.param(
+            "sinks", nn.initializers.zeros_init(), (self.num_heads,), jnp.float32)))
       return super().__call__(*args, **kwargs)
 
 
@@ -131,6 +142,9 @@ class MultiHeadDotProductAttention(_Jaxflash, nn.MultiHeadDotProductAttention):
       pass a dense T x T one (a mask that is passed still applies too).
     implementation: (default None) jaxflash's backend, passed to the ``attention_fn`` as in
       `jaxflash.flash_attention`; None lets jaxflash choose.
+    sinks: (default False) learnable attention sinks: a ``sinks`` parameter [num_heads]
+      (float32, zeros at init) that joins every softmax denominator
+      (`jaxflash.flash_attention`'s ``sinks``).
 
   With ``decode=True``, a step that passes no ``mask`` runs `jaxflash.decode_attention` on the
   cache (its occupancy gives the lengths): on a GPU, the split-KV decoding kernel.
@@ -139,22 +153,25 @@ class MultiHeadDotProductAttention(_Jaxflash, nn.MultiHeadDotProductAttention):
   attention_fn: Callable[..., jax.Array] = dot_product_attention
   is_causal: bool = False
   implementation: str | Sequence[str] | None = None
+  sinks: bool = False
 
 
 class MultiHeadAttention(_Jaxflash, nn.MultiHeadAttention):
   """`flax.linen.MultiHeadAttention` (Flax's alias, named ``MultiHeadAttention_N``) with
-  jaxflash attention by default, ``is_causal``, ``implementation`` and the decoding kernel in
-  decode mode."""
+  jaxflash attention by default, ``is_causal``, ``implementation``, ``sinks`` and the decoding
+  kernel in decode mode."""
 
   attention_fn: Callable[..., jax.Array] = dot_product_attention
   is_causal: bool = False
   implementation: str | Sequence[str] | None = None
+  sinks: bool = False
 
 
 class SelfAttention(_Jaxflash, nn.SelfAttention):
   """`flax.linen.SelfAttention` with jaxflash attention by default, ``is_causal``,
-  ``implementation`` and the decoding kernel in decode mode."""
+  ``implementation``, ``sinks`` and the decoding kernel in decode mode."""
 
   attention_fn: Callable[..., jax.Array] = dot_product_attention
   is_causal: bool = False
   implementation: str | Sequence[str] | None = None
+  sinks: bool = False

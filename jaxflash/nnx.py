@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 try:
   from flax import nnx
@@ -48,6 +49,7 @@ def dot_product_attention(
     promote_dtype: Callable[..., Any] = _flax_promote_dtype,
     is_causal: bool = False,
     implementation: str | Sequence[str] | None = None,
+    sinks: jax.Array | None = None,
     **kwargs: Any,
 ) -> jax.Array:
   """`flax.nnx.dot_product_attention` computed by jaxflash (same signature, plus
@@ -60,7 +62,8 @@ def dot_product_attention(
   inside the kernels. ``is_causal`` applies a causal mask without materialising it.
   ``implementation`` picks jaxflash's backend as in `jaxflash.flash_attention` (``"mosaic"``,
   ``"triton"``, ``"xla"``: jaxflash's blockwise one, or a sequence of them); None lets jaxflash
-  choose.
+  choose. ``sinks`` (float [heads]) are attention sinks as in `jaxflash.flash_attention`; a
+  module made with ``sinks=True`` passes its own.
 
   Falls back to Flax's own implementation for what the kernels cannot serve: ``module``
   (sowing the T x S weights), ``precision``, a value depth different from the query depth, or
@@ -74,10 +77,12 @@ def dot_product_attention(
   if unknown:
     raise TypeError(f"jaxflash.nnx.dot_product_attention got unsupported keywords {unknown}")
   query, key, value = promote_dtype((query, key, value), dtype=dtype)
+  sinks = _flax.sinks_for_call(sinks)
   if module is not None or precision is not None or not _flax.kernel_can_serve(query, key,
                                                                                  value):
-    _flax.no_implementation_for_fallback(implementation, "weights sown, a precision, or "
-                                         "shapes/dtypes the kernels do not take")
+    why = "weights sown, a precision, or shapes/dtypes the kernels do not take"
+    _flax.no_implementation_for_fallback(implementation, why)
+    _flax.no_sinks_for_fallback(sinks, why)
     return nnx.dot_product_attention(
         query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
         deterministic, dtype, precision, module, promote_dtype=promote_dtype,
@@ -85,7 +90,7 @@ def dot_product_attention(
   return _flax.attend(query, key, value, bias, mask, broadcast_dropout=broadcast_dropout,
                       dropout_rng=dropout_rng, dropout_rate=dropout_rate,
                       deterministic=deterministic, is_causal=is_causal,
-                      implementation=implementation)
+                      implementation=implementation, sinks=sinks)
 
 
 class MultiHeadAttention(nnx.MultiHeadAttention):
@@ -96,15 +101,28 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   into the ``attention_fn``, which must take it. In decode mode, a step that passes no
   ``mask`` runs `jaxflash.decode_attention` on the cache (its occupancy gives the lengths): on
   a GPU, the split-KV decoding kernel, reading each K/V head once for its whole query group.
+  With ``sinks=True`` it holds learnable attention sinks, ``self.sinks``: an `nnx.Param`
+  [num_heads] (float32 zeros at first) that joins every softmax denominator
+  (`jaxflash.flash_attention`'s ``sinks``); otherwise ``self.sinks`` is None.
   """
 
   def __init__(self, *args: Any, attention_fn: Callable[..., jax.Array] = dot_product_attention,
-               implementation: str | Sequence[str] | None = None, **kwargs: Any):
+               implementation: str | Sequence[str] | None = None, sinks: bool = False,
+               **kwargs: Any):
+    if sinks:
+      _flax.check_takes_module_sinks(attention_fn, dot_product_attention, "nnx")
     attention_fn = _flax.bind_options(attention_fn, implementation=implementation)
     super().__init__(*args, attention_fn=attention_fn, **kwargs)
     self.implementation = implementation
+    self.sinks = nnx.Param(jnp.zeros((self.num_heads,), jnp.float32)) if sinks else None
 
   def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
+    if self.sinks is None:
+      return self._call(*args, **kwargs)
+    with _flax.module_sinks(lambda: self.sinks[...]):
+      return self._call(*args, **kwargs)
+
+  def _call(self, *args: Any, **kwargs: Any) -> jax.Array:
     decode = kwargs.get("decode")
     decode = self.decode if decode is None else decode
     if decode and kwargs.get("is_causal"):

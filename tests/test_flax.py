@@ -413,3 +413,92 @@ def test_nnx_decode_runs_the_decoding_op_like_flax(monkeypatch):
   for t in range(5):
     assert rel_err(step(ours, x[:, t:t + 1]), step(theirs, x[:, t:t + 1])) < F32_TOLERANCE
   assert len(calls) == 1  # traced once: one compiled step for every token
+
+
+def _sinks_reference(module_out_fn, sinks):
+  """The module's output with the hook replaced by the dense reference with ``sinks``."""
+  from jaxflash.reference import reference_attention
+
+  def attention_fn(query, key, value, bias=None, mask=None, **unused):
+    depth = query.shape[-1]
+    out, _ = reference_attention(query, key, value, scale=depth ** -0.5, is_causal=True,
+                                 sinks=sinks)
+    return out
+  return module_out_fn(attention_fn)
+
+
+def test_linen_sinks_are_a_parameter_that_trains():
+  """``sinks=True`` adds a ``sinks`` parameter [heads] (zeros at init) that the hook uses, in
+  the call and its gradient, as the reference with those sinks; the other parameters are
+  Flax's."""
+  x, _ = _inputs()
+  module = jaxflash.linen.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=D,
+                                                       is_causal=True, sinks=True)
+  params = module.init(jax.random.key(1), x)["params"]
+  chex.assert_shape(params["sinks"], (HEADS,))
+  np.testing.assert_array_equal(params["sinks"], 0.0)
+  plain = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=D).init(
+      jax.random.key(1), x)["params"]
+  assert set(params) - set(plain) == {"sinks"}
+  params = dict(params, sinks=jnp.array([1.0, -2.0, 0.5, 3.0]))
+
+  def loss(p, attention_fn=None):
+    if attention_fn is None:
+      return jnp.sum(jnp.sin(module.apply({"params": p}, x)))
+    ref = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=D,
+                                          attention_fn=attention_fn)
+    return jnp.sum(jnp.sin(ref.apply({"params": {k: v for k, v in p.items() if k != "sinks"}},
+                                     x)))
+
+  got, got_grads = jax.jit(jax.value_and_grad(loss))(params)
+
+  def ref_loss(p):
+    return _sinks_reference(lambda fn: loss(p, fn), p["sinks"])
+  want, want_grads = jax.value_and_grad(ref_loss)(params)
+  assert abs(float(got - want)) < 1e-4 * max(1.0, abs(float(want)))
+  assert rel_err(got_grads["sinks"], want_grads["sinks"]) < TOL
+  assert float(jnp.max(jnp.abs(got_grads["sinks"]))) > 0
+
+
+def test_nnx_sinks_are_a_param_that_trains():
+  x, _ = _inputs()
+  module = jaxflash.nnx.MultiHeadAttention(num_heads=HEADS, in_features=D, qkv_features=D,
+                                           decode=False, sinks=True, rngs=nnx.Rngs(0))
+  assert isinstance(module.sinks, nnx.Param)
+  chex.assert_shape(module.sinks[...], (HEADS,))
+  module.sinks[...] = jnp.array([1.0, -2.0, 0.5, 3.0])
+
+  def loss(m):
+    return jnp.sum(jnp.sin(m(x, is_causal=True)))
+
+  grads = nnx.grad(loss)(module)
+  traced = {}  # the sinks of the reference's current trace
+
+  def attention_fn(query, key, value, *a, **kw):
+    from jaxflash.reference import reference_attention
+    return reference_attention(query, key, value, scale=query.shape[-1] ** -0.5,
+                               is_causal=True, sinks=traced["sinks"])[0]
+  reference = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D, qkv_features=D,
+                                     decode=False, attention_fn=attention_fn, rngs=nnx.Rngs(0))
+
+  def reference_loss(sinks):
+    traced["sinks"] = sinks
+    return loss(reference)
+  want = jax.grad(reference_loss)(module.sinks[...])
+  assert rel_err(grads.sinks[...], want) < TOL
+  plain = jaxflash.nnx.MultiHeadAttention(num_heads=HEADS, in_features=D, qkv_features=D,
+                                          decode=False, rngs=nnx.Rngs(0))
+  assert plain.sinks is None
+
+
+def test_sinks_need_jaxflash_hooks():
+  with pytest.raises(ValueError, match="sinks=True needs jaxflash's attention_fn"):
+    jaxflash.linen.SelfAttention(num_heads=HEADS, sinks=True,
+                                 attention_fn=nn.dot_product_attention).init(
+                                     jax.random.key(0), jnp.ones((1, 4, 8)))
+  with pytest.raises(ValueError, match="sinks=True needs jaxflash's attention_fn"):
+    jaxflash.nnx.MultiHeadAttention(num_heads=HEADS, in_features=8, sinks=True,
+                                    attention_fn=nnx.dot_product_attention, rngs=nnx.Rngs(0))
+  q = jnp.ones((1, 4, 2, 8))
+  with pytest.raises(ValueError, match="sinks need jaxflash's kernels"):
+    jaxflash.linen.dot_product_attention(q, q, jnp.ones((1, 4, 2, 6)), sinks=jnp.zeros(2))
