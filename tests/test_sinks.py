@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 import jaxflash
 from jaxflash.ops import partial
 from jaxflash.reference import reference_attention
-from checks import (ON_GPU, TOLERANCE, attention, config_for, interpret_for, random_array,
-                    random_qkv, rel_err)
+from checks import (F32_TOLERANCE, ON_GPU, TOLERANCE, attention, config_for, interpret_for,
+                    random_array, random_qkv, rel_err)
 
 BF16 = jnp.bfloat16
 # Mosaic's interpreter takes ~10 s a call on a CPU: one case there, all of them on a GPU.
@@ -238,7 +238,7 @@ def test_heads_sharded_take_their_sinks(axis_type):
     spec = P("b", None, "h")
     got = fn(put(q, spec), put(kk, spec), put(v, spec), put(sinks, P("h")), put(d_out, spec))
   for g, w in zip(got, want):
-    assert rel_err(g, w) < 1e-5
+    assert rel_err(g, w) < F32_TOLERANCE
 
 
 @needs_devices
@@ -282,7 +282,7 @@ def test_vmap_and_x64():
       q[None], kk[None], v[None], sinks=s, implementation="xla")[0])(q, kk, v, sinks)
   for i in range(2):
     want, _ = reference_attention(q[i:i + 1], kk[i:i + 1], v[i:i + 1], sinks=sinks[i])
-    assert rel_err(got[i:i + 1], want) < 1e-5
+    assert rel_err(got[i:i + 1], want) < F32_TOLERANCE
   with jax.enable_x64(True):
     out = jaxflash.flash_attention(q, kk, v, sinks=np.zeros(2, np.float64),
                                    implementation="xla")
