@@ -508,3 +508,22 @@ def test_compile_time_smoke(tmp_path):
                               str(tmp_path / "compile_time.json")])
   assert [(r["impl"], r["layers"]) for r in result["rows"]] == [("xla", 1), ("xla", 2)]
   assert all(r["total_s"] > 0 for r in result["rows"])
+
+
+def test_model_features_smoke(tmp_path):
+  """benchmarks/model_features.py on tiny shapes (XLA backend): every row checked and timed, and
+  the committed H200 table has the rows the issue names."""
+  import model_features
+  out = tmp_path / "model_features.json"
+  model_features.main(["--smoke", "--cases", "gpt_oss", "gpt_oss_sinks", "--out", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert {(r["case"], r["mode"]) for r in rows} == {
+      (case, mode) for case in ("gpt_oss", "gpt_oss_sinks") for mode in ("fwd", "fwdbwd")}
+  assert all(not r["wrong"] and r["ms"] > 0 for r in rows)
+  assert out.with_suffix(".md").exists()
+  shape = model_features.SHAPES["gpt_oss"]
+  # The window's visible entries: row t sees min(t + 1, 129) keys.
+  assert model_features.visible_entries(shape) == 64 * sum(min(t + 1, 129) for t in range(16384))
+  committed = json.loads((BENCHMARKS / "results" / "h200" / "model_features.json").read_text())
+  cells = {(r["case"], r["impl"], r["mode"]) for r in committed["rows"] if "ms" in r}
+  assert {("gpt_oss_sinks", "jaxflash", "fwdbwd"), ("gpt_oss", "cudnn", "fwdbwd")} <= cells
