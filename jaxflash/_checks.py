@@ -39,7 +39,7 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               segment_ids=None, logits_soft_cap=None, dropout_rate=0.0, dropout_rng=None,
               broadcast_dropout=False, interpret=False, mask_mod=None,
-              block_mask=None, sinks=None) -> Call:
+              block_mask=None, sinks=None, score_mod=None) -> Call:
   """Checks every argument of `jaxflash.flash_attention` (but ``implementation`` and
   ``return_residual``) and returns the call as backends see it."""
   query, key, value = (_as_array(x, name) for x, name in
@@ -65,6 +65,7 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   kv_lens = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, unbatched)
   segments = _check_segments(segment_ids, b, t, s, unbatched)
   sinks = _check_sinks(sinks, n, query)
+  score_rule, score_features, score_consts = _check_score_mod(score_mod, b, n, t, s)
 
   block_mask = _check_block_mask(mask_mod, block_mask, b, n, t, s, unbatched)
   if mask is not None:
@@ -84,10 +85,12 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       block_table=table,
       q_features=None if block_mask is None else block_mask.q_features,
       kv_features=None if block_mask is None else block_mask.kv_features,
-      mask_consts=mask_consts, sinks=sinks)
+      mask_consts=mask_consts, sinks=sinks, score_q_features=score_features[0],
+      score_kv_features=score_features[1], score_consts=score_consts)
   params = Params(scale=scale, window=window, logits_soft_cap=logits_soft_cap,
                   dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
-                  interpret=interpret, table_block=table_block, mask_rule=split)
+                  interpret=interpret, table_block=table_block, mask_rule=split,
+                  score_rule=score_rule)
   return Call(inputs, params, unbatched)
 
 
@@ -328,6 +331,20 @@ def _check_lengths(lengths, name: str, batch: int, unbatched: bool) -> jax.Array
   if lengths.shape != (batch,):
     raise ValueError(f"{name} must have shape (B,) = ({batch},), got {lengths.shape}")
   return lengths.astype(jnp.int32)
+
+
+def _check_score_mod(score_mod, b: int, n: int, t: int, s: int):
+  """``(rule, (row features, column features), consts)`` of a score_mod (all None without
+  one): the split (`jaxflash.mask_mod.split_score`, which checks it), its features for every
+  (batch row, head, position), and the arrays it closes over where only the XLA backend's
+  evaluation of the whole function can run it."""
+  if score_mod is None:
+    return None, (None, None), None
+  rule = mask_mod_lib.split_score(score_mod)
+  if rule.kernel_reason is not None:
+    return rule, (None, None), tuple(rule.closed.consts)
+  return rule, (rule.features(rule.row_vars, b, n, t, mask_mod_lib.Q),
+                rule.features(rule.col_vars, b, n, s, mask_mod_lib.KV)), None
 
 
 def _check_sinks(sinks, heads: int, query) -> jax.Array | None:

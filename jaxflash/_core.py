@@ -69,6 +69,12 @@ class Inputs(NamedTuple):
   # forward applies it (`finish_rows`); a partial call never sees it (its op adds the sink
   # after merging, `jaxflash.merge.with_sinks`), and a backward needs only the LSE it went into.
   sinks: jax.Array | None = None
+  # A score_mod's row and column features (as ``q_features``/``kv_features`` are a mask_mod's),
+  # for `params.score_rule`'s tile rule, and the arrays it closes over where only its XLA
+  # evaluation can run it.
+  score_q_features: jax.Array | None = None
+  score_kv_features: jax.Array | None = None
+  score_consts: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +94,17 @@ class Params:
   table_block: tuple[int, int] | None = None
   # The mask_mod of a block mask (`jaxflash.mask_mod.Split`), evaluated in partial blocks.
   mask_rule: object = None
+  # The score_mod (`jaxflash.mask_mod.split_score`), applied to every visible logit.
+  score_rule: object = None
 
   @property
   def kernel_mask_reason(self) -> str | None:
-    """Why the Pallas kernels cannot evaluate this call's mask_mod per tile, or None."""
-    return None if self.mask_rule is None else self.mask_rule.kernel_reason
+    """Why the Pallas kernels cannot evaluate this call's mask_mod or score_mod per tile, or
+    None."""
+    for rule in (self.mask_rule, self.score_rule):
+      if rule is not None and rule.kernel_reason is not None:
+        return rule.kernel_reason
+    return None
 
   @property
   def keep_scale(self) -> float:
@@ -155,22 +167,35 @@ def delta(out: jax.Array, d_out: jax.Array, d_lse) -> jax.Array:
   return result - jnp.where(jnp.isfinite(d_lse), d_lse, 0.0)
 
 
-def logits_base2(qk: jax.Array, params: Params, bias: jax.Array | None):
-  """Raw ``q @ k.T`` tile (float32) -> base-2 logits, plus what the backward needs of the cap.
+def logits_base2(qk: jax.Array, params: Params, bias: jax.Array | None, score=None,
+                 derivative: bool = False):
+  """Raw ``q @ k.T`` tile (float32) -> base-2 logits, and the chain factor of the backward.
 
-  Natural logits are ``z = cap * tanh(scale * qk / cap) + bias`` (cap and bias optional); the
-  kernels work with ``z * log2(e)`` so the softmax uses ``exp2``. Returns ``(s2, tanh_or_None)``.
+  Natural logits are ``z = score_mod(cap * tanh(scale * qk / cap)) + bias`` (cap, score_mod and
+  bias optional); the kernels work with ``z * log2(e)`` so the softmax uses ``exp2``. ``score``
+  is the tile's score_mod, ``score(z) -> z'`` on this tile (None without one). Returns
+  ``(s2, chain)``: ``chain`` is d z / d (scale * qk) per entry where it is not 1 (the cap's
+  ``1 - tanh^2``, times the score_mod's derivative, which `jax.jvp` takes only when
+  ``derivative``: a backward's call), else None; `dlogits_to_dqk` applies it. (A forward
+  discards ``chain``, and the compiler drops what computes it.)
   """
-  if params.logits_soft_cap is None and bias is None:
+  if params.logits_soft_cap is None and bias is None and score is None:
     return qk * (params.scale * LOG2_E), None  # one multiply on the common path
   z = qk * params.scale
-  t = None
+  chain = None
   if params.logits_soft_cap is not None:
     t = jnp.tanh(z * (1.0 / params.logits_soft_cap))
     z = t * params.logits_soft_cap
+    chain = 1.0 - t * t
+  if score is not None:
+    if derivative:
+      z, slope = jax.jvp(score, (z,), (jnp.ones_like(z),))
+      chain = slope if chain is None else chain * slope
+    else:
+      z = score(z)
   if bias is not None:
     z = z + bias.astype(jnp.float32)
-  return z * LOG2_E, t
+  return z * LOG2_E, chain
 
 
 def dropout_stream(params: Params, seed, batch, head):
@@ -225,9 +250,10 @@ def dropped(x: jax.Array, keep_mask: jax.Array | None, params: Params) -> jax.Ar
   return jnp.where(keep_mask, x * params.keep_scale, 0.0)
 
 
-def dlogits_to_dqk(ds: jax.Array, t: jax.Array | None) -> jax.Array:
-  """Chain rule through the soft cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2.
+def dlogits_to_dqk(ds: jax.Array, chain: jax.Array | None) -> jax.Array:
+  """Chain rule from the logits back to ``scale * q @ k.T`` through the soft cap
+  (d(cap * tanh(x / cap)) / dx = 1 - tanh^2) and the score_mod: ``chain`` from `logits_base2`.
 
   The remaining factor ``scale`` is applied once to the accumulated dQ and dK, not per tile.
   """
-  return ds if t is None else ds * (1.0 - t * t)
+  return ds if chain is None else ds * chain

@@ -19,7 +19,7 @@ from jaxflash import _core
 from jaxflash import backends
 from jaxflash import devices
 from jaxflash.block_mask import BlockMask
-from jaxflash.mask_mod import MaskMod
+from jaxflash.mask_mod import MaskMod, ScoreMod
 from jaxflash.ops import decode
 from jaxflash.ops import flash
 
@@ -45,6 +45,7 @@ def flash_attention(
     broadcast_dropout: bool = False,
     mask_mod: MaskMod | None = None,
     block_mask: BlockMask | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: jax.Array | None = None,
     return_residual: bool = False,
     implementation: Implementation | Sequence[Implementation] | None = None,
@@ -103,6 +104,12 @@ def flash_attention(
       `BlockMask.from_blocks`) for this call's T and S: only its non-empty blocks are computed,
       and only its partial blocks evaluate the mask per entry. A dense ``mask`` and
       ``segment_ids`` are classified block by block the same way, in every call.
+    score_mod: ``score_mod(score, batch, head, q_idx, kv_idx) -> score`` (FlexAttention's
+      signature): a function that changes each logit, applied to the scaled (and soft-capped)
+      logits before the bias and the masks, as jnp code on a float32 score and broadcasting
+      int32 indices; it may close over arrays (ALiBi slopes, a relative-position table).
+      Gradients flow through it to query and key (the backward differentiates it per entry);
+      the arrays it closes over get none. Runs on the XLA backend (Pallas kernels: not yet).
     sinks: optional float [N], one learnable logit per query head (attention sinks, as in
       gpt-oss and StreamingLLM) that joins every row's softmax denominator with a zero value
       row: ``out = sum_s exp(l_s) v_s / (exp(sink) + sum_s exp(l_s))`` over the row's visible
@@ -136,8 +143,8 @@ def flash_attention(
       local_window_size=local_window_size, segment_ids=segment_ids,
       logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       broadcast_dropout=broadcast_dropout, mask_mod=mask_mod, block_mask=block_mask,
-      sinks=sinks, return_residual=return_residual, implementation=implementation,
-      interpret=interpret)
+      score_mod=score_mod, sinks=sinks, return_residual=return_residual,
+      implementation=implementation, interpret=interpret)
 
 
 # The implementations that jaxflash's drop-in passes to `jax.nn.dot_product_attention` itself.

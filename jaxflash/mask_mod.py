@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 MaskMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+ScoreMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 # What each index of a mask_mod is called in dependency sets and messages.
 BATCH, HEAD, Q, KV = "batch", "head", "q_idx", "kv_idx"
@@ -84,6 +85,14 @@ class Split:
   col_vars: tuple
   tile_eqns: tuple
   kernel_reason: str | None
+  # A score_mod's split (`split_score`): the jaxpr's first input is the score, a value of both
+  # indices, and the result is the new score.
+  takes_score: bool = False
+
+  @property
+  def index_vars(self) -> tuple:
+    """The jaxpr's (batch, head, q_idx, kv_idx) inputs."""
+    return tuple(self.closed.jaxpr.invars[-4:])
 
   @property
   def row_dtypes(self) -> tuple:
@@ -127,7 +136,7 @@ class Split:
     indices in ``env_by_index``, running only the equations they need."""
     jaxpr = self.closed.jaxpr
     env = dict(zip(jaxpr.constvars, self.closed.consts))
-    env.update(zip(jaxpr.invars, (env_by_index[name] for name in INDICES)))
+    env.update(zip(self.index_vars, (env_by_index[name] for name in INDICES)))
     needed = _needed(jaxpr, wanted)
     for eqn in jaxpr.eqns:
       if any(v in needed for v in eqn.outvars):
@@ -136,22 +145,27 @@ class Split:
 
   # --- The tile rule, inside a kernel ------------------------------------------------------
 
-  def tile(self, shape, q_idx, kv_idx, rows: list, cols: list):
-    """The mask of one ``shape`` tile: ``q_idx`` and ``kv_idx`` give the tile's query and key
-    indices (int32 tiles, or functions that make them: called only if the rule reads them,
-    since a kernel must not build a tile nothing reads), ``rows`` and ``cols`` its row and
-    column features in their own dtypes (`from_int32`) broadcast to the tile. The tile rule runs
-    vectorised over the tile's entries."""
+  def tile(self, shape, q_idx, kv_idx, rows: list, cols: list, score=None):
+    """The mask of one ``shape`` tile (a score_mod's new scores, given the tile's ``score``):
+    ``q_idx`` and ``kv_idx`` give the tile's query and key indices (int32 tiles, or functions
+    that make them: called only if the rule reads them, since a kernel must not build a tile
+    nothing reads), ``rows`` and ``cols`` its row and column features in their own dtypes
+    (`from_int32`) broadcast to the tile. The tile rule runs vectorised over the tile's
+    entries."""
     jaxpr = self.closed.jaxpr
     out = jaxpr.outvars[0]
-    if out in self.row_vars or out in self.col_vars:  # the mask depends on one index only
+    if out in self.row_vars or out in self.col_vars:  # a result of one index only
       values = rows if out in self.row_vars else cols
       keys = self.row_vars if out in self.row_vars else self.col_vars
-      return values[keys.index(out)] != 0
+      value = values[keys.index(out)]
+      return value.astype(jnp.float32) if self.takes_score else value != 0
     if not isinstance(out, jcore.Var):  # a literal result: every entry alike
-      return jnp.full(shape, bool(out.val))
+      return jnp.full(shape, out.val, jnp.float32 if self.takes_score else bool)
+    if self.takes_score and out is jaxpr.invars[0]:  # the score itself
+      return score
     read = {v for eqn in self.tile_eqns for v in eqn.invars if isinstance(v, jcore.Var)}
-    indices = [(var, idx) for var, idx in zip(jaxpr.invars[2:], (q_idx, kv_idx)) if var in read]
+    tiles = tuple(self.index_vars[2:]) + ((jaxpr.invars[0],) if self.takes_score else ())
+    indices = [(var, idx) for var, idx in zip(tiles, (q_idx, kv_idx, score)) if var in read]
 
     def entry(*values):
       env = dict(zip([var for var, _ in indices] + list(self.row_vars + self.col_vars), values))
@@ -166,17 +180,20 @@ class Split:
     made = [idx() if callable(idx) else idx for _, idx in indices]
     return vectorised(*(jnp.broadcast_to(x, shape) for x in (*made, *rows, *cols)))
 
-  def reference(self, batch, head, q_idx, kv_idx, consts=None):
-    """The whole mask_mod on broadcasting index arrays, evaluated entry by entry from its
-    jaxpr with ``consts`` (the arrays it closes over; its own by default): what the XLA backend
-    runs for a mask_mod the kernels cannot, and how block tables are made."""
+  def reference(self, batch, head, q_idx, kv_idx, consts=None, score=None):
+    """The whole function on broadcasting index arrays (and a score_mod's ``score``), evaluated
+    entry by entry from its jaxpr with ``consts`` (the arrays it closes over; its own by
+    default): what the XLA backend runs for a rule the kernels cannot, and how block tables are
+    made."""
     consts = self.closed.consts if consts is None else consts
     jaxpr = self.closed.jaxpr
-    shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in (batch, head, q_idx, kv_idx)))
+    indices = [jnp.asarray(x, jnp.int32) for x in (batch, head, q_idx, kv_idx)]
+    inputs = ([jnp.asarray(score, jnp.float32)] if self.takes_score else []) + indices
+    shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in inputs))
 
-    def entry(*indices):
+    def entry(*values):
       env = dict(zip(jaxpr.constvars, consts))
-      env.update(zip(jaxpr.invars, indices))
+      env.update(zip(jaxpr.invars, values))
       for eqn in jaxpr.eqns:
         _run(eqn, env)
       return _read(env, jaxpr.outvars[0])
@@ -184,8 +201,7 @@ class Split:
     vectorised = entry
     for _ in shape:
       vectorised = jax.vmap(vectorised)
-    return vectorised(*(jnp.broadcast_to(jnp.asarray(x, jnp.int32), shape)
-                        for x in (batch, head, q_idx, kv_idx)))
+    return vectorised(*(jnp.broadcast_to(x, shape) for x in inputs))
 
 
 def split(mask_mod: MaskMod) -> Split:
@@ -213,9 +229,57 @@ def split(mask_mod: MaskMod) -> Split:
                      f"{outs[0].shape}")
   if outs[0].dtype != jnp.bool_:
     raise ValueError(f"mask_mod must return booleans (True = attend), got {outs[0].dtype}")
+  return _split(mask_mod, closed, takes_score=False)
+
+
+def split_score(score_mod: ScoreMod) -> Split:
+  """Traces ``score_mod(score, batch, head, q_idx, kv_idx) -> score`` (FlexAttention's
+  signature) on a float32 score and int32 scalar indices and splits it like a mask_mod: the
+  score is a value of both indices, so whatever it touches is the tile rule.
+
+  Raises:
+    ValueError: naming ``score_mod``, if it is not a function of a score and four indices,
+      fails on scalars, or does not return one float per entry.
+  """
+  if not callable(score_mod):
+    raise ValueError(f"score_mod must be a function of (score, batch, head, q_idx, kv_idx), "
+                     f"got {score_mod!r}")
+  try:
+    inspect.signature(score_mod).bind(0.0, 0, 0, 0, 0)
+  except TypeError as e:
+    raise ValueError(f"score_mod must take five positional arguments (score, batch, head, "
+                     f"q_idx, kv_idx): {e}") from None
+  except ValueError:  # no signature to inspect: tracing will tell
+    pass
+  index = jax.ShapeDtypeStruct((), jnp.int32)
+  try:
+    closed = jax.make_jaxpr(score_mod)(jax.ShapeDtypeStruct((), jnp.float32), index, index,
+                                       index, index)
+  except Exception as e:  # noqa: BLE001 (any failure of the user's function)
+    raise ValueError(f"score_mod(score, batch, head, q_idx, kv_idx) failed on a float32 score "
+                     f"and int32 scalar indices: {type(e).__name__}: {e}") from e
+  outs = closed.out_avals
+  if len(outs) != 1 or outs[0].shape != ():
+    raise ValueError(f"score_mod must return one score per entry, shaped like its score "
+                     f"(broadcast with its indices); on scalars it returned "
+                     f"{[tuple(o.shape) for o in outs]}")
+  if not jnp.issubdtype(outs[0].dtype, jnp.floating):
+    raise ValueError(f"score_mod must return float scores, got {outs[0].dtype}")
+  if outs[0].dtype != jnp.float32:  # (float64 under x64, or a 16-bit result): computed in f32
+    closed = jax.make_jaxpr(lambda *a: jnp.asarray(score_mod(*a), jnp.float32))(
+        *(jax.ShapeDtypeStruct((), d) for d in (jnp.float32,) + (jnp.int32,) * 4))
+  return _split(score_mod, closed, takes_score=True)
+
+
+def _split(fn, closed, takes_score: bool) -> Split:
+  """`Split` of a traced mask_mod or score_mod: each variable's index dependencies, the tile
+  equations (those of both indices) and the features they read."""
   jaxpr = closed.jaxpr
   deps = {v: frozenset() for v in jaxpr.constvars}
-  deps.update({v: frozenset((name,)) for v, name in zip(jaxpr.invars, INDICES)})
+  index_vars = jaxpr.invars[-4:]
+  deps.update({v: frozenset((name,)) for v, name in zip(index_vars, INDICES)})
+  if takes_score:
+    deps[jaxpr.invars[0]] = frozenset((Q, KV))  # one score per entry
   tile_eqns, reasons = [], []
   for eqn in jaxpr.eqns:
     d = frozenset().union(*(deps.get(v, frozenset()) for v in eqn.invars
@@ -233,7 +297,7 @@ def split(mask_mod: MaskMod) -> Split:
       # (The batch and head indices are features too: a shard of a sharded call knows its
       # rows' and heads' global indices only through arrays made for the whole call.)
       if (isinstance(v, jcore.Var) and not (Q in deps[v] and KV in deps[v])
-          and v not in tile_inputs and v not in jaxpr.invars[2:]):
+          and v not in tile_inputs and v not in index_vars[2:]):
         tile_inputs.append(v)
   out = jaxpr.outvars[0]
   if isinstance(out, jcore.Var) and not (Q in deps[out] and KV in deps[out]) and (
@@ -247,9 +311,10 @@ def split(mask_mod: MaskMod) -> Split:
     reasons.append(f"a value of shape {shaped[0].aval.shape}")
   reason = None
   if reasons:
-    reason = (f"its mask_mod combines the query and key indices with {', '.join(reasons)}, "
+    name = "score_mod" if takes_score else "mask_mod"
+    reason = (f"its {name} combines the query and key indices with {', '.join(reasons)}, "
               f"which the kernels cannot evaluate per tile (only elementwise operations)")
-  return Split(mask_mod, closed, deps, row_vars, col_vars, tuple(tile_eqns), reason)
+  return Split(fn, closed, deps, row_vars, col_vars, tuple(tile_eqns), reason, takes_score)
 
 
 def _kernel_reason(eqn) -> str | None:

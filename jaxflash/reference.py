@@ -14,13 +14,14 @@ import jax.numpy as jnp
 def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                         query_seq_lengths=None, key_value_seq_lengths=None,
                         local_window_size=None, segment_ids=None, logits_soft_cap=None,
-                        dropout_rate=0.0, dropout_keep=None, sinks=None):
+                        dropout_rate=0.0, dropout_keep=None, sinks=None, score_mod=None):
   """Attention in float32 with dense masks. Arguments as `jaxflash.flash_attention` (BTNH only).
 
   Dropout takes the keep mask itself (``dropout_keep``, bool broadcastable to [B, N, T, S]) rather
   than a key, so a test can hand it the mask that `jaxflash.dropout.dense_keep_mask` says the
   kernels use: kept probabilities are scaled by ``1 / (1 - dropout_rate)``. ``sinks`` [N] are
-  one more logit per head, in every row that sees a key, whose value is zero.
+  one more logit per head, in every row that sees a key, whose value is zero. ``score_mod`` is
+  called once on the whole [B, N, T, S] logits and broadcasting index arrays.
 
   Returns ``(out, lse)``: ``out`` float32 [B, T, N, H] (zeros on rows that see no key) and ``lse``
   float32 [B, T, N] (natural log, ``-inf`` on rows that see no key).
@@ -37,6 +38,11 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
   logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=jax.lax.Precision.HIGHEST) * scale
   if logits_soft_cap is not None:
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+  if score_mod is not None:
+    index = lambda size, axis: jnp.arange(size).reshape([-1 if a == axis else 1  # noqa: E731
+                                                         for a in range(4)])
+    logits = score_mod(logits, index(b, 0), index(n, 1), index(t, 2), index(s, 3))
+    logits = jnp.asarray(logits, jnp.float32)
   if bias is not None:
     logits = logits + jnp.asarray(bias, jnp.float32)
 

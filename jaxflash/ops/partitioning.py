@@ -425,7 +425,7 @@ def _operands(inputs: Inputs):
     x = getattr(inputs, name)
     if x is None:
       continue
-    if name == "mask_consts":  # arrays a mask_mod closes over: whole on every device
+    if name in _CONSTS:  # arrays a mask_mod or score_mod closes over: whole on every device
       for i, c in enumerate(x):
         names.append(f"{name}.{i}")
         operands.append(c)
@@ -434,7 +434,7 @@ def _operands(inputs: Inputs):
     if name in ("bias", "mask", "block_table"):
       # [B or 1, N or 1, ...]: broadcast axes are never split
       role = (BATCH if x.shape[0] == b else None, HEADS if x.shape[1] == n else None, None, None)
-    elif name in ("q_features", "kv_features"):  # [F, B or 1, N or 1, T or S]
+    elif name in _FEATURES:  # [F, B or 1, N or 1, T or S]
       role = (None, BATCH if x.shape[1] == b else None, HEADS if x.shape[2] == n else None, None)
     else:
       role = fixed[name]
@@ -444,12 +444,18 @@ def _operands(inputs: Inputs):
   return tuple(names), tuple(operands), tuple(roles)
 
 
+_CONSTS = ("mask_consts", "score_consts")  # tuples of arrays, one operand each
+_FEATURES = ("q_features", "kv_features", "score_q_features", "score_kv_features")
+
+
 def _inputs(names, arrays, origin, **absent) -> Inputs:
   """`Inputs` from a device's arrays (and ``absent`` fields, e.g. ``key=None``); the dropout
   seed learns the share's origin (None: the whole call, whose seed stays two words)."""
-  fields = {n: x for n, x in zip(names, arrays) if not n.startswith("mask_consts.")}
-  consts = tuple(x for n, x in zip(names, arrays) if n.startswith("mask_consts."))
-  inputs = Inputs(**absent, **fields, mask_consts=consts or None)
+  fields = {n: x for n, x in zip(names, arrays) if n.split(".")[0] not in _CONSTS}
+  for field in _CONSTS:
+    consts = tuple(x for n, x in zip(names, arrays) if n.split(".")[0] == field)
+    fields[field] = consts or None
+  inputs = Inputs(**absent, **fields)
   if inputs.dropout_seed is not None and origin is not None:
     seed = jnp.concatenate([inputs.dropout_seed[:2], origin.astype(jnp.uint32)])
     inputs = inputs._replace(dropout_seed=seed)

@@ -95,8 +95,8 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
     return f"G·T = {inputs.query.shape[1] * inputs.query.shape[2] // inputs.key.shape[2]} rows"
   if any(x is not None for x in (inputs.bias, inputs.q_segment_ids, inputs.dropout_seed)):
     return "biases, segments and dropout"
-  if params.mask_rule is not None:
-    return "mask_mod and block masks (a dense mask it takes)"
+  if params.mask_rule is not None or params.score_rule is not None:
+    return "mask_mod, score_mod and block masks (a dense mask it takes)"
   if params.partial:
     return "partial results (ring attention)"
   return None

@@ -35,13 +35,13 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
   def tile_grads(q_start, k_start, q_blk, k_blk, v_blk, do_blk):
     """One tile's dropped P (for dV), dZ (w.r.t. the natural logits, i.e. dbias) and dS (w.r.t.
     q @ k.T before the final `scale`)."""
-    s2, cap_t = blk.logits(q_blk, k_blk, q_start, k_start)
+    s2, chain = blk.logits(q_blk, k_blk, q_start, k_start, derivative=True)
     p = jnp.exp2(s2 - blocks.rows(lse2, q_start, bq, axis=3)[..., None])
     dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
     keep = blk.keep(q_start, k_start)
     dz = p * (_core.dropped(dp, keep, params)
               - blocks.rows(delta, q_start, bq, axis=3)[..., None])
-    return _core.dropped(p, keep, params), dz, _core.dlogits_to_dqk(dz, cap_t)
+    return _core.dropped(p, keep, params), dz, _core.dlogits_to_dqk(dz, chain)
 
   def bias_tile(dz):
     """[B, K, G, bq, bk] -> the bias's [B or 1, N or 1, bq, bk], summed over broadcast axes."""

@@ -104,6 +104,8 @@ class Blocks:
       self.lists, self.lists_t = lists(False), lists(True)
     self.features = (inputs.q_features, inputs.kv_features)
     self.mask_consts = inputs.mask_consts
+    self.score_features = (inputs.score_q_features, inputs.score_kv_features)
+    self.score_consts = inputs.score_consts
     self.q_seg = pad_axis(inputs.q_segment_ids, 1, lay.t_pad)
     self.kv_seg = pad_axis(inputs.kv_segment_ids, 1, lay.s_pad)
     self.mask = self._dense(None if inputs.mask is None else inputs.mask != 0)
@@ -141,32 +143,42 @@ class Blocks:
     # Two one-axis slices: no literal 0 indices, whose type would differ under x64.
     return rows(rows(x, q_start, self.lay.block_q, axis=3), k_start, self.lay.block_k, axis=4)
 
-  def logits(self, q_blk, k_blk, q_start, k_start):
-    """Base-2 logits [B, K, G, bq, bk] of one tile, masked to -inf; also the soft-cap tanh."""
+  def logits(self, q_blk, k_blk, q_start, k_start, derivative: bool = False):
+    """Base-2 logits [B, K, G, bq, bk] of one tile, masked to -inf; also the backward's chain
+    factor (`_core.logits_base2`, with the score_mod's derivative when ``derivative``)."""
     bq, bk = q_blk.shape[1], k_blk.shape[1]
     qk = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32)
     bias = None if self.bias is None else self._tile(self.bias, q_start, k_start)
-    s2, cap_t = _core.logits_base2(qk, self.params, bias)
+    q_idx = (q_start + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, 1, bq, 1)
+    k_idx = (k_start + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, bk)
+    score = None
+    if self.params.score_rule is not None:
+      score = lambda z: self._rule_tile(  # noqa: E731
+          self.params.score_rule, self.score_features, self.score_consts, q_idx, k_idx,
+          q_start, k_start, score=z)
+    s2, chain = _core.logits_base2(qk, self.params, bias, score, derivative)
     q_seg = kv_seg = None
     if self.q_seg is not None:
       q_seg = rows(self.q_seg, q_start, bq)[:, None, None, :, None]
       kv_seg = rows(self.kv_seg, k_start, bk)[:, None, None, None, :]
     diagonal = self.pos.diagonal
-    q_idx = (q_start + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, 1, bq, 1)
-    k_idx = (k_start + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, bk)
     vis = masking.visible(
         q_idx, k_idx, self.params.window, diagonal=diagonal if isinstance(diagonal, int)
         else _per_row(diagonal, self.lay), kv_len=_per_row(self.pos.kv_len, self.lay),
         q_segment=q_seg, kv_segment=kv_seg,
         dense_mask=None if self.mask is None else self._tile(self.mask, q_start, k_start))
     if self.params.mask_rule is not None:
-      vis = jnp.logical_and(vis, self._mask_mod_tile(q_idx, k_idx, q_start, k_start))
-    return jnp.where(vis, s2, -jnp.inf), cap_t
+      vis = jnp.logical_and(vis, self._rule_tile(self.params.mask_rule, self.features,
+                                                 self.mask_consts, q_idx, k_idx, q_start,
+                                                 k_start))
+    return jnp.where(vis, s2, -jnp.inf), chain
 
-  def _mask_mod_tile(self, q_idx, k_idx, q_start, k_start):
-    """The mask_mod's mask of one tile, [B, K, G, bq, bk]: from its features and tile rule, or
-    (a rule the kernels cannot run) from the whole function on the captured arrays."""
-    lay, rule = self.lay, self.params.mask_rule
+  def _rule_tile(self, rule, rule_features, consts, q_idx, k_idx, q_start, k_start,
+                 score=None):
+    """A mask_mod's mask of one tile (a score_mod's new ``score``), [B, K, G, bq, bk]: from its
+    features and tile rule, or (a rule the kernels cannot run) from the whole function on the
+    captured arrays ``consts``."""
+    lay = self.lay
     shape = (lay.b, lay.kh, lay.g, lay.block_q, lay.block_k)
     q_idx, k_idx = jnp.broadcast_to(q_idx, shape), jnp.broadcast_to(k_idx, shape)
     if rule.kernel_reason is not None:
@@ -174,7 +186,7 @@ class Blocks:
       batch = jnp.arange(lay.b, dtype=jnp.int32).reshape(lay.b, 1, 1, 1, 1)
       # (Padding rows and keys are clamped into range: the function may index arrays.)
       return rule.reference(batch, heads, jnp.minimum(q_idx, lay.t - 1),
-                            jnp.minimum(k_idx, lay.s - 1), consts=self.mask_consts)
+                            jnp.minimum(k_idx, lay.s - 1), consts=consts, score=score)
 
     def features(x, start, size, dtypes, axis):  # [F, B|1, N|1, L] -> F tiles
       if x is None:
@@ -186,10 +198,11 @@ class Blocks:
       x = x[..., :, None] if axis == 3 else x[..., None, :]
       return [mask_mod_lib.from_int32(jnp.broadcast_to(f, shape), d) for f, d in zip(x, dtypes)]
 
-    q_features, kv_features = self.features
+    q_features, kv_features = rule_features
     return rule.tile(shape, q_idx, k_idx,
                      features(q_features, q_start, lay.block_q, rule.row_dtypes, 3),
-                     features(kv_features, k_start, lay.block_k, rule.col_dtypes, 4))
+                     features(kv_features, k_start, lay.block_k, rule.col_dtypes, 4),
+                     score=score)
 
   def keep(self, q_start, k_start):
     """Dropout keep mask [B, K, G, bq, bk] of one tile (absolute coordinates), or None."""
