@@ -1,0 +1,115 @@
+"""``score_mod``: a function that changes each logit (FlexAttention's
+``score_mod(score, batch, head, q_idx, kv_idx) -> score``), against the float32 reference that
+calls the same function on the dense logits; outputs and the gradients of query, key and value.
+
+The rules: ALiBi (a per-head slope times the distance: a row feature and index arithmetic,
+which kernels can evaluate per tile), a tanh gate (elementwise on the score), a relative-position
+table read with both indices (a gather: only the XLA backend's whole-function evaluation runs
+it), and a score_mod of one index only. Every one combines with the causal band, lengths, GQA,
+a soft cap, a bias, a mask_mod and sinks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxflash
+from jaxflash import mask_mod as mask_mod_lib
+from checks import (F32_TOLERANCE, attention, check, interpret_for, random_array, random_qkv,
+                    rel_err)
+
+B, T, S, N, K, H = 2, 37, 53, 4, 2, 40
+SLOPES = 2.0 ** -jnp.arange(1, N + 1, dtype=jnp.float32)
+TABLE = random_array(3, (N, T + S), "float")
+
+RULES = {
+    "alibi": lambda score, b, h, i, j: score + SLOPES[h] * (j - i),
+    "tanh_gate": lambda score, b, h, i, j: 4.0 * jnp.tanh(score / 4.0),
+    "relative_table": lambda score, b, h, i, j: score + TABLE[h, i - j + S],
+    "key_only": lambda score, b, h, i, j: score - 0.1 * (j % 3),
+    "ignores_score": lambda score, b, h, i, j: (i - j).astype(jnp.float32) * 0.05,
+}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_matches_the_reference(rule):
+  # (`check` calls callable options to make them: hence the makers.)
+  check("xla", b=B, t=T, s=S, n=N, k=K, h=H, score_mod=lambda *_: RULES[rule], is_causal=True,
+        key_value_seq_lengths=jnp.array([53, 20]))
+
+
+@pytest.mark.parametrize("options", [
+    dict(logits_soft_cap=2.0, bias=random_array(4, (1, N, T, S), "float")),
+    dict(mask_mod=lambda *_: lambda b, h, i, j: (i + j) % 5 != 0, local_window_size=(20, 5)),
+    dict(segment_ids=(random_array(5, (B, T), 3), random_array(6, (B, S), 3)),
+         query_seq_lengths=jnp.array([30, 37])),
+    dict(dropout_rate=0.2, dropout_rng=jax.random.key(2)),
+], ids=("cap_bias", "mask_mod_window", "segments", "dropout"))
+def test_combines_with_everything(options):
+  check("xla", b=B, t=T, s=S, n=N, k=K, h=H, score_mod=lambda *_: RULES["alibi"], **options)
+
+
+def test_sinks_and_score_mod():
+  """The sink joins after the score_mod: its logit is not modified."""
+  q, kk, v, _ = random_qkv(7, B, T, S, N, K, H)
+  sinks = random_array(8, (N,), "float")
+  got = attention("xla", q, kk, v, score_mod=RULES["alibi"], sinks=sinks, is_causal=True)
+  want, _ = jaxflash.reference_attention(q, kk, v, score_mod=RULES["alibi"], sinks=sinks,
+                                         is_causal=True)
+  assert rel_err(got, want) < F32_TOLERANCE
+
+
+def test_under_jit_and_vmap_with_traced_arrays():
+  """The arrays a score_mod closes over may be traced (a jit argument), and the call vmapped."""
+  q, kk, v, _ = random_qkv(9, B, T, S, N, K, H)
+
+  @jax.jit
+  def run(q, kk, v, slopes):
+    alibi = lambda score, b, h, i, j: score + slopes[h] * (j - i)  # noqa: E731
+    return jax.vmap(lambda q, kk, v: attention("xla", q[None], kk[None], v[None],
+                                               score_mod=alibi)[0])(q, kk, v)
+
+  got = run(q, kk, v, SLOPES)
+  want, _ = jaxflash.reference_attention(q, kk, v, score_mod=RULES["alibi"])
+  assert rel_err(got, want) < F32_TOLERANCE
+
+
+def test_kernels_decline_it_and_none_picks_xla():
+  q = jax.ShapeDtypeStruct((1, 64, 4, 64), jnp.bfloat16)
+  for backend in ("triton", "mosaic"):
+    with pytest.raises(ValueError, match="score_mod"):
+      jaxflash.implementation_for(q, q, q, score_mod=RULES["alibi"], implementation=backend,
+                                  interpret=True)
+  assert jaxflash.implementation_for(q, q, q, score_mod=RULES["alibi"]) == "xla"
+
+
+def test_the_split_sees_features_and_gathers():
+  alibi = mask_mod_lib.split_score(RULES["alibi"])
+  assert alibi.kernel_reason is None and alibi.takes_score
+  assert len(alibi.row_vars) == 1  # the head's slope (and q_idx itself is no feature)
+  table = mask_mod_lib.split_score(RULES["relative_table"])
+  assert "cannot evaluate per tile" in table.kernel_reason
+
+
+@pytest.mark.parametrize("score_mod,match", [
+    ("x", "score_mod must be a function"),
+    (lambda s, b, h, i: s, "five positional arguments"),
+    (lambda s, b, h, i, j: s > 0, "float scores"),
+    (lambda s, b, h, i, j: jnp.stack([s, s]), "one score per entry"),
+    (lambda s, b, h, i, j: s + undefined_name, "failed on a float32 score"),  # noqa: F821
+])
+def test_bad_score_mods_are_refused(score_mod, match):
+  q = jnp.zeros((1, 8, 2, 16))
+  with pytest.raises(ValueError, match=match):
+    jaxflash.flash_attention(q, q, q, score_mod=score_mod)
+
+
+def test_interpret_flag_is_irrelevant_on_xla():
+  """(The call goes to XLA even with interpret=True when no kernel serves it.)"""
+  q, kk, v, _ = random_qkv(10, 1, 16, 16, 2, 2, 16)
+  out = jaxflash.flash_attention(q, kk, v, score_mod=RULES["tanh_gate"],
+                                 interpret=interpret_for("triton"))
+  want, _ = jaxflash.reference_attention(q, kk, v, score_mod=RULES["tanh_gate"])
+  assert rel_err(out, want) < F32_TOLERANCE
