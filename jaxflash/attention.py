@@ -246,7 +246,10 @@ def _empty(inputs) -> tuple[jax.Array, jax.Array] | None:
   if b and t and inputs.key.shape[1]:
     return None
   lse = jnp.full((b, n, t), -jnp.inf, jnp.float32)  # (varying like the query in a shard_map)
-  return jnp.zeros_like(inputs.query), _core.varying_like(lse, _core.varying_axes(inputs.query))
+  # The output has the value's head dim (it may differ from the query's), and the query's
+  # dtype, sharding and varying axes: zeros of one query column, broadcast.
+  out = jnp.broadcast_to(jnp.zeros_like(inputs.query[..., :1]), (b, t, n, inputs.value.shape[-1]))
+  return out, _core.varying_like(lse, _core.varying_axes(inputs.query))
 
 
 def _few_queries(call: _checks.Call) -> bool:
