@@ -45,6 +45,11 @@ def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
     return f"bfloat16 and float16 only, got {q.dtype}"
   if q.shape[-1] > MAX_HEAD_DIM:
     return f"head dims up to {MAX_HEAD_DIM} only, got query.shape[-1] = {q.shape[-1]}"
+  if inputs.value.shape[-1] != q.shape[-1]:
+    # Its tiles, shared-memory rings and O buffers are all sized by one head dim (config.py).
+    return (f"a value head dim different from the query's (value.shape[-1] = "
+            f"{inputs.value.shape[-1]}, query.shape[-1] = {q.shape[-1]}): its tiles are sized "
+            f"by one head dim")
   if _default_config(inputs, params, device) is None:
     return (f"a float32 partial result at head dim {q.shape[-1]} does not fit in shared "
             f"memory")
