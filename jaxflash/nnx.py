@@ -55,8 +55,8 @@ def dot_product_attention(
 
   Arrays are ``[batch..., length, heads, depth]`` (key/value may have fewer heads: GQA; value
   may have its own depth, which the output takes); ``query`` arrives unscaled and is scaled by
-  ``1 / sqrt(depth)``. ``mask`` (bool or float,
-  nonzero = attend) and ``bias`` broadcast to ``[batch..., heads, q_length, kv_length]``.
+  ``1 / sqrt(depth)``. ``mask`` (bool or float, nonzero = attend) and ``bias`` broadcast to
+  ``[batch..., heads, q_length, kv_length]``.
   Dropout (``dropout_rate``, ``dropout_rng``, ``deterministic``, ``broadcast_dropout``) runs
   inside the kernels. ``is_causal`` applies a causal mask without materialising it.
   ``implementation`` picks jaxflash's backend as in `jaxflash.flash_attention` (``"mosaic"``,
