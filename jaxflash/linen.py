@@ -57,7 +57,8 @@ def dot_product_attention(
   and ``implementation``).
 
   Arrays are ``[batch..., length, heads, depth]`` (value may have its own depth, which the
-  output takes); ``query`` arrives unscaled and is scaled by ``1 / sqrt(depth)``. ``mask`` (bool or float, nonzero = attend) and ``bias`` broadcast to
+  output takes); ``query`` arrives unscaled and is scaled by ``1 / sqrt(depth)``. ``mask``
+  (bool or float, nonzero = attend) and ``bias`` broadcast to
   ``[batch..., heads, q_length, kv_length]``. Dropout (``dropout_rate``, ``dropout_rng``,
   ``deterministic``, ``broadcast_dropout``) runs inside the kernels, with the mask regenerated in
   the backward pass. The softmax is always computed in float32, so ``force_fp32_for_softmax`` is

@@ -1,0 +1,294 @@
+"""A value head dim Dv unlike the query/key one H (DeepSeek's MLA: H 192, Dv 128; absorbed
+decoding: H 576, Dv 512): q [B, T, N, H], k [B, S, K, H], v [B, S, K, Dv] -> out [B, T, N, Dv],
+scale 1 / sqrt(H).
+
+Output, LSE and dQ, dK, dV against the float32 reference (which never assumes Dv == H), on the
+xla backend and the Triton kernels in interpret mode: odd lengths (T != S, neither a multiple
+of the 16-row test tiles), GQA, head dims that are and are not powers of two, a causal band,
+lengths and a dense mask; decoding, contiguous and paged; jit and vmap; the checks; and the
+Mosaic backend, which declines such calls (its tiles are sized by one head dim).
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import backends
+from jaxflash.reference import reference_attention
+from checks import (BACKENDS, H100, TOLERANCE, attention, interpret_for, lower_for_cuda,
+                    random_array, random_lengths, reference_options, rel_err)
+
+F32 = jnp.float32
+
+
+def _qkv(seed, b, t, s, n, k, h, hv, dtype=F32):
+  """Random q [B, T, N, H], k [B, S, K, H], v [B, S, K, Dv] and a cotangent [B, T, N, Dv]."""
+  keys = jax.random.split(jax.random.key(seed), 4)
+  q, kk = (jax.random.normal(key, shape).astype(dtype)
+           for key, shape in ((keys[0], (b, t, n, h)), (keys[1], (b, s, k, h))))
+  v = jax.random.normal(keys[2], (b, s, k, hv)).astype(dtype)
+  return q, kk, v, jax.random.normal(keys[3], (b, t, n, hv), F32)
+
+
+def _check(implementation, *, h, hv, b=2, t=77, s=130, n=4, k=2, seed=0, **options):
+  """Output, LSE and the gradients of sum(out * d_out) against the reference, in one jitted
+  program per side."""
+  q, kk, v, d_out = _qkv(seed, b, t, s, n, k, h, hv)
+  options = {name: make(b, t, s, n, seed) if callable(make) else make
+             for name, make in options.items()}
+
+  def run(fn):
+    def both(q, kk, v):
+      (out, lse), vjp = jax.vjp(fn, q, kk, v)
+      return out, lse, vjp((d_out.astype(out.dtype), jnp.zeros_like(lse)))
+    return jax.jit(both)(q, kk, v)
+
+  out, lse, grads = run(lambda q, kk, v: attention(implementation, q, kk, v,
+                                                   return_residual=True, **options))
+  want_out, want_lse, want_grads = run(lambda q, kk, v: reference_attention(q, kk, v,
+                                                                            **options))
+  chex.assert_shape(out, (b, t, n, hv))
+  for g, x in zip(grads, (q, kk, v)):
+    chex.assert_equal_shape([g, x])
+  seen = np.isfinite(np.asarray(want_lse))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen, "rows with no visible key")
+  errors = {"out": rel_err(out, want_out),
+            "lse": rel_err(np.where(seen, lse, 0.0), np.where(seen, want_lse, 0.0))}
+  errors.update({name: rel_err(g, w) for name, g, w in zip(("dq", "dk", "dv"), grads,
+                                                             want_grads)})
+  tol = TOLERANCE[F32]
+  assert all(e <= tol for e in errors.values()), errors
+
+
+# (H, Dv): MLA's, a halved power of two, and two that pad (to 64 and to 32) independently.
+DIMS = [(192, 128), (64, 32), (40, 24)]
+@pytest.mark.parametrize("implementation", BACKENDS)
+@pytest.mark.parametrize("h,hv", DIMS)
+def test_causal_gqa_odd_lengths(implementation, h, hv):
+  _check(implementation, h=h, hv=hv, is_causal=True)
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_lengths_and_dense_mask(implementation):
+  _check(implementation, h=40, hv=24, t=37, s=53, seed=1,
+         mask=lambda b, t, s, n, seed: random_array(seed, (b, n, t, s), "bool"),
+         **random_lengths(2, 37, 53, 4, seed=1))
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_wider_value_than_query(implementation):
+  """Dv > H works as well (nothing assumes the value's dim is the smaller)."""
+  _check(implementation, h=24, hv=40, t=21, s=35, n=2, k=1, seed=3)
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_bias_gradient_dropout_and_soft_cap(implementation):
+  """The bias gradient (its own Triton kernel reads V and dO at Dv), dropout and a soft cap."""
+  b, t, s, n, k, h, hv = 2, 37, 53, 4, 2, 40, 24
+  q, kk, v, d_out = _qkv(5, b, t, s, n, k, h, hv)
+  bias = random_array(5, (1, n, t, s), "float")
+  options = dict(logits_soft_cap=2.0, dropout_rate=0.25, dropout_rng=jax.random.key(7))
+  ref_options = reference_options(options, b, t, s, n)
+
+  def grads(fn):
+    return jax.jit(jax.grad(lambda *x: jnp.sum(fn(*x) * d_out), argnums=(0, 1, 2, 3)))(
+        q, kk, v, bias)
+
+  got = grads(lambda *x: attention(implementation, *x, **options))
+  want = grads(lambda *x: reference_attention(*x, **ref_options)[0])
+  errors = {name: rel_err(g, w) for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want)}
+  assert all(e <= TOLERANCE[F32] for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_jit_and_vmap(implementation):
+  """vmap over a leading axis of q, k and v, under jit, forward and gradients."""
+  b, t, s, n, k, h, hv = 2, 19, 33, 2, 1, 32, 16
+  q, kk, v, d_out = (jnp.stack([x, 0.5 * x]) for x in _qkv(6, b, t, s, n, k, h, hv))
+
+  def loss(fn):
+    return lambda q, kk, v: jnp.sum(jax.vmap(fn)(q, kk, v) * d_out)
+
+  ours = loss(lambda q, kk, v: attention(implementation, q, kk, v, is_causal=True))
+  ref = loss(lambda q, kk, v: reference_attention(q, kk, v, is_causal=True)[0])
+  got = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(q, kk, v)
+  want = jax.jit(jax.value_and_grad(ref, argnums=(0, 1, 2)))(q, kk, v)
+  assert abs(float(got[0]) - float(want[0])) <= 1e-4 * abs(float(want[0])) + 1e-4
+  for g, w in zip(got[1], want[1]):
+    assert rel_err(g, w) <= TOLERANCE[F32]
+
+
+def test_triton_lowers_for_cuda():
+  """Interpret mode does not enforce power-of-two blocks: the kernels (forward, dQ, dK/dV,
+  dbias) lower for an H100 with Dv padded on its own (192 -> 256 beside 128; 40 -> 64 beside
+  24 -> 32), and so does the split-KV decoding kernel on a paged cache."""
+  def fwd_bwd(q, kk, v, bias):
+    return jax.grad(lambda *x: jnp.sum(jaxflash.flash_attention(
+        *x, implementation="triton", is_causal=True).astype(F32)), argnums=(0, 1, 2, 3))(
+            q, kk, v, bias)
+
+  for h, hv in ((192, 128), (40, 24)):
+    q = jax.ShapeDtypeStruct((2, 300, 8, h), jnp.bfloat16)
+    kk = jax.ShapeDtypeStruct((2, 1000, 2, h), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, 1000, 2, hv), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, 300, 1000), jnp.bfloat16)
+    text = lower_for_cuda(fwd_bwd, q, kk, v, bias)
+    for name in ("jaxflash_forward", "jaxflash_backward_dq", "jaxflash_backward_dkv",
+                 "jaxflash_backward_dbias"):
+      assert name in text, (h, hv, name)
+  q = jax.ShapeDtypeStruct((2, 1, 16, 192), jnp.bfloat16)
+  k_pages = jax.ShapeDtypeStruct((9, 64, 2, 192), jnp.bfloat16)
+  v_pages = jax.ShapeDtypeStruct((9, 64, 2, 128), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  text = lower_for_cuda(lambda q, kp, vp, table, lengths: jaxflash.decode_attention(
+      q, kp, vp, lengths, page_table=table, implementation="triton"),
+      q, k_pages, v_pages, table, lengths)
+  assert "jaxflash_decode_split_kv" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding: new tokens against a cache whose values have their own head dim.
+
+
+def _decode_reference(q, kk, v, kv_lengths):
+  """New token r of row b sits at kv_lengths[b] - T + r and sees the cache up to it."""
+  t, s = q.shape[1], kk.shape[1]
+  pos = kv_lengths[:, None, None] - t + jnp.arange(t)[None, :, None]
+  key = jnp.arange(s)[None, None, :]
+  mask = ((key <= pos) & (key < kv_lengths[:, None, None]))[:, None]
+  return reference_attention(q, kk, v, mask=mask)[0]
+
+
+def _pages(cache, page_size: int, seed: int):
+  """``cache`` [B, S, K, D] as shuffled pages plus two unused ones, and its page table."""
+  b, s = cache.shape[:2]
+  per_row = s // page_size
+  order = np.random.default_rng(seed).permutation(b * per_row + 2)
+  table = order[:b * per_row].reshape(b, per_row)
+  pages = jnp.zeros((b * per_row + 2, page_size) + cache.shape[2:], cache.dtype)
+  pages = pages.at[table.reshape(-1)].set(cache.reshape(b * per_row, page_size,
+                                                        *cache.shape[2:]))
+  return pages, jnp.asarray(table, jnp.int32)
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode(implementation, paged):
+  """T = 3 new tokens, GQA 4/2, ragged rows (one holding fewer tokens than T); gradients too
+  (the training backward, through the gathered pages)."""
+  b, t, s, n, k, h, hv = 2, 3, 64, 4, 2, 40, 24
+  q, kk, v, d_out = _qkv(8, b, t, s, n, k, h, hv)
+  lengths = jnp.array([2, 50], jnp.int32)
+  interpret = interpret_for(implementation)
+  if paged:
+    (k_cache, table), (v_cache, _) = _pages(kk, 16, 1), _pages(v, 16, 1)
+  else:
+    k_cache, v_cache, table = kk, v, None
+
+  def ours(q, k_cache, v_cache):
+    return jaxflash.decode_attention(q, k_cache, v_cache, lengths, page_table=table,
+                                     implementation=implementation, interpret=interpret)
+
+  out, vjp = jax.vjp(jax.jit(ours), q, k_cache, v_cache)
+  want, want_vjp = jax.vjp(lambda q, kk, v: _decode_reference(q, kk, v, lengths), q, kk, v)
+  chex.assert_shape(out, (b, t, n, hv))
+  assert rel_err(out, want) <= TOLERANCE[F32]
+  dq, dk, dv = vjp(d_out)
+  want_dq, want_dk, want_dv = want_vjp(d_out)
+  assert rel_err(dq, want_dq) <= TOLERANCE[F32]
+  if paged:  # the pages' gradient, as rows again
+    dk, dv = (jnp.take(x, table, axis=0).reshape(x.shape[:0] + (b, s) + x.shape[2:])
+              for x in (dk, dv))
+  assert rel_err(dk, want_dk) <= TOLERANCE[F32]
+  assert rel_err(dv, want_dv) <= TOLERANCE[F32]
+
+
+@pytest.mark.parametrize("merge", ["xla", "kernel"])
+def test_decode_split_kv_merges(merge, monkeypatch):
+  """Several splits of the Triton split-KV kernel, merged in XLA or in the merge kernel, whose
+  tiles are the value's head dim."""
+  from jaxflash.backends.triton import decode
+  default = decode.default_config
+  monkeypatch.setattr(decode, "default_config", lambda *a, **kw: decode.dataclasses.replace(
+      default(*a, **kw), splits=3, merge=merge))
+  b, t, s, n, k, h, hv = 2, 2, 96, 4, 1, 64, 40
+  q, kk, v, _ = _qkv(9, b, t, s, n, k, h, hv)
+  lengths = jnp.array([96, 41], jnp.int32)
+  out = jax.jit(lambda q, kk, v: jaxflash.decode_attention(
+      q, kk, v, lengths, implementation="triton", interpret=True))(q, kk, v)
+  assert rel_err(out, _decode_reference(q, kk, v, lengths)) <= TOLERANCE[F32]
+
+
+def test_decode_absorbed_mla():
+  """DeepSeek's absorbed decoding: H 576 (512 + 64 rope dims), Dv 512, one shared K/V head.
+  Triton's kernels take head dims up to 256, so ``implementation=None`` serves it elsewhere."""
+  b, t, s, n, k, h, hv = 1, 1, 40, 4, 1, 576, 512
+  q, kk, v, _ = _qkv(10, b, t, s, n, k, h, hv)
+  lengths = jnp.array([33], jnp.int32)
+  assert jaxflash.implementation_for(q, kk, v, interpret=True) == "xla"
+  out = jax.jit(lambda q, kk, v: jaxflash.decode_attention(q, kk, v, lengths,
+                                                           interpret=True))(q, kk, v)
+  chex.assert_shape(out, (b, t, n, hv))
+  assert rel_err(out, _decode_reference(q, kk, v, lengths)) <= TOLERANCE[F32]
+  with pytest.raises(backends.UnsupportedCallError, match="value head dims up to 256"):
+    jaxflash.flash_attention(q[..., :256], kk[..., :256], v, implementation="triton",
+                             interpret=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks, and the backends that decline.
+
+
+def _f32(*shape):
+  return jnp.zeros(shape, F32)
+
+
+@pytest.mark.parametrize("value", [_f32(3, 12, 2, 16), _f32(2, 13, 2, 16), _f32(2, 12, 1, 16),
+                                   _f32(12, 2, 16)])
+def test_value_must_match_key_but_for_its_head_dim(value):
+  """Batch, key length and K/V heads of value must be key's ([2, 12, 2, 8]); rank as query."""
+  with pytest.raises(ValueError, match="value"):
+    jaxflash.flash_attention(_f32(2, 8, 4, 8), _f32(2, 12, 2, 8), value, implementation="xla")
+
+
+def test_value_head_dim_must_be_positive():
+  with pytest.raises(ValueError, match="value's head dim"):
+    jaxflash.flash_attention(_f32(2, 8, 4, 8), _f32(2, 12, 2, 8), _f32(2, 12, 2, 0))
+
+
+@pytest.mark.parametrize("page_table", [None, jnp.zeros((2, 2), jnp.int32)])
+@pytest.mark.parametrize("value_cache", [_f32(2, 16, 1, 16), _f32(2, 8, 2, 16),
+                                         _f32(2, 16, 2, 4, 1)])
+def test_value_cache_must_match_key_cache_but_for_its_head_dim(value_cache, page_table):
+  with pytest.raises(ValueError, match="value_cache"):
+    jaxflash.decode_attention(_f32(2, 1, 4, 8), _f32(2, 16, 2, 8), value_cache,
+                              jnp.array([3, 5]), page_table=page_table, implementation="xla")
+
+
+def test_empty_calls_have_the_value_head_dim():
+  """No key (zeros) and no query row (empty): outputs [.., Dv] all the same."""
+  for t, s in ((5, 0), (0, 5)):
+    out = jaxflash.flash_attention(_f32(2, t, 4, 8), _f32(2, s, 2, 8), _f32(2, s, 2, 3),
+                                   implementation="xla")
+    chex.assert_shape(out, (2, t, 4, 3))
+
+
+def test_mosaic_declines_and_none_picks_a_backend_that_serves():
+  """Mosaic's tiles are sized by one head dim: ``implementation="mosaic"`` says so, and
+  ``implementation=None`` on a Hopper GPU goes to the next backend (Triton)."""
+  q = jax.ShapeDtypeStruct((2, 300, 8, 192), jnp.bfloat16)
+  kk = jax.ShapeDtypeStruct((2, 1000, 2, 192), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
+  with jax.sharding.use_abstract_mesh(H100):
+    with pytest.raises(backends.UnsupportedCallError, match="mosaic.*value head dim"):
+      jaxflash.implementation_for(q, kk, v, implementation="mosaic")
+    with pytest.raises(ValueError, match="value head dim"):
+      jaxflash.flash_attention(q, kk, v, implementation="mosaic")
+    assert jaxflash.implementation_for(q, kk, v) == "triton"
+    assert jaxflash.implementation_for(q, kk, v, implementation=("mosaic", "triton")) == "triton"
