@@ -203,8 +203,7 @@ def test_decode(implementation, paged):
   want_dq, want_dk, want_dv = want_vjp(d_out)
   assert rel_err(dq, want_dq) <= TOLERANCE[F32]
   if paged:  # the pages' gradient, as rows again
-    dk, dv = (jnp.take(x, table, axis=0).reshape(x.shape[:0] + (b, s) + x.shape[2:])
-              for x in (dk, dv))
+    dk, dv = (jnp.take(x, table, axis=0).reshape((b, s) + x.shape[2:]) for x in (dk, dv))
   assert rel_err(dk, want_dk) <= TOLERANCE[F32]
   assert rel_err(dv, want_dv) <= TOLERANCE[F32]
 
@@ -239,6 +238,72 @@ def test_decode_absorbed_mla():
   with pytest.raises(backends.UnsupportedCallError, match="value head dims up to 256"):
     jaxflash.flash_attention(q[..., :256], kk[..., :256], v, implementation="triton",
                              interpret=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several devices, and the Flax hooks.
+
+
+def _explicit_mesh(name: str):
+  return jax.make_mesh((2,), (name,), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
+def test_ring_and_sharded_batch():
+  """Ring attention (zigzag, causal) over 2 devices, and a call whose batch is sharded over
+  them: outputs and gradients keep the value's head dim, and equal the reference."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jaxflash.ops import ring
+  q, kk, v, d_out = _qkv(11, 2, 32, 32, 4, 2, 16, 8)
+  ref = jax.vjp(lambda q, kk, v: reference_attention(q, kk, v, is_causal=True)[0], q, kk, v)
+  want = (ref[0],) + ref[1](d_out)
+
+  def ring_local(q, kk, v, d_out):
+    out, vjp = jax.vjp(lambda q, kk, v: jaxflash.ring_attention(
+        q, kk, v, axis_name="sp", layout="zigzag", is_causal=True, implementation="xla"),
+        q, kk, v)
+    return (out,) + vjp(d_out)
+
+  mesh = _explicit_mesh("sp")
+  order = lambda x: ring.to_layout(x, "zigzag", 2)  # noqa: E731
+  with jax.set_mesh(mesh):
+    args = tuple(jax.device_put(order(x), NamedSharding(mesh, P(None, "sp")))
+                 for x in (q, kk, v, d_out))
+    got = jax.jit(jax.shard_map(ring_local, mesh=mesh, in_specs=P(None, "sp"),
+                                out_specs=P(None, "sp")))(*args)
+  got = [ring.from_layout(np.asarray(x), "zigzag", 2) for x in got]
+  for g, w in zip(got, want):
+    assert rel_err(g, w) <= 5 * TOLERANCE[F32]
+
+  mesh = _explicit_mesh("data")
+  with jax.set_mesh(mesh):
+    args = tuple(jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (q, kk, v, d_out))
+
+    def batch_sharded(q, kk, v, d_out):
+      out, vjp = jax.vjp(lambda q, kk, v: jaxflash.flash_attention(
+          q, kk, v, is_causal=True, implementation="xla"), q, kk, v)
+      return (out,) + vjp(d_out)
+
+    got = jax.jit(batch_sharded)(*args)
+    assert jax.typeof(got[0]).sharding.spec[0] == "data"
+  for g, w in zip(got, want):
+    chex.assert_equal_shape([g, w])
+    assert rel_err(g, w) <= TOLERANCE[F32]
+
+
+def test_flax_hooks():
+  """The linen and nnx hooks run jaxflash (no fallback) and match Flax's attention, whose
+  value may have its own depth too."""
+  import flax.linen
+  import jaxflash.linen
+  import jaxflash.nnx
+  q, kk, v, _ = _qkv(12, 2, 9, 9, 4, 4, 16, 8)
+  mask = jnp.tril(jnp.ones((9, 9), bool))[None, None]
+  want = flax.linen.dot_product_attention(q, kk, v, mask=mask)
+  for hook in (jaxflash.linen.dot_product_attention, jaxflash.nnx.dot_product_attention):
+    out = hook(q, kk, v, mask=mask, implementation="xla")  # (a fallback would refuse this)
+    chex.assert_shape(out, (2, 9, 4, 8))
+    assert rel_err(out, want) <= TOLERANCE[F32]
 
 
 # ---------------------------------------------------------------------------------------------
