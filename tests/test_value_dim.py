@@ -6,7 +6,7 @@ Output, LSE and dQ, dK, dV against the float32 reference (which never assumes Dv
 xla backend and the Triton kernels in interpret mode: odd lengths (T != S, neither a multiple
 of the 16-row test tiles), GQA, head dims that are and are not powers of two, a causal band,
 lengths and a dense mask; decoding, contiguous and paged; jit and vmap; the checks; and the
-Mosaic backend, which declines such calls (its tiles are sized by one head dim).
+Mosaic forward in its interpreter and lowered for CUDA.
 """
 
 from __future__ import annotations
@@ -35,23 +35,27 @@ def _qkv(seed, b, t, s, n, k, h, hv, dtype=F32):
   return q, kk, v, jax.random.normal(keys[3], (b, t, n, hv), F32)
 
 
-def _check(implementation, *, h, hv, b=2, t=77, s=130, n=4, k=2, seed=0, **options):
-  """Output, LSE and the gradients of sum(out * d_out) against the reference, in one jitted
-  program per side."""
-  q, kk, v, d_out = _qkv(seed, b, t, s, n, k, h, hv)
+def _check(implementation, *, h, hv, b=2, t=77, s=130, n=4, k=2, seed=0, dtype=F32,
+           small=True, **options):
+  """Output, LSE and the gradients of sum(out * d_out) against the reference (on the inputs
+  upcast to float32), in one jitted program per side."""
+  q, kk, v, d_out = _qkv(seed, b, t, s, n, k, h, hv, dtype)
   options = {name: make(b, t, s, n, seed) if callable(make) else make
              for name, make in options.items()}
 
-  def run(fn):
+  def run(fn, *args, jit=True):
     def both(q, kk, v):
       (out, lse), vjp = jax.vjp(fn, q, kk, v)
       return out, lse, vjp((d_out.astype(out.dtype), jnp.zeros_like(lse)))
-    return jax.jit(both)(q, kk, v)
+    return (jax.jit(both) if jit else both)(*args)
 
-  out, lse, grads = run(lambda q, kk, v: attention(implementation, q, kk, v,
-                                                   return_residual=True, **options))
-  want_out, want_lse, want_grads = run(lambda q, kk, v: reference_attention(q, kk, v,
-                                                                            **options))
+  # (Mosaic GPU's interpreter runs eagerly: see tests/checks.py's `check`.)
+  out, lse, grads = run(lambda q, kk, v: attention(implementation, q, kk, v, small=small,
+                                                   return_residual=True, **options),
+                        q, kk, v, jit=implementation != "mosaic" or not interpret_for("mosaic"))
+  want_out, want_lse, want_grads = run(
+      lambda q, kk, v: reference_attention(q, kk, v, **options),
+      *(x.astype(F32) for x in (q, kk, v)))
   chex.assert_shape(out, (b, t, n, hv))
   for g, x in zip(grads, (q, kk, v)):
     chex.assert_equal_shape([g, x])
@@ -61,12 +65,14 @@ def _check(implementation, *, h, hv, b=2, t=77, s=130, n=4, k=2, seed=0, **optio
             "lse": rel_err(np.where(seen, lse, 0.0), np.where(seen, want_lse, 0.0))}
   errors.update({name: rel_err(g, w) for name, g, w in zip(("dq", "dk", "dv"), grads,
                                                              want_grads)})
-  tol = TOLERANCE[F32]
+  tol = TOLERANCE[dtype]
   assert all(e <= tol for e in errors.values()), errors
 
 
 # (H, Dv): MLA's, a halved power of two, and two that pad (to 64 and to 32) independently.
 DIMS = [(192, 128), (64, 32), (40, 24)]
+
+
 @pytest.mark.parametrize("implementation", BACKENDS)
 @pytest.mark.parametrize("h,hv", DIMS)
 def test_causal_gqa_odd_lengths(implementation, h, hv):
@@ -344,16 +350,50 @@ def test_empty_calls_have_the_value_head_dim():
     chex.assert_shape(out, (2, t, 4, 3))
 
 
-def test_mosaic_declines_and_none_picks_a_backend_that_serves():
-  """Mosaic's tiles are sized by one head dim: ``implementation="mosaic"`` says so, and
-  ``implementation=None`` on a Hopper GPU goes to the next backend (Triton)."""
-  q = jax.ShapeDtypeStruct((2, 300, 8, 192), jnp.bfloat16)
-  kk = jax.ShapeDtypeStruct((2, 1000, 2, 192), jnp.bfloat16)
-  v = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
+# ---------------------------------------------------------------------------------------------
+# The Mosaic forward: V's and O's tiles at their own padded head dim (the gradients run the
+# Triton backward), in Mosaic GPU's interpreter and lowered for CUDA.
+
+
+@pytest.mark.parametrize("h,hv,small", [(96, 40, True), (64, 128, False)])
+def test_mosaic_serves_it(h, hv, small):
+  """The small tiles with a narrower V (padded to 64 beside 128); the shipped ones with a
+  wider V (128 beside 64: O needs tiles of its own, wider than Q's)."""
+  _check("mosaic", h=h, hv=hv, b=1, t=70, s=90, n=2, k=1, dtype=jnp.bfloat16, small=small,
+         is_causal=True)
+
+
+@pytest.mark.usefixtures("cuda_plugin")
+def test_mosaic_lowers_for_cuda():
+  """Forward (the shipped configs: persistent grids, the intra-warpgroup overlap) and the
+  Triton backward lower for an H100 with MLA's and other pairs of head dims."""
+  def fwd_bwd(is_causal):
+    return lambda q, kk, v: jax.grad(lambda *x: jnp.sum(jaxflash.flash_attention(
+        *x, implementation="mosaic", is_causal=is_causal).astype(F32)), argnums=(0, 1, 2))(
+            q, kk, v)
+
+  for h, hv, is_causal in ((192, 128, True), (128, 64, False), (64, 128, True),
+                           (256, 128, False)):
+    q = jax.ShapeDtypeStruct((2, 300, 8, h), jnp.bfloat16)
+    kk = jax.ShapeDtypeStruct((2, 1000, 2, h), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, 1000, 2, hv), jnp.bfloat16)
+    with jax.sharding.use_abstract_mesh(H100):
+      text = jax.jit(fwd_bwd(is_causal)).trace(q, kk, v).lower(
+          lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "jaxflash_backward_dkv" in text, (h, hv)
+
+
+def test_mosaic_selection():
+  """``implementation="mosaic"`` serves Dv != H (up to 256); ``implementation=None`` takes
+  Triton for it on a Hopper GPU, since Mosaic was measured faster only where Dv = H."""
+  q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
+  kk = jax.ShapeDtypeStruct((2, 4096, 2, 128), jnp.bfloat16)
   with jax.sharding.use_abstract_mesh(H100):
-    with pytest.raises(backends.UnsupportedCallError, match="mosaic.*value head dim"):
-      jaxflash.implementation_for(q, kk, v, implementation="mosaic")
-    with pytest.raises(ValueError, match="value head dim"):
-      jaxflash.flash_attention(q, kk, v, implementation="mosaic")
-    assert jaxflash.implementation_for(q, kk, v) == "triton"
-    assert jaxflash.implementation_for(q, kk, v, implementation=("mosaic", "triton")) == "triton"
+    assert jaxflash.implementation_for(q, kk, kk) == "mosaic"
+    for hv in (64, 192):
+      v = jax.ShapeDtypeStruct((2, 4096, 2, hv), jnp.bfloat16)
+      assert jaxflash.implementation_for(q, kk, v, implementation="mosaic") == "mosaic"
+      assert jaxflash.implementation_for(q, kk, v) == "triton"
+    wide = jax.ShapeDtypeStruct((2, 4096, 2, 320), jnp.bfloat16)
+    with pytest.raises(backends.UnsupportedCallError, match="mosaic.*value head dims up to 256"):
+      jaxflash.implementation_for(q, kk, wide, implementation="mosaic")
