@@ -162,10 +162,12 @@ def check_cache(query, key_cache, value_cache, page_table):
   if query.ndim != 4:
     raise ValueError(f"query must be [B, T, N, H], got shape {query.shape}")
   b, t = query.shape[:2]
-  if key_cache.ndim != 4 or value_cache.shape != key_cache.shape:
-    raise ValueError(f"key_cache and value_cache must have one shape, [B, S_max, K, H] (or "
-                     f"[num_pages, page_size, K, H] with page_table), got {key_cache.shape} and "
-                     f"{value_cache.shape}")
+  if (key_cache.ndim != 4 or value_cache.ndim != 4
+      or value_cache.shape[:-1] != key_cache.shape[:-1]):
+    raise ValueError(f"key_cache and value_cache must have one shape but for the head dim, "
+                     f"[B, S_max, K, Dqk] and [B, S_max, K, Dv] (or [num_pages, page_size, K, "
+                     f"Dqk] and [..., Dv] with page_table), got key_cache {key_cache.shape} and "
+                     f"value_cache {value_cache.shape}")
   if page_table is None:
     if key_cache.shape[0] != b:
       raise ValueError(f"key_cache must have the query's batch size {b} on axis 0 (or pass a "
@@ -216,9 +218,11 @@ def _check_qkv(query, key, value) -> bool:
   if not key.dtype == value.dtype == query.dtype:
     raise ValueError(f"query, key and value must share one dtype, got "
                      f"{query.dtype}, {key.dtype}, {value.dtype}")
-  if key.shape != value.shape:
-    raise ValueError(f"key and value must have the same shape, got key {key.shape} and "
-                     f"value {value.shape}")
+  # value's head dim Dv may differ from the query/key one (DeepSeek's MLA: Dqk 192, Dv 128);
+  # the output then has Dv. Batch, key length and key/value heads must agree.
+  if key.shape[:-1] != value.shape[:-1]:
+    raise ValueError(f"value must have key's shape but for the head dim (last axis), got key "
+                     f"{key.shape} and value {value.shape}")
   q4 = query.shape if query.ndim == 4 else (1,) + query.shape
   k4 = key.shape if key.ndim == 4 else (1,) + key.shape
   if q4[0] != k4[0]:
@@ -230,6 +234,8 @@ def _check_qkv(query, key, value) -> bool:
   if q4[3] == 0 or q4[2] == 0 or k4[2] == 0:
     raise ValueError(f"head counts and head dim must be positive, got query {query.shape} and "
                      f"key {key.shape}")
+  if value.shape[-1] == 0:
+    raise ValueError(f"value's head dim must be positive, got value {value.shape}")
   if q4[2] % k4[2] != 0:
     raise ValueError(f"the number of query heads ({q4[2]}) must be a multiple of the number of "
                      f"key/value heads ({k4[2]}); got query {query.shape}, key {key.shape}")

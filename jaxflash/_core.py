@@ -3,7 +3,7 @@ per-tile logit math.
 
 A backend (see `jaxflash.backends`) supplies two functions over these types:
 
-- ``forward(inputs, params, config) -> (out, lse2)``: ``out`` [B, T, N, H] in the query dtype
+- ``forward(inputs, params, config) -> (out, lse2)``: ``out`` [B, T, N, Dv] in the query dtype
   (float32 when ``params.partial``) and ``lse2`` float32 [B, N, T], the logsumexp of the *base-2*
   logits (``log2(e) * logits``), set to ``+inf`` on rows that see no key. ``+inf`` makes
   ``exp2(s - lse2)`` exactly 0 on such rows, so the backward needs no special case for them;
@@ -45,7 +45,7 @@ class Inputs(NamedTuple):
 
   query: jax.Array  # [B, T, N, H]
   key: jax.Array  # [B, S, K, H]
-  value: jax.Array  # [B, S, K, H]
+  value: jax.Array  # [B, S, K, Dv]: Dv may differ from H (the output then has Dv)
   lengths: jax.Array  # int32 [B, 2]: (q_len, kv_len) per batch row, clipped to [0, T] / [0, S]
   # int32 [B, 2]: (q_offset, kv_offset), the absolute positions of query row 0 and key 0 of each
   # batch row (see `jaxflash.masking`); None means zeros and costs nothing.

@@ -186,15 +186,15 @@ def with_causal_mask(mask: jax.Array | None, query: jax.Array, key: jax.Array) -
 
 
 def kernel_can_serve(query: jax.Array, key: jax.Array, value: jax.Array) -> bool:
-  """Shapes and dtypes the kernels take: float16/bfloat16/float32, equal q/k/v depth, whole
-  GQA groups."""
+  """Shapes and dtypes the kernels take: float16/bfloat16/float32, equal q/k depth (the value's
+  may differ), key and value alike but for their depth, whole GQA groups."""
   if query.ndim < 3 or key.ndim != query.ndim or value.ndim != query.ndim:
     return False
   if query.dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
     return False
-  if not query.shape[-1] == key.shape[-1] == value.shape[-1]:
+  if query.shape[-1] != key.shape[-1] or key.shape[:-1] != value.shape[:-1]:
     return False
-  return query.shape[-2] % key.shape[-2] == 0 and key.shape == value.shape
+  return query.shape[-2] % key.shape[-2] == 0
 
 
 def ring_attention_fn(axis_name: str, *, layout: str = "contiguous", is_causal: bool = False):

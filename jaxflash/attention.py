@@ -61,18 +61,19 @@ def flash_attention(
   backend's split-KV forward, the kernel of `decode_attention`; its backward is the same.
 
   Notation: B batch, T query length, S key/value length, N query heads, K key/value heads
-  (N % K == 0: grouped-query attention when K < N), H head dim.
+  (N % K == 0: grouped-query attention when K < N), H head dim of query and key, Dv that of
+  value and the output (Dv = H usually; DeepSeek's MLA has H = 192, Dv = 128).
 
   Args:
     query: [B, T, N, H] or unbatched [T, N, H]; float16, bfloat16 or float32.
     key: [B, S, K, H] (or [S, K, H]), same dtype as ``query``.
-    value: [B, S, K, H] (or [S, K, H]), same dtype as ``query``.
+    value: [B, S, K, Dv] (or [S, K, Dv]), same dtype as ``query``.
     bias: optional additive bias, broadcastable to [B, N, T, S] (or [N, T, S] when unbatched),
       added to the scaled (and soft-capped) logits. Differentiable: its gradient is summed over
       the axes it is broadcast along, and is computed only when asked for (a bias that is not
       differentiated costs no extra time or memory in the backward pass).
     mask: optional boolean mask broadcastable to [B, N, T, S]; True means "may attend".
-    scale: multiplier of ``query @ key``; defaults to ``1 / sqrt(H)``.
+    scale: multiplier of ``query @ key``; defaults to ``1 / sqrt(H)`` (query's head dim).
     is_causal: top-left aligned causal mask (query ``t`` sees keys ``s <= t``).
     query_seq_lengths: int [B]; query rows at or past the length are padding and give zeros.
     key_value_seq_lengths: int [B]; keys at or past the length are ignored.
@@ -128,7 +129,8 @@ def flash_attention(
     interpret: run the Pallas kernels in interpret mode (works on a CPU; for testing).
 
   Returns:
-    The attention output, shaped and typed like ``query``; with ``return_residual`` the pair
+    The attention output, [B, T, N, Dv] (or [T, N, Dv]) in the query's dtype; with
+    ``return_residual`` the pair
     ``(output, logsumexp)``. Query rows that can see no key produce zeros and zero gradients.
     As in jax.nn, T = 0 gives empty results and S = 0 zeros (with an LSE of ``-inf``).
 
@@ -261,7 +263,10 @@ def _empty(inputs) -> tuple[jax.Array, jax.Array] | None:
   if b and t and inputs.key.shape[1]:
     return None
   lse = jnp.full((b, n, t), -jnp.inf, jnp.float32)  # (varying like the query in a shard_map)
-  return jnp.zeros_like(inputs.query), _core.varying_like(lse, _core.varying_axes(inputs.query))
+  # The output has the value's head dim (it may differ from the query's), and the query's
+  # dtype, sharding and varying axes: zeros of one query column, broadcast.
+  out = jnp.broadcast_to(jnp.zeros_like(inputs.query[..., :1]), (b, t, n, inputs.value.shape[-1]))
+  return out, _core.varying_like(lse, _core.varying_axes(inputs.query))
 
 
 def _few_queries(call: _checks.Call) -> bool:
@@ -341,13 +346,14 @@ def decode_attention(
   Args:
     query: [B, T, N, H], the new tokens (T small: 1 when generating).
     key_cache: [B, S_max, K, H], or with ``page_table`` pages [num_pages, page_size, K, H].
-    value_cache: shaped and typed like ``key_cache``.
+    value_cache: shaped and typed like ``key_cache`` but for its head dim Dv, which may differ
+      from H (DeepSeek's absorbed MLA decoding: H = 576, Dv = 512).
     kv_lengths: int [B], the tokens in each row of the cache, the new ones included; clipped
       to [0, S_max]. A row holding fewer than T tokens gives zeros for the rows before its
       first token.
     page_table: optional int [B, pages_per_row]: row ``b`` of the cache is pages
       ``page_table[b, 0], page_table[b, 1], ...`` in order (S_max = pages_per_row * page_size).
-    scale: multiplier of ``query @ key``; defaults to ``1 / sqrt(H)``.
+    scale: multiplier of ``query @ key``; defaults to ``1 / sqrt(H)`` (query's head dim).
     local_window_size: ``w`` or ``(left, right)``: a token sees at most ``left`` tokens before
       its own (``right`` has no effect: nothing after it is visible).
     logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
@@ -357,7 +363,7 @@ def decode_attention(
     interpret: run Pallas kernels in interpret mode (for tests on a CPU).
 
   Returns:
-    [B, T, N, H] like ``query``; with ``return_residual``, ``(output, logsumexp)``.
+    [B, T, N, Dv] in the query's dtype; with ``return_residual``, ``(output, logsumexp)``.
 
   Raises:
     ValueError: as `flash_attention`, naming the argument, before any kernel runs.

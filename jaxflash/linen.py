@@ -58,8 +58,9 @@ def dot_product_attention(
   """`flax.linen.dot_product_attention` computed by jaxflash (same signature, plus ``is_causal``,
   ``implementation`` and ``sinks``).
 
-  Arrays are ``[batch..., length, heads, depth]``; ``query`` arrives unscaled and is scaled by
-  ``1 / sqrt(depth)``. ``mask`` (bool or float, nonzero = attend) and ``bias`` broadcast to
+  Arrays are ``[batch..., length, heads, depth]`` (value may have its own depth, which the
+  output takes); ``query`` arrives unscaled and is scaled by ``1 / sqrt(depth)``. ``mask``
+  (bool or float, nonzero = attend) and ``bias`` broadcast to
   ``[batch..., heads, q_length, kv_length]``. Dropout (``dropout_rate``, ``dropout_rng``,
   ``deterministic``, ``broadcast_dropout``) runs inside the kernels, with the mask regenerated in
   the backward pass. The softmax is always computed in float32, so ``force_fp32_for_softmax`` is
@@ -72,7 +73,7 @@ def dot_product_attention(
 
   Requests the kernels cannot serve fall back to Flax's own implementation rather than being
   ignored: ``module`` (sowing the T x S weights), ``precision``, custom einsums or dot_generals,
-  a value depth different from the query depth, or non-float inputs. Such a call with an
+  a key depth different from the query depth, or non-float inputs. Such a call with an
   ``implementation`` or sinks raises a ValueError instead.
 
   Query rows that can see no key give zeros (Flax gives the mean of the values there).

@@ -55,9 +55,10 @@ def dot_product_attention(
   """`flax.nnx.dot_product_attention` computed by jaxflash (same signature, plus
   ``implementation`` and ``**kwargs``).
 
-  Arrays are ``[batch..., length, heads, depth]`` (key/value may have fewer heads: GQA);
-  ``query`` arrives unscaled and is scaled by ``1 / sqrt(depth)``. ``mask`` (bool or float,
-  nonzero = attend) and ``bias`` broadcast to ``[batch..., heads, q_length, kv_length]``.
+  Arrays are ``[batch..., length, heads, depth]`` (key/value may have fewer heads: GQA; value
+  may have its own depth, which the output takes); ``query`` arrives unscaled and is scaled by
+  ``1 / sqrt(depth)``. ``mask`` (bool or float, nonzero = attend) and ``bias`` broadcast to
+  ``[batch..., heads, q_length, kv_length]``.
   Dropout (``dropout_rate``, ``dropout_rng``, ``deterministic``, ``broadcast_dropout``) runs
   inside the kernels. ``is_causal`` applies a causal mask without materialising it.
   ``implementation`` picks jaxflash's backend as in `jaxflash.flash_attention` (``"mosaic"``,
@@ -66,7 +67,7 @@ def dot_product_attention(
   module made with ``sinks=True`` passes its own.
 
   Falls back to Flax's own implementation for what the kernels cannot serve: ``module``
-  (sowing the T x S weights), ``precision``, a value depth different from the query depth, or
+  (sowing the T x S weights), ``precision``, a key depth different from the query depth, or
   non-float inputs (with an ``implementation``, such a call raises a ValueError). Other
   keywords that nnx may pass (e.g. ``input_positions``) are accepted when None and refused with
   a TypeError otherwise, since Flax's default function has no use for them either.

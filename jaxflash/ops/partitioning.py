@@ -482,10 +482,11 @@ class _PagedForward(_Forward):
   def __call__(self, origin, *arrays):
     *arrays, key_pages, value_pages, table = arrays
     inputs = _inputs(self.names, arrays, origin, key=None, value=None)
-    # The rows' shapes for the kernel: a broadcast scalar, never materialised.
-    rows = jnp.broadcast_to(jnp.zeros((), self.dtype), (inputs.query.shape[0], self.seq)
-                            + key_pages.shape[2:])
-    inputs = inputs._replace(key=rows, value=rows)
+    # The rows' shapes for the kernel: broadcast scalars, never materialised (K and V each
+    # with their own head dim).
+    key, value = (jnp.broadcast_to(jnp.zeros((), self.dtype), (inputs.query.shape[0], self.seq)
+                                   + pages.shape[2:]) for pages in (key_pages, value_pages))
+    inputs = inputs._replace(key=key, value=value)
     return tuple(self.backend.forward(inputs, self.params, self.config,
                                       (key_pages, value_pages, table)))
 

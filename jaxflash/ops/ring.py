@@ -238,7 +238,7 @@ def _part_of(x, start, size: int, axis: int = 1):
 
 
 def _forward(inputs: Inputs, params: Params, ring: Ring):
-  """(out [B, T, N, H], lse2 [B, N, T]) of the local queries against the whole sequence."""
+  """(out [B, T, N, Dv], lse2 [B, N, T]) of the local queries against the whole sequence."""
   size, parts = ring.size(), _parts(ring)
   partial_params = dataclasses.replace(params, partial=True)
   sinks, inputs = inputs.sinks, flash.without_sinks(inputs)  # joined after the last merge
@@ -299,7 +299,7 @@ def _bwd(params, ring, residuals, cotangents):
   # Accumulators vary over the manual axes like the gradients added to them (check_vma).
   zeros = lambda x: _core.varying_like(jnp.zeros(x.shape, jnp.float32),  # noqa: E731
                                        _core.varying_axes(x))
-  dq, dk, dv = zeros(inputs.query), zeros(inputs.key), zeros(inputs.key)
+  dq, dk, dv = zeros(inputs.query), zeros(inputs.key), zeros(inputs.value)
   for step in range(size):
     next_kv = ring.shift(kv) if step < size - 1 else None
     for p, r, pair in _step_pairs(pairs_of, params, ring, kv, step):

@@ -47,6 +47,9 @@ def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
     return f"bfloat16 and float16 only, got {q.dtype}"
   if q.shape[-1] > MAX_HEAD_DIM:
     return f"head dims up to {MAX_HEAD_DIM} only, got query.shape[-1] = {q.shape[-1]}"
+  if inputs.value.shape[-1] > MAX_HEAD_DIM:
+    return (f"value head dims up to {MAX_HEAD_DIM} only, got value.shape[-1] = "
+            f"{inputs.value.shape[-1]}")
   if _default_config(inputs, params, device) is None:
     return (f"a float32 partial result at head dim {q.shape[-1]} does not fit in shared "
             f"memory")
@@ -56,13 +59,15 @@ def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
 def _default_config(inputs: Inputs, params: Params, device: Device) -> Config | None:
   q = inputs.query
   return default_config(q.shape[-1], q.dtype, params.window.is_causal, q.shape[1], device.kind,
-                        params.partial)
+                        params.partial, inputs.value.shape[-1])
 
 
 def _preferred(inputs: Inputs, params: Params, device: Device) -> bool:
   """Whether ``implementation=None`` takes this backend: only where the benchmark measured it
   faster than the Triton one on this device kind, head dim, band and key length
-  (`config.FASTER_THAN_TRITON`)."""
+  (`config.FASTER_THAN_TRITON`): never yet with a value head dim unlike the query's."""
+  if inputs.value.shape[-1] != inputs.query.shape[-1]:
+    return False
   return faster_than_triton(device.kind, inputs.query.shape[-1], inputs.key.shape[1],
                             params.window.is_causal)
 

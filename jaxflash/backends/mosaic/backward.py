@@ -79,6 +79,8 @@ def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
   if config.backward is None:
     return "config.backward is None"
   head_dim = inputs.query.shape[-1]
+  if inputs.value.shape[-1] != head_dim:  # (its tiles are sized by one head dim)
+    return "a value head dim unlike the query's"
   if params.partial and config.backward.runs_one_pass(padded_head_dim(head_dim)):
     return "partial results (float32 gradients) in one pass"
   if backward_smem_bytes(config.backward, head_dim, params.partial) > SMEM_BUDGET:

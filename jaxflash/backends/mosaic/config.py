@@ -136,15 +136,19 @@ def padded_head_dim(head_dim: int) -> int:
   return -(-head_dim // 64) * 64
 
 
-def smem_bytes(config: Config, head_dim: int, partial: bool = False) -> int:
+def smem_bytes(config: Config, head_dim: int, partial: bool = False,
+               value_dim: int | None = None) -> int:
   """Shared memory of one CTA: two Q tiles per buffer, the K and V rings, the LSE rows, and two
-  O tiles of their own for a partial result (float32) or a persistent CTA (16-bit); otherwise a
+  O tiles of their own for a partial result (float32), a persistent CTA (16-bit) or a value
+  head dim ``value_dim`` (V's and O's; None: ``head_dim``) unlike the query's; otherwise a
   16-bit O goes out through the Q tiles."""
   hp = padded_head_dim(head_dim)
+  hvp = hp if value_dim is None else padded_head_dim(value_dim)
   tiles = 2 * (2 * config.q_buffers * config.block_q * hp
-               + 2 * config.num_stages * config.block_kv * hp)
-  o_bytes = 4 if partial else 2 if config.persistent_ctas is not None else 0
-  return tiles + 8 * 64 + o_bytes * 2 * config.block_q * hp
+               + config.num_stages * config.block_kv * (hp + hvp))
+  own_o = config.persistent_ctas is not None or hvp != hp
+  o_bytes = 4 if partial else 2 if own_o else 0
+  return tiles + 8 * 64 + o_bytes * 2 * config.block_q * hvp
 
 
 # Streaming multiprocessors of the Hopper parts (SXM and GH200: 132), for persistent grids.
@@ -185,8 +189,9 @@ def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False
   return max(dkv, dq, dv)
 
 
-def fits(config: Config, head_dim: int, partial: bool = False) -> bool:
-  return smem_bytes(config, head_dim, partial) <= SMEM_BUDGET
+def fits(config: Config, head_dim: int, partial: bool = False,
+         value_dim: int | None = None) -> bool:
+  return smem_bytes(config, head_dim, partial, value_dim) <= SMEM_BUDGET
 
 
 # Config fields by (padded head dim, causal) where the tuner (`bench.py --tune`, bf16, S = 1k, 4k
@@ -237,12 +242,15 @@ BACKWARD_TUNED: dict[int, Backward] = {
 
 
 def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: str,
-                   partial: bool = False) -> Config | None:
+                   partial: bool = False, value_dim: int | None = None) -> Config | None:
   """`TUNED`'s config (persistent on this device's SM count), else it on one CTA per tile,
   else the 128-key tile, else the 64-key one, whichever first fits in shared memory (a float32
-  partial result needs O tiles of its own); None if none fits (partial results at D = 256).
-  Causal CTAs are launched heaviest first."""
-  backward = triton_config.default_config(head_dim, dtype, causal, q_len, device_kind)
+  partial result, or a value head dim ``value_dim`` unlike ``head_dim``, needs O tiles of its
+  own); None if none fits (partial results at D = 256). Causal CTAs are launched heaviest
+  first."""
+  # (The Triton backward's tiles for the wider of the two head dims: it serves Dv != H.)
+  backward = triton_config.default_config(max(head_dim, value_dim or 0), dtype, causal, q_len,
+                                          device_kind)
   tuned = TUNED.get((padded_head_dim(head_dim), causal))
   candidates = [dict(block_kv=128), dict(block_kv=64)]
   if tuned:
@@ -252,7 +260,7 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
   mosaic_backward = BACKWARD_TUNED.get(padded_head_dim(head_dim), Backward())
   for fields in candidates:
     config = Config(triton=backward, backward=mosaic_backward, **fields)
-    if fits(config, head_dim, partial):
+    if fits(config, head_dim, partial, value_dim):
       return config
   return None
 

@@ -287,7 +287,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
             turns, *, params: Params, config: Config, schedule: Schedule, groups: int,
             grid: _Grid):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
-  head_dim = q_smems.shape[-1]
+  value_dim = v_smem.shape[-1]  # (O's head dim: V's, which may differ from Q's and K's)
   wg = lax.axis_index("wg")
   heavy_first = config.heavy_first and schedule.window.right is not None
   count, item = _items(grid, heavy_first, extras.order)
@@ -334,7 +334,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       index = wg if q_buffers == 1 else lax.rem(i, jnp.asarray(2, i.dtype)) * _CONSUMERS + wg
       return q_smems.at[index], q_ready.at[index]
 
-    # A 16-bit O of a one-item CTA goes out through its Q tile; otherwise through its own.
+    # A 16-bit O of a one-item CTA goes out through its Q tile (where V's head dim is Q's);
+    # otherwise through its own.
     o_smem = q_smems.at[wg] if o_smems is None else o_smems.at[wg]
 
     def load_q(i):
@@ -535,7 +536,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         acc, m, l, p16 = carry
         return pv_turn(acc, p16, slot_at(n), pass_turn), m, l, p16
 
-      init = (plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
+      init = (plgpu.layout_cast(jnp.zeros((block_q, value_dim), jnp.float32),
                                 plgpu.Layout.WGMMA),
               plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _ROWS),
               plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROWS))
@@ -685,14 +686,15 @@ def with_order(extras: _Extras, inputs: Inputs, groups: int = 1) -> _Extras:
 
 
 def forward(inputs: Inputs, params: Params, config: Config):
-  """``(out [B, T, N, H], lse2 [B, N, T])`` (see `jaxflash._core`)."""
+  """``(out [B, T, N, Dv], lse2 [B, N, T])`` (see `jaxflash._core`)."""
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, h = q.shape
+  hv = v.shape[3]
   groups = n // k.shape[2]
-  hp = padded_head_dim(h)
+  hp, hvp = padded_head_dim(h), padded_head_dim(hv)  # (V and O padded on their own)
   # TMA copies swizzled 8x64 tiles, so sequence lengths must be multiples of 8 in memory.
   q = _pad(q, _round_up(t, 8), hp)
-  k, v = (_pad(x, _round_up(k.shape[1], 8), hp) for x in (k, v))
+  k, v = _pad(k, _round_up(k.shape[1], 8), hp), _pad(v, _round_up(v.shape[1], 8), hvp)
   rows_per_cta = _CONSUMERS * config.block_q
   q_tiles = pl.cdiv(t, rows_per_cta)
   extras = _extras(inputs, q_tiles * rows_per_cta, _round_up(k.shape[1], config.block_kv))
@@ -703,16 +705,16 @@ def forward(inputs: Inputs, params: Params, config: Config):
   schedule = Schedule(params.window, rows_per_cta, config.block_kv, elementwise)
   stages = config.num_stages
   out_dtype = jnp.float32 if params.partial else q.dtype
-  own_o_tile = params.partial or config.persistent_ctas is not None
+  own_o_tile = params.partial or config.persistent_ctas is not None or hvp != hp
   scratch = (
       # Q (in one of ``q_buffers`` buffers per item), then O on the way out.
       _smem_tile((config.q_buffers * _CONSUMERS, config.block_q, hp), q.dtype),
       _smem_tile((stages, config.block_kv, hp), k.dtype),
-      _smem_tile((stages, config.block_kv, hp), v.dtype),
+      _smem_tile((stages, config.block_kv, hvp), v.dtype),
       plgpu.SMEM((_CONSUMERS, config.block_q), jnp.float32),  # LSE rows on the way out
       # O on the way out: a partial result's (float32), or a persistent CTA's (Q's tile is
       # then loading the next item). Otherwise O goes out through Q's tile.
-      _smem_tile((_CONSUMERS, config.block_q, hp), out_dtype) if own_o_tile else None,
+      _smem_tile((_CONSUMERS, config.block_q, hvp), out_dtype) if own_o_tile else None,
       plgpu.Barrier(num_barriers=config.q_buffers * _CONSUMERS),  # q_ready
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_barriers=stages),  # v_ready
@@ -733,7 +735,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
   # The LSE rows are written a whole tile at a time, so its buffer is padded to whole tiles.
   out, lse2 = plgpu.kernel(
       kernel,
-      out_type=(_core.out_struct(q.shape, out_dtype, q),
+      out_type=(_core.out_struct(q.shape[:3] + (hvp,), out_dtype, q),
                 _core.out_struct((b, n, q_tiles * rows_per_cta), jnp.float32, q)),
       scratch_types=scratch,
       grid=grid,
@@ -745,4 +747,4 @@ def forward(inputs: Inputs, params: Params, config: Config):
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
       interpret=plgpu.InterpretGPUParams() if params.interpret else None,
   )(q, k, v, inputs.lengths, inputs.offsets, extras)
-  return out[:, :t, :, :h], lse2[..., :t]
+  return out[:, :t, :, :hv], lse2[..., :t]

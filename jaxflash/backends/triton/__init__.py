@@ -31,6 +31,9 @@ def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
   head_dim = inputs.query.shape[-1]
   if head_dim > MAX_HEAD_DIM:
     return f"head dims up to {MAX_HEAD_DIM} only, got query.shape[-1] = {head_dim}"
+  if inputs.value.shape[-1] > MAX_HEAD_DIM:
+    return (f"value head dims up to {MAX_HEAD_DIM} only, got value.shape[-1] = "
+            f"{inputs.value.shape[-1]}")
   if not (device.is_nvidia_gpu or params.interpret):
     return (f"it needs an NVIDIA GPU (this call is for {device.kind or device.platform!r}); "
             f"pass interpret=True to run its kernels in interpret mode")
@@ -39,7 +42,9 @@ def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
 
 def _default_config(inputs: Inputs, params: Params, device: Device) -> Config:
   q = inputs.query
-  return default_config(q.shape[-1], q.dtype, params.window.is_causal, q.shape[1], device.kind)
+  # Tiles sized for the wider of the two head dims (Q/K, V/O) fit in shared memory.
+  head_dim = max(q.shape[-1], inputs.value.shape[-1])
+  return default_config(head_dim, q.dtype, params.window.is_causal, q.shape[1], device.kind)
 
 
 BACKEND = Backend(name="triton", Config=Config, package=__name__, supports=_supports,

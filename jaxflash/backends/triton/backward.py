@@ -30,14 +30,14 @@ from jaxflash.schedule import Schedule
 def _dq_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, lse_ref, delta_ref,
                dq_ref, *, params: Params, st: tiles.Static, schedule: Schedule):
   qt = tiles.query_tile(q_ref, lengths_ref, opt, params, st, schedule.block_q, schedule.block_k)
-  do = tiles.load(do_ref, mask=tiles.tile_ok(qt.row_ok, st.dim_ok), other=0.0)
+  do = tiles.load(do_ref, mask=tiles.tile_ok(qt.row_ok, st.value_dim_ok), other=0.0)
   # lse2 = +inf on rows that see nothing (and on rows past T), so P is exactly 0 there.
   lse2 = tiles.load(lse_ref, mask=qt.row_ok, other=jnp.inf)
   delta = tiles.load(delta_ref, mask=qt.row_ok, other=0.0)
 
   def body(j, dq, masked: bool):
     kt = tiles.key_tile(j, k_ref, opt, st, schedule.block_k, masked, params)
-    v = tiles.load(v_ref.at[kt.keys, :], mask=kt.kv_ok, other=0.0)
+    v = tiles.load(v_ref.at[kt.keys, :], mask=kt.v_ok, other=0.0)
     s2, cap_t = tiles.tile_logits(qt, kt, opt, params, masked)
     p = jnp.exp2(s2 - lse2[:, None])
     keep = tiles.keep(qt.stream, qt.rows, kt.k_start, schedule.block_k, params, qt.pos)
@@ -58,9 +58,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, l
   pos = tiles.positions(lengths_ref, opt.offsets)
   k_start = pl.program_id(0) * block_k
   cols, col_ok = st.bounds(k_start, block_k, st.seq_k)
-  kv_ok = tiles.tile_ok(col_ok, st.dim_ok)
+  kv_ok, v_ok = tiles.tile_ok(col_ok, st.dim_ok), tiles.tile_ok(col_ok, st.value_dim_ok)
   k = tiles.load(k_ref, mask=kv_ok, other=0.0)
-  v = tiles.load(v_ref, mask=kv_ok, other=0.0)
+  v = tiles.load(v_ref, mask=v_ok, other=0.0)
   kv_seg = None if opt.kv_seg is None else tiles.load(opt.kv_seg, mask=col_ok, other=-2)
   # Program ids are read here, outside the loops (interpret mode cannot see them inside).
   batch, first_head = pl.program_id(1), pl.program_id(2) * st.groups
@@ -82,7 +82,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, l
     rows, row_ok = st.bounds(q_start, block_q, st.seq_q)
     q_ok = tiles.tile_ok(row_ok, st.dim_ok)
     q = tiles.load(q_ref.at[pl.ds(q_start, block_q), g, :], mask=q_ok, other=0.0)
-    do = tiles.load(do_ref.at[pl.ds(q_start, block_q), g, :], mask=q_ok, other=0.0)
+    do = tiles.load(do_ref.at[pl.ds(q_start, block_q), g, :],
+                    mask=tiles.tile_ok(row_ok, st.value_dim_ok), other=0.0)
     lse2 = tiles.load(lse_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=jnp.inf)
     delta = tiles.load(delta_ref.at[g, pl.ds(q_start, block_q)], mask=row_ok, other=0.0)
     q_seg = None if opt.q_seg is None else tiles.load(
@@ -109,15 +110,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, l
     dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True)
     return dk, dv
 
-  zeros = jnp.zeros((block_k, st.head_dim_p), jnp.float32)
+  zeros = (jnp.zeros((block_k, st.head_dim_p), jnp.float32),
+           jnp.zeros((block_k, st.value_dim_p), jnp.float32))
   spans_of = None
   if opt.lists is not None:  # a block table's query blocks, per head of the group
     blocks = pl.cdiv(st.seq_q, block_q)
     spans_of = lambda g: tiles.list_spans(opt.lists, blocks, head_of(opt.lists, g))  # noqa: E731
-  dk, dv = schedule.visit_q(k_start, pos, body, (zeros, zeros), repeat=st.groups,
+  dk, dv = schedule.visit_q(k_start, pos, body, zeros, repeat=st.groups,
                             spans_of=spans_of)
   plgpu.store(dk_ref, (dk * params.scale).astype(dk_ref.dtype), mask=kv_ok)
-  plgpu.store(dv_ref, dv.astype(dv_ref.dtype), mask=kv_ok)
+  plgpu.store(dv_ref, dv.astype(dv_ref.dtype), mask=v_ok)
 
 
 def _grouped_dense(x: jax.Array, t: int, block_k: int, groups: int):
@@ -166,13 +168,17 @@ def _dq(inputs, params, config, opt, d_out, lse2, delta, out_dtype):
   opt = tiles.with_lists(opt, inputs, params, block_q, block_k)
   rows = pl.BlockSpec((None, block_q, None, st.head_dim_p), lambda i, b, h: (b, i, h, 0))
   kv = pl.BlockSpec((None, s, None, st.head_dim_p), lambda i, b, h: (b, 0, h // st.groups, 0))
+  # V and dO are blocked at their own padded head dim Dv.
+  v_spec = pl.BlockSpec((None, s, None, st.value_dim_p),
+                        lambda i, b, h: (b, 0, h // st.groups, 0))
+  do_rows = pl.BlockSpec((None, block_q, None, st.value_dim_p), lambda i, b, h: (b, i, h, 0))
   stats = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
   return pl.pallas_call(
       functools.partial(_dq_kernel, params=params, st=st,
                         schedule=tiles.schedule(inputs, params, block_q, block_k)),
       grid=(pl.cdiv(t, block_q), b, n),
-      in_specs=[rows, kv, kv, pl.BlockSpec((None, 2), lambda i, b, h: (b, 0)),
-                tiles.query_block_specs(opt, block_q, s), rows, stats, stats],
+      in_specs=[rows, kv, v_spec, pl.BlockSpec((None, 2), lambda i, b, h: (b, 0)),
+                tiles.query_block_specs(opt, block_q, s), do_rows, stats, stats],
       out_specs=rows,
       out_shape=_core.out_struct(q.shape, out_dtype, q),
       compiler_params=tiles.compiler_params(config.backward),
@@ -191,6 +197,10 @@ def _dkv(inputs, params, config, opt, d_out, lse2, delta, out_dtype):
   grouped_rows = pl.BlockSpec((None, t, None, g, hp), lambda j, b, h: (b, 0, h, 0, 0))
   grouped_stats = pl.BlockSpec((None, None, g, t), lambda j, b, h: (b, h, 0, 0))
   kv = pl.BlockSpec((None, block_k, None, hp), lambda j, b, h: (b, j, h, 0))
+  # V, dV and dO are blocked at their own padded head dim Dv.
+  hv, hvp = v.shape[3], st.value_dim_p
+  v_spec = pl.BlockSpec((None, block_k, None, hvp), lambda j, b, h: (b, j, h, 0))
+  grouped_do = pl.BlockSpec((None, t, None, g, hvp), lambda j, b, h: (b, 0, h, 0, 0))
   dense = {name: None if x is None else _grouped_dense(x, t, block_k, g)
            for name, x in (("mask", opt.mask), ("bias", opt.bias))}
   opt = opt._replace(**{name: None if d is None else d[0] for name, d in dense.items()})
@@ -214,15 +224,15 @@ def _dkv(inputs, params, config, opt, d_out, lse2, delta, out_dtype):
       functools.partial(_dkv_kernel, params=params, st=st,
                         schedule=tiles.schedule(inputs, params, block_q, block_k)),
       grid=(pl.cdiv(s, block_k), b, kh),
-      in_specs=[grouped_rows, kv, kv, pl.BlockSpec((None, 2), lambda j, b, h: (b, 0)), specs,
-                grouped_rows, grouped_stats, grouped_stats],
-      out_specs=[kv, kv],
+      in_specs=[grouped_rows, kv, v_spec, pl.BlockSpec((None, 2), lambda j, b, h: (b, 0)),
+                specs, grouped_do, grouped_stats, grouped_stats],
+      out_specs=[kv, v_spec],
       out_shape=[_core.out_struct(k.shape, out_dtype, q),
                  _core.out_struct(v.shape, out_dtype, q)],
       compiler_params=tiles.compiler_params(config.backward),
       interpret=params.interpret,
       name="jaxflash_backward_dkv",
-  )(q.reshape(b, t, kh, g, h), k, v, inputs.lengths, opt, d_out.reshape(b, t, kh, g, h),
+  )(q.reshape(b, t, kh, g, h), k, v, inputs.lengths, opt, d_out.reshape(b, t, kh, g, hv),
     lse2.reshape(b, kh, g, t), delta.reshape(b, kh, g, t))
 
 

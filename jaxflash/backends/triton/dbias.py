@@ -36,7 +36,7 @@ def _dbias_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref,
   bias_batch, bias_head = pl.program_id(1), pl.program_id(2)
   q_start = pl.program_id(0) * block_q
   rows, row_ok = st.bounds(q_start, block_q, st.seq_q)
-  q_ok = tiles.tile_ok(row_ok, st.dim_ok)
+  q_ok, do_ok = tiles.tile_ok(row_ok, st.dim_ok), tiles.tile_ok(row_ok, st.value_dim_ok)
   # Key blocks the band allows for any batch row: lengths and offsets differ per row, so they
   # are left to the element mask (with offsets, every block is visited).
   if opt.offsets is None:
@@ -51,7 +51,7 @@ def _dbias_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref,
   def key_block(j, carry):
     k_start = j * block_k
     cols, col_ok = st.bounds(k_start, block_k, st.seq_k)
-    kv_ok = tiles.tile_ok(col_ok, st.dim_ok)
+    kv_ok, v_ok = tiles.tile_ok(col_ok, st.dim_ok), tiles.tile_ok(col_ok, st.value_dim_ok)
     keys = pl.ds(k_start, block_k)
     ok = tiles.tile_ok(row_ok, col_ok)
 
@@ -60,11 +60,11 @@ def _dbias_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref,
       b = bias_batch if shared_batch == 1 else r // shared_heads
       n = bias_head if shared_heads == 1 else lax.rem(r, jnp.int32(shared_heads))
       q = tiles.load(q_ref.at[b, :, n, :], mask=q_ok, other=0.0)
-      do = tiles.load(do_ref.at[b, :, n, :], mask=q_ok, other=0.0)
+      do = tiles.load(do_ref.at[b, :, n, :], mask=do_ok, other=0.0)
       lse2 = tiles.load(lse_ref.at[b, n, :], mask=row_ok, other=jnp.inf)
       delta = tiles.load(delta_ref.at[b, n, :], mask=row_ok, other=0.0)
       k = tiles.load(k_ref.at[b, keys, n // st.groups, :], mask=kv_ok, other=0.0)
-      v = tiles.load(v_ref.at[b, keys, n // st.groups, :], mask=kv_ok, other=0.0)
+      v = tiles.load(v_ref.at[b, keys, n // st.groups, :], mask=v_ok, other=0.0)
       q_seg = kv_seg = None
       if opt.q_seg is not None:
         q_seg = tiles.load(opt.q_seg.at[b, :], mask=row_ok, other=-1)
@@ -109,7 +109,7 @@ def dbias(inputs: Inputs, params: Params, config: Config, opt: tiles.Optional, l
   b, t, n, _ = q.shape
   s, kh = k.shape[1], k.shape[2]
   st = tiles.static(inputs)
-  hp = st.head_dim_p
+  hp, hvp = st.head_dim_p, st.value_dim_p  # (V and dO have the value's head dim)
   block_q, block_k = tiles.blocks(config.backward, inputs)
   whole = lambda *block: pl.BlockSpec(block, lambda i, bb, nb: (0,) * len(block))  # noqa: E731
   row_block = lambda *block: pl.BlockSpec(  # noqa: E731
@@ -124,6 +124,7 @@ def dbias(inputs: Inputs, params: Params, config: Config, opt: tiles.Optional, l
       q_feat=lambda x: row_block(*x.shape[:3], block_q),
       kv_feat=lambda x: whole(*x.shape))
   q_rows = pl.BlockSpec((b, block_q, n, hp), lambda i, bb, nb: (0, i, 0, 0))
+  do_rows = pl.BlockSpec((b, block_q, n, hvp), lambda i, bb, nb: (0, i, 0, 0))
   kernel = functools.partial(
       _dbias_kernel, params=params, st=st,
       schedule=tiles.schedule(inputs, params, block_q, block_k),
@@ -131,7 +132,7 @@ def dbias(inputs: Inputs, params: Params, config: Config, opt: tiles.Optional, l
   return pl.pallas_call(
       kernel,
       grid=(pl.cdiv(t, block_q), bias.shape[0], bias.shape[1]),
-      in_specs=[q_rows, whole(b, s, kh, hp), whole(b, s, kh, hp), whole(b, 2), specs, q_rows,
+      in_specs=[q_rows, whole(b, s, kh, hp), whole(b, s, kh, hvp), whole(b, 2), specs, do_rows,
                 row_block(b, n, block_q), row_block(b, n, block_q)],
       out_specs=pl.BlockSpec((None, None, block_q, s), lambda i, bb, nb: (bb, nb, i, 0)),
       out_shape=_core.out_struct(bias.shape, bias.dtype, bias),

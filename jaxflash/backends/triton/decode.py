@@ -362,7 +362,9 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, mask_ref, 
   row_ok = r < rows_used
   # The tile's padding rows and columns lie past the arrays' ends: masked, never read or written
   # (padding them in XLA cost a pass over the queries and up to 16x the partial outputs' bytes).
-  io_ok = tiles.tile_ok(None if rows_used == rows else row_ok, st.dim_ok)
+  row_io = None if rows_used == rows else row_ok
+  io_ok = tiles.tile_ok(row_io, st.dim_ok)
+  out_ok = tiles.tile_ok(row_io, st.value_dim_ok)  # (O has the value's head dim)
   qs = [tiles.load(q_ref.at[i], mask=io_ok, other=0.0) for i in head_ids]  # [rows, hp]
   q_len, kv_len = lengths_ref[0], lengths_ref[1]
   diagonal = 0 if offsets_ref is None else offsets_ref[0] - offsets_ref[1]
@@ -380,11 +382,11 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, mask_ref, 
     # for every head of the group.
     visible = [masking.visible(token[:, None], cols[None, :], params.window, diagonal=diagonal,
                                q_len=q_len, kv_len=kv_len) & row_ok[:, None]
-               for _, cols, _ in pieces]
+               for _, cols, _, _ in pieces]
     new = []
     for i, q, (acc, m, l) in zip(head_ids, qs, carry):
       logits = []
-      for (index, cols, kv_ok), seen in zip(pieces, visible):
+      for (index, cols, kv_ok, _), seen in zip(pieces, visible):
         k = tiles.load(k_ref.at[index(i)], mask=kv_ok, other=0.0)
         s2, _ = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, None)
         if mask_ref is not None:  # a dense mask's rows (head g, token t) of these keys
@@ -397,14 +399,14 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, mask_ref, 
       m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen nothing yet
       alpha = jnp.exp2(m - m_shift)
       acc, l = acc * alpha[:, None], l * alpha
-      for (index, _, kv_ok), s2 in zip(pieces, logits):
+      for (index, _, _, v_ok), s2 in zip(pieces, logits):
         p = jnp.exp2(s2 - m_shift[:, None])
-        v = tiles.load(v_ref.at[index(i)], mask=kv_ok, other=0.0)
+        v = tiles.load(v_ref.at[index(i)], mask=v_ok, other=0.0)
         acc, l = acc + plgpu.dot(p.astype(v.dtype), v), l + jnp.sum(p, axis=1)
       new.append((acc, m_new, l))
     return tuple(new)
 
-  init = tuple((jnp.zeros((rows, st.head_dim_p), jnp.float32),
+  init = tuple((jnp.zeros((rows, st.value_dim_p), jnp.float32),
                 jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
                for _ in range(heads))
   results = lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
@@ -412,16 +414,16 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, mask_ref, 
     # NaN logits make l NaN: such rows stay NaN (l != 0), as in the training forward.
     seen = l != 0.0
     out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
-    plgpu.store(o_ref.at[i], out.astype(o_ref.dtype), mask=io_ok)
+    plgpu.store(o_ref.at[i], out.astype(o_ref.dtype), mask=out_ok)
     plgpu.store(lse_ref.at[i], jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)),
                                          jnp.inf if whole else -jnp.inf),
                 mask=None if rows_used == rows else row_ok)
 
 
 def _key_pieces(j, table_ref, block_k: int, page_size: int | None, st: tiles.Static):
-  """Where key block ``j`` lies: ``(index(head), cols, kv_ok)`` for each piece of it, with
-  ``index`` the piece's [keys, hp] tile of a K/V ref, ``cols`` its key positions and ``kv_ok``
-  its load mask (None: all in bounds).
+  """Where key block ``j`` lies: ``(index(head), cols, kv_ok, v_ok)`` for each piece of it,
+  with ``index`` the piece's [keys, hp] tile of a K/V ref, ``cols`` its key positions and
+  ``kv_ok`` and ``v_ok`` the load masks of its K and V tiles (None: all in bounds).
   - a contiguous cache: one piece, the block's rows (masked past the cache's end);
   - pages of at least ``block_k`` keys: one piece, a part of page ``table_ref[j // (page_size /
     block_k)]``;
@@ -433,16 +435,18 @@ def _key_pieces(j, table_ref, block_k: int, page_size: int | None, st: tiles.Sta
   if table_ref is None:
     cols, col_ok = st.bounds(j * block_k, block_k, st.seq_k)
     return [(lambda i: (pl.ds(j * block_k, block_k), i, whole), cols,
-             tiles.tile_ok(col_ok, st.dim_ok))]
-  kv_ok = tiles.tile_ok(None, st.dim_ok)  # (whole pages: no key past a page's end)
+             tiles.tile_ok(col_ok, st.dim_ok), tiles.tile_ok(col_ok, st.value_dim_ok))]
+  # (Whole pages: no key past a page's end.)
+  kv_ok, v_ok = tiles.tile_ok(None, st.dim_ok), tiles.tile_ok(None, st.value_dim_ok)
   if page_size >= block_k:
     per_page = page_size // block_k
     page, part = table_ref[j // per_page], pl.ds((j % per_page) * block_k, block_k)
     return [(lambda i: (page, part if per_page > 1 else whole, i, whole),
-             cols_of(j * block_k, block_k), kv_ok)]
+             cols_of(j * block_k, block_k), kv_ok, v_ok)]
   per_block = block_k // page_size
   return [(lambda i, page=table_ref[j * per_block + c]: (page, whole, i, whole),
-           cols_of(j * block_k + c * page_size, page_size), kv_ok) for c in range(per_block)]
+           cols_of(j * block_k + c * page_size, page_size), kv_ok, v_ok)
+          for c in range(per_block)]
 
 
 def paged_block(page_size: int) -> bool:
@@ -452,7 +456,7 @@ def paged_block(page_size: int) -> bool:
 
 
 def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
-  """The training forward's ``(out [B, T, N, H] in the query dtype, lse2 [B, N, T])`` of a
+  """The training forward's ``(out [B, T, N, Dv] in the query dtype, lse2 [B, N, T])`` of a
   decoding call. With one split the kernel writes them itself; otherwise its partial results
   are merged here through the LSE, in the kernel's own layout (a transpose to [splits, B, T, N,
   H] for `jaxflash.merge.merge` cost XLA a pass of its own).
@@ -462,7 +466,7 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   ``inputs.value`` only give shapes (the rows the pages make,
   `jaxflash.ops.decode.gather_pages`: under jit nothing computes them unless a backward needs
   them)."""
-  b, t, n, h = inputs.query.shape
+  b, t, n, _ = inputs.query.shape
   if inputs.mask is not None:
     # Keys past a row's last visible one are skipped like a shorter cache: a decoding mask
     # (Flax's, [B, 1, 1, S]) hides the cache's unwritten tail.
@@ -478,8 +482,9 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
     out, lse2 = _merge_in_kernel(outs, lse2, inputs.query.dtype, params.interpret)
   else:
     out, lse2 = _merge_splits(outs, lse2)
-  kv_heads = outs.shape[1]
-  out = out.reshape(b, kv_heads, n // kv_heads, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+  kv_heads, hv = outs.shape[1], outs.shape[-1]  # (O has the value's head dim)
+  out = out.reshape(b, kv_heads, n // kv_heads, t, hv).transpose(0, 3, 1, 2, 4).reshape(
+      b, t, n, hv)
   lse2 = lse2.reshape(b, n, t)
   if inputs.sinks is not None:  # joined after the splits' merge
     out, lse = merge.with_sinks(out, jnp.swapaxes(_core.user_lse(lse2), 1, 2), inputs.sinks)
@@ -553,7 +558,7 @@ def _merge_in_kernel(outs: jax.Array, lse2: jax.Array, dtype, interpret: bool):
 
 
 def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
-  """The kernel over the grid: ``(outs [B, K, splits, G·T, H], lse2 [B, K, splits, G·T])``,
+  """The kernel over the grid: ``(outs [B, K, splits, G·T, Dv], lse2 [B, K, splits, G·T])``,
   rows (head g, token t) with the token fastest. With one split these are the result itself
   (`_kernel`'s ``whole``), else float32 partial results."""
   q, k, v = inputs.query, inputs.key, inputs.value
@@ -562,7 +567,7 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
   g = n // kv_heads
   st = tiles.static(inputs)
   rows = rows_for(inputs)
-  hp = st.head_dim_p
+  hp, hvp = st.head_dim_p, st.value_dim_p  # (V and O are blocked at their own head dim)
   # Query rows (head g, token t) of each K/V head: [B, K, G·T, H] (at T = 1 a free reshape). The
   # tile, [rows, hp], reaches past its ends.
   qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)
@@ -574,13 +579,13 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
   order = config.grid_order
   named = lambda f: lambda *ids: f(**dict(zip(order, ids)))  # noqa: E731  (index maps by axis)
   if pages is None:
-    kv = pl.BlockSpec((None, k.shape[1], fold, hp), named(lambda split, batch, head: (
-        batch, 0, head, 0)))
+    kv, v_spec = (pl.BlockSpec((None, k.shape[1], fold, dim), named(
+        lambda split, batch, head: (batch, 0, head, 0))) for dim in (hp, hvp))
   else:
     k, v, table = pages
     page_size = k.shape[1]
-    kv = pl.BlockSpec((k.shape[0], page_size, fold, hp), named(lambda split, batch, head: (
-        0, 0, head, 0)))
+    kv, v_spec = (pl.BlockSpec((k.shape[0], page_size, fold, dim), named(
+        lambda split, batch, head: (0, 0, head, 0))) for dim in (hp, hvp))
     table_spec = pl.BlockSpec((None, table.shape[1]), named(lambda split, batch, head: (
         batch, 0)))
     if page_size < block_k:  # whole pages a block, as many as divide a row's pages
@@ -609,14 +614,14 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
       kernel,
       grid=tuple(sizes[axis] for axis in order),
       in_specs=[pl.BlockSpec((None, fold, rows, hp), named(lambda split, batch, head: (
-                    batch, head, 0, 0))), kv, kv,
+                    batch, head, 0, 0))), kv, v_spec,
                 row_pair, None if inputs.offsets is None else row_pair, table_spec,
                 mask_spec],
-      out_specs=[pl.BlockSpec((None, fold, None, rows, hp), named(lambda split, batch, head: (
+      out_specs=[pl.BlockSpec((None, fold, None, rows, hvp), named(lambda split, batch, head: (
                      batch, head, split, 0, 0))),
                  pl.BlockSpec((None, fold, None, rows), named(lambda split, batch, head: (
                      batch, head, split, 0)))],
-      out_shape=[_core.out_struct((b, kv_heads, splits, g * t, h),
+      out_shape=[_core.out_struct((b, kv_heads, splits, g * t, v.shape[-1]),
                                   q.dtype if whole else jnp.float32, q),
                  _core.out_struct((b, kv_heads, splits, g * t), jnp.float32, q)],
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,

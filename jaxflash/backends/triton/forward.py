@@ -44,7 +44,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, sink_
     m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_shift)
     p = jnp.exp2((s2 * c if fold else s2) - m_shift[:, None])
-    v = tiles.load(v_ref.at[kt.keys, :], mask=kt.kv_ok, other=0.0)
+    v = tiles.load(v_ref.at[kt.keys, :], mask=kt.v_ok, other=0.0)
     # Dropout removes entries of P from the product with V only; l sums the undropped P, and
     # 1 / P(keep) is applied once, to the output.
     keep = tiles.keep(qt.stream, qt.rows, kt.k_start, schedule.block_k, params, qt.pos)
@@ -53,7 +53,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, sink_
     return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
   block_q = schedule.block_q
-  init = (jnp.zeros((block_q, st.head_dim_p), jnp.float32),
+  init = (jnp.zeros((block_q, st.value_dim_p), jnp.float32),
           jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
   acc, m, l = schedule.visit_kv(qt.q_start, qt.pos, body, init, spans=qt.spans)
 
@@ -65,12 +65,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, sink_
   if qt.stream is not None:
     factor = factor * params.keep_scale
   out = jnp.where(seen[:, None], acc * factor[:, None], 0.0)
-  plgpu.store(o_ref, out.astype(o_ref.dtype), mask=tiles.tile_ok(qt.row_ok, st.dim_ok))
+  plgpu.store(o_ref, out.astype(o_ref.dtype), mask=tiles.tile_ok(qt.row_ok, st.value_dim_ok))
   plgpu.store(lse_ref, lse2, mask=qt.row_ok)
 
 
 def forward(inputs: Inputs, params: Params, config: Config):
-  """``(out [B, T, N, H], lse2 [B, N, T])`` (see `jaxflash._core`)."""
+  """``(out [B, T, N, Dv], lse2 [B, N, T])`` (see `jaxflash._core`)."""
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, _ = q.shape
   s = k.shape[1]
@@ -80,6 +80,9 @@ def forward(inputs: Inputs, params: Params, config: Config):
   opt = tiles.with_lists(tiles.optional_inputs(inputs), inputs, params, block_q, block_k)
   rows = pl.BlockSpec((None, block_q, None, hp), lambda i, b, h: (b, i, h, 0))
   kv = pl.BlockSpec((None, s, None, hp), lambda i, b, h: (b, 0, h // g, 0))
+  # V and O are blocked at their own padded head dim Dv.
+  v_spec = pl.BlockSpec((None, s, None, st.value_dim_p), lambda i, b, h: (b, 0, h // g, 0))
+  o_rows = pl.BlockSpec((None, block_q, None, st.value_dim_p), lambda i, b, h: (b, i, h, 0))
   kernel = functools.partial(_forward_kernel, params=params, st=st,
                              schedule=tiles.schedule(inputs, params, block_q, block_k))
   out_dtype = jnp.float32 if params.partial else q.dtype
@@ -88,11 +91,11 @@ def forward(inputs: Inputs, params: Params, config: Config):
   return pl.pallas_call(
       kernel,
       grid=(pl.cdiv(t, block_q), b, n),
-      in_specs=[rows, kv, kv, pl.BlockSpec((None, 2), lambda i, b, h: (b, 0)),
+      in_specs=[rows, kv, v_spec, pl.BlockSpec((None, 2), lambda i, b, h: (b, 0)),
                 tiles.query_block_specs(opt, block_q, s),
                 None if sinks is None else pl.BlockSpec((None, 1), lambda i, b, h: (h, 0))],
-      out_specs=[rows, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
-      out_shape=[_core.out_struct(q.shape, out_dtype, q),
+      out_specs=[o_rows, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
+      out_shape=[_core.out_struct((b, t, n, v.shape[3]), out_dtype, q),
                  _core.out_struct((b, n, t), jnp.float32, q)],
       compiler_params=tiles.compiler_params(config.forward),
       interpret=params.interpret,

@@ -112,6 +112,9 @@ class Static:
   head_dim: int  # H
   head_dim_p: int  # H padded to a power of two
   groups: int  # G = N // K query heads per key/value head
+  # Dv, the head dim of V, O and dO (DeepSeek's MLA: Dv 128 under H 192), padded on its own.
+  value_dim: int
+  value_dim_p: int
 
   def bounds(self, start, block: int, length: int):
     """Positions of a tile and their in-bounds flags (None when the tile never crosses the end)."""
@@ -120,15 +123,24 @@ class Static:
 
   @property
   def dim_ok(self):
-    if self.head_dim == self.head_dim_p:
-      return None
-    return jnp.arange(self.head_dim_p) < self.head_dim
+    """In-bounds flags of Q and K tiles' columns (None: H is a power of two)."""
+    return _dim_ok(self.head_dim, self.head_dim_p)
+
+  @property
+  def value_dim_ok(self):
+    """In-bounds flags of V, O and dO tiles' columns (None: Dv is a power of two)."""
+    return _dim_ok(self.value_dim, self.value_dim_p)
+
+
+def _dim_ok(dim: int, padded: int):
+  return None if dim == padded else jnp.arange(padded) < dim
 
 
 def static(inputs: Inputs) -> Static:
-  q, k = inputs.query, inputs.key
+  q, k, dv = inputs.query, inputs.key, inputs.value.shape[3]
   return Static(seq_q=q.shape[1], seq_k=k.shape[1], head_dim=q.shape[3],
-                head_dim_p=padded_head_dim(q.shape[3]), groups=q.shape[2] // k.shape[2])
+                head_dim_p=padded_head_dim(q.shape[3]), groups=q.shape[2] // k.shape[2],
+                value_dim=dv, value_dim_p=padded_head_dim(dv))
 
 
 def fit(block: int, length: int) -> int:
@@ -315,7 +327,8 @@ class KeyTile(NamedTuple):
   cols: object
   col_ok: object
   keys: object  # pl.ds over the block's keys
-  kv_ok: object  # load mask of K/V tiles
+  kv_ok: object  # load mask of K tiles
+  v_ok: object  # load mask of V tiles (their head dim is Dv)
   k: object
   kv_seg: object
   features: list  # a mask_mod's column features, [block_k] each (masked blocks only)
@@ -327,14 +340,14 @@ def key_tile(j, k_ref, opt: Optional, st: Static, block_k: int, masked: bool,
   cols, col_ok = st.bounds(k_start, block_k, st.seq_k)
   if not masked:
     col_ok = None  # a full block lies below kv_len <= S
-  kv_ok = tile_ok(col_ok, st.dim_ok)
+  kv_ok, v_ok = tile_ok(col_ok, st.dim_ok), tile_ok(col_ok, st.value_dim_ok)
   keys = pl.ds(k_start, block_k)
   k = load(k_ref.at[keys, :], mask=kv_ok, other=0.0)
   kv_seg = None if opt.kv_seg is None else load(opt.kv_seg.at[keys], mask=col_ok, other=-2)
   features = []
   if masked:  # (full blocks evaluate no mask)
     features = feature_rows(opt.kv_feat, (keys,), col_ok, feature_count(params, "col"))
-  return KeyTile(k_start, cols, col_ok, keys, kv_ok, k, kv_seg, features)
+  return KeyTile(k_start, cols, col_ok, keys, kv_ok, v_ok, k, kv_seg, features)
 
 
 def tile_logits(qt: QueryTile, kt: KeyTile, opt: Optional, params: Params, masked: bool,

@@ -26,7 +26,7 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
   bq, bk = lay.block_q, lay.block_k
   q_dtype = inputs.query.dtype
   out_dtype = jnp.float32 if params.partial else q_dtype
-  do = blocks.pad_axis(d_out.astype(q_dtype).reshape(lay.b, lay.t, lay.kh, lay.g, lay.h), 1,
+  do = blocks.pad_axis(d_out.astype(q_dtype).reshape(lay.b, lay.t, lay.kh, lay.g, lay.hv), 1,
                        lay.t_pad)
   # Per-row statistics grouped [B, K, G, T_pad]; padded rows get lse2 = +inf, hence P = 0.
   lse2 = blocks.pad_axis(lse2.reshape(lay.b, lay.kh, lay.g, lay.t), 3, lay.t_pad, jnp.inf)
@@ -94,8 +94,8 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
                            preferred_element_type=jnp.float32)
       return dk, dv
 
-    zeros = jnp.zeros(k_blk.shape, jnp.float32)
-    dk, dv = blk.schedule.visit_q(k_start, blk.pos, body, blk.carry((zeros, zeros)),
+    zeros = jnp.zeros(k_blk.shape, jnp.float32), jnp.zeros(v_blk.shape, jnp.float32)
+    dk, dv = blk.schedule.visit_q(k_start, blk.pos, body, blk.carry(zeros),
                                   spans=blk.q_spans(j))
     return (dk * params.scale).astype(out_dtype), dv.astype(out_dtype)
 
@@ -106,7 +106,7 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
     dbias = dbias[:, :, :lay.t, :lay.s].astype(inputs.bias.dtype)
   dk, dv = lax.map(dkv_block, jnp.arange(lay.s_pad // bk, dtype=jnp.int32))
 
-  def ungroup_keys(x):  # [nk, B, bk, K, H] -> [B, S, K, H]
-    return jnp.moveaxis(x, 0, 1).reshape(lay.b, lay.s_pad, lay.kh, lay.h)[:, :lay.s]
+  def ungroup_keys(x):  # [nk, B, bk, K, H or Dv] -> [B, S, K, H or Dv]
+    return jnp.moveaxis(x, 0, 1).reshape(lay.b, lay.s_pad, lay.kh, x.shape[-1])[:, :lay.s]
 
   return dq, ungroup_keys(dk), ungroup_keys(dv), dbias

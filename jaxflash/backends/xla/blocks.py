@@ -44,6 +44,7 @@ class Layout:
   h: int
   block_q: int
   block_k: int
+  hv: int  # the value's head dim, which the output and dO have (it may differ from h)
 
   @property
   def t_pad(self):
@@ -57,7 +58,8 @@ class Layout:
 def layout(inputs: Inputs, config: Config) -> Layout:
   b, t, n, h = inputs.query.shape
   s, kh = inputs.key.shape[1:3]
-  return Layout(b, t, s, kh, n // kh, h, min(config.block_q, t), min(config.block_k, s))
+  return Layout(b, t, s, kh, n // kh, h, min(config.block_q, t), min(config.block_k, s),
+                inputs.value.shape[-1])
 
 
 def pad_axis(x, axis: int, size: int, value=0):

@@ -13,13 +13,13 @@ from jaxflash.backends.xla.blocks import Config
 
 
 def ungroup_rows(x, lay: blocks.Layout):
-  """lax.map output [num_blocks, B, block, K, G, H] -> [B, T, N, H]."""
-  x = jnp.moveaxis(x, 0, 1).reshape(lay.b, lay.t_pad, lay.kh * lay.g, lay.h)
+  """lax.map output [num_blocks, B, block, K, G, H] -> [B, T, N, H] (H: dQ's or the output's)."""
+  x = jnp.moveaxis(x, 0, 1).reshape(lay.b, lay.t_pad, lay.kh * lay.g, x.shape[-1])
   return x[:, :lay.t]
 
 
 def forward(inputs: Inputs, params: Params, config: Config):
-  """``(out [B, T, N, H], lse2 [B, N, T])`` (see `jaxflash._core`)."""
+  """``(out [B, T, N, Dv], lse2 [B, N, T])`` (see `jaxflash._core`)."""
   lay = blocks.layout(inputs, config)
   blk = blocks.Blocks(inputs, lay, params)
   bq, bk = lay.block_q, lay.block_k
@@ -52,7 +52,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
       return acc * alpha[..., None] + pv, m_new, l * alpha + jnp.sum(p, axis=-1)
 
     stats = (lay.b, lay.kh, lay.g, bq)
-    init = (jnp.zeros(stats + (lay.h,), jnp.float32), jnp.full(stats, -jnp.inf, jnp.float32),
+    init = (jnp.zeros(stats + (lay.hv,), jnp.float32), jnp.full(stats, -jnp.inf, jnp.float32),
             jnp.zeros(stats, jnp.float32))
     acc, m, l = blk.schedule.visit_kv(q_start, blk.pos, body, blk.carry(init),
                                       spans=blk.kv_spans(i))

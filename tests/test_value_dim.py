@@ -1,0 +1,399 @@
+"""A value head dim Dv unlike the query/key one H (DeepSeek's MLA: H 192, Dv 128; absorbed
+decoding: H 576, Dv 512): q [B, T, N, H], k [B, S, K, H], v [B, S, K, Dv] -> out [B, T, N, Dv],
+scale 1 / sqrt(H).
+
+Output, LSE and dQ, dK, dV against the float32 reference (which never assumes Dv == H), on the
+xla backend and the Triton kernels in interpret mode: odd lengths (T != S, neither a multiple
+of the 16-row test tiles), GQA, head dims that are and are not powers of two, a causal band,
+lengths and a dense mask; decoding, contiguous and paged; jit and vmap; the checks; and the
+Mosaic forward in its interpreter and lowered for CUDA.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import backends
+from jaxflash.reference import reference_attention
+from checks import (BACKENDS, H100, TOLERANCE, attention, interpret_for, lower_for_cuda,
+                    random_array, random_lengths, reference_options, rel_err)
+
+F32 = jnp.float32
+
+
+def _qkv(seed, b, t, s, n, k, h, hv, dtype=F32):
+  """Random q [B, T, N, H], k [B, S, K, H], v [B, S, K, Dv] and a cotangent [B, T, N, Dv]."""
+  keys = jax.random.split(jax.random.key(seed), 4)
+  q, kk = (jax.random.normal(key, shape).astype(dtype)
+           for key, shape in ((keys[0], (b, t, n, h)), (keys[1], (b, s, k, h))))
+  v = jax.random.normal(keys[2], (b, s, k, hv)).astype(dtype)
+  return q, kk, v, jax.random.normal(keys[3], (b, t, n, hv), F32)
+
+
+def _check(implementation, *, h, hv, b=2, t=77, s=130, n=4, k=2, seed=0, dtype=F32,
+           small=True, **options):
+  """Output, LSE and the gradients of sum(out * d_out) against the reference (on the inputs
+  upcast to float32), in one jitted program per side."""
+  q, kk, v, d_out = _qkv(seed, b, t, s, n, k, h, hv, dtype)
+  options = {name: make(b, t, s, n, seed) if callable(make) else make
+             for name, make in options.items()}
+
+  def run(fn, *args, jit=True):
+    def both(q, kk, v):
+      (out, lse), vjp = jax.vjp(fn, q, kk, v)
+      return out, lse, vjp((d_out.astype(out.dtype), jnp.zeros_like(lse)))
+    return (jax.jit(both) if jit else both)(*args)
+
+  # (Mosaic GPU's interpreter runs eagerly: see tests/checks.py's `check`.)
+  out, lse, grads = run(lambda q, kk, v: attention(implementation, q, kk, v, small=small,
+                                                   return_residual=True, **options),
+                        q, kk, v, jit=implementation != "mosaic" or not interpret_for("mosaic"))
+  want_out, want_lse, want_grads = run(
+      lambda q, kk, v: reference_attention(q, kk, v, **options),
+      *(x.astype(F32) for x in (q, kk, v)))
+  chex.assert_shape(out, (b, t, n, hv))
+  for g, x in zip(grads, (q, kk, v)):
+    chex.assert_equal_shape([g, x])
+  seen = np.isfinite(np.asarray(want_lse))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen, "rows with no visible key")
+  errors = {"out": rel_err(out, want_out),
+            "lse": rel_err(np.where(seen, lse, 0.0), np.where(seen, want_lse, 0.0))}
+  errors.update({name: rel_err(g, w) for name, g, w in zip(("dq", "dk", "dv"), grads,
+                                                             want_grads)})
+  tol = TOLERANCE[dtype]
+  assert all(e <= tol for e in errors.values()), errors
+
+
+# (H, Dv): MLA's, a halved power of two, and two that pad (to 64 and to 32) independently.
+DIMS = [(192, 128), (64, 32), (40, 24)]
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+@pytest.mark.parametrize("h,hv", DIMS)
+def test_causal_gqa_odd_lengths(implementation, h, hv):
+  _check(implementation, h=h, hv=hv, is_causal=True)
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_lengths_and_dense_mask(implementation):
+  _check(implementation, h=40, hv=24, t=37, s=53, seed=1,
+         mask=lambda b, t, s, n, seed: random_array(seed, (b, n, t, s), "bool"),
+         **random_lengths(2, 37, 53, 4, seed=1))
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_wider_value_than_query(implementation):
+  """Dv > H works as well (nothing assumes the value's dim is the smaller)."""
+  _check(implementation, h=24, hv=40, t=21, s=35, n=2, k=1, seed=3)
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_bias_gradient_dropout_and_soft_cap(implementation):
+  """The bias gradient (its own Triton kernel reads V and dO at Dv), dropout and a soft cap."""
+  b, t, s, n, k, h, hv = 2, 37, 53, 4, 2, 40, 24
+  q, kk, v, d_out = _qkv(5, b, t, s, n, k, h, hv)
+  bias = random_array(5, (1, n, t, s), "float")
+  options = dict(logits_soft_cap=2.0, dropout_rate=0.25, dropout_rng=jax.random.key(7))
+  ref_options = reference_options(options, b, t, s, n)
+
+  def grads(fn):
+    return jax.jit(jax.grad(lambda *x: jnp.sum(fn(*x) * d_out), argnums=(0, 1, 2, 3)))(
+        q, kk, v, bias)
+
+  got = grads(lambda *x: attention(implementation, *x, **options))
+  want = grads(lambda *x: reference_attention(*x, **ref_options)[0])
+  errors = {name: rel_err(g, w) for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want)}
+  assert all(e <= TOLERANCE[F32] for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_jit_and_vmap(implementation):
+  """vmap over a leading axis of q, k and v, under jit, forward and gradients."""
+  b, t, s, n, k, h, hv = 2, 19, 33, 2, 1, 32, 16
+  q, kk, v, d_out = (jnp.stack([x, 0.5 * x]) for x in _qkv(6, b, t, s, n, k, h, hv))
+
+  def loss(fn):
+    return lambda q, kk, v: jnp.sum(jax.vmap(fn)(q, kk, v) * d_out)
+
+  ours = loss(lambda q, kk, v: attention(implementation, q, kk, v, is_causal=True))
+  ref = loss(lambda q, kk, v: reference_attention(q, kk, v, is_causal=True)[0])
+  got = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(q, kk, v)
+  want = jax.jit(jax.value_and_grad(ref, argnums=(0, 1, 2)))(q, kk, v)
+  assert abs(float(got[0]) - float(want[0])) <= 1e-4 * abs(float(want[0])) + 1e-4
+  for g, w in zip(got[1], want[1]):
+    assert rel_err(g, w) <= TOLERANCE[F32]
+
+
+def test_triton_lowers_for_cuda():
+  """Interpret mode does not enforce power-of-two blocks: the kernels (forward, dQ, dK/dV,
+  dbias) lower for an H100 with Dv padded on its own (192 -> 256 beside 128; 40 -> 64 beside
+  24 -> 32), and so does the split-KV decoding kernel on a paged cache."""
+  def fwd_bwd(q, kk, v, bias):
+    return jax.grad(lambda *x: jnp.sum(jaxflash.flash_attention(
+        *x, implementation="triton", is_causal=True).astype(F32)), argnums=(0, 1, 2, 3))(
+            q, kk, v, bias)
+
+  for h, hv in ((192, 128), (40, 24)):
+    q = jax.ShapeDtypeStruct((2, 300, 8, h), jnp.bfloat16)
+    kk = jax.ShapeDtypeStruct((2, 1000, 2, h), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, 1000, 2, hv), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, 300, 1000), jnp.bfloat16)
+    text = lower_for_cuda(fwd_bwd, q, kk, v, bias)
+    for name in ("jaxflash_forward", "jaxflash_backward_dq", "jaxflash_backward_dkv",
+                 "jaxflash_backward_dbias"):
+      assert name in text, (h, hv, name)
+  q = jax.ShapeDtypeStruct((2, 1, 16, 192), jnp.bfloat16)
+  k_pages = jax.ShapeDtypeStruct((9, 64, 2, 192), jnp.bfloat16)
+  v_pages = jax.ShapeDtypeStruct((9, 64, 2, 128), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  text = lower_for_cuda(lambda q, kp, vp, table, lengths: jaxflash.decode_attention(
+      q, kp, vp, lengths, page_table=table, implementation="triton"),
+      q, k_pages, v_pages, table, lengths)
+  assert "jaxflash_decode_split_kv" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding: new tokens against a cache whose values have their own head dim.
+
+
+def _decode_reference(q, kk, v, kv_lengths):
+  """New token r of row b sits at kv_lengths[b] - T + r and sees the cache up to it."""
+  t, s = q.shape[1], kk.shape[1]
+  pos = kv_lengths[:, None, None] - t + jnp.arange(t)[None, :, None]
+  key = jnp.arange(s)[None, None, :]
+  mask = ((key <= pos) & (key < kv_lengths[:, None, None]))[:, None]
+  return reference_attention(q, kk, v, mask=mask)[0]
+
+
+def _pages(cache, page_size: int, seed: int):
+  """``cache`` [B, S, K, D] as shuffled pages plus two unused ones, and its page table."""
+  b, s = cache.shape[:2]
+  per_row = s // page_size
+  order = np.random.default_rng(seed).permutation(b * per_row + 2)
+  table = order[:b * per_row].reshape(b, per_row)
+  pages = jnp.zeros((b * per_row + 2, page_size) + cache.shape[2:], cache.dtype)
+  pages = pages.at[table.reshape(-1)].set(cache.reshape(b * per_row, page_size,
+                                                        *cache.shape[2:]))
+  return pages, jnp.asarray(table, jnp.int32)
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode(implementation, paged):
+  """T = 3 new tokens, GQA 4/2, ragged rows (one holding fewer tokens than T); gradients too
+  (the training backward, through the gathered pages)."""
+  b, t, s, n, k, h, hv = 2, 3, 64, 4, 2, 40, 24
+  q, kk, v, d_out = _qkv(8, b, t, s, n, k, h, hv)
+  lengths = jnp.array([2, 50], jnp.int32)
+  interpret = interpret_for(implementation)
+  if paged:
+    (k_cache, table), (v_cache, _) = _pages(kk, 16, 1), _pages(v, 16, 1)
+  else:
+    k_cache, v_cache, table = kk, v, None
+
+  def ours(q, k_cache, v_cache):
+    return jaxflash.decode_attention(q, k_cache, v_cache, lengths, page_table=table,
+                                     implementation=implementation, interpret=interpret)
+
+  out, vjp = jax.vjp(jax.jit(ours), q, k_cache, v_cache)
+  want, want_vjp = jax.vjp(lambda q, kk, v: _decode_reference(q, kk, v, lengths), q, kk, v)
+  chex.assert_shape(out, (b, t, n, hv))
+  assert rel_err(out, want) <= TOLERANCE[F32]
+  dq, dk, dv = vjp(d_out)
+  want_dq, want_dk, want_dv = want_vjp(d_out)
+  assert rel_err(dq, want_dq) <= TOLERANCE[F32]
+  if paged:  # the pages' gradient, as rows again
+    dk, dv = (jnp.take(x, table, axis=0).reshape((b, s) + x.shape[2:]) for x in (dk, dv))
+  assert rel_err(dk, want_dk) <= TOLERANCE[F32]
+  assert rel_err(dv, want_dv) <= TOLERANCE[F32]
+
+
+@pytest.mark.parametrize("merge", ["xla", "kernel"])
+def test_decode_split_kv_merges(merge, monkeypatch):
+  """Several splits of the Triton split-KV kernel, merged in XLA or in the merge kernel, whose
+  tiles are the value's head dim."""
+  from jaxflash.backends.triton import decode
+  default = decode.default_config
+  monkeypatch.setattr(decode, "default_config", lambda *a, **kw: decode.dataclasses.replace(
+      default(*a, **kw), splits=3, merge=merge))
+  b, t, s, n, k, h, hv = 2, 2, 96, 4, 1, 64, 40
+  q, kk, v, _ = _qkv(9, b, t, s, n, k, h, hv)
+  lengths = jnp.array([96, 41], jnp.int32)
+  out = jax.jit(lambda q, kk, v: jaxflash.decode_attention(
+      q, kk, v, lengths, implementation="triton", interpret=True))(q, kk, v)
+  assert rel_err(out, _decode_reference(q, kk, v, lengths)) <= TOLERANCE[F32]
+
+
+def test_decode_absorbed_mla():
+  """DeepSeek's absorbed decoding: H 576 (512 + 64 rope dims), Dv 512, one shared K/V head.
+  Triton's kernels take head dims up to 256, so ``implementation=None`` serves it elsewhere."""
+  b, t, s, n, k, h, hv = 1, 1, 40, 4, 1, 576, 512
+  q, kk, v, _ = _qkv(10, b, t, s, n, k, h, hv)
+  lengths = jnp.array([33], jnp.int32)
+  assert jaxflash.implementation_for(q, kk, v, interpret=True) == "xla"
+  out = jax.jit(lambda q, kk, v: jaxflash.decode_attention(q, kk, v, lengths,
+                                                           interpret=True))(q, kk, v)
+  chex.assert_shape(out, (b, t, n, hv))
+  assert rel_err(out, _decode_reference(q, kk, v, lengths)) <= TOLERANCE[F32]
+  with pytest.raises(backends.UnsupportedCallError, match="value head dims up to 256"):
+    jaxflash.flash_attention(q[..., :256], kk[..., :256], v, implementation="triton",
+                             interpret=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several devices, and the Flax hooks.
+
+
+def _explicit_mesh(name: str):
+  return jax.make_mesh((2,), (name,), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
+def test_ring_and_sharded_batch():
+  """Ring attention (zigzag, causal) over 2 devices, and a call whose batch is sharded over
+  them: outputs and gradients keep the value's head dim, and equal the reference."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jaxflash.ops import ring
+  q, kk, v, d_out = _qkv(11, 2, 32, 32, 4, 2, 16, 8)
+  ref = jax.vjp(lambda q, kk, v: reference_attention(q, kk, v, is_causal=True)[0], q, kk, v)
+  want = (ref[0],) + ref[1](d_out)
+
+  def ring_local(q, kk, v, d_out):
+    out, vjp = jax.vjp(lambda q, kk, v: jaxflash.ring_attention(
+        q, kk, v, axis_name="sp", layout="zigzag", is_causal=True, implementation="xla"),
+        q, kk, v)
+    return (out,) + vjp(d_out)
+
+  mesh = _explicit_mesh("sp")
+  order = lambda x: ring.to_layout(x, "zigzag", 2)  # noqa: E731
+  with jax.set_mesh(mesh):
+    args = tuple(jax.device_put(order(x), NamedSharding(mesh, P(None, "sp")))
+                 for x in (q, kk, v, d_out))
+    got = jax.jit(jax.shard_map(ring_local, mesh=mesh, in_specs=P(None, "sp"),
+                                out_specs=P(None, "sp")))(*args)
+  got = [ring.from_layout(np.asarray(x), "zigzag", 2) for x in got]
+  for g, w in zip(got, want):
+    assert rel_err(g, w) <= 5 * TOLERANCE[F32]
+
+  mesh = _explicit_mesh("data")
+  with jax.set_mesh(mesh):
+    args = tuple(jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (q, kk, v, d_out))
+
+    def batch_sharded(q, kk, v, d_out):
+      out, vjp = jax.vjp(lambda q, kk, v: jaxflash.flash_attention(
+          q, kk, v, is_causal=True, implementation="xla"), q, kk, v)
+      return (out,) + vjp(d_out)
+
+    got = jax.jit(batch_sharded)(*args)
+    assert jax.typeof(got[0]).sharding.spec[0] == "data"
+  for g, w in zip(got, want):
+    chex.assert_equal_shape([g, w])
+    assert rel_err(g, w) <= TOLERANCE[F32]
+
+
+def test_flax_hooks():
+  """The linen and nnx hooks run jaxflash (no fallback) and match Flax's attention, whose
+  value may have its own depth too."""
+  import flax.linen
+  import jaxflash.linen
+  import jaxflash.nnx
+  q, kk, v, _ = _qkv(12, 2, 9, 9, 4, 4, 16, 8)
+  mask = jnp.tril(jnp.ones((9, 9), bool))[None, None]
+  want = flax.linen.dot_product_attention(q, kk, v, mask=mask)
+  for hook in (jaxflash.linen.dot_product_attention, jaxflash.nnx.dot_product_attention):
+    out = hook(q, kk, v, mask=mask, implementation="xla")  # (a fallback would refuse this)
+    chex.assert_shape(out, (2, 9, 4, 8))
+    assert rel_err(out, want) <= TOLERANCE[F32]
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks, and the backends that decline.
+
+
+def _f32(*shape):
+  return jnp.zeros(shape, F32)
+
+
+@pytest.mark.parametrize("value", [_f32(3, 12, 2, 16), _f32(2, 13, 2, 16), _f32(2, 12, 1, 16),
+                                   _f32(12, 2, 16)])
+def test_value_must_match_key_but_for_its_head_dim(value):
+  """Batch, key length and K/V heads of value must be key's ([2, 12, 2, 8]); rank as query."""
+  with pytest.raises(ValueError, match="value"):
+    jaxflash.flash_attention(_f32(2, 8, 4, 8), _f32(2, 12, 2, 8), value, implementation="xla")
+
+
+def test_value_head_dim_must_be_positive():
+  with pytest.raises(ValueError, match="value's head dim"):
+    jaxflash.flash_attention(_f32(2, 8, 4, 8), _f32(2, 12, 2, 8), _f32(2, 12, 2, 0))
+
+
+@pytest.mark.parametrize("page_table", [None, jnp.zeros((2, 2), jnp.int32)])
+@pytest.mark.parametrize("value_cache", [_f32(2, 16, 1, 16), _f32(2, 8, 2, 16),
+                                         _f32(2, 16, 2, 4, 1)])
+def test_value_cache_must_match_key_cache_but_for_its_head_dim(value_cache, page_table):
+  with pytest.raises(ValueError, match="value_cache"):
+    jaxflash.decode_attention(_f32(2, 1, 4, 8), _f32(2, 16, 2, 8), value_cache,
+                              jnp.array([3, 5]), page_table=page_table, implementation="xla")
+
+
+def test_empty_calls_have_the_value_head_dim():
+  """No key (zeros) and no query row (empty): outputs [.., Dv] all the same."""
+  for t, s in ((5, 0), (0, 5)):
+    out = jaxflash.flash_attention(_f32(2, t, 4, 8), _f32(2, s, 2, 8), _f32(2, s, 2, 3),
+                                   implementation="xla")
+    chex.assert_shape(out, (2, t, 4, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# The Mosaic forward: V's and O's tiles at their own padded head dim (the gradients run the
+# Triton backward), in Mosaic GPU's interpreter and lowered for CUDA.
+
+
+@pytest.mark.parametrize("h,hv,small", [(96, 40, True), (64, 128, False)])
+def test_mosaic_serves_it(h, hv, small):
+  """The small tiles with a narrower V (padded to 64 beside 128); the shipped ones with a
+  wider V (128 beside 64: O needs tiles of its own, wider than Q's)."""
+  _check("mosaic", h=h, hv=hv, b=1, t=70, s=90, n=2, k=1, dtype=jnp.bfloat16, small=small,
+         is_causal=True)
+
+
+@pytest.mark.usefixtures("cuda_plugin")
+def test_mosaic_lowers_for_cuda():
+  """Forward (the shipped configs: persistent grids, the intra-warpgroup overlap) and the
+  Triton backward lower for an H100 with MLA's and other pairs of head dims."""
+  def fwd_bwd(is_causal):
+    return lambda q, kk, v: jax.grad(lambda *x: jnp.sum(jaxflash.flash_attention(
+        *x, implementation="mosaic", is_causal=is_causal).astype(F32)), argnums=(0, 1, 2))(
+            q, kk, v)
+
+  for h, hv, is_causal in ((192, 128, True), (128, 64, False), (64, 128, True),
+                           (256, 128, False)):
+    q = jax.ShapeDtypeStruct((2, 300, 8, h), jnp.bfloat16)
+    kk = jax.ShapeDtypeStruct((2, 1000, 2, h), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, 1000, 2, hv), jnp.bfloat16)
+    with jax.sharding.use_abstract_mesh(H100):
+      text = jax.jit(fwd_bwd(is_causal)).trace(q, kk, v).lower(
+          lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "jaxflash_backward_dkv" in text, (h, hv)
+
+
+def test_mosaic_selection():
+  """``implementation="mosaic"`` serves Dv != H (up to 256); ``implementation=None`` takes
+  Triton for it on a Hopper GPU, since Mosaic was measured faster only where Dv = H."""
+  q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
+  kk = jax.ShapeDtypeStruct((2, 4096, 2, 128), jnp.bfloat16)
+  with jax.sharding.use_abstract_mesh(H100):
+    assert jaxflash.implementation_for(q, kk, kk) == "mosaic"
+    for hv in (64, 192):
+      v = jax.ShapeDtypeStruct((2, 4096, 2, hv), jnp.bfloat16)
+      assert jaxflash.implementation_for(q, kk, v, implementation="mosaic") == "mosaic"
+      assert jaxflash.implementation_for(q, kk, v) == "triton"
+    wide = jax.ShapeDtypeStruct((2, 4096, 2, 320), jnp.bfloat16)
+    with pytest.raises(backends.UnsupportedCallError, match="mosaic.*value head dims up to 256"):
+      jaxflash.implementation_for(q, kk, wide, implementation="mosaic")
