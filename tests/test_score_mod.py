@@ -17,8 +17,8 @@ import pytest
 
 import jaxflash
 from jaxflash import mask_mod as mask_mod_lib
-from checks import (F32_TOLERANCE, attention, check, interpret_for, random_array, random_qkv,
-                    rel_err)
+from checks import (F32_TOLERANCE, attention, check, interpret_for, lower_for_cuda, random_array,
+                    random_qkv, rel_err)
 
 B, T, S, N, K, H = 2, 37, 53, 4, 2, 40
 SLOPES = 2.0 ** -jnp.arange(1, N + 1, dtype=jnp.float32)
@@ -33,11 +33,16 @@ RULES = {
 }
 
 
-@pytest.mark.parametrize("rule", list(RULES))
-def test_matches_the_reference(rule):
+# The relative-position table is a gather of both indices: the kernels decline it (below).
+CASES = [(impl, rule) for impl in ("xla", "triton") for rule in RULES
+         if not (impl == "triton" and rule == "relative_table")]
+
+
+@pytest.mark.parametrize("implementation,rule", CASES)
+def test_matches_the_reference(implementation, rule):
   # (`check` calls callable options to make them: hence the makers.)
-  check("xla", b=B, t=T, s=S, n=N, k=K, h=H, score_mod=lambda *_: RULES[rule], is_causal=True,
-        key_value_seq_lengths=jnp.array([53, 20]))
+  check(implementation, b=B, t=T, s=S, n=N, k=K, h=H, score_mod=lambda *_: RULES[rule],
+        is_causal=True, key_value_seq_lengths=jnp.array([53, 20]))
 
 
 @pytest.mark.parametrize("options", [
@@ -47,8 +52,10 @@ def test_matches_the_reference(rule):
          query_seq_lengths=jnp.array([30, 37])),
     dict(dropout_rate=0.2, dropout_rng=jax.random.key(2)),
 ], ids=("cap_bias", "mask_mod_window", "segments", "dropout"))
-def test_combines_with_everything(options):
-  check("xla", b=B, t=T, s=S, n=N, k=K, h=H, score_mod=lambda *_: RULES["alibi"], **options)
+@pytest.mark.parametrize("implementation", ("xla", "triton"))
+def test_combines_with_everything(implementation, options):
+  check(implementation, b=B, t=T, s=S, n=N, k=K, h=H, score_mod=lambda *_: RULES["tanh_gate"],
+        **options)
 
 
 def test_sinks_and_score_mod():
@@ -76,13 +83,19 @@ def test_under_jit_and_vmap_with_traced_arrays():
   assert rel_err(got, want) < F32_TOLERANCE
 
 
-def test_kernels_decline_it_and_none_picks_xla():
+def test_who_serves_it():
+  """Triton's kernels run a score_mod's tile rule; a gather of both indices only the XLA
+  backend runs; Mosaic declines score_mods (its kernels do not apply them yet)."""
   q = jax.ShapeDtypeStruct((1, 64, 4, 64), jnp.bfloat16)
-  for backend in ("triton", "mosaic"):
-    with pytest.raises(ValueError, match="score_mod"):
-      jaxflash.implementation_for(q, q, q, score_mod=RULES["alibi"], implementation=backend,
-                                  interpret=True)
-  assert jaxflash.implementation_for(q, q, q, score_mod=RULES["alibi"]) == "xla"
+  kv = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+  which = lambda rule, **kw: jaxflash.implementation_for(  # noqa: E731
+      q, kv, kv, score_mod=RULES[rule], interpret=True, **kw)
+  assert which("alibi", implementation="triton") == "triton"
+  with pytest.raises(ValueError, match="score_mod"):
+    which("alibi", implementation="mosaic")
+  with pytest.raises(ValueError, match="cannot evaluate per tile"):
+    which("relative_table", implementation="triton")
+  assert which("relative_table") == "xla"
 
 
 def test_the_split_sees_features_and_gathers():
@@ -113,3 +126,22 @@ def test_interpret_flag_is_irrelevant_on_xla():
                                  interpret=interpret_for("triton"))
   want, _ = jaxflash.reference_attention(q, kk, v, score_mod=RULES["tanh_gate"])
   assert rel_err(out, want) < F32_TOLERANCE
+
+
+@pytest.mark.parametrize("rule", ("alibi", "tanh_gate"))
+def test_triton_kernels_lower_for_cuda(rule):
+  """Forward and every gradient (dQ, dK/dV, and the bias gradient's kernel), lowered for CUDA
+  with every Triton module verified."""
+  q = jax.ShapeDtypeStruct((2, 100, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 100, 2, 64), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((1, 4, 100, 100), jnp.float32)
+
+  def loss(q, k, v, bias):
+    out = jaxflash.flash_attention(q, k, v, bias, score_mod=RULES[rule], is_causal=True,
+                                   implementation="triton")
+    return jnp.sum(out.astype(jnp.float32))
+
+  text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3)), q, kv, kv, bias)
+  for kernel in ("jaxflash_forward", "jaxflash_backward_dq", "jaxflash_backward_dkv",
+                 "jaxflash_backward_dbias"):
+    assert kernel in text

@@ -26,8 +26,6 @@ __all__ = ["BACKEND", "Config", "MAX_HEAD_DIM", "Tiles", "default_config"]
 def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
   if params.kernel_mask_reason is not None:
     return params.kernel_mask_reason
-  if params.score_rule is not None:
-    return "score_mod (jaxflash's XLA backend applies it; the Triton kernels do not yet)"
   head_dim = inputs.query.shape[-1]
   if head_dim > MAX_HEAD_DIM:
     return f"head dims up to {MAX_HEAD_DIM} only, got query.shape[-1] = {head_dim}"

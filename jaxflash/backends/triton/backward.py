@@ -38,11 +38,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, ls
   def body(j, dq, masked: bool):
     kt = tiles.key_tile(j, k_ref, opt, st, schedule.block_k, masked, params)
     v = tiles.load(v_ref.at[kt.keys, :], mask=kt.v_ok, other=0.0)
-    s2, cap_t = tiles.tile_logits(qt, kt, opt, params, masked)
+    s2, chain = tiles.tile_logits(qt, kt, opt, params, masked, derivative=True)
     p = jnp.exp2(s2 - lse2[:, None])
     keep = tiles.keep(qt.stream, qt.rows, kt.k_start, schedule.block_k, params, qt.pos)
     dp = _core.dropped(plgpu.dot(do, v, trans_b=True), keep, params)
-    ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), cap_t)
+    ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), chain)
     return dq + plgpu.dot(ds.astype(kt.k.dtype), kt.k)
 
   dq = jnp.zeros((schedule.block_q, st.head_dim_p), jnp.float32)
@@ -64,7 +64,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, l
   kv_seg = None if opt.kv_seg is None else tiles.load(opt.kv_seg, mask=col_ok, other=-2)
   # Program ids are read here, outside the loops (interpret mode cannot see them inside).
   batch, first_head = pl.program_id(1), pl.program_id(2) * st.groups
-  rule_rows, rule_cols = tiles.feature_count(params, "row"), tiles.feature_count(params, "col")
+  counts = {side: (tiles.feature_count(params.mask_rule, side),
+                   tiles.feature_count(params.score_rule, side)) for side in ("row", "col")}
 
   def head_of(ref, g):  # index into the group axis of a [.., G or 1, ..] ref
     return g if ref.shape[0] > 1 else jnp.int32(0)
@@ -96,17 +97,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, l
         return None
       return ref.at[g if ref.shape[0] > 1 else jnp.int32(0), pl.ds(q_start, block_q), :]
 
-    features = (features_of(opt.q_feat, g, pl.ds(q_start, block_q), ok=row_ok, count=rule_rows),
-                features_of(opt.kv_feat, g, ok=col_ok, count=rule_cols))
-    s2, cap_t = tiles.masked_logits(q, k, rows, cols, tiles.tile_ok(row_ok, col_ok), pos, params,
+    q_rows = pl.ds(q_start, block_q)
+    features = (features_of(opt.q_feat, g, q_rows, ok=row_ok, count=counts["row"][0]),
+                features_of(opt.kv_feat, g, ok=col_ok, count=counts["col"][0]))
+    score_features = (
+        features_of(opt.score_q_feat, g, q_rows, ok=row_ok, count=counts["row"][1]),
+        features_of(opt.score_kv_feat, g, ok=col_ok, count=counts["col"][1]))
+    s2, chain = tiles.masked_logits(q, k, rows, cols, tiles.tile_ok(row_ok, col_ok), pos, params,
                                     q_seg, kv_seg, dense_tile(opt.bias), dense_tile(opt.mask),
-                                    features=features)
+                                    features=features, score_features=score_features,
+                                    derivative=True)
     p = jnp.exp2(s2 - lse2[:, None])
     keep = tiles.keep(tiles.dropout_stream(opt, params, batch, first_head + g), rows, k_start,
                       block_k, params, pos)
     dv = dv + plgpu.dot(_core.dropped(p, keep, params).astype(do.dtype), do, trans_a=True)
     dp = _core.dropped(plgpu.dot(do, v, trans_b=True), keep, params)
-    ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), cap_t)
+    ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), chain)
     dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True)
     return dk, dv
 
@@ -206,7 +212,8 @@ def _dkv(inputs, params, config, opt, d_out, lse2, delta, out_dtype):
   opt = opt._replace(**{name: None if d is None else d[0] for name, d in dense.items()})
   opt = tiles.with_lists(opt, inputs, params, block_q, block_k, transpose=True)
   grouped = {"lists": None if opt.lists is None else _grouped_lists(opt.lists, kh, g)}
-  for name, width in (("q_feat", None), ("kv_feat", block_k)):
+  for name, width in (("q_feat", None), ("kv_feat", block_k), ("score_q_feat", None),
+                      ("score_kv_feat", block_k)):
     x = getattr(opt, name)
     grouped[name] = None if x is None else _grouped_features(x, kh, g, width)
   opt = opt._replace(**{name: None if d is None else d[0] for name, d in grouped.items()})
@@ -219,7 +226,9 @@ def _dkv(inputs, params, config, opt, d_out, lse2, delta, out_dtype):
       seed=lambda x: pl.BlockSpec(x.shape, lambda j, b, h: (0,)),
       lists=lambda x: grouped["lists"][1],
       q_feat=lambda x: grouped["q_feat"][1],
-      kv_feat=lambda x: grouped["kv_feat"][1])
+      kv_feat=lambda x: grouped["kv_feat"][1],
+      score_q_feat=lambda x: grouped["score_q_feat"][1],
+      score_kv_feat=lambda x: grouped["score_kv_feat"][1])
   return pl.pallas_call(
       functools.partial(_dkv_kernel, params=params, st=st,
                         schedule=tiles.schedule(inputs, params, block_q, block_k)),

@@ -71,21 +71,22 @@ def _dbias_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref,
         kv_seg = tiles.load(opt.kv_seg.at[b, keys], mask=col_ok, other=-2)
       mask = None if opt.mask is None else opt.mask.at[index(opt.mask, b, n) + (slice(None),
                                                                                keys)]
-      # A mask_mod's features of these rows and keys (refs [F, B or 1, N or 1, rows or S]).
-      features = ([], [])
-      if opt.q_feat is not None:
-        features[0].extend(tiles.feature_rows(
-            opt.q_feat, index(opt.q_feat.at[0], b, n) + (slice(None),), row_ok,
-            tiles.feature_count(params, "row")))
-      if opt.kv_feat is not None:
-        features[1].extend(tiles.feature_rows(
-            opt.kv_feat, index(opt.kv_feat.at[0], b, n) + (keys,), col_ok,
-            tiles.feature_count(params, "col")))
+      # The mask_mod's and score_mod's features of these rows and keys (refs [F, B or 1, N or
+      # 1, rows or S]).
+      def features_of(q_ref, kv_ref, rule):
+        rows_of = [] if q_ref is None else tiles.feature_rows(
+            q_ref, index(q_ref.at[0], b, n) + (slice(None),), row_ok,
+            tiles.feature_count(rule, "row"))
+        cols_of = [] if kv_ref is None else tiles.feature_rows(
+            kv_ref, index(kv_ref.at[0], b, n) + (keys,), col_ok, tiles.feature_count(rule, "col"))
+        return rows_of, cols_of
       offsets = () if opt.offsets is None else (opt.offsets[b, 0], opt.offsets[b, 1])
       pos = Positions(lengths_ref[b, 0], lengths_ref[b, 1], *offsets)
-      s2, _ = tiles.masked_logits(q, k, rows, cols, ok, pos, params, q_seg, kv_seg,
-                                  tiles.at(opt.bias, slice(None), keys), mask,
-                                  features=features)
+      s2, _ = tiles.masked_logits(
+          q, k, rows, cols, ok, pos, params, q_seg, kv_seg,
+          tiles.at(opt.bias, slice(None), keys), mask,
+          features=features_of(opt.q_feat, opt.kv_feat, params.mask_rule),
+          score_features=features_of(opt.score_q_feat, opt.score_kv_feat, params.score_rule))
       p = jnp.exp2(s2 - lse2[:, None])
       keep = tiles.keep(tiles.dropout_stream(opt, params, b, n), rows, k_start, block_k, params,
                         pos)
@@ -122,7 +123,9 @@ def dbias(inputs: Inputs, params: Params, config: Config, opt: tiles.Optional, l
       bias=lambda x: pl.BlockSpec((None, None, block_q, s), lambda i, bb, nb: (bb, nb, i, 0)),
       seed=lambda x: whole(*x.shape),
       q_feat=lambda x: row_block(*x.shape[:3], block_q),
-      kv_feat=lambda x: whole(*x.shape))
+      kv_feat=lambda x: whole(*x.shape),
+      score_q_feat=lambda x: row_block(*x.shape[:3], block_q),
+      score_kv_feat=lambda x: whole(*x.shape))
   q_rows = pl.BlockSpec((b, block_q, n, hp), lambda i, bb, nb: (0, i, 0, 0))
   do_rows = pl.BlockSpec((b, block_q, n, hvp), lambda i, bb, nb: (0, i, 0, 0))
   kernel = functools.partial(

@@ -45,6 +45,9 @@ class Optional(NamedTuple):
   # A mask_mod's features (`jaxflash.mask_mod`): int32 [F, B or 1, N or 1, T] and [F', .., S].
   q_feat: object = None
   kv_feat: object = None
+  # A score_mod's, likewise.
+  score_q_feat: object = None
+  score_kv_feat: object = None
 
   def specs(self, **makers: Callable) -> "Optional":
     """The same pytree with each present field ``name`` replaced by ``makers[name](array)``."""
@@ -58,7 +61,9 @@ def optional_inputs(inputs: Inputs) -> Optional:
   return Optional(offsets=inputs.offsets, q_seg=inputs.q_segment_ids,
                   kv_seg=inputs.kv_segment_ids, mask=mask, bias=inputs.bias,
                   seed=inputs.dropout_seed, q_feat=_pow2_features(inputs.q_features),
-                  kv_feat=_pow2_features(inputs.kv_features))
+                  kv_feat=_pow2_features(inputs.kv_features),
+                  score_q_feat=_pow2_features(inputs.score_q_features),
+                  score_kv_feat=_pow2_features(inputs.score_kv_features))
 
 
 def _pow2_features(x):
@@ -89,10 +94,10 @@ def list_spans(ref, blocks: int, *row):
   return row_spans(lambda k: ref[row + (jnp.asarray(k, jnp.int32),)], blocks)
 
 
-def rule_mask(params: Params, q_idx, kv_idx, rows: list, cols: list):
-  """A mask_mod's mask of a tile from its row and column features (int32 vectors of the
-  tile's rows and columns, `jaxflash.mask_mod.to_int32`), or None without one."""
-  rule = params.mask_rule
+def rule_tile(rule, q_idx, kv_idx, rows: list, cols: list, score=None):
+  """A mask_mod's mask of a tile (a score_mod's new ``score``) from its row and column features
+  (int32 vectors of the tile's rows and columns, `jaxflash.mask_mod.to_int32`), or None
+  without a rule."""
   if rule is None:
     return None
   shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx))
@@ -100,7 +105,7 @@ def rule_mask(params: Params, q_idx, kv_idx, rows: list, cols: list):
           for x, d in zip(rows, rule.row_dtypes)]
   cols = [mask_mod_lib.from_int32(jnp.broadcast_to(x[None, :], shape), d)
           for x, d in zip(cols, rule.col_dtypes)]
-  return rule.tile(shape, q_idx, kv_idx, rows, cols)
+  return rule.tile(shape, q_idx, kv_idx, rows, cols, score=score)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,43 +230,60 @@ def query_block_specs(opt: Optional, block_q: int, seq_k: int) -> Optional:
       seed=lambda x: pl.BlockSpec(x.shape, lambda i, b, h: (0,)),
       lists=lambda x: pl.BlockSpec((None, None, None, x.shape[-1]),
                                    lambda i, b, h: per_row(x.shape, b, h) + (i, 0)),
-      q_feat=lambda x: pl.BlockSpec((x.shape[0], None, None, block_q),
-                                    lambda i, b, h: (0,) + per_row(x.shape[1:], b, h) + (i,)),
-      kv_feat=lambda x: pl.BlockSpec((x.shape[0], None, None, seq_k),
-                                     lambda i, b, h: (0,) + per_row(x.shape[1:], b, h) + (0,)))
+      q_feat=lambda x: feature_rows_spec(x, block_q, lambda i: i),
+      kv_feat=lambda x: feature_rows_spec(x, seq_k, lambda i: 0),
+      score_q_feat=lambda x: feature_rows_spec(x, block_q, lambda i: i),
+      score_kv_feat=lambda x: feature_rows_spec(x, seq_k, lambda i: 0))
+
+
+def feature_rows_spec(x: jax.Array, length: int, block_of: Callable) -> pl.BlockSpec:
+  """BlockSpec of features [F, B or 1, N or 1, L] for a grid (block, batch row, head): every
+  feature of one batch row and head, ``length`` positions from block ``block_of(i)``."""
+  def index(i, b, h):
+    return (0, b if x.shape[1] > 1 else 0, h if x.shape[2] > 1 else 0, block_of(i))
+  return pl.BlockSpec((x.shape[0], None, None, length), index)
 
 
 def folds_scale(params: Params, opt: Optional) -> bool:
-  """Whether base-2 logits are just ``c * q @ k.T`` with ``c > 0`` (no cap, no bias), so that a
-  row max of the raw product, times ``c``, is the row max of the logits."""
-  return params.logits_soft_cap is None and opt.bias is None and params.scale > 0
+  """Whether base-2 logits are just ``c * q @ k.T`` with ``c > 0`` (no cap, bias or
+  score_mod), so that a row max of the raw product, times ``c``, is the row max of the
+  logits."""
+  return (params.logits_soft_cap is None and opt.bias is None and params.score_rule is None
+          and params.scale > 0)
 
 
 def masked_logits(q, k, rows, cols, ok, pos: Positions, params: Params, q_seg, kv_seg, bias_ref,
-                  mask_ref, masked: bool = True, raw: bool = False, features=((), ())):
-  """Base-2 logits of one (query, key) tile, invisible entries at -inf; also the soft-cap tanh.
+                  mask_ref, masked: bool = True, raw: bool = False, features=((), ()),
+                  score_features=((), ()), derivative: bool = False):
+  """Base-2 logits of one (query, key) tile, invisible entries at -inf; also the backward's
+  chain factor (`_core.logits_base2`; the score_mod's derivative only when ``derivative``).
 
   ``rows``/``cols`` are the tile's local indices and ``ok`` its in-bounds mask; ``bias_ref`` and
   ``mask_ref`` are refs already positioned on this tile (or None). ``masked=False`` is for tiles
   the schedule names full: every entry is visible, so no element mask is computed. ``raw=True``
   (only where `folds_scale` holds) returns the unscaled ``q @ k.T``, for a caller that applies
-  ``scale * log2(e)`` itself, fused into a later multiply-add.
+  ``scale * log2(e)`` itself, fused into a later multiply-add. ``features`` and
+  ``score_features`` are the mask_mod's and the score_mod's (rows, columns) features.
   """
   bias = None if bias_ref is None else load(bias_ref, mask=ok, other=0.0)
   qk = plgpu.dot(q, k, trans_b=True)
-  s2, cap_t = (qk, None) if raw else _core.logits_base2(qk, params, bias)
+  score = None
+  if params.score_rule is not None:
+    score = lambda z: rule_tile(params.score_rule, rows[:, None], cols[None, :],  # noqa: E731
+                                *score_features, score=z)
+  s2, chain = (qk, None) if raw else _core.logits_base2(qk, params, bias, score, derivative)
   if not masked:
-    return s2, cap_t
+    return s2, chain
   dense = None if mask_ref is None else load(mask_ref, mask=ok, other=0)
   vis = masking.visible(
       rows[:, None], cols[None, :], params.window, diagonal=pos.diagonal, kv_len=pos.kv_len,
       q_segment=None if q_seg is None else q_seg[:, None],
       kv_segment=None if kv_seg is None else kv_seg[None, :],
       dense_mask=None if dense is None else dense != 0)
-  by_rule = rule_mask(params, rows[:, None], cols[None, :], *features)
+  by_rule = rule_tile(params.mask_rule, rows[:, None], cols[None, :], *features)
   if by_rule is not None:
     vis = jnp.logical_and(vis, by_rule)
-  return jnp.where(vis, s2, -jnp.inf), cap_t
+  return jnp.where(vis, s2, -jnp.inf), chain
 
 
 def dropout_stream(opt: Optional, params: Params, batch, head):
@@ -297,6 +319,7 @@ class QueryTile(NamedTuple):
   pos: Positions
   features: list  # a mask_mod's row features, [block_q] each
   spans: object  # the key blocks to visit from a block table, or None (the schedule's)
+  score_features: list  # a score_mod's row features, [block_q] each
 
 
 def query_tile(q_ref, lengths_ref, opt: Optional, params: Params, st: Static,
@@ -306,15 +329,16 @@ def query_tile(q_ref, lengths_ref, opt: Optional, params: Params, st: Static,
   q = load(q_ref, mask=tile_ok(row_ok, st.dim_ok), other=0.0)
   q_seg = None if opt.q_seg is None else load(opt.q_seg, mask=row_ok, other=-1)
   stream = dropout_stream(opt, params, pl.program_id(1), pl.program_id(2))
-  features = feature_rows(opt.q_feat, (), row_ok, feature_count(params, "row"))
+  features = feature_rows(opt.q_feat, (), row_ok, feature_count(params.mask_rule, "row"))
   spans = None if opt.lists is None else list_spans(opt.lists, pl.cdiv(st.seq_k, block_k))
+  score_features = feature_rows(opt.score_q_feat, (), row_ok,
+                                feature_count(params.score_rule, "row"))
   return QueryTile(q_start, rows, row_ok, q, q_seg, stream, positions(lengths_ref, opt.offsets),
-                   features, spans)
+                   features, spans, score_features)
 
 
-def feature_count(params: Params, side: str) -> int:
-  """How many row (or column) features the call's mask_mod has."""
-  rule = params.mask_rule
+def feature_count(rule, side: str) -> int:
+  """How many row (or column) features a mask_mod's or score_mod's ``rule`` has."""
   if rule is None or rule.kernel_reason is not None:
     return 0
   return len(rule.row_vars if side == "row" else rule.col_vars)
@@ -332,6 +356,7 @@ class KeyTile(NamedTuple):
   k: object
   kv_seg: object
   features: list  # a mask_mod's column features, [block_k] each (masked blocks only)
+  score_features: list  # a score_mod's column features, [block_k] each (every block)
 
 
 def key_tile(j, k_ref, opt: Optional, st: Static, block_k: int, masked: bool,
@@ -346,14 +371,18 @@ def key_tile(j, k_ref, opt: Optional, st: Static, block_k: int, masked: bool,
   kv_seg = None if opt.kv_seg is None else load(opt.kv_seg.at[keys], mask=col_ok, other=-2)
   features = []
   if masked:  # (full blocks evaluate no mask)
-    features = feature_rows(opt.kv_feat, (keys,), col_ok, feature_count(params, "col"))
-  return KeyTile(k_start, cols, col_ok, keys, kv_ok, v_ok, k, kv_seg, features)
+    features = feature_rows(opt.kv_feat, (keys,), col_ok, feature_count(params.mask_rule, "col"))
+  score_features = feature_rows(opt.score_kv_feat, (keys,), col_ok,
+                                feature_count(params.score_rule, "col"))
+  return KeyTile(k_start, cols, col_ok, keys, kv_ok, v_ok, k, kv_seg, features, score_features)
 
 
 def tile_logits(qt: QueryTile, kt: KeyTile, opt: Optional, params: Params, masked: bool,
-                raw: bool = False):
+                raw: bool = False, derivative: bool = False):
   """`masked_logits` of a (query tile, key tile) pair of the forward or dQ loop."""
   return masked_logits(qt.q, kt.k, qt.rows, kt.cols, tile_ok(qt.row_ok, kt.col_ok), qt.pos,
                        params, qt.q_seg, kt.kv_seg, at(opt.bias, slice(None), kt.keys),
                        at(opt.mask, slice(None), kt.keys), masked, raw,
-                       features=(qt.features, kt.features))
+                       features=(qt.features, kt.features),
+                       score_features=(qt.score_features, kt.score_features),
+                       derivative=derivative)
