@@ -1,4 +1,5 @@
-"""What today's models ask of attention: sinks (gpt-oss), a value head dim of its own (MLA).
+"""What today's models ask of attention: sinks (gpt-oss), a value head dim of its own (MLA), and
+score modifications (ALiBi, relative-position tables).
 
 The one command, on the GPU machine from the repo root:
 
@@ -18,6 +19,13 @@ Cases (bf16):
   takes no sinks).
 - ``mla_192_128``: DeepSeek's MLA training shape, B = 1, S = 8192, 128 heads, query/key head dim
   192 and value head dim 128, causal: jaxflash, and cuDNN where jax.nn takes it.
+- ``plain_4k``: B = 4, S = 4096, 16 heads, D = 128, causal (16k tokens, hidden 2048): the rate
+  the score_mod cases are compared with. jaxflash and cuDNN.
+- ``alibi``: the same call with ALiBi as a ``score_mod`` (``score + slope[h] * (kv - q)``, the
+  slopes 2^(-8 (h + 1) / N)); cuDNN gets it as a dense bias [1, N, S, S] (jax.nn takes no
+  score_mod), which is how a JAX model passes ALiBi to it.
+- ``relative_table``: a learned relative-position bias read from a table [N, 2S - 1] by the
+  score_mod (``score + table[h, q - kv + S - 1]``); cuDNN again gets the dense bias.
 
 Modes: ``fwd``, ``fwdbwd`` (jax.grad of sum(out * dO) with respect to q, k, v, and the sinks where
 given) and, for the MLA case, ``bwd`` = fwdbwd - fwd. FLOPs count visible entries only (the
@@ -50,7 +58,7 @@ import report
 from cases import IMPL_OPTIONS, time_calls
 from report import TOLERANCE
 
-CASES = ("gpt_oss", "gpt_oss_sinks", "mla_192_128")
+CASES = ("gpt_oss", "gpt_oss_sinks", "mla_192_128", "plain_4k", "alibi", "relative_table")
 FLOP_CONVENTION = ("visible entries only: fwd 2*(Dqk+Dv) per entry, bwd 2*(3*Dqk+2*Dv), fwdbwd "
                    "their sum")
 
@@ -65,17 +73,43 @@ class Shape:
   d_v: int
   window: int | None  # keys before each query it sees (causal); None: the whole causal band
   sinks: bool = False
+  score: str | None = None  # a key of SCORE_MODS
 
 
 SHAPES = {
     "gpt_oss": Shape(1, 16384, 64, 8, 64, 64, 128),
     "gpt_oss_sinks": Shape(1, 16384, 64, 8, 64, 64, 128, sinks=True),
     "mla_192_128": Shape(1, 8192, 128, 128, 192, 128, None),
+    "plain_4k": Shape(4, 4096, 16, 16, 128, 128, None),
+    "alibi": Shape(4, 4096, 16, 16, 128, 128, None, score="alibi"),
+    "relative_table": Shape(4, 4096, 16, 16, 128, 128, None, score="relative_table"),
 }
-SMOKE = {name: dataclasses.replace(shape, s=96, n=4, k=2 if shape.k < shape.n else 4)
+SMOKE = {name: dataclasses.replace(shape, b=min(shape.b, 2), s=96, n=4,
+                                   k=2 if shape.k < shape.n else 4)
          for name, shape in SHAPES.items()}
 IMPLS = {"gpt_oss": ("jaxflash", "cudnn", "cudnn_det"), "gpt_oss_sinks": ("jaxflash",),
-         "mla_192_128": ("jaxflash", "cudnn", "cudnn_det")}
+         "mla_192_128": ("jaxflash", "cudnn", "cudnn_det"), "plain_4k": ("jaxflash", "cudnn"),
+         "alibi": ("jaxflash", "cudnn"), "relative_table": ("jaxflash", "cudnn")}
+
+
+def score_mod(shape: Shape):
+  """The case's score_mod (None without one); its arrays are fixed (seed 0), made here."""
+  if shape.score is None:
+    return None
+  if shape.score == "alibi":
+    slopes = 2.0 ** (-8.0 * jnp.arange(1, shape.n + 1, dtype=jnp.float32) / shape.n)
+    return lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx)
+  table = 0.5 * jax.random.normal(jax.random.key(0), (shape.n, 2 * shape.s - 1), jnp.float32)
+  return lambda score, b, h, q_idx, kv_idx: score + table[h, q_idx - kv_idx + shape.s - 1]
+
+
+def dense_bias(shape: Shape):
+  """The score_mod's additive term as a dense bf16 bias [1, N, S, S] (what cuDNN is given)."""
+  fn = score_mod(shape)
+  idx = jnp.arange(shape.s, dtype=jnp.int32)
+  make = lambda: fn(jnp.zeros((), jnp.float32), 0, jnp.arange(shape.n)[:, None, None],  # noqa: E731
+                    idx[None, :, None], idx[None, None, :])
+  return jax.jit(make)().astype(jnp.bfloat16)[None]
 
 
 def visible_entries(shape: Shape) -> int:
@@ -98,12 +132,15 @@ def options(shape: Shape) -> dict:
 
 
 def attention(impl: str, shape: Shape, implementation):
-  """attention(q, k, v, sinks) for ``impl``: jaxflash, or jax.nn's cuDNN (no sinks)."""
-  def fn(q, k, v, sinks):
+  """attention(q, k, v, sinks, bias) for ``impl``: jaxflash (with the case's score_mod), or
+  jax.nn's cuDNN (no sinks; the score_mod as the dense ``bias``)."""
+  mod = score_mod(shape)
+
+  def fn(q, k, v, sinks, bias):
     if impl == "jaxflash":
-      return jaxflash.flash_attention(q, k, v, sinks=sinks, implementation=implementation,
-                                      **options(shape))
-    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **options(shape))
+      return jaxflash.flash_attention(q, k, v, sinks=sinks, score_mod=mod,
+                                      implementation=implementation, **options(shape))
+    return jax.nn.dot_product_attention(q, k, v, bias, implementation="cudnn", **options(shape))
   return fn
 
 
@@ -117,16 +154,23 @@ def inputs(shape: Shape, seed: int):
   return q, k, v, d_out, sinks
 
 
+def bias_for(impl: str, shape: Shape):
+  """The dense bias cuDNN gets for a score_mod case; None otherwise."""
+  return dense_bias(shape) if impl != "jaxflash" and shape.score is not None else None
+
+
 def executable(fn, mode: str, args, compiler_options):
-  """The compiled ``fn`` of ``mode``: the output, or the gradients (dq first)."""
-  q, k, v, d_out, sinks = args
+  """The compiled ``fn`` of ``mode`` on (q, k, v, d_out, sinks, bias): the output, or the
+  gradients of q, k, v (and the sinks where given; dq first)."""
+  sinks = args[4]
   if mode == "fwd":
-    run = lambda q, k, v, d_out, sinks: fn(q, k, v, sinks)  # noqa: E731
+    run = lambda q, k, v, d_out, sinks, bias: fn(q, k, v, sinks, bias)  # noqa: E731
   else:
     argnums = (0, 1, 2) + ((3,) if sinks is not None else ())
 
-    def run(q, k, v, d_out, sinks):
-      loss = lambda q, k, v, sinks: jnp.sum(fn(q, k, v, sinks).astype(jnp.float32) * d_out)  # noqa: E731
+    def run(q, k, v, d_out, sinks, bias):
+      def loss(q, k, v, sinks):
+        return jnp.sum(fn(q, k, v, sinks, bias).astype(jnp.float32) * d_out)
       return jax.grad(loss, argnums=argnums)(q, k, v, sinks)
   return jax.jit(run).lower(*args).compile(compiler_options)
 
@@ -134,7 +178,7 @@ def executable(fn, mode: str, args, compiler_options):
 def check(shape: Shape, args, result, mode: str, seed: int) -> float:
   """Relative error of the output (fwd) or dQ (fwdbwd) on batch row 0, the first and last query
   heads and up to 512 query rows, against the float32 reference."""
-  q, k, v, d_out, sinks = args
+  q, k, v, d_out, sinks = args[:5]
   rng = np.random.default_rng(seed)
   rows = np.arange(shape.s) if shape.s <= 512 else np.union1d(
       np.arange(shape.s - 128, shape.s), rng.choice(shape.s - 128, 384, replace=False))
@@ -149,10 +193,16 @@ def check(shape: Shape, args, result, mode: str, seed: int) -> float:
   if shape.window is not None:
     mask &= jnp.asarray(rows)[:, None] - jnp.arange(shape.s)[None, :] <= shape.window
   s_ = None if sinks is None else jnp.asarray(np.asarray(sinks)[heads])
+  mod = score_mod(shape)
+  sub_mod = None
+  if mod is not None:  # the checked rows and heads at their places in the whole call
+    row_at, head_at = jnp.asarray(rows, jnp.int32), jnp.asarray(heads, jnp.int32)
+    sub_mod = lambda score, b, h, i, j: mod(score, b, head_at[h], row_at[i], j)  # noqa: E731
 
   def out_and_dq(q_):
     return jaxflash.reference_attention(q_, k_, v_, mask=mask[None, None],
-                                        scale=shape.d_qk ** -0.5, sinks=s_)[0]
+                                        scale=shape.d_qk ** -0.5, sinks=s_,
+                                        score_mod=sub_mod)[0]
   with jax.default_matmul_precision("highest"):
     out, vjp = jax.vjp(out_and_dq, q_)
     want = out if mode == "fwd" else vjp(d_)[0]
@@ -164,15 +214,17 @@ def check(shape: Shape, args, result, mode: str, seed: int) -> float:
 
 def run_case(name: str, shape: Shape, impls, implementation, seed: int, out: Path,
              result: dict) -> None:
-  args = inputs(shape, seed)
+  base_args = inputs(shape, seed)
   times = {}
   for impl in impls:
+    args = base_args + (bias_for(impl, shape),)
     fn = attention(impl, shape, implementation)
     base = dict(case=name, impl=impl, B=shape.b, S=shape.s, N=shape.n, K=shape.k,
                 Dqk=shape.d_qk, Dv=shape.d_v, window=shape.window, sinks=shape.sinks)
     if impl == "jaxflash":
       base["backend"] = jaxflash.implementation_for(
-          *args[:3], sinks=args[4], implementation=implementation, **options(shape))
+          *args[:3], sinks=args[4], score_mod=score_mod(shape), implementation=implementation,
+          **options(shape))
     for mode in ("fwd", "fwdbwd"):
       row = dict(base, mode=mode)
       try:
