@@ -117,15 +117,17 @@ def test_jit_and_vmap(implementation):
   b, t, s, n, k, h, hv = 2, 19, 33, 2, 1, 32, 16
   q, kk, v, d_out = (jnp.stack([x, 0.5 * x]) for x in _qkv(6, b, t, s, n, k, h, hv))
 
-  def loss(fn):
-    return lambda q, kk, v: jnp.sum(jax.vmap(fn)(q, kk, v) * d_out)
+  def out_and_grads(fn):
+    def run(q, kk, v):
+      out, vjp = jax.vjp(lambda *x: jax.vmap(fn)(*x), q, kk, v)
+      return (out,) + vjp(d_out)
+    return jax.jit(run)
 
-  ours = loss(lambda q, kk, v: attention(implementation, q, kk, v, is_causal=True))
-  ref = loss(lambda q, kk, v: reference_attention(q, kk, v, is_causal=True)[0])
-  got = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(q, kk, v)
-  want = jax.jit(jax.value_and_grad(ref, argnums=(0, 1, 2)))(q, kk, v)
-  assert abs(float(got[0]) - float(want[0])) <= 1e-4 * abs(float(want[0])) + 1e-4
-  for g, w in zip(got[1], want[1]):
+  got = out_and_grads(lambda q, kk, v: attention(implementation, q, kk, v, is_causal=True))(
+      q, kk, v)
+  want = out_and_grads(lambda q, kk, v: reference_attention(q, kk, v, is_causal=True)[0])(
+      q, kk, v)
+  for g, w in zip(got, want):  # (relative norms: TF32 dots on a GPU)
     assert rel_err(g, w) <= TOLERANCE[F32]
 
 
