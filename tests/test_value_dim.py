@@ -386,8 +386,9 @@ def test_mosaic_lowers_for_cuda():
 
 
 def test_mosaic_selection():
-  """``implementation="mosaic"`` serves Dv != H (up to 256); ``implementation=None`` takes
-  Triton for it on a Hopper GPU, since Mosaic was measured faster only where Dv = H."""
+  """``implementation="mosaic"`` serves Dv != H (up to 256); ``implementation=None`` takes it
+  only where it was measured faster with a value head dim of its own (MLA's 192/128, causal,
+  on an H200), and Triton elsewhere."""
   q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
   kk = jax.ShapeDtypeStruct((2, 4096, 2, 128), jnp.bfloat16)
   with jax.sharding.use_abstract_mesh(H100):
@@ -399,3 +400,13 @@ def test_mosaic_selection():
     wide = jax.ShapeDtypeStruct((2, 4096, 2, 320), jnp.bfloat16)
     with pytest.raises(backends.UnsupportedCallError, match="mosaic.*value head dims up to 256"):
       jaxflash.implementation_for(q, kk, wide, implementation="mosaic")
+  h200 = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+      device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+  q = kk = jax.ShapeDtypeStruct((1, 8192, 16, 192), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, 8192, 16, 128), jnp.bfloat16)
+  with jax.sharding.use_abstract_mesh(h200):
+    assert jaxflash.implementation_for(q, kk, v, is_causal=True) == "mosaic"
+    assert jaxflash.implementation_for(q, kk, v) == "triton"  # (not measured without a band)
+    short = [jax.ShapeDtypeStruct((1, 1024) + x.shape[2:], x.dtype)
+             for x in (q, kk, v)]
+    assert jaxflash.implementation_for(*short, is_causal=True) == "triton"

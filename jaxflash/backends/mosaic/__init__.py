@@ -64,12 +64,11 @@ def _default_config(inputs: Inputs, params: Params, device: Device) -> Config | 
 
 def _preferred(inputs: Inputs, params: Params, device: Device) -> bool:
   """Whether ``implementation=None`` takes this backend: only where the benchmark measured it
-  faster than the Triton one on this device kind, head dim, band and key length
-  (`config.FASTER_THAN_TRITON`): never yet with a value head dim unlike the query's."""
-  if inputs.value.shape[-1] != inputs.query.shape[-1]:
-    return False
+  faster than the Triton one on this device kind, head dims, band and key length
+  (`config.FASTER_THAN_TRITON`, and `config.FASTER_THAN_TRITON_VALUE_DIM` for a value head dim
+  of its own)."""
   return faster_than_triton(device.kind, inputs.query.shape[-1], inputs.key.shape[1],
-                            params.window.is_causal)
+                            params.window.is_causal, inputs.value.shape[-1])
 
 
 BACKEND = Backend(name="mosaic", Config=Config, package=__name__, supports=_supports,

@@ -285,9 +285,25 @@ FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
                        (256, False): 0, (256, True): 0}}
 
 
-def faster_than_triton(device_kind: str, head_dim: int, kv_len: int, causal: bool) -> bool:
-  for kind, min_kv_len in FASTER_THAN_TRITON.items():
+# The same with a value head dim of its own: device kind -> {(padded head dim, padded value head
+# dim, causal): the shortest key length from which it won}. The Mosaic forward's V and O tiles
+# take Dv; its backward hands such calls to the Triton backward either way.
+# - H200, 2026-11-24 (benchmarks/results/h200/model_features.json, mla_192_128): MLA's 192/128,
+#   causal, B = 1, 128 heads at 8k: 535 against Triton's 168 TFLOP/s forward (fwd+bwd 79 vs
+#   91 ms); 16 heads at 4k: 0.21 against 0.63 ms (and fwd+bwd 2.9 vs 3.3 ms).
+FASTER_THAN_TRITON_VALUE_DIM: dict[str, dict[tuple[int, int, bool], int]] = {
+    "H200": {(192, 128, True): 4096}}
+
+
+def faster_than_triton(device_kind: str, head_dim: int, kv_len: int, causal: bool,
+                       value_dim: int | None = None) -> bool:
+  """Whether the Mosaic forward measured faster than Triton's on this device kind, head dims,
+  band and key length (`FASTER_THAN_TRITON`, `FASTER_THAN_TRITON_VALUE_DIM`)."""
+  own_value_dim = value_dim is not None and value_dim != head_dim
+  table = FASTER_THAN_TRITON_VALUE_DIM if own_value_dim else FASTER_THAN_TRITON
+  key = (padded_head_dim(head_dim),) + ((padded_head_dim(value_dim),) if own_value_dim else ())
+  for kind, min_kv_len in table.items():
     if kind_is(device_kind, kind):
-      least = min_kv_len.get((padded_head_dim(head_dim), causal))
+      least = min_kv_len.get(key + (causal,))
       return least is not None and kv_len >= least
   return False
