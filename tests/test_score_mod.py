@@ -83,18 +83,39 @@ def test_under_jit_and_vmap_with_traced_arrays():
   assert rel_err(got, want) < F32_TOLERANCE
 
 
+@pytest.mark.parametrize("rule", ("alibi", "tanh_gate"))
+def test_mosaic_forward_with_the_triton_backward(rule):
+  """The Mosaic forward runs the tile rule (in Mosaic GPU's interpreter on a CPU); its backward
+  hands a score_mod to the Triton backward, which reads the same LSE."""
+  check("mosaic", b=2, t=70, s=133, n=2, k=1, h=64, dtype=jnp.bfloat16,
+        score_mod=lambda *_: RULES[rule], is_causal=True, key_value_seq_lengths=jnp.array([133, 50]))
+
+
+def test_mosaic_forward_lowers_for_cuda(cuda_plugin):
+  q = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out = jaxflash.flash_attention(q, k, v, score_mod=RULES["alibi"], is_causal=True,
+                                   implementation="mosaic")
+    return jnp.sum(out.astype(jnp.float32))
+
+  text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+  assert "mosaic_gpu" in text and "jaxflash_backward_dkv" in text  # (Triton's backward)
+
+
 def test_who_serves_it():
-  """Triton's kernels run a score_mod's tile rule; a gather of both indices only the XLA
-  backend runs; Mosaic declines score_mods (its kernels do not apply them yet)."""
+  """Triton's and Mosaic's forward kernels run a score_mod's tile rule (Mosaic's backward hands
+  it to Triton's); a gather of both indices only the XLA backend runs."""
   q = jax.ShapeDtypeStruct((1, 64, 4, 64), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
   which = lambda rule, **kw: jaxflash.implementation_for(  # noqa: E731
       q, kv, kv, score_mod=RULES[rule], interpret=True, **kw)
   assert which("alibi", implementation="triton") == "triton"
-  with pytest.raises(ValueError, match="score_mod"):
-    which("alibi", implementation="mosaic")
-  with pytest.raises(ValueError, match="cannot evaluate per tile"):
-    which("relative_table", implementation="triton")
+  assert which("alibi", implementation="mosaic") == "mosaic"
+  for backend in ("triton", "mosaic"):
+    with pytest.raises(ValueError, match="cannot evaluate per tile"):
+      which("relative_table", implementation=backend)
   assert which("relative_table") == "xla"
 
 

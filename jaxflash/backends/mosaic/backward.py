@@ -33,7 +33,7 @@ query rows past the query length have an LSE of +inf, so their P is exactly 0.
 A partial call (``params.partial``: ring attention's pieces) returns float32 gradients, which go
 out through float32 tiles of their own (dK, then dV, through one per consumer).
 
-What this backward does not serve (`unsupported`: dense masks, biases, tiles that do not fit in
+What this backward does not serve (`unsupported`: biases, score_mods, tiles that do not fit in
 shared memory, partial calls above head dim 128 or in one pass) goes to the Triton backward,
 which differentiates the Mosaic forward exactly: both read the same LSE.
 
@@ -88,6 +88,8 @@ def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
     return f"{config.backward} does not fit in shared memory at head dim {head_dim}{what}"
   if inputs.bias is not None:
     return "biases"
+  if params.score_rule is not None:
+    return "a score_mod"
   if inputs.block_table is not None and config.backward.runs_one_pass(padded_head_dim(head_dim)):
     return "a block table (mask, mask_mod, segment ids) in one pass"
   return None

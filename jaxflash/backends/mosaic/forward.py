@@ -130,6 +130,9 @@ class _Extras(NamedTuple):
   order: jax.Array | None = None
   # The forward's attention sinks in base-2 units, float32 [N] (`_core.finish_rows`).
   sinks: jax.Array | None = None
+  # A score_mod's features, as a mask_mod's (the forward's only: the backward declines it).
+  score_q_features: jax.Array | None = None
+  score_kv_features: jax.Array | None = None
 
 
 def _iota(shape, dim: int):
@@ -156,12 +159,21 @@ def rule_mask(params: Params, extras: _Extras, batch, head, shape, q_idx, kv_idx
   indices (functions that build them: Mosaic GPU infers no layout for a tile nothing reads)
   and features (``rows``/``keys`` index the features; ``broadcast_*`` put a row or key vector
   on the tile). Call it only with a mask_mod."""
-  rule = params.mask_rule
+  return _rule_tile(params.mask_rule, extras.q_features, extras.kv_features, batch, head,
+                    shape, q_idx, kv_idx, rows, keys, broadcast_rows, broadcast_keys, row_layout,
+                    key_layout)
+
+
+def _rule_tile(rule, q_features, kv_features, batch, head, shape, q_idx, kv_idx, rows, keys,
+               broadcast_rows, broadcast_keys, row_layout, key_layout, score=None):
+  """A mask_mod's mask (a score_mod's new ``score``) of a ``shape`` tile from its features
+  (`rule_mask` says what the arguments are)."""
   return rule.tile(shape, q_idx, kv_idx,
-                   feature_tiles(extras.q_features, batch, head, rows, row_layout,
-                                 broadcast_rows, rule.row_dtypes),
-                   feature_tiles(extras.kv_features, batch, head, keys, key_layout,
-                                 broadcast_keys, rule.col_dtypes))
+                   feature_tiles(q_features, batch, head, rows, row_layout, broadcast_rows,
+                                 rule.row_dtypes),
+                   feature_tiles(kv_features, batch, head, keys, key_layout, broadcast_keys,
+                                 rule.col_dtypes),
+                   score=score)
 
 
 def _entry_tile(ref, batch, head, rows, keys):
@@ -435,19 +447,29 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         bias = None
         if extras.bias is not None:
           bias = _entry_tile(extras.bias, batch, head, rows, keys)
+        score = None
+        if params.score_rule is not None:  # the score_mod's tile rule on this tile
+          start = j * block_kv
+          score = lambda z: _rule_tile(  # noqa: E731
+              params.score_rule, extras.score_q_features, extras.score_kv_features, batch,
+              head, z.shape, lambda: _rows(q_rows, z.shape), lambda: start + _iota(z.shape, 1),
+              rows, keys, lambda x: _rows(x, z.shape),
+              lambda x: lax.broadcast_in_dim(x, z.shape, [1]), _ROWS, _COLS, score=z)
         # With a plain positive scale the row max is taken of the raw scores and scaled once
         # (max(c s) = c max(s) for c > 0), and c s - m is one fused multiply-add per entry: a
         # multiply per entry less than scaling the tile first.
-        folded = params.logits_soft_cap is None and bias is None and params.scale > 0
-        s2 = s if folded else _core.logits_base2(s, params, bias)[0]
+        folded = (params.logits_soft_cap is None and bias is None and score is None
+                  and params.scale > 0)
+        s2 = s if folded else _core.logits_base2(s, params, bias, score)[0]
         if masked:
           s2 = jnp.where(visible(j, rows, keys, s2.shape), s2, -jnp.inf)
         c = params.scale * _core.LOG2_E if folded else 1.0
         # A row that has seen no visible key keeps m = -inf and is shifted by 0 instead, so that
         # exp2 stays finite and the row stays at l = 0, acc = 0. NaN logits make m, l and acc
-        # NaN: the row comes out NaN, as in jax.nn. (A bias may be -inf anywhere.)
+        # NaN: the row comes out NaN, as in jax.nn. (A bias or a score_mod may give -inf
+        # anywhere.)
         m_new = jnp.maximum(m, s2.max(axis=1) * c if folded else s2.max(axis=1))
-        finite = not masked and bias is None
+        finite = not masked and bias is None and score is None
         m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_shift)
         p = jnp.exp2((s2 * c if folded else s2) - _rows(m_shift, s2.shape))
@@ -657,12 +679,14 @@ def _extras(inputs: Inputs, rows: int, keys: int) -> _Extras:
     mask = _pad_to(mask.astype(jnp.int8), mask.shape[:2] + (rows, keys))
   if bias is not None:
     bias = _pad_to(bias, bias.shape[:2] + (rows, keys))
-  q_features, kv_features = inputs.q_features, inputs.kv_features
-  if q_features is not None:
-    q_features = _pad_to(q_features, q_features.shape[:3] + (rows,))
-  if kv_features is not None:
-    kv_features = _pad_to(kv_features, kv_features.shape[:3] + (keys,))
+  q_features = _padded_features(inputs.q_features, rows)
+  kv_features = _padded_features(inputs.kv_features, keys)
   return _Extras(q_ids, kv_ids, mask, bias, inputs.dropout_seed, None, q_features, kv_features)
+
+
+def _padded_features(features, length: int):
+  """Features [F, B or 1, N or 1, L] padded to ``length`` positions (None stays None)."""
+  return None if features is None else _pad_to(features, features.shape[:3] + (length,))
 
 
 def with_lists(extras: _Extras, inputs: Inputs, params: Params, block_q: int, block_k: int,
@@ -701,6 +725,11 @@ def forward(inputs: Inputs, params: Params, config: Config):
   extras = with_order(with_lists(extras, inputs, params, rows_per_cta, config.block_kv), inputs)
   if inputs.sinks is not None:
     extras = extras._replace(sinks=inputs.sinks.astype(jnp.float32) * _core.LOG2_E)
+  if params.score_rule is not None:
+    rows, keys = q_tiles * rows_per_cta, _round_up(k.shape[1], config.block_kv)
+    extras = extras._replace(
+        score_q_features=_padded_features(inputs.score_q_features, rows),
+        score_kv_features=_padded_features(inputs.score_kv_features, keys))
   elementwise = extras.mask is not None or extras.q_segment_ids is not None
   schedule = Schedule(params.window, rows_per_cta, config.block_kv, elementwise)
   stages = config.num_stages
