@@ -145,6 +145,12 @@ class Split:
 
   # --- The tile rule, inside a kernel ------------------------------------------------------
 
+  def reads(self, index: str) -> bool:
+    """Whether the tile rule reads the index ``index`` (`Q` or `KV`) itself: a kernel builds
+    an index tile only then."""
+    var = self.index_vars[INDICES.index(index)]
+    return any(var in eqn.invars for eqn in self.tile_eqns)
+
   def tile(self, shape, q_idx, kv_idx, rows: list, cols: list, score=None):
     """The mask of one ``shape`` tile (a score_mod's new scores, given the tile's ``score``):
     ``q_idx`` and ``kv_idx`` give the tile's query and key indices (int32 tiles, or functions

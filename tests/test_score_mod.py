@@ -84,29 +84,31 @@ def test_under_jit_and_vmap_with_traced_arrays():
 
 
 @pytest.mark.parametrize("rule", ("alibi", "tanh_gate"))
-def test_mosaic_forward_with_the_triton_backward(rule):
-  """The Mosaic forward runs the tile rule (in Mosaic GPU's interpreter on a CPU); its backward
-  hands a score_mod to the Triton backward, which reads the same LSE."""
+def test_mosaic_kernels(rule):
+  """The Mosaic forward and backward run the tile rule (in Mosaic GPU's interpreter on a CPU),
+  the backward with its derivative on its transposed dK/dV tiles and its dQ tiles."""
   check("mosaic", b=2, t=70, s=133, n=2, k=1, h=64, dtype=jnp.bfloat16,
-        score_mod=lambda *_: RULES[rule], is_causal=True, key_value_seq_lengths=jnp.array([133, 50]))
+        score_mod=lambda *_: RULES[rule], is_causal=True,
+        key_value_seq_lengths=jnp.array([133, 50]))
 
 
-def test_mosaic_forward_lowers_for_cuda(cuda_plugin):
+@pytest.mark.parametrize("rule", ("alibi", "tanh_gate"))
+def test_mosaic_kernels_lower_for_cuda(rule, cuda_plugin):
   q = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
 
   def loss(q, k, v):
-    out = jaxflash.flash_attention(q, k, v, score_mod=RULES["alibi"], is_causal=True,
+    out = jaxflash.flash_attention(q, k, v, score_mod=RULES[rule], is_causal=True,
                                    implementation="mosaic")
     return jnp.sum(out.astype(jnp.float32))
 
   text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
-  assert "mosaic_gpu" in text and "jaxflash_backward_dkv" in text  # (Triton's backward)
+  assert "mosaic_gpu" in text and "jaxflash_backward_dkv" not in text  # (no Triton kernel)
 
 
 def test_who_serves_it():
-  """Triton's and Mosaic's forward kernels run a score_mod's tile rule (Mosaic's backward hands
-  it to Triton's); a gather of both indices only the XLA backend runs."""
+  """Triton's and Mosaic's kernels run a score_mod's tile rule; a gather of both indices only
+  the XLA backend runs."""
   q = jax.ShapeDtypeStruct((1, 64, 4, 64), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
   which = lambda rule, **kw: jaxflash.implementation_for(  # noqa: E731

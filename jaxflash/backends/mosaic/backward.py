@@ -33,7 +33,7 @@ query rows past the query length have an LSE of +inf, so their P is exactly 0.
 A partial call (``params.partial``: ring attention's pieces) returns float32 gradients, which go
 out through float32 tiles of their own (dK, then dV, through one per consumer).
 
-What this backward does not serve (`unsupported`: biases, score_mods, tiles that do not fit in
+What this backward does not serve (`unsupported`: biases, tiles that do not fit in
 shared memory, partial calls above head dim 128 or in one pass) goes to the Triton backward,
 which differentiates the Mosaic forward exactly: both read the same LSE.
 
@@ -88,8 +88,6 @@ def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
     return f"{config.backward} does not fit in shared memory at head dim {head_dim}{what}"
   if inputs.bias is not None:
     return "biases"
-  if params.score_rule is not None:
-    return "a score_mod"
   if inputs.block_table is not None and config.backward.runs_one_pass(padded_head_dim(head_dim)):
     return "a block table (mask, mask_mod, segment ids) in one pass"
   return None
@@ -112,14 +110,15 @@ def _positions(lengths_ref, offsets_ref, batch) -> Positions:
   return Positions(lengths_ref[batch, 0], lengths_ref[batch, 1], *offsets)
 
 
-def _probabilities(s, lse2, params: Params, visible):
-  """``(p, cap_t)``: P = exp2(base-2 logits − LSE) of a raw score tile, 0 where ``visible`` (a
-  boolean tile, or None) is false, and the soft cap's tanh for the chain rule. ``lse2`` is
-  already broadcast to the tile."""
-  s2, cap_t = _core.logits_base2(s, params, None)
+def _probabilities(s, lse2, params: Params, visible, score=None):
+  """``(p, chain)``: P = exp2(base-2 logits − LSE) of a raw score tile, 0 where ``visible`` (a
+  boolean tile, or None) is false, and the chain factor of the soft cap and the score_mod
+  (``score``, this tile's, or None; `_core.logits_base2`). ``lse2`` is already broadcast to the
+  tile."""
+  s2, chain = _core.logits_base2(s, params, None, score, derivative=True)
   if visible is not None:
     s2 = jnp.where(visible, s2, -jnp.inf)
-  return jnp.exp2(s2 - lse2), cap_t
+  return jnp.exp2(s2 - lse2), chain
 
 
 def _visible(k_idx, first_key, last_key, q_ids, kv_ids):
@@ -227,6 +226,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       # (Index vectors are built only where they are used: Mosaic GPU's layout inference
       # fails on a vector that nothing reads.)
       q_cols = lambda: q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=_COLS)
+      rows = pl.ds(q_start, block_q)
       visible = None
       if masked:
         first_key, last_key = masking.key_range(
@@ -238,7 +238,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
           q_ids = _cols(plgpu.load(extras.q_segment_ids.at[batch, pl.ds(q_start, block_q)],
                                    layout=_COLS, optimized=False), shape)
         visible = _visible(k_idx(), by_col(first_key), by_col(last_key), q_ids, kv_ids)
-        rows = pl.ds(q_start, block_q)
         if extras.mask is not None:  # the transposed mask's [keys, rows] tile
           visible = jnp.logical_and(visible,
                                     fwd._entry_tile(extras.mask, batch, head, keys, rows) != 0)
@@ -260,17 +259,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       plgpu.barrier_wait(smem["do_ready"].at[slot])
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
 
+      # The score_mod on the transposed [keys, rows] tile (None without one).
+      score = fwd.score_of(params, extras, batch, head, shape, lambda: _cols(q_cols(), shape),
+                           k_idx, rows, keys, lambda x: _cols(x, shape),
+                           lambda x: fwd._rows(x, shape), _COLS, _ROWS)
+
       def probabilities(s):  # Pᵀ (while dPᵀ is in flight)
         lse2 = _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape)
-        return _probabilities(s, lse2, params, visible)
+        return _probabilities(s, lse2, params, visible, score)
 
       ds16 = None
       if want_dk:
         plgpu.barrier_wait(smem["delta_ready"].at[slot])
-        (p, cap_t), dp = _wgmma_scores(k_tile, q_tile, v_tile, do_tile, shape, probabilities)
+        (p, chain), dp = _wgmma_scores(k_tile, q_tile, v_tile, do_tile, shape, probabilities)
         delta = _cols(plgpu.load(smem["delta"].at[slot], layout=_COLS), shape)
         ds16 = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
-                                    cap_t).astype(q_tile.dtype)
+                                    chain).astype(q_tile.dtype)
       else:
         (p, _), _ = _wgmma_scores(k_tile, q_tile, None, None, shape, probabilities)
       p16 = _core.dropped(p, keep, params).astype(q_tile.dtype) if want_dv else None
@@ -687,6 +691,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
       slot = slot_of(n)
       k_start = j * block_kv
       k_idx = lambda: k_start + fwd._iota(shape, 1)  # (built only where used: see `_dkv_kernel`)
+      keys = pl.ds(k_start, block_kv)
       visible = None
       if masked:
         kv_ids = None
@@ -695,7 +700,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
               extras.kv_segment_ids.at[batch, pl.ds(k_start, block_kv)], layout=_COLS,
               optimized=False), shape)
         visible = _visible(k_idx(), first_key, last_key, q_ids, kv_ids)
-        keys = pl.ds(k_start, block_kv)
         if extras.mask is not None:
           visible = jnp.logical_and(visible,
                                     fwd._entry_tile(extras.mask, batch, head, rows, keys) != 0)
@@ -711,12 +715,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
       plgpu.barrier_wait(k_ready.at[slot])
       plgpu.barrier_wait(v_ready.at[slot])
       k_tile = k_smem.at[slot]
-      (p, cap_t), dp = _wgmma_scores(
+      score = fwd.score_of(params, extras, batch, head, shape, lambda: fwd._rows(q_rows(), shape),
+                           k_idx, rows, keys, lambda x: fwd._rows(x, shape),
+                           lambda x: _cols(x, shape), _ROWS, _COLS)
+      (p, chain), dp = _wgmma_scores(
           q_tile, k_tile, do_tile, v_smem.at[slot], shape,
-          lambda s: _probabilities(s, lse2, params, visible))
+          lambda s: _probabilities(s, lse2, params, visible, score))
       plgpu.barrier_arrive(v_free.at[slot])
       ds16 = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
-                                  cap_t).astype(k_tile.dtype)
+                                  chain).astype(k_tile.dtype)
       if params.interpret:
         dq = dq + jnp.dot(ds16, k_tile[...], preferred_element_type=jnp.float32)
       else:

@@ -130,7 +130,7 @@ class _Extras(NamedTuple):
   order: jax.Array | None = None
   # The forward's attention sinks in base-2 units, float32 [N] (`_core.finish_rows`).
   sinks: jax.Array | None = None
-  # A score_mod's features, as a mask_mod's (the forward's only: the backward declines it).
+  # A score_mod's features, as a mask_mod's.
   score_q_features: jax.Array | None = None
   score_kv_features: jax.Array | None = None
 
@@ -165,15 +165,32 @@ def rule_mask(params: Params, extras: _Extras, batch, head, shape, q_idx, kv_idx
 
 
 def _rule_tile(rule, q_features, kv_features, batch, head, shape, q_idx, kv_idx, rows, keys,
-               broadcast_rows, broadcast_keys, row_layout, key_layout, score=None):
-  """A mask_mod's mask (a score_mod's new ``score``) of a ``shape`` tile from its features
-  (`rule_mask` says what the arguments are)."""
+               broadcast_rows, broadcast_keys, row_layout, key_layout):
+  """A mask_mod's mask of a ``shape`` tile from its features (`rule_mask` says what the
+  arguments are)."""
   return rule.tile(shape, q_idx, kv_idx,
                    feature_tiles(q_features, batch, head, rows, row_layout, broadcast_rows,
                                  rule.row_dtypes),
                    feature_tiles(kv_features, batch, head, keys, key_layout, broadcast_keys,
-                                 rule.col_dtypes),
-                   score=score)
+                                 rule.col_dtypes))
+
+
+def score_of(params: Params, extras: _Extras, batch, head, shape, q_idx, kv_idx, rows, keys,
+             broadcast_rows, broadcast_keys, row_layout, key_layout):
+  """The score_mod of a ``shape`` tile as a function of its scores (arguments as `rule_mask`),
+  or None without one. Its features and index tiles are loaded and built here, outside the
+  function: the backward differentiates it (`jax.jvp`), and Mosaic GPU's loads have no
+  derivative."""
+  rule = params.score_rule
+  if rule is None:
+    return None
+  rows_of = feature_tiles(extras.score_q_features, batch, head, rows, row_layout,
+                          broadcast_rows, rule.row_dtypes)
+  cols_of = feature_tiles(extras.score_kv_features, batch, head, keys, key_layout,
+                          broadcast_keys, rule.col_dtypes)
+  q_tile = q_idx() if rule.reads(mask_mod_lib.Q) else None
+  kv_tile = kv_idx() if rule.reads(mask_mod_lib.KV) else None
+  return lambda z: rule.tile(shape, q_tile, kv_tile, rows_of, cols_of, score=z)
 
 
 def _entry_tile(ref, batch, head, rows, keys):
@@ -447,14 +464,11 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         bias = None
         if extras.bias is not None:
           bias = _entry_tile(extras.bias, batch, head, rows, keys)
-        score = None
-        if params.score_rule is not None:  # the score_mod's tile rule on this tile
-          start = j * block_kv
-          score = lambda z: _rule_tile(  # noqa: E731
-              params.score_rule, extras.score_q_features, extras.score_kv_features, batch,
-              head, z.shape, lambda: _rows(q_rows, z.shape), lambda: start + _iota(z.shape, 1),
-              rows, keys, lambda x: _rows(x, z.shape),
-              lambda x: lax.broadcast_in_dim(x, z.shape, [1]), _ROWS, _COLS, score=z)
+        shape = (block_q, block_kv)
+        score = score_of(params, extras, batch, head, shape, lambda: _rows(q_rows, shape),
+                         lambda: j * block_kv + _iota(shape, 1), rows, keys,
+                         lambda x: _rows(x, shape),
+                         lambda x: lax.broadcast_in_dim(x, shape, [1]), _ROWS, _COLS)
         # With a plain positive scale the row max is taken of the raw scores and scaled once
         # (max(c s) = c max(s) for c > 0), and c s - m is one fused multiply-add per entry: a
         # multiply per entry less than scaling the tile first.
@@ -681,7 +695,9 @@ def _extras(inputs: Inputs, rows: int, keys: int) -> _Extras:
     bias = _pad_to(bias, bias.shape[:2] + (rows, keys))
   q_features = _padded_features(inputs.q_features, rows)
   kv_features = _padded_features(inputs.kv_features, keys)
-  return _Extras(q_ids, kv_ids, mask, bias, inputs.dropout_seed, None, q_features, kv_features)
+  return _Extras(q_ids, kv_ids, mask, bias, inputs.dropout_seed, None, q_features, kv_features,
+                 score_q_features=_padded_features(inputs.score_q_features, rows),
+                 score_kv_features=_padded_features(inputs.score_kv_features, keys))
 
 
 def _padded_features(features, length: int):
@@ -725,11 +741,6 @@ def forward(inputs: Inputs, params: Params, config: Config):
   extras = with_order(with_lists(extras, inputs, params, rows_per_cta, config.block_kv), inputs)
   if inputs.sinks is not None:
     extras = extras._replace(sinks=inputs.sinks.astype(jnp.float32) * _core.LOG2_E)
-  if params.score_rule is not None:
-    rows, keys = q_tiles * rows_per_cta, _round_up(k.shape[1], config.block_kv)
-    extras = extras._replace(
-        score_q_features=_padded_features(inputs.score_q_features, rows),
-        score_kv_features=_padded_features(inputs.score_kv_features, keys))
   elementwise = extras.mask is not None or extras.q_segment_ids is not None
   schedule = Schedule(params.window, rows_per_cta, config.block_kv, elementwise)
   stages = config.num_stages
