@@ -168,3 +168,28 @@ def test_triton_kernels_lower_for_cuda(rule):
   for kernel in ("jaxflash_forward", "jaxflash_backward_dq", "jaxflash_backward_dkv",
                  "jaxflash_backward_dbias"):
     assert kernel in text
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
+@pytest.mark.parametrize("rule", ("alibi", "relative_table"))
+def test_batch_and_heads_sharded(rule):
+  """Its per-head features shard with the heads (ALiBi's slopes); a rule only the XLA backend
+  runs (a gather) is left to XLA's partitioner. Outputs and gradients equal one device's."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  q, kk, v, d_out = random_qkv(11, 4, 24, 24, 4, 2, 16)
+
+  def fwd_bwd(q, kk, v, d_out):
+    out, vjp = jax.vjp(lambda *x: attention("xla", *x, score_mod=RULES[rule], is_causal=True),
+                       q, kk, v)
+    return (out,) + vjp(d_out)
+
+  fn = jax.jit(fwd_bwd)
+  want = fn(q, kk, v, d_out)
+  shape = (2, 2) if jax.device_count() >= 4 else (2, 1)
+  for axis_type in (AxisType.Auto, AxisType.Explicit):
+    mesh = jax.make_mesh(shape, ("b", "h"), axis_types=(axis_type,) * 2)
+    with jax.set_mesh(mesh):
+      put = lambda x: jax.device_put(x, NamedSharding(mesh, P("b", None, "h")))  # noqa: E731
+      got = fn(put(q), put(kk), put(v), put(d_out))
+    for g, w in zip(got, want):
+      assert rel_err(g, w) < F32_TOLERANCE

@@ -179,10 +179,12 @@ def _compiled_once(run_: Callable[..., tuple]) -> Callable[..., tuple]:
 
 def run(local: Local, operands: tuple) -> tuple:
   """``local`` on ``operands`` (a tuple of arrays), per device wherever they are sharded."""
-  if local.direct:
-    return local.whole(*operands)
   mesh = jax.sharding.get_abstract_mesh()
   types = () if mesh.empty else tuple(mesh.axis_types)
+  if local.direct:
+    if AxisType.Explicit in types:  # (the loops' carries would not match sharded tiles)
+      return _run_replicated(local, operands)
+    return local.whole(*operands)
   if types and all(t == AxisType.Manual for t in types):
     # Inside shard_map: this device's share is the call. Results vary like the operands even
     # where a kernel's launcher drops the type (Mosaic GPU's `plgpu.kernel` does): a VJP wants
@@ -214,6 +216,16 @@ def _run_explicit(local: Local, operands: tuple, mesh) -> tuple:
     results = local.whole(*operands)
   # Each result goes back to the sharding of the operand it stands for (the output like the
   # query, dK like K, ...): a gradient's type must be its primal's.
+  return tuple(r if i is None else _reshard(r, originals[i])
+               for r, i in zip(results, local.out_like))
+
+
+def _run_replicated(local: Local, operands: tuple) -> tuple:
+  """A direct call under Explicit mesh axes: run whole on replicated operands (each device
+  computes the whole call), results resharded like the operands they stand for. Only the XLA
+  evaluation of a rule the kernels cannot run (a gather of both indices) goes this way."""
+  originals = [jax.typeof(x).sharding.spec for x in operands]
+  results = local.whole(*(_reshard(x, P()) for x in operands))
   return tuple(r if i is None else _reshard(r, originals[i])
                for r, i in zip(results, local.out_like))
 
