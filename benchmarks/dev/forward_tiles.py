@@ -1,0 +1,88 @@
+"""Development probe: the Mosaic forward's tile variants at one shape, each checked and timed.
+
+For shapes the tuner's grid does not hold (a value head dim of its own, as MLA's 192/128): which
+`mosaic.Config` to ship. On the GPU machine, from the repo root:
+
+    PYTHONPATH=. python benchmarks/dev/forward_tiles.py --h 192 --dv 128 --heads 128 --seq 8192
+
+Prints one line per config (ms, TFLOP/s on visible entries with 2·(H + Dv) FLOPs per entry,
+relative error of batch row 0 and head 0 against the float32 reference) and writes them as JSON
+with --out. ``--smoke`` runs a tiny shape in Mosaic GPU's interpreter (CI keeps it working).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cases import time_calls  # noqa: E402
+
+from jaxflash.attention import attention_with_config  # noqa: E402
+from jaxflash.backends import mosaic  # noqa: E402
+from jaxflash.reference import reference_attention  # noqa: E402
+
+VARIANTS = {
+    "kv128": dict(block_kv=128),
+    "kv64": dict(block_kv=64),
+    "kv128_overlap": dict(block_kv=128, intra_wg_overlap=True),
+    "kv64_overlap": dict(block_kv=64, intra_wg_overlap=True),
+    "kv128_stages3": dict(block_kv=128, num_stages=3),
+    "kv64_overlap_persistent": dict(block_kv=64, intra_wg_overlap=True, persistent_ctas=132),
+    "kv128_persistent": dict(block_kv=128, persistent_ctas=132),
+}
+
+
+def main(argv=None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--h", type=int, default=192)
+  parser.add_argument("--dv", type=int, default=128)
+  parser.add_argument("--heads", type=int, default=128)
+  parser.add_argument("--seq", type=int, default=8192)
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--no-causal", dest="causal", action="store_false")
+  parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+  parser.add_argument("--smoke", action="store_true")
+  parser.add_argument("--out", type=Path)
+  args = parser.parse_args(argv)
+  if args.smoke:
+    args.h, args.dv, args.heads, args.seq, args.variants = 64, 32, 2, 70, ["kv64"]
+  b, s, n = args.batch, args.seq, args.heads
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (b, s, n, args.h), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (b, s, n, args.h), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (b, s, n, args.dv), jnp.bfloat16)
+  want, _ = reference_attention(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], is_causal=args.causal)
+  entries = b * n * (s * (s + 1) // 2 if args.causal else s * s)
+  flops = 2.0 * (args.h + args.dv) * entries
+  rows = []
+  for name in args.variants:
+    row = dict(variant=name, H=args.h, Dv=args.dv, N=n, S=s, B=b, causal=args.causal)
+    try:
+      config = dataclasses.replace(mosaic.Config(), **VARIANTS[name])
+      fn = jax.jit(lambda q, k, v, config=config: attention_with_config(
+          q, k, v, is_causal=args.causal, config=config, implementation="mosaic",
+          interpret=args.smoke))
+      got = np.asarray(fn(q, k, v)[:1, :, :1], np.float64)
+      err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+      ms = time_calls(fn, (q, k, v))[0] if not args.smoke else 0.0
+      row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1) if ms else None,
+                 relerr=err)
+    except Exception as e:  # noqa: BLE001 (a config that does not fit or lower: say why)
+      row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  if args.out:
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+  return rows
+
+
+if __name__ == "__main__":
+  main()
