@@ -527,3 +527,10 @@ def test_model_features_smoke(tmp_path):
   committed = json.loads((BENCHMARKS / "results" / "h200" / "model_features.json").read_text())
   cells = {(r["case"], r["impl"], r["mode"]) for r in committed["rows"] if "ms" in r}
   assert {("gpt_oss_sinks", "jaxflash", "fwdbwd"), ("gpt_oss", "cudnn", "fwdbwd")} <= cells
+
+
+def test_forward_tiles_smoke():
+  """benchmarks/dev/forward_tiles.py on a tiny shape in Mosaic GPU's interpreter."""
+  import forward_tiles
+  rows = forward_tiles.main(["--smoke"])
+  assert rows and "error" not in rows[0] and rows[0]["relerr"] < 2e-2

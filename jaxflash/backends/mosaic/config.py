@@ -210,6 +210,10 @@ def fits(config: Config, head_dim: int, partial: bool = False,
 #   vs 280, 2k 339 vs 345, 16k 453 vs 459, where one CTA per tile ran 254, 328 and 450 (the
 #   overlap lost at D = 64 by 5-25%); and two Q buffers, so that the next tile's Q loads during
 #   this one (in one run: 1k 261 → 295, 2k 332 → 347, 4k 391 → 402, 16k 461 → 454).
+# - D = 192 with a value head dim of 128 (MLA), causal (2026-11-24, benchmarks/dev/
+#   forward_tiles.py): 128-key tiles do not fit in shared memory beside O's own tiles; 64-key
+#   tiles with the overlap ran 547 against 531 TFLOP/s without it at B = 1, 8k, 128 heads (552 at
+#   B = 4, 4k, 16 heads); persistent CTAs 467.
 TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(block_kv=256, persistent_ctas=True),
     (64, True): dict(persistent_ctas=True, q_buffers=2),
@@ -217,6 +221,7 @@ TUNED: dict[tuple[int, bool], dict] = {
     (128, True): dict(intra_wg_overlap=True),
     (256, False): dict(block_kv=64, intra_wg_overlap=True),
     (256, True): dict(block_kv=64, intra_wg_overlap=True),
+    (192, True): dict(block_kv=64, intra_wg_overlap=True),
 }
 
 
