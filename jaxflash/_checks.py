@@ -66,6 +66,9 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   segments = _check_segments(segment_ids, b, t, s, unbatched)
   sinks = _check_sinks(sinks, n, query)
   score_rule, score_features, score_consts = _check_score_mod(score_mod, b, n, t, s)
+  score_tables = None
+  if score_rule is not None and score_rule.lookups and score_rule.kernel_reason is None:
+    score_tables = score_rule.table_arrays()
 
   block_mask = _check_block_mask(mask_mod, block_mask, b, n, t, s, unbatched)
   if mask is not None:
@@ -86,7 +89,8 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       q_features=None if block_mask is None else block_mask.q_features,
       kv_features=None if block_mask is None else block_mask.kv_features,
       mask_consts=mask_consts, sinks=sinks, score_q_features=score_features[0],
-      score_kv_features=score_features[1], score_consts=score_consts)
+      score_kv_features=score_features[1], score_consts=score_consts,
+      score_tables=score_tables)
   params = Params(scale=scale, window=window, logits_soft_cap=logits_soft_cap,
                   dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
                   interpret=interpret, table_block=table_block, mask_rule=split,

@@ -75,6 +75,9 @@ class Inputs(NamedTuple):
   score_q_features: jax.Array | None = None
   score_kv_features: jax.Array | None = None
   score_consts: tuple | None = None
+  # The arrays a score_mod's lookups read (`jaxflash.mask_mod.Split.tables`), flattened: whole
+  # on every device, gathered from by the Triton kernels and the XLA backend.
+  score_tables: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,6 +88,26 @@ class Split:
   # A score_mod's split (`split_score`): the jaxpr's first input is the score, a value of both
   # indices, and the result is the new score.
   takes_score: bool = False
+  # A score_mod's lookups: tile equations that read one entry of a captured array (its
+  # ``tables``, constvars) at indices of both query and key (a relative-position table,
+  # ``table[h, q_idx - kv_idx]``). The Triton kernels gather them from the arrays in memory
+  # (`tile_fn`'s ``lookup``); Mosaic GPU has no gather (`lookup_reason`).
+  lookups: tuple = ()
+  tables: tuple = ()
+
+  @property
+  def lookup_reason(self) -> str | None:
+    """Why kernels without a gather from memory cannot run the rule, or None."""
+    if not self.lookups:
+      return None
+    return ("its score_mod reads a captured array at indices of both the query and the key (a "
+            "gather), which these kernels cannot (the Triton and XLA backends can)")
+
+  def table_arrays(self, consts=None) -> tuple:
+    """The captured arrays the lookups read, flattened (``consts``: the jaxpr's, by default)."""
+    consts = self.closed.consts if consts is None else consts
+    index = {v: i for i, v in enumerate(self.closed.jaxpr.constvars)}
+    return tuple(jnp.ravel(jnp.asarray(consts[index[v]])) for v in self.tables)
 
   @property
   def index_vars(self) -> tuple:
@@ -150,6 +170,38 @@ class Split:
     an index tile only then."""
     var = self.index_vars[INDICES.index(index)]
     return any(var in eqn.invars for eqn in self.tile_eqns)
+
+  def tile_fn(self, shape, q_idx, kv_idx, rows: list, cols: list, lookup=None):
+    """A score_mod's rule on one ``shape`` tile as a function of the tile's scores (arguments as
+    `tile`). What does not depend on the score, lookups included, is evaluated here, once: a
+    backward differentiates the function (`jax.jvp`), and memory reads have no derivative.
+    ``lookup(table, flat_indices)`` reads the ``table``-th of `table_arrays` at a tile of flat
+    indices (needed only with lookups)."""
+    if not self.lookups:
+      return lambda score: self.tile(shape, q_idx, kv_idx, rows, cols, score=score)
+    jaxpr = self.closed.jaxpr
+    env = dict(zip(self.row_vars + self.col_vars, rows + cols))
+    for var, idx, name in zip(self.index_vars[2:], (q_idx, kv_idx), (Q, KV)):
+      if self.reads(name):
+        env[var] = jnp.broadcast_to(idx() if callable(idx) else idx, shape)
+    score_var = jaxpr.invars[0]
+    from_score, later = {score_var}, []
+    for eqn in self.tile_eqns:
+      if any(v in from_score for v in eqn.invars if isinstance(v, jcore.Var)):
+        later.append(eqn)
+        from_score.update(eqn.outvars)
+      else:
+        _run_on_tile(eqn, env, shape, self, lookup)
+
+    def fn(score):
+      local = dict(env)
+      local[score_var] = score
+      for eqn in later:
+        _run_on_tile(eqn, local, shape, self, lookup)
+      out = jaxpr.outvars[0]
+      value = _read(local, out) if not isinstance(out, jcore.Literal) else out.val
+      return jnp.broadcast_to(jnp.asarray(value, jnp.float32), shape)
+    return fn
 
   def tile(self, shape, q_idx, kv_idx, rows: list, cols: list, score=None):
     """The mask of one ``shape`` tile (a score_mod's new scores, given the tile's ``score``):
@@ -286,24 +338,34 @@ def _split(fn, closed, takes_score: bool) -> Split:
   deps.update({v: frozenset((name,)) for v, name in zip(index_vars, INDICES)})
   if takes_score:
     deps[jaxpr.invars[0]] = frozenset((Q, KV))  # one score per entry
-  tile_eqns, reasons = [], []
+  tile_eqns, reasons, lookups = [], [], []
+  # (What the score reaches: a lookup must not depend on it, since a kernel gathers the entry
+  # before it differentiates the rule.)
+  from_score = {jaxpr.invars[0]} if takes_score else set()
   for eqn in jaxpr.eqns:
     d = frozenset().union(*(deps.get(v, frozenset()) for v in eqn.invars
                             if isinstance(v, jcore.Var)))
     for v in eqn.outvars:
       deps[v] = d
+    scored = any(v in from_score for v in eqn.invars if isinstance(v, jcore.Var))
+    if scored:
+      from_score.update(eqn.outvars)
     if Q in d and KV in d:
       tile_eqns.append(eqn)
+      if takes_score and not scored and _is_lookup(eqn, jaxpr):
+        lookups.append(eqn)
+        continue
       why = _kernel_reason(eqn)
       if why is not None:
         reasons.append(why)
+  tables = tuple(dict.fromkeys(eqn.invars[0] for eqn in lookups))
   tile_inputs = []
   for eqn in tile_eqns:
     for v in eqn.invars:
       # (The batch and head indices are features too: a shard of a sharded call knows its
       # rows' and heads' global indices only through arrays made for the whole call.)
       if (isinstance(v, jcore.Var) and not (Q in deps[v] and KV in deps[v])
-          and v not in tile_inputs and v not in index_vars[2:]):
+          and v not in tile_inputs and v not in index_vars[2:] and v not in tables):
         tile_inputs.append(v)
   out = jaxpr.outvars[0]
   if isinstance(out, jcore.Var) and not (Q in deps[out] and KV in deps[out]) and (
@@ -311,8 +373,9 @@ def _split(fn, closed, takes_score: bool) -> Split:
     tile_inputs.append(out)  # a mask of one index: the result is itself a feature
   row_vars = tuple(v for v in tile_inputs if KV not in deps[v])
   col_vars = tuple(v for v in tile_inputs if KV in deps[v])
+  looked_up = {w for e in lookups for w in e.outvars}  # (one entry, shaped (1, ...))
   shaped = [v for v in tile_inputs + [w for e in tile_eqns for w in e.outvars]
-            if getattr(v.aval, "shape", ()) != ()]
+            if getattr(v.aval, "shape", ()) != () and v not in looked_up]
   if shaped:  # e.g. a whole captured array entering the rule: not one value per entry
     reasons.append(f"a value of shape {shaped[0].aval.shape}")
   reason = None
@@ -320,7 +383,55 @@ def _split(fn, closed, takes_score: bool) -> Split:
     name = "score_mod" if takes_score else "mask_mod"
     reason = (f"its {name} combines the query and key indices with {', '.join(reasons)}, "
               f"which the kernels cannot evaluate per tile (only elementwise operations)")
-  return Split(fn, closed, deps, row_vars, col_vars, tuple(tile_eqns), reason, takes_score)
+  return Split(fn, closed, deps, row_vars, col_vars, tuple(tile_eqns), reason, takes_score,
+               tuple(lookups), tables)
+
+
+def _tile_value(env, v, shape):
+  """A variable or literal as a tile of its own dtype."""
+  return jnp.broadcast_to(jnp.asarray(_read(env, v), v.aval.dtype), shape)
+
+
+def _is_lookup(eqn, jaxpr) -> bool:
+  """A `dynamic_slice` of one entry of a captured array (what ``table[i, j]`` on scalar
+  indices traces to)."""
+  return (eqn.primitive.name == "dynamic_slice" and eqn.invars[0] in jaxpr.constvars
+          and all(size == 1 for size in eqn.params["slice_sizes"]))
+
+
+def _run_on_tile(eqn, env, shape, split: Split, lookup):
+  """One tile equation on whole tiles (no vmap: a lookup reads memory with a tile of indices):
+  elementwise primitives on operands broadcast to the tile, scalar shape operations as no-ops,
+  calls inlined, and a lookup as ``lookup(table, flat indices)``, its start indices clamped as
+  `jax.lax.dynamic_slice` clamps them."""
+  name = eqn.primitive.name
+  if eqn in split.lookups:
+    table = eqn.invars[0]
+    dims = table.aval.shape
+    flat = jnp.zeros(shape, jnp.int32)
+    for dim, v in zip(dims, eqn.invars[1:]):
+      start = jnp.clip(_tile_value(env, v, shape).astype(jnp.int32), 0, dim - 1)
+      flat = flat * dim + start
+    env[eqn.outvars[0]] = lookup(split.tables.index(table), flat)
+    return
+  if name in _SCALAR_SHAPE_OPS:
+    env[eqn.outvars[0]] = _read(env, eqn.invars[0])
+    return
+  if name in _CALLS:
+    sub = next(iter(jcore.jaxprs_in_params(eqn.params)))
+    inner = dict(zip(sub.invars, (_read(env, v) for v in eqn.invars[-len(sub.invars):])))
+    for inner_eqn in sub.eqns:
+      _run_on_tile(inner_eqn, inner, shape, split, lookup)
+    for v, w in zip(eqn.outvars, sub.outvars):
+      env[v] = _read(inner, w)
+    return
+  args = [_tile_value(env, v, shape) for v in eqn.invars]
+  params = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(params, tuple):  # older jax: (subfuns, params)
+    params = params[1]
+  outs = eqn.primitive.bind(*args, **params)
+  for v, x in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
+    env[v] = x
 
 
 def _kernel_reason(eqn) -> str | None:

@@ -33,9 +33,7 @@ RULES = {
 }
 
 
-# The relative-position table is a gather of both indices: the kernels decline it (below).
-CASES = [(impl, rule) for impl in ("xla", "triton") for rule in RULES
-         if not (impl == "triton" and rule == "relative_table")]
+CASES = [(impl, rule) for impl in ("xla", "triton") for rule in RULES]
 
 
 @pytest.mark.parametrize("implementation,rule", CASES)
@@ -115,18 +113,27 @@ def test_who_serves_it():
       q, kv, kv, score_mod=RULES[rule], interpret=True, **kw)
   assert which("alibi", implementation="triton") == "triton"
   assert which("alibi", implementation="mosaic") == "mosaic"
-  for backend in ("triton", "mosaic"):
-    with pytest.raises(ValueError, match="cannot evaluate per tile"):
-      which("relative_table", implementation=backend)
-  assert which("relative_table") == "xla"
+  # A lookup in a captured table: Triton gathers it, Mosaic GPU cannot.
+  assert mask_mod_lib.split_score(RULES["relative_table"]).lookups
+  assert which("relative_table", implementation="triton") == "triton"
+  with pytest.raises(ValueError, match="gather"):
+    which("relative_table", implementation="mosaic")
+  # A table indexed by a value of the score itself is no lookup of indices: XLA only.
+  by_score = lambda score, b, h, i, j: score + TABLE[h, jnp.int32(score) % 8]  # noqa: E731
+  with pytest.raises(ValueError, match="cannot evaluate per tile"):
+    jaxflash.implementation_for(q, kv, kv, score_mod=by_score, implementation="triton",
+                                interpret=True)
 
 
-def test_the_split_sees_features_and_gathers():
+def test_the_split_sees_features_and_lookups():
   alibi = mask_mod_lib.split_score(RULES["alibi"])
-  assert alibi.kernel_reason is None and alibi.takes_score
+  assert alibi.kernel_reason is None and alibi.takes_score and not alibi.lookups
   assert len(alibi.row_vars) == 1  # the head's slope (and q_idx itself is no feature)
   table = mask_mod_lib.split_score(RULES["relative_table"])
-  assert "cannot evaluate per tile" in table.kernel_reason
+  assert table.kernel_reason is None and len(table.lookups) == 1
+  assert "gather" in table.lookup_reason
+  (flat,) = table.table_arrays()
+  assert flat.shape == (TABLE.size,)
 
 
 @pytest.mark.parametrize("score_mod,match", [
@@ -151,7 +158,7 @@ def test_interpret_flag_is_irrelevant_on_xla():
   assert rel_err(out, want) < F32_TOLERANCE
 
 
-@pytest.mark.parametrize("rule", ("alibi", "tanh_gate"))
+@pytest.mark.parametrize("rule", ("alibi", "tanh_gate", "relative_table"))
 def test_triton_kernels_lower_for_cuda(rule):
   """Forward and every gradient (dQ, dK/dV, and the bias gradient's kernel), lowered for CUDA
   with every Triton module verified."""

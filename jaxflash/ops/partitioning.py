@@ -437,7 +437,7 @@ def _operands(inputs: Inputs):
     x = getattr(inputs, name)
     if x is None:
       continue
-    if name in _CONSTS:  # arrays a mask_mod or score_mod closes over: whole on every device
+    if name in _CONSTS:  # arrays a mask_mod or score_mod reads: whole on every device
       for i, c in enumerate(x):
         names.append(f"{name}.{i}")
         operands.append(c)
@@ -456,7 +456,8 @@ def _operands(inputs: Inputs):
   return tuple(names), tuple(operands), tuple(roles)
 
 
-_CONSTS = ("mask_consts", "score_consts")  # tuples of arrays, one operand each
+# Tuples of arrays, one operand each, whole on every device.
+_CONSTS = ("mask_consts", "score_consts", "score_tables")
 _FEATURES = ("q_features", "kv_features", "score_q_features", "score_kv_features")
 
 

@@ -36,6 +36,8 @@ def is_hopper(device: Device) -> bool:
 def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
   if params.kernel_mask_reason is not None:
     return params.kernel_mask_reason
+  if params.score_rule is not None and params.score_rule.lookup_reason is not None:
+    return params.score_rule.lookup_reason
   q = inputs.query
   if not (is_hopper(device) or params.interpret):
     return (f"it needs a Hopper GPU (sm90: H100, H200), and this call is for "

@@ -106,7 +106,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, l
     s2, chain = tiles.masked_logits(q, k, rows, cols, tiles.tile_ok(row_ok, col_ok), pos, params,
                                     q_seg, kv_seg, dense_tile(opt.bias), dense_tile(opt.mask),
                                     features=features, score_features=score_features,
-                                    derivative=True)
+                                    derivative=True, tables=opt.score_tables)
     p = jnp.exp2(s2 - lse2[:, None])
     keep = tiles.keep(tiles.dropout_stream(opt, params, batch, first_head + g), rows, k_start,
                       block_k, params, pos)
@@ -228,7 +228,8 @@ def _dkv(inputs, params, config, opt, d_out, lse2, delta, out_dtype):
       q_feat=lambda x: grouped["q_feat"][1],
       kv_feat=lambda x: grouped["kv_feat"][1],
       score_q_feat=lambda x: grouped["score_q_feat"][1],
-      score_kv_feat=lambda x: grouped["score_kv_feat"][1])
+      score_kv_feat=lambda x: grouped["score_kv_feat"][1],
+      score_tables=tiles.tables_spec)
   return pl.pallas_call(
       functools.partial(_dkv_kernel, params=params, st=st,
                         schedule=tiles.schedule(inputs, params, block_q, block_k)),

@@ -86,7 +86,8 @@ def _dbias_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref,
           q, k, rows, cols, ok, pos, params, q_seg, kv_seg,
           tiles.at(opt.bias, slice(None), keys), mask,
           features=features_of(opt.q_feat, opt.kv_feat, params.mask_rule),
-          score_features=features_of(opt.score_q_feat, opt.score_kv_feat, params.score_rule))
+          score_features=features_of(opt.score_q_feat, opt.score_kv_feat, params.score_rule),
+          tables=opt.score_tables)
       p = jnp.exp2(s2 - lse2[:, None])
       keep = tiles.keep(tiles.dropout_stream(opt, params, b, n), rows, k_start, block_k, params,
                         pos)
@@ -125,7 +126,8 @@ def dbias(inputs: Inputs, params: Params, config: Config, opt: tiles.Optional, l
       q_feat=lambda x: row_block(*x.shape[:3], block_q),
       kv_feat=lambda x: whole(*x.shape),
       score_q_feat=lambda x: row_block(*x.shape[:3], block_q),
-      score_kv_feat=lambda x: whole(*x.shape))
+      score_kv_feat=lambda x: whole(*x.shape),
+      score_tables=tiles.tables_spec)
   q_rows = pl.BlockSpec((b, block_q, n, hp), lambda i, bb, nb: (0, i, 0, 0))
   do_rows = pl.BlockSpec((b, block_q, n, hvp), lambda i, bb, nb: (0, i, 0, 0))
   kernel = functools.partial(

@@ -45,9 +45,11 @@ class Optional(NamedTuple):
   # A mask_mod's features (`jaxflash.mask_mod`): int32 [F, B or 1, N or 1, T] and [F', .., S].
   q_feat: object = None
   kv_feat: object = None
-  # A score_mod's, likewise.
+  # A score_mod's, likewise, and the arrays its lookups gather from (a tuple, flattened and
+  # padded to a power-of-two length: Triton's block shapes).
   score_q_feat: object = None
   score_kv_feat: object = None
+  score_tables: object = None
 
   def specs(self, **makers: Callable) -> "Optional":
     """The same pytree with each present field ``name`` replaced by ``makers[name](array)``."""
@@ -63,7 +65,19 @@ def optional_inputs(inputs: Inputs) -> Optional:
                   seed=inputs.dropout_seed, q_feat=_pow2_features(inputs.q_features),
                   kv_feat=_pow2_features(inputs.kv_features),
                   score_q_feat=_pow2_features(inputs.score_q_features),
-                  score_kv_feat=_pow2_features(inputs.score_kv_features))
+                  score_kv_feat=_pow2_features(inputs.score_kv_features),
+                  score_tables=_pow2_tables(inputs.score_tables))
+
+
+def _pow2_tables(tables):
+  if tables is None:
+    return None
+  return tuple(jnp.pad(t, (0, pl.next_power_of_2(t.shape[0]) - t.shape[0])) for t in tables)
+
+
+def tables_spec(tables) -> tuple:
+  """BlockSpecs of a score_mod's tables: each whole, whatever the grid."""
+  return tuple(pl.BlockSpec(t.shape, lambda *_: (0,)) for t in tables)
 
 
 def _pow2_features(x):
@@ -94,18 +108,30 @@ def list_spans(ref, blocks: int, *row):
   return row_spans(lambda k: ref[row + (jnp.asarray(k, jnp.int32),)], blocks)
 
 
-def rule_tile(rule, q_idx, kv_idx, rows: list, cols: list, score=None):
-  """A mask_mod's mask of a tile (a score_mod's new ``score``) from its row and column features
-  (int32 vectors of the tile's rows and columns, `jaxflash.mask_mod.to_int32`), or None
-  without a rule."""
+def _feature_tiles(rule, shape, rows: list, cols: list):
+  """A rule's row and column features (int32 vectors, `jaxflash.mask_mod.to_int32`) as tiles
+  of their own dtypes."""
+  return ([mask_mod_lib.from_int32(jnp.broadcast_to(x[:, None], shape), d)
+           for x, d in zip(rows, rule.row_dtypes)],
+          [mask_mod_lib.from_int32(jnp.broadcast_to(x[None, :], shape), d)
+           for x, d in zip(cols, rule.col_dtypes)])
+
+
+def rule_tile(rule, q_idx, kv_idx, rows: list, cols: list):
+  """A mask_mod's mask of a tile from its row and column features, or None without one."""
   if rule is None:
     return None
   shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx))
-  rows = [mask_mod_lib.from_int32(jnp.broadcast_to(x[:, None], shape), d)
-          for x, d in zip(rows, rule.row_dtypes)]
-  cols = [mask_mod_lib.from_int32(jnp.broadcast_to(x[None, :], shape), d)
-          for x, d in zip(cols, rule.col_dtypes)]
-  return rule.tile(shape, q_idx, kv_idx, rows, cols, score=score)
+  return rule.tile(shape, q_idx, kv_idx, *_feature_tiles(rule, shape, rows, cols))
+
+
+def score_fn(rule, q_idx, kv_idx, rows: list, cols: list, tables):
+  """A score_mod on a tile as a function of its scores (`jaxflash.mask_mod.Split.tile_fn`):
+  its lookups gather from ``tables`` (refs) with a tile of indices."""
+  shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx))
+  lookup = None if tables is None else (lambda t, flat: plgpu.load(tables[t].at[flat]))
+  return rule.tile_fn(shape, q_idx, kv_idx, *_feature_tiles(rule, shape, rows, cols),
+                      lookup=lookup)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +259,8 @@ def query_block_specs(opt: Optional, block_q: int, seq_k: int) -> Optional:
       q_feat=lambda x: feature_rows_spec(x, block_q, lambda i: i),
       kv_feat=lambda x: feature_rows_spec(x, seq_k, lambda i: 0),
       score_q_feat=lambda x: feature_rows_spec(x, block_q, lambda i: i),
-      score_kv_feat=lambda x: feature_rows_spec(x, seq_k, lambda i: 0))
+      score_kv_feat=lambda x: feature_rows_spec(x, seq_k, lambda i: 0),
+      score_tables=tables_spec)
 
 
 def feature_rows_spec(x: jax.Array, length: int, block_of: Callable) -> pl.BlockSpec:
@@ -254,7 +281,7 @@ def folds_scale(params: Params, opt: Optional) -> bool:
 
 def masked_logits(q, k, rows, cols, ok, pos: Positions, params: Params, q_seg, kv_seg, bias_ref,
                   mask_ref, masked: bool = True, raw: bool = False, features=((), ()),
-                  score_features=((), ()), derivative: bool = False):
+                  score_features=((), ()), derivative: bool = False, tables=None):
   """Base-2 logits of one (query, key) tile, invisible entries at -inf; also the backward's
   chain factor (`_core.logits_base2`; the score_mod's derivative only when ``derivative``).
 
@@ -263,14 +290,14 @@ def masked_logits(q, k, rows, cols, ok, pos: Positions, params: Params, q_seg, k
   the schedule names full: every entry is visible, so no element mask is computed. ``raw=True``
   (only where `folds_scale` holds) returns the unscaled ``q @ k.T``, for a caller that applies
   ``scale * log2(e)`` itself, fused into a later multiply-add. ``features`` and
-  ``score_features`` are the mask_mod's and the score_mod's (rows, columns) features.
+  ``score_features`` are the mask_mod's and the score_mod's (rows, columns) features, and
+  ``tables`` the refs its lookups read.
   """
   bias = None if bias_ref is None else load(bias_ref, mask=ok, other=0.0)
   qk = plgpu.dot(q, k, trans_b=True)
   score = None
   if params.score_rule is not None:
-    score = lambda z: rule_tile(params.score_rule, rows[:, None], cols[None, :],  # noqa: E731
-                                *score_features, score=z)
+    score = score_fn(params.score_rule, rows[:, None], cols[None, :], *score_features, tables)
   s2, chain = (qk, None) if raw else _core.logits_base2(qk, params, bias, score, derivative)
   if not masked:
     return s2, chain
@@ -385,4 +412,4 @@ def tile_logits(qt: QueryTile, kt: KeyTile, opt: Optional, params: Params, maske
                        at(opt.mask, slice(None), kt.keys), masked, raw,
                        features=(qt.features, kt.features),
                        score_features=(qt.score_features, kt.score_features),
-                       derivative=derivative)
+                       derivative=derivative, tables=opt.score_tables)

@@ -108,6 +108,7 @@ class Blocks:
     self.mask_consts = inputs.mask_consts
     self.score_features = (inputs.score_q_features, inputs.score_kv_features)
     self.score_consts = inputs.score_consts
+    self.score_tables = inputs.score_tables
     self.q_seg = pad_axis(inputs.q_segment_ids, 1, lay.t_pad)
     self.kv_seg = pad_axis(inputs.kv_segment_ids, 1, lay.s_pad)
     self.mask = self._dense(None if inputs.mask is None else inputs.mask != 0)
@@ -201,10 +202,13 @@ class Blocks:
       return [mask_mod_lib.from_int32(jnp.broadcast_to(f, shape), d) for f, d in zip(x, dtypes)]
 
     q_features, kv_features = rule_features
-    return rule.tile(shape, q_idx, k_idx,
-                     features(q_features, q_start, lay.block_q, rule.row_dtypes, 3),
-                     features(kv_features, k_start, lay.block_k, rule.col_dtypes, 4),
-                     score=score)
+    rows_of = features(q_features, q_start, lay.block_q, rule.row_dtypes, 3)
+    cols_of = features(kv_features, k_start, lay.block_k, rule.col_dtypes, 4)
+    if rule.lookups:  # (a score_mod's gathers from its tables)
+      tables = self.score_tables
+      return rule.tile_fn(shape, q_idx, k_idx, rows_of, cols_of,
+                          lookup=lambda t, flat: jnp.take(tables[t], flat))(score)
+    return rule.tile(shape, q_idx, k_idx, rows_of, cols_of, score=score)
 
   def keep(self, q_start, k_start):
     """Dropout keep mask [B, K, G, bq, bk] of one tile (absolute coordinates), or None."""
