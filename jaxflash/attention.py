@@ -111,8 +111,8 @@ def flash_attention(
       int32 indices; it may close over arrays (ALiBi slopes, a relative-position table).
       Gradients flow through it to query and key (the backward differentiates it per entry);
       the arrays it closes over get none. The Mosaic and Triton kernels evaluate it per tile
-      (like a mask_mod, from row and column features); one that indexes an array with both
-      indices (a relative-position table) runs on the XLA backend.
+      (like a mask_mod, from row and column features); one that reads an array at both indices
+      (a relative-position table ``table[h, q_idx - kv_idx]``) runs on Triton, which gathers.
     sinks: optional float [N], one learnable logit per query head (attention sinks, as in
       gpt-oss and StreamingLLM) that joins every row's softmax denominator with a zero value
       row: ``out = sum_s exp(l_s) v_s / (exp(sink) + sum_s exp(l_s))`` over the row's visible
