@@ -200,3 +200,20 @@ def test_batch_and_heads_sharded(rule):
       got = fn(put(q), put(kk), put(v), put(d_out))
     for g, w in zip(got, want):
       assert rel_err(g, w) < F32_TOLERANCE
+
+
+@pytest.mark.parametrize("implementation", ("mosaic", "triton"))
+def test_kernels_with_every_other_option(implementation):
+  """A score_mod beside a window, lengths, segments, a mask_mod, a soft cap, dropout and sinks
+  (no dense mask or bias: with those the Mosaic backward hands the call to Triton's), in the
+  kernels (Mosaic GPU's interpreter and Triton's on a CPU); the Mosaic backward runs it."""
+  b, t, s, n = 2, 70, 133, 2
+  options = dict(
+      is_causal=True, local_window_size=(40, 0), logits_soft_cap=3.0,
+      query_seq_lengths=jnp.array([70, 31]), key_value_seq_lengths=jnp.array([133, 60]),
+      segment_ids=(random_array(12, (b, t), 2), random_array(13, (b, s), 2)),
+      mask_mod=lambda *_: lambda bb, h, i, j: (i + 2 * j) % 7 != 0,
+      dropout_rate=0.2, dropout_rng=jax.random.key(3),
+      sinks=random_array(14, (n,), "float"))
+  check(implementation, b=b, t=t, s=s, n=n, k=1, h=64, dtype=jnp.bfloat16,
+        score_mod=lambda *_: RULES["alibi"], **options)
