@@ -109,7 +109,9 @@ def main() -> dict:
         name, lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=True,
                                                        score_mod=score_mod),
         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias, is_causal=True), q, k, v)
-  bad = [name for name, r in results.items() if not (r["error"] < 1e-4 and r["grad_error"] < 1e-4)]
+  # float32 matmuls run in TF32 on an NVIDIA GPU (in jaxflash's kernels and in jnp alike).
+  tol = 1e-4 if jax.default_backend() == "cpu" else 3e-3
+  bad = [name for name, r in results.items() if not (r["error"] < tol and r["grad_error"] < tol)]
   if bad:
     raise SystemExit(f"jaxflash differs from the dense computation for {bad}")
   return results

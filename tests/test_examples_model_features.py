@@ -4,6 +4,7 @@ T5-style relative-position bias give what the dense computation gives, forward a
 import importlib.util
 import pathlib
 
+import jax
 import pytest
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "model_features.py"
@@ -17,10 +18,11 @@ def _load_example():
 
 
 def test_every_feature_matches_the_dense_computation():
-  results = _load_example().main()
+  results = _load_example().main()  # (it raises where one differs)
   assert set(results) == {"sinks", "value_head_dim", "alibi", "relative_buckets"}
+  tol = 1e-4 if jax.default_backend() == "cpu" else 3e-3  # (TF32 dots on a GPU)
   for name, result in results.items():
-    assert result["error"] < 1e-4 and result["grad_error"] < 1e-4, (name, result)
+    assert result["error"] < tol and result["grad_error"] < tol, (name, result)
 
 
 def test_the_relative_bias_is_a_lookup_the_triton_kernels_gather():
