@@ -65,10 +65,8 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   kv_lens = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, unbatched)
   segments = _check_segments(segment_ids, b, t, s, unbatched)
   sinks = _check_sinks(sinks, n, query)
-  score_rule, score_features, score_consts = _check_score_mod(score_mod, b, n, t, s)
-  score_tables = None
-  if score_rule is not None and score_rule.lookups and score_rule.kernel_reason is None:
-    score_tables = score_rule.table_arrays()
+  score_rule, score_features, score_consts, score_tables = _check_score_mod(score_mod, b, n, t,
+                                                                           s)
 
   block_mask = _check_block_mask(mask_mod, block_mask, b, n, t, s, unbatched)
   if mask is not None:
@@ -344,17 +342,18 @@ def _check_lengths(lengths, name: str, batch: int, unbatched: bool) -> jax.Array
 
 
 def _check_score_mod(score_mod, b: int, n: int, t: int, s: int):
-  """``(rule, (row features, column features), consts)`` of a score_mod (all None without
-  one): the split (`jaxflash.mask_mod.split_score`, which checks it), its features for every
-  (batch row, head, position), and the arrays it closes over where only the XLA backend's
-  evaluation of the whole function can run it."""
+  """``(rule, (row features, column features), consts, tables)`` of a score_mod (all None
+  without one): the split (`jaxflash.mask_mod.split_score`, which checks it), its features for
+  every (batch row, head, position), the arrays it closes over where only the XLA backend's
+  evaluation of the whole function can run it, and else the arrays its lookups read."""
   if score_mod is None:
-    return None, (None, None), None
+    return None, (None, None), None, None
   rule = mask_mod_lib.split_score(score_mod)
   if rule.kernel_reason is not None:
-    return rule, (None, None), tuple(rule.closed.consts)
-  return rule, (rule.features(rule.row_vars, b, n, t, mask_mod_lib.Q),
-                rule.features(rule.col_vars, b, n, s, mask_mod_lib.KV)), None
+    return rule, (None, None), tuple(rule.closed.consts), None
+  features = (rule.features(rule.row_vars, b, n, t, mask_mod_lib.Q),
+              rule.features(rule.col_vars, b, n, s, mask_mod_lib.KV))
+  return rule, features, None, (rule.table_arrays() if rule.lookups else None)
 
 
 def _check_sinks(sinks, heads: int, query) -> jax.Array | None:

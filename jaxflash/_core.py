@@ -119,7 +119,8 @@ def finish_rows(m: jax.Array, l: jax.Array, seen: jax.Array, sink2=None):
   """``(factor, lse2)`` that end a row's online softmax: the output row is ``acc * factor``.
 
   ``m`` is the row's running max and ``l`` its sum of ``exp2(s2 - m)`` (base-2 logits), and
-  ``seen`` says whether it saw any visible key (empty rows get factor 0 and an LSE of +inf).
+  ``seen`` says whether it saw any visible key (empty rows get an LSE of +inf; the caller
+  zeroes their output, whose ``factor`` is finite there).
   ``sink2`` is the row's attention sink in base-2 units, or None: the sink is one more logit in
   the denominator whose value row is zero, so the row becomes ``acc * 2^(m - top) / total`` with
   ``top = max(m, sink2)`` and ``total = l * 2^(m - top) + 2^(sink2 - top)`` (shifted by the
@@ -129,11 +130,11 @@ def finish_rows(m: jax.Array, l: jax.Array, seen: jax.Array, sink2=None):
   """
   if sink2 is None:
     l_safe = jnp.where(seen, l, 1.0)
-    return jnp.where(seen, 1.0 / l_safe, 0.0), jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
+    return 1.0 / l_safe, jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
   top = jnp.maximum(m, sink2)
   shift = jnp.exp2(jnp.where(seen, m - top, 0.0))
   total = jnp.where(seen, l * shift + jnp.exp2(sink2 - top), 1.0)
-  return jnp.where(seen, shift / total, 0.0), jnp.where(seen, top + jnp.log2(total), jnp.inf)
+  return shift / total, jnp.where(seen, top + jnp.log2(total), jnp.inf)
 
 
 def sink_gradient(sinks: jax.Array, lse2: jax.Array, delta: jax.Array) -> jax.Array:

@@ -425,13 +425,7 @@ def _run_on_tile(eqn, env, shape, split: Split, lookup):
     for v, w in zip(eqn.outvars, sub.outvars):
       env[v] = _read(inner, w)
     return
-  args = [_tile_value(env, v, shape) for v in eqn.invars]
-  params = eqn.primitive.get_bind_params(eqn.params)
-  if isinstance(params, tuple):  # older jax: (subfuns, params)
-    params = params[1]
-  outs = eqn.primitive.bind(*args, **params)
-  for v, x in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
-    env[v] = x
+  _run(eqn, env, [_tile_value(env, v, shape) for v in eqn.invars])
 
 
 def _kernel_reason(eqn) -> str | None:
@@ -472,14 +466,16 @@ def _read(env, v):
   return v.val if isinstance(v, jcore.Literal) else env[v]
 
 
-def _run(eqn, env):
-  """Binds one equation on the values in ``env`` and stores its results there (what
-  `jax.core.eval_jaxpr` does for each equation)."""
+def _run(eqn, env, args=None):
+  """Binds one equation on the values in ``env`` (or on ``args``, its operands as given) and
+  stores its results there (what `jax.core.eval_jaxpr` does for each equation)."""
   params = eqn.primitive.get_bind_params(eqn.params)
   subfuns = ()
   if isinstance(params, tuple):  # older jax: (subfuns, params)
     subfuns, params = params
-  outs = eqn.primitive.bind(*subfuns, *[_read(env, v) for v in eqn.invars], **params)
+  if args is None:
+    args = [_read(env, v) for v in eqn.invars]
+  outs = eqn.primitive.bind(*subfuns, *args, **params)
   if not eqn.primitive.multiple_results:
     outs = [outs]
   for v, x in zip(eqn.outvars, outs):
