@@ -15,6 +15,8 @@ Configs are passed to jaxflash through its internal entry point
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import pathlib
 
 import chex
 import jax
@@ -291,3 +293,12 @@ def lower_for_cuda(fn, *args) -> str:
   with jax.sharding.use_abstract_mesh(H100), _verify_triton_modules():
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
+
+
+def load_example(name: str):
+  """``examples/<name>.py`` as a module (the examples are scripts, not a package)."""
+  path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"jaxflash_example_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

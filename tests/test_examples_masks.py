@@ -2,24 +2,13 @@
 sliding window, strided attention, a random block pattern) gives jax.nn's result given the
 same mask as a dense array."""
 
-import importlib.util
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import pytest
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "masks.py"
+from checks import load_example
 
-
-def _load_example():
-  spec = importlib.util.spec_from_file_location("jaxflash_example_masks", EXAMPLE)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-masks = _load_example()
+masks = load_example("masks")
 
 @pytest.fixture(scope="module")
 def inputs():

@@ -1,24 +1,14 @@
 """CPU test of examples/model_features.py: sinks, a value head dim of its own, ALiBi and a
 T5-style relative-position bias give what the dense computation gives, forward and gradients."""
 
-import importlib.util
-import pathlib
-
 import jax
 import pytest
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "model_features.py"
-
-
-def _load_example():
-  spec = importlib.util.spec_from_file_location("jaxflash_example_model_features", EXAMPLE)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from checks import load_example
 
 
 def test_every_feature_matches_the_dense_computation():
-  results = _load_example().main()  # (it raises where one differs)
+  results = load_example("model_features").main()  # (it raises where one differs)
   assert set(results) == {"sinks", "value_head_dim", "alibi", "relative_buckets"}
   tol = 1e-4 if jax.default_backend() == "cpu" else 3e-3  # (TF32 dots on a GPU)
   for name, result in results.items():
@@ -27,7 +17,7 @@ def test_every_feature_matches_the_dense_computation():
 
 def test_the_relative_bias_is_a_lookup_the_triton_kernels_gather():
   from jaxflash import mask_mod
-  example = _load_example()
+  example = load_example("model_features")
   split = mask_mod.split_score(example.relative_buckets()[0])
   assert split.lookups and split.kernel_reason is None
   with pytest.raises(ValueError, match="score_mod"):

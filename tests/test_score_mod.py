@@ -180,8 +180,8 @@ def test_triton_kernels_lower_for_cuda(rule):
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
 @pytest.mark.parametrize("rule", ("alibi", "relative_table"))
 def test_batch_and_heads_sharded(rule):
-  """Its per-head features shard with the heads (ALiBi's slopes); a rule only the XLA backend
-  runs (a gather) is left to XLA's partitioner. Outputs and gradients equal one device's."""
+  """Its per-head features shard with the heads (ALiBi's slopes); a lookup's table is whole on
+  every device. Outputs and gradients equal one device's, under Auto and Explicit axes."""
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
   q, kk, v, d_out = random_qkv(11, 4, 24, 24, 4, 2, 16)
 
