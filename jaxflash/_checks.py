@@ -19,6 +19,7 @@ import numpy as np
 from jaxflash import _core
 from jaxflash import block_mask as block_mask_lib
 from jaxflash import dropout
+from jaxflash import fp8
 from jaxflash import mask_mod as mask_mod_lib
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
@@ -39,10 +40,11 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               segment_ids=None, logits_soft_cap=None, dropout_rate=0.0, dropout_rng=None,
               broadcast_dropout=False, interpret=False, mask_mod=None,
-              block_mask=None, sinks=None, score_mod=None) -> Call:
+              block_mask=None, sinks=None, score_mod=None, q_descale=None, k_descale=None,
+              v_descale=None, out_dtype=None) -> Call:
   """Checks every argument of `jaxflash.flash_attention` (but ``implementation`` and
   ``return_residual``) and returns the call as backends see it."""
-  query, key, value = (_as_array(x, name) for x, name in
+  query, key, value = (as_array(x, name) for x, name in
                        ((query, "query"), (key, "key"), (value, "value")))
   unbatched = _check_qkv(query, key, value)
   if unbatched:
@@ -67,6 +69,8 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   sinks = _check_sinks(sinks, n, query)
   score_rule, score_features, score_consts, score_tables = _check_score_mod(score_mod, b, n, t,
                                                                            s)
+  descales, out_dtype = _check_fp8(query, key, (q_descale, k_descale, v_descale), out_dtype,
+                                   unbatched)
 
   block_mask = _check_block_mask(mask_mod, block_mask, b, n, t, s, unbatched)
   if mask is not None:
@@ -88,11 +92,12 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       kv_features=None if block_mask is None else block_mask.kv_features,
       mask_consts=mask_consts, sinks=sinks, score_q_features=score_features[0],
       score_kv_features=score_features[1], score_consts=score_consts,
-      score_tables=score_tables)
+      score_tables=score_tables, q_descale=descales[0], k_descale=descales[1],
+      v_descale=descales[2])
   params = Params(scale=scale, window=window, logits_soft_cap=logits_soft_cap,
                   dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
                   interpret=interpret, table_block=table_block, mask_rule=split,
-                  score_rule=score_rule)
+                  score_rule=score_rule, out_dtype=out_dtype)
   return Call(inputs, params, unbatched)
 
 
@@ -158,8 +163,8 @@ def global_lengths(query_seq_lengths, key_value_seq_lengths, batch: int,
 def check_cache(query, key_cache, value_cache, page_table):
   """Checks `jaxflash.decode_attention`'s query and cache (the rest goes through `normalise`);
   returns the caches as arrays (pages unchanged: the caller gathers them)."""
-  query = _as_array(query, "query")
-  key_cache, value_cache = (_as_array(x, name) for x, name in
+  query = as_array(query, "query")
+  key_cache, value_cache = (as_array(x, name) for x, name in
                             ((key_cache, "key_cache"), (value_cache, "value_cache")))
   if query.ndim != 4:
     raise ValueError(f"query must be [B, T, N, H], got shape {query.shape}")
@@ -176,7 +181,7 @@ def check_cache(query, key_cache, value_cache, page_table):
                        f"page_table), got shape {key_cache.shape}")
     s_max = key_cache.shape[1]
   else:
-    page_table = _as_array(page_table, "page_table")
+    page_table = as_array(page_table, "page_table")
     if not jnp.issubdtype(page_table.dtype, jnp.integer):
       raise ValueError(f"page_table must be an integer array, got dtype {page_table.dtype}")
     if page_table.ndim != 2 or page_table.shape[0] != b:
@@ -192,7 +197,7 @@ def check_cache(query, key_cache, value_cache, page_table):
 # Each check raises ValueError naming the argument and returns the normalised value.
 
 
-def _as_array(x, name: str) -> jax.Array:
+def as_array(x, name: str) -> jax.Array:
   """A JAX array (or traced/abstract value) as it is; NumPy arrays, lists and scalars converted
   as `jax.nn.dot_product_attention` converts them (float64 becomes float32 with x64 off)."""
   if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or (
@@ -215,8 +220,9 @@ def _check_qkv(query, key, value) -> bool:
       raise ValueError(f"{name} must have the same rank as query ({query.ndim}), "
                        f"got shape {x.shape} for query shape {query.shape}")
   for name, x in (("query", query), ("key", key), ("value", value)):
-    if x.dtype not in _FLOAT_DTYPES:
-      raise ValueError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dtype not in _FLOAT_DTYPES and not fp8.is_fp8(x.dtype):
+      raise ValueError(f"{name} must be float16, bfloat16, float32 or float8 (e4m3fn, e5m2), "
+                       f"got {x.dtype}")
   if not key.dtype == value.dtype == query.dtype:
     raise ValueError(f"query, key and value must share one dtype, got "
                      f"{query.dtype}, {key.dtype}, {value.dtype}")
@@ -297,7 +303,7 @@ def _check_dropout(rate, rng) -> tuple[float, jax.Array | None]:
     return 0.0, None
   if rng is None:
     raise ValueError("dropout_rate > 0 needs a dropout_rng key")
-  rng = _as_array(rng, "dropout_rng")
+  rng = as_array(rng, "dropout_rng")
   typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
   if not ((typed and rng.shape == ()) or (rng.dtype == jnp.uint32 and rng.shape == (2,))):
     raise ValueError(f"dropout_rng must be a single PRNG key (jax.random.key(...) or a raw "
@@ -314,7 +320,7 @@ def _check_dense(x, name: str, full: tuple[int, int, int, int], unbatched: bool,
   """
   if x is None:
     return None
-  x = _as_array(x, name)
+  x = as_array(x, name)
   if want_bool and x.dtype != jnp.bool_:
     raise ValueError(f"mask must be boolean (True = attend), got dtype {x.dtype}")
   if not want_bool and x.dtype not in _FLOAT_DTYPES:
@@ -331,7 +337,7 @@ def _check_dense(x, name: str, full: tuple[int, int, int, int], unbatched: bool,
 def _check_lengths(lengths, name: str, batch: int, unbatched: bool) -> jax.Array | None:
   if lengths is None:
     return None
-  lengths = _as_array(lengths, name)
+  lengths = as_array(lengths, name)
   if not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise ValueError(f"{name} must be an integer array, got dtype {lengths.dtype}")
   if unbatched and lengths.ndim == 0:
@@ -356,13 +362,70 @@ def _check_score_mod(score_mod, b: int, n: int, t: int, s: int):
   return rule, features, None, (rule.table_arrays() if rule.lookups else None)
 
 
+def _check_fp8(query, key, descales, out_dtype, unbatched: bool):
+  """An FP8 call's descale factors in their canonical shapes (`jaxflash._core.Inputs`) and its
+  output dtype's name; ``((None,) * 3, None)`` for any other call, which may pass neither."""
+  names = ("q_descale", "k_descale", "v_descale")
+  if not fp8.is_fp8(query.dtype):
+    for name, x in zip(names + ("out_dtype",), descales + (out_dtype,)):
+      if x is not None:
+        raise ValueError(f"{name} is for float8 query, key and value; got {query.dtype} inputs")
+    return (None,) * 3, None
+  out = jnp.dtype(jnp.bfloat16 if out_dtype is None else out_dtype)
+  if out not in _FLOAT_DTYPES:
+    raise ValueError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype!r}")
+  b, t, n, _ = query.shape
+  s, k = key.shape[1], key.shape[2]
+  batch = () if unbatched else (b,)
+  # The forms each factor may take (the canonical forms without the batch axis when the
+  # call is unbatched): per tensor, per (batch row, head) and, for query and key, per token.
+  forms = ({(): None, batch + (n,): None, batch + (k,): "groups", batch + (t, n): "tokens"},
+           {(): None, batch + (k,): None, batch + (s, k): "tokens"},
+           {(): None, batch + (k,): None})
+  heads = (n, k, k)
+  result = []
+  for name, x, allowed, h in zip(names, descales, forms, heads):
+    if x is None:  # a factor of 1
+      result.append(None)
+      continue
+    x = as_array(x, name)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{name} must be a float array, got dtype {x.dtype}")
+    if x.shape not in allowed:
+      raise ValueError(f"{name} must have one of the shapes {sorted(allowed, key=len)} (per "
+                       f"tensor, per batch row and head{_PER_TOKEN if len(allowed) > 2 else ''}"
+                       f"), got {x.shape}")
+    form = allowed[x.shape]
+    x = x.astype(jnp.float32)
+    if unbatched and x.ndim:
+      x = x[None]
+    if x.ndim == 0:
+      x = jnp.broadcast_to(x, (b, 1, h))
+    elif form == "groups" and k != n:  # one factor per K/V head, shared by its query heads
+      x = jnp.repeat(x, n // k, axis=1)[:, None]
+    elif form != "tokens":
+      x = x[:, None]
+    result.append(_core.varying_like(x, _core.varying_axes(query)))
+  return tuple(result), out.name
+
+
+_PER_TOKEN = ", per token and head"
+
+
+def no_fp8(inputs: Inputs, entry: str) -> None:
+  """Refuses float8 inputs in an entry point that does not take them yet."""
+  if fp8.is_fp8(inputs.query.dtype):
+    raise ValueError(f"{entry} takes float16, bfloat16 or float32 inputs, got "
+                     f"{inputs.query.dtype}; FP8 attention is flash_attention's")
+
+
 def _check_sinks(sinks, heads: int, query) -> jax.Array | None:
   """Attention sinks as float32 [N]. Inside `jax.shard_map` they are made varying like the
   query before the attention op: its backward computes their gradient from varying results, and
   the cast's own transpose then sums it over the devices that share them."""
   if sinks is None:
     return None
-  sinks = _as_array(sinks, "sinks")
+  sinks = as_array(sinks, "sinks")
   if not jnp.issubdtype(sinks.dtype, jnp.floating):
     raise ValueError(f"sinks must be a float array, got dtype {sinks.dtype}")
   if sinks.shape != (heads,):
@@ -387,7 +450,7 @@ def _check_segments(segment_ids, batch: int, t: int, s: int, unbatched: bool):
     q_seg = kv_seg = segment_ids
   out = []
   for x, name, length in ((q_seg, "q_segment_ids", t), (kv_seg, "kv_segment_ids", s)):
-    x = _as_array(x, f"segment_ids ({name})")
+    x = as_array(x, f"segment_ids ({name})")
     want = (length,) if unbatched else (batch, length)
     if x.shape != want or not jnp.issubdtype(x.dtype, jnp.integer):
       raise ValueError(f"segment_ids ({name}) must be an integer array of shape {want}, got "

@@ -78,6 +78,12 @@ class Inputs(NamedTuple):
   # The arrays a score_mod's lookups read (`jaxflash.mask_mod.Split.tables`), flattened: whole
   # on every device, gathered from by the Triton kernels and the XLA backend.
   score_tables: tuple | None = None
+  # An FP8 call's descale factors (`jaxflash.fp8`), float32: real values are
+  # ``float(x8) * descale``. [B, T or 1, N], [B, S or 1, K] (per token and head, or per batch
+  # row and head) and [B, 1, K]; None is a factor of 1 (and what every other call has).
+  q_descale: jax.Array | None = None
+  k_descale: jax.Array | None = None
+  v_descale: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +105,8 @@ class Params:
   mask_rule: object = None
   # The score_mod (`jaxflash.mask_mod.split_score`), applied to every visible logit.
   score_rule: object = None
+  # The output dtype's name of an FP8 call (its inputs are float8); None: the query's dtype.
+  out_dtype: str | None = None
 
   @property
   def kernel_mask_reason(self) -> str | None:
@@ -108,6 +116,10 @@ class Params:
       if rule is not None and rule.kernel_reason is not None:
         return rule.kernel_reason
     return None
+
+  def output_dtype(self, inputs: Inputs):
+    """The dtype of a whole call's output: the query's, or an FP8 call's ``out_dtype``."""
+    return jnp.dtype(self.out_dtype) if self.out_dtype is not None else inputs.query.dtype
 
   @property
   def keep_scale(self) -> float:

@@ -18,10 +18,12 @@ from jaxflash import _checks
 from jaxflash import _core
 from jaxflash import backends
 from jaxflash import devices
+from jaxflash import fp8
 from jaxflash.block_mask import BlockMask
 from jaxflash.mask_mod import MaskMod, ScoreMod
 from jaxflash.ops import decode
 from jaxflash.ops import flash
+from jaxflash.ops import quantized
 
 Implementation = Literal["mosaic", "triton", "xla"]
 
@@ -47,6 +49,10 @@ def flash_attention(
     block_mask: BlockMask | None = None,
     score_mod: ScoreMod | None = None,
     sinks: jax.Array | None = None,
+    q_descale: jax.Array | None = None,
+    k_descale: jax.Array | None = None,
+    v_descale: jax.Array | None = None,
+    out_dtype: jnp.dtype | None = None,
     return_residual: bool = False,
     implementation: Implementation | Sequence[Implementation] | None = None,
     interpret: bool = False,
@@ -65,7 +71,8 @@ def flash_attention(
   value and the output (Dv = H usually; DeepSeek's MLA has H = 192, Dv = 128).
 
   Args:
-    query: [B, T, N, H] or unbatched [T, N, H]; float16, bfloat16 or float32.
+    query: [B, T, N, H] or unbatched [T, N, H]; float16, bfloat16 or float32, or float8
+      (``float8_e4m3fn``, ``float8_e5m2``) with the descale factors below.
     key: [B, S, K, H] (or [S, K, H]), same dtype as ``query``.
     value: [B, S, K, Dv] (or [S, K, Dv]), same dtype as ``query``.
     bias: optional additive bias, broadcastable to [B, N, T, S] (or [N, T, S] when unbatched),
@@ -119,6 +126,15 @@ def flash_attention(
       logits ``l_s`` (scaled, capped and biased), and the LSE includes it. Differentiable:
       its gradient is summed over batch rows and queries in a fixed order (deterministic).
       A row that sees no key still gives zeros (and an LSE of ``-inf``).
+    q_descale, k_descale, v_descale: an FP8 call's float32 descale factors (1 if None): the
+      real inputs are ``float(x8) * descale``. Each is a scalar (per tensor) or [B, K] (per
+      batch row and K/V head, FlashAttention-3's form); ``q_descale`` may also be [B, N] and,
+      for block quantisation, [B, T, N] (per token and head), ``k_descale`` [B, S, K].
+      `jaxflash.quantize_fp8` makes the values and their factors. The forward runs on FP8
+      tensor cores (Mosaic on Hopper) or upcast (XLA); it has no gradient: train with
+      `jaxflash.fp8_attention`.
+    out_dtype: the output dtype of an FP8 call (float16, bfloat16 or float32; default
+      bfloat16). Other calls return the query's dtype and take no ``out_dtype``.
     return_residual: also return the logsumexp of the logits, [B, T, N] in the query's dtype as
       jax.nn returns it (natural log, ``-inf`` for rows that see no key; computed in float32).
     implementation: ``"mosaic"`` (Pallas Mosaic GPU kernels for Hopper GPUs; the Triton
@@ -131,7 +147,8 @@ def flash_attention(
     interpret: run the Pallas kernels in interpret mode (works on a CPU; for testing).
 
   Returns:
-    The attention output, [B, T, N, Dv] (or [T, N, Dv]) in the query's dtype; with
+    The attention output, [B, T, N, Dv] (or [T, N, Dv]) in the query's dtype (an FP8 call's
+    in ``out_dtype``); with
     ``return_residual`` the pair
     ``(output, logsumexp)``. Query rows that can see no key produce zeros and zero gradients.
     As in jax.nn, T = 0 gives empty results and S = 0 zeros (with an LSE of ``-inf``).
@@ -147,8 +164,86 @@ def flash_attention(
       local_window_size=local_window_size, segment_ids=segment_ids,
       logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       broadcast_dropout=broadcast_dropout, mask_mod=mask_mod, block_mask=block_mask,
-      score_mod=score_mod, sinks=sinks, return_residual=return_residual,
+      score_mod=score_mod, sinks=sinks, q_descale=q_descale, k_descale=k_descale,
+      v_descale=v_descale, out_dtype=out_dtype, return_residual=return_residual,
       implementation=implementation, interpret=interpret)
+
+
+def fp8_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    rotation: jax.Array | None = None,
+    block_size: int | None = None,
+    fp8_dtype: Any = jnp.float8_e4m3fn,
+    return_residual: bool = False,
+    implementation: Implementation | Sequence[Implementation] | None = None,
+    **options: Any,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """`flash_attention` with an FP8 forward, for training: 16-bit inputs, a 16-bit gradient.
+
+  The call quantises ``query``, ``key`` and ``value`` itself (`jaxflash.quantize_fp8`: query
+  and key after ``rotation``, one scale per ``block_size`` tokens and head; value one scale per
+  batch row and K/V head) and runs the FP8 forward (FP8 tensor cores with the Mosaic backend on
+  Hopper; upcast on XLA). The output has the query's dtype. The backward is the 16-bit one
+  ("mixed"): it recomputes S and P from the unquantised inputs against the FP8 forward's
+  logsumexp, so the gradients are those of 16-bit attention up to the forward's own error.
+
+  Args:
+    query, key, value, bias, mask: as in `flash_attention` (float16, bfloat16 or float32).
+    rotation: optional [H, H] orthogonal matrix (`jaxflash.random_rotation`) applied to query
+      and key before quantising: FlashAttention-3's incoherent processing, which spreads
+      outlier features and leaves the logits exact. A fixed matrix: it gets no gradient.
+    block_size: tokens per query/key scale; None: one scale per batch row and head.
+    fp8_dtype: ``jnp.float8_e4m3fn`` (default) or ``jnp.float8_e5m2``.
+    return_residual, implementation: as in `flash_attention`. ``implementation`` names the
+      backward's backend; the forward takes it too where it serves FP8, and otherwise the
+      backend `flash_attention` would pick for the FP8 call.
+    **options: `flash_attention`'s other keyword arguments (``is_causal``, ``sinks``, ...).
+
+  Returns:
+    As `flash_attention`.
+  """
+  for name in ("q_descale", "k_descale", "v_descale", "out_dtype"):
+    if name in options:
+      raise ValueError(f"fp8_attention quantises its inputs itself and takes no {name}")
+  if not fp8.is_fp8(fp8_dtype):
+    raise ValueError(f"fp8_dtype must be jnp.float8_e4m3fn or jnp.float8_e5m2, got "
+                     f"{fp8_dtype!r}")
+  call, return_residual = _prepare(query, key, value, bias, mask, implementation=implementation,
+                                   return_residual=return_residual, **options)
+  if fp8.is_fp8(call.inputs.query.dtype):
+    raise ValueError("fp8_attention takes 16-bit (or float32) inputs and quantises them; "
+                     "call flash_attention with FP8 inputs and their descales instead")
+  h = call.inputs.query.shape[-1]
+  if rotation is not None:
+    rotation = _checks.as_array(rotation, "rotation")
+    if rotation.shape != (h, h):
+      raise ValueError(f"rotation must be [H, H] = {(h, h)}, got {rotation.shape}")
+  if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
+                                 or block_size <= 0):
+    raise ValueError(f"block_size must be None or a positive int, got {block_size!r}")
+  backend = backends.select(implementation, call.inputs, call.params)
+  empty = _empty(call.inputs, call.params)
+  if empty is not None:
+    return _results(*empty, call, return_residual)
+  device = devices.current()
+  plan = quantized.Plan(block_size, jnp.dtype(fp8_dtype).name, None, None, backend,
+                        backend.default_config(call.inputs, call.params, device))
+  probe = jax.eval_shape(lambda x: quantized.quantized(x, None, plan), call.inputs)
+  params8 = quantized.fp8_params(call.params, call.inputs)
+  try:
+    forward_backend = backends.select(implementation, probe, params8)
+  except backends.UnsupportedCallError:
+    forward_backend = backends.select(None, probe, params8)
+  plan = dataclasses.replace(plan, forward_backend=forward_backend,
+                             forward_config=forward_backend.default_config(probe, params8,
+                                                                           device))
+  out, lse = quantized.attention(call.inputs, rotation, call.params, plan)
+  return _results(out, lse, call, return_residual)
 
 
 # The implementations that jaxflash's drop-in passes to `jax.nn.dot_product_attention` itself.
@@ -251,13 +346,13 @@ def _results(out: jax.Array, lse: jax.Array, call: _checks.Call, return_residual
   natural-log ``lse`` [B, N, T]: the LSE as jax.nn returns it, [B, T, N] in the query's dtype
   (so cotangents of jax.nn's dtype fit; ops use the float32 one), and no batch axis where the
   inputs had none."""
-  lse = jnp.transpose(lse, (0, 2, 1)).astype(call.inputs.query.dtype)
+  lse = jnp.transpose(lse, (0, 2, 1)).astype(call.params.output_dtype(call.inputs))
   if call.unbatched:
     out, lse = out[0], lse[0]
   return (out, lse) if return_residual else out
 
 
-def _empty(inputs) -> tuple[jax.Array, jax.Array] | None:
+def _empty(inputs, params) -> tuple[jax.Array, jax.Array] | None:
   """The result of a call with nothing to compute, as jax.nn gives it, or None: no batch row or
   no query row gives empty arrays, and no key gives zeros with an LSE of -inf (every row sees
   no key). No kernel runs (there would be no grid); gradients are zeros of the inputs' shapes."""
@@ -267,7 +362,8 @@ def _empty(inputs) -> tuple[jax.Array, jax.Array] | None:
   lse = jnp.full((b, n, t), -jnp.inf, jnp.float32)  # (varying like the query in a shard_map)
   # The output has the value's head dim (it may differ from the query's), and the query's
   # dtype, sharding and varying axes: zeros of one query column, broadcast.
-  out = jnp.broadcast_to(jnp.zeros_like(inputs.query[..., :1]), (b, t, n, inputs.value.shape[-1]))
+  out = jnp.broadcast_to(jnp.zeros_like(inputs.query[..., :1], params.output_dtype(inputs)),
+                         (b, t, n, inputs.value.shape[-1]))
   return out, _core.varying_like(lse, _core.varying_axes(inputs.query))
 
 
@@ -294,7 +390,7 @@ def _run(call: _checks.Call, implementation, config, return_residual: bool,
   serve the call, reading a paged cache's ``pages`` (key pages, value pages, page table) where
   they lie when it can (``call.inputs`` then hold the rows the pages make, for the backward)."""
   backend = backends.select(implementation, call.inputs, call.params, config)
-  empty = _empty(call.inputs)
+  empty = _empty(call.inputs, call.params)
   if empty is not None:
     return _results(*empty, call, return_residual)
   device = devices.current()
@@ -382,6 +478,7 @@ def decode_attention(
   call = _checks.normalise(query, key, value, scale=scale, is_causal=True,
                            key_value_seq_lengths=kv_lengths, local_window_size=local_window_size,
                            logits_soft_cap=logits_soft_cap, sinks=sinks, interpret=interpret)
+  _checks.no_fp8(call.inputs, "decode_attention")
   call = call._replace(inputs=decode.decode_inputs(call.inputs))
   if implementation is None:
     # Backends with a split-KV decoding forward first (Triton's): the training forwards give
@@ -468,6 +565,7 @@ def ring_attention(
       segment_ids=segment_ids, logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, sinks=sinks,
       interpret=interpret)
+  _checks.no_fp8(call.inputs, "ring_attention")
   chunk = call.inputs.query.shape[1]
   if call.inputs.key.shape[1] != chunk:
     raise ValueError(f"query and key chunks must have the same length, got {chunk} and "
@@ -477,7 +575,7 @@ def ring_attention(
   total = chunk * jax.lax.axis_size(axis_name)
   call = call._replace(inputs=call.inputs._replace(lengths=_checks.global_lengths(
       query_seq_lengths, key_value_seq_lengths, b, total)))
-  empty = _empty(call.inputs)
+  empty = _empty(call.inputs, call.params)
   if empty is not None:
     return _results(*empty, call, return_residual)
   # Each pair of the ring is a partial call with offsets: the backend must serve those.

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxflash import _core
+from jaxflash import fp8
 from jaxflash._core import Inputs, Params
 from jaxflash.ops import partitioning
 
@@ -35,10 +36,17 @@ def _forward(inputs, params, backend, config):
 
 def _backward(params, backend, config, residuals, cotangents):
   inputs, out, lse2, want_dbias = residuals
+  if fp8.is_fp8(inputs.query.dtype):
+    raise ValueError(FP8_GRADIENT)
   d_out, delta = output_cotangents(out, cotangents)
   grads = backward(backend, without_sinks(inputs), params, config, lse2, d_out, delta,
                    want_dbias)
   return (cotangents_of(inputs, *grads, lse2=lse2, delta=delta),)
+
+
+FP8_GRADIENT = ("flash_attention on float8 inputs has no gradient (an FP8 cotangent would lose "
+                "it); to train with an FP8 forward call jaxflash.fp8_attention on the 16-bit "
+                "inputs, which quantises them itself and differentiates in 16 bits.")
 
 
 SECOND_ORDER = ("jaxflash computes first derivatives only: its backward pass (a fused kernel, or "

@@ -431,7 +431,9 @@ def _operands(inputs: Inputs):
   fixed = {"query": seq_4d, "key": (BATCH, None, KV_HEADS, None),
            "value": (BATCH, None, KV_HEADS, None), "lengths": (BATCH, None),
            "offsets": (BATCH, None), "q_segment_ids": (BATCH, None),
-           "kv_segment_ids": (BATCH, None), "dropout_seed": (None,), "sinks": (HEADS,)}
+           "kv_segment_ids": (BATCH, None), "dropout_seed": (None,), "sinks": (HEADS,),
+           "q_descale": (BATCH, None, HEADS), "k_descale": (BATCH, None, KV_HEADS),
+           "v_descale": (BATCH, None, KV_HEADS)}
   names, operands, roles = [], [], []
   for name in Inputs._fields:
     x = getattr(inputs, name)

@@ -11,6 +11,7 @@ backend (`supports`, `default_config`) costs no Pallas import.
 
 from __future__ import annotations
 
+from jaxflash import fp8
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.base import Backend
 from jaxflash.backends.triton.config import Config, Tiles, default_config
@@ -26,6 +27,8 @@ __all__ = ["BACKEND", "Config", "MAX_HEAD_DIM", "Tiles", "default_config"]
 def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
   if params.kernel_mask_reason is not None:
     return params.kernel_mask_reason
+  if fp8.is_fp8(inputs.query.dtype):
+    return "float8 inputs (the Mosaic forward and the XLA backend take them)"
   head_dim = inputs.query.shape[-1]
   if head_dim > MAX_HEAD_DIM:
     return f"head dims up to {MAX_HEAD_DIM} only, got query.shape[-1] = {head_dim}"

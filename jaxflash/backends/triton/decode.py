@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxflash import _core
+from jaxflash import fp8
 from jaxflash import masking
 from jaxflash import merge
 from jaxflash._core import Inputs, Params
@@ -99,6 +100,8 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
     return "mask_mod, score_mod and block masks (a dense mask it takes)"
   if params.partial:
     return "partial results (ring attention)"
+  if fp8.is_fp8(inputs.query.dtype):
+    return "float8 inputs"
   return None
 
 

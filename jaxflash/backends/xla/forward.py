@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash import _core
+from jaxflash import fp8
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.xla import blocks
 from jaxflash.backends.xla.blocks import Config
@@ -19,7 +20,11 @@ def ungroup_rows(x, lay: blocks.Layout):
 
 
 def forward(inputs: Inputs, params: Params, config: Config):
-  """``(out [B, T, N, Dv], lse2 [B, N, T])`` (see `jaxflash._core`)."""
+  """``(out [B, T, N, Dv], lse2 [B, N, T])`` (see `jaxflash._core`). An FP8 call runs on its
+  dequantised inputs, in float32 (`jaxflash.fp8.dequantized`)."""
+  if fp8.is_fp8(inputs.query.dtype):
+    out, lse2 = forward(fp8.dequantized(inputs), params, config)
+    return (out if params.partial else out.astype(params.output_dtype(inputs))), lse2
   lay = blocks.layout(inputs, config)
   blk = blocks.Blocks(inputs, lay, params)
   bq, bk = lay.block_q, lay.block_k

@@ -1,0 +1,139 @@
+"""FP8 attention's numbers: quantisation, descale factors and the incoherent rotation.
+
+An FP8 call passes float8 query, key and value together with float32 *descale* factors, the
+numbers that turn the stored values back into the real ones: ``real = float(x8) * descale``.
+A descale may be one number for the whole tensor, one per (batch row, head), or (query and key)
+one per token and head, which is what block quantisation gives (one scale per block of tokens,
+repeated over the block). The kernels fold them into the logits' scale; the XLA backend
+dequantises the inputs and computes in float32 (`dequantized`), the reference of every FP8
+kernel.
+
+Plain FP8 loses much of a head's precision to a few outlier features (one large channel sets
+the scale of every other). FlashAttention-3's answer is the *incoherent* rotation: multiply
+query and key by the same random orthogonal matrix R before quantising, which spreads an
+outlier over every channel and leaves the logits exact, ``(q R)(k R)ᵀ = q kᵀ``
+(`random_rotation`, `quantize_fp8`'s ``rotation``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The FP8 formats the kernels take (Hopper's tensor cores read both).
+DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def is_fp8(dtype) -> bool:
+  """Whether ``dtype`` is one of the FP8 formats attention takes (`DTYPES`)."""
+  return any(jnp.dtype(dtype) == jnp.dtype(d) for d in DTYPES)
+
+
+def largest(dtype) -> float:
+  """The largest finite value of an FP8 format (448 for e4m3fn, 57344 for e5m2)."""
+  return float(jnp.finfo(dtype).max)
+
+
+def random_rotation(key: jax.Array, head_dim: int, dtype=jnp.float32) -> jax.Array:
+  """A random orthogonal [head_dim, head_dim] matrix for FP8's incoherent processing.
+
+  For a power-of-two ``head_dim`` it is a Hadamard matrix with random column signs (what
+  FlashAttention-3 uses: cheap, and it spreads every channel evenly over all the others);
+  otherwise the orthogonal factor of a Gaussian matrix. Pass the same matrix to `quantize_fp8`
+  for the query and the key: the logits are unchanged, ``(q R)(k R)ᵀ = q kᵀ``.
+
+  Args:
+    key: a PRNG key.
+    head_dim: the query/key head dim H.
+    dtype: the matrix's dtype (float32 by default).
+  """
+  if not isinstance(head_dim, int) or head_dim <= 0:
+    raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+  if head_dim & (head_dim - 1) == 0:
+    hadamard = np.ones((1, 1), np.float32)
+    while hadamard.shape[0] < head_dim:  # Sylvester's construction
+      hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
+    signs = jax.random.rademacher(key, (head_dim,), jnp.float32)
+    rotation = jnp.asarray(hadamard) * signs[None, :] / math.sqrt(head_dim)
+  else:
+    gaussian = jax.random.normal(key, (head_dim, head_dim), jnp.float32)
+    q, r = jnp.linalg.qr(gaussian)
+    rotation = q * jnp.sign(jnp.diagonal(r))[None, :]  # the Haar-distributed factor
+  return rotation.astype(dtype)
+
+
+def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
+                 rotation: jax.Array | None = None,
+                 dtype=jnp.float8_e4m3fn) -> tuple[jax.Array, jax.Array]:
+  """Quantises a query, key or value to FP8 with its descale factors.
+
+  Args:
+    x: [B, L, heads, D] (or unbatched [L, heads, D]), any float dtype.
+    block_size: tokens that share one scale. ``None`` gives one scale per (batch row, head),
+      descale [B, heads]; an int gives one per block of that many tokens and head, descale
+      [B, L, heads] (each token carries its block's factor; 1 is per token). The query and key
+      of `jaxflash.flash_attention` take either form, the value only the first.
+    rotation: optional [D, D] orthogonal matrix (`random_rotation`) applied before quantising:
+      ``x @ rotation``. Give the query and the key the same one, and never the value (it would
+      rotate the output).
+    dtype: ``jnp.float8_e4m3fn`` (default) or ``jnp.float8_e5m2``.
+
+  Returns:
+    ``(x8, descale)``: the FP8 values and float32 factors with ``x ~ float(x8) * descale``
+    (after the rotation). Each scale maps its block's largest magnitude to the format's largest
+    finite value; an all-zero block gets the factor 1.
+  """
+  x = jnp.asarray(x)
+  if x.ndim not in (3, 4) or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"x must be a float array [B, L, heads, D] or [L, heads, D], got "
+                     f"{x.dtype} {x.shape}")
+  if not is_fp8(dtype):
+    raise ValueError(f"dtype must be jnp.float8_e4m3fn or jnp.float8_e5m2, got {dtype!r}")
+  if block_size is not None and (isinstance(block_size, bool)
+                                 or not isinstance(block_size, int) or block_size <= 0):
+    raise ValueError(f"block_size must be None or a positive int, got {block_size!r}")
+  unbatched = x.ndim == 3
+  x = (x[None] if unbatched else x).astype(jnp.float32)
+  if rotation is not None:
+    rotation = jnp.asarray(rotation)
+    if rotation.shape != (x.shape[-1],) * 2:
+      raise ValueError(f"rotation must be [D, D] = {(x.shape[-1],) * 2} for x {x.shape}, got "
+                       f"{rotation.shape}")
+    x = jnp.einsum("blnd,de->blne", x, rotation.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+  amax = jnp.max(jnp.abs(x), axis=-1)  # [B, L, heads]
+  if block_size is None:
+    amax = jnp.max(amax, axis=1)  # [B, heads]
+  else:
+    b, length, heads = amax.shape
+    blocks = -(-length // block_size)
+    padded = jnp.pad(amax, ((0, 0), (0, blocks * block_size - length), (0, 0)))
+    amax = padded.reshape(b, blocks, block_size, heads).max(axis=2)
+    amax = jnp.repeat(amax, block_size, axis=1)[:, :length]
+  descale = jnp.where(amax > 0, amax / largest(dtype), 1.0)
+  # NaN stays NaN (a NaN input is visible in the output); the clip keeps rounding from
+  # overflowing to NaN in e4m3fn, which has no infinity.
+  scaled = x / (descale[:, None] if block_size is None else descale)[..., None]
+  x8 = jnp.clip(scaled, -largest(dtype), largest(dtype)).astype(dtype)
+  if unbatched:
+    x8, descale = x8[0], descale[0]
+  return x8, descale
+
+
+def dequantize(x8: jax.Array, descale: jax.Array | None) -> jax.Array:
+  """float32 values of an FP8 array [B, L, heads, D] and its canonical descale [B, L or 1,
+  heads] (None: 1; see `jaxflash._core.Inputs`)."""
+  x = x8.astype(jnp.float32)
+  return x if descale is None else x * descale[..., None]
+
+
+def dequantized(inputs):
+  """The `jaxflash._core.Inputs` of an FP8 call with float32 query, key and value and no
+  descales: the same attention, computed upcast (the XLA backend's FP8 path)."""
+  return inputs._replace(query=dequantize(inputs.query, inputs.q_descale),
+                         key=dequantize(inputs.key, inputs.k_descale),
+                         value=dequantize(inputs.value, inputs.v_descale),
+                         q_descale=None, k_descale=None, v_descale=None)
