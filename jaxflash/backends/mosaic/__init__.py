@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxflash import fp8
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.base import Backend
 from jaxflash.backends.mosaic.config import Backward, Config, default_config, faster_than_triton
@@ -43,8 +44,11 @@ def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
     return (f"it needs a Hopper GPU (sm90: H100, H200), and this call is for "
             f"{device.kind or device.platform!r}; pass interpret=True to run its kernel in "
             f"Mosaic GPU's interpreter")
-  if q.dtype not in (jnp.bfloat16, jnp.float16):
-    return f"bfloat16 and float16 only, got {q.dtype}"
+  quantized = fp8.is_fp8(q.dtype)
+  if q.dtype not in (jnp.bfloat16, jnp.float16) and not quantized:
+    return f"bfloat16, float16 and float8 only, got {q.dtype}"
+  if quantized and params.partial:
+    return "float8 partial results"
   if q.shape[-1] > MAX_HEAD_DIM:
     return f"head dims up to {MAX_HEAD_DIM} only, got query.shape[-1] = {q.shape[-1]}"
   if inputs.value.shape[-1] > MAX_HEAD_DIM:
@@ -67,6 +71,8 @@ def _preferred(inputs: Inputs, params: Params, device: Device) -> bool:
   faster than the Triton one on this device kind, head dims, band and key length
   (`config.FASTER_THAN_TRITON`, and `config.FASTER_THAN_TRITON_VALUE_DIM` for a value head dim
   of its own)."""
+  if fp8.is_fp8(inputs.query.dtype):  # the only FP8 kernel
+    return True
   return faster_than_triton(device.kind, inputs.query.shape[-1], inputs.key.shape[1],
                             params.window.is_causal, inputs.value.shape[-1])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxflash import fp8
 from jaxflash.backends.triton import config as triton_config
 from jaxflash.devices import kind_is
 
@@ -137,18 +138,22 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def smem_bytes(config: Config, head_dim: int, partial: bool = False,
-               value_dim: int | None = None) -> int:
+               value_dim: int | None = None, itemsize: int = 2) -> int:
   """Shared memory of one CTA: two Q tiles per buffer, the K and V rings, the LSE rows, and two
-  O tiles of their own for a partial result (float32), a persistent CTA (16-bit) or a value
-  head dim ``value_dim`` (V's and O's; None: ``head_dim``) unlike the query's; otherwise a
-  16-bit O goes out through the Q tiles."""
+  O tiles of their own for a partial result (float32), a persistent CTA (16-bit), an FP8 call
+  (``itemsize`` 1, whose two P tiles go through shared memory too) or a value head dim
+  ``value_dim`` (V's and O's; None: ``head_dim``) unlike the query's; otherwise a 16-bit O goes
+  out through the Q tiles."""
   hp = padded_head_dim(head_dim)
+  if itemsize == 1 and hp > 64:  # FP8 rows are whole 128-byte swizzled rows
+    hp = -(-head_dim // 128) * 128
   hvp = hp if value_dim is None else padded_head_dim(value_dim)
-  tiles = 2 * (2 * config.q_buffers * config.block_q * hp
-               + config.num_stages * config.block_kv * (hp + hvp))
-  own_o = config.persistent_ctas is not None or hvp != hp
+  tiles = itemsize * (2 * config.q_buffers * config.block_q * hp
+                      + config.num_stages * config.block_kv * (hp + hvp))
+  own_o = config.persistent_ctas is not None or hvp != hp or itemsize == 1
   o_bytes = 4 if partial else 2 if own_o else 0
-  return tiles + 8 * 64 + o_bytes * 2 * config.block_q * hvp
+  p_bytes = 2 * config.block_q * config.block_kv if itemsize == 1 else 0
+  return tiles + 8 * 64 + o_bytes * 2 * config.block_q * hvp + p_bytes
 
 
 # Streaming multiprocessors of the Hopper parts (SXM and GH200: 132), for persistent grids.
@@ -190,8 +195,8 @@ def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False
 
 
 def fits(config: Config, head_dim: int, partial: bool = False,
-         value_dim: int | None = None) -> bool:
-  return smem_bytes(config, head_dim, partial, value_dim) <= SMEM_BUDGET
+         value_dim: int | None = None, itemsize: int = 2) -> bool:
+  return smem_bytes(config, head_dim, partial, value_dim, itemsize) <= SMEM_BUDGET
 
 
 # Config fields by (padded head dim, causal) where the tuner (`bench.py --tune`, bf16, S = 1k, 4k
@@ -223,6 +228,10 @@ TUNED: dict[tuple[int, bool], dict] = {
     (256, True): dict(block_kv=64, intra_wg_overlap=True),
     (192, True): dict(block_kv=64, intra_wg_overlap=True),
 }
+
+
+# The FP8 forward's config fields by (padded head dim, causal): see `TUNED`.
+FP8_TUNED: dict[tuple[int, bool], dict] = {}
 
 
 # Backward tiles by padded head dim, from the tuner's "backward" family (`bench.py --tune
@@ -258,6 +267,8 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
                                           device_kind)
   tuned = TUNED.get((padded_head_dim(head_dim), causal))
   candidates = [dict(block_kv=128), dict(block_kv=64)]
+  if fp8.is_fp8(dtype):  # (no backward: an FP8 call has no gradient)
+    tuned = FP8_TUNED.get((padded_head_dim(head_dim), causal))
   if tuned:
     candidates.insert(0, dict(tuned, persistent_ctas=None, q_buffers=1))
     if tuned.get("persistent_ctas"):
@@ -265,7 +276,7 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
   mosaic_backward = BACKWARD_TUNED.get(padded_head_dim(head_dim), Backward())
   for fields in candidates:
     config = Config(triton=backward, backward=mosaic_backward, **fields)
-    if fits(config, head_dim, partial, value_dim):
+    if fits(config, head_dim, partial, value_dim, 1 if fp8.is_fp8(dtype) else 2):
       return config
   return None
 

@@ -57,6 +57,7 @@ from jaxlib.mlir.dialects import arith
 
 from jaxflash import _core
 from jaxflash import dropout
+from jaxflash import fp8
 from jaxflash import mask_mod as mask_mod_lib
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
@@ -133,6 +134,11 @@ class _Extras(NamedTuple):
   # A score_mod's features, as a mask_mod's.
   score_q_features: jax.Array | None = None
   score_kv_features: jax.Array | None = None
+  # An FP8 call's descale factors (`jaxflash.fp8`), float32: [B, N] or per row [B, N, rows];
+  # [B, K] or per key [B, K, keys]; and [B, K].
+  q_descale: jax.Array | None = None
+  k_descale: jax.Array | None = None
+  v_descale: jax.Array | None = None
 
 
 def _iota(shape, dim: int):
@@ -191,6 +197,14 @@ def score_of(params: Params, extras: _Extras, batch, head, shape, q_idx, kv_idx,
   q_tile = q_idx() if rule.reads(mask_mod_lib.Q) else None
   kv_tile = kv_idx() if rule.reads(mask_mod_lib.KV) else None
   return lambda z: rule.tile(shape, q_tile, kv_tile, rows_of, cols_of, score=z)
+
+
+def _descale_of(ref, batch, head, rows, layout):
+  """An FP8 factor of one (batch row, head): a scalar from [B, heads], or the ``rows`` of
+  [B, heads, rows] in ``layout``."""
+  if ref.ndim == 2:
+    return ref[batch, head]
+  return plgpu.load(ref.at[batch, head, rows], layout=layout, optimized=False)
 
 
 def _entry_tile(ref, batch, head, rows, keys):
@@ -312,11 +326,14 @@ def _for_items(count, run_item):
 
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref, lse_ref,
-            q_smems, k_smem, v_smem, lse_smem, o_smems, q_ready, k_ready, v_ready, k_free, v_free,
-            turns, *, params: Params, config: Config, schedule: Schedule, groups: int,
-            grid: _Grid):
+            q_smems, k_smem, v_smem, lse_smem, o_smems, p_smems, q_ready, k_ready, v_ready,
+            k_free, v_free, turns, *, params: Params, config: Config, schedule: Schedule,
+            groups: int, grid: _Grid):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
-  value_dim = v_smem.shape[-1]  # (O's head dim: V's, which may differ from Q's and K's)
+  # An FP8 call's V tiles are stored transposed, [Dv, keys] (`_transposed_values`), and its P
+  # goes to the tensor cores through shared memory (``p_smems``), in e4m3.
+  quantized = p_smems is not None
+  value_dim = v_smem.shape[-2 if quantized else -1]  # (O's head dim: V's, maybe not Q's)
   wg = lax.axis_index("wg")
   heavy_first = config.heavy_first and schedule.window.right is not None
   count, item = _items(grid, heavy_first, extras.order)
@@ -416,6 +433,16 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       first_key, last_key = masking.key_range(q_rows, schedule.window, diagonal=pos.diagonal,
                                               kv_len=pos.kv_len)
 
+      # An FP8 call's factors: the query's (per row or per head) times the key's (per head)
+      # scale the scores; a per-key factor multiplies each block's columns.
+      qk_descale, v_descale = None, None
+      kv_head = lax.div(head, jnp.asarray(groups, head.dtype))
+      if quantized:
+        qk_descale = _descale_of(extras.q_descale, batch, head, pl.ds(q_start, block_q), _ROWS)
+        if extras.k_descale.ndim == 2:
+          qk_descale = qk_descale * extras.k_descale[batch, kv_head]
+        v_descale = extras.v_descale[batch, kv_head]
+
       def visible(j, rows, keys, shape):
         """The element mask of key block ``j``: band, key length, segments, dense mask (the
         conditions of `masking.visible`, the first two by row from ``first_key``/``last_key``)."""
@@ -465,6 +492,10 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         if extras.bias is not None:
           bias = _entry_tile(extras.bias, batch, head, rows, keys)
         shape = (block_q, block_kv)
+        if quantized and extras.k_descale.ndim == 3:  # a factor per key
+          s = s * lax.broadcast_in_dim(
+              plgpu.load(extras.k_descale.at[batch, kv_head, keys], layout=_COLS,
+                         optimized=False), shape, [1])
         score = score_of(params, extras, batch, head, shape, lambda: _rows(q_rows, shape),
                          lambda: j * block_kv + _iota(shape, 1), rows, keys,
                          lambda x: _rows(x, shape),
@@ -474,10 +505,14 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         # multiply per entry less than scaling the tile first.
         folded = (params.logits_soft_cap is None and bias is None and score is None
                   and params.scale > 0)
+        if qk_descale is not None and not folded:
+          s = s * (_rows(qk_descale, shape) if jnp.ndim(qk_descale) else qk_descale)
         s2 = s if folded else _core.logits_base2(s, params, bias, score)[0]
         if masked:
           s2 = jnp.where(visible(j, rows, keys, s2.shape), s2, -jnp.inf)
         c = params.scale * _core.LOG2_E if folded else 1.0
+        if folded and qk_descale is not None:  # (descale factors are positive)
+          c = c * qk_descale
         # A row that has seen no visible key keeps m = -inf and is shifted by 0 instead, so that
         # exp2 stays finite and the row stays at l = 0, acc = 0. NaN logits make m, l and acc
         # NaN: the row comes out NaN, as in jax.nn. (A bias or a score_mod may give -inf
@@ -486,13 +521,38 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         finite = not masked and bias is None and score is None
         m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_shift)
-        p = jnp.exp2((s2 * c if folded else s2) - _rows(m_shift, s2.shape))
+        scaled = s2 * (_rows(c, s2.shape) if jnp.ndim(c) else c) if folded else s2
+        p = jnp.exp2(scaled - _rows(m_shift, s2.shape))
         l = l * alpha + p.sum(axis=1)  # the undropped sum: dropout leaves the LSE alone
         if row_key is not None:  # dropped entries leave P V only; 1 / P(keep) is applied once
           cols = masking.shifted(j * block_kv + _iota(p.shape, 1), pos.kv_offset)
           p = jnp.where(dropout.keep_entries(_rows(row_key, p.shape), cols,
                                              params.dropout_rate), p, 0.0)
         return p, m_new, l, alpha
+
+      def p_operand(p16):
+        """P as the P V matmul takes it: the 16-bit registers, or an FP8 call's P tile."""
+        return p_smems.at[wg] if quantized else p16
+
+      def v_operand(slot):
+        """V of ``slot`` as the P V matmul's B ([keys, Dv])."""
+        return v_smem.at[slot].T if quantized else v_smem.at[slot]
+
+      def plain_pv(p16, slot):
+        """P V as a plain dot (Mosaic GPU's interpreter, on a CPU)."""
+        p, v = (p_smems[wg], v_smem[slot].T) if quantized else (p16, v_smem[slot])
+        return jnp.dot(p, v, preferred_element_type=jnp.float32)
+
+      def rounded(p):
+        """P for the next P V: 16-bit registers, or (an FP8 call) e4m3 in this consumer's P
+        tile, visible to the tensor cores (then None is carried)."""
+        if not quantized:
+          return p.astype(q_smem.dtype)
+        p_smems.at[wg][...] = p.astype(p_smems.dtype)
+        plgpu.commit_smem()
+        if not params.interpret:  # every thread's part is written before the wgmma reads it
+          _emit(mgpu.utils.warpgroup_barrier)
+        return None
 
       def pv_turn(acc, p16, slot, meanwhile):
         """In this consumer's next turn: O += P V (V from ``slot``), running ``meanwhile()``
@@ -502,11 +562,11 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         if params.interpret:
           # Mosaic GPU's interpreter (tests on a CPU) has neither run_state nor a wgmma operand
           # in registers: there P V is a plain dot of the same tiles.
-          acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+          acc = acc + plain_pv(p16, slot)
           meanwhile()
         else:
           def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            plgpu.wgmma(acc_ref, p_operand(p16), v_operand(slot))
             meanwhile()
 
           acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulates in place
@@ -520,7 +580,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         slot = slot_at(n)
         s = scores(j, slot)
         p, m_new, l, alpha = softmax(j, s, m, l, masked)
-        p16 = p.astype(q_smem.dtype)
+        p16 = rounded(p)
         acc = acc * _rows(alpha, acc.shape)
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
 
@@ -542,7 +602,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         plgpu.barrier_wait(k_ready.at[slot])
         await_turn()
         p, m, l, _ = softmax(j, scores(j, slot), m, l, masked)
-        return acc, m, l, p.astype(q_smem.dtype)
+        return acc, m, l, rounded(p)
 
       def overlapped(n, j, carry, masked: bool):
         acc, m, l, p_prev = carry
@@ -551,12 +611,13 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         plgpu.barrier_wait(v_ready.at[prev])
         await_turn()
         if params.interpret:  # the interpreter's P V is a plain dot (see `pv_turn`)
-          acc = acc + jnp.dot(p_prev, v_smem[prev], preferred_element_type=jnp.float32)
+          acc = acc + plain_pv(p_prev, prev)
           p, m, l, alpha = softmax(j, scores(j, slot), m, l, masked)
         else:
           def block(refs):
             acc_ref, p_ref, m_ref, l_ref, alpha_ref = refs
-            s = scores(j, slot, also=lambda: plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev]))
+            s = scores(j, slot, also=lambda: plgpu.wgmma(acc_ref, p_operand(p_prev),
+                                                         v_operand(prev)))
             p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(j, s, m, l, masked)
 
           # run_state waits for every wgmma when it ends: P_{j-1} V_{j-1} is then in acc. O and
@@ -564,9 +625,10 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           # before then: O is rescaled, and P_j rounded to 16 bits, only afterwards (else ptxas
           # serialises every wgmma, warning C7513).
           acc, p, m, l, alpha = pl.run_state(block)(
-              (plgpu.ACC.init(acc), jnp.zeros_like(p_prev, jnp.float32), m, l, m))
+              (plgpu.ACC.init(acc), plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
+                                                      plgpu.Layout.WGMMA), m, l, m))
         plgpu.barrier_arrive(v_free.at[prev])
-        return acc * _rows(alpha, acc.shape), m, l, p.astype(q_smem.dtype)
+        return acc * _rows(alpha, acc.shape), m, l, rounded(p)
 
       def last(n, carry):
         acc, m, l, p16 = carry
@@ -577,8 +639,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
               plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _ROWS),
               plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROWS))
       if config.intra_wg_overlap:
-        p_init = plgpu.layout_cast(jnp.zeros((block_q, block_kv), q_smem.dtype),
-                                   plgpu.Layout.WGMMA)
+        p_init = None if quantized else plgpu.layout_cast(
+            jnp.zeros((block_q, block_kv), q_smem.dtype), plgpu.Layout.WGMMA)
         carry = walk(spans, first, init + (p_init,), count=1)
         carry = walk(spans, overlapped, carry, skip=1)
         acc, m, l, _ = lax.fori_loop(jnp.maximum(visits - 1, 0), visits, last, carry)
@@ -596,6 +658,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       factor, lse2 = _core.finish_rows(m, l, seen, sink2)
       if row_key is not None:
         factor = factor * params.keep_scale
+      if v_descale is not None:
+        factor = factor * v_descale
       out = jnp.where(_rows(seen, acc.shape), acc * _rows(factor, acc.shape), 0.0)
       if grid.ctas is not None:
         # The previous item's O and LSE tiles must have left shared memory. Only the thread
@@ -629,6 +693,12 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         keys = pl.ds(j * block_kv, block_kv)
         plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], smem.at[slot], ready.at[slot])
 
+      def load_v(j, slot):  # an FP8 call's V is [B, K, Dv, keys]
+        if not quantized:
+          return load(v_ref, v_smem, v_ready, j, slot)
+        tile = v_ref.at[batch, kv_head, pl.ds(0, value_dim), pl.ds(j * block_kv, block_kv)]
+        plgpu.copy_gmem_to_smem(tile, v_smem.at[slot], v_ready.at[slot])
+
       def visit(n, j, carry, masked):
         del masked
         n = first_block + n
@@ -637,7 +707,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
         load(k_ref, k_smem, k_ready, j, slot)  # K goes first: the consumers need it first
         pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
-        load(v_ref, v_smem, v_ready, j, slot)
+        load_v(j, slot)
         return carry
 
       walk(spans, visit, _i32(0))
@@ -658,6 +728,33 @@ def observe_last_releases(visits, stages: int, *free_barriers):
     slot = lax.rem(n, jnp.asarray(stages, n.dtype))
     for free in free_barriers:
       plgpu.barrier_wait(free.at[slot])
+
+
+def _transposed_values(v, hvp: int):
+  """An FP8 call's V as the kernel reads it, [B, K, hvp, keys] (keys padded to whole 128-byte
+  swizzled rows, as TMA asks): FP8 wgmma takes only K-major operands, and in P V the keys are
+  the contracted axis."""
+  v = _pad(v, _round_up(v.shape[1], 128), hvp)
+  return jnp.transpose(v, (0, 2, 3, 1))
+
+
+def _descales(inputs: Inputs, rows: int, keys: int) -> dict:
+  """An FP8 call's factors for the kernel (`_Extras`): 1 where the call has none; per row or
+  per key ones transposed to [B, heads, L] and padded to ``rows`` / ``keys``."""
+  b, _, n, _ = inputs.query.shape
+  kh = inputs.key.shape[2]
+  out = {}
+  for name, heads, length in (("q_descale", n, rows), ("k_descale", kh, keys),
+                              ("v_descale", kh, None)):
+    d = getattr(inputs, name)
+    if d is None:
+      d = jnp.ones((b, heads), jnp.float32)
+    elif d.shape[1] == 1:
+      d = d[:, 0]
+    else:
+      d = _pad_to(jnp.transpose(d, (0, 2, 1)), (b, heads, length))
+    out[name] = d.astype(jnp.float32)
+  return out
 
 
 def _pad(x, length: int, hp: int):
@@ -732,29 +829,45 @@ def forward(inputs: Inputs, params: Params, config: Config):
   hv = v.shape[3]
   groups = n // k.shape[2]
   hp, hvp = padded_head_dim(h), padded_head_dim(hv)  # (V and O padded on their own)
+  quantized = fp8.is_fp8(q.dtype)
+  if quantized and hp > 64:  # whole 128-byte rows of FP8 (a swizzle's tiling)
+    hp = _round_up(h, 128)
   # TMA copies swizzled 8x64 tiles, so sequence lengths must be multiples of 8 in memory.
   q = _pad(q, _round_up(t, 8), hp)
-  k, v = _pad(k, _round_up(k.shape[1], 8), hp), _pad(v, _round_up(v.shape[1], 8), hvp)
+  k = _pad(k, _round_up(k.shape[1], 8), hp)
+  v = _transposed_values(v, hvp) if quantized else _pad(v, _round_up(v.shape[1], 8), hvp)
   rows_per_cta = _CONSUMERS * config.block_q
   q_tiles = pl.cdiv(t, rows_per_cta)
   extras = _extras(inputs, q_tiles * rows_per_cta, _round_up(k.shape[1], config.block_kv))
   extras = with_order(with_lists(extras, inputs, params, rows_per_cta, config.block_kv), inputs)
   if inputs.sinks is not None:
     extras = extras._replace(sinks=inputs.sinks.astype(jnp.float32) * _core.LOG2_E)
+  if quantized:
+    extras = extras._replace(**_descales(inputs, q_tiles * rows_per_cta,
+                                         _round_up(k.shape[1], config.block_kv)))
   elementwise = extras.mask is not None or extras.q_segment_ids is not None
   schedule = Schedule(params.window, rows_per_cta, config.block_kv, elementwise)
   stages = config.num_stages
-  out_dtype = jnp.float32 if params.partial else q.dtype
-  own_o_tile = params.partial or config.persistent_ctas is not None or hvp != hp
+  out_dtype = jnp.float32 if params.partial else params.output_dtype(inputs)
+  own_o_tile = (params.partial or config.persistent_ctas is not None or hvp != hp
+                or quantized)
+  # One swizzle per product: Q and K rows of hp elements, P and V rows of block_kv FP8 ones.
+  qk_swizzle = min(128, hp * q.dtype.itemsize)
+  pv_swizzle = min(128, config.block_kv)
+  v_tile = ((stages, hvp, config.block_kv), pv_swizzle) if quantized else (
+      (stages, config.block_kv, hvp), 128)
   scratch = (
       # Q (in one of ``q_buffers`` buffers per item), then O on the way out.
-      _smem_tile((config.q_buffers * _CONSUMERS, config.block_q, hp), q.dtype),
-      _smem_tile((stages, config.block_kv, hp), k.dtype),
-      _smem_tile((stages, config.block_kv, hvp), v.dtype),
+      _smem_tile((config.q_buffers * _CONSUMERS, config.block_q, hp), q.dtype, qk_swizzle),
+      _smem_tile((stages, config.block_kv, hp), k.dtype, qk_swizzle),
+      _smem_tile(v_tile[0], v.dtype, v_tile[1]),
       plgpu.SMEM((_CONSUMERS, config.block_q), jnp.float32),  # LSE rows on the way out
-      # O on the way out: a partial result's (float32), or a persistent CTA's (Q's tile is
-      # then loading the next item). Otherwise O goes out through Q's tile.
+      # O on the way out: a partial result's (float32), an FP8 call's, or a persistent CTA's
+      # (Q's tile is then loading the next item). Otherwise O goes out through Q's tile.
       _smem_tile((_CONSUMERS, config.block_q, hvp), out_dtype) if own_o_tile else None,
+      # An FP8 call's P tiles (e4m3), one per consumer.
+      _smem_tile((_CONSUMERS, config.block_q, config.block_kv), jnp.float8_e4m3fn,
+                 pv_swizzle) if quantized else None,
       plgpu.Barrier(num_barriers=config.q_buffers * _CONSUMERS),  # q_ready
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_barriers=stages),  # v_ready

@@ -1,0 +1,343 @@
+"""FP8 attention: the forward's speed next to cuDNN's FP8 and to bf16, and its accuracy.
+
+The one command, on the GPU machine from the repo root:
+
+    PYTHONPATH=. python benchmarks/fp8.py
+
+It writes benchmarks/results/<device>/fp8.json (--out to choose) and a .md table beside it, and
+prints the table; the JSON is rewritten after every row. ``--smoke`` runs tiny shapes on a CPU
+(the XLA backend, for CI); ``--parts speed accuracy`` picks the parts; ``--configs`` adds rows of
+other Mosaic FP8 tiles (the tuning that `jaxflash.backends.mosaic.config.FP8_TUNED` records).
+
+**Speed** (forward only; FP8 has no backward of its own: `jaxflash.fp8_attention` differentiates
+in 16 bits). Shapes: the training grid's 16k tokens of hidden 2048 (B = 1, S = 16384, 2048 / D
+heads) at D = 128 and 256, and NVIDIA's B = 1, 64-head shape at D = 128, causal and not. Rows
+``{D, S, causal, impl, mode, tflops}`` and more, with impl:
+
+- ``jaxflash_fp8``: `jaxflash.flash_attention` on e4m3 inputs with one descale per (batch row,
+  K/V head), FlashAttention-3's form (the Mosaic FP8 forward).
+- ``jaxflash_fp8_token``: the same with one query and key descale per token (block
+  quantisation's form), which costs a multiply per score.
+- ``jaxflash``: bf16 (`implementation=None`).
+- ``cudnn_fp8``: cuDNN's FP8 forward through JAX's private
+  ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(..., use_fp8=True)`` (e4m3 in
+  and out, per-tensor descales).
+- ``cudnn``: cuDNN's bf16 forward (``jax.nn.dot_product_attention``).
+
+FLOPs: 4 B N S^2 D, half when causal (`cases.flops`). Each executable is checked first: batch row
+0, the first and last heads and 512 query rows against the float32 reference of the dequantised
+inputs; over 5e-2 relative error (FP8's own) marks the row ``wrong``. Timing as the other
+benchmarks (`cases.time_calls`).
+
+**Accuracy**: RMSE of the output against a float64 reference (NumPy on the host) at B = 1, S =
+2048, 8 heads, D = 128, causal, on normal inputs (q, k, v ~ N(0, 1)) and on inputs with outlier
+features (0.1% of the (head, channel) pairs, at least one, scaled by a factor from [10, 50] in
+every token of q and k: `accuracy_inputs`). Methods:
+``bf16`` (the inputs rounded to bf16), ``fp8`` (plain per-tensor e4m3), ``fp8_block`` (one scale
+per token and head, no rotation) and ``fp8_rotated`` (the same after `jaxflash.random_rotation`,
+FlashAttention-3's incoherent processing). Rows ``{case: "accuracy", inputs, method, rmse}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxflash
+from jaxflash.attention import attention_with_config
+from jaxflash.backends import mosaic
+
+import report
+from cases import flops, time_calls
+
+E4M3 = jnp.float8_e4m3fn
+FP8_TOLERANCE = 5e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  b: int
+  s: int
+  n: int
+  d: int
+  causal: bool
+
+
+SPEED = [Shape(1, 16384, 2048 // d, d, c) for d in (128, 256) for c in (False, True)] + [
+    Shape(1, 16384, 64, 128, c) for c in (False, True)]
+SMOKE = [Shape(1, 200, 2, d, c) for d in (64, 128) for c in (False, True)]
+IMPLS = ("jaxflash_fp8", "jaxflash_fp8_token", "jaxflash", "cudnn_fp8", "cudnn")
+# Mosaic FP8 tiles the tuner rows try (--configs), by name.
+CONFIGS = {
+    "kv128": dict(block_kv=128),
+    "kv128_overlap": dict(block_kv=128, intra_wg_overlap=True),
+    "kv64_overlap": dict(block_kv=64, intra_wg_overlap=True),
+    "kv128_stages3": dict(block_kv=128, num_stages=3),
+    "kv128_persistent": dict(block_kv=128, persistent_ctas=132),
+}
+
+
+def quantized(q, k, v, block_size=None, rotation=None):
+  """(q8, k8, v8) and their descales as `flash_attention` takes them."""
+  (q8, qd), (k8, kd) = (jaxflash.quantize_fp8(x, block_size=block_size, rotation=rotation)
+                        for x in (q, k))
+  v8, vd = jaxflash.quantize_fp8(v)
+  return (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
+
+
+def per_tensor(q, k, v):
+  """Plain FP8: one scale per tensor (what cuDNN's FP8 call takes)."""
+  out, scales = [], []
+  for x in (q, k, v):
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    scale = jnp.where(amax > 0, amax / 448.0, 1.0)
+    out.append(jnp.clip(x.astype(jnp.float32) / scale, -448, 448).astype(E4M3))
+    scales.append(scale)
+  return out, dict(q_descale=scales[0], k_descale=scales[1], v_descale=scales[2])
+
+
+def cudnn_fp8(q8, k8, v8, descales, causal: bool, scale: float):
+  """cuDNN's FP8 forward (private JAX API): e4m3 output, converted to float32 here."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  one = jnp.ones((1, 1, 1, 1), jnp.float32)
+  params = {name: one for name in cudnn.fp8_params_keys}
+  params.update(descale_q=descales["q_descale"] * one, descale_k=descales["k_descale"] * one,
+                descale_v=descales["v_descale"] * one)
+  mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
+  out = cudnn.dot_product_attention(q8, k8, v8, fp8_params=params, scale=scale,
+                                    mask_type=mask, use_fp8=True)[0]
+  return out.astype(jnp.float32)
+
+
+def speed_fn(impl: str, shape: Shape, implementation, config=None):
+  """``(fn, args)`` of one speed row: fn(*args) is the output."""
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (shape.b, shape.s, shape.n, shape.d), jnp.bfloat16)
+             for key in keys)
+  causal = shape.causal
+  if impl == "jaxflash":
+    return (lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=causal,
+                                                     implementation=implementation)), (q, k, v)
+  if impl == "cudnn":
+    return (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                         implementation="cudnn")), (q, k, v)
+  if impl == "cudnn_fp8":
+    qkv8, descales = per_tensor(q, k, v)
+    return (lambda q8, k8, v8, d: cudnn_fp8(q8, k8, v8, d, causal, shape.d ** -0.5)), (
+        *qkv8, descales)
+  qkv8, descales = quantized(q, k, v, block_size=1 if impl == "jaxflash_fp8_token" else None)
+
+  def fn(q8, k8, v8, d):
+    return attention_with_config(q8, k8, v8, is_causal=causal, config=config,
+                                 implementation=implementation, **d)
+  return fn, (*qkv8, descales)
+
+
+def dequantized(x8, descale):
+  d = np.asarray(descale, np.float32)
+  if d.ndim == 0:
+    return np.asarray(x8, np.float32) * d
+  d = d[:, None] if d.ndim == 2 else d
+  return np.asarray(x8, np.float32) * d[..., None]
+
+
+def check(shape: Shape, args, got) -> float:
+  """Relative error of batch row 0, the first and last heads and up to 512 query rows against
+  the float32 reference of the (dequantised) inputs."""
+  if len(args) == 4:
+    real = [dequantized(x, args[3][name]) for x, name in
+            zip(args[:3], ("q_descale", "k_descale", "v_descale"))]
+  else:
+    real = [np.asarray(x, np.float32) for x in args]
+  rng = np.random.default_rng(0)
+  rows = np.arange(shape.s) if shape.s <= 512 else np.union1d(
+      np.arange(shape.s - 128, shape.s), rng.choice(shape.s - 128, 384, replace=False))
+  heads = sorted({0, shape.n - 1})
+  q = jnp.asarray(real[0][:1][:, rows][:, :, heads])
+  k, v = (jnp.asarray(x[:1][:, :, heads]) for x in real[1:])
+  mask = jnp.ones((len(rows), shape.s), bool)
+  if shape.causal:
+    mask = jnp.asarray(rows)[:, None] >= jnp.arange(shape.s)[None, :]
+  with jax.default_matmul_precision("highest"):
+    want = np.asarray(jaxflash.reference_attention(q, k, v, mask=mask[None, None],
+                                                   scale=shape.d ** -0.5)[0], np.float64)
+  got = np.asarray(np.asarray(got[:1], np.float32)[:, rows][:, :, heads], np.float64)
+  return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def run_speed(shapes, impls, implementation, configs, out: Path, result: dict) -> None:
+  for shape in shapes:
+    variants = [(impl, None, None) for impl in impls]
+    variants += [("jaxflash_fp8", name, mosaic.Config(**fields)) for name, fields in configs]
+    for impl, name, config in variants:
+      row = dict(case="speed", D=shape.d, S=shape.s, B=shape.b, N=shape.n,
+                 causal=shape.causal, impl=impl, mode="fwd", config=name)
+      try:
+        fn, args = speed_fn(impl, shape, implementation, config)
+        compiled = jax.jit(fn).lower(*args).compile()
+        got = compiled(*args)
+        err = check(shape, args, got)
+        ms, _ = time_calls(compiled, args)
+        row.update(ms=round(ms, 4), tflops=round(
+            flops(shape.b, shape.n, shape.s, shape.d, shape.causal, "fwd") / ms / 1e9, 1),
+            relerr=err, wrong=not err <= FP8_TOLERANCE)
+        if impl.startswith("jaxflash"):
+          row["backend"] = "mosaic" if config is not None else _backend(impl, args, shape,
+                                                                        implementation)
+      except Exception as e:  # noqa: BLE001 (a row that failed says why and the run goes on)
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      result["rows"].append(row)
+      print(json.dumps(row), flush=True)
+      write(result, out)
+
+
+def _backend(impl, args, shape, implementation) -> str:
+  extra = args[3] if len(args) == 4 else {}
+  return jaxflash.implementation_for(*args[:3], is_causal=shape.causal,
+                                     implementation=implementation, **extra)
+
+
+def accuracy_inputs(kind: str, shape: Shape, seed: int = 1):
+  """q, k, v ~ N(0, 1) in float32; with ``kind="outliers"`` 0.1% of the features (at least one
+  (head, channel) pair) are outliers: that channel of every token of q and k is multiplied by a
+  factor drawn from [10, 50] (the channel-wise outliers of LLM activations). The value keeps
+  its normal entries: the rotation, which must cancel in q kᵀ, cannot be applied to it."""
+  keys = jax.random.split(jax.random.key(seed), 5)
+  xs = [jax.random.normal(key, (shape.b, shape.s, shape.n, shape.d), jnp.float32)
+        for key in keys[:3]]
+  if kind == "outliers":
+    features = shape.n * shape.d
+    count = max(1, round(1e-3 * features))
+    chosen = jax.random.choice(keys[3], features, (count,), replace=False)
+    factors = jax.random.uniform(keys[4], (count,), minval=10.0, maxval=50.0)
+    scale = jnp.ones(features).at[chosen].set(factors).reshape(shape.n, shape.d)
+    xs = [xs[0] * scale, xs[1] * scale, xs[2]]
+  return xs
+
+
+def reference64(q, k, v, causal: bool) -> np.ndarray:
+  """The float64 output on the host."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+  if causal:
+    s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
+  s = s - s.max(-1, keepdims=True)
+  p = np.exp(s)
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum("bnts,bsnh->btnh", p, v)
+
+
+def run_accuracy(shape: Shape, implementation, out: Path, result: dict) -> None:
+  rotation = jaxflash.random_rotation(jax.random.key(7), shape.d)
+  for kind in ("normal", "outliers"):
+    q, k, v = accuracy_inputs(kind, shape)
+    want = reference64(q, k, v, shape.causal)
+    calls = {
+        "bf16": lambda: jaxflash.flash_attention(
+            *(x.astype(jnp.bfloat16) for x in (q, k, v)), is_causal=shape.causal,
+            implementation=implementation),
+        "fp8": lambda: _fp8(per_tensor(q, k, v), shape, implementation),
+        "fp8_block": lambda: _fp8(quantized(q, k, v, block_size=1), shape, implementation),
+        "fp8_rotated": lambda: _fp8(quantized(q, k, v, block_size=1, rotation=rotation), shape,
+                                    implementation),
+    }
+    for method, call in calls.items():
+      row = dict(case="accuracy", inputs=kind, method=method, B=shape.b, S=shape.s, N=shape.n,
+                 D=shape.d, causal=shape.causal)
+      try:
+        got = np.asarray(call(), np.float64)
+        row["rmse"] = float(np.sqrt(np.mean((got - want) ** 2)))
+        row["backend"] = _accuracy_backend(method, q, k, v, shape, implementation)
+      except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      result["rows"].append(row)
+      print(json.dumps(row), flush=True)
+      write(result, out)
+
+
+def _fp8(quant, shape: Shape, implementation):
+  (q8, k8, v8), descales = quant
+  return jaxflash.flash_attention(q8, k8, v8, is_causal=shape.causal, out_dtype=jnp.float32,
+                                  implementation=implementation, **descales)
+
+
+def _accuracy_backend(method, q, k, v, shape, implementation) -> str:
+  if method == "bf16":
+    return jaxflash.implementation_for(*(x.astype(jnp.bfloat16) for x in (q, k, v)),
+                                       is_causal=shape.causal, implementation=implementation)
+  (q8, k8, v8), _ = per_tensor(q, k, v)
+  return jaxflash.implementation_for(q8, k8, v8, is_causal=shape.causal,
+                                     implementation=implementation)
+
+
+def markdown(result: dict) -> str:
+  lines = [f"# FP8 attention: {report.describe(result)}", "",
+           "Forward TFLOP/s (4 B N S^2 D, half when causal); jaxflash_fp8: e4m3 with one descale "
+           "per (batch row, K/V head); _token: one per token.", "",
+           "| D | heads | causal | impl | config | ms | TFLOP/s | relerr |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in result["rows"]:
+    if r["case"] != "speed":
+      continue
+    head = f"| {r['D']} | {r['N']} | {r['causal']} | {r['impl']} | {r.get('config') or ''} |"
+    if "error" in r:
+      lines.append(f"{head} error: {r['error'][:80]} | | |")
+    else:
+      wrong = " WRONG" if r["wrong"] else ""
+      lines.append(f"{head} {r['ms']:.3f} | {r['tflops']:.0f} | {r['relerr']:.1e}{wrong} |")
+  lines += ["", "Accuracy: RMSE of the output against a float64 reference.", "",
+            "| inputs | method | RMSE |", "|---|---|---|"]
+  for r in result["rows"]:
+    if r["case"] == "accuracy":
+      lines.append(f"| {r['inputs']} | {r['method']} | "
+                   f"{r['rmse']:.2e} |" if "rmse" in r else
+                   f"| {r['inputs']} | {r['method']} | error: {r['error'][:80]} |")
+  return "\n".join(lines) + "\n"
+
+
+def write(result: dict, out: Path) -> None:
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=1) + "\n")
+  out.with_suffix(".md").write_text(markdown(result))
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--parts", nargs="+", default=["speed", "accuracy"],
+                      choices=["speed", "accuracy"])
+  parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+  parser.add_argument("--configs", nargs="*", default=[], choices=list(CONFIGS))
+  parser.add_argument("--shapes", type=int, nargs="*", default=None,
+                      help="indices into the speed shapes")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, XLA backend)")
+  parser.add_argument("--out", type=Path, default=None)
+  args = parser.parse_args(argv)
+  env = report.environment()
+  out = args.out or report.default_out(env, "fp8")
+  implementation = "xla" if args.smoke else None
+  shapes = SMOKE if args.smoke else SPEED
+  if args.shapes is not None:
+    shapes = [shapes[i] for i in args.shapes]
+  impls = [i for i in args.impls if not (args.smoke and i.startswith("cudnn"))]
+  result = dict(environment=env, rows=[])
+  if "speed" in args.parts:
+    run_speed(shapes, impls, implementation, [(c, CONFIGS[c]) for c in args.configs], out,
+              result)
+  if "accuracy" in args.parts:
+    shape = Shape(1, 96, 2, 64, True) if args.smoke else Shape(1, 2048, 8, 128, True)
+    run_accuracy(shape, implementation, out, result)
+  print(markdown(result))
+  if any(r.get("wrong") or "error" in r for r in result["rows"]
+         if r.get("impl", "jaxflash").startswith("jaxflash")):
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  main()
