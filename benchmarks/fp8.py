@@ -81,6 +81,9 @@ CONFIGS = {
     "kv64_overlap": dict(block_kv=64, intra_wg_overlap=True),
     "kv128_stages3": dict(block_kv=128, num_stages=3),
     "kv128_persistent": dict(block_kv=128, persistent_ctas=132),
+    "kv128_overlap_persistent": dict(block_kv=128, intra_wg_overlap=True, persistent_ctas=132),
+    "kv256": dict(block_kv=256),
+    "kv64": dict(block_kv=64),
 }
 
 

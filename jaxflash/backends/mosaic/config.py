@@ -141,7 +141,7 @@ def smem_bytes(config: Config, head_dim: int, partial: bool = False,
                value_dim: int | None = None, itemsize: int = 2) -> int:
   """Shared memory of one CTA: two Q tiles per buffer, the K and V rings, the LSE rows, and two
   O tiles of their own for a partial result (float32), a persistent CTA (16-bit), an FP8 call
-  (``itemsize`` 1, whose two P tiles go through shared memory too) or a value head dim
+  (``itemsize`` 1: its Q tiles are too narrow for a 16-bit O) or a value head dim
   ``value_dim`` (V's and O's; None: ``head_dim``) unlike the query's; otherwise a 16-bit O goes
   out through the Q tiles."""
   hp = padded_head_dim(head_dim)
@@ -152,8 +152,7 @@ def smem_bytes(config: Config, head_dim: int, partial: bool = False,
                       + config.num_stages * config.block_kv * (hp + hvp))
   own_o = config.persistent_ctas is not None or hvp != hp or itemsize == 1
   o_bytes = 4 if partial else 2 if own_o else 0
-  p_bytes = 2 * config.block_q * config.block_kv if itemsize == 1 else 0
-  return tiles + 8 * 64 + o_bytes * 2 * config.block_q * hvp + p_bytes
+  return tiles + 8 * 64 + o_bytes * 2 * config.block_q * hvp
 
 
 # Streaming multiprocessors of the Hopper parts (SXM and GH200: 132), for persistent grids.

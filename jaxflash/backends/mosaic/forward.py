@@ -48,6 +48,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -326,13 +327,13 @@ def _for_items(count, run_item):
 
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref, lse_ref,
-            q_smems, k_smem, v_smem, lse_smem, o_smems, p_smems, q_ready, k_ready, v_ready,
-            k_free, v_free, turns, *, params: Params, config: Config, schedule: Schedule,
-            groups: int, grid: _Grid):
+            q_smems, k_smem, v_smem, lse_smem, o_smems, q_ready, k_ready, v_ready, k_free, v_free,
+            turns, *, params: Params, config: Config, schedule: Schedule, groups: int,
+            grid: _Grid):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
   # An FP8 call's V tiles are stored transposed, [Dv, keys] (`_transposed_values`), and its P
-  # goes to the tensor cores through shared memory (``p_smems``), in e4m3.
-  quantized = p_smems is not None
+  # is rounded to e4m3 (`_fp8_operand`).
+  quantized = fp8.is_fp8(q_smems.dtype)
   value_dim = v_smem.shape[-2 if quantized else -1]  # (O's head dim: V's, maybe not Q's)
   wg = lax.axis_index("wg")
   heavy_first = config.heavy_first and schedule.window.right is not None
@@ -530,29 +531,21 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
                                              params.dropout_rate), p, 0.0)
         return p, m_new, l, alpha
 
-      def p_operand(p16):
-        """P as the P V matmul takes it: the 16-bit registers, or an FP8 call's P tile."""
-        return p_smems.at[wg] if quantized else p16
-
       def v_operand(slot):
         """V of ``slot`` as the P V matmul's B ([keys, Dv])."""
         return v_smem.at[slot].T if quantized else v_smem.at[slot]
 
       def plain_pv(p16, slot):
         """P V as a plain dot (Mosaic GPU's interpreter, on a CPU)."""
-        p, v = (p_smems[wg], v_smem[slot].T) if quantized else (p16, v_smem[slot])
-        return jnp.dot(p, v, preferred_element_type=jnp.float32)
+        v = v_smem[slot].T if quantized else v_smem[slot]
+        return jnp.dot(p16, v, preferred_element_type=jnp.float32)
 
       def rounded(p):
-        """P for the next P V: 16-bit registers, or (an FP8 call) e4m3 in this consumer's P
-        tile, visible to the tensor cores (then None is carried)."""
+        """P as the next P V takes it from registers: 16-bit, or an FP8 call's e4m3."""
         if not quantized:
           return p.astype(q_smem.dtype)
-        p_smems.at[wg][...] = p.astype(p_smems.dtype)
-        plgpu.commit_smem()
-        if not params.interpret:  # every thread's part is written before the wgmma reads it
-          _emit(mgpu.utils.warpgroup_barrier)
-        return None
+        p8 = p.astype(jnp.float8_e4m3fn)
+        return p8 if params.interpret else _fp8_operand(p8)
 
       def pv_turn(acc, p16, slot, meanwhile):
         """In this consumer's next turn: O += P V (V from ``slot``), running ``meanwhile()``
@@ -566,7 +559,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           meanwhile()
         else:
           def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_operand(p16), v_operand(slot))
+            plgpu.wgmma(acc_ref, p16, v_operand(slot))
             meanwhile()
 
           acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulates in place
@@ -616,8 +609,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         else:
           def block(refs):
             acc_ref, p_ref, m_ref, l_ref, alpha_ref = refs
-            s = scores(j, slot, also=lambda: plgpu.wgmma(acc_ref, p_operand(p_prev),
-                                                         v_operand(prev)))
+            s = scores(j, slot, also=lambda: plgpu.wgmma(acc_ref, p_prev, v_operand(prev)))
             p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(j, s, m, l, masked)
 
           # run_state waits for every wgmma when it ends: P_{j-1} V_{j-1} is then in acc. O and
@@ -639,8 +631,9 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
               plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _ROWS),
               plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROWS))
       if config.intra_wg_overlap:
-        p_init = None if quantized else plgpu.layout_cast(
-            jnp.zeros((block_q, block_kv), q_smem.dtype), plgpu.Layout.WGMMA)
+        p_init = plgpu.layout_cast(
+            jnp.zeros((block_q, block_kv), jnp.float8_e4m3fn if quantized else q_smem.dtype),
+            plgpu.Layout.WGMMA_8BIT if quantized else plgpu.Layout.WGMMA)
         carry = walk(spans, first, init + (p_init,), count=1)
         carry = walk(spans, overlapped, carry, skip=1)
         acc, m, l, _ = lax.fori_loop(jnp.maximum(visits - 1, 0), visits, last, carry)
@@ -730,12 +723,50 @@ def observe_last_releases(visits, stages: int, *free_barriers):
       plgpu.barrier_wait(free.at[slot])
 
 
-def _transposed_values(v, hvp: int):
+def _transposed_values(v, hvp: int, permuted: bool = True):
   """An FP8 call's V as the kernel reads it, [B, K, hvp, keys] (keys padded to whole 128-byte
   swizzled rows, as TMA asks): FP8 wgmma takes only K-major operands, and in P V the keys are
-  the contracted axis."""
+  the contracted axis. With ``permuted`` the keys of every 16 are in `_FP8_KEY_ORDER`, the order
+  in which `_fp8_operand` hands P's columns to the tensor cores (the interpreter's plain dot
+  takes them in order)."""
   v = _pad(v, _round_up(v.shape[1], 128), hvp)
-  return jnp.transpose(v, (0, 2, 3, 1))
+  v = jnp.transpose(v, (0, 2, 3, 1))
+  if permuted:
+    shape = v.shape
+    v = v.reshape(shape[:-1] + (shape[-1] // 16, 16))[..., np.asarray(_FP8_KEY_ORDER)]
+    v = v.reshape(shape)
+  return v
+
+
+# Which key of each 16 sits at each place of an FP8 P operand (`_fp8_operand`): the wgmma
+# accumulator gives a thread columns 2l, 2l + 1, 8 + 2l, 9 + 2l of each 16 (l: its lane in the
+# quad), and an 8-bit A operand takes the four bytes a thread holds as columns 4l ... 4l + 3.
+_FP8_KEY_ORDER = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
+
+
+def _fp8_operand(p8):
+  """An e4m3 P tile in the wgmma accumulator's layout as an 8-bit A operand in registers,
+  without moving a byte: each thread's two pairs of every 16 columns become one group of four.
+  This permutes the columns of every 16 (`_FP8_KEY_ORDER`); V's keys are stored in the same
+  order, so P V is unchanged (FlashAttention-3 does the same)."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                     return_type=plgpu.ShapeDtypeStruct(p8.shape, p8.dtype,
+                                                        layout=plgpu.Layout.WGMMA_8BIT))
+  def regroup(ctx, pairs):
+    del ctx
+    registers = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape(pairs.shape), dtype=object)
+    for index in np.ndindex(registers.shape):  # (.., block of 16 columns, .., row half, ..)
+      lo = list(index)
+      lo[1] = 2 * index[1]
+      hi = list(lo)
+      hi[1] += 1
+      registers[index] = mgpu.utils.vector_concat([pairs.registers[tuple(lo)],
+                                                   pairs.registers[tuple(hi)]])
+    return mgpu.FragmentedArray(_registers=registers, _layout=mgpu.WGMMA_LAYOUT_8BIT,
+                                _is_signed=None)
+
+  return regroup(p8)
 
 
 def _descales(inputs: Inputs, rows: int, keys: int) -> dict:
@@ -835,7 +866,10 @@ def forward(inputs: Inputs, params: Params, config: Config):
   # TMA copies swizzled 8x64 tiles, so sequence lengths must be multiples of 8 in memory.
   q = _pad(q, _round_up(t, 8), hp)
   k = _pad(k, _round_up(k.shape[1], 8), hp)
-  v = _transposed_values(v, hvp) if quantized else _pad(v, _round_up(v.shape[1], 8), hvp)
+  if quantized:
+    v = _transposed_values(v, hvp, permuted=not params.interpret)
+  else:
+    v = _pad(v, _round_up(v.shape[1], 8), hvp)
   rows_per_cta = _CONSUMERS * config.block_q
   q_tiles = pl.cdiv(t, rows_per_cta)
   extras = _extras(inputs, q_tiles * rows_per_cta, _round_up(k.shape[1], config.block_kv))
@@ -865,9 +899,6 @@ def forward(inputs: Inputs, params: Params, config: Config):
       # O on the way out: a partial result's (float32), an FP8 call's, or a persistent CTA's
       # (Q's tile is then loading the next item). Otherwise O goes out through Q's tile.
       _smem_tile((_CONSUMERS, config.block_q, hvp), out_dtype) if own_o_tile else None,
-      # An FP8 call's P tiles (e4m3), one per consumer.
-      _smem_tile((_CONSUMERS, config.block_q, config.block_kv), jnp.float8_e4m3fn,
-                 pv_swizzle) if quantized else None,
       plgpu.Barrier(num_barriers=config.q_buffers * _CONSUMERS),  # q_ready
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_barriers=stages),  # v_ready
