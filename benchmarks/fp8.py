@@ -84,6 +84,7 @@ CONFIGS = {
     "kv128_overlap_persistent": dict(block_kv=128, intra_wg_overlap=True, persistent_ctas=132),
     "kv256": dict(block_kv=256),
     "kv64": dict(block_kv=64),
+    "kv256_persistent": dict(block_kv=256, persistent_ctas=132),
 }
 
 

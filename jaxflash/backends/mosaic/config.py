@@ -229,8 +229,19 @@ TUNED: dict[tuple[int, bool], dict] = {
 }
 
 
-# The FP8 forward's config fields by (padded head dim, causal): see `TUNED`.
-FP8_TUNED: dict[tuple[int, bool], dict] = {}
+# The FP8 forward's config fields by (padded head dim, causal), measured as `TUNED` was, with
+# benchmarks/fp8.py --configs (H200, 2026-11-24, B = 1, S = 16k, 2048 / D heads, e4m3 with one
+# descale per head; the committed table is benchmarks/results/h200/fp8.json):
+# - D = 128: 256-key tiles, 851 TFLOP/s (causal 796) where 128 ran 814 (757), 64 ran 691 (651);
+#   the intra-warpgroup overlap and persistent CTAs measured within 2% of 128 or slower.
+# - D = 256: 64-key tiles with the overlap, 884 (causal 879) where without it 877 (834); 128-key
+#   tiles do not fit next to a 16-bit O tile of their own (232.5 KB).
+FP8_TUNED: dict[tuple[int, bool], dict] = {
+    (128, False): dict(block_kv=256),
+    (128, True): dict(block_kv=256),
+    (256, False): dict(block_kv=64, intra_wg_overlap=True),
+    (256, True): dict(block_kv=64, intra_wg_overlap=True),
+}
 
 
 # Backward tiles by padded head dim, from the tuner's "backward" family (`bench.py --tune
