@@ -179,7 +179,8 @@ def check(shape: Shape, args, got) -> float:
 def run_speed(shapes, impls, implementation, configs, out: Path, result: dict) -> None:
   for shape in shapes:
     variants = [(impl, None, None) for impl in impls]
-    variants += [("jaxflash_fp8", name, mosaic.Config(**fields)) for name, fields in configs]
+    variants += [("jaxflash_fp8", name, mosaic.Config(**fields)) for name, fields in configs
+                 if mosaic.config.fits(mosaic.Config(**fields), shape.d, itemsize=1)]
     for impl, name, config in variants:
       row = dict(case="speed", D=shape.d, S=shape.s, B=shape.b, N=shape.n,
                  causal=shape.causal, impl=impl, mode="fwd", config=name)
