@@ -12,6 +12,9 @@ The attention function plugged into every ``nnx.MultiHeadAttention`` is picked w
 
 - ``jaxflash``: ``jaxflash.nnx.dot_product_attention`` (the Triton kernels on an NVIDIA GPU, the
   blockwise pure-JAX backend elsewhere, e.g. on a CPU);
+- ``jaxflash_fp8``: the same hook with ``fp8=True``: the attention forward in FP8
+  (`jaxflash.fp8_attention`: the Mosaic FP8 kernel on Hopper, upcast elsewhere), its gradient in
+  16 bits; compare its loss curve with ``--attention jaxflash,jaxflash_fp8 --compare``;
 - ``flax``:     ``flax.nnx.dot_product_attention``, Flax's default;
 - ``xla``:      ``jax.nn.dot_product_attention(..., implementation="xla")``;
 - ``cudnn``:    ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (NVIDIA GPU,

@@ -5,6 +5,7 @@ cudnn)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -13,7 +14,7 @@ from flax import nnx
 
 import jaxflash.nnx
 
-ATTENTIONS = ("jaxflash", "flax", "xla", "cudnn")
+ATTENTIONS = ("jaxflash", "jaxflash_fp8", "flax", "xla", "cudnn")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,6 +58,8 @@ def attention_fn(name: str) -> Callable[..., jax.Array]:
   """The ``attention_fn`` hook for ``name`` (one of ATTENTIONS)."""
   if name == "jaxflash":
     return jaxflash.nnx.dot_product_attention
+  if name == "jaxflash_fp8":  # the forward in FP8, the gradient in 16 bits
+    return functools.partial(jaxflash.nnx.dot_product_attention, fp8=True)
   if name == "flax":
     return nnx.dot_product_attention
   if name == "xla":

@@ -28,7 +28,8 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
-from jaxflash.attention import decode_attention, flash_attention
+from jaxflash._checks import check_flag
+from jaxflash.attention import decode_attention, flash_attention, fp8_attention
 
 _CACHE_STEP = contextvars.ContextVar("jaxflash_flax_cache_step", default=False)
 # A module with ``sinks=True`` sets this, around its call, to a function that returns its sinks
@@ -115,9 +116,10 @@ def _to_bnts(x: jax.Array | None, batch_shape: tuple[int, ...], as_bool: bool):
 def attend(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
            mask: jax.Array | None, *, broadcast_dropout: bool, dropout_rng: jax.Array | None,
            dropout_rate: float, deterministic: bool, is_causal: bool,
-           implementation=None, sinks: jax.Array | None = None) -> jax.Array:
+           implementation=None, sinks: jax.Array | None = None, fp8: bool = False) -> jax.Array:
   """Flax-convention attention through `jaxflash.flash_attention` (arrays already promoted);
-  ``implementation`` and ``sinks`` as there."""
+  ``implementation`` and ``sinks`` as there; with ``fp8`` through `jaxflash.fp8_attention` (an
+  FP8 forward, a 16-bit gradient; a decoding step stays 16-bit)."""
   batch_shape = query.shape[:-3]
   if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
     # Flattening mismatched batch dims would pair queries with the wrong rows (or fail to
@@ -138,7 +140,8 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array |
     if lengths is not None:
       out = decode_attention(q, k, v, lengths, sinks=sinks, implementation=implementation)
       return out.reshape(query.shape[:-1] + value.shape[-1:])
-  out = flash_attention(
+  attention = fp8_attention if check_flag(fp8, "fp8") else flash_attention
+  out = attention(
       q, k, v, bias=_to_bnts(bias, batch_shape, as_bool=False),
       mask=_to_bnts(mask, batch_shape, as_bool=True), is_causal=is_causal,
       dropout_rate=rate, dropout_rng=dropout_rng if rate > 0.0 else None,
@@ -153,6 +156,13 @@ def no_implementation_for_fallback(implementation, why: str) -> None:
     raise ValueError(f"implementation={implementation!r} asks for a jaxflash backend, but this "
                      f"call falls back to Flax's own attention ({why}); drop implementation= "
                      "(or the option that needs the fallback)")
+
+
+def no_fp8_for_fallback(fp8, why: str) -> None:
+  """A hook that falls back to Flax's own attention cannot run an FP8 forward either."""
+  if fp8:
+    raise ValueError(f"fp8=True asks for jaxflash's FP8 forward, but this call falls back to "
+                     f"Flax's own attention ({why})")
 
 
 def hook_of(attention_fn) -> object:

@@ -54,9 +54,10 @@ def dot_product_attention(
     is_causal: bool = False,
     implementation: str | Sequence[str] | None = None,
     sinks: jax.Array | None = None,
+    fp8: bool = False,
 ) -> jax.Array:
   """`flax.linen.dot_product_attention` computed by jaxflash (same signature, plus ``is_causal``,
-  ``implementation`` and ``sinks``).
+  ``implementation``, ``sinks`` and ``fp8``).
 
   Arrays are ``[batch..., length, heads, depth]`` (value may have its own depth, which the
   output takes); ``query`` arrives unscaled and is scaled by ``1 / sqrt(depth)``. ``mask``
@@ -69,7 +70,9 @@ def dot_product_attention(
   ``implementation`` picks jaxflash's backend as in `jaxflash.flash_attention` (``"mosaic"``,
   ``"triton"``, ``"xla"``: jaxflash's blockwise one, or a sequence of them); None lets jaxflash
   choose. ``sinks`` (float [heads]) are attention sinks as in `jaxflash.flash_attention`; a
-  module made with ``sinks=True`` passes its own.
+  module made with ``sinks=True`` passes its own. ``fp8=True`` runs the forward in FP8 through
+  `jaxflash.fp8_attention` (the gradient stays 16-bit; bind it with ``functools.partial`` to
+  make an ``attention_fn``).
 
   Requests the kernels cannot serve fall back to Flax's own implementation rather than being
   ignored: ``module`` (sowing the T x S weights), ``precision``, custom einsums or dot_generals,
@@ -86,6 +89,7 @@ def dot_product_attention(
     why = "weights sown, a precision, custom einsums, or shapes/dtypes the kernels do not take"
     _flax.no_implementation_for_fallback(implementation, why)
     _flax.no_sinks_for_fallback(sinks, why)
+    _flax.no_fp8_for_fallback(fp8, why)
     if is_causal:
       mask = _flax.with_causal_mask(mask, query, key)
     return nn.dot_product_attention(
@@ -96,7 +100,7 @@ def dot_product_attention(
   return _flax.attend(query, key, value, bias, mask, broadcast_dropout=broadcast_dropout,
                       dropout_rng=dropout_rng, dropout_rate=dropout_rate,
                       deterministic=deterministic, is_causal=is_causal,
-                      implementation=implementation, sinks=sinks)
+                      implementation=implementation, sinks=sinks, fp8=fp8)
 
 
 class _Jaxflash:

@@ -50,10 +50,11 @@ def dot_product_attention(
     is_causal: bool = False,
     implementation: str | Sequence[str] | None = None,
     sinks: jax.Array | None = None,
+    fp8: bool = False,
     **kwargs: Any,
 ) -> jax.Array:
   """`flax.nnx.dot_product_attention` computed by jaxflash (same signature, plus
-  ``implementation`` and ``**kwargs``).
+  ``implementation``, ``sinks``, ``fp8`` and ``**kwargs``).
 
   Arrays are ``[batch..., length, heads, depth]`` (key/value may have fewer heads: GQA; value
   may have its own depth, which the output takes); ``query`` arrives unscaled and is scaled by
@@ -64,7 +65,9 @@ def dot_product_attention(
   ``implementation`` picks jaxflash's backend as in `jaxflash.flash_attention` (``"mosaic"``,
   ``"triton"``, ``"xla"``: jaxflash's blockwise one, or a sequence of them); None lets jaxflash
   choose. ``sinks`` (float [heads]) are attention sinks as in `jaxflash.flash_attention`; a
-  module made with ``sinks=True`` passes its own.
+  module made with ``sinks=True`` passes its own. ``fp8=True`` runs the forward in FP8 through
+  `jaxflash.fp8_attention` (the gradient stays 16-bit; bind it with ``functools.partial`` to
+  make an ``attention_fn``).
 
   Falls back to Flax's own implementation for what the kernels cannot serve: ``module``
   (sowing the T x S weights), ``precision``, a key depth different from the query depth, or
@@ -84,6 +87,7 @@ def dot_product_attention(
     why = "weights sown, a precision, or shapes/dtypes the kernels do not take"
     _flax.no_implementation_for_fallback(implementation, why)
     _flax.no_sinks_for_fallback(sinks, why)
+    _flax.no_fp8_for_fallback(fp8, why)
     return nnx.dot_product_attention(
         query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
         deterministic, dtype, precision, module, promote_dtype=promote_dtype,
@@ -91,7 +95,7 @@ def dot_product_attention(
   return _flax.attend(query, key, value, bias, mask, broadcast_dropout=broadcast_dropout,
                       dropout_rng=dropout_rng, dropout_rate=dropout_rate,
                       deterministic=deterministic, is_causal=is_causal,
-                      implementation=implementation, sinks=sinks)
+                      implementation=implementation, sinks=sinks, fp8=fp8)
 
 
 class MultiHeadAttention(nnx.MultiHeadAttention):

@@ -241,3 +241,47 @@ def test_mosaic_fp8_matches_the_reference_on_gpu():
     want = jaxflash.flash_attention(q8, k8, v8, implementation="xla", out_dtype=jnp.float32,
                                     **descales, **options)
     assert rel_err(out, want) <= 0.05
+
+
+@pytest.mark.parametrize("block_size,overlap", [(None, False), (1, True)])
+def test_mosaic_fp8_kernel(block_size, overlap):
+  """The Mosaic FP8 forward (Mosaic GPU's interpreter on a CPU) against the XLA one on the same
+  FP8 inputs: only P's rounding to e4m3 differs. Per-head and per-token descales, GQA, odd
+  lengths and a window."""
+  from jaxflash.attention import attention_with_config
+  from jaxflash.backends import mosaic
+  q, kk, v, _ = random_qkv(5, 1, 150, 200, 2, 1, 64)
+  (q8, k8, v8), descales = _quantized(q, kk, v, block_size=block_size)
+  options = dict(is_causal=True, local_window_size=(90, 0), **descales)
+  config = None if ON_GPU else mosaic.Config(block_kv=64, intra_wg_overlap=overlap)
+  out = attention_with_config(q8, k8, v8, config=config, implementation="mosaic",
+                              interpret=not ON_GPU, **options)
+  assert out.dtype == jnp.bfloat16
+  want = jaxflash.flash_attention(q8, k8, v8, implementation="xla", out_dtype=jnp.float32,
+                                  **options)
+  assert rel_err(out, want) <= 0.03  # P in e4m3 (measured 1.7e-2)
+
+
+def test_mosaic_declines_what_it_cannot_serve():
+  from jaxflash.attention import attention_with_config
+  from jaxflash.backends import mosaic
+  q, kk, v, _ = random_qkv(0, 1, 64, 64, 2, 2, 64)
+  (q8, k8, v8), _ = _quantized(q, kk, v)
+  with pytest.raises(ValueError, match="key tiles"):
+    attention_with_config(q8, k8, v8, config=mosaic.Config(block_kv=192),
+                          implementation="mosaic", interpret=True)
+
+
+@pytest.mark.parametrize("flavour", ["linen", "nnx"])
+def test_flax_hooks_run_the_fp8_forward(flavour):
+  import functools
+  hooks = pytest.importorskip(f"jaxflash.{flavour}")
+  q, kk, v, _ = random_qkv(6, 2, 32, 32, 4, 4, 16)
+  hook = functools.partial(hooks.dot_product_attention, fp8=True, implementation="xla")
+  out = jax.jit(hook)(q, kk, v)
+  want = jaxflash.fp8_attention(q, kk, v, implementation="xla")
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+  grads = jax.grad(lambda q: jnp.sum(hook(q, kk, v)))(q)
+  assert np.isfinite(np.asarray(grads)).all()
+  with pytest.raises(ValueError, match="fp8=True"):
+    hooks.dot_product_attention(q, kk[..., :8], v, fp8=True)  # falls back: depths differ

@@ -868,3 +868,20 @@ def test_nan_rows_and_determinism():
   assert np.isfinite(out[1, 40:, group:]).all() and np.isfinite(out[0]).all()
   first, second = _run(q, k, v), _run(q, k, v)
   np.testing.assert_array_equal(np.asarray(first, np.float32), np.asarray(second, np.float32))
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("h,causal,per_token", [(64, False, False), (128, True, True),
+                                                (256, True, False)])
+def test_fp8_forward_lowers(h, causal, per_token):
+  """The FP8 forward at its shipped tiles (FP8_TUNED), with per-head or per-token descales."""
+  f8 = jnp.float8_e4m3fn
+  q = jax.ShapeDtypeStruct((2, 300, 8, h), f8)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, h), f8)
+  q_d = jax.ShapeDtypeStruct((2, 300, 8) if per_token else (2, 2), jnp.float32)
+  k_d = jax.ShapeDtypeStruct((2, 1000, 2) if per_token else (2, 2), jnp.float32)
+
+  def fn(q, k, v, q_descale, k_descale):
+    return attention_with_config(q, k, v, implementation="mosaic", is_causal=causal,
+                                 q_descale=q_descale, k_descale=k_descale)
+  assert "mosaic_gpu" in _lower(fn, q, kv, kv, q_d, k_d)
