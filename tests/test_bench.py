@@ -529,6 +529,27 @@ def test_model_features_smoke(tmp_path):
   assert {("gpt_oss_sinks", "jaxflash", "fwdbwd"), ("gpt_oss", "cudnn", "fwdbwd")} <= cells
 
 
+def test_fp8_smoke(tmp_path):
+  """benchmarks/fp8.py on tiny shapes (XLA backend): speed rows checked and timed, accuracy rows
+  with an RMSE; the committed H200 table has the rows and the accuracy claim the issue names."""
+  import fp8
+  out = tmp_path / "fp8.json"
+  fp8.main(["--smoke", "--shapes", "0", "--impls", "jaxflash_fp8", "jaxflash", "--out", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  speed = [r for r in rows if r["case"] == "speed"]
+  assert {r["impl"] for r in speed} == {"jaxflash_fp8", "jaxflash"}
+  assert all(not r["wrong"] and r["ms"] > 0 for r in speed)
+  accuracy = {(r["inputs"], r["method"]): r["rmse"] for r in rows if r["case"] == "accuracy"}
+  assert len(accuracy) == 8 and all(v > 0 for v in accuracy.values())
+  committed = json.loads((BENCHMARKS / "results" / "h200" / "fp8.json").read_text())["rows"]
+  cells = {(r["D"], r["causal"], r["impl"]) for r in committed
+           if r["case"] == "speed" and "tflops" in r and not r.get("config")}
+  assert {(d, c, i) for d in (128, 256) for c in (False, True)
+          for i in ("jaxflash_fp8", "jaxflash", "cudnn_fp8")} <= cells
+  rmse = {(r["inputs"], r["method"]): r["rmse"] for r in committed if r["case"] == "accuracy"}
+  assert rmse[("outliers", "fp8_rotated")] <= 0.5 * rmse[("outliers", "fp8")]
+
+
 def test_forward_tiles_smoke():
   """benchmarks/dev/forward_tiles.py on a tiny shape in Mosaic GPU's interpreter."""
   import forward_tiles
