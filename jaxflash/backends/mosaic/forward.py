@@ -436,9 +436,9 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
       # An FP8 call's factors: the query's (per row or per head) times the key's (per head)
       # scale the scores; a per-key factor multiplies each block's columns.
-      qk_descale, v_descale = None, None
-      kv_head = lax.div(head, jnp.asarray(groups, head.dtype))
+      qk_descale, v_descale, kv_head = None, None, None
       if quantized:
+        kv_head = lax.div(head, jnp.asarray(groups, head.dtype))
         qk_descale = _descale_of(extras.q_descale, batch, head, pl.ds(q_start, block_q), _ROWS)
         if extras.k_descale.ndim == 2:
           qk_descale = qk_descale * extras.k_descale[batch, kv_head]
@@ -617,10 +617,16 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           # before then: O is rescaled, and P_j rounded to 16 bits, only afterwards (else ptxas
           # serialises every wgmma, warning C7513).
           acc, p, m, l, alpha = pl.run_state(block)(
-              (plgpu.ACC.init(acc), plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
-                                                      plgpu.Layout.WGMMA), m, l, m))
+              (plgpu.ACC.init(acc), p_scratch(p_prev), m, l, m))
         plgpu.barrier_arrive(v_free.at[prev])
         return acc * _rows(alpha, acc.shape), m, l, rounded(p)
+
+      def p_scratch(p_prev):
+        """A float32 tile in the accumulator's layout for the next P (an FP8 P operand has the
+        8-bit layout, so its zeros are made afresh)."""
+        if not quantized:
+          return jnp.zeros_like(p_prev, jnp.float32)
+        return plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32), plgpu.Layout.WGMMA)
 
       def last(n, carry):
         acc, m, l, p16 = carry
