@@ -79,7 +79,7 @@ def test_partial_results_where_they_fit(h, fits):
 
 def test_float32_and_wide_heads_are_declined():
   f32 = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.float32)
-  with pytest.raises(backends.UnsupportedCallError, match="bfloat16 and float16 only"):
+  with pytest.raises(backends.UnsupportedCallError, match="bfloat16, float16 and float8 only"):
     _on_h100(lambda: jaxflash.implementation_for(f32, f32, f32, implementation="mosaic"))
   wide = jax.ShapeDtypeStruct((1, 64, 2, 320), BF16)
   with pytest.raises(backends.UnsupportedCallError, match="head dims up to 256"):
