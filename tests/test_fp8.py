@@ -286,3 +286,65 @@ def test_flax_hooks_run_the_fp8_forward(flavour):
   assert np.isfinite(np.asarray(grads)).all()
   with pytest.raises(ValueError, match="fp8=True"):
     hooks.dot_product_attention(q, kk[..., :8], v, fp8=True)  # falls back: depths differ
+
+
+needs_devices = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices")
+
+
+@needs_devices
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_sharded_fp8_call_runs_locally(axis_type):
+  """Batch and heads sharded, per-token descales sharded along: each device computes its own
+  share with no collective, and the result is the unsharded call's."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  kind = AxisType.Auto if axis_type == "auto" else AxisType.Explicit
+  q, kk, v, _ = random_qkv(7, 4, 40, 40, 4, 2, 16)
+  (q8, k8, v8), d = _quantized(q, kk, v, block_size=1)
+  fn = jax.jit(lambda q8, k8, v8, qd, kd, vd: jaxflash.flash_attention(
+      q8, k8, v8, is_causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
+      implementation="xla"))
+  args = (q8, k8, v8, d["q_descale"], d["k_descale"], d["v_descale"])
+  want = fn(*args)
+  mesh = jax.make_mesh((2, 2), ("b", "h"), axis_types=(kind, kind))
+  specs = [P("b", None, "h")] * 5 + [P("b", "h")]
+  with jax.set_mesh(mesh):
+    sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+    got = fn(*sharded)
+    text = fn.lower(*sharded).compile().as_text()
+  assert not any(c in text for c in ("all-gather", "all-reduce", "collective-permute"))
+  assert rel_err(got, want) <= 1e-6
+
+
+@needs_devices
+def test_fp8_attention_batch_sharded_gradients():
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  q, kk, v, d_out = random_qkv(8, 4, 32, 32, 2, 2, 16)
+
+  def loss(q, kk, v):
+    out = jaxflash.fp8_attention(q, kk, v, is_causal=True, block_size=1, implementation="xla")
+    return jnp.sum(out * d_out)
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  want = grad(q, kk, v)
+  mesh = jax.make_mesh((4,), ("b",))
+  with jax.set_mesh(mesh):
+    got = grad(*(jax.device_put(x, NamedSharding(mesh, P("b"))) for x in (q, kk, v)))
+  for g, w in zip(got, want):
+    assert rel_err(g, w) <= 1e-5
+
+
+@needs_devices
+def test_fp8_call_inside_shard_map():
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  q, kk, v, _ = random_qkv(9, 4, 24, 24, 2, 2, 16)
+  (q8, k8, v8), d = _quantized(q, kk, v)
+  mesh = jax.make_mesh((4,), ("b",))
+
+  def local(q8, k8, v8, qd, kd, vd):
+    return jaxflash.flash_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                    implementation="xla")
+  args = (q8, k8, v8, d["q_descale"], d["k_descale"], d["v_descale"])
+  want = local(*args)
+  with jax.set_mesh(mesh):
+    sharded = [jax.device_put(x, NamedSharding(mesh, P("b"))) for x in args]
+    got = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("b"), out_specs=P("b")))(*sharded)
+  assert rel_err(got, want) <= 1e-6
