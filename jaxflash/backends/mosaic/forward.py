@@ -37,6 +37,12 @@ zero-filled by TMA on the way in, masked by the key length, and clipped by TMA o
 Mask, bias and segment-id tiles are read by the consumers from global memory; dropout draws
 `jaxflash.dropout`'s mask entry by entry from absolute coordinates.
 
+FP8 (float8 Q, K and V, `jaxflash.fp8`): the same kernel with e4m3/e5m2 wgmma. V is stored
+transposed ([B, K, Dv, keys], `_transposed_values`: an FP8 wgmma takes only K-major operands),
+P is rounded to e4m3 and handed to the P V wgmma from registers (`_fp8_operand`), and the
+descale factors join the scale (query and key) and the epilogue's row factor (value). See
+docs/fp8.md.
+
 With ``params.interpret`` the kernel runs in Mosaic GPU's interpreter (tests on a CPU), which
 lacks ``run_state`` and wgmma operands in registers: only the P V step differs there.
 """
