@@ -85,6 +85,7 @@ CONFIGS = {
     "kv256": dict(block_kv=256),
     "kv64": dict(block_kv=64),
     "kv256_persistent": dict(block_kv=256, persistent_ctas=132),
+    "kv256_overlap": dict(block_kv=256, intra_wg_overlap=True),
 }
 
 

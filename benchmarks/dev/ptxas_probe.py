@@ -26,6 +26,11 @@ CONFIGS = {
     "d256_kv64": (256, False, dict(block_kv=64)),
     "d256_kv64_overlap": (256, False, dict(block_kv=64, intra_wg_overlap=True)),
     "d64": (64, False, {}),
+    # The FP8 forward (``fp8_`` names: e4m3 inputs, no descales).
+    "fp8_d128_kv128": (128, False, dict(block_kv=128)),
+    "fp8_d128_kv256": (128, False, dict(block_kv=256)),
+    "fp8_d128_kv128_overlap": (128, False, dict(block_kv=128, intra_wg_overlap=True)),
+    "fp8_d256_kv64_overlap": (256, False, dict(block_kv=64, intra_wg_overlap=True)),
     "d64_overlap": (64, False, dict(intra_wg_overlap=True)),
     # The backward (``bwd_`` names compile the gradient: the forward, dQ and dK/dV kernels).
     "bwd_d64": (64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128))),
@@ -62,6 +67,8 @@ def compile_one(name: str) -> None:
     kwargs = dict(kwargs, backward=mosaic.config.Backward(**kwargs["backward"]))
   config = mosaic.Config(**kwargs)
   q = jax.random.normal(jax.random.key(0), (2, 2048, 8, d), jnp.bfloat16)
+  if name.startswith("fp8_"):
+    q = q.astype(jnp.float8_e4m3fn)
 
   def attend(q):
     return attention_with_config(q, q, q, is_causal=causal, config=config,
