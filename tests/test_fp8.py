@@ -348,3 +348,22 @@ def test_fp8_call_inside_shard_map():
     sharded = [jax.device_put(x, NamedSharding(mesh, P("b"))) for x in args]
     got = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("b"), out_specs=P("b")))(*sharded)
   assert rel_err(got, want) <= 1e-6
+
+
+def test_fp8_under_strict_rank_promotion_and_split_keys():
+  """Strict rank promotion (no implicit broadcasting anywhere on the FP8 paths), and a key
+  split of an FP8 call with per-key factors (each range gets its own keys' factors)."""
+  from jaxflash import _checks
+  from jaxflash import backends
+  from jaxflash.ops import partial
+  q, kk, v, d_out = random_qkv(10, 2, 33, 47, 4, 2, 16)
+  (q8, k8, v8), d = _quantized(q, kk, v, block_size=1)
+  with jax.numpy_rank_promotion("raise"):
+    out = jaxflash.flash_attention(q8, k8, v8, is_causal=True, implementation="xla", **d)
+    jax.grad(lambda q: jnp.sum(jaxflash.fp8_attention(q, kk, v, block_size=4,
+                                                      implementation="xla") * d_out))(q)
+  call = _checks.normalise(q8, k8, v8, is_causal=True, **d)
+  backend = backends.get("xla")
+  split, _ = partial.split_keys_attention(call.inputs, call.params, backend, backend.Config(),
+                                          (20,))
+  assert rel_err(split.astype(jnp.float32), out.astype(jnp.float32)) <= 1e-2

@@ -33,9 +33,10 @@ __all__ = ["merge", "with_sinks", "key_range", "split_keys_attention"]
 def key_range(inputs: Inputs, start: int, stop: int) -> Inputs:
   """The inputs of the same call restricted to keys ``[start, stop)`` (static ints).
 
-  K/V, key segment ids and the key axis of mask and bias are sliced; key lengths are shifted
-  into the range and the key offset moves by ``start``, so the band and the dropout mask see
-  every key at the absolute position it had in the whole call.
+  K/V, key segment ids, the key axis of mask and bias, and an FP8 call's per-key descale
+  factors are sliced; key lengths are shifted into the range and the key offset moves by
+  ``start``, so the band and the dropout mask see every key at the absolute position it had in
+  the whole call.
   """
   def keys(x, axis):
     return None if x is None else lax.slice_in_dim(x, start, stop, axis=axis)
@@ -43,8 +44,11 @@ def key_range(inputs: Inputs, start: int, stop: int) -> Inputs:
   b = inputs.query.shape[0]
   kv_len = jnp.clip(inputs.lengths[:, 1] - start, 0, stop - start)
   offsets = inputs.offsets if inputs.offsets is not None else jnp.zeros((b, 2), jnp.int32)
+  k_descale = inputs.k_descale
+  if k_descale is not None and k_descale.shape[1] > 1:  # per key, [B, S, K]
+    k_descale = keys(k_descale, 1)
   return inputs._replace(
-      key=keys(inputs.key, 1), value=keys(inputs.value, 1),
+      key=keys(inputs.key, 1), value=keys(inputs.value, 1), k_descale=k_descale,
       kv_segment_ids=keys(inputs.kv_segment_ids, 1), mask=keys(inputs.mask, 3),
       bias=keys(inputs.bias, 3), lengths=inputs.lengths.at[:, 1].set(kv_len),
       offsets=offsets.at[:, 1].add(start))
@@ -76,7 +80,7 @@ def _split_forward(inputs, params, backend, config, boundaries):
     outs.append(out)
     lses.append(jnp.swapaxes(_core.user_lse(lse2), 1, 2))  # [B, T, N], like the outputs
   out, lse = with_sinks(*merge(outs, lses), inputs.sinks)
-  out = out if params.partial else out.astype(inputs.query.dtype)
+  out = out if params.partial else out.astype(params.output_dtype(inputs))
   return out, _core.base2_lse(jnp.swapaxes(lse, 1, 2))
 
 

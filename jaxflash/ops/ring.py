@@ -271,7 +271,7 @@ def _forward(inputs: Inputs, params: Params, ring: Ring):
   out = jnp.concatenate([m[0] for m in merged], axis=1)
   lse = jnp.concatenate([m[1] for m in merged], axis=1)  # [B, T, N]
   out, lse = partial.with_sinks(out, lse, sinks)
-  out = out if params.partial else out.astype(inputs.query.dtype)
+  out = out if params.partial else out.astype(params.output_dtype(inputs))
   return out, _core.base2_lse(jnp.swapaxes(lse, 1, 2))
 
 
