@@ -108,8 +108,8 @@ class _Jaxflash:
   methods wrap Flax's):
 
   - ``__post_init__`` binds the fields ``is_causal`` (not in decode mode, where the cache's
-    occupancy mask already is the causal mask for the one query token) and ``implementation``
-    into ``attention_fn``, which must take them;
+    occupancy mask already is the causal mask for the one query token), ``implementation``
+    and ``fp8`` into ``attention_fn``, which must take them;
   - ``__call__`` runs a decode step (``decode=True``, the cache already made) that passes no
     ``mask`` inside `_flax.cache_step`, where the hook runs `jaxflash.decode_attention` on the
     cache; every other call runs as Flax's. With ``sinks=True`` the hook gets the module's
@@ -122,7 +122,7 @@ class _Jaxflash:
       _flax.check_takes_module_sinks(self.attention_fn, dot_product_attention, "linen")
     object.__setattr__(self, "attention_fn", _flax.bind_options(
         self.attention_fn, is_causal=True if self.is_causal and not self.decode else None,
-        implementation=self.implementation))
+        implementation=self.implementation, fp8=True if self.fp8 else None))
     super().__post_init__()
 
   def __call__(self, *args, **kwargs):
@@ -150,6 +150,8 @@ class MultiHeadDotProductAttention(_Jaxflash, nn.MultiHeadDotProductAttention):
     sinks: (default False) learnable attention sinks: a ``sinks`` parameter [num_heads]
       (float32, zeros at init) that joins every softmax denominator
       (`jaxflash.flash_attention`'s ``sinks``).
+    fp8: (default False) run the attention forward in FP8 (`jaxflash.fp8_attention`; the
+      gradient stays 16-bit), passed to the ``attention_fn``, which must take it.
 
   With ``decode=True``, a step that passes no ``mask`` runs `jaxflash.decode_attention` on the
   cache (its occupancy gives the lengths): on a GPU, the split-KV decoding kernel.
@@ -159,6 +161,7 @@ class MultiHeadDotProductAttention(_Jaxflash, nn.MultiHeadDotProductAttention):
   is_causal: bool = False
   implementation: str | Sequence[str] | None = None
   sinks: bool = False
+  fp8: bool = False
 
 
 class MultiHeadAttention(_Jaxflash, nn.MultiHeadAttention):
@@ -170,6 +173,7 @@ class MultiHeadAttention(_Jaxflash, nn.MultiHeadAttention):
   is_causal: bool = False
   implementation: str | Sequence[str] | None = None
   sinks: bool = False
+  fp8: bool = False
 
 
 class SelfAttention(_Jaxflash, nn.SelfAttention):
@@ -180,3 +184,4 @@ class SelfAttention(_Jaxflash, nn.SelfAttention):
   is_causal: bool = False
   implementation: str | Sequence[str] | None = None
   sinks: bool = False
+  fp8: bool = False

@@ -108,17 +108,21 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   a GPU, the split-KV decoding kernel, reading each K/V head once for its whole query group.
   With ``sinks=True`` it holds learnable attention sinks, ``self.sinks``: an `nnx.Param`
   [num_heads] (float32 zeros at first) that joins every softmax denominator
-  (`jaxflash.flash_attention`'s ``sinks``); otherwise ``self.sinks`` is None.
+  (`jaxflash.flash_attention`'s ``sinks``); otherwise ``self.sinks`` is None. With
+  ``fp8=True`` the attention forward runs in FP8 (`jaxflash.fp8_attention`; the gradient stays
+  16-bit); it is bound into the ``attention_fn`` like ``implementation``.
   """
 
   def __init__(self, *args: Any, attention_fn: Callable[..., jax.Array] = dot_product_attention,
                implementation: str | Sequence[str] | None = None, sinks: bool = False,
-               **kwargs: Any):
+               fp8: bool = False, **kwargs: Any):
     if sinks:
       _flax.check_takes_module_sinks(attention_fn, dot_product_attention, "nnx")
-    attention_fn = _flax.bind_options(attention_fn, implementation=implementation)
+    attention_fn = _flax.bind_options(attention_fn, implementation=implementation,
+                                      fp8=True if fp8 else None)
     super().__init__(*args, attention_fn=attention_fn, **kwargs)
     self.implementation = implementation
+    self.fp8 = fp8
     self.sinks = nnx.Param(jnp.zeros((self.num_heads,), jnp.float32)) if sinks else None
 
   def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:

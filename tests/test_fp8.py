@@ -367,3 +367,22 @@ def test_fp8_under_strict_rank_promotion_and_split_keys():
   split, _ = partial.split_keys_attention(call.inputs, call.params, backend, backend.Config(),
                                           (20,))
   assert rel_err(split.astype(jnp.float32), out.astype(jnp.float32)) <= 1e-2
+
+
+def test_flax_modules_take_fp8():
+  """``fp8=True`` on the drop-in modules binds into their attention_fn: the same parameters,
+  and outputs within FP8's error of the 16-bit module (and not equal to them)."""
+  linen = pytest.importorskip("jaxflash.linen")
+  nnx_hooks = pytest.importorskip("jaxflash.nnx")
+  from flax import nnx
+  x = jax.random.normal(jax.random.key(11), (2, 32, 64))
+  plain = linen.SelfAttention(num_heads=4, is_causal=True, implementation="xla")
+  quant = linen.SelfAttention(num_heads=4, is_causal=True, implementation="xla", fp8=True)
+  params = plain.init(jax.random.key(0), x)
+  want, got = plain.apply(params, x), quant.apply(params, x)
+  assert 0 < rel_err(got, want) <= 0.08
+  make = lambda **kw: nnx_hooks.MultiHeadAttention(  # noqa: E731
+      4, 64, decode=False, rngs=nnx.Rngs(0), implementation="xla", **kw)
+  want = make()(x, is_causal=True)
+  got = make(fp8=True)(x, is_causal=True)
+  assert 0 < rel_err(got, want) <= 0.08
