@@ -550,6 +550,15 @@ def test_fp8_smoke(tmp_path):
   assert rmse[("outliers", "fp8_rotated")] <= 0.5 * rmse[("outliers", "fp8")]
 
 
+def test_fp8_profile_smoke(monkeypatch):
+  """benchmarks/dev/fp8_profile.py (the call Nsight Compute profiles) on a tiny shape."""
+  import fp8_profile
+  for dtype in ("float8_e4m3fn", "bfloat16"):
+    monkeypatch.setattr(sys, "argv", ["fp8_profile.py", "--s", "64", "--d", "64", "--dtype",
+                                      dtype, "--causal"])
+    fp8_profile.main()
+
+
 def test_forward_tiles_smoke():
   """benchmarks/dev/forward_tiles.py on a tiny shape in Mosaic GPU's interpreter."""
   import forward_tiles
