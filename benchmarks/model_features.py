@@ -263,9 +263,7 @@ def markdown(result: dict) -> str:
 
 
 def write(result: dict, out: Path) -> None:
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1) + "\n")
-  out.with_suffix(".md").write_text(markdown(result))
+  report.write_table(result, out, markdown)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -292,15 +292,19 @@ def markdown(result: dict) -> str:
   return "\n".join(parts) + "\n"
 
 
-def write_outputs(result: dict, out: Path, markdown_of=None, plots_of=None) -> list[Path]:
-  """The JSON, a .md beside it (``markdown_of(result)``, the grid's by default) and the PNG
-  plots (``plots_of(plot_module, result, stem)`` -> paths, the grid's speed plots by default;
-  skipped with a note without matplotlib)."""
+def write_table(result: dict, out: Path, markdown_of=None) -> list[Path]:
+  """The JSON and a .md beside it (``markdown_of(result)``, the grid's by default)."""
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=1) + "\n")
   md = out.with_suffix(".md")
   md.write_text((markdown_of or markdown)(result))
-  written = [out, md]
+  return [out, md]
+
+
+def write_outputs(result: dict, out: Path, markdown_of=None, plots_of=None) -> list[Path]:
+  """`write_table`, and the PNG plots (``plots_of(plot_module, result, stem)`` -> paths, the
+  grid's speed plots by default; skipped with a note without matplotlib)."""
+  written = write_table(result, out, markdown_of)
   try:
     import plot
   except ImportError as e:
