@@ -231,17 +231,18 @@ def fp8_attention(
   if empty is not None:
     return _results(*empty, call, return_residual)
   device = devices.current()
-  plan = quantized.Plan(block_size, jnp.dtype(fp8_dtype).name, None, None, backend,
-                        backend.default_config(call.inputs, call.params, device))
-  probe = jax.eval_shape(lambda x: quantized.quantized(x, None, plan), call.inputs)
+  dtype = jnp.dtype(fp8_dtype).name
+  # The FP8 call's shapes and dtypes, which is all a backend chooses on.
+  probe = jax.eval_shape(lambda x: quantized.quantized(x, None, block_size, dtype),
+                         call.inputs)
   params8 = quantized.fp8_params(call.params, call.inputs)
   try:
     forward_backend = backends.select(implementation, probe, params8)
   except backends.UnsupportedCallError:
     forward_backend = backends.select(None, probe, params8)
-  plan = dataclasses.replace(plan, forward_backend=forward_backend,
-                             forward_config=forward_backend.default_config(probe, params8,
-                                                                           device))
+  plan = quantized.Plan(block_size, dtype, forward_backend,
+                        forward_backend.default_config(probe, params8, device), backend,
+                        backend.default_config(call.inputs, call.params, device))
   out, lse = quantized.attention(call.inputs, rotation, call.params, plan)
   return _results(out, lse, call, return_residual)
 

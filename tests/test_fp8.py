@@ -30,9 +30,7 @@ def _quantized(q, k, v, block_size=None, rotation=None, dtype=E4M3):
 
 
 def _dequantized(x8, descale):
-  d = np.asarray(descale, np.float32)
-  d = d[:, None] if d.ndim == 2 else d
-  return np.asarray(x8, np.float32) * d[..., None]
+  return np.asarray(x8, np.float32) * np.asarray(_expand(descale, x8))
 
 
 @pytest.mark.parametrize("block_size", [None, 1, 16])
@@ -113,7 +111,7 @@ def test_xla_fp8_equals_reference_on_dequantized_inputs(t, s, n, k, h, options, 
   out, lse = jaxflash.flash_attention(q8, k8, v8, **descales, implementation="xla",
                                       return_residual=True, **options)
   assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.bfloat16
-  real = [np.asarray(x8, np.float32) * np.asarray(_expand(descales[name], x8))
+  real = [_dequantized(x8, descales[name])
           for x8, name in ((q8, "q_descale"), (k8, "k_descale"), (v8, "v_descale"))]
   want, want_lse = reference_attention(*real, **options)
   assert rel_err(out, want) <= 1e-2  # the bfloat16 output's rounding

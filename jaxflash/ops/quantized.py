@@ -33,13 +33,13 @@ class Plan:
   backward_config: object
 
 
-def quantized(inputs: Inputs, rotation, plan: Plan) -> Inputs:
-  """``inputs`` quantised to FP8: query and key after ``rotation`` (None: none) with one scale
-  per ``plan.block_size`` tokens and head, the value with one per batch row and K/V head."""
-  dtype = jnp.dtype(plan.dtype)
-  q8, q_descale = fp8.quantize_fp8(inputs.query, block_size=plan.block_size,
-                                   rotation=rotation, dtype=dtype)
-  k8, k_descale = fp8.quantize_fp8(inputs.key, block_size=plan.block_size, rotation=rotation,
+def quantized(inputs: Inputs, rotation, block_size: int | None, dtype: str) -> Inputs:
+  """``inputs`` quantised to FP8 ``dtype``: query and key after ``rotation`` (None: none) with
+  one scale per ``block_size`` tokens and head, the value with one per batch row and K/V head."""
+  dtype = jnp.dtype(dtype)
+  q8, q_descale = fp8.quantize_fp8(inputs.query, block_size=block_size, rotation=rotation,
+                                   dtype=dtype)
+  k8, k_descale = fp8.quantize_fp8(inputs.key, block_size=block_size, rotation=rotation,
                                    dtype=dtype)
   v8, v_descale = fp8.quantize_fp8(inputs.value, dtype=dtype)
   per_head = lambda d: d[:, None] if d.ndim == 2 else d  # noqa: E731  (canonical [B, L or 1, h])
@@ -60,7 +60,8 @@ def attention(inputs: Inputs, rotation, params: Params, plan: Plan):
 
 
 def _fp8_forward(inputs, rotation, params, plan):
-  return flash.forward(plan.forward_backend, quantized(inputs, rotation, plan),
+  return flash.forward(plan.forward_backend,
+                       quantized(inputs, rotation, plan.block_size, plan.dtype),
                        fp8_params(params, inputs), plan.forward_config)
 
 
