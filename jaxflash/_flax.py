@@ -77,13 +77,6 @@ def check_takes_module_sinks(attention_fn, hook, flavour: str) -> None:
                      f"dot_product_attention or ring_attention_fn), got {attention_fn!r}")
 
 
-def no_sinks_for_fallback(sinks, why: str) -> None:
-  """Flax's own attention has no sinks: a call that falls back with sinks raises."""
-  if sinks is not None:
-    raise ValueError(f"sinks need jaxflash's kernels, but this call falls back to Flax's own "
-                     f"attention ({why})")
-
-
 def _occupancy_lengths(mask: jax.Array, batch_shape: tuple[int, ...], s: int) -> jax.Array | None:
   """[B] int32 ``kv_lengths`` from Flax's decode mask ``[batch..., 1, 1, S]`` (ones on a prefix
   of each row), or None where the mask has another shape."""
@@ -149,17 +142,17 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array |
   return out.reshape(query.shape[:-1] + value.shape[-1:])
 
 
-def no_implementation_for_fallback(implementation, why: str) -> None:
-  """A hook that falls back to Flax's own attention (``why``) cannot honour a requested jaxflash
-  backend: a ValueError naming ``implementation`` rather than a silent switch."""
+def refuse_fallback(why: str, *, implementation=None, sinks=None, fp8: bool = False) -> None:
+  """A hook that falls back to Flax's own attention (``why``) cannot honour what only jaxflash
+  does: a requested backend, sinks or the FP8 forward raise a ValueError naming the option,
+  rather than being dropped silently."""
   if implementation is not None:
     raise ValueError(f"implementation={implementation!r} asks for a jaxflash backend, but this "
                      f"call falls back to Flax's own attention ({why}); drop implementation= "
                      "(or the option that needs the fallback)")
-
-
-def no_fp8_for_fallback(fp8, why: str) -> None:
-  """A hook that falls back to Flax's own attention cannot run an FP8 forward either."""
+  if sinks is not None:
+    raise ValueError(f"sinks need jaxflash's kernels, but this call falls back to Flax's own "
+                     f"attention ({why})")
   if fp8:
     raise ValueError(f"fp8=True asks for jaxflash's FP8 forward, but this call falls back to "
                      f"Flax's own attention ({why})")

@@ -87,9 +87,7 @@ def dot_product_attention(
       or qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None
       or not _flax.kernel_can_serve(query, key, value)):
     why = "weights sown, a precision, custom einsums, or shapes/dtypes the kernels do not take"
-    _flax.no_implementation_for_fallback(implementation, why)
-    _flax.no_sinks_for_fallback(sinks, why)
-    _flax.no_fp8_for_fallback(fp8, why)
+    _flax.refuse_fallback(why, implementation=implementation, sinks=sinks, fp8=fp8)
     if is_causal:
       mask = _flax.with_causal_mask(mask, query, key)
     return nn.dot_product_attention(

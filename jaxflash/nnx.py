@@ -85,9 +85,7 @@ def dot_product_attention(
   if module is not None or precision is not None or not _flax.kernel_can_serve(query, key,
                                                                                  value):
     why = "weights sown, a precision, or shapes/dtypes the kernels do not take"
-    _flax.no_implementation_for_fallback(implementation, why)
-    _flax.no_sinks_for_fallback(sinks, why)
-    _flax.no_fp8_for_fallback(fp8, why)
+    _flax.refuse_fallback(why, implementation=implementation, sinks=sinks, fp8=fp8)
     return nnx.dot_product_attention(
         query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
         deterministic, dtype, precision, module, promote_dtype=promote_dtype,
