@@ -23,9 +23,11 @@ The JSON is rewritten after every case, so a run that is stopped keeps what it m
 Grid (the FlashAttention-2 paper's): bf16 and fp16; head dims 64, 128,
 256; S = 512, 1k, 2k, 4k, 8k, 16k with 16k tokens per batch (B = 16384 / S) and hidden 2048
 (N = 2048 / D heads); causal and not; self-attention. Plus a GQA case: 32 query heads, 8 KV
-heads, D = 128, bf16, the same S and B. Implementations, all in this process on the same card:
-jaxflash_mosaic, jaxflash_triton and jaxflash_xla (jaxflash.flash_attention, implementation
-"mosaic", "triton" and "xla"),
+heads, D = 128, bf16, the same S and B; and Llama-3.1-70B's attention, B = 1, 64 query and 8 KV
+heads, D = 128, bf16, at 8k and 16k (`--llama-seqs`). Implementations, all in this process on
+the same card: jaxflash_mosaic, jaxflash_triton and jaxflash_xla (jaxflash.flash_attention,
+implementation "mosaic", "triton" and "xla"), jaxflash_mosaic_atomic (the Mosaic backend with
+deterministic=False: dQ added with float32 atomics where that backward serves the call),
 xla and cudnn (jax.nn.dot_product_attention), cudnn_det (cudnn compiled with XLA's
 xla_gpu_exclude_nondeterministic_ops, which makes cuDNN's backward deterministic like
 jaxflash's) and pallas_mha (JAX's Pallas kernel, jax.experimental.pallas.ops.gpu.attention.mha
@@ -201,6 +203,9 @@ def config(args) -> dict:
       impls=args.impls or list(GPU_IMPLS if on_gpu else CPU_IMPLS),
       gqa=args.gqa,
       gqa_heads=[4, 2, 32] if smoke else [32, 8, 128],
+      llama_seqs=(args.llama_seqs if args.llama_seqs is not None
+                  else [] if smoke else [8192, 16384]),
+      llama_heads=[64, 8, 128],
       tokens=pick(args.tokens, TOKENS, 256),
       hidden=pick(args.hidden, HIDDEN, 128),
       warmups=1 if smoke else 2, calls=2 if smoke else 20, repeats=2 if smoke else 5,
@@ -226,6 +231,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       + " ".join(CPU_IMPLS))
   parser.add_argument("--gqa", action=argparse.BooleanOptionalAction, default=True,
                       help="add the GQA case (32 query / 8 KV heads, D=128, bf16)")
+  parser.add_argument("--llama-seqs", type=int, nargs="*",
+                      help="lengths of the Llama-3.1-70B case (B = 1, 64 query / 8 KV heads, "
+                      "D = 128, bf16); default 8192 16384, none with --smoke; give none to skip")
   parser.add_argument("--tokens", type=int, help="tokens per batch, B = tokens / S (16384)")
   parser.add_argument("--hidden", type=int, help="hidden size, N = hidden / D (2048)")
   parser.add_argument("--smoke", action="store_true",

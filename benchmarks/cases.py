@@ -75,6 +75,12 @@ def build_cases(cfg: dict) -> list[Case]:
     for s in cfg["seqs"]:
       for causal in bands:
         cases.append(Case("bf16", max(1, cfg["tokens"] // s), s, n, k, d, causal))
+  # Llama-3.1-70B's attention (NVIDIA's shape for cuDNN's H200 table): one sequence, GQA 64/8.
+  if cfg.get("llama_seqs") and "bf16" in cfg["dtypes"]:
+    n, k, d = cfg["llama_heads"]
+    for s in cfg["llama_seqs"]:
+      for causal in bands:
+        cases.append(Case("bf16", 1, s, n, k, d, causal))
   return cases
 
 
@@ -95,10 +101,14 @@ def impl_options(impl: str, compiler_options: dict | None) -> dict | None:
 def attention_fn(impl: str, causal: bool, interpret: bool = False, config=None) -> Callable:
   """``impl`` as a function of (q, k, v) in [B, S, heads, D] layout; ``config``: a jaxflash
   backend config to run instead of the backend's default (the tuner's candidates)."""
-  if impl in ("jaxflash_mosaic", "jaxflash_triton", "jaxflash_xla"):
-    backend = impl.removeprefix("jaxflash_")
+  if impl in ("jaxflash_mosaic", "jaxflash_mosaic_atomic", "jaxflash_triton", "jaxflash_xla"):
+    # (``_atomic``: gradients allowed to be nondeterministic, `flash_attention`'s
+    # ``deterministic=False``)
+    backend = impl.removeprefix("jaxflash_").removesuffix("_atomic")
+    deterministic = not impl.endswith("_atomic")
     return lambda q, k, v: attention_with_config(q, k, v, is_causal=causal, config=config,
-                                                 implementation=backend, interpret=interpret)
+                                                 implementation=backend, interpret=interpret,
+                                                 deterministic=deterministic)
   if impl in ("xla", "cudnn", "cudnn_det"):
     backend = impl.removesuffix("_det")
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,

@@ -31,8 +31,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TRITON_FLOOR = Path(__file__).resolve().parent / "dev" / "floors" / "triton_vs_pallas_mha.json"
 # jaxflash_triton first: memory.py learns the platform from the first worker, which must run
 # everywhere.
-IMPLS = ("jaxflash_triton", "jaxflash_mosaic", "jaxflash_xla", "xla", "cudnn", "cudnn_det",
-         "pallas_mha")
+IMPLS = ("jaxflash_triton", "jaxflash_mosaic", "jaxflash_mosaic_atomic", "jaxflash_xla", "xla",
+         "cudnn", "cudnn_det", "pallas_mha")
 TOKENS, HIDDEN = 16384, 2048
 TOLERANCE = 2e-2
 FLOP_CONVENTION = "fwd 4*B*N*S^2*D (x0.5 causal); fwdbwd 3.5x fwd; N = query heads"

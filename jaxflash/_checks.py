@@ -41,7 +41,7 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               segment_ids=None, logits_soft_cap=None, dropout_rate=0.0, dropout_rng=None,
               broadcast_dropout=False, interpret=False, mask_mod=None,
               block_mask=None, sinks=None, score_mod=None, q_descale=None, k_descale=None,
-              v_descale=None, out_dtype=None) -> Call:
+              v_descale=None, out_dtype=None, deterministic=True) -> Call:
   """Checks every argument of `jaxflash.flash_attention` (but ``implementation`` and
   ``return_residual``) and returns the call as backends see it."""
   query, key, value = (as_array(x, name) for x, name in
@@ -52,10 +52,11 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   b, t, n, h = query.shape
   s = key.shape[1]
 
-  is_causal, broadcast_dropout, interpret = (
+  is_causal, broadcast_dropout, interpret, deterministic = (
       check_flag(flag, name) for flag, name in ((is_causal, "is_causal"),
                                                  (broadcast_dropout, "broadcast_dropout"),
-                                                 (interpret, "interpret")))
+                                                 (interpret, "interpret"),
+                                                 (deterministic, "deterministic")))
   scale = _check_scale(scale, h)
   window = masking.make_window(is_causal, _check_window(local_window_size))
   logits_soft_cap = _check_soft_cap(logits_soft_cap)
@@ -97,7 +98,7 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   params = Params(scale=scale, window=window, logits_soft_cap=logits_soft_cap,
                   dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
                   interpret=interpret, table_block=table_block, mask_rule=split,
-                  score_rule=score_rule, out_dtype=out_dtype)
+                  score_rule=score_rule, out_dtype=out_dtype, deterministic=deterministic)
   return Call(inputs, params, unbatched)
 
 

@@ -107,6 +107,9 @@ class Params:
   score_rule: object = None
   # The output dtype's name of an FP8 call (its inputs are float8); None: the query's dtype.
   out_dtype: str | None = None
+  # Whether the gradients must be bitwise repeatable; False lets a backend add dQ in any
+  # order (float32 atomics), where that measured faster.
+  deterministic: bool = True
 
   @property
   def kernel_mask_reason(self) -> str | None:

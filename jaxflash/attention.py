@@ -53,6 +53,7 @@ def flash_attention(
     k_descale: jax.Array | None = None,
     v_descale: jax.Array | None = None,
     out_dtype: jnp.dtype | None = None,
+    deterministic: bool = True,
     return_residual: bool = False,
     implementation: Implementation | Sequence[Implementation] | None = None,
     interpret: bool = False,
@@ -135,6 +136,11 @@ def flash_attention(
       `jaxflash.fp8_attention`.
     out_dtype: the output dtype of an FP8 call (float16, bfloat16 or float32; default
       bfloat16). Other calls return the query's dtype and take no ``out_dtype``.
+    deterministic: whether the gradients must be bitwise repeatable (the default: every
+      gradient element has one writer, in a fixed order). ``False`` allows a backward that
+      adds dQ in whatever order the key blocks finish, with float32 atomics (cuDNN's and
+      FlashAttention's default), where that is the faster one (Mosaic on Hopper, head dims up
+      to 128); the result is as accurate, but its last bits may differ from run to run.
     return_residual: also return the logsumexp of the logits, [B, T, N] in the query's dtype as
       jax.nn returns it (natural log, ``-inf`` for rows that see no key; computed in float32).
     implementation: ``"mosaic"`` (Pallas Mosaic GPU kernels for Hopper GPUs; the Triton
@@ -165,8 +171,8 @@ def flash_attention(
       logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       broadcast_dropout=broadcast_dropout, mask_mod=mask_mod, block_mask=block_mask,
       score_mod=score_mod, sinks=sinks, q_descale=q_descale, k_descale=k_descale,
-      v_descale=v_descale, out_dtype=out_dtype, return_residual=return_residual,
-      implementation=implementation, interpret=interpret)
+      v_descale=v_descale, out_dtype=out_dtype, deterministic=deterministic,
+      return_residual=return_residual, implementation=implementation, interpret=interpret)
 
 
 def fp8_attention(

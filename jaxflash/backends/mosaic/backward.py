@@ -19,6 +19,9 @@ warpgroups, two consumers and a producer, as in the forward (`forward.py`):
 - **One pass** (opt-in, ``Backward.one_pass``; experimental, see `_DqPart`): up to head dim 128
   the dK/dV kernel also forms each query block's dQ part from both consumers' dSᵀ, and stores
   or adds it in a fixed order of key tiles, so no dQ kernel runs.
+- **Atomic** (``Backward.atomic``, for calls with ``params.deterministic`` False): the same
+  one-pass kernel, its dQ parts reduce-added by TMA into a float32 dQ that starts at zero, in
+  whatever order the key tiles reach them (FlashAttention-2/3's and cuDNN's default design).
 - **Head dims above 128** (`SPLIT_HEAD_DIM`): one consumer's dK and dV accumulators (64 x D
   float32 each) do not fit its registers together, so dK/dV runs twice, dV alone (no V, no
   delta, no dPᵀ; its own tiles, `Backward.dv_pass`) and then dK alone. At D = 256 the resident
@@ -100,6 +103,18 @@ def _swizzle(block: int) -> int:
   return 128 if block % 64 == 0 else 64
 
 
+# Whether the one-pass kernel stages its float32 dQ parts in swizzled tiles. A consumer's part
+# is a wgmma accumulator: in a plain row-major tile, the 8 rows a warp stores at once fall in
+# the same banks.
+_SWIZZLED_STAGE = True
+
+
+def _dq_stage(shape):
+  if _SWIZZLED_STAGE:
+    return fwd._smem_tile(shape, jnp.float32)
+  return plgpu.SMEM(shape, jnp.float32)
+
+
 def _cols(x, shape):
   """A per-column vector broadcast over the rows of a tile."""
   return lax.broadcast_in_dim(x, shape, [1])
@@ -154,14 +169,16 @@ def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, offsets_ref,
-                first_ref, extras: fwd._Extras, out: dict, smem: dict, *, params: Params,
-                config: Backward, schedule: Schedule, groups: int, grads: tuple[str, ...],
-                sem_shape: tuple[int, ...] | None):
+                first_ref, extras: fwd._Extras, dq_sum_ref, out: dict, smem: dict, *,
+                params: Params, config: Backward, schedule: Schedule, groups: int,
+                grads: tuple[str, ...], sem_shape: tuple[int, ...] | None):
   """``grads`` names what this pass accumulates: ``("dk", "dv")``, one of them (head dims above
   128, where one accumulator of 64 x D float32 is all a warpgroup's registers hold next to the
   scores; a dV-only pass needs neither V nor delta, and skips dPᵀ), or ``("dk", "dv", "dq")``,
-  the one-pass kernel, with ``sem_shape`` counters (batch, head, query block, consumer) and
-  ``first_ref``, the first key tile to visit each (batch row, query block) (`_first_visitors`)."""
+  the one-pass kernel. Its ordered form writes ``out["dq"]``, with ``sem_shape`` counters
+  (batch, head, query block, consumer) and ``first_ref``, the first key tile to visit each
+  (batch row, query block) (`_first_visitors`); its atomic form adds into ``dq_sum_ref``, a
+  zeroed float32 array it updates in place (and ``first_ref`` is None)."""
   sems = None
   if sem_shape is not None:
     # Shared by every CTA (scratch semaphores would be each CTA's own), zero at each call.
@@ -183,7 +200,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   keys_per_cta = _CONSUMERS * _KEYS
   cta_start = k_tile_index * keys_per_cta
   pos = _positions(lengths_ref, offsets_ref, batch)
-  reverse = want_dq and _WALK_DOWN
+  atomic = want_dq and dq_sum_ref is not None
+  # (Unordered adds need no common start: each key tile of a causal band starts at its own
+  # diagonal block, so the tiles do not add to one block at the same time.)
+  reverse = want_dq and _WALK_DOWN and not atomic
   spans_of = None  # the schedule's ranges, or a block table's lists per head of the group
   if extras.lists is not None:
     lists = BlockLists(extras.lists)
@@ -215,9 +235,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       plgpu.barrier_wait(kv_ready.at[_CONSUMERS + wg])
     dq_part = None
     if want_dq:
-      dq_part = _DqPart(out["dq"], smem, sems, params, split=dq_split(block_q, hp),
-                        block_q=block_q, hp=hp, wg=wg, batch=batch, k_tile=k_tile_index,
-                        first_ref=first_ref)
+      dq_part = _DqPart(dq_sum_ref if atomic else out["dq"], smem, sems, params,
+                        split=dq_split(block_q, hp), block_q=block_q, hp=hp, wg=wg,
+                        batch=batch, k_tile=k_tile_index, first_ref=first_ref)
 
     def step(n, g, i, carry, masked: bool):
       slot = slot_of(n)
@@ -416,6 +436,9 @@ class _DqPart:
   slower than the two kernels (docs/mosaic_backward.md, "One pass"), hence ``one_pass`` is off
   by default.
 
+  Without ``first_ref`` (the atomic form) every visitor adds, in no particular order, into a
+  dQ that starts at zero; nothing waits but for the staging tile to be free.
+
   In Mosaic GPU's interpreter, which has neither semaphores nor reduce-adds but runs the CTAs
   one at a time in grid order, the part is added in place.
   """
@@ -432,6 +455,7 @@ class _DqPart:
     self.rows = block_q if split == "cols" else _KEYS
     self.cols = hp // 2 if split == "cols" else hp
     self.k_tile, self.first_ref = k_tile, first_ref
+    self.atomic = first_ref is None
 
   def zeros(self):
     return plgpu.layout_cast(jnp.zeros((self.rows, self.cols), jnp.float32),
@@ -477,11 +501,28 @@ class _DqPart:
   def _sem(self, head, i):
     return self.sems.at[self.batch, head, i, self.wg]
 
+  def _stage(self, part):
+    """``part`` in this consumer's staging tile, once the last part has left it."""
+    # Only the thread that issued the last store waits for it: the warpgroup meets before
+    # anyone overwrites the tile.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    fwd._emit(mgpu.utils.warpgroup_barrier)
+    stage = self.smem["dq"].at[self.wg]
+    stage[...] = part
+    plgpu.commit_smem()
+    return stage
+
   def send(self, part, head, i, pending):
     """Stores or adds ``part`` for query block ``i`` of ``head``; returns what is now pending."""
+    target = self._target(head, i)
+    if self.atomic:
+      if self.params.interpret:
+        target[...] = target[...] + part
+      else:
+        plgpu.copy_smem_to_gmem(self._stage(part), target, reduction_op="add")
+      return pending
     earlier = self.k_tile - self.first_ref[self.batch, i]  # visitors of the block before this
     first = earlier == 0
-    target = self._target(head, i)
     if self.params.interpret:
       @pl.when(first)
       def _store():
@@ -492,11 +533,9 @@ class _DqPart:
         target[...] = target[...] + part
 
       return pending
-    plgpu.wait_smem_to_gmem(0)  # the last part has landed, and the staging tile is free
+    plgpu.wait_smem_to_gmem(0)  # the last part has landed (for `release`)
     self.release(pending)
-    stage = self.smem["dq"].at[self.wg]
-    stage[...] = part
-    plgpu.commit_smem()
+    stage = self._stage(part)
     pl.when(~first)(lambda: plgpu.semaphore_wait(self._sem(head, i), earlier, decrement=False,
                                                  memory_scope="gpu"))
     plgpu.copy_smem_to_gmem(stage, target, predicate=first)
@@ -505,7 +544,7 @@ class _DqPart:
 
   def release(self, pending):
     """Counts the pending part as landed, for the later key tiles (after a wait for it)."""
-    if self.params.interpret:
+    if self.params.interpret or self.atomic:
       return
     head, i, is_pending = pending
     pl.when(is_pending > 0)(
@@ -513,10 +552,12 @@ class _DqPart:
 
 
 def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Backward,
-         extras: fwd._Extras, hp: int, grads: tuple[str, ...] = ("dk", "dv")) -> dict:
+         extras: fwd._Extras, hp: int, grads: tuple[str, ...] = ("dk", "dv"),
+         atomic: bool = False) -> dict:
   """``{name: gradient}`` for the ``grads`` of one dK/dV pass (see `_dkv_kernel`); a dV-only
   pass runs `Backward.dv_pass`'s tiles. With ``"dq"`` (the one-pass kernel) dQ comes out too,
-  over padded rows and head dims like the others."""
+  over padded rows and head dims like the others, its parts added in a fixed order of key
+  tiles or, ``atomic``, in any order."""
   if grads == ("dv",):
     config = config.dv_pass()
   b = q.shape[0]
@@ -565,23 +606,25 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     smem.update(
         ds=tile((2, _CONSUMERS, _KEYS, block_q), q.dtype),  # dSᵀ of both consumers, 2 visits
         ds_ready=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2),
-        dq=plgpu.SMEM((_CONSUMERS, *part), jnp.float32),  # each consumer's dQ part, staged
+        dq=_dq_stage((_CONSUMERS, *part)),  # each consumer's dQ part, staged
         k_done=plgpu.Barrier(num_arrivals=_CONSUMERS),
     )
     # Rows padded to whole query blocks, like the LSE's: the interpreter's stores do not clip.
     t_pad = lse2.shape[-1]
-    out_type["dq"] = _core.out_struct((b, t_pad, q.shape[2], hp), jnp.float32, q)
-    if not params.interpret:  # (the interpreter has no semaphores; it needs none)
-      sem_shape = (b, q.shape[2], t_pad // block_q, _CONSUMERS)
-    first = _first_visitors(schedule, inputs, t_pad // block_q)
+    dq_shape = (b, t_pad, q.shape[2], hp)
+    if not atomic:
+      out_type["dq"] = _core.out_struct(dq_shape, jnp.float32, q)
+      if not params.interpret:  # (the interpreter has no semaphores; it needs none)
+        sem_shape = (b, q.shape[2], t_pad // block_q, _CONSUMERS)
+      first = _first_visitors(schedule, inputs, t_pad // block_q)
   kernel = functools.partial(_dkv_kernel, params=params, config=config, schedule=schedule,
                              groups=groups, grads=grads, sem_shape=sem_shape)
   # Pallas walks the grid row-major, batch fastest: with a causal band the first key tiles,
   # which see the most query rows, launch first, and each key tile launches after the one
   # before it of the same batch row and head (the one-pass kernel's dQ adds rely on it).
-  grads_out = plgpu.kernel(
+  run = plgpu.kernel(
       kernel,
-      out_type={name: out_type[name] for name in grads},
+      out_type={name: out_type[name] for name in grads if name in out_type},
       scratch_types=(smem,),
       grid=(kv_heads, k_tiles, b),
       grid_names=("heads", "k_tiles", "batch"),
@@ -589,13 +632,33 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
       interpret=plgpu.InterpretGPUParams() if params.interpret else None,
-  )(q, k, v, d_out, lse2, delta, inputs.lengths, inputs.offsets, first, extras)
+  )
+  operands = (q, k, v, d_out, lse2, delta, inputs.lengths, inputs.offsets, first, extras)
+  if atomic:
+    grads_out = _with_zeroed_sum(run, operands, dq_shape,
+                                 {name: out_type[name] for name in grads if name in out_type})
+    grads_out["dq"] = (grads_out["dq"] * params.scale).astype(q.dtype)
+    return grads_out
+  grads_out = run(*operands, None)
   if want_dq:
     # Scaled, and zero in the query blocks that no key tile visits: their rows see no key, and
     # the kernel never writes them.
     visited = jnp.repeat(first < k_tiles, block_q, axis=1)[:, :, None, None]
     grads_out["dq"] = (jnp.where(visited, grads_out["dq"], 0.0) * params.scale).astype(q.dtype)
   return grads_out
+
+
+def _with_zeroed_sum(run, operands, dq_shape, out_type: dict) -> dict:
+  """``run``'s outputs (``out_type``) and ``"dq"``, the float32 sum it adds into: a mutable
+  array that starts at zero (blocks that no key tile visits stay zero), which lives and dies
+  inside a `pl.run_state` (mutable arrays may not cross the custom VJP around the backward)."""
+  def body(refs):
+    outs = run(*operands, refs["dq"])
+    for name, value in outs.items():
+      refs[name][...] = value
+
+  start = {name: jnp.zeros(t.shape, t.dtype) for name, t in out_type.items()}
+  return pl.run_state(body)({**start, "dq": jnp.zeros(dq_shape, jnp.float32)})
 
 
 def _first_visitors(schedule: Schedule, inputs: Inputs, q_blocks: int):
@@ -837,6 +900,17 @@ def kernel_args(inputs: Inputs, params: Params, config: Config, lse2, d_out, del
   return (q_p, k_p, v_p, do_p, lse_p, delta_p, inputs, params, config.backward, extras, hp)
 
 
+def _one_pass_mode(inputs: Inputs, params: Params, config: Backward, hp: int) -> str | None:
+  """How dQ comes out: ``"atomic"`` or ``"ordered"`` from the dK/dV kernel, or None (the dQ
+  kernel). A call that allows nondeterministic gradients but that the atomic kernel cannot
+  serve (a partial call, or one whose tiles do not fit) takes the deterministic kernels."""
+  mode = config.one_pass_mode(hp, params.deterministic)
+  if mode == "atomic" and (params.partial or backward_smem_bytes(
+      config, inputs.query.shape[-1], deterministic=False) > SMEM_BUDGET):
+    return config.one_pass_mode(hp, deterministic=True)
+  return mode
+
+
 def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta, want_dbias):
   """``(dq, dk, dv, dbias)`` (see `jaxflash._core`); calls `unsupported` names go to the Triton
   backward."""
@@ -847,11 +921,12 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
   s = inputs.key.shape[1]
   args = kernel_args(inputs, params, config, lse2, d_out, delta)
   hp = args[-1]
+  mode = _one_pass_mode(inputs, params, config.backward, hp)
   if hp > SPLIT_HEAD_DIM:  # dV, then dK: one 64 x D float32 accumulator per pass
     grads = {**_dkv(*args, grads=("dv",)), **_dkv(*args, grads=("dk",))}
     dq = _dq(*args)[:, :t, :, :h]
-  elif config.backward.runs_one_pass(hp):
-    grads = _dkv(*args, grads=("dk", "dv", "dq"))
+  elif mode is not None:
+    grads = _dkv(*args, grads=("dk", "dv", "dq"), atomic=mode == "atomic")
     dq = grads["dq"][:, :t, :, :h]
   else:
     grads = _dkv(*args)

@@ -36,6 +36,11 @@ class Backward:
   a fixed order of key tiles, so the gradients stay deterministic. It is correct and bitwise
   repeatable on an H200 but slower, 0.70-0.77x cuDNN at D = 128 where the two kernels run
   0.93-1.06x (2026-11-22, docs/mosaic_backward.md "One pass"), so it is off by default.
+
+  With ``atomic`` the same one-pass kernel serves calls that allow nondeterministic gradients
+  (``flash_attention(..., deterministic=False)``, `Params.deterministic`): its dQ parts are
+  added in whatever order the key tiles reach them, into a float32 dQ that starts at zero.
+  Calls it cannot serve (partial calls, head dims above 128) take the deterministic kernels.
   """
 
   dkv_block_q: int = 64
@@ -50,6 +55,7 @@ class Backward:
   # 232, 24 at 240).
   registers: int = 232
   one_pass: bool = False
+  atomic: bool = True
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -73,9 +79,19 @@ class Backward:
   def producer_registers(self) -> int:
     return 504 - 2 * self.registers
 
-  def runs_one_pass(self, hp: int) -> bool:
-    """Whether dQ comes from the dK/dV kernel at padded head dim ``hp``."""
-    return self.one_pass and hp <= SPLIT_HEAD_DIM and dq_split(self.dkv_block_q, hp) is not None
+  def runs_one_pass(self, hp: int, deterministic: bool = True) -> bool:
+    """Whether dQ comes from the dK/dV kernel at padded head dim ``hp``, in a fixed order of
+    key tiles (``deterministic``) or with unordered adds (a call that allows them)."""
+    wanted = self.one_pass if deterministic else self.atomic or self.one_pass
+    return wanted and hp <= SPLIT_HEAD_DIM and dq_split(self.dkv_block_q, hp) is not None
+
+  def one_pass_mode(self, hp: int, deterministic: bool) -> str | None:
+    """``"atomic"`` (unordered dQ adds), ``"ordered"`` (dQ adds in a fixed order) or None (two
+    kernels) for a call at padded head dim ``hp`` that does or does not need ``deterministic``
+    gradients."""
+    if not deterministic and self.atomic and self.runs_one_pass(hp, deterministic=False):
+      return "atomic"
+    return "ordered" if self.runs_one_pass(hp) else None
 
 
 def dq_split(block_q: int, hp: int) -> str | None:
@@ -173,7 +189,8 @@ def sm_count(device_kind: str) -> int:
 SPLIT_HEAD_DIM = 128
 
 
-def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False) -> int:
+def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False,
+                        deterministic: bool = True) -> int:
   """Shared memory of the largest backward CTA: 64 resident rows of two 16-bit tiles per
   consumer (K and V, or Q and dO; a dV-only pass holds K alone), and the ring of the streamed
   side (Q and dO tiles with their float32 LSE and delta rows, or K and V tiles), and in the
@@ -183,7 +200,7 @@ def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False
   tile = 2 * 64 * hp * 2  # one 16-bit 64-row tile per consumer
   out32 = 2 * 64 * hp * 4 if partial else 0  # one float32 tile per consumer
   dkv = 2 * tile + out32 + backward.dkv_stages * backward.dkv_block_q * (2 * 2 * hp + 2 * 4)
-  if backward.runs_one_pass(hp):  # both consumers' dSᵀ for 2 visits, their float32 dQ parts
+  if backward.runs_one_pass(hp, deterministic):  # both consumers' dSᵀ for 2 visits, dQ parts
     dkv += 2 * 2 * 64 * backward.dkv_block_q * 2 + backward.dkv_block_q * hp * 4
   dq = 2 * tile + out32 + backward.dq_stages * backward.dq_block_kv * 2 * 2 * hp
   dv = 0

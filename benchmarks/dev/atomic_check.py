@@ -1,0 +1,152 @@
+"""The atomic backward on the GPU: its gradients against a float32 reference and against the
+deterministic backward at odd shapes, whether each backward repeats its bits, and a same-run
+timing of the backward variants (deterministic two kernels, ordered one pass, atomic one pass
+with swizzled or plain dQ staging tiles).
+
+    PYTHONPATH=. python benchmarks/dev/atomic_check.py --out /tmp/atomic.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxflash
+from jaxflash.attention import attention_with_config
+from jaxflash.backends import mosaic
+from jaxflash.backends.mosaic import backward as mosaic_backward
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from report import environment  # noqa: E402
+
+# (B, T, S, N, K, H, causal): lengths off the tiles, T != S, GQA, head dims 40/64/96/128.
+SHAPES = [(2, 1000, 777, 4, 2, 128, True), (2, 1000, 1000, 8, 8, 64, False),
+          (1, 300, 2048, 8, 2, 128, False), (2, 1000, 777, 4, 2, 40, True),
+          (2, 513, 513, 4, 4, 96, True), (1, 4096, 4096, 8, 1, 128, True)]
+
+
+def inputs(b, t, s, n, k, h, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(keys[0], (b, t, n, h), jnp.float32)
+  kk = jax.random.normal(keys[1], (b, s, k, h), jnp.float32)
+  v = jax.random.normal(keys[2], (b, s, k, h), jnp.float32)
+  do = jax.random.normal(keys[3], (b, t, n, h), jnp.float32)
+  return q, kk, v, do
+
+
+def grads(fn, q, k, v, do):
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * do)
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def mosaic_fn(causal, deterministic=True, config=None):
+  return lambda q, k, v: attention_with_config(q, k, v, is_causal=causal, config=config,
+                                               implementation="mosaic",
+                                               deterministic=deterministic)
+
+
+def relerr(a, b):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def check(rows):
+  for b, t, s, n, k, h, causal in SHAPES:
+    q, kk, v, do = inputs(b, t, s, n, k, h)
+    ref = grads(lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=causal,
+                                                        implementation="xla"), q, kk, v, do)
+    want = ref(q, kk, v)
+    bf = [x.astype(jnp.bfloat16) for x in (q, kk, v)]
+    one_pass = mosaic.default_config(h, jnp.bfloat16, causal, t, jax.devices()[0].device_kind)
+    one_pass = dataclasses.replace(one_pass, backward=dataclasses.replace(one_pass.backward,
+                                                                          one_pass=True))
+    for name, fn in (("deterministic", mosaic_fn(causal)),
+                     ("atomic", mosaic_fn(causal, deterministic=False)),
+                     ("ordered_one_pass", mosaic_fn(causal, config=one_pass))):
+      g = grads(fn, *bf, do)
+      first, second = g(*bf), g(*bf)
+      same = all(bool(jnp.array_equal(x, y)) for x, y in zip(first, second))
+      errs = [relerr(x, w) for x, w in zip(first, want)]
+      nan = any(bool(jnp.isnan(x).any()) for x in first)
+      row = dict(kind="check", variant=name, shape=[b, t, s, n, k, h, causal],
+                 relerr=errs, repeats_bits=same, nan=nan, ok=max(errs) < 2e-2 and not nan)
+      rows.append(row)
+      print(f"check {name:17s} {row['shape']} relerr dq/dk/dv "
+            f"{' '.join(f'{e:.1e}' for e in errs)} repeats={same} "
+            f"{'OK' if row['ok'] else 'WRONG'}", flush=True)
+
+
+def time_call(fn, args, calls=10, repeats=5):
+  jax.block_until_ready(fn(*args))
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) / calls)
+  return statistics.median(times)
+
+
+def timing(rows, cells):
+  for d, s, causal, n, k in cells:
+    b = max(1, 16384 // s) if n == k else 1
+    q, kk, v, do = (x.astype(jnp.bfloat16) if i < 3 else x
+                    for i, x in enumerate(inputs(b, s, s, n, k, d, seed=1)))
+    flops = 3.5 * 4 * b * n * s * s * d * (0.5 if causal else 1.0)
+    variants = {}
+    for name in ("deterministic", "atomic", "atomic_plain_stage", "cudnn", "cudnn_det"):
+      mosaic_backward._SWIZZLED_STAGE = name != "atomic_plain_stage"
+      if name.startswith("cudnn"):
+        fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                          implementation="cudnn")
+        options = {"xla_gpu_exclude_nondeterministic_ops": True} if name == "cudnn_det" else {}
+        g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * do),
+                             argnums=(0, 1, 2)))
+        compiled = g.lower(q, kk, v).compile(options)
+      else:
+        fn = mosaic_fn(causal, deterministic=name == "deterministic")
+        compiled = grads(fn, q, kk, v, do).lower(q, kk, v).compile()
+      seconds = time_call(compiled, (q, kk, v))
+      variants[name] = flops / seconds / 1e12
+    mosaic_backward._SWIZZLED_STAGE = True
+    row = dict(kind="time", D=d, S=s, N=n, K=k, B=b, causal=causal, tflops=variants)
+    rows.append(row)
+    print(f"time D={d} S={s} {n}/{k} causal={causal}: " + " ".join(
+        f"{name} {value:.0f}" for name, value in variants.items()) +
+        f" | atomic/det {variants['atomic'] / variants['deterministic']:.3f} "
+        f"atomic/cudnn {variants['atomic'] / variants['cudnn']:.3f}", flush=True)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--out", default="atomic.json")
+  parser.add_argument("--no-check", action="store_true")
+  parser.add_argument("--cells", default="128:4096:0,128:4096:1,64:4096:0,64:4096:1,"
+                      "128:16384:1,128:16384:0:64:8")
+  args = parser.parse_args(argv)
+  rows = []
+  if not args.no_check:
+    check(rows)
+  cells = []
+  for cell in args.cells.split(","):
+    parts = [int(x) for x in cell.split(":")]
+    d, s, causal = parts[:3]
+    n, k = parts[3:5] if len(parts) > 3 else (2048 // d, 2048 // d)
+    cells.append((d, s, bool(causal), n, k))
+  timing(rows, cells)
+  Path(args.out).write_text(json.dumps(dict(environment=environment(), rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+  main()
