@@ -222,7 +222,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--out", help="results JSON (default results/<device>/grid.json); the "
                       ".md and .png files go beside it")
   parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="default: bf16 fp16")
-  parser.add_argument("--head-dims", type=int, nargs="+", help="default: 64 128 256")
+  parser.add_argument("--head-dims", type=int, nargs="*",
+                      help="default: 64 128 256 (none: only the GQA and Llama cases)")
   parser.add_argument("--seqs", type=int, nargs="+", help="default: 512 1024 ... 16384")
   parser.add_argument("--causal", choices=("both", "y", "n"), default="both")
   parser.add_argument("--modes", nargs="+", choices=MODES, help="default: fwd fwdbwd")

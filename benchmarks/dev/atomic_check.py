@@ -1,7 +1,6 @@
 """The atomic backward on the GPU: its gradients against a float32 reference and against the
 deterministic backward at odd shapes, whether each backward repeats its bits, and a same-run
-timing of the backward variants (deterministic two kernels, ordered one pass, atomic one pass
-with swizzled or plain dQ staging tiles).
+timing of backward variants (`BACKWARDS`) next to cuDNN's default and deterministic backwards.
 
     PYTHONPATH=. python benchmarks/dev/atomic_check.py --out /tmp/atomic.json
 """
@@ -23,7 +22,6 @@ import numpy as np
 import jaxflash
 from jaxflash.attention import attention_with_config
 from jaxflash.backends import mosaic
-from jaxflash.backends.mosaic import backward as mosaic_backward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from report import environment  # noqa: E402
@@ -32,6 +30,13 @@ from report import environment  # noqa: E402
 SHAPES = [(2, 1000, 777, 4, 2, 128, True), (2, 1000, 1000, 8, 8, 64, False),
           (1, 300, 2048, 8, 2, 128, False), (2, 1000, 777, 4, 2, 40, True),
           (2, 513, 513, 4, 4, 96, True), (1, 4096, 4096, 8, 1, 128, True)]
+
+
+# The Mosaic variants timed: Backward fields over the call's default tiles (the atomic ones run
+# with deterministic=False).
+BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True),
+             "atomic_r240": dict(atomic=True, registers=240),
+             "ordered_one_pass": dict(one_pass=True)}
 
 
 def inputs(b, t, s, n, k, h, seed=0):
@@ -98,15 +103,14 @@ def time_call(fn, args, calls=10, repeats=5):
   return statistics.median(times)
 
 
-def timing(rows, cells):
+def timing(rows, cells, names):
   for d, s, causal, n, k in cells:
     b = max(1, 16384 // s) if n == k else 1
     q, kk, v, do = (x.astype(jnp.bfloat16) if i < 3 else x
                     for i, x in enumerate(inputs(b, s, s, n, k, d, seed=1)))
     flops = 3.5 * 4 * b * n * s * s * d * (0.5 if causal else 1.0)
     variants = {}
-    for name in ("deterministic", "atomic", "atomic_plain_stage", "cudnn", "cudnn_det"):
-      mosaic_backward._SWIZZLED_STAGE = name != "atomic_plain_stage"
+    for name in names:
       if name.startswith("cudnn"):
         fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                           implementation="cudnn")
@@ -115,17 +119,18 @@ def timing(rows, cells):
                              argnums=(0, 1, 2)))
         compiled = g.lower(q, kk, v).compile(options)
       else:
-        fn = mosaic_fn(causal, deterministic=name == "deterministic")
+        config = mosaic.default_config(d, jnp.bfloat16, causal, s, jax.devices()[0].device_kind)
+        fields = BACKWARDS[name]
+        config = dataclasses.replace(config, backward=dataclasses.replace(config.backward,
+                                                                          **fields))
+        fn = mosaic_fn(causal, deterministic=name == "deterministic", config=config)
         compiled = grads(fn, q, kk, v, do).lower(q, kk, v).compile()
       seconds = time_call(compiled, (q, kk, v))
       variants[name] = flops / seconds / 1e12
-    mosaic_backward._SWIZZLED_STAGE = True
     row = dict(kind="time", D=d, S=s, N=n, K=k, B=b, causal=causal, tflops=variants)
     rows.append(row)
     print(f"time D={d} S={s} {n}/{k} causal={causal}: " + " ".join(
-        f"{name} {value:.0f}" for name, value in variants.items()) +
-        f" | atomic/det {variants['atomic'] / variants['deterministic']:.3f} "
-        f"atomic/cudnn {variants['atomic'] / variants['cudnn']:.3f}", flush=True)
+        f"{name} {value:.0f}" for name, value in variants.items()), flush=True)
 
 
 def main(argv=None):
@@ -134,6 +139,9 @@ def main(argv=None):
   parser.add_argument("--no-check", action="store_true")
   parser.add_argument("--cells", default="128:4096:0,128:4096:1,64:4096:0,64:4096:1,"
                       "128:16384:1,128:16384:0:64:8")
+  parser.add_argument("--variants", nargs="+", default=["deterministic", "atomic", "cudnn",
+                                                        "cudnn_det"],
+                      choices=[*BACKWARDS, "cudnn", "cudnn_det"])
   args = parser.parse_args(argv)
   rows = []
   if not args.no_check:
@@ -144,7 +152,7 @@ def main(argv=None):
     d, s, causal = parts[:3]
     n, k = parts[3:5] if len(parts) > 3 else (2048 // d, 2048 // d)
     cells.append((d, s, bool(causal), n, k))
-  timing(rows, cells)
+  timing(rows, cells, args.variants)
   Path(args.out).write_text(json.dumps(dict(environment=environment(), rows=rows), indent=1))
 
 

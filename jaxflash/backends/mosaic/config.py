@@ -40,7 +40,8 @@ class Backward:
   With ``atomic`` the same one-pass kernel serves calls that allow nondeterministic gradients
   (``flash_attention(..., deterministic=False)``, `Params.deterministic`): its dQ parts are
   added in whatever order the key tiles reach them, into a float32 dQ that starts at zero.
-  Calls it cannot serve (partial calls, head dims above 128) take the deterministic kernels.
+  Calls it cannot serve (partial calls, head dims above 128) take the deterministic kernels,
+  and so do the head dims where it measured slower than them (`BACKWARD_TUNED`).
   """
 
   dkv_block_q: int = 64
@@ -55,7 +56,7 @@ class Backward:
   # 232, 24 at 240).
   registers: int = 232
   one_pass: bool = False
-  atomic: bool = True
+  atomic: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -275,8 +276,16 @@ FP8_TUNED: dict[tuple[int, bool], dict] = {
 #   232). 4k: 402 vs 406 TFLOP/s, causal 405 vs 372; 16k: 414 vs 407, causal 410 vs 413.
 #   32-row tiles in every pass ran 386/380/402/399; one stage of 64-row tiles 283/279/284;
 #   the Triton backward 139-151.
+# - ``atomic`` (calls with deterministic=False; H200, 2026-11-24, `bench.py --impls
+#   jaxflash_mosaic jaxflash_mosaic_atomic cudnn cudnn_det`, benchmarks/results/h200/grid.json
+#   run atomic_2026-11-24): at D = 64 the atomic one pass ran 1.02-1.13x the two kernels (1k:
+#   373 vs 355, causal 267 vs 261; 4k: 448 vs 411, 381 vs 353; 16k: 467 vs 431, 457 vs 403)
+#   and 1.04-1.14x cuDNN's default backward. At D = 128 it ran 0.83-1.02x the two kernels
+#   (1k causal 280 vs 337; 4k 468 vs 491; 16k 528 vs 516, causal 499 vs 502): ptxas spills
+#   804 bytes there (700 with 240 registers, which ran 0.88-1.01x), against 60 for the dK/dV
+#   kernel and 316 for the one pass at D = 64. So D = 128 keeps the two kernels.
 BACKWARD_TUNED: dict[int, Backward] = {
-    64: Backward(dkv_block_q=128, dq_block_kv=128),
+    64: Backward(dkv_block_q=128, dq_block_kv=128, atomic=True),
     128: Backward(),
     256: Backward(dkv_block_q=32, dq_block_kv=32, dv_block_q=64, registers=240),
 }
@@ -320,11 +329,16 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
 #   length and head dim; with one, Triton stays ahead at D = 64 up to 2k keys (1k: 230 vs 257)
 #   and at D = 128 up to 1k (1k: 204 vs 272, a cell that ran at 382 on the H200 and may be an
 #   outlier; GQA 32/8 at 1k ran 396 vs 300).
+# - H100 80GB HBM3, 2026-11-24 (benchmarks/results/h100/grid.json, fwd_fwdbwd_2026-11-24): the
+#   D = 128 causal forward ran 374 on Mosaic against Triton's 274 at 1k (cuDNN 329) and 593
+#   against 369 at 4k, so the 2026-11-22 cell was an outlier: Mosaic serves D = 128 at every
+#   length. At D = 64 causal
+#   Triton stays ahead at 1k (272 vs 252) and Mosaic from 4k (365 vs 327).
 # Not measured at D = 192, nor on other Hopper parts (H100 PCIe, H20, GH200): Triton serves there.
 FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
     "H200": {(64, False): 0, (64, True): 0, (128, False): 0, (128, True): 0,
              (256, False): 0, (256, True): 0},
-    "H100 80GB HBM3": {(64, False): 0, (64, True): 4096, (128, False): 0, (128, True): 2048,
+    "H100 80GB HBM3": {(64, False): 0, (64, True): 4096, (128, False): 0, (128, True): 0,
                        (256, False): 0, (256, True): 0}}
 
 
