@@ -133,8 +133,8 @@ def train(attention: str, args: argparse.Namespace, corpus: np.ndarray) -> RunRe
   from ``corpus`` (same seed -> same params and batches for every attention) and times it."""
   cfg = Config(vocab=args.vocab, seq=args.seq, layers=args.layers, heads=args.heads,
                dim=args.dim, dtype=DTYPES[args.dtype], attn_dropout=args.attn_dropout)
-  model = GPT(cfg, attention_fn(attention), rngs=nnx.Rngs(params=args.seed,
-                                                          dropout=args.seed + 1))
+  model = GPT(cfg, attention_fn(attention, args.deterministic),
+              rngs=nnx.Rngs(params=args.seed, dropout=args.seed + 1))
   optimizer = nnx.Optimizer(model, make_optimizer(args.lr, args.steps, args.warmup),
                             wrt=nnx.Param)
   n_params = count_params(model)
@@ -295,6 +295,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--attn-dropout", type=float, default=0.0,
                       help="attention dropout rate; only jaxflash and flax support > 0 "
                            "(default: 0.0)")
+  parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                      help="jaxflash's backward: bitwise repeatable gradients (default), or "
+                           "--no-deterministic: a faster backward where one measured faster "
+                           "(dQ added with atomics). cuDNN runs its own default (atomic) "
+                           "backward either way; XLA_FLAGS="
+                           "--xla_gpu_exclude_nondeterministic_ops=true makes it deterministic")
   parser.add_argument("--seed", type=int, default=0,
                       help="seed for the corpus, the parameters and the batches (default: 0)")
   parser.add_argument("--out", default="gpt_out",

@@ -54,12 +54,16 @@ xla_attention = _jax_nn_attention("xla")
 cudnn_attention = _jax_nn_attention("cudnn")
 
 
-def attention_fn(name: str) -> Callable[..., jax.Array]:
-  """The ``attention_fn`` hook for ``name`` (one of ATTENTIONS)."""
+def attention_fn(name: str, deterministic: bool = True) -> Callable[..., jax.Array]:
+  """The ``attention_fn`` hook for ``name`` (one of ATTENTIONS); ``deterministic=False`` lets
+  jaxflash's backward add gradients with atomics (``deterministic_backward=False``)."""
+  options = {} if deterministic else {"deterministic_backward": False}
   if name == "jaxflash":
+    if options:
+      return functools.partial(jaxflash.nnx.dot_product_attention, **options)
     return jaxflash.nnx.dot_product_attention
   if name == "jaxflash_fp8":  # the forward in FP8, the gradient in 16 bits
-    return functools.partial(jaxflash.nnx.dot_product_attention, fp8=True)
+    return functools.partial(jaxflash.nnx.dot_product_attention, fp8=True, **options)
   if name == "flax":
     return nnx.dot_product_attention
   if name == "xla":

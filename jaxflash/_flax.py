@@ -109,10 +109,12 @@ def _to_bnts(x: jax.Array | None, batch_shape: tuple[int, ...], as_bool: bool):
 def attend(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
            mask: jax.Array | None, *, broadcast_dropout: bool, dropout_rng: jax.Array | None,
            dropout_rate: float, deterministic: bool, is_causal: bool,
-           implementation=None, sinks: jax.Array | None = None, fp8: bool = False) -> jax.Array:
+           implementation=None, sinks: jax.Array | None = None, fp8: bool = False,
+           deterministic_backward: bool = True) -> jax.Array:
   """Flax-convention attention through `jaxflash.flash_attention` (arrays already promoted);
-  ``implementation`` and ``sinks`` as there; with ``fp8`` through `jaxflash.fp8_attention` (an
-  FP8 forward, a 16-bit gradient; a decoding step stays 16-bit)."""
+  ``implementation`` and ``sinks`` as there, ``deterministic_backward`` its ``deterministic``
+  (Flax's ``deterministic`` turns dropout off); with ``fp8`` through `jaxflash.fp8_attention`
+  (an FP8 forward, a 16-bit gradient; a decoding step stays 16-bit)."""
   batch_shape = query.shape[:-3]
   if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
     # Flattening mismatched batch dims would pair queries with the wrong rows (or fail to
@@ -138,7 +140,8 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array |
       q, k, v, bias=_to_bnts(bias, batch_shape, as_bool=False),
       mask=_to_bnts(mask, batch_shape, as_bool=True), is_causal=is_causal,
       dropout_rate=rate, dropout_rng=dropout_rng if rate > 0.0 else None,
-      broadcast_dropout=broadcast_dropout, sinks=sinks, implementation=implementation)
+      broadcast_dropout=broadcast_dropout, sinks=sinks, implementation=implementation,
+      deterministic=check_flag(deterministic_backward, "deterministic_backward"))
   return out.reshape(query.shape[:-1] + value.shape[-1:])
 
 

@@ -55,9 +55,10 @@ def dot_product_attention(
     implementation: str | Sequence[str] | None = None,
     sinks: jax.Array | None = None,
     fp8: bool = False,
+    deterministic_backward: bool = True,
 ) -> jax.Array:
   """`flax.linen.dot_product_attention` computed by jaxflash (same signature, plus ``is_causal``,
-  ``implementation``, ``sinks`` and ``fp8``).
+  ``implementation``, ``sinks``, ``fp8`` and ``deterministic_backward``).
 
   Arrays are ``[batch..., length, heads, depth]`` (value may have its own depth, which the
   output takes); ``query`` arrives unscaled and is scaled by ``1 / sqrt(depth)``. ``mask``
@@ -72,7 +73,9 @@ def dot_product_attention(
   choose. ``sinks`` (float [heads]) are attention sinks as in `jaxflash.flash_attention`; a
   module made with ``sinks=True`` passes its own. ``fp8=True`` runs the forward in FP8 through
   `jaxflash.fp8_attention` (the gradient stays 16-bit; bind it with ``functools.partial`` to
-  make an ``attention_fn``).
+  make an ``attention_fn``). ``deterministic_backward=False`` is `jaxflash.flash_attention`'s
+  ``deterministic=False`` (gradients that may differ in their last bits between runs, where a
+  faster backward adds them with atomics); Flax's own ``deterministic`` turns dropout off.
 
   Requests the kernels cannot serve fall back to Flax's own implementation rather than being
   ignored: ``module`` (sowing the T x S weights), ``precision``, custom einsums or dot_generals,
@@ -98,7 +101,8 @@ def dot_product_attention(
   return _flax.attend(query, key, value, bias, mask, broadcast_dropout=broadcast_dropout,
                       dropout_rng=dropout_rng, dropout_rate=dropout_rate,
                       deterministic=deterministic, is_causal=is_causal,
-                      implementation=implementation, sinks=sinks, fp8=fp8)
+                      implementation=implementation, sinks=sinks, fp8=fp8,
+                      deterministic_backward=deterministic_backward)
 
 
 class _Jaxflash:
@@ -107,7 +111,8 @@ class _Jaxflash:
 
   - ``__post_init__`` binds the fields ``is_causal`` (not in decode mode, where the cache's
     occupancy mask already is the causal mask for the one query token), ``implementation``
-    and ``fp8`` into ``attention_fn``, which must take them;
+    ``fp8`` and ``deterministic_backward`` (where not their defaults) into ``attention_fn``,
+    which must take them;
   - ``__call__`` runs a decode step (``decode=True``, the cache already made) that passes no
     ``mask`` inside `_flax.cache_step`, where the hook runs `jaxflash.decode_attention` on the
     cache; every other call runs as Flax's. With ``sinks=True`` the hook gets the module's
@@ -120,7 +125,8 @@ class _Jaxflash:
       _flax.check_takes_module_sinks(self.attention_fn, dot_product_attention, "linen")
     object.__setattr__(self, "attention_fn", _flax.bind_options(
         self.attention_fn, is_causal=True if self.is_causal and not self.decode else None,
-        implementation=self.implementation, fp8=True if self.fp8 else None))
+        implementation=self.implementation, fp8=True if self.fp8 else None,
+        deterministic_backward=None if self.deterministic_backward else False))
     super().__post_init__()
 
   def __call__(self, *args, **kwargs):
@@ -150,6 +156,9 @@ class MultiHeadDotProductAttention(_Jaxflash, nn.MultiHeadDotProductAttention):
       (`jaxflash.flash_attention`'s ``sinks``).
     fp8: (default False) run the attention forward in FP8 (`jaxflash.fp8_attention`; the
       gradient stays 16-bit), passed to the ``attention_fn``, which must take it.
+    deterministic_backward: (default True) False allows a faster backward whose gradients may
+      differ in their last bits between runs (`jaxflash.flash_attention`'s ``deterministic``;
+      Flax's ``deterministic`` is the dropout switch), passed to the ``attention_fn``.
 
   With ``decode=True``, a step that passes no ``mask`` runs `jaxflash.decode_attention` on the
   cache (its occupancy gives the lengths): on a GPU, the split-KV decoding kernel.
@@ -160,26 +169,28 @@ class MultiHeadDotProductAttention(_Jaxflash, nn.MultiHeadDotProductAttention):
   implementation: str | Sequence[str] | None = None
   sinks: bool = False
   fp8: bool = False
+  deterministic_backward: bool = True
 
 
 class MultiHeadAttention(_Jaxflash, nn.MultiHeadAttention):
   """`flax.linen.MultiHeadAttention` (Flax's alias, named ``MultiHeadAttention_N``) with
-  jaxflash attention by default, ``is_causal``, ``implementation``, ``sinks`` and the decoding
-  kernel in decode mode."""
+  jaxflash attention by default and the options of `MultiHeadDotProductAttention`."""
 
   attention_fn: Callable[..., jax.Array] = dot_product_attention
   is_causal: bool = False
   implementation: str | Sequence[str] | None = None
   sinks: bool = False
   fp8: bool = False
+  deterministic_backward: bool = True
 
 
 class SelfAttention(_Jaxflash, nn.SelfAttention):
-  """`flax.linen.SelfAttention` with jaxflash attention by default, ``is_causal``,
-  ``implementation``, ``sinks`` and the decoding kernel in decode mode."""
+  """`flax.linen.SelfAttention` with jaxflash attention by default and the options of
+  `MultiHeadDotProductAttention`."""
 
   attention_fn: Callable[..., jax.Array] = dot_product_attention
   is_causal: bool = False
   implementation: str | Sequence[str] | None = None
   sinks: bool = False
   fp8: bool = False
+  deterministic_backward: bool = True

@@ -51,10 +51,11 @@ def dot_product_attention(
     implementation: str | Sequence[str] | None = None,
     sinks: jax.Array | None = None,
     fp8: bool = False,
+    deterministic_backward: bool = True,
     **kwargs: Any,
 ) -> jax.Array:
   """`flax.nnx.dot_product_attention` computed by jaxflash (same signature, plus
-  ``implementation``, ``sinks``, ``fp8`` and ``**kwargs``).
+  ``implementation``, ``sinks``, ``fp8``, ``deterministic_backward`` and ``**kwargs``).
 
   Arrays are ``[batch..., length, heads, depth]`` (key/value may have fewer heads: GQA; value
   may have its own depth, which the output takes); ``query`` arrives unscaled and is scaled by
@@ -67,7 +68,9 @@ def dot_product_attention(
   choose. ``sinks`` (float [heads]) are attention sinks as in `jaxflash.flash_attention`; a
   module made with ``sinks=True`` passes its own. ``fp8=True`` runs the forward in FP8 through
   `jaxflash.fp8_attention` (the gradient stays 16-bit; bind it with ``functools.partial`` to
-  make an ``attention_fn``).
+  make an ``attention_fn``). ``deterministic_backward=False`` is `jaxflash.flash_attention`'s
+  ``deterministic=False`` (gradients that may differ in their last bits between runs, where a
+  faster backward adds them with atomics); Flax's own ``deterministic`` turns dropout off.
 
   Falls back to Flax's own implementation for what the kernels cannot serve: ``module``
   (sowing the T x S weights), ``precision``, a key depth different from the query depth, or
@@ -93,7 +96,8 @@ def dot_product_attention(
   return _flax.attend(query, key, value, bias, mask, broadcast_dropout=broadcast_dropout,
                       dropout_rng=dropout_rng, dropout_rate=dropout_rate,
                       deterministic=deterministic, is_causal=is_causal,
-                      implementation=implementation, sinks=sinks, fp8=fp8)
+                      implementation=implementation, sinks=sinks, fp8=fp8,
+                      deterministic_backward=deterministic_backward)
 
 
 class MultiHeadAttention(nnx.MultiHeadAttention):
@@ -108,19 +112,23 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   [num_heads] (float32 zeros at first) that joins every softmax denominator
   (`jaxflash.flash_attention`'s ``sinks``); otherwise ``self.sinks`` is None. With
   ``fp8=True`` the attention forward runs in FP8 (`jaxflash.fp8_attention`; the gradient stays
-  16-bit); it is bound into the ``attention_fn`` like ``implementation``.
+  16-bit); it is bound into the ``attention_fn`` like ``implementation``, and so is
+  ``deterministic_backward=False`` (`jaxflash.flash_attention`'s ``deterministic=False``: a
+  faster backward whose gradients may differ in their last bits between runs).
   """
 
   def __init__(self, *args: Any, attention_fn: Callable[..., jax.Array] = dot_product_attention,
                implementation: str | Sequence[str] | None = None, sinks: bool = False,
-               fp8: bool = False, **kwargs: Any):
+               fp8: bool = False, deterministic_backward: bool = True, **kwargs: Any):
     if sinks:
       _flax.check_takes_module_sinks(attention_fn, dot_product_attention, "nnx")
-    attention_fn = _flax.bind_options(attention_fn, implementation=implementation,
-                                      fp8=True if fp8 else None)
+    attention_fn = _flax.bind_options(
+        attention_fn, implementation=implementation, fp8=True if fp8 else None,
+        deterministic_backward=None if deterministic_backward else False)
     super().__init__(*args, attention_fn=attention_fn, **kwargs)
     self.implementation = implementation
     self.fp8 = fp8
+    self.deterministic_backward = deterministic_backward
     self.sinks = nnx.Param(jnp.zeros((self.num_heads,), jnp.float32)) if sinks else None
 
   def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:

@@ -178,6 +178,7 @@ def reference_options(options: dict, b: int, t: int, s: int, n: int) -> dict:
   """jaxflash options as `reference_attention` takes them (dropout as the dense keep mask, a
   mask_mod or block mask as a dense mask)."""
   ref_options = dict(options)
+  ref_options.pop("deterministic", None)  # (how gradients are summed: the same values)
   if "mask_mod" in options or "block_mask" in options:
     dense = dense_mask_of(ref_options.pop("mask_mod", None), ref_options.pop("block_mask", None),
                           b=b, t=t, s=s, n=n)

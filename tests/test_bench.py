@@ -26,6 +26,24 @@ import report
 from jaxflash.backends import mosaic
 
 
+def test_llama_case_and_atomic_impl(monkeypatch):
+  """``--llama-seqs`` adds Llama-3.1-70B's attention (B = 1, GQA 64/8, D = 128) and an empty
+  ``--head-dims`` leaves only it; ``jaxflash_mosaic_atomic`` is the Mosaic backend with
+  ``deterministic=False``."""
+  import cases as cases_lib
+  cfg = bench.config(bench.parse_args(["--head-dims", "--seqs", "8192", "--no-gqa",
+                                       "--llama-seqs", "8192", "16384", "--dtypes", "bf16"]))
+  got = {(c.b, c.s, c.n, c.k, c.d, c.causal) for c in bench.build_cases(cfg)}
+  assert got == {(1, s, 64, 8, 128, causal) for s in (8192, 16384) for causal in (False, True)}
+  assert bench.config(bench.parse_args(["--smoke"]))["llama_seqs"] == []
+  seen = []
+  monkeypatch.setattr(cases_lib, "attention_with_config",
+                      lambda *a, **kw: seen.append((kw["implementation"], kw["deterministic"])))
+  for impl in ("jaxflash_mosaic", "jaxflash_mosaic_atomic"):
+    cases_lib.attention_fn(impl, causal=True)(None, None, None)
+  assert seen == [("mosaic", True), ("mosaic", False)]
+
+
 def test_bench_smoke(tmp_path):
   out = tmp_path / "smoke.json"
   # One length (the smoke grid has two) halves the run: compiling dominates it on a CPU. Two

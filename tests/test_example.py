@@ -76,6 +76,12 @@ def test_attention_choices():
   assert gpt.attention_fn("flax") is nnx.dot_product_attention
   with pytest.raises(ValueError):
     gpt.attention_fn("nope")
+  # --no-deterministic: jaxflash's hooks get deterministic_backward=False, others stay as they are
+  assert gpt.parse_args(["--preset", "cpu-tiny"]).deterministic
+  assert not gpt.parse_args(["--preset", "cpu-tiny", "--no-deterministic"]).deterministic
+  for name in ("jaxflash", "jaxflash_fp8"):
+    assert gpt.attention_fn(name, deterministic=False).keywords["deterministic_backward"] is False
+  assert gpt.attention_fn("flax", deterministic=False) is nnx.dot_product_attention
 
 
 def test_xla_wrapper_takes_the_nnx_hook_keywords():

@@ -337,6 +337,34 @@ def test_implementation_reaches_jaxflash_from_every_flax_entry(monkeypatch):
       triton.init(jax.random.key(0), x)
 
 
+def test_deterministic_backward_reaches_jaxflash(monkeypatch):
+  """``deterministic_backward=False`` on the hooks, a linen module's field and an nnx module's
+  constructor reaches `jaxflash.flash_attention` as ``deterministic=False`` (Flax's own
+  ``deterministic`` stays the dropout switch); the default passes True; the gradients agree."""
+  from jaxflash import _flax
+  seen = []
+  real = _flax.flash_attention
+  monkeypatch.setattr(_flax, "flash_attention", lambda *a, **kw: seen.append(
+      kw["deterministic"]) or real(*a, **kw))
+  x, _ = _inputs()
+  q = jax.random.normal(jax.random.key(1), (B, T, HEADS, 8))
+  for hook in (jaxflash.linen.dot_product_attention, jaxflash.nnx.dot_product_attention):
+    hook(q, q, q, deterministic_backward=False)
+  grads = {}
+  for flag in (True, False):
+    model = jaxflash.linen.SelfAttention(num_heads=HEADS, is_causal=True,
+                                         deterministic_backward=flag)
+    params = model.init(jax.random.key(0), x)
+    grads[flag] = jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2))(params)
+  chex.assert_trees_all_close(grads[True], grads[False], rtol=1e-5, atol=1e-6)
+  jaxflash.nnx.MultiHeadAttention(HEADS, D, decode=False, deterministic_backward=False,
+                                  rngs=nnx.Rngs(0))(x, is_causal=True)
+  # (The linen modules' init and grad each call the hook: two calls per flag.)
+  assert seen == [False, False] + [True] * 2 + [False] * 2 + [False]
+  with pytest.raises(ValueError, match="deterministic_backward"):
+    jaxflash.linen.dot_product_attention(q, q, q, deterministic_backward="no")
+
+
 def test_implementation_is_never_dropped_silently():
   """A call that falls back to Flax's own attention cannot honour ``implementation``, and an
   ``attention_fn`` that takes no ``implementation`` cannot be given one: ValueErrors that say

@@ -675,6 +675,86 @@ def test_one_pass_backward(h, block_q, band, monkeypatch):
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config, **options)
 
 
+@pytest.mark.parametrize("h,block_q,band,segments", [
+    (128, 64, False, False), (64, 128, True, True),
+    pytest.param(128, 64, True, True, marks=variant)])
+def test_atomic_backward(h, block_q, band, segments, monkeypatch):
+  """deterministic=False with ``Backward.atomic``: dQ from the dK/dV kernel, its parts added in
+  any order into a float32 array that starts at zero (no dQ kernel, no ordering semaphores; a
+  block table from segment ids too), against the reference with the options the backward
+  serves. Batch row 1 has no keys: no key tile visits its query blocks, whose dQ stays zero."""
+  from jaxflash.backends.mosaic import backward
+  modes = []
+  dkv = backward._dkv
+
+  def spy(*args, **kwargs):
+    modes.append(kwargs.get("atomic", False))
+    return dkv(*args, **kwargs)
+
+  def no_dq_kernel(*args, **kwargs):
+    raise AssertionError("the dQ kernel ran")
+
+  monkeypatch.setattr(backward, "_dkv", spy)
+  monkeypatch.setattr(backward, "_dq", no_dq_kernel)
+  b, t, s, n, k, _ = OPTION_SHAPE
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
+      dkv_block_q=block_q, dq_block_kv=block_q, atomic=True))
+  options = {**_everything_but_dense(b, t, s, n, 0), **_short_rows(b, t, s, n, 0)}
+  if not band:
+    del options["local_window_size"], options["is_causal"]
+  if not segments:
+    del options["segment_ids"]
+  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config,
+        deterministic=False, **options)
+  assert modes == [True]
+
+
+def test_atomic_backward_under_vmap():
+  """The atomic backward's zeroed float32 array is made inside the backward: under vmap every
+  slice gets its own (one shared array would sum the slices' dQ)."""
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
+      dkv_block_q=128, dq_block_kv=128, atomic=True))
+  q, kk, v, _ = random_qkv(4, 2, 70, 150, 2, 1, 64, BF16)
+  fn = lambda q, k, v: _run(q[None], k[None], v[None], config=config,  # noqa: E731
+                            deterministic=False)[0]
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
+  batched = jax.grad(lambda q: jnp.sum(jax.vmap(loss)(q, kk, v)))(q)
+  for i in range(2):
+    single = jax.grad(loss)(q[i], kk[i], v[i])
+    np.testing.assert_allclose(np.asarray(batched[i], np.float32),
+                               np.asarray(single, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("h,deterministic,partial_call,want", [
+    (64, False, False, "atomic"), (64, True, False, None), (40, False, False, "atomic"),
+    (64, False, True, None), (128, False, False, None), (256, False, False, None)])
+def test_atomic_backward_where_it_measured_faster(h, deterministic, partial_call, want):
+  """The shipped tiles (`BACKWARD_TUNED`) take the atomic one pass for calls that allow it at
+  head dims up to 64, where it measured faster than the two kernels; at D = 128 (slower there),
+  above it (no one-pass kernel), in partial calls (float32 gradients) and by default, the
+  deterministic kernels run."""
+  from jaxflash.backends.mosaic import backward
+  call = _checks.normalise(jnp.zeros((1, 256, 2, h), BF16), jnp.zeros((1, 256, 2, h), BF16),
+                           jnp.zeros((1, 256, 2, h), BF16), deterministic=deterministic)
+  params = dataclasses.replace(call.params, partial=partial_call)
+  config = mosaic.default_config(h, BF16, False, 256, "NVIDIA H200")
+  hp = mosaic.config.padded_head_dim(h)
+  assert backward._one_pass_mode(call.inputs, params, config.backward, hp) == want
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("h,kernels", [(64, 2), (128, 3)])
+def test_atomic_backward_lowers(h, kernels):
+  """deterministic=False lowers as two Mosaic kernels at D = 64 (the forward, and dK/dV with
+  dQ's unordered adds into a zeroed array, aliased in place) and as the three deterministic
+  ones at D = 128; no ordering semaphores either way."""
+  q = jax.ShapeDtypeStruct((2, 1000, 4, h), BF16)
+  kv = jax.ShapeDtypeStruct((2, 777, 2, h), BF16)
+  text = _lower(_gradients(None, is_causal=True, deterministic=False), q, kv, kv)
+  assert _mosaic_kernels(text) == kernels
+  assert ("output_operand_alias" in text) == (kernels == 2)
+
+
 @pytest.mark.parametrize("band,offsets", [
     ({}, None), (dict(is_causal=True), None), (dict(is_causal=True, local_window_size=(70, 0)),
                                                None),

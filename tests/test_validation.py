@@ -156,6 +156,8 @@ OPTION_CASES = {
     "causal_window_negative": (dict(is_causal=True, local_window_size=(-2, 0)),
                                "local_window_size"),
     "implementation_cuda": (dict(implementation="cuda"), "implementation"),
+    "deterministic_string": (dict(deterministic="no"), "deterministic"),
+    "deterministic_none": (dict(deterministic=None), "deterministic"),
 }
 
 

@@ -642,14 +642,36 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
 def _with_zeroed_sum(run, operands, dq_shape, out_type: dict) -> dict:
   """``run``'s outputs (``out_type``) and ``"dq"``, the float32 sum it adds into: a mutable
   array that starts at zero (blocks that no key tile visits stay zero), which lives and dies
-  inside a `pl.run_state` (mutable arrays may not cross the custom VJP around the backward)."""
-  def body(refs):
-    outs = run(*operands, refs["dq"])
-    for name, value in outs.items():
-      refs[name][...] = value
+  inside a `pl.run_state` (mutable arrays may not cross the custom VJP around the backward).
 
-  start = {name: jnp.zeros(t.shape, t.dtype) for name, t in out_type.items()}
-  return pl.run_state(body)({**start, "dq": jnp.zeros(dq_shape, jnp.float32)})
+  `pl.run_state` has no batching rule, so under vmap the slices run one after another, each
+  with its own array (one array shared by the slices would sum their dQ)."""
+  def one_call(operands):
+    def body(refs):
+      outs = run(*operands, refs["dq"])
+      for name, value in outs.items():
+        refs[name][...] = value
+
+    start = {name: jnp.zeros(t.shape, t.dtype) for name, t in out_type.items()}
+    return pl.run_state(body)({**start, "dq": jnp.zeros(dq_shape, jnp.float32)})
+
+  @jax.custom_batching.custom_vmap
+  def call(operands):
+    return one_call(operands)
+
+  @call.def_vmap
+  def _slice_by_slice(axis_size, in_batched, operands):
+    del axis_size
+    batched = jax.tree.map(lambda x, b: x if b else None, operands, in_batched[0])
+    def one_slice(part):
+      whole = jax.tree.map(lambda x, b, p: p if b else x, operands, in_batched[0], part,
+                           is_leaf=lambda x: x is None)
+      return call(whole)
+
+    outs = lax.map(one_slice, batched)
+    return outs, jax.tree.map(lambda _: True, outs)
+
+  return call(operands)
 
 
 def _first_visitors(schedule: Schedule, inputs: Inputs, q_blocks: int):
