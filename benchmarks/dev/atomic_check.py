@@ -22,7 +22,6 @@ import numpy as np
 import jaxflash
 from jaxflash.attention import attention_with_config
 from jaxflash.backends import mosaic
-from jaxflash.backends.mosaic import backward as mosaic_backward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from report import environment  # noqa: E402
@@ -37,7 +36,6 @@ SHAPES = [(2, 1000, 777, 4, 2, 128, True), (2, 1000, 1000, 8, 8, 64, False),
 # with deterministic=False).
 BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True),
              "atomic_r240": dict(atomic=True, registers=240),
-             "atomic_dk_regs": dict(atomic=True),  # dK's dSᵀ from registers (_DK_FROM_SHARED off)
              "ordered_one_pass": dict(one_pass=True)}
 
 
@@ -73,15 +71,12 @@ def check(rows):
                                                         implementation="xla"), q, kk, v, do)
     want = ref(q, kk, v)
     bf = [x.astype(jnp.bfloat16) for x in (q, kk, v)]
-    base = mosaic.default_config(h, jnp.bfloat16, causal, t, jax.devices()[0].device_kind)
-
-    def with_fields(**fields):
-      return dataclasses.replace(base, backward=dataclasses.replace(base.backward, **fields))
-
-    # (The one pass runs wherever dq_split has a way for the tiles: D <= 128.)
+    one_pass = mosaic.default_config(h, jnp.bfloat16, causal, t, jax.devices()[0].device_kind)
+    one_pass = dataclasses.replace(one_pass, backward=dataclasses.replace(one_pass.backward,
+                                                                          one_pass=True))
     for name, fn in (("deterministic", mosaic_fn(causal)),
-                     ("atomic", mosaic_fn(causal, False, with_fields(atomic=True))),
-                     ("ordered_one_pass", mosaic_fn(causal, config=with_fields(one_pass=True)))):
+                     ("atomic", mosaic_fn(causal, deterministic=False)),
+                     ("ordered_one_pass", mosaic_fn(causal, config=one_pass))):
       g = grads(fn, *bf, do)
       first, second = g(*bf), g(*bf)
       same = all(bool(jnp.array_equal(x, y)) for x, y in zip(first, second))
@@ -129,9 +124,7 @@ def timing(rows, cells, names):
         config = dataclasses.replace(config, backward=dataclasses.replace(config.backward,
                                                                           **fields))
         fn = mosaic_fn(causal, deterministic=name == "deterministic", config=config)
-        mosaic_backward._DK_FROM_SHARED = name != "atomic_dk_regs"
         compiled = grads(fn, q, kk, v, do).lower(q, kk, v).compile()
-      mosaic_backward._DK_FROM_SHARED = True
       seconds = time_call(compiled, (q, kk, v))
       variants[name] = flops / seconds / 1e12
     row = dict(kind="time", D=d, S=s, N=n, K=k, B=b, causal=causal, tflops=variants)

@@ -75,9 +75,6 @@ _KEYS = 64  # keys per consumer in dK/dV, query rows per consumer in dQ (one wgm
 # increasing order, and every key tile's walk then starts at the same (last) block, where the
 # first tile of a causal band would otherwise be the last to reach its first blocks.
 _WALK_DOWN = True
-# Whether the one-pass kernel's dK product reads dSᵀ from shared memory (where it goes for dQ)
-# rather than from registers.
-_DK_FROM_SHARED = True
 
 
 def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
@@ -303,18 +300,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
           sums.append(dq_part.product_interpreted(ds_slot, k_smem))
       else:
         def accumulate(acc_refs):
-          if want_dq and _DK_FROM_SHARED:
-            # dSᵀ goes to shared memory for dQ anyway: dK's product reads it there, so its
-            # registers are free before the products run.
-            dq_part.store_scores(ds16, ds_slot)
-            operands["dk"] = (dq_part.own_scores(ds_slot), q_tile)
           for acc_ref, name in zip(acc_refs, names):
             a, b = operands[name]
             plgpu.wgmma(acc_ref, a, b)
           if want_dq:
-            if not _DK_FROM_SHARED:
-              dq_part.store_scores(ds16, ds_slot)
-            dq_part.wait_for_scores(ds_slot)
+            dq_part.share_scores(ds16, ds_slot)
             dq_part.product(acc_refs[-1], ds_slot, k_smem)
 
         accs = [plgpu.ACC.init(carry[name]) for name in names]
@@ -461,20 +451,10 @@ class _DqPart:
 
   def share_scores(self, ds16, ds_slot):
     """Stores this consumer's dSᵀ and waits until the other consumer has stored its own."""
-    self.store_scores(ds16, ds_slot)
-    self.wait_for_scores(ds_slot)
-
-  def store_scores(self, ds16, ds_slot):
     self.smem["ds"].at[ds_slot, self.wg][...] = ds16
     plgpu.commit_smem()
-
-  def wait_for_scores(self, ds_slot):
     plgpu.barrier_arrive(self.smem["ds_ready"].at[ds_slot])
     plgpu.barrier_wait(self.smem["ds_ready"].at[ds_slot])
-
-  def own_scores(self, ds_slot):
-    """This consumer's dSᵀ tile in shared memory (64 keys by ``block_q`` queries)."""
-    return self.smem["ds"].at[ds_slot, self.wg]
 
   def _operands(self, ds_slot, k_smem, c):
     """(A, B) of consumer ``c``'s 64 keys in this consumer's part: dS over them, their K."""
