@@ -34,8 +34,8 @@ SHAPES = [(2, 1000, 777, 4, 2, 128, True), (2, 1000, 1000, 8, 8, 64, False),
 
 # The Mosaic variants timed: Backward fields over the call's default tiles (the atomic ones run
 # with deterministic=False).
-BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True),
-             "atomic_r240": dict(atomic=True, registers=240),
+BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0),
+             "atomic_r240": dict(atomic=True, atomic_min_rows=0, atomic_registers=240),
              "ordered_one_pass": dict(one_pass=True)}
 
 
@@ -71,12 +71,16 @@ def check(rows):
                                                         implementation="xla"), q, kk, v, do)
     want = ref(q, kk, v)
     bf = [x.astype(jnp.bfloat16) for x in (q, kk, v)]
-    one_pass = mosaic.default_config(h, jnp.bfloat16, causal, t, jax.devices()[0].device_kind)
-    one_pass = dataclasses.replace(one_pass, backward=dataclasses.replace(one_pass.backward,
-                                                                          one_pass=True))
+    base = mosaic.default_config(h, jnp.bfloat16, causal, t, jax.devices()[0].device_kind)
+
+    def with_fields(**fields):
+      return dataclasses.replace(base, backward=dataclasses.replace(base.backward, **fields))
+
+    # (The one pass runs wherever dq_split has a way for the tiles: D <= 128.)
     for name, fn in (("deterministic", mosaic_fn(causal)),
-                     ("atomic", mosaic_fn(causal, deterministic=False)),
-                     ("ordered_one_pass", mosaic_fn(causal, config=one_pass))):
+                     ("atomic", mosaic_fn(causal, False, with_fields(atomic=True,
+                                                                     atomic_min_rows=0))),
+                     ("ordered_one_pass", mosaic_fn(causal, config=with_fields(one_pass=True)))):
       g = grads(fn, *bf, do)
       first, second = g(*bf), g(*bf)
       same = all(bool(jnp.array_equal(x, y)) for x, y in zip(first, second))

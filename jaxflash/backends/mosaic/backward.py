@@ -548,6 +548,8 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   tiles or, ``atomic``, in any order."""
   if grads == ("dv",):
     config = config.dv_pass()
+  if atomic:
+    config = config.atomic_pass()
   b = q.shape[0]
   kv_heads = k.shape[2]
   groups = q.shape[2] // kv_heads
@@ -917,10 +919,11 @@ def _one_pass_mode(inputs: Inputs, params: Params, config: Backward, hp: int) ->
   """How dQ comes out: ``"atomic"`` or ``"ordered"`` from the dK/dV kernel, or None (the dQ
   kernel). A call that allows nondeterministic gradients but that the atomic kernel cannot
   serve (a partial call, or one whose tiles do not fit) takes the deterministic kernels."""
-  mode = config.one_pass_mode(hp, params.deterministic)
+  q_len = inputs.query.shape[1]
+  mode = config.one_pass_mode(hp, params.deterministic, q_len)
   if mode == "atomic" and (params.partial or backward_smem_bytes(
       config, inputs.query.shape[-1], deterministic=False) > SMEM_BUDGET):
-    return config.one_pass_mode(hp, deterministic=True)
+    return config.one_pass_mode(hp, True, q_len)
   return mode
 
 

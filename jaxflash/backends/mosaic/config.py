@@ -41,7 +41,9 @@ class Backward:
   (``flash_attention(..., deterministic=False)``, `Params.deterministic`): its dQ parts are
   added in whatever order the key tiles reach them, into a float32 dQ that starts at zero.
   Calls it cannot serve (partial calls, head dims above 128) take the deterministic kernels,
-  and so do the head dims where it measured slower than them (`BACKWARD_TUNED`).
+  and so do calls with fewer than ``atomic_min_rows`` query rows and the head dims where it
+  measured slower than them (`BACKWARD_TUNED`). ``atomic_registers`` (None: ``registers``) is its
+  consumers' register count.
   """
 
   dkv_block_q: int = 64
@@ -57,6 +59,8 @@ class Backward:
   registers: int = 232
   one_pass: bool = False
   atomic: bool = False
+  atomic_min_rows: int = 0
+  atomic_registers: int | None = None
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -67,8 +71,14 @@ class Backward:
       value = getattr(self, name)
       if value is not None and value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}")
-    if self.registers not in (232, 240):
-      raise ValueError(f"registers must be 232 or 240, got {self.registers}")
+    for name in ("registers", "atomic_registers"):
+      value = getattr(self, name)
+      if value is not None and value not in (232, 240):
+        raise ValueError(f"{name} must be 232 or 240, got {value}")
+
+  def atomic_pass(self) -> Backward:
+    """The tiles of the atomic one pass (its own register count)."""
+    return dataclasses.replace(self, registers=self.atomic_registers or self.registers)
 
   def dv_pass(self) -> Backward:
     """The tiles of the dV pass (as ``dkv_block_q`` and ``dkv_stages``)."""
@@ -86,11 +96,12 @@ class Backward:
     wanted = self.one_pass if deterministic else self.atomic or self.one_pass
     return wanted and hp <= SPLIT_HEAD_DIM and dq_split(self.dkv_block_q, hp) is not None
 
-  def one_pass_mode(self, hp: int, deterministic: bool) -> str | None:
+  def one_pass_mode(self, hp: int, deterministic: bool, q_len: int) -> str | None:
     """``"atomic"`` (unordered dQ adds), ``"ordered"`` (dQ adds in a fixed order) or None (two
-    kernels) for a call at padded head dim ``hp`` that does or does not need ``deterministic``
-    gradients."""
-    if not deterministic and self.atomic and self.runs_one_pass(hp, deterministic=False):
+    kernels) for a call of ``q_len`` query rows at padded head dim ``hp`` that does or does not
+    need ``deterministic`` gradients."""
+    if (not deterministic and self.atomic and q_len >= self.atomic_min_rows
+        and self.runs_one_pass(hp, deterministic=False)):
       return "atomic"
     return "ordered" if self.runs_one_pass(hp) else None
 
@@ -283,10 +294,12 @@ FP8_TUNED: dict[tuple[int, bool], dict] = {
 #   and 1.04-1.14x cuDNN's default backward. At D = 128 it ran 0.83-1.02x the two kernels
 #   (1k causal 280 vs 337; 4k 468 vs 491; 16k 528 vs 516, causal 499 vs 502): ptxas spills
 #   804 bytes there (700 with 240 registers, which ran 0.88-1.01x), against 60 for the dK/dV
-#   kernel and 316 for the one pass at D = 64. So D = 128 keeps the two kernels.
+#   kernel and 316 for the one pass at D = 64. With 240 registers it ran 502 vs 495 at 4k (441
+#   vs 471 causal) and 549 vs 515 at 16k (519 vs 501 causal): so D = 128 takes it, with 240
+#   registers, from 16k query rows only.
 BACKWARD_TUNED: dict[int, Backward] = {
     64: Backward(dkv_block_q=128, dq_block_kv=128, atomic=True),
-    128: Backward(),
+    128: Backward(atomic=True, atomic_min_rows=16384, atomic_registers=240),
     256: Backward(dkv_block_q=32, dq_block_kv=32, dv_block_q=64, registers=240),
 }
 
