@@ -725,21 +725,23 @@ def test_atomic_backward_under_vmap():
                                np.asarray(single, np.float32), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("h,t,deterministic,partial_call,want", [
-    (64, 256, False, False, "atomic"), (64, 256, True, False, None),
-    (40, 256, False, False, "atomic"), (64, 256, False, True, None),
-    (128, 4096, False, False, None), (128, 16384, False, False, "atomic"),
-    (128, 16384, True, False, None), (256, 16384, False, False, None)])
-def test_atomic_backward_where_it_measured_faster(h, t, deterministic, partial_call, want):
-  """The shipped tiles (`BACKWARD_TUNED`) take the atomic one pass for calls that allow it
-  where it measured faster than the two kernels: head dims up to 64, and D = 128 from 16k query
-  rows (with 240 registers); at D = 128 below that, above it (no one-pass kernel), in partial
-  calls (float32 gradients) and by default, the deterministic kernels run."""
+@pytest.mark.parametrize("h,t,causal,deterministic,partial_call,want", [
+    (64, 256, True, False, False, "atomic"), (64, 256, False, True, False, None),
+    (40, 256, False, False, False, "atomic"), (64, 256, False, False, True, None),
+    (128, 4096, False, False, False, None), (128, 8192, False, False, False, "atomic"),
+    (128, 8192, True, False, False, None), (128, 8192, False, True, False, None),
+    (256, 16384, False, False, False, None)])
+def test_atomic_backward_where_it_measured_faster(h, t, causal, deterministic, partial_call,
+                                                  want):
+  """The shipped tiles (`ATOMIC_TUNED`) take the atomic one pass for calls that allow it where
+  it measured faster than the two kernels: head dims up to 64, and D = 128 without a causal band
+  from 8k query rows (with 240 registers); at D = 128 otherwise, above it (no one-pass kernel),
+  in partial calls (float32 gradients) and by default, the deterministic kernels run."""
   from jaxflash.backends.mosaic import backward
   q = jnp.zeros((1, t, 2, h), BF16)
-  call = _checks.normalise(q, q, q, deterministic=deterministic)
+  call = _checks.normalise(q, q, q, deterministic=deterministic, is_causal=causal)
   params = dataclasses.replace(call.params, partial=partial_call)
-  config = mosaic.default_config(h, BF16, False, t, "NVIDIA H200")
+  config = mosaic.default_config(h, BF16, causal, t, "NVIDIA H200")
   hp = mosaic.config.padded_head_dim(h)
   assert backward._one_pass_mode(call.inputs, params, config.backward, hp) == want
   if want == "atomic" and h == 128:

@@ -41,8 +41,8 @@ class Backward:
   (``flash_attention(..., deterministic=False)``, `Params.deterministic`): its dQ parts are
   added in whatever order the key tiles reach them, into a float32 dQ that starts at zero.
   Calls it cannot serve (partial calls, head dims above 128) take the deterministic kernels,
-  and so do calls with fewer than ``atomic_min_rows`` query rows and the head dims where it
-  measured slower than them (`BACKWARD_TUNED`). ``atomic_registers`` (None: ``registers``) is its
+  and so do calls with fewer than ``atomic_min_rows`` query rows and the cells where it measured
+  slower than them (`ATOMIC_TUNED`). ``atomic_registers`` (None: ``registers``) is its
   consumers' register count.
   """
 
@@ -294,13 +294,27 @@ FP8_TUNED: dict[tuple[int, bool], dict] = {
 #   and 1.04-1.14x cuDNN's default backward. At D = 128 it ran 0.83-1.02x the two kernels
 #   (1k causal 280 vs 337; 4k 468 vs 491; 16k 528 vs 516, causal 499 vs 502): ptxas spills
 #   804 bytes there (700 with 240 registers, which ran 0.88-1.01x), against 60 for the dK/dV
-#   kernel and 316 for the one pass at D = 64. With 240 registers it ran 502 vs 495 at 4k (441
-#   vs 471 causal) and 549 vs 515 at 16k (519 vs 501 causal): so D = 128 takes it, with 240
-#   registers, from 16k query rows only.
+#   kernel and 316 for the one pass at D = 64. See `ATOMIC_TUNED` for 240 registers.
 BACKWARD_TUNED: dict[int, Backward] = {
-    64: Backward(dkv_block_q=128, dq_block_kv=128, atomic=True),
-    128: Backward(atomic=True, atomic_min_rows=16384, atomic_registers=240),
+    64: Backward(dkv_block_q=128, dq_block_kv=128),
+    128: Backward(),
     256: Backward(dkv_block_q=32, dq_block_kv=32, dv_block_q=64, registers=240),
+}
+
+
+# Where calls with deterministic=False take the atomic one pass: (padded head dim, causal) ->
+# `Backward` fields over `BACKWARD_TUNED`'s. H200, 2026-11-24 (benchmarks/results/h200/grid.json,
+# runs atomic_, llama_ and atomic_d128_2026-11-24; benchmarks/dev/atomic_check.py), forward+
+# backward TFLOP/s of the atomic one pass against the two kernels:
+# - D = 64: 1.02-1.13x at 1k, 4k and 16k, causal and not (1.04-1.14x cuDNN's default).
+# - D = 128 with 240 consumer registers (232 spilled more and ran 0.83-1.02x): without a causal
+#   band 502 vs 495 at 4k, 517 vs 503 at 8k, 549 vs 515 and 533 vs 515 at 16k, GQA 64/8 at 16k
+#   491 vs 486; with one 441 vs 471 at 4k, 477 vs 483 at 8k, 519 vs 501 and 509 vs 504 at 16k,
+#   GQA 475 vs 502. So non-causal calls from 8k query rows only.
+ATOMIC_TUNED: dict[tuple[int, bool], dict] = {
+    (64, False): dict(atomic=True),
+    (64, True): dict(atomic=True),
+    (128, False): dict(atomic=True, atomic_min_rows=8192, atomic_registers=240),
 }
 
 
@@ -322,7 +336,9 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
     candidates.insert(0, dict(tuned, persistent_ctas=None, q_buffers=1))
     if tuned.get("persistent_ctas"):
       candidates.insert(0, dict(tuned, persistent_ctas=sm_count(device_kind)))
-  mosaic_backward = BACKWARD_TUNED.get(padded_head_dim(head_dim), Backward())
+  mosaic_backward = dataclasses.replace(
+      BACKWARD_TUNED.get(padded_head_dim(head_dim), Backward()),
+      **ATOMIC_TUNED.get((padded_head_dim(head_dim), causal), {}))
   for fields in candidates:
     config = Config(triton=backward, backward=mosaic_backward, **fields)
     if fits(config, head_dim, partial, value_dim, 1 if fp8.is_fp8(dtype) else 2):
