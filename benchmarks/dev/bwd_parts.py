@@ -59,16 +59,20 @@ VARIANTS = [dict(registers=240), dict(registers=232), dict(dkv_stages=3), dict(d
 
 
 def _check(q, k, v, d_out, causal: bool, grads) -> float:
-  """The largest relative error of (dq, dk, dv) over batch row 0, head 0, against float32."""
-  one = lambda x: x[:1, :, :1].astype(jnp.float32)
+  """The largest relative error of (dq, dk, dv) over batch row 0 and K/V head 0 (with the query
+  heads of its group: they all add to its dK and dV), against float32."""
+  group = q.shape[2] // k.shape[2]
+  one = lambda x, heads=1: x[:1, :, :heads].astype(jnp.float32)  # noqa: E731
+  q_side = lambda x: one(x, group)  # noqa: E731
 
   def reference(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
 
   with jax.default_matmul_precision("highest"):
-    _, vjp = jax.vjp(reference, one(q), one(k), one(v))
-    want = vjp(one(d_out))
-  return max(relerr(one(g), np.asarray(w, np.float64)) for g, w in zip(grads, want))
+    _, vjp = jax.vjp(reference, q_side(q), one(k), one(v))
+    want = vjp(q_side(d_out))
+  return max(relerr(cut(g), np.asarray(w, np.float64))
+             for g, w, cut in zip(grads, want, (q_side, one, one)))
 
 
 def _kernels(backward: mosaic.Backward, hp: int) -> list[str]:
@@ -291,6 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--causal", choices=("both", "y", "n"), default="both")
   parser.add_argument("--tokens", type=int, default=16384, help="B = tokens / S")
   parser.add_argument("--hidden", type=int, default=2048, help="N = hidden / D")
+  parser.add_argument("--kv-heads", type=int, help="K/V heads (GQA); default: N (MHA)")
   parser.add_argument("--variants", nargs="*", metavar="FIELD",
                       help="also time `VARIANTS` (those setting these Backward fields, if named)")
   parser.add_argument("--profile", action="store_true",
@@ -319,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
     for d in args.head_dims:
       for causal in causal_modes(dict(causal=args.causal)):
         b, n = max(1, args.tokens // s), max(1, args.hidden // d)
-        case = Case("bf16", b, s, n, n, d, causal)
+        case = Case("bf16", b, s, n, args.kv_heads or n, d, causal)
         if args.launch_once:
           launch_once(case)
           continue
