@@ -139,8 +139,10 @@ def flash_attention(
     deterministic: whether the gradients must be bitwise repeatable (the default: every
       gradient element has one writer, in a fixed order). ``False`` allows a backward that
       adds dQ in whatever order the key blocks finish, with float32 atomics (cuDNN's and
-      FlashAttention's default), where that is the faster one (Mosaic on Hopper, head dims up
-      to 128); the result is as accurate, but its last bits may differ from run to run.
+      FlashAttention's default), where that measured faster than the deterministic one (the
+      Mosaic backend: head dims up to 64, and 128 without a causal band from 8k query rows;
+      `jaxflash.backends.mosaic.config.ATOMIC_TUNED`); elsewhere the deterministic backward
+      runs. The result is as accurate, but its last bits may differ from run to run.
     return_residual: also return the logsumexp of the logits, [B, T, N] in the query's dtype as
       jax.nn returns it (natural log, ``-inf`` for rows that see no key; computed in float32).
     implementation: ``"mosaic"`` (Pallas Mosaic GPU kernels for Hopper GPUs; the Triton

@@ -110,7 +110,7 @@ class _Jaxflash:
   methods wrap Flax's):
 
   - ``__post_init__`` binds the fields ``is_causal`` (not in decode mode, where the cache's
-    occupancy mask already is the causal mask for the one query token), ``implementation``
+    occupancy mask already is the causal mask for the one query token), ``implementation``,
     ``fp8`` and ``deterministic_backward`` (where not their defaults) into ``attention_fn``,
     which must take them;
   - ``__call__`` runs a decode step (``decode=True``, the cache already made) that passes no

@@ -665,6 +665,7 @@ def _with_zeroed_sum(run, operands, dq_shape, out_type: dict) -> dict:
   def _slice_by_slice(axis_size, in_batched, operands):
     del axis_size
     batched = jax.tree.map(lambda x, b: x if b else None, operands, in_batched[0])
+
     def one_slice(part):
       whole = jax.tree.map(lambda x, b, p: p if b else x, operands, in_batched[0], part,
                            is_leaf=lambda x: x is None)

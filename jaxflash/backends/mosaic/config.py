@@ -287,14 +287,7 @@ FP8_TUNED: dict[tuple[int, bool], dict] = {
 #   232). 4k: 402 vs 406 TFLOP/s, causal 405 vs 372; 16k: 414 vs 407, causal 410 vs 413.
 #   32-row tiles in every pass ran 386/380/402/399; one stage of 64-row tiles 283/279/284;
 #   the Triton backward 139-151.
-# - ``atomic`` (calls with deterministic=False; H200, 2026-11-24, `bench.py --impls
-#   jaxflash_mosaic jaxflash_mosaic_atomic cudnn cudnn_det`, benchmarks/results/h200/grid.json
-#   run atomic_2026-11-24): at D = 64 the atomic one pass ran 1.02-1.13x the two kernels (1k:
-#   373 vs 355, causal 267 vs 261; 4k: 448 vs 411, 381 vs 353; 16k: 467 vs 431, 457 vs 403)
-#   and 1.04-1.14x cuDNN's default backward. At D = 128 it ran 0.83-1.02x the two kernels
-#   (1k causal 280 vs 337; 4k 468 vs 491; 16k 528 vs 516, causal 499 vs 502): ptxas spills
-#   804 bytes there (700 with 240 registers, which ran 0.88-1.01x), against 60 for the dK/dV
-#   kernel and 316 for the one pass at D = 64. See `ATOMIC_TUNED` for 240 registers.
+# The atomic one pass (deterministic=False) is turned on per cell by `ATOMIC_TUNED`.
 BACKWARD_TUNED: dict[int, Backward] = {
     64: Backward(dkv_block_q=128, dq_block_kv=128),
     128: Backward(),
@@ -306,8 +299,10 @@ BACKWARD_TUNED: dict[int, Backward] = {
 # `Backward` fields over `BACKWARD_TUNED`'s. H200, 2026-11-24 (benchmarks/results/h200/grid.json,
 # runs atomic_, llama_ and atomic_d128_2026-11-24; benchmarks/dev/atomic_check.py), forward+
 # backward TFLOP/s of the atomic one pass against the two kernels:
-# - D = 64: 1.02-1.13x at 1k, 4k and 16k, causal and not (1.04-1.14x cuDNN's default).
-# - D = 128 with 240 consumer registers (232 spilled more and ran 0.83-1.02x): without a causal
+# - D = 64: 1.02-1.13x at 1k, 4k and 16k, causal and not (1k: 373 vs 355, causal 267 vs 261;
+#   4k: 448 vs 411, 381 vs 353; 16k: 467 vs 431, 457 vs 403), 1.04-1.14x cuDNN's default.
+# - D = 128 with the default 232 registers: 0.83-1.02x (ptxas spills 804 bytes, against 60 in
+#   the dK/dV kernel and 316 in the one pass at D = 64). With 240 (720 bytes): without a causal
 #   band 502 vs 495 at 4k, 517 vs 503 at 8k, 549 vs 515 and 533 vs 515 at 16k, GQA 64/8 at 16k
 #   491 vs 486; with one 441 vs 471 at 4k, 477 vs 483 at 8k, 519 vs 501 and 509 vs 504 at 16k,
 #   GQA 475 vs 502. So non-causal calls from 8k query rows only.
@@ -361,8 +356,7 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
 # - H100 80GB HBM3, 2026-11-24 (benchmarks/results/h100/grid.json, fwd_fwdbwd_2026-11-24): the
 #   D = 128 causal forward ran 374 on Mosaic against Triton's 274 at 1k (cuDNN 329) and 593
 #   against 369 at 4k, so the 2026-11-22 cell was an outlier: Mosaic serves D = 128 at every
-#   length. At D = 64 causal
-#   Triton stays ahead at 1k (272 vs 252) and Mosaic from 4k (365 vs 327).
+#   length. At D = 64 causal Triton stays ahead at 1k (272 vs 252), Mosaic from 4k (365 vs 327).
 # Not measured at D = 192, nor on other Hopper parts (H100 PCIe, H20, GH200): Triton serves there.
 FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
     "H200": {(64, False): 0, (64, True): 0, (128, False): 0, (128, True): 0,
