@@ -725,6 +725,18 @@ def test_atomic_backward_under_vmap():
                                np.asarray(single, np.float32), rtol=2e-2, atol=2e-2)
 
 
+def test_h100_short_causal_d64_takes_one_cta_per_tile():
+  """On an H100 the causal D = 64 forward takes `TUNED`'s persistent grid with two Q buffers
+  from 8k query rows only (`TUNED_FROM_LENGTH`: it measured slower at 4k); shorter calls, and
+  other cards at every length, are as `TUNED` says."""
+  config = mosaic.config.default_config
+  short = config(64, BF16, True, 4096, "NVIDIA H100 80GB HBM3")
+  assert (short.persistent_ctas, short.q_buffers, short.block_kv) == (None, 1, 128)
+  assert config(64, BF16, True, 8192, "NVIDIA H100 80GB HBM3").persistent_ctas == 132
+  assert config(64, BF16, True, 4096, "NVIDIA H200").persistent_ctas == 132
+  assert config(64, BF16, False, 4096, "NVIDIA H100 80GB HBM3").persistent_ctas == 132
+
+
 @pytest.mark.parametrize("h,t,causal,deterministic,partial_call,want", [
     (64, 256, True, False, False, "atomic"), (64, 256, False, True, False, None),
     (40, 256, False, False, False, "atomic"), (64, 256, False, False, True, None),

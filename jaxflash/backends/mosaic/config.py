@@ -313,6 +313,23 @@ ATOMIC_TUNED: dict[tuple[int, bool], dict] = {
 }
 
 
+# Where a device kind measured `TUNED`'s forward slower at short lengths: kind -> {(padded head
+# dim, causal): the shortest query length from which `TUNED` applies}; shorter calls take one
+# CTA per 128-key tile. H100 80GB HBM3, 2026-11-24 (`bench.py --tune --head-dims 64 --causal y`),
+# D = 64 causal forward, TUNED's persistent grid with two Q buffers against one CTA per tile:
+# 4k 352 vs 399 TFLOP/s (cuDNN 400), 8k 456 vs 449, 16k 484 vs 454 (1k: 237 vs 255, where
+# `FASTER_THAN_TRITON` gives the call to Triton).
+TUNED_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {
+    "H100 80GB HBM3": {(64, True): 8192}}
+
+
+def _tuned_from_length(device_kind: str, hp: int, causal: bool) -> int:
+  for kind, lengths in TUNED_FROM_LENGTH.items():
+    if kind_is(device_kind, kind):
+      return lengths.get((hp, causal), 0)
+  return 0
+
+
 def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: str,
                    partial: bool = False, value_dim: int | None = None) -> Config | None:
   """`TUNED`'s config (persistent on this device's SM count), else it on one CTA per tile,
@@ -324,6 +341,8 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
   backward = triton_config.default_config(max(head_dim, value_dim or 0), dtype, causal, q_len,
                                           device_kind)
   tuned = TUNED.get((padded_head_dim(head_dim), causal))
+  if q_len < _tuned_from_length(device_kind, padded_head_dim(head_dim), causal):
+    tuned = None
   candidates = [dict(block_kv=128), dict(block_kv=64)]
   if fp8.is_fp8(dtype):  # (no backward: an FP8 call has no gradient)
     tuned = FP8_TUNED.get((padded_head_dim(head_dim), causal))
@@ -353,7 +372,8 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
 #   length and head dim; with one, Triton stays ahead at D = 64 up to 2k keys (1k: 230 vs 257)
 #   and at D = 128 up to 1k (1k: 204 vs 272, a cell that ran at 382 on the H200 and may be an
 #   outlier; GQA 32/8 at 1k ran 396 vs 300).
-# - H100 80GB HBM3, 2026-11-24 (benchmarks/results/h100/grid.json, fwd_fwdbwd_2026-11-24): the
+# - H100 80GB HBM3, 2026-11-24 (benchmarks/results/h100/grid.json, fwd_fwdbwd_2026-11-24, before
+#   `TUNED_FROM_LENGTH`): the
 #   D = 128 causal forward ran 374 on Mosaic against Triton's 274 at 1k (cuDNN 329) and 593
 #   against 369 at 4k, so the 2026-11-22 cell was an outlier: Mosaic serves D = 128 at every
 #   length. At D = 64 causal Triton stays ahead at 1k (272 vs 252), Mosaic from 4k (365 vs 327).
