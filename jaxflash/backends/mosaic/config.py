@@ -373,10 +373,10 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
 #   and at D = 128 up to 1k (1k: 204 vs 272, a cell that ran at 382 on the H200 and may be an
 #   outlier; GQA 32/8 at 1k ran 396 vs 300).
 # - H100 80GB HBM3, 2026-11-24 (benchmarks/results/h100/grid.json, fwd_fwdbwd_2026-11-24, before
-#   `TUNED_FROM_LENGTH`): the
-#   D = 128 causal forward ran 374 on Mosaic against Triton's 274 at 1k (cuDNN 329) and 593
-#   against 369 at 4k, so the 2026-11-22 cell was an outlier: Mosaic serves D = 128 at every
-#   length. At D = 64 causal Triton stays ahead at 1k (272 vs 252), Mosaic from 4k (365 vs 327).
+#   `TUNED_FROM_LENGTH`): the D = 128 causal forward ran 374 on Mosaic against Triton's 274 at
+#   1k (cuDNN 329) and 593 against 369 at 4k, so the 2026-11-22 cell was an outlier: Mosaic
+#   serves D = 128 at every length. At D = 64 causal Triton stays ahead at 1k (272 vs 252 with
+#   TUNED's grid, 255 with one CTA per tile), Mosaic from 4k (365 vs 327).
 # Not measured at D = 192, nor on other Hopper parts (H100 PCIe, H20, GH200): Triton serves there.
 FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
     "H200": {(64, False): 0, (64, True): 0, (128, False): 0, (128, True): 0,
