@@ -26,6 +26,17 @@ import report
 from jaxflash.backends import mosaic
 
 
+def test_atomic_check_smoke(tmp_path):
+  """benchmarks/dev/atomic_check.py in the interpreter: the deterministic, atomic and ordered
+  backwards against float32 on a tiny shape whose two key tiles both add to each query block."""
+  import atomic_check
+  out = tmp_path / "atomic.json"
+  rows = atomic_check.main(["--smoke", "--out", str(out)])
+  assert [r["variant"] for r in rows] == ["deterministic", "atomic", "ordered_one_pass"]
+  assert all(r["ok"] for r in rows), rows
+  assert json.loads(out.read_text())["rows"] == rows
+
+
 def test_llama_case_and_atomic_impl(monkeypatch):
   """``--llama-seqs`` adds Llama-3.1-70B's attention (B = 1, GQA 64/8, D = 128) and an empty
   ``--head-dims`` leaves only it; ``jaxflash_mosaic_atomic`` is the Mosaic backend with

@@ -3,6 +3,8 @@ deterministic backward at odd shapes, whether each backward repeats its bits, an
 timing of backward variants (`BACKWARDS`) next to cuDNN's default and deterministic backwards.
 
     PYTHONPATH=. python benchmarks/dev/atomic_check.py --out /tmp/atomic.json
+
+``--smoke`` checks one tiny shape in Mosaic GPU's interpreter on a CPU (CI) and times nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from report import environment  # noqa: E402
 SHAPES = [(2, 1000, 777, 4, 2, 128, True), (2, 1000, 1000, 8, 8, 64, False),
           (1, 300, 2048, 8, 2, 128, False), (2, 1000, 777, 4, 2, 40, True),
           (2, 513, 513, 4, 4, 96, True), (1, 4096, 4096, 8, 1, 128, True)]
+SMOKE_SHAPES = [(2, 70, 150, 2, 1, 64, False)]  # (2 key tiles: the atomic adds meet)
 
 
 # The Mosaic variants timed: Backward fields over the call's default tiles (the atomic ones run
@@ -48,15 +51,18 @@ def inputs(b, t, s, n, k, h, seed=0):
   return q, kk, v, do
 
 
-def grads(fn, q, k, v, do):
+def grads(fn, q, k, v, do, jit=True):
   loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * do)
-  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  grad = jax.grad(loss, argnums=(0, 1, 2))
+  # (Mosaic GPU's interpreter runs eagerly: jitted, it could deadlock on 2 cores; see tests.)
+  return jax.jit(grad) if jit else grad
 
 
-def mosaic_fn(causal, deterministic=True, config=None):
+def mosaic_fn(causal, deterministic=True, config=None, interpret=False):
   return lambda q, k, v: attention_with_config(q, k, v, is_causal=causal, config=config,
                                                implementation="mosaic",
-                                               deterministic=deterministic)
+                                               deterministic=deterministic,
+                                               interpret=interpret)
 
 
 def relerr(a, b):
@@ -64,24 +70,25 @@ def relerr(a, b):
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def check(rows):
-  for b, t, s, n, k, h, causal in SHAPES:
+def check(rows, shapes=SHAPES, interpret=False):
+  for b, t, s, n, k, h, causal in shapes:
     q, kk, v, do = inputs(b, t, s, n, k, h)
     ref = grads(lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=causal,
                                                         implementation="xla"), q, kk, v, do)
     want = ref(q, kk, v)
     bf = [x.astype(jnp.bfloat16) for x in (q, kk, v)]
-    base = mosaic.default_config(h, jnp.bfloat16, causal, t, jax.devices()[0].device_kind)
+    base = mosaic.default_config(h, jnp.bfloat16, causal, t, "NVIDIA H200" if interpret
+                                 else jax.devices()[0].device_kind)
 
     def with_fields(**fields):
       return dataclasses.replace(base, backward=dataclasses.replace(base.backward, **fields))
 
     # (The one pass runs wherever dq_split has a way for the tiles: D <= 128.)
-    for name, fn in (("deterministic", mosaic_fn(causal)),
-                     ("atomic", mosaic_fn(causal, False, with_fields(atomic=True,
-                                                                     atomic_min_rows=0))),
-                     ("ordered_one_pass", mosaic_fn(causal, config=with_fields(one_pass=True)))):
-      g = grads(fn, *bf, do)
+    for name, deterministic, config in (
+        ("deterministic", True, base),
+        ("atomic", False, with_fields(atomic=True, atomic_min_rows=0)),
+        ("ordered_one_pass", True, with_fields(one_pass=True))):
+      g = grads(mosaic_fn(causal, deterministic, config, interpret), *bf, do, jit=not interpret)
       first, second = g(*bf), g(*bf)
       same = all(bool(jnp.array_equal(x, y)) for x, y in zip(first, second))
       errs = [relerr(x, w) for x, w in zip(first, want)]
@@ -141,6 +148,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", default="atomic.json")
   parser.add_argument("--no-check", action="store_true")
+  parser.add_argument("--smoke", action="store_true",
+                      help="one tiny shape in the interpreter (a CPU), no timing")
   parser.add_argument("--cells", default="128:4096:0,128:4096:1,64:4096:0,64:4096:1,"
                       "128:16384:1,128:16384:0:64:8")
   parser.add_argument("--variants", nargs="+", default=["deterministic", "atomic", "cudnn",
@@ -148,6 +157,10 @@ def main(argv=None):
                       choices=[*BACKWARDS, "cudnn", "cudnn_det"])
   args = parser.parse_args(argv)
   rows = []
+  if args.smoke:
+    check(rows, SMOKE_SHAPES, interpret=True)
+    Path(args.out).write_text(json.dumps(dict(environment=environment(), rows=rows), indent=1))
+    return rows
   if not args.no_check:
     check(rows)
   cells = []
@@ -158,6 +171,7 @@ def main(argv=None):
     cells.append((d, s, bool(causal), n, k))
   timing(rows, cells, args.variants)
   Path(args.out).write_text(json.dumps(dict(environment=environment(), rows=rows), indent=1))
+  return rows
 
 
 if __name__ == "__main__":
