@@ -660,6 +660,13 @@ def test_one_pass_backward(h, block_q, band, monkeypatch):
   ones (without the causal band, batch row 0 sees both of its key tiles everywhere); zero where
   no key tile visits (batch row 1 has 40 queries and no keys). GQA, and every option the
   backward serves."""
+  _check_one_pass(monkeypatch, h, block_q, band, dict(one_pass=True))
+
+
+def _check_one_pass(monkeypatch, h, block_q, band, fields, drop=(), **call):
+  """`check` of the one-pass backward (``fields`` over ``block_q``-row tiles, the dQ kernel
+  replaced by an error) on OPTION_SHAPE with every option the backward serves and short rows,
+  without the causal window unless ``band`` and without the options named in ``drop``."""
   from jaxflash.backends.mosaic import backward
 
   def no_dq_kernel(*args, **kwargs):
@@ -668,11 +675,11 @@ def test_one_pass_backward(h, block_q, band, monkeypatch):
   monkeypatch.setattr(backward, "_dq", no_dq_kernel)
   b, t, s, n, k, _ = OPTION_SHAPE
   config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
-      dkv_block_q=block_q, dq_block_kv=block_q, one_pass=True))
+      dkv_block_q=block_q, dq_block_kv=block_q, **fields))
   options = {**_everything_but_dense(b, t, s, n, 0), **_short_rows(b, t, s, n, 0)}
-  if not band:
-    del options["local_window_size"], options["is_causal"]
-  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config, **options)
+  drop = tuple(drop) + (() if band else ("local_window_size", "is_causal"))
+  options = {name: x for name, x in options.items() if name not in drop}
+  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config, **options, **call)
 
 
 @pytest.mark.parametrize("h,block_q,band,segments", [
@@ -691,21 +698,9 @@ def test_atomic_backward(h, block_q, band, segments, monkeypatch):
     modes.append(kwargs.get("atomic", False))
     return dkv(*args, **kwargs)
 
-  def no_dq_kernel(*args, **kwargs):
-    raise AssertionError("the dQ kernel ran")
-
   monkeypatch.setattr(backward, "_dkv", spy)
-  monkeypatch.setattr(backward, "_dq", no_dq_kernel)
-  b, t, s, n, k, _ = OPTION_SHAPE
-  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
-      dkv_block_q=block_q, dq_block_kv=block_q, atomic=True))
-  options = {**_everything_but_dense(b, t, s, n, 0), **_short_rows(b, t, s, n, 0)}
-  if not band:
-    del options["local_window_size"], options["is_causal"]
-  if not segments:
-    del options["segment_ids"]
-  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config,
-        deterministic=False, **options)
+  _check_one_pass(monkeypatch, h, block_q, band, dict(atomic=True),
+                 drop=() if segments else ("segment_ids",), deterministic=False)
   assert modes == [True]
 
 

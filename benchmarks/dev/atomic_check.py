@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -26,6 +24,7 @@ from jaxflash.attention import attention_with_config
 from jaxflash.backends import mosaic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cases import time_call  # noqa: E402
 from report import environment  # noqa: E402
 
 # (B, T, S, N, K, H, causal): lengths off the tiles, T != S, GQA, head dims 40/64/96/128.
@@ -65,6 +64,16 @@ def mosaic_fn(causal, deterministic=True, config=None, interpret=False):
                                                interpret=interpret)
 
 
+def variant_fn(name, h, causal, q_len, interpret=False):
+  """The Mosaic backend with `BACKWARDS`'s ``name`` over the call's default tiles (the atomic
+  variants with deterministic=False); the interpreter takes the H200's tiles."""
+  kind = "NVIDIA H200" if interpret else jax.devices()[0].device_kind
+  config = mosaic.default_config(h, jnp.bfloat16, causal, q_len, kind)
+  config = dataclasses.replace(config, backward=dataclasses.replace(config.backward,
+                                                                    **BACKWARDS[name]))
+  return mosaic_fn(causal, not name.startswith("atomic"), config, interpret)
+
+
 def relerr(a, b):
   a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -77,18 +86,9 @@ def check(rows, shapes=SHAPES, interpret=False):
                                                         implementation="xla"), q, kk, v, do)
     want = ref(q, kk, v)
     bf = [x.astype(jnp.bfloat16) for x in (q, kk, v)]
-    base = mosaic.default_config(h, jnp.bfloat16, causal, t, "NVIDIA H200" if interpret
-                                 else jax.devices()[0].device_kind)
-
-    def with_fields(**fields):
-      return dataclasses.replace(base, backward=dataclasses.replace(base.backward, **fields))
-
     # (The one pass runs wherever dq_split has a way for the tiles: D <= 128.)
-    for name, deterministic, config in (
-        ("deterministic", True, base),
-        ("atomic", False, with_fields(atomic=True, atomic_min_rows=0)),
-        ("ordered_one_pass", True, with_fields(one_pass=True))):
-      g = grads(mosaic_fn(causal, deterministic, config, interpret), *bf, do, jit=not interpret)
+    for name in ("deterministic", "atomic", "ordered_one_pass"):
+      g = grads(variant_fn(name, h, causal, t, interpret), *bf, do, jit=not interpret)
       first, second = g(*bf), g(*bf)
       same = all(bool(jnp.array_equal(x, y)) for x, y in zip(first, second))
       errs = [relerr(x, w) for x, w in zip(first, want)]
@@ -99,19 +99,6 @@ def check(rows, shapes=SHAPES, interpret=False):
       print(f"check {name:17s} {row['shape']} relerr dq/dk/dv "
             f"{' '.join(f'{e:.1e}' for e in errs)} repeats={same} "
             f"{'OK' if row['ok'] else 'WRONG'}", flush=True)
-
-
-def time_call(fn, args, calls=10, repeats=5):
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / calls)
-  return statistics.median(times)
 
 
 def timing(rows, cells, names):
@@ -126,18 +113,11 @@ def timing(rows, cells, names):
         fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                           implementation="cudnn")
         options = {"xla_gpu_exclude_nondeterministic_ops": True} if name == "cudnn_det" else {}
-        g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * do),
-                             argnums=(0, 1, 2)))
-        compiled = g.lower(q, kk, v).compile(options)
       else:
-        config = mosaic.default_config(d, jnp.bfloat16, causal, s, jax.devices()[0].device_kind)
-        fields = BACKWARDS[name]
-        config = dataclasses.replace(config, backward=dataclasses.replace(config.backward,
-                                                                          **fields))
-        fn = mosaic_fn(causal, deterministic=name == "deterministic", config=config)
-        compiled = grads(fn, q, kk, v, do).lower(q, kk, v).compile()
-      seconds = time_call(compiled, (q, kk, v))
-      variants[name] = flops / seconds / 1e12
+        fn, options = variant_fn(name, d, causal, s), {}
+      compiled = grads(fn, q, kk, v, do).lower(q, kk, v).compile(options)
+      ms = time_call(compiled, (q, kk, v), calls=10)
+      variants[name] = flops / ms / 1e9
     row = dict(kind="time", D=d, S=s, N=n, K=k, B=b, causal=causal, tflops=variants)
     rows.append(row)
     print(f"time D={d} S={s} {n}/{k} causal={causal}: " + " ".join(

@@ -615,9 +615,10 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   # Pallas walks the grid row-major, batch fastest: with a causal band the first key tiles,
   # which see the most query rows, launch first, and each key tile launches after the one
   # before it of the same batch row and head (the one-pass kernel's dQ adds rely on it).
+  out_type = {name: out_type[name] for name in grads if name in out_type}
   run = plgpu.kernel(
       kernel,
-      out_type={name: out_type[name] for name in grads if name in out_type},
+      out_type=out_type,
       scratch_types=(smem,),
       grid=(kv_heads, k_tiles, b),
       grid_names=("heads", "k_tiles", "batch"),
@@ -628,8 +629,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   )
   operands = (q, k, v, d_out, lse2, delta, inputs.lengths, inputs.offsets, first, extras)
   if atomic:
-    grads_out = _with_zeroed_sum(run, operands, dq_shape,
-                                 {name: out_type[name] for name in grads if name in out_type})
+    grads_out = _with_zeroed_sum(run, operands, dq_shape, out_type)
     grads_out["dq"] = (grads_out["dq"] * params.scale).astype(q.dtype)
     return grads_out
   grads_out = run(*operands, None)

@@ -323,11 +323,16 @@ TUNED_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {
     "H100 80GB HBM3": {(64, True): 8192}}
 
 
-def _tuned_from_length(device_kind: str, hp: int, causal: bool) -> int:
-  for kind, lengths in TUNED_FROM_LENGTH.items():
+def _for_kind(table: dict[str, dict], device_kind: str) -> dict | None:
+  """``table``'s entry for ``device_kind`` (names matched as whole words), or None."""
+  for kind, entry in table.items():
     if kind_is(device_kind, kind):
-      return lengths.get((hp, causal), 0)
-  return 0
+      return entry
+  return None
+
+
+def _tuned_from_length(device_kind: str, hp: int, causal: bool) -> int:
+  return (_for_kind(TUNED_FROM_LENGTH, device_kind) or {}).get((hp, causal), 0)
 
 
 def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: str,
@@ -402,8 +407,5 @@ def faster_than_triton(device_kind: str, head_dim: int, kv_len: int, causal: boo
   own_value_dim = value_dim is not None and value_dim != head_dim
   table = FASTER_THAN_TRITON_VALUE_DIM if own_value_dim else FASTER_THAN_TRITON
   key = (padded_head_dim(head_dim),) + ((padded_head_dim(value_dim),) if own_value_dim else ())
-  for kind, min_kv_len in table.items():
-    if kind_is(device_kind, kind):
-      least = min_kv_len.get(key + (causal,))
-      return least is not None and kv_len >= least
-  return False
+  least = (_for_kind(table, device_kind) or {}).get(key + (causal,))
+  return least is not None and kv_len >= least
