@@ -593,3 +593,11 @@ def test_forward_tiles_smoke():
   import forward_tiles
   rows = forward_tiles.main(["--smoke"])
   assert rows and "error" not in rows[0] and rows[0]["relerr"] < 2e-2
+
+
+def test_backward_tiles_smoke():
+  """benchmarks/dev/backward_tiles.py on MLA's head dims, tiny, in Mosaic GPU's interpreter."""
+  import backward_tiles
+  rows = backward_tiles.main(["--smoke"])
+  assert rows and "error" not in rows[0], rows
+  assert max(rows[0]["relerr"].values()) < 2e-2, rows

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import backends
+from jaxflash import _checks, backends
+from jaxflash.backends import mosaic
 from jaxflash.reference import reference_attention
-from checks import (BACKENDS, H100, TOLERANCE, attention, interpret_for, lower_for_cuda,
-                    random_array, random_lengths, reference_options, rel_err)
+from checks import (BACKENDS, H100, TOLERANCE, attention, config_for, interpret_for,
+                    lower_for_cuda, random_array, random_lengths, reference_options, rel_err)
 
 F32 = jnp.float32
 
@@ -353,14 +354,24 @@ def test_empty_calls_have_the_value_head_dim():
 
 
 # ---------------------------------------------------------------------------------------------
-# The Mosaic forward: V's and O's tiles at their own padded head dim (the gradients run the
-# Triton backward), in Mosaic GPU's interpreter and lowered for CUDA.
+# The Mosaic kernels: V's, dO's, O's and dV's tiles at their own padded head dim, in Mosaic GPU's
+# interpreter and lowered for CUDA.
 
 
-@pytest.mark.parametrize("h,hv,small", [(96, 40, True), (64, 128, False)])
+@pytest.mark.parametrize("h,hv,small", [(96, 40, True), (64, 128, False), (192, 128, False)])
 def test_mosaic_serves_it(h, hv, small):
-  """The small tiles with a narrower V (padded to 64 beside 128); the shipped ones with a
-  wider V (128 beside 64: O needs tiles of its own, wider than Q's)."""
+  """Forward and backward: the small tiles with a narrower V (padded to 64 beside 128); the
+  shipped ones with a wider V (128 beside 64: O needs tiles of its own, wider than Q's), and
+  MLA's dims, whose dK/dV runs as two passes (dV's tile of its own in the dV pass)."""
+  from jaxflash.backends.mosaic import backward
+  config = config_for("mosaic", small) or mosaic.default_config(h, jnp.bfloat16, True, 70,
+                                                                "NVIDIA H200", value_dim=hv)
+  call = _checks.normalise(jnp.zeros((1, 70, 2, h), jnp.bfloat16),
+                                    jnp.zeros((1, 90, 1, h), jnp.bfloat16),
+                                    jnp.zeros((1, 90, 1, hv), jnp.bfloat16), is_causal=True)
+  assert backward.unsupported(call.inputs, call.params, config) is None  # not Triton's
+  assert config.backward.splits_dkv(*(mosaic.config.padded_head_dim(d) for d in (h, hv))) == (
+      h == 192)
   _check("mosaic", h=h, hv=hv, b=1, t=70, s=90, n=2, k=1, dtype=jnp.bfloat16, small=small,
          is_causal=True)
 
@@ -368,21 +379,24 @@ def test_mosaic_serves_it(h, hv, small):
 @pytest.mark.usefixtures("cuda_plugin")
 def test_mosaic_lowers_for_cuda():
   """Forward (the shipped configs: persistent grids, the intra-warpgroup overlap) and the
-  Triton backward lower for an H100 with MLA's and other pairs of head dims."""
+  Mosaic backward lower for an H100 with MLA's and other pairs of head dims: dK/dV in one
+  pass where both accumulators fit (64 + 128 columns, 128 + 64), in two (dV, then dK) where
+  they do not (192 + 128, 256 + 128), and no Triton kernel."""
   def fwd_bwd(is_causal):
     return lambda q, kk, v: jax.grad(lambda *x: jnp.sum(jaxflash.flash_attention(
         *x, implementation="mosaic", is_causal=is_causal).astype(F32)), argnums=(0, 1, 2))(
             q, kk, v)
 
-  for h, hv, is_causal in ((192, 128, True), (128, 64, False), (64, 128, True),
-                           (256, 128, False)):
+  for h, hv, is_causal, kernels in ((192, 128, True, 4), (128, 64, False, 3),
+                                    (64, 128, True, 3), (256, 128, False, 4)):
     q = jax.ShapeDtypeStruct((2, 300, 8, h), jnp.bfloat16)
     kk = jax.ShapeDtypeStruct((2, 1000, 2, h), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((2, 1000, 2, hv), jnp.bfloat16)
     with jax.sharding.use_abstract_mesh(H100):
       text = jax.jit(fwd_bwd(is_causal)).trace(q, kk, v).lower(
           lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and "jaxflash_backward_dkv" in text, (h, hv)
+    assert text.count("custom_call @mosaic_gpu") == kernels, (h, hv)
+    assert "jaxflash_backward" not in text, (h, hv)
 
 
 def test_mosaic_selection():

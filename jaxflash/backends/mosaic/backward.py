@@ -62,7 +62,7 @@ from jaxflash import dropout
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.mosaic import forward as fwd
-from jaxflash.backends.mosaic.config import (SMEM_BUDGET, SPLIT_HEAD_DIM, Backward, Config,
+from jaxflash.backends.mosaic.config import (SMEM_BUDGET, Backward, Config,
                                              backward_smem_bytes, dq_split, padded_head_dim)
 from jaxflash.backends.triton import backward as triton_backward
 from jaxflash.masking import Positions
@@ -81,17 +81,20 @@ def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
   """Why the Mosaic backward cannot serve this call (None if it can): the Triton one then does."""
   if config.backward is None:
     return "config.backward is None"
-  head_dim = inputs.query.shape[-1]
-  if inputs.value.shape[-1] != head_dim:  # (its tiles are sized by one head dim)
-    return "a value head dim unlike the query's"
-  if params.partial and config.backward.runs_one_pass(padded_head_dim(head_dim)):
+  head_dim, value_dim = inputs.query.shape[-1], inputs.value.shape[-1]
+  hp, hv = padded_head_dim(head_dim), padded_head_dim(value_dim)
+  if params.partial and value_dim != head_dim:  # (one float32 tile carries dK, then dV)
+    return "partial results (float32 gradients) with a value head dim of its own"
+  if params.partial and config.backward.runs_one_pass(hp, hv=hv):
     return "partial results (float32 gradients) in one pass"
-  if backward_smem_bytes(config.backward, head_dim, params.partial) > SMEM_BUDGET:
+  if backward_smem_bytes(config.backward, head_dim, params.partial,
+                         value_dim=value_dim) > SMEM_BUDGET:
     what = " with float32 gradients (a partial call)" if params.partial else ""
-    return f"{config.backward} does not fit in shared memory at head dim {head_dim}{what}"
+    dims = f"{head_dim}" if value_dim == head_dim else f"{head_dim} (value {value_dim})"
+    return f"{config.backward} does not fit in shared memory at head dim {dims}{what}"
   if inputs.bias is not None:
     return "biases"
-  if inputs.block_table is not None and config.backward.runs_one_pass(padded_head_dim(head_dim)):
+  if inputs.block_table is not None and config.backward.runs_one_pass(hp, hv=hv):
     return "a block table (mask, mask_mod, segment ids) in one pass"
   return None
 
@@ -175,7 +178,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   want_dk, want_dv, want_dq = ("dk" in grads, "dv" in grads, "dq" in grads)
   k_smem, q_smem, do_smem, lse_smem = smem["k"], smem["q"], smem["do"], smem["lse"]
   kv_ready, q_free, do_free = smem["kv_ready"], smem["q_free"], smem["do_free"]
-  hp = k_smem.shape[-1]
+  hp, hv = k_smem.shape[-1], do_smem.shape[-1]
   wg = lax.axis_index("wg")
   kv_head, batch = lax.axis_index("heads"), lax.axis_index("batch")
   k_tile_index = lax.axis_index("k_tiles")
@@ -318,8 +321,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         new_carry["pending"] = dq_part.send(sums[-1], head, i, carry["pending"])
       return new_carry
 
-    zeros = plgpu.layout_cast(jnp.zeros((_KEYS, hp), jnp.float32), plgpu.Layout.WGMMA)
-    carry = {name: zeros for name in grads if name != "dq"}
+    width = {"dk": hp, "dv": hv}
+    carry = {name: plgpu.layout_cast(jnp.zeros((_KEYS, width[name]), jnp.float32),
+                                     plgpu.Layout.WGMMA) for name in grads if name != "dq"}
     if want_dq:
       carry["pending"] = _DqPart.nothing_pending()
     sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=groups, reverse=reverse,
@@ -346,8 +350,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         plgpu.copy_smem_to_gmem(stage, out[name].at[batch, keys, kv_head])
     else:
       # K and V are read no more: dK and dV go out through their tiles (dV through K's when the
-      # pass has no V).
-      out_tiles = {"dk": k_tile, "dv": v_tile if want_dk else k_tile}
+      # pass has no V, or a tile of its own where V's head dim is not K's).
+      dv_tile = v_tile if want_dk else smem["dv"].at[wg] if "dv" in smem else k_tile
+      out_tiles = {"dk": k_tile, "dv": dv_tile}
       for name, value in results.items():
         out_tiles[name][...] = value.astype(out_tiles[name].dtype)
       plgpu.commit_smem()
@@ -564,12 +569,13 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   if extras.mask is not None:
     extras = extras._replace(mask=jnp.swapaxes(extras.mask, 2, 3))
   want_dk, want_dq = "dk" in grads, "dq" in grads
+  hv = v.shape[-1]  # (V's and dO's padded head dim)
   resident = 2 if want_dk else 1  # K, and V for dPᵀ
   tile = functools.partial(fwd._smem_tile, swizzle=_swizzle(block_q))
   smem = dict(
       k=tile((_CONSUMERS, _KEYS, hp), k.dtype),  # K, then dK (or dV) on the way out
       q=tile((stages, block_q, hp), q.dtype),
-      do=tile((stages, block_q, hp), q.dtype),
+      do=tile((stages, block_q, hv), q.dtype),
       lse=plgpu.SMEM((stages, block_q), jnp.float32),  # LSE rows
       kv_ready=plgpu.Barrier(num_barriers=resident * _CONSUMERS),
       q_ready=plgpu.Barrier(num_barriers=stages),
@@ -580,14 +586,16 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   )
   if want_dk:
     smem.update(
-        v=tile((_CONSUMERS, _KEYS, hp), v.dtype),  # V, then dV on the way out
+        v=tile((_CONSUMERS, _KEYS, hv), v.dtype),  # V, then dV on the way out
         delta=plgpu.SMEM((stages, block_q), jnp.float32),  # delta rows
         delta_ready=plgpu.Barrier(num_barriers=stages),
     )
+  elif hv != hp:  # dV on the way out of a dV-only pass, where K's tile has another width
+    smem["dv"] = tile((_CONSUMERS, _KEYS, hv), v.dtype)
   grad_dtype = jnp.float32 if params.partial else k.dtype
   out_type = {"dk": _core.out_struct(k.shape, grad_dtype, q),
               "dv": _core.out_struct(v.shape, grad_dtype, q)}
-  if params.partial:  # each consumer's float32 dK and dV on the way out
+  if params.partial:  # each consumer's float32 dK and dV on the way out (`unsupported`: hv == hp)
     smem["out32"] = plgpu.SMEM((_CONSUMERS, _KEYS, hp), jnp.float32)
   sem_shape = first = None
   if want_dq:
@@ -853,6 +861,7 @@ def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Bac
   b, _, n, _ = q.shape
   groups = n // k.shape[2]
   block_kv, stages = config.dq_block_kv, config.dq_stages
+  hv = v.shape[-1]  # (V's and dO's padded head dim)
   rows_per_cta = _CONSUMERS * _KEYS
   q_tiles = pl.cdiv(inputs.query.shape[1], rows_per_cta)
   schedule = Schedule(params.window, rows_per_cta, block_kv, extras.q_segment_ids is not None)
@@ -861,9 +870,9 @@ def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Bac
   tile = functools.partial(fwd._smem_tile, swizzle=_swizzle(block_kv))
   scratch = (
       tile((_CONSUMERS, _KEYS, hp), q.dtype),  # Q, then dQ on the way out
-      tile((_CONSUMERS, _KEYS, hp), q.dtype),  # dO
+      tile((_CONSUMERS, _KEYS, hv), q.dtype),  # dO
       tile((stages, block_kv, hp), k.dtype),
-      tile((stages, block_kv, hp), v.dtype),
+      tile((stages, block_kv, hv), v.dtype),
       plgpu.Barrier(num_barriers=2 * _CONSUMERS),  # Q and dO of each consumer
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_barriers=stages),  # v_ready
@@ -898,7 +907,7 @@ def kernel_args(inputs: Inputs, params: Params, config: Config, lse2, d_out, del
   q, k, v = inputs.query, inputs.key, inputs.value
   t, h = q.shape[1], q.shape[3]
   s = k.shape[1]
-  hp = padded_head_dim(h)
+  hp, hv = padded_head_dim(h), padded_head_dim(v.shape[3])
   rows = _CONSUMERS * _KEYS
   # Every tile either kernel reads of the LSE, delta and segment ids lies inside the padding.
   t_pad = fwd._round_up(t, math.lcm(rows, config.backward.dkv_block_q,
@@ -906,8 +915,8 @@ def kernel_args(inputs: Inputs, params: Params, config: Config, lse2, d_out, del
   # TMA copies 8-row swizzled tiles: sequences are padded to multiples of 8 in memory (the
   # kernels' edge tiles past them are zero-filled on the way in and clipped on the way out).
   q_p = fwd._pad(q, fwd._round_up(t, 8), hp)
-  do_p = fwd._pad(d_out.astype(q.dtype), fwd._round_up(t, 8), hp)
-  k_p, v_p = (fwd._pad(x, fwd._round_up(s, 8), hp) for x in (k, v))
+  do_p = fwd._pad(d_out.astype(q.dtype), fwd._round_up(t, 8), hv)
+  k_p, v_p = (fwd._pad(x, fwd._round_up(s, 8), d) for x, d in ((k, hp), (v, hv)))
   # LSE and delta rows are read a whole tile at a time: padding rows get an LSE of +inf (P = 0).
   lse_p = jnp.pad(lse2, [(0, 0), (0, 0), (0, t_pad - t)], constant_values=jnp.inf)
   delta_p = jnp.pad(delta, [(0, 0), (0, 0), (0, t_pad - t)])
@@ -920,11 +929,12 @@ def _one_pass_mode(inputs: Inputs, params: Params, config: Backward, hp: int) ->
   """How dQ comes out: ``"atomic"`` or ``"ordered"`` from the dK/dV kernel, or None (the dQ
   kernel). A call that allows nondeterministic gradients but that the atomic kernel cannot
   serve (a partial call, or one whose tiles do not fit) takes the deterministic kernels."""
-  q_len = inputs.query.shape[1]
-  mode = config.one_pass_mode(hp, params.deterministic, q_len)
+  q_len, hv = inputs.query.shape[1], padded_head_dim(inputs.value.shape[-1])
+  mode = config.one_pass_mode(hp, params.deterministic, q_len, hv)
   if mode == "atomic" and (params.partial or backward_smem_bytes(
-      config, inputs.query.shape[-1], deterministic=False) > SMEM_BUDGET):
-    return config.one_pass_mode(hp, True, q_len)
+      config, inputs.query.shape[-1], deterministic=False,
+      value_dim=inputs.value.shape[-1]) > SMEM_BUDGET):
+    return config.one_pass_mode(hp, True, q_len, hv)
   return mode
 
 
@@ -935,11 +945,11 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
     return triton_backward.backward(inputs, params, config.triton, lse2, d_out, delta,
                                     want_dbias)
   t, h = inputs.query.shape[1], inputs.query.shape[3]
-  s = inputs.key.shape[1]
+  s, h_v = inputs.key.shape[1], inputs.value.shape[3]
   args = kernel_args(inputs, params, config, lse2, d_out, delta)
   hp = args[-1]
   mode = _one_pass_mode(inputs, params, config.backward, hp)
-  if hp > SPLIT_HEAD_DIM:  # dV, then dK: one 64 x D float32 accumulator per pass
+  if config.backward.splits_dkv(hp, padded_head_dim(h_v)):  # dV, then dK: one accumulator each
     grads = {**_dkv(*args, grads=("dv",)), **_dkv(*args, grads=("dk",))}
     dq = _dq(*args)[:, :t, :, :h]
   elif mode is not None:
@@ -949,4 +959,4 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
     grads = _dkv(*args)
     dq = _dq(*args)[:, :t, :, :h]
   dk, dv = grads["dk"], grads["dv"]
-  return dq, dk[:, :s, :, :h], dv[:, :s, :, :h], None
+  return dq, dk[:, :s, :, :h], dv[:, :s, :, :h_v], None

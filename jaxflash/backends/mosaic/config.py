@@ -57,6 +57,10 @@ class Backward:
   # Registers per consumer thread; the producer warpgroup gets the rest of the CTA's 504 (40 at
   # 232, 24 at 240).
   registers: int = 232
+  # Whether dK/dV runs as two passes (dV, then dK); None: where the two accumulators, 64 x
+  # (padded head dim + padded value head dim) float32 per consumer, are wider than 64 x 256
+  # (`splits_dkv`).
+  split_dkv: bool | None = None
   one_pass: bool = False
   atomic: bool = False
   atomic_min_rows: int = 0
@@ -90,20 +94,30 @@ class Backward:
   def producer_registers(self) -> int:
     return 504 - 2 * self.registers
 
-  def runs_one_pass(self, hp: int, deterministic: bool = True) -> bool:
-    """Whether dQ comes from the dK/dV kernel at padded head dim ``hp``, in a fixed order of
-    key tiles (``deterministic``) or with unordered adds (a call that allows them)."""
-    wanted = self.one_pass if deterministic else self.atomic or self.one_pass
-    return wanted and hp <= SPLIT_HEAD_DIM and dq_split(self.dkv_block_q, hp) is not None
+  def splits_dkv(self, hp: int, hv: int | None = None) -> bool:
+    """Whether dK/dV runs as two passes at padded head dims ``hp`` (Q and K) and ``hv`` (V;
+    None: ``hp``)."""
+    if self.split_dkv is not None:
+      return self.split_dkv
+    return hp + (hp if hv is None else hv) > 2 * SPLIT_HEAD_DIM
 
-  def one_pass_mode(self, hp: int, deterministic: bool, q_len: int) -> str | None:
+  def runs_one_pass(self, hp: int, deterministic: bool = True, hv: int | None = None) -> bool:
+    """Whether dQ comes from the dK/dV kernel at padded head dims ``hp`` and ``hv`` (None:
+    ``hp``), in a fixed order of key tiles (``deterministic``) or with unordered adds (a call
+    that allows them)."""
+    wanted = self.one_pass if deterministic else self.atomic or self.one_pass
+    return (wanted and hp <= SPLIT_HEAD_DIM and not self.splits_dkv(hp, hv)
+            and dq_split(self.dkv_block_q, hp) is not None)
+
+  def one_pass_mode(self, hp: int, deterministic: bool, q_len: int,
+                    hv: int | None = None) -> str | None:
     """``"atomic"`` (unordered dQ adds), ``"ordered"`` (dQ adds in a fixed order) or None (two
-    kernels) for a call of ``q_len`` query rows at padded head dim ``hp`` that does or does not
-    need ``deterministic`` gradients."""
+    kernels) for a call of ``q_len`` query rows at padded head dims ``hp`` and ``hv`` (None:
+    ``hp``) that does or does not need ``deterministic`` gradients."""
     if (not deterministic and self.atomic and q_len >= self.atomic_min_rows
-        and self.runs_one_pass(hp, deterministic=False)):
+        and self.runs_one_pass(hp, deterministic=False, hv=hv)):
       return "atomic"
-    return "ordered" if self.runs_one_pass(hp) else None
+    return "ordered" if self.runs_one_pass(hp, hv=hv) else None
 
 
 def dq_split(block_q: int, hp: int) -> str | None:
@@ -197,28 +211,35 @@ def sm_count(device_kind: str) -> int:
 
 
 # Above this padded head dim the dK and dV accumulators (64 x D float32 each, per consumer) do not
-# fit one warpgroup's registers together: dK/dV runs as two passes, dV then dK.
+# fit one warpgroup's registers together: dK/dV runs as two passes, dV then dK. With a value
+# head dim of its own, where the two are wider than 2 x 128 columns together
+# (`Backward.splits_dkv`).
 SPLIT_HEAD_DIM = 128
 
 
 def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False,
-                        deterministic: bool = True) -> int:
+                        deterministic: bool = True, value_dim: int | None = None) -> int:
   """Shared memory of the largest backward CTA: 64 resident rows of two 16-bit tiles per
-  consumer (K and V, or Q and dO; a dV-only pass holds K alone), and the ring of the streamed
-  side (Q and dO tiles with their float32 LSE and delta rows, or K and V tiles), and in the
-  one-pass kernel the dSᵀ tiles and staged dQ parts. A ``partial`` call's float32 gradients
-  go out through a float32 tile of 64 rows per consumer in every kernel."""
+  consumer (K and V, or Q and dO; a dV-only pass holds K alone, and a 16-bit dV tile of its own
+  where V's head dim ``value_dim`` is not Q's), and the ring of the streamed side (Q and dO
+  tiles with their float32 LSE and delta rows, or K and V tiles), and in the one-pass kernel
+  the dSᵀ tiles and staged dQ parts. A ``partial`` call's float32 gradients go out through a
+  float32 tile of 64 rows per consumer in every kernel."""
   hp = padded_head_dim(head_dim)
-  tile = 2 * 64 * hp * 2  # one 16-bit 64-row tile per consumer
-  out32 = 2 * 64 * hp * 4 if partial else 0  # one float32 tile per consumer
-  dkv = 2 * tile + out32 + backward.dkv_stages * backward.dkv_block_q * (2 * 2 * hp + 2 * 4)
-  if backward.runs_one_pass(hp, deterministic):  # both consumers' dSᵀ for 2 visits, dQ parts
+  hv = hp if value_dim is None else padded_head_dim(value_dim)
+  tile = lambda d: 2 * 64 * d * 2  # noqa: E731  (one 16-bit 64-row tile per consumer)
+  out32 = 2 * 64 * max(hp, hv) * 4 if partial else 0  # one float32 tile per consumer
+  streamed = lambda block: block * 2 * (hp + hv)  # noqa: E731  (a Q and a dO, or K and V)
+  dkv = tile(hp) + tile(hv) + out32 + backward.dkv_stages * (streamed(backward.dkv_block_q)
+                                                             + backward.dkv_block_q * 2 * 4)
+  if backward.runs_one_pass(hp, deterministic, hv):  # both consumers' dSᵀ for 2 visits, dQ parts
     dkv += 2 * 2 * 64 * backward.dkv_block_q * 2 + backward.dkv_block_q * hp * 4
-  dq = 2 * tile + out32 + backward.dq_stages * backward.dq_block_kv * 2 * 2 * hp
+  dq = tile(hp) + tile(hv) + out32 + backward.dq_stages * streamed(backward.dq_block_kv)
   dv = 0
-  if hp > SPLIT_HEAD_DIM:
+  if backward.splits_dkv(hp, hv):
     dv_pass = backward.dv_pass()
-    dv = tile + out32 + dv_pass.dkv_stages * dv_pass.dkv_block_q * (2 * 2 * hp + 4)
+    dv = (tile(hp) + (tile(hv) if hv != hp else 0) + out32
+          + dv_pass.dkv_stages * (streamed(dv_pass.dkv_block_q) + dv_pass.dkv_block_q * 4))
   return max(dkv, dq, dv)
 
 

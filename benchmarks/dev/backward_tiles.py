@@ -1,0 +1,115 @@
+"""Development probe: the Mosaic backward's tile variants at one shape, each checked and timed.
+
+For shapes the tuner's grid does not hold (a value head dim of its own, as MLA's 192/128): which
+`mosaic.Backward` to ship. On the GPU machine, from the repo root:
+
+    PYTHONPATH=. python benchmarks/dev/backward_tiles.py --h 192 --dv 128 --heads 128 --seq 8192
+
+Prints one line per variant: forward and forward+backward ms, the backward's TFLOP/s (its time is
+fwd+bwd − fwd; 2·(3·H + 2·Dv) FLOPs per visible entry, as benchmarks/model_features.py counts),
+and the relative error of dQ, dK and dV in head 0 against the float32 reference (MHA: head 0's
+gradients depend on head 0 alone). ``--out`` writes the rows as JSON; ``--smoke`` runs a tiny
+shape in Mosaic GPU's interpreter (CI keeps it working).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cases import time_calls  # noqa: E402
+
+from jaxflash.attention import attention_with_config  # noqa: E402
+from jaxflash.backends import mosaic  # noqa: E402
+from jaxflash.reference import reference_attention  # noqa: E402
+
+# `mosaic.Backward` fields over the shipped config's; "triton" runs the Triton backward.
+VARIANTS = {
+    "shipped": {},
+    "r240": dict(registers=240),
+    "joint_r240": dict(split_dkv=False, registers=240),
+    "dq_stages3": dict(dq_stages=3),
+    "dkv_stages3": dict(dkv_stages=3),
+    "dkv_q32": dict(dkv_block_q=32, dv_block_q=64),
+    "dq_kv32": dict(dq_block_kv=32),
+    "triton": None,
+}
+
+
+def _grads(fn, d_out):
+  def loss(q, k, v):
+    return jnp.sum(fn(q, k, v).astype(jnp.float32) * d_out)
+  return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def _relerr(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def main(argv=None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--h", type=int, default=192)
+  parser.add_argument("--dv", type=int, default=128)
+  parser.add_argument("--heads", type=int, default=128)
+  parser.add_argument("--seq", type=int, default=8192)
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--no-causal", dest="causal", action="store_false")
+  parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+  parser.add_argument("--smoke", action="store_true")
+  parser.add_argument("--out", type=Path)
+  args = parser.parse_args(argv)
+  if args.smoke:
+    args.h, args.dv, args.heads, args.seq, args.variants = 192, 128, 2, 70, ["shipped"]
+  b, s, n = args.batch, args.seq, args.heads
+  keys = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(keys[0], (b, s, n, args.h), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (b, s, n, args.h), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (b, s, n, args.dv), jnp.bfloat16)
+  d_out = jax.random.normal(keys[3], (b, s, n, args.dv), jnp.float32)
+  head0 = lambda x: x[:1, :, :1].astype(jnp.float32)  # noqa: E731
+  want = jax.jit(_grads(lambda q, k, v: reference_attention(q, k, v, is_causal=args.causal)[0],
+                        head0(d_out)))(head0(q), head0(k), head0(v))
+  entries = b * n * (s * (s + 1) // 2 if args.causal else s * s)
+  bwd_flops = 2.0 * (3 * args.h + 2 * args.dv) * entries
+  kind = "NVIDIA H200" if args.smoke else jax.devices()[0].device_kind
+  shipped = mosaic.default_config(args.h, jnp.bfloat16, args.causal, s, kind,
+                                  value_dim=args.dv)
+  rows = []
+  for name in args.variants:
+    row = dict(variant=name, H=args.h, Dv=args.dv, N=n, S=s, B=b, causal=args.causal)
+    try:
+      fields = VARIANTS[name]
+      backward = None if fields is None else dataclasses.replace(shipped.backward, **fields)
+      config = dataclasses.replace(shipped, backward=backward)
+      fn = lambda q, k, v, config=config: attention_with_config(  # noqa: E731
+          q, k, v, is_causal=args.causal, config=config, implementation="mosaic",
+          interpret=args.smoke)
+      grads = _grads(fn, d_out)
+      grads = grads if args.smoke else jax.jit(grads)  # (the interpreter runs eagerly)
+      got = grads(q, k, v)
+      row["relerr"] = {g: _relerr(head0(x), w) for g, x, w in zip(("dq", "dk", "dv"), got, want)}
+      if not args.smoke:
+        fwd_ms = time_calls(jax.jit(fn), (q, k, v))[0]
+        total_ms = time_calls(grads, (q, k, v))[0]
+        row.update(fwd_ms=round(fwd_ms, 4), fwdbwd_ms=round(total_ms, 4),
+                   bwd_tflops=round(bwd_flops / (total_ms - fwd_ms) / 1e9, 1))
+    except Exception as e:  # noqa: BLE001 (a variant that does not fit or lower: say why)
+      row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  if args.out:
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+  return rows
+
+
+if __name__ == "__main__":
+  main()
