@@ -36,6 +36,9 @@ VARIANTS = {
     "shipped": {},
     "r240": dict(registers=240),
     "joint_r240": dict(split_dkv=False, registers=240),
+    # dK and dV in one pass with 32 streamed query rows: half the score tiles in registers.
+    "joint_q32": dict(split_dkv=False, dkv_block_q=32),
+    "joint_q32_r240": dict(split_dkv=False, dkv_block_q=32, registers=240),
     "dq_stages3": dict(dq_stages=3),
     "dkv_stages3": dict(dkv_stages=3),
     "dkv_q32": dict(dkv_block_q=32, dv_block_q=64),
