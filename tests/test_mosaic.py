@@ -820,8 +820,8 @@ def test_mosaic_backward_wide_heads(h):
 
 
 def test_backward_serves_what_it_can():
-  """Biases, partial calls above head dim 128 or in one pass, and tiles that do not fit go
-  to the Triton backward (`backward.unsupported` says why); everything else is the
+  """Biases, partial calls above head dim 128, in one pass or with a value head dim of its own,
+  and tiles that do not fit go to the Triton backward (`backward.unsupported` says why); everything else is the
   Mosaic backward's."""
   from jaxflash.backends.mosaic import backward
   q = jnp.zeros((1, 64, 2, 128), BF16)
@@ -848,6 +848,11 @@ def test_backward_serves_what_it_can():
   assert backward.unsupported(call.inputs, partial_params, config) is None
   one_pass = mosaic.Config(backward=mosaic.Backward(one_pass=True))
   assert "one pass" in backward.unsupported(call.inputs, partial_params, one_pass)
+  narrow_v = jnp.zeros((1, 64, 2, 64), BF16)  # (a value head dim of its own: dK/dV differ)
+  call = _checks.normalise(q, q, narrow_v)
+  assert backward.unsupported(call.inputs, call.params, config) is None
+  assert "value head dim" in backward.unsupported(
+      call.inputs, dataclasses.replace(call.params, partial=True), config)
   call = _checks.normalise(wide, wide, wide)
   assert "float32 gradients" in backward.unsupported(
       call.inputs, dataclasses.replace(call.params, partial=True),

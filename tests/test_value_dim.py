@@ -11,6 +11,8 @@ Mosaic forward in its interpreter and lowered for CUDA.
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -358,21 +360,25 @@ def test_empty_calls_have_the_value_head_dim():
 # interpreter and lowered for CUDA.
 
 
-@pytest.mark.parametrize("h,hv,small", [(96, 40, True), (64, 128, False), (192, 128, False)])
-def test_mosaic_serves_it(h, hv, small):
+@pytest.mark.parametrize("h,hv,tiles", [(96, 40, "small"), (64, 128, "shipped"),
+                                        (192, 128, "shipped"), (192, 128, "two_passes")])
+def test_mosaic_serves_it(h, hv, tiles):
   """Forward and backward: the small tiles with a narrower V (padded to 64 beside 128); the
   shipped ones with a wider V (128 beside 64: O needs tiles of its own, wider than Q's), and
-  MLA's dims, whose dK/dV runs as two passes (dV's tile of its own in the dV pass)."""
+  with MLA's dims (dK and dV in one pass on 32-row query tiles); and MLA's dims with dK/dV in
+  two passes (dV's tile of its own in the dV pass)."""
   from jaxflash.backends.mosaic import backward
-  config = config_for("mosaic", small) or mosaic.default_config(h, jnp.bfloat16, True, 70,
-                                                                "NVIDIA H200", value_dim=hv)
+  config = config_for("mosaic", True) if tiles == "small" else mosaic.default_config(
+      h, jnp.bfloat16, True, 70, "NVIDIA H200", value_dim=hv)
+  if tiles == "two_passes":
+    config = dataclasses.replace(config, backward=mosaic.Backward(split_dkv=True))
   call = _checks.normalise(jnp.zeros((1, 70, 2, h), jnp.bfloat16),
-                                    jnp.zeros((1, 90, 1, h), jnp.bfloat16),
-                                    jnp.zeros((1, 90, 1, hv), jnp.bfloat16), is_causal=True)
+                           jnp.zeros((1, 90, 1, h), jnp.bfloat16),
+                           jnp.zeros((1, 90, 1, hv), jnp.bfloat16), is_causal=True)
   assert backward.unsupported(call.inputs, call.params, config) is None  # not Triton's
-  assert config.backward.splits_dkv(*(mosaic.config.padded_head_dim(d) for d in (h, hv))) == (
-      h == 192)
-  _check("mosaic", h=h, hv=hv, b=1, t=70, s=90, n=2, k=1, dtype=jnp.bfloat16, small=small,
+  hp, hvp = (mosaic.config.padded_head_dim(d) for d in (h, hv))
+  assert config.backward.splits_dkv(hp, hvp) == (tiles == "two_passes")
+  _check("mosaic", h=h, hv=hv, b=1, t=70, s=90, n=2, k=1, dtype=jnp.bfloat16, small=config,
          is_causal=True)
 
 
@@ -380,14 +386,15 @@ def test_mosaic_serves_it(h, hv, small):
 def test_mosaic_lowers_for_cuda():
   """Forward (the shipped configs: persistent grids, the intra-warpgroup overlap) and the
   Mosaic backward lower for an H100 with MLA's and other pairs of head dims: dK/dV in one
-  pass where both accumulators fit (64 + 128 columns, 128 + 64), in two (dV, then dK) where
-  they do not (192 + 128, 256 + 128), and no Triton kernel."""
+  pass where both accumulators fit (64 + 128 columns, 128 + 64) or the tuned tiles make them
+  (MLA's 192 + 128, on 32-row query tiles), in two (dV, then dK) elsewhere (256 + 128), and no
+  Triton kernel."""
   def fwd_bwd(is_causal):
     return lambda q, kk, v: jax.grad(lambda *x: jnp.sum(jaxflash.flash_attention(
         *x, implementation="mosaic", is_causal=is_causal).astype(F32)), argnums=(0, 1, 2))(
             q, kk, v)
 
-  for h, hv, is_causal, kernels in ((192, 128, True, 4), (128, 64, False, 3),
+  for h, hv, is_causal, kernels in ((192, 128, True, 3), (128, 64, False, 3),
                                     (64, 128, True, 3), (256, 128, False, 4)):
     q = jax.ShapeDtypeStruct((2, 300, 8, h), jnp.bfloat16)
     kk = jax.ShapeDtypeStruct((2, 1000, 2, h), jnp.bfloat16)
@@ -419,8 +426,9 @@ def test_mosaic_selection():
   q = kk = jax.ShapeDtypeStruct((1, 8192, 16, 192), jnp.bfloat16)
   v = jax.ShapeDtypeStruct((1, 8192, 16, 128), jnp.bfloat16)
   with jax.sharding.use_abstract_mesh(h200):
-    assert jaxflash.implementation_for(q, kk, v, is_causal=True) == "mosaic"
-    assert jaxflash.implementation_for(q, kk, v) == "triton"  # (not measured without a band)
-    short = [jax.ShapeDtypeStruct((1, 1024) + x.shape[2:], x.dtype)
-             for x in (q, kk, v)]
-    assert jaxflash.implementation_for(*short, is_causal=True) == "triton"
+    short = [jax.ShapeDtypeStruct((1, 1024) + x.shape[2:], x.dtype) for x in (q, kk, v)]
+    for causal in (False, True):  # (its backward runs 3-4x Triton's at every length measured)
+      assert jaxflash.implementation_for(q, kk, v, is_causal=causal) == "mosaic"
+      assert jaxflash.implementation_for(*short, is_causal=causal) == "mosaic"
+    other = jax.ShapeDtypeStruct((1, 8192, 16, 64), jnp.bfloat16)  # (192 / 64: not measured)
+    assert jaxflash.implementation_for(q, kk, other, is_causal=True) == "triton"

@@ -309,10 +309,23 @@ FP8_TUNED: dict[tuple[int, bool], dict] = {
 #   32-row tiles in every pass ran 386/380/402/399; one stage of 64-row tiles 283/279/284;
 #   the Triton backward 139-151.
 # The atomic one pass (deterministic=False) is turned on per cell by `ATOMIC_TUNED`.
+# With a value head dim of its own, `BACKWARD_TUNED_VALUE_DIM` by (padded head dim, padded value
+# head dim).
 BACKWARD_TUNED: dict[int, Backward] = {
     64: Backward(dkv_block_q=128, dq_block_kv=128),
     128: Backward(),
     256: Backward(dkv_block_q=32, dq_block_kv=32, dv_block_q=64, registers=240),
+}
+
+
+# MLA's 192/128 (benchmarks/dev/backward_tiles.py, H200, 2026-11-24, B = 1, S = 8k, 128 heads,
+# causal; backward TFLOP/s at 2·(3·192 + 2·128) FLOPs per visible entry, its time fwd+bwd − fwd):
+# dK and dV in one pass on 32-row query tiles, 240 registers: 406 (232 registers: 403), where two
+# passes (dV, then dK) on 64-row tiles ran 363 (240 registers 359, three dQ or dK/dV stages 358
+# and 347, 32-row tiles 332), one pass on 64-row tiles 352 (its two 64 x 64 score tiles beside
+# 64 x 320 float32 accumulators spill), and the Triton backward 97.
+BACKWARD_TUNED_VALUE_DIM: dict[tuple[int, int], Backward] = {
+    (192, 128): Backward(split_dkv=False, dkv_block_q=32, registers=240),
 }
 
 
@@ -356,6 +369,13 @@ def _tuned_from_length(device_kind: str, hp: int, causal: bool) -> int:
   return (_for_kind(TUNED_FROM_LENGTH, device_kind) or {}).get((hp, causal), 0)
 
 
+def _backward_tiles(hp: int, causal: bool, hv: int) -> Backward:
+  if hv != hp:
+    return BACKWARD_TUNED_VALUE_DIM.get((hp, hv), Backward())
+  return dataclasses.replace(BACKWARD_TUNED.get(hp, Backward()),
+                             **ATOMIC_TUNED.get((hp, causal), {}))
+
+
 def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: str,
                    partial: bool = False, value_dim: int | None = None) -> Config | None:
   """`TUNED`'s config (persistent on this device's SM count), else it on one CTA per tile,
@@ -376,9 +396,8 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
     candidates.insert(0, dict(tuned, persistent_ctas=None, q_buffers=1))
     if tuned.get("persistent_ctas"):
       candidates.insert(0, dict(tuned, persistent_ctas=sm_count(device_kind)))
-  mosaic_backward = dataclasses.replace(
-      BACKWARD_TUNED.get(padded_head_dim(head_dim), Backward()),
-      **ATOMIC_TUNED.get((padded_head_dim(head_dim), causal), {}))
+  mosaic_backward = _backward_tiles(padded_head_dim(head_dim), causal,
+                                    padded_head_dim(value_dim or head_dim))
   for fields in candidates:
     config = Config(triton=backward, backward=mosaic_backward, **fields)
     if fits(config, head_dim, partial, value_dim, 1 if fp8.is_fp8(dtype) else 2):
@@ -416,9 +435,13 @@ FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
 # take Dv; its backward hands such calls to the Triton backward either way.
 # - H200, 2026-11-24 (benchmarks/results/h200/model_features.json, mla_192_128): MLA's 192/128,
 #   causal, B = 1, 128 heads at 8k: 535 against Triton's 168 TFLOP/s forward (fwd+bwd 79 vs
-#   91 ms); 16 heads at 4k: 0.21 against 0.63 ms (and fwd+bwd 2.9 vs 3.3 ms).
+#   91 ms, both on the Triton backward then); 16 heads at 4k: 0.21 against 0.63 ms.
+# - H200, 2026-11-24, once the Mosaic backward served it (benchmarks/dev/backward_tiles.py,
+#   128 heads): fwd+bwd 1.85 against 5.54 ms with the Triton backward at 2k causal, 46.9
+#   against 147.5 ms at 8k without a causal band. The forward alone was not measured against
+#   Triton's below 4k; for training the backward decides.
 FASTER_THAN_TRITON_VALUE_DIM: dict[str, dict[tuple[int, int, bool], int]] = {
-    "H200": {(192, 128, True): 4096}}
+    "H200": {(192, 128, True): 0, (192, 128, False): 0}}
 
 
 def faster_than_triton(device_kind: str, head_dim: int, kv_len: int, causal: bool,
