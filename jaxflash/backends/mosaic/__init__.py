@@ -2,9 +2,9 @@
 
 - `config.py`: tiles and pipeline depth (`Config`) and the rule that picks them;
 - `forward.py`: the warp-specialised forward (TMA producer, two ping-ponging wgmma consumers);
-- `backward.py`: the warp-specialised dK/dV and dQ kernels (deterministic, no atomics); calls
-  they do not serve (dense masks, biases, partial results above head dim 128) run the Triton
-  backward on the Mosaic forward's LSE.
+- `backward.py`: the warp-specialised dK/dV and dQ kernels (deterministic by default); calls
+  they do not serve (biases, partial results above head dim 128 or with a value head dim of
+  their own) run the Triton backward on the Mosaic forward's LSE.
 
 What the forward does not do (float32; partial results at D = 256) is declared here, so
 ``implementation=None`` moves on to the next backend for such calls and

@@ -22,10 +22,14 @@ warpgroups, two consumers and a producer, as in the forward (`forward.py`):
 - **Atomic** (``Backward.atomic``, for calls with ``params.deterministic`` False): the same
   one-pass kernel, its dQ parts reduce-added by TMA into a float32 dQ that starts at zero, in
   whatever order the key tiles reach them (FlashAttention-2/3's and cuDNN's default design).
-- **Head dims above 128** (`SPLIT_HEAD_DIM`): one consumer's dK and dV accumulators (64 x D
-  float32 each) do not fit its registers together, so dK/dV runs twice, dV alone (no V, no
-  delta, no dPᵀ; its own tiles, `Backward.dv_pass`) and then dK alone. At D = 256 the resident
-  tiles take 128 KiB, so the streamed tiles are 32 rows, with the 64-byte swizzle (`_swizzle`).
+- **Head dims above 128** (`SPLIT_HEAD_DIM`, `Backward.splits_dkv`): one consumer's dK and dV
+  accumulators (64 x D float32 each) do not fit its registers together, so dK/dV runs twice, dV
+  alone (no V, no delta, no dPᵀ; its own tiles, `Backward.dv_pass`) and then dK alone. At
+  D = 256 the resident tiles take 128 KiB, so the streamed tiles are 32 rows, with the 64-byte
+  swizzle (`_swizzle`).
+- **A value head dim of its own** (MLA): V, dO and dV have tiles of their own width; dPᵀ
+  contracts it, dV += Pᵀ dO produces it. MLA's 192/128 runs dK and dV in one pass on 32-row
+  query tiles, whose smaller score tiles leave room for both accumulators (64 x 320 float32).
 
 Block ranges come from the shared `jaxflash.schedule.Schedule` (`visit_q_split` for dK/dV,
 `visit_kv` for dQ); blocks that every row sees in full skip the element mask, the others apply
