@@ -41,6 +41,7 @@ VARIANTS = {
     "joint_q32_r240": dict(split_dkv=False, dkv_block_q=32, registers=240),
     "dq_stages3": dict(dq_stages=3),
     "dkv_stages3": dict(dkv_stages=3),
+    "dkv_stages4": dict(dkv_stages=4),
     "dkv_q32": dict(dkv_block_q=32, dv_block_q=64),
     "dq_kv32": dict(dq_block_kv=32),
     "triton": None,
