@@ -27,8 +27,9 @@ class Backward:
   Both kernels run two consumer warpgroups of 64 resident rows each and a producer that streams
   the other side through a ring: the dK/dV kernel keeps 64 keys per consumer and streams
   ``dkv_block_q`` query rows (Q, dO, LSE, delta) per step; the dQ kernel keeps 64 query rows per
-  consumer and streams ``dq_block_kv`` keys (K, V) per step. Above head dim 128 the dK/dV
-  kernel runs twice, for dV (with ``dv_block_q`` and ``dv_stages`` where set) and then for dK;
+  consumer and streams ``dq_block_kv`` keys (K, V) per step. Above head dim 128 (`splits_dkv`;
+  ``split_dkv`` overrides it) the dK/dV kernel runs twice, for dV (with ``dv_block_q`` and
+  ``dv_stages`` where set) and then for dK;
   at head dim 256 the resident tiles take 128 KiB, so the streamed tiles are 32 rows.
 
   With ``one_pass`` (head dims up to 128, where `dq_split` has a way for the tile) there is no dQ
