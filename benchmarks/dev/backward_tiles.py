@@ -14,7 +14,6 @@ shape in Mosaic GPU's interpreter (CI keeps it working).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -25,7 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import time_calls  # noqa: E402
+from forward_tiles import parse_args, random_qkv  # noqa: E402
 
 from jaxflash.attention import attention_with_config  # noqa: E402
 from jaxflash.backends import mosaic  # noqa: E402
@@ -60,25 +61,9 @@ def _relerr(got, want) -> float:
 
 
 def main(argv=None) -> list[dict]:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--h", type=int, default=192)
-  parser.add_argument("--dv", type=int, default=128)
-  parser.add_argument("--heads", type=int, default=128)
-  parser.add_argument("--seq", type=int, default=8192)
-  parser.add_argument("--batch", type=int, default=1)
-  parser.add_argument("--no-causal", dest="causal", action="store_false")
-  parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-  parser.add_argument("--smoke", action="store_true")
-  parser.add_argument("--out", type=Path)
-  args = parser.parse_args(argv)
-  if args.smoke:
-    args.h, args.dv, args.heads, args.seq, args.variants = 192, 128, 2, 70, ["shipped"]
+  args = parse_args(__doc__, VARIANTS, "shipped", (192, 128), argv)
   b, s, n = args.batch, args.seq, args.heads
-  keys = jax.random.split(jax.random.key(0), 4)
-  q = jax.random.normal(keys[0], (b, s, n, args.h), jnp.bfloat16)
-  k = jax.random.normal(keys[1], (b, s, n, args.h), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (b, s, n, args.dv), jnp.bfloat16)
-  d_out = jax.random.normal(keys[3], (b, s, n, args.dv), jnp.float32)
+  q, k, v, d_out = random_qkv(args)
   head0 = lambda x: x[:1, :, :1].astype(jnp.float32)  # noqa: E731
   want = jax.jit(_grads(lambda q, k, v: reference_attention(q, k, v, is_causal=args.causal)[0],
                         head0(d_out)))(head0(q), head0(k), head0(v))

@@ -40,25 +40,41 @@ VARIANTS = {
 }
 
 
-def main(argv=None) -> list[dict]:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(doc: str, variants: dict, smoke_variant: str, smoke_dims: tuple[int, int],
+               argv=None) -> argparse.Namespace:
+  """The probes' arguments: one shape (head dims, heads, length, batch, band), the variants to
+  run, ``--smoke`` (a tiny shape at ``smoke_dims`` and ``smoke_variant`` in the interpreter)
+  and ``--out``."""
+  parser = argparse.ArgumentParser(description=doc.split("\n")[0])
   parser.add_argument("--h", type=int, default=192)
   parser.add_argument("--dv", type=int, default=128)
   parser.add_argument("--heads", type=int, default=128)
   parser.add_argument("--seq", type=int, default=8192)
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--no-causal", dest="causal", action="store_false")
-  parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+  parser.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants))
   parser.add_argument("--smoke", action="store_true")
   parser.add_argument("--out", type=Path)
   args = parser.parse_args(argv)
   if args.smoke:
-    args.h, args.dv, args.heads, args.seq, args.variants = 64, 32, 2, 70, ["kv64"]
+    (args.h, args.dv), args.heads, args.seq, args.variants = smoke_dims, 2, 70, [smoke_variant]
+  return args
+
+
+def random_qkv(args: argparse.Namespace):
+  """bf16 q, k, v of the shape ``args`` names, and a float32 cotangent of the output's."""
   b, s, n = args.batch, args.seq, args.heads
-  keys = jax.random.split(jax.random.key(0), 3)
+  keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (b, s, n, args.h), jnp.bfloat16)
   k = jax.random.normal(keys[1], (b, s, n, args.h), jnp.bfloat16)
   v = jax.random.normal(keys[2], (b, s, n, args.dv), jnp.bfloat16)
+  return q, k, v, jax.random.normal(keys[3], (b, s, n, args.dv), jnp.float32)
+
+
+def main(argv=None) -> list[dict]:
+  args = parse_args(__doc__, VARIANTS, "kv64", (64, 32), argv)
+  b, s, n = args.batch, args.seq, args.heads
+  q, k, v, _ = random_qkv(args)
   want, _ = reference_attention(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], is_causal=args.causal)
   entries = b * n * (s * (s + 1) // 2 if args.causal else s * s)
   flops = 2.0 * (args.h + args.dv) * entries
