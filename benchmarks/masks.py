@@ -21,6 +21,8 @@ Cases (bf16, D = 128, 16 heads; each the same attention however an implementatio
   ``key_value_seq_lengths``, jaxflash and cuDNN.
 - ``dense_causal_16k``: B = 1, S = 16384, ``is_causal=True``: the rate the sparse cases are
   compared with.
+- ``dense_16k``: the same without the causal band: every entry visible (the call a block
+  pattern's time is compared with).
 - ``documents_8``, ``documents_64``: B = 1, 16384 tokens packed from 8 and 64 documents of random
   lengths (fixed seed), causal within each document. ``jaxflash_segments``: ``segment_ids`` +
   ``is_causal``; ``jaxflash_mask_mod``: ``block_mask=create_block_mask(mask_mod)`` built once
@@ -86,8 +88,10 @@ import report
 from cases import Case, make_inputs, same_bits, time_calls
 from report import TOLERANCE
 
-CASES = ("dense_mask", "structured", "dense_causal_16k", "documents_8", "documents_64",
-         "block_10pct", "block_30pct", "prefix_lm")
+CASES = ("dense_mask", "structured", "dense_causal_16k", "dense_16k", "documents_8",
+         "documents_64", "block_10pct", "block_30pct", "prefix_lm")
+# The cases whose visible work is compared with dense causal's rate.
+SPARSE_CASES = CASES[4:]
 MODES = ("fwd", "fwdbwd")
 JAXFLASH_IMPLS = ("jaxflash", "jaxflash_segments", "jaxflash_mask_mod")
 BASELINES = ("cudnn", "xla")
@@ -147,6 +151,10 @@ def causal_padding_mod(lengths):
 
 def causal_mod(b, h, q_idx, kv_idx):
   return q_idx >= kv_idx
+
+
+def full_mod(b, h, q_idx, kv_idx):
+  return (q_idx >= 0) & (kv_idx >= 0)
 
 
 def document_mod(doc):
@@ -244,11 +252,13 @@ def setup(name: str, shape: Shape, block: int, impls: tuple[str, ...], implement
       calls["jaxflash"] = (jf({"is_causal": True}, *names), (lengths, lengths), via)
       for impl in base:
         calls[impl] = (_call(impl, None, {"is_causal": True}, *names), (lengths, lengths), via)
-  elif name.startswith("dense_causal"):
-    mask_mod = causal_mod
-    calls["jaxflash"] = (jf({"is_causal": True}), (), "is_causal")
+  elif name.startswith("dense_"):
+    causal = name.startswith("dense_causal")
+    mask_mod, fixed = (causal_mod, {"is_causal": True}) if causal else (full_mod, {})
+    via = "is_causal" if causal else "no mask"
+    calls["jaxflash"] = (jf(fixed), (), via)
     for impl in base:
-      calls[impl] = (_call(impl, None, {"is_causal": True}), (), "is_causal")
+      calls[impl] = (_call(impl, None, fixed), (), via)
   elif name.startswith("documents_"):
     documents = int(name.split("_")[1])
     doc = jnp.asarray(np.tile(document_ids(s, documents, seed), (b, 1)))
@@ -593,16 +603,17 @@ def ratios(rows: list[dict]) -> list[str]:
       lines.append(f"{mode}: cuDNN dense mask / jaxflash dense mask time: {cudnn / dense:.2f}x")
     rate = get("dense_causal_16k", "jaxflash", mode, "visible_tflops")
     if rate:
-      for case in CASES[3:]:
+      for case in SPARSE_CASES:
         for impl in JAXFLASH_IMPLS:
           mine = get(case, impl, mode, "visible_tflops")
           if mine:
             lines.append(f"{mode}: {case} {impl} visible TFLOP/s / dense_causal_16k's: "
                          f"{mine / rate:.2f}x")
-  dense_ms, sparse_ms = (get("dense_causal_16k", "jaxflash", "fwdbwd", "ms"),
-                         get("block_10pct", "jaxflash", "fwdbwd", "ms"))
-  if dense_ms and sparse_ms:
-    lines.append(f"fwdbwd: dense_causal_16k / block_10pct time: {dense_ms / sparse_ms:.2f}x")
+  sparse_ms = get("block_10pct", "jaxflash", "fwdbwd", "ms")
+  for dense in ("dense_16k", "dense_causal_16k"):
+    dense_ms = get(dense, "jaxflash", "fwdbwd", "ms")
+    if dense_ms and sparse_ms:
+      lines.append(f"fwdbwd: {dense} / block_10pct time: {dense_ms / sparse_ms:.2f}x")
   return lines
 
 

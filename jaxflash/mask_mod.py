@@ -326,18 +326,127 @@ def split_score(score_mod: ScoreMod) -> Split:
   if outs[0].dtype != jnp.float32:  # (float64 under x64, or a 16-bit result): computed in f32
     closed = jax.make_jaxpr(lambda *a: jnp.asarray(score_mod(*a), jnp.float32))(
         *(jax.ShapeDtypeStruct((), d) for d in (jnp.float32,) + (jnp.int32,) * 4))
-  return _split(score_mod, closed, takes_score=True)
+  return _split(score_mod, _separated(closed), takes_score=True)
+
+
+def _dependencies(jaxpr, takes_score: bool) -> dict:
+  """For every variable of ``jaxpr``, the indices (`INDICES`) it depends on; a score_mod's
+  score depends on both the query and the key index."""
+  deps = {v: frozenset() for v in jaxpr.constvars}
+  deps.update({v: frozenset((name,)) for v, name in zip(jaxpr.invars[-4:], INDICES)})
+  if takes_score:
+    deps[jaxpr.invars[0]] = frozenset((Q, KV))  # one score per entry
+  for eqn in jaxpr.eqns:
+    d = frozenset().union(*(deps.get(v, frozenset()) for v in eqn.invars
+                            if isinstance(v, jcore.Var)))
+    deps.update((v, d) for v in eqn.outvars)
+  return deps
+
+
+@dataclasses.dataclass(eq=False)
+class _Sum:
+  """A value of both indices held as ``row + col`` (`_separated`): ``row`` of no key index,
+  ``col`` of no query index, either None for zero."""
+  row: object
+  col: object
+  made: object = None  # row + col, once an operation needs the value itself
+
+  def whole(self):
+    if self.made is None:
+      parts = [x for x in (self.row, self.col) if x is not None]
+      self.made = parts[0] if len(parts) == 1 else jax.lax.add(*parts)
+    return self.made
+
+
+def _separated(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+  """``closed`` (a score_mod's jaxpr) traced again with sums of a query term and a key term
+  kept apart for as long as the arithmetic allows (sums, differences, negation, products and
+  quotients by values of neither index, conversions to a float), so that the terms become row
+  and column features computed outside the kernels and the tile rule adds them once.
+
+  ALiBi, ``score + slope[h] * (kv_idx - q_idx)``, has a tile rule of a subtraction, a
+  conversion, a product and a sum per entry as written; separated, ``slope[h] * kv_idx`` is a
+  column feature, ``-slope[h] * q_idx`` a row feature, and the rule is two sums. Integer
+  arithmetic gives the same values (modulo 2³², as before); in floating point ``a * (k - q)``
+  becomes ``a * k - a * q``, which rounds differently (by an ulp of the larger term: 2⁻¹² at
+  terms near 4096, far below a bfloat16 score's rounding)."""
+  jaxpr = closed.jaxpr
+  deps = _dependencies(jaxpr, takes_score=True)
+
+  def dep(v):
+    return frozenset() if isinstance(v, jcore.Literal) else deps[v]
+
+  def as_parts(v, x):  # (row, col) of an operand: a _Sum, or a value of one index or none
+    if isinstance(x, _Sum):
+      return x.row, x.col
+    return (None, x) if KV in dep(v) else (x, None)
+
+  def combine(a, b, op):
+    if b is None:
+      return a
+    if a is None:
+      return b if op is jax.lax.add else jax.lax.neg(b)
+    return op(a, b)
+
+  def distribute(eqn, args):
+    """The equation's result as a `_Sum`, or None to compute it whole."""
+    name, sums = eqn.primitive.name, [isinstance(x, _Sum) for x in args]
+    if name in ("add", "sub"):
+      kinds = [dep(v) & {Q, KV} for v in eqn.invars]
+      one_each = {frozenset((Q,)), frozenset((KV,))} <= set(kinds)
+      if not (any(sums) or one_each) or any(
+          k == {Q, KV} and not s for k, s in zip(kinds, sums)):
+        return None
+      (r1, c1), (r2, c2) = (as_parts(v, x) for v, x in zip(eqn.invars, args))
+      op = jax.lax.add if name == "add" else jax.lax.sub
+      return _Sum(combine(r1, r2, op), combine(c1, c2, op))
+    if not any(sums):
+      return None
+    if name == "neg":
+      x = args[0]
+      return _Sum(*(None if p is None else jax.lax.neg(p) for p in (x.row, x.col)))
+    if name in ("mul", "div") and sums.count(True) == 1 and (name == "mul" or sums[0]):
+      i = sums.index(True)  # (a quotient distributes only with the sum on top)
+      factor_var, factor = eqn.invars[1 - i], args[1 - i]
+      if dep(factor_var) & {Q, KV}:
+        return None
+      if name == "div" and not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
+        return None  # (integer division does not distribute)
+      op = jax.lax.mul if name == "mul" else jax.lax.div
+      x = args[i]
+      return _Sum(*(None if p is None else (op(p, factor) if i == 0 or name == "div"
+                                            else op(factor, p)) for p in (x.row, x.col)))
+    if name == "convert_element_type" and jnp.issubdtype(eqn.params["new_dtype"],
+                                                         jnp.floating):
+      x = args[0]
+      return _Sum(*(None if p is None else
+                    jax.lax.convert_element_type(p, eqn.params["new_dtype"])
+                    for p in (x.row, x.col)))
+    return None
+
+  def fn(*inputs):
+    env = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, inputs))
+    for eqn in jaxpr.eqns:
+      args = [_read(env, v) for v in eqn.invars]
+      result = distribute(eqn, args)
+      if result is not None:
+        env[eqn.outvars[0]] = result
+        continue
+      _run(eqn, env, [x.whole() if isinstance(x, _Sum) else x for x in args])
+    out = _read(env, jaxpr.outvars[0])
+    return out.whole() if isinstance(out, _Sum) else out
+
+  return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                              for v in jaxpr.invars))
 
 
 def _split(fn, closed, takes_score: bool) -> Split:
   """`Split` of a traced mask_mod or score_mod: each variable's index dependencies, the tile
   equations (those of both indices) and the features they read."""
   jaxpr = closed.jaxpr
-  deps = {v: frozenset() for v in jaxpr.constvars}
+  deps = _dependencies(jaxpr, takes_score)
   index_vars = jaxpr.invars[-4:]
-  deps.update({v: frozenset((name,)) for v, name in zip(index_vars, INDICES)})
-  if takes_score:
-    deps[jaxpr.invars[0]] = frozenset((Q, KV))  # one score per entry
   tile_eqns, reasons, lookups = [], [], []
   # (What the score reaches: a lookup must not depend on it, since a kernel gathers the entry
   # before it differentiates the rule.)
@@ -345,8 +454,6 @@ def _split(fn, closed, takes_score: bool) -> Split:
   for eqn in jaxpr.eqns:
     d = frozenset().union(*(deps.get(v, frozenset()) for v in eqn.invars
                             if isinstance(v, jcore.Var)))
-    for v in eqn.outvars:
-      deps[v] = d
     scored = any(v in from_score for v in eqn.invars if isinstance(v, jcore.Var))
     if scored:
       from_score.update(eqn.outvars)

@@ -128,12 +128,40 @@ def test_who_serves_it():
 def test_the_split_sees_features_and_lookups():
   alibi = mask_mod_lib.split_score(RULES["alibi"])
   assert alibi.kernel_reason is None and alibi.takes_score and not alibi.lookups
-  assert len(alibi.row_vars) == 1  # the head's slope (and q_idx itself is no feature)
+  # slope[h] * (j - i) separated: -slope[h] * i a row feature, slope[h] * j a column one, and
+  # the tile rule two sums that build no index tile.
+  assert len(alibi.row_vars) == 1 and len(alibi.col_vars) == 1
+  assert [e.primitive.name for e in alibi.tile_eqns] == ["add", "add"]
+  assert not alibi.reads(mask_mod_lib.Q) and not alibi.reads(mask_mod_lib.KV)
   table = mask_mod_lib.split_score(RULES["relative_table"])
   assert table.kernel_reason is None and len(table.lookups) == 1
   assert "gather" in table.lookup_reason
   (flat,) = table.table_arrays()
   assert flat.shape == (TABLE.size,)
+
+
+@pytest.mark.parametrize("rule,separated", [
+    # Sums, differences, negation, products by a value of neither index and conversions to a
+    # float keep a query term and a key term apart; the rest needs the value itself.
+    (lambda s, b, h, i, j: s - (3 * (i - j) + SLOPES[h]).astype(jnp.float32) / SLOPES[b], True),
+    (lambda s, b, h, i, j: s + ((j - i) // 2).astype(jnp.float32), False),  # (floor division)
+    (lambda s, b, h, i, j: s + (i * (j - i)).astype(jnp.float32), False),  # (a product of both)
+    (lambda s, b, h, i, j: jnp.where(i >= j, s, s - 0.5 * jnp.abs(i - j)), False),
+])
+def test_the_split_separates_query_and_key_terms(rule, separated):
+  """The tile rule runs on sums of a row and a column feature where arithmetic allows (two
+  operations per entry: the two terms' sum and the score's), and its values are the
+  function's own (up to float rounding), on indices past 2¹² too."""
+  split = mask_mod_lib.split_score(rule)
+  ops = [e.primitive.name for e in split.tile_eqns]
+  assert (len(ops) == 2) == separated, ops
+  i = jnp.arange(0, 9000, 97)[:, None]
+  j = jnp.arange(0, 9000, 89)[None, :]
+  score = random_array(10, (i.shape[0], j.shape[1]), "float")
+  for b, h in ((0, 1), (1, 3)):
+    got = split.reference(b, h, i, j, score=score)
+    want = rule(score, b, h, i, j)
+    assert float(jnp.max(jnp.abs(got - want))) <= 1e-6 * float(jnp.max(jnp.abs(want)))
 
 
 @pytest.mark.parametrize("score_mod,match", [
