@@ -194,6 +194,16 @@ def score_of(params: Params, extras: _Extras, batch, head, shape, q_idx, kv_idx,
   or None without one. Its features and index tiles are loaded and built here, outside the
   function: the backward differentiates it (`jax.jvp`), and Mosaic GPU's loads have no
   derivative."""
+  return score_fn(params, shape, score_inputs(params, extras, batch, head, q_idx, kv_idx, rows,
+                                              keys, broadcast_rows, broadcast_keys, row_layout,
+                                              key_layout))
+
+
+def score_inputs(params: Params, extras: _Extras, batch, head, q_idx, kv_idx, rows, keys,
+                 broadcast_rows, broadcast_keys, row_layout, key_layout):
+  """What a score_mod's tile rule reads besides the scores: ``(q tile, kv tile, row features,
+  column features)``, each index tile None where the rule does not read it; None without a
+  score_mod. Arguments as `score_of`."""
   rule = params.score_rule
   if rule is None:
     return None
@@ -203,7 +213,15 @@ def score_of(params: Params, extras: _Extras, batch, head, shape, q_idx, kv_idx,
                           broadcast_keys, rule.col_dtypes)
   q_tile = q_idx() if rule.reads(mask_mod_lib.Q) else None
   kv_tile = kv_idx() if rule.reads(mask_mod_lib.KV) else None
-  return lambda z: rule.tile(shape, q_tile, kv_tile, rows_of, cols_of, score=z)
+  return q_tile, kv_tile, rows_of, cols_of
+
+
+def score_fn(params: Params, shape, inputs):
+  """The score_mod of a ``shape`` tile as a function of its scores, from `score_inputs`."""
+  if inputs is None:
+    return None
+  q_tile, kv_tile, rows_of, cols_of = inputs
+  return lambda z: params.score_rule.tile(shape, q_tile, kv_tile, rows_of, cols_of, score=z)
 
 
 def _descale_of(ref, batch, head, rows, layout):
@@ -475,38 +493,53 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
                                  lambda x: lax.broadcast_in_dim(x, shape, [1]), _ROWS, _COLS))
         return functools.reduce(jnp.logical_and, conds)
 
-      def scores(j, slot, also=None):
-        """S = Q K_jᵀ: issues the wgmma, then ``also()`` (more matmuls to issue in the same
-        turn), passes the turn and waits for S alone."""
+      def scores(j, slot, masked: bool, also=None):
+        """S = Q K_jᵀ and what block j's softmax reads from memory (`block_inputs`): issues
+        the wgmma, then ``also()`` (more matmuls to issue in the same turn), passes the turn,
+        loads the block's inputs while the matmuls run, and waits for S alone."""
 
         def qk(s_ref):
           plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
           if also is not None:
             also()
           pass_turn()
+          inputs = block_inputs(j, masked)
           # Each wgmma is its own commit group: S is done once at most ``also``'s are pending.
-          return plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if also is None else 1)
+          return plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if also is None else 1), inputs
 
-        s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+        s, inputs = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
-        return s
+        return s, inputs
 
-      def softmax(j, s, m, l, masked: bool):
-        """One block of the online softmax: ``(p, m_new, l_new, alpha)``, P in float32
-        (dropped entries zeroed) and alpha the rescale of everything before."""
+      def block_inputs(j, masked: bool):
+        """What block j's softmax reads besides S: ``(bias tile, per-key factors, score_mod
+        inputs, element mask)``, None where the call has none. Loaded (and the element mask
+        evaluated) while Q K_jᵀ is on the tensor cores, so that global memory's latency hides
+        behind the matmul instead of following it."""
         rows, keys = pl.ds(q_start, block_q), pl.ds(j * block_kv, block_kv)
-        bias = None
+        shape = (block_q, block_kv)
+        bias, key_factors = None, None
         if extras.bias is not None:
           bias = _entry_tile(extras.bias, batch, head, rows, keys)
-        shape = (block_q, block_kv)
         if quantized and extras.k_descale.ndim == 3:  # a factor per key
-          s = s * lax.broadcast_in_dim(
-              plgpu.load(extras.k_descale.at[batch, kv_head, keys], layout=_COLS,
-                         optimized=False), shape, [1])
-        score = score_of(params, extras, batch, head, shape, lambda: _rows(q_rows, shape),
-                         lambda: j * block_kv + _iota(shape, 1), rows, keys,
-                         lambda x: _rows(x, shape),
-                         lambda x: lax.broadcast_in_dim(x, shape, [1]), _ROWS, _COLS)
+          key_factors = plgpu.load(extras.k_descale.at[batch, kv_head, keys], layout=_COLS,
+                                   optimized=False)
+        score = score_inputs(params, extras, batch, head, lambda: _rows(q_rows, shape),
+                             lambda: j * block_kv + _iota(shape, 1), rows, keys,
+                             lambda x: _rows(x, shape),
+                             lambda x: lax.broadcast_in_dim(x, shape, [1]), _ROWS, _COLS)
+        mask = visible(j, rows, keys, shape) if masked else None
+        return bias, key_factors, score, mask
+
+      def softmax(j, s, m, l, masked: bool, inputs):
+        """One block of the online softmax: ``(p, m_new, l_new, alpha)``, P in float32
+        (dropped entries zeroed) and alpha the rescale of everything before; ``inputs`` are
+        the block's `block_inputs`."""
+        bias, key_factors, score, mask = inputs
+        shape = (block_q, block_kv)
+        if key_factors is not None:
+          s = s * lax.broadcast_in_dim(key_factors, shape, [1])
+        score = score_fn(params, shape, score)
         # With a plain positive scale the row max is taken of the raw scores and scaled once
         # (max(c s) = c max(s) for c > 0), and c s - m is one fused multiply-add per entry: a
         # multiply per entry less than scaling the tile first.
@@ -516,7 +549,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           s = s * (_rows(qk_descale, shape) if jnp.ndim(qk_descale) else qk_descale)
         s2 = s if folded else _core.logits_base2(s, params, bias, score)[0]
         if masked:
-          s2 = jnp.where(visible(j, rows, keys, s2.shape), s2, -jnp.inf)
+          s2 = jnp.where(mask, s2, -jnp.inf)
         c = params.scale * _core.LOG2_E if folded else 1.0
         if folded and qk_descale is not None:  # (descale factors are positive)
           c = c * qk_descale
@@ -577,8 +610,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         spans this block's P V and the next block's Q Kᵀ)."""
         acc, m, l = carry
         slot = slot_at(n)
-        s = scores(j, slot)
-        p, m_new, l, alpha = softmax(j, s, m, l, masked)
+        s, inputs = scores(j, slot, masked)
+        p, m_new, l, alpha = softmax(j, s, m, l, masked, inputs)
         p16 = rounded(p)
         acc = acc * _rows(alpha, acc.shape)
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
@@ -600,7 +633,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         slot = slot_at(n)
         plgpu.barrier_wait(k_ready.at[slot])
         await_turn()
-        p, m, l, _ = softmax(j, scores(j, slot), m, l, masked)
+        s, inputs = scores(j, slot, masked)
+        p, m, l, _ = softmax(j, s, m, l, masked, inputs)
         return acc, m, l, rounded(p)
 
       def overlapped(n, j, carry, masked: bool):
@@ -611,12 +645,15 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         await_turn()
         if params.interpret:  # the interpreter's P V is a plain dot (see `pv_turn`)
           acc = acc + plain_pv(p_prev, prev)
-          p, m, l, alpha = softmax(j, scores(j, slot), m, l, masked)
+          s, inputs = scores(j, slot, masked)
+          p, m, l, alpha = softmax(j, s, m, l, masked, inputs)
         else:
           def block(refs):
             acc_ref, p_ref, m_ref, l_ref, alpha_ref = refs
-            s = scores(j, slot, also=lambda: plgpu.wgmma(acc_ref, p_prev, v_operand(prev)))
-            p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(j, s, m, l, masked)
+            s, inputs = scores(j, slot, masked,
+                               also=lambda: plgpu.wgmma(acc_ref, p_prev, v_operand(prev)))
+            p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(j, s, m, l, masked,
+                                                                         inputs)
 
           # run_state waits for every wgmma when it ends: P_{j-1} V_{j-1} is then in acc. O and
           # P_{j-1} are the in-flight matmul's operands, so nothing may write their registers
