@@ -659,7 +659,9 @@ def _with_zeroed_sum(run, operands, dq_shape, out_type: dict) -> dict:
   inside a `pl.run_state` (mutable arrays may not cross the custom VJP around the backward).
 
   `pl.run_state` has no batching rule, so under vmap the slices run one after another, each
-  with its own array (one array shared by the slices would sum their dQ)."""
+  with its own array (one array shared by the slices would sum their dQ). They are unrolled,
+  not a `lax.map`: inside XLA's loop on a GPU the kernels' additions never reached the array
+  (every slice's dQ came out zero, 2026-11-24)."""
   def one_call(operands):
     def body(refs):
       outs = run(*operands, refs["dq"])
@@ -675,15 +677,11 @@ def _with_zeroed_sum(run, operands, dq_shape, out_type: dict) -> dict:
 
   @call.def_vmap
   def _slice_by_slice(axis_size, in_batched, operands):
-    del axis_size
-    batched = jax.tree.map(lambda x, b: x if b else None, operands, in_batched[0])
+    def one_slice(i):
+      return call(jax.tree.map(lambda x, b: x[i] if b else x, operands, in_batched[0]))
 
-    def one_slice(part):
-      whole = jax.tree.map(lambda x, b, p: p if b else x, operands, in_batched[0], part,
-                           is_leaf=lambda x: x is None)
-      return call(whole)
-
-    outs = lax.map(one_slice, batched)
+    slices = [one_slice(i) for i in range(axis_size)]
+    outs = jax.tree.map(lambda *xs: jnp.stack(xs), *slices)
     return outs, jax.tree.map(lambda _: True, outs)
 
   return call(operands)
