@@ -278,17 +278,16 @@ def test_one_pass_tuner_rows():
 
 def test_bwd_parts_smoke(tmp_path):
   """benchmarks/dev/bwd_parts.py in the interpreter: the gradients checked, then each part of the
-  Mosaic backend's forward+backward timed alone (dK/dV, dQ, a variant's dQ, and both kernels with
-  a module constant patched while they trace)."""
+  Mosaic backend's forward+backward timed alone (forward, glue, dK/dV, dQ, the whole)."""
   import bwd_parts
   out = tmp_path / "parts.json"
-  result = bwd_parts.main(["--smoke", "--variants", "--causal", "n", "--out", str(out)])
+  # (Without --variants: their patched kernels cost CI a minute of interpreting.)
+  result = bwd_parts.main(["--smoke", "--causal", "n", "--out", str(out)])
   rows = result["rows"]
   assert [r["rel_err"] < 2e-2 for r in rows if r["part"] == "check"] == [True]
   timed = {(r["part"], json.dumps(r["variant"])) for r in rows if "ms" in r}
   assert timed == {("fwd", "null"), ("glue", "null"), ("dkv", "null"), ("dq", "null"),
-                   ("dq", '{"dq_stages": 1}'), ("dkv", '{"module._WALK_DOWN": false}'),
-                   ("dq", '{"module._WALK_DOWN": false}'), ("fwdbwd", "null")}
+                   ("fwdbwd", "null")}
   assert all(r["ms"] > 0 for r in rows if "ms" in r)
   assert "| 64 | 128 | n |" in out.with_suffix(".md").read_text()
 

@@ -579,7 +579,7 @@ def test_key_split_equals_whole_call():
   assert rel_err(np.where(finite, got_lse, 0), np.where(finite, lse, 0)) < 1e-5
 
 
-@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("h", [64, 128] if ON_GPU else [64])  # (CI time: 128 on the GPU)
 def test_partial_backward(h, monkeypatch):
   """Partial calls' gradients from the Mosaic backward itself (float32, out through float32
   tiles): keys split mid-block (21), each range's backward run with the global LSE and delta
@@ -804,7 +804,8 @@ def test_first_visitors_match_the_schedule(band, offsets):
   assert (first < k_tiles).any() and (first[:, -1] == k_tiles).all()  # (block 11: past T)
 
 
-@pytest.mark.parametrize("h", [192, 256])
+# (On a CPU, 256 only: test_value_dim runs the two-pass dK/dV at 192.)
+@pytest.mark.parametrize("h", [192, 256] if ON_GPU else [256])
 def test_mosaic_backward_wide_heads(h):
   """Head dims above 128: dK/dV in two passes (dV, then dK), and at D = 256 the 32-row streamed
   tiles with the 64-byte swizzle; every option the backward serves, against the reference."""
@@ -860,7 +861,7 @@ def test_backward_serves_what_it_can():
 
 
 @pytest.mark.parametrize("h,one_pass", [(128, False), (256, False), (128, True), (64, True)]
-                         if ON_GPU else [(64, False), (64, True)])
+                         if ON_GPU else [(64, True)])  # (the interpreter runs one order)
 def test_gradients_are_bitwise_deterministic(h, one_pass):
   """Two runs give the same bits for dQ, dK and dV, with dropout and GQA (no atomics: every
   gradient element has one writer, and GQA heads are summed in a fixed order); on the GPU also

@@ -89,7 +89,9 @@ def check(rows, shapes=SHAPES, interpret=False):
     # (The one pass runs wherever dq_split has a way for the tiles: D <= 128.)
     for name in ("deterministic", "atomic", "ordered_one_pass"):
       g = grads(variant_fn(name, h, causal, t, interpret), *bf, do, jit=not interpret)
-      first, second = g(*bf), g(*bf)
+      # (A second call checks the bits repeat: on the GPU; the interpreter runs one order.)
+      first = g(*bf)
+      second = first if interpret else g(*bf)
       same = all(bool(jnp.array_equal(x, y)) for x, y in zip(first, second))
       errs = [relerr(x, w) for x, w in zip(first, want)]
       nan = any(bool(jnp.isnan(x).any()) for x in first)
