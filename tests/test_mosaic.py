@@ -543,9 +543,9 @@ def test_forward_cells_on_gpu(t, s, n, k, causal):
 
 
 # On a CPU a subset: "everything" below covers the rest in one call.
-NUMERIC_OPTIONS = SUPPORTED if ON_GPU else ("none", "causal_window", "lengths", "segments_pair",
-                                            "mask_keys", "bias_full", "dropout",
-                                            "scale_negative", "sinks")
+# (In the interpreter, the options that test_every_supported_option_at_once does not hold: CI
+# time. test_sinks runs sinks on the Mosaic kernels.)
+NUMERIC_OPTIONS = SUPPORTED if ON_GPU else ("none", "scale_negative")
 
 
 # Variants of an interpreter test whose base case (every option at once, the shipped tiles) runs
