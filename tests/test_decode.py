@@ -359,6 +359,8 @@ def test_paged_cache_matches_contiguous(implementation, page_size, monkeypatch):
   its gradients reach the pages. On Triton the split-KV kernel reads the pages where they lie
   (pages of 16 and 32 keys are its key blocks; 24 is not a power of two, so those are gathered
   into rows first); the other backends gather them."""
+  if not ON_GPU and implementation == "xla" and page_size != 16:
+    pytest.skip("the XLA backend gathers every page size alike: 16 on a CPU (CI time)")
   from jaxflash.backends.triton import decode
   jax.clear_caches()  # the spy counts traces: none may come from an earlier test's cache
   paged_reads = []

@@ -704,9 +704,12 @@ def test_atomic_backward(h, block_q, band, segments, monkeypatch):
   assert modes == [True]
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter runs each slice's call alike (CI time); "
+                    "the compiled kernels once lost every slice's dQ inside a loop")
 def test_atomic_backward_under_vmap():
   """The atomic backward's zeroed float32 array is made inside the backward: under vmap every
-  slice gets its own (one shared array would sum the slices' dQ)."""
+  slice gets its own (one shared array would sum the slices' dQ), and the kernels' additions
+  reach it (inside a `lax.map` on a GPU they did not)."""
   config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
       dkv_block_q=128, dq_block_kv=128, atomic=True))
   q, kk, v, _ = random_qkv(4, 2, 70, 150, 2, 1, 64, BF16)
@@ -904,7 +907,7 @@ def _short_rows(b, t, s, n, seed):
 
 @pytest.mark.parametrize("option,q_buffers", [
     ("everything", 1), ("short_rows", 2)] + [pytest.param(*case, marks=variant) for case in [
-        ("none", 1), ("causal", 1), ("short_rows", 1), ("causal", 2)]])
+        ("causal", 1), ("causal", 2)] + ([("none", 1), ("short_rows", 1)] if ON_GPU else [])])
 def test_persistent_grid(option, q_buffers):
   """Forward, LSE and gradients through a persistent grid, with tiles that visit no key
   block between tiles that do; with two Q buffers, the next item's Q loads during this one."""
@@ -923,7 +926,7 @@ OVERLAP = dataclasses.replace(SMALL_CONFIGS["mosaic"], intra_wg_overlap=True)
     ("everything", OVERLAP),
     ("short_rows", dataclasses.replace(PERSISTENT, intra_wg_overlap=True))] + [
         pytest.param(option, OVERLAP, marks=variant)
-        for option in ("none", "causal_window", "short_rows")])
+        for option in ("none", "causal_window", "short_rows") if ON_GPU or option != "none"])
 def test_intra_warpgroup_overlap(option, config):
   """Forward, LSE and gradients with the overlap, including rows and tiles that see no key."""
   b, t, s, n, k, h = (3, 300, 333, 4, 2, 128) if ON_GPU else (2, 200, 133, 2, 1, 64)
@@ -935,7 +938,7 @@ def test_intra_warpgroup_overlap(option, config):
 @pytest.mark.parametrize("t,s,n,k", [(1, 1, 1, 1), (1, 70, 4, 1), (70, 1, 3, 3), (129, 129, 8, 2),
                                      (31, 200, 6, 3), (200, 31, 2, 1)])
 def test_odd_shapes(t, s, n, k):
-  if not ON_GPU and (t, s) in ((1, 70), (200, 31)):
+  if not ON_GPU and (t, s) in ((1, 70), (200, 31), (31, 200)):
     pytest.skip("the interpreter is slow: the GPU runs the rest")
   if not ON_GPU and n >= 4:  # half the heads in the interpreter, still grouped
     n, k = n // 2, max(k // 2, 1)
@@ -947,7 +950,7 @@ def test_odd_shapes(t, s, n, k):
 def test_head_dims(h, dtype):
   """Every head dim (padded to a multiple of 64 where needed) with the shipped tiles; on a CPU
   only the padded and the widest ones in bfloat16."""
-  if not ON_GPU and (dtype != BF16 or h not in (40, 256)):
+  if not ON_GPU and (dtype != BF16 or h != 40):  # (256: test_mosaic_backward_wide_heads)
     pytest.skip("the interpreter is slow: the GPU runs the rest")
   t, s = (300, 517) if ON_GPU else (70, 90)
   check("mosaic", b=1, t=t, s=s, n=4, k=2, h=h, dtype=dtype, is_causal=True, small=False)

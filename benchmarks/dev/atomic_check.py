@@ -31,7 +31,7 @@ from report import environment  # noqa: E402
 SHAPES = [(2, 1000, 777, 4, 2, 128, True), (2, 1000, 1000, 8, 8, 64, False),
           (1, 300, 2048, 8, 2, 128, False), (2, 1000, 777, 4, 2, 40, True),
           (2, 513, 513, 4, 4, 96, True), (1, 4096, 4096, 8, 1, 128, True)]
-SMOKE_SHAPES = [(2, 70, 150, 2, 1, 64, False)]  # (2 key tiles: the atomic adds meet)
+SMOKE_SHAPES = [(1, 70, 150, 1, 1, 64, False)]  # (2 key tiles: the atomic adds meet)
 
 
 # The Mosaic variants timed: Backward fields over the call's default tiles (the atomic ones run
