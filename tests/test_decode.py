@@ -353,7 +353,7 @@ def _check_against_reference(implementation, t, window, cap):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("page_size", [16, 32, 24] if ON_GPU else [16, 24])
+@pytest.mark.parametrize("page_size", [16, pytest.param(32, marks=pytest.mark.gpu), 24])
 def test_paged_cache_matches_contiguous(implementation, page_size, monkeypatch):
   """A paged cache with a shuffled page table gives the contiguous cache's result (bf16), and
   its gradients reach the pages. On Triton the split-KV kernel reads the pages where they lie

@@ -542,9 +542,8 @@ def test_forward_cells_on_gpu(t, s, n, k, causal):
     assert not bad, f"config {config}: {len(bad)} wrong cells, first {bad[:12]}"
 
 
-# On a CPU a subset: "everything" below covers the rest in one call.
-# (In the interpreter, the options that test_every_supported_option_at_once does not hold: CI
-# time. test_sinks runs sinks on the Mosaic kernels.)
+# On a CPU only the options that test_every_supported_option_at_once does not hold (test_sinks
+# runs sinks on the Mosaic kernels).
 NUMERIC_OPTIONS = SUPPORTED if ON_GPU else ("none", "scale_negative")
 
 
@@ -579,7 +578,7 @@ def test_key_split_equals_whole_call():
   assert rel_err(np.where(finite, got_lse, 0), np.where(finite, lse, 0)) < 1e-5
 
 
-@pytest.mark.parametrize("h", [64, 128] if ON_GPU else [64])  # (CI time: 128 on the GPU)
+@pytest.mark.parametrize("h", [64, pytest.param(128, marks=gpu)])  # (CI time)
 def test_partial_backward(h, monkeypatch):
   """Partial calls' gradients from the Mosaic backward itself (float32, out through float32
   tiles): keys split mid-block (21), each range's backward run with the global LSE and delta
@@ -704,8 +703,7 @@ def test_atomic_backward(h, block_q, band, segments, monkeypatch):
   assert modes == [True]
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the interpreter runs each slice's call alike (CI time); "
-                    "the compiled kernels once lost every slice's dQ inside a loop")
+@gpu  # (the interpreter runs each slice's call alike; compiled kernels once lost dQ in a loop)
 def test_atomic_backward_under_vmap():
   """The atomic backward's zeroed float32 array is made inside the backward: under vmap every
   slice gets its own (one shared array would sum the slices' dQ), and the kernels' additions
@@ -807,8 +805,8 @@ def test_first_visitors_match_the_schedule(band, offsets):
   assert (first < k_tiles).any() and (first[:, -1] == k_tiles).all()  # (block 11: past T)
 
 
-# (On a CPU, 256 only: test_value_dim runs the two-pass dK/dV at 192.)
-@pytest.mark.parametrize("h", [192, 256] if ON_GPU else [256])
+# (192 on the GPU only: test_value_dim runs the two-pass dK/dV at 192 on a CPU.)
+@pytest.mark.parametrize("h", [pytest.param(192, marks=gpu), 256])
 def test_mosaic_backward_wide_heads(h):
   """Head dims above 128: dK/dV in two passes (dV, then dK), and at D = 256 the 32-row streamed
   tiles with the 64-byte swizzle; every option the backward serves, against the reference."""
@@ -907,7 +905,8 @@ def _short_rows(b, t, s, n, seed):
 
 @pytest.mark.parametrize("option,q_buffers", [
     ("everything", 1), ("short_rows", 2)] + [pytest.param(*case, marks=variant) for case in [
-        ("causal", 1), ("causal", 2)] + ([("none", 1), ("short_rows", 1)] if ON_GPU else [])])
+        ("causal", 1), ("causal", 2)]] + [pytest.param(*case, marks=(variant, gpu))
+                                         for case in [("none", 1), ("short_rows", 1)]])
 def test_persistent_grid(option, q_buffers):
   """Forward, LSE and gradients through a persistent grid, with tiles that visit no key
   block between tiles that do; with two Q buffers, the next item's Q loads during this one."""
@@ -925,8 +924,8 @@ OVERLAP = dataclasses.replace(SMALL_CONFIGS["mosaic"], intra_wg_overlap=True)
 @pytest.mark.parametrize("option,config", [
     ("everything", OVERLAP),
     ("short_rows", dataclasses.replace(PERSISTENT, intra_wg_overlap=True))] + [
-        pytest.param(option, OVERLAP, marks=variant)
-        for option in ("none", "causal_window", "short_rows") if ON_GPU or option != "none"])
+        pytest.param(option, OVERLAP, marks=(variant, gpu) if option == "none" else variant)
+        for option in ("none", "causal_window", "short_rows")])
 def test_intra_warpgroup_overlap(option, config):
   """Forward, LSE and gradients with the overlap, including rows and tiles that see no key."""
   b, t, s, n, k, h = (3, 300, 333, 4, 2, 128) if ON_GPU else (2, 200, 133, 2, 1, 64)

@@ -17,8 +17,8 @@ import pytest
 
 import jaxflash
 from jaxflash import mask_mod as mask_mod_lib
-from checks import (F32_TOLERANCE, ON_GPU, attention, check, interpret_for, lower_for_cuda,
-                    random_array, random_qkv, rel_err)
+from checks import (F32_TOLERANCE, attention, check, interpret_for, lower_for_cuda, random_array,
+                    random_qkv, rel_err)
 
 B, T, S, N, K, H = 2, 37, 53, 4, 2, 40
 SLOPES = 2.0 ** -jnp.arange(1, N + 1, dtype=jnp.float32)
@@ -82,7 +82,7 @@ def test_under_jit_and_vmap_with_traced_arrays():
 
 
 # (ALiBi on a CPU: test_kernels_with_every_other_option runs it with every other option.)
-@pytest.mark.parametrize("rule", ("alibi", "tanh_gate") if ON_GPU else ("tanh_gate",))
+@pytest.mark.parametrize("rule", (pytest.param("alibi", marks=pytest.mark.gpu), "tanh_gate"))
 def test_mosaic_kernels(rule):
   """The Mosaic forward and backward run the tile rule (in Mosaic GPU's interpreter on a CPU),
   the backward with its derivative on its transposed dK/dV tiles and its dQ tiles."""
