@@ -17,7 +17,7 @@ from jaxflash import mask_mod as mm
 from jaxflash.backends import UnsupportedCallError
 from jaxflash.masking import make_window
 from jaxflash.schedule import block_lists
-from checks import F32_TOLERANCE, attention, check, dense_mask_of, rel_err
+from checks import F32_TOLERANCE, ON_GPU, attention, check, dense_mask_of, rel_err
 
 B, N = 2, 4
 _rng = np.random.RandomState(0)
@@ -275,7 +275,10 @@ def test_reused_block_mask_and_from_blocks(implementation):
   pattern = jaxflash.BlockMask.from_blocks(
       jnp.asarray(_rng.rand(B, N, 3, 2) < 0.5) | jnp.eye(3, 2, dtype=bool), 70, 64, 32)
   check(implementation, b=B, t=70, s=64, n=N, k=2, h=32, block_mask=_maker(pattern))
-  # Blocks of 1 x 2 entries: 16 x 16 tiles evaluate the pattern per entry, from 2 words a row.
+  # Blocks of 1 x 2 entries: 16 x 16 tiles evaluate the pattern per entry, from 2 words a row
+  # (a kernel's rule; the XLA backend's tile loop is slow at it on a CPU: CI time).
+  if implementation == "xla" and not ON_GPU:
+    return
   fine = jaxflash.BlockMask.from_blocks(
       jnp.asarray(_rng.rand(1, 1, 30, 40) < 0.5) | jnp.eye(30, 40, dtype=bool), 30, 80, (1, 2))
   check(implementation, b=1, t=30, s=80, n=2, k=1, h=16, block_mask=_maker(fine))

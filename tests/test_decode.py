@@ -538,7 +538,7 @@ def test_split_kv_kernel_serves_triton_decoding(t, window, cap, order, merge, mo
 
 
 @pytest.mark.parametrize("options", [
-    dict(),
+    pytest.param(dict(), marks=pytest.mark.gpu),  # (the others hold it: CI time)
     dict(is_causal=True, local_window_size=(1, 0)),
     dict(local_window_size=(2, 1), logits_soft_cap=1.5),
 ], ids=["full", "causal_window", "window_cap"])

@@ -561,6 +561,7 @@ def test_option(option):
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, **OPTIONS[option](b, t, s, n, 0))
 
 
+@gpu  # (on a CPU, test_partial_backward's split forward covers it)
 def test_key_split_equals_whole_call():
   """Float32 partial forwards over keys split mid-block (21), at a key offset, with causal
   masking and dropout at absolute positions, merged through the LSE, equal the whole call."""
@@ -651,7 +652,8 @@ def test_mosaic_backward(option, config):
 
 
 @pytest.mark.parametrize("h,block_q,band", [
-    (128, 64, False), (64, 128, False), pytest.param(128, 64, True, marks=variant)])
+    (128, 64, False), pytest.param(64, 128, False, marks=gpu),
+    pytest.param(128, 64, True, marks=variant)])
 def test_one_pass_backward(h, block_q, band, monkeypatch):
   """dQ from the dK/dV kernel, with no dQ kernel: each consumer's part of a query block's dQ
   (half the head dim at D = 128, half the rows of a 128-row block at D = 64) from both
@@ -682,7 +684,7 @@ def _check_one_pass(monkeypatch, h, block_q, band, fields, drop=(), **call):
 
 
 @pytest.mark.parametrize("h,block_q,band,segments", [
-    (128, 64, False, False), (64, 128, True, True),
+    pytest.param(128, 64, False, False, marks=gpu), (64, 128, True, True),
     pytest.param(128, 64, True, True, marks=variant)])
 def test_atomic_backward(h, block_q, band, segments, monkeypatch):
   """deterministic=False with ``Backward.atomic``: dQ from the dK/dV kernel, its parts added in
@@ -861,23 +863,20 @@ def test_backward_serves_what_it_can():
       mosaic.default_config(256, BF16, False, 64, "NVIDIA H200"))
 
 
-@pytest.mark.parametrize("h,one_pass", [(128, False), (256, False), (128, True), (64, True)]
-                         if ON_GPU else [(64, True)])  # (the interpreter runs one order)
+@gpu  # (the interpreter runs one order: same bits by construction)
+@pytest.mark.parametrize("h,one_pass", [(128, False), (256, False), (128, True), (64, True)])
 def test_gradients_are_bitwise_deterministic(h, one_pass):
   """Two runs give the same bits for dQ, dK and dV, with dropout and GQA (no atomics: every
   gradient element has one writer, and GQA heads are summed in a fixed order); on the GPU also
   at D = 256, where dK/dV runs as two passes. The one-pass backward adds each query block's dQ
   parts in a fixed order of key tiles: on the GPU its shape has 16 key tiles visiting each
   query block, so that many CTAs wait on one block at once."""
-  b, t, s, n, k = (2, 300, 517, 8, 2) if ON_GPU else (1, 70, 90, 2, 1)
-  if ON_GPU and one_pass:
-    b, t, s = 2, 1000, 2048
+  b, t, s, n, k = (2, 1000, 2048, 8, 2) if one_pass else (2, 300, 517, 8, 2)
   q, kk, v, d_out = random_qkv(5, b, t, s, n, k, h, BF16)
   options = dict(is_causal=not one_pass, dropout_rate=0.1, dropout_rng=jax.random.key(3))
   block_q = 64 if h > 64 else 128
-  config = dataclasses.replace(SMALL_CONFIGS["mosaic"] if not ON_GPU else mosaic.Config(),
-                               backward=mosaic.Backward(dkv_block_q=block_q, dq_block_kv=block_q,
-                                                        one_pass=True)) if one_pass else None
+  config = mosaic.Config(backward=mosaic.Backward(dkv_block_q=block_q, dq_block_kv=block_q,
+                                                  one_pass=True)) if one_pass else None
 
   def grads(q, kk, v):
     out, vjp = jax.vjp(lambda *x: _run(*x, config=config, **options), q, kk, v)
@@ -904,9 +903,9 @@ def _short_rows(b, t, s, n, seed):
 
 
 @pytest.mark.parametrize("option,q_buffers", [
-    ("everything", 1), ("short_rows", 2)] + [pytest.param(*case, marks=variant) for case in [
-        ("causal", 1), ("causal", 2)]] + [pytest.param(*case, marks=(variant, gpu))
-                                         for case in [("none", 1), ("short_rows", 1)]])
+    pytest.param("everything", 1, marks=gpu), ("short_rows", 2)]
+    + [pytest.param(*case, marks=variant) for case in [("causal", 1), ("causal", 2)]]
+    + [pytest.param(*case, marks=(variant, gpu)) for case in [("none", 1), ("short_rows", 1)]])
 def test_persistent_grid(option, q_buffers):
   """Forward, LSE and gradients through a persistent grid, with tiles that visit no key
   block between tiles that do; with two Q buffers, the next item's Q loads during this one."""
@@ -937,7 +936,7 @@ def test_intra_warpgroup_overlap(option, config):
 @pytest.mark.parametrize("t,s,n,k", [(1, 1, 1, 1), (1, 70, 4, 1), (70, 1, 3, 3), (129, 129, 8, 2),
                                      (31, 200, 6, 3), (200, 31, 2, 1)])
 def test_odd_shapes(t, s, n, k):
-  if not ON_GPU and (t, s) in ((1, 70), (200, 31), (31, 200)):
+  if not ON_GPU and (t, s) in ((1, 70), (200, 31), (31, 200), (129, 129)):
     pytest.skip("the interpreter is slow: the GPU runs the rest")
   if not ON_GPU and n >= 4:  # half the heads in the interpreter, still grouped
     n, k = n // 2, max(k // 2, 1)
@@ -967,6 +966,8 @@ def test_nan_rows_and_determinism():
   out = np.asarray(_run(q, k.at[1, 40, 0, 5].set(jnp.nan), v, is_causal=True), np.float32)
   assert np.isfinite(out[1, :40]).all() and np.isnan(out[1, 40:, :group]).all()
   assert np.isfinite(out[1, 40:, group:]).all() and np.isfinite(out[0]).all()
+  if not ON_GPU:
+    return  # (the interpreter runs one order: same bits by construction)
   first, second = _run(q, k, v), _run(q, k, v)
   np.testing.assert_array_equal(np.asarray(first, np.float32), np.asarray(second, np.float32))
 
