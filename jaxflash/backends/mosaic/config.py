@@ -423,11 +423,14 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
 #   1k (cuDNN 329) and 593 against 369 at 4k, so the 2026-11-22 cell was an outlier: Mosaic
 #   serves D = 128 at every length. At D = 64 causal Triton stays ahead at 1k (272 vs 252 with
 #   TUNED's grid, 255 with one CTA per tile), Mosaic from 4k (365 vs 327).
+# - H100 80GB HBM3, 2026-11-24, after `TUNED_FROM_LENGTH` (`bench.py --tune --head-dims 64
+#   --causal y --seqs 1024 2048`): at D = 64 causal, one CTA per 128-key tile ran 334 against
+#   Triton's best 301 at 2k (cuDNN 347) and 251 against 252 at 1k (cuDNN 276): Mosaic from 2k.
 # Not measured at D = 192, nor on other Hopper parts (H100 PCIe, H20, GH200): Triton serves there.
 FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
     "H200": {(64, False): 0, (64, True): 0, (128, False): 0, (128, True): 0,
              (256, False): 0, (256, True): 0},
-    "H100 80GB HBM3": {(64, False): 0, (64, True): 4096, (128, False): 0, (128, True): 0,
+    "H100 80GB HBM3": {(64, False): 0, (64, True): 2048, (128, False): 0, (128, True): 0,
                        (256, False): 0, (256, True): 0}}
 
 
