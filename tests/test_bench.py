@@ -2,8 +2,7 @@
 benchmarks/dev/ that CI keeps working), so that they cannot silently rot between GPU runs, plus
 the pieces of their bookkeeping that a smoke run does not reach (device names, where results go,
 joined runs, the floor summary, the slow-call timing rule, the progress bar) and the committed
-results' shape. (The two probes that interpret whole Mosaic forward+backwards several times over
-(atomic_check, bwd_parts) run on the GPU only, for CI's time.)"""
+results' shape."""
 
 import io
 import json
@@ -27,7 +26,6 @@ import report
 from jaxflash.backends import mosaic
 
 
-@pytest.mark.gpu
 def test_atomic_check_smoke(tmp_path):
   """benchmarks/dev/atomic_check.py in the interpreter: the deterministic, atomic and ordered
   backwards against float32 on a tiny shape whose two key tiles both add to each query block."""
@@ -278,7 +276,6 @@ def test_one_pass_tuner_rows():
   assert all(t[:2] == ("one pass", 128) for t in tiles[1:])
 
 
-@pytest.mark.gpu
 def test_bwd_parts_smoke(tmp_path):
   """benchmarks/dev/bwd_parts.py in the interpreter: the gradients checked, then each part of the
   Mosaic backend's forward+backward timed alone (forward, glue, dK/dV, dQ, the whole)."""
