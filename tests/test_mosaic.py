@@ -175,6 +175,7 @@ def test_configs_are_checked():
       (lambda: mosaic.Config(block_kv=96), "block_kv"),
       (lambda: mosaic.Config(num_stages=1), "num_stages"),
       (lambda: mosaic.Config(persistent_ctas=0), "persistent_ctas"),
+      (lambda: mosaic.Config(persistent_ctas=True), "persistent_ctas"),  # (one CTA, silently)
       (lambda: mosaic.Config(q_buffers=2), "q_buffers"),  # only a persistent grid has a next item
       (lambda: mosaic.Backward(dkv_block_q=96), "dkv_block_q"),
       (lambda: mosaic.Backward(dv_stages=0), "dv_stages"),

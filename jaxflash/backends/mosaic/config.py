@@ -168,8 +168,11 @@ class Config:
       raise ValueError(f"block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be at least 2, got {self.num_stages}")
-    if self.persistent_ctas is not None and self.persistent_ctas < 1:
-      raise ValueError(f"persistent_ctas must be None or positive, got {self.persistent_ctas}")
+    # (`TUNED`'s True, "one CTA per SM", is `default_config`'s to resolve: here it would be 1.)
+    if self.persistent_ctas is not None and (isinstance(self.persistent_ctas, bool)
+                                             or self.persistent_ctas < 1):
+      raise ValueError(f"persistent_ctas must be None or a positive CTA count (e.g. the SM "
+                       f"count), got {self.persistent_ctas!r}")
     if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and self.persistent_ctas is None):
       raise ValueError("q_buffers must be 1, or 2 on a persistent grid (persistent_ctas), got "
                        f"{self.q_buffers}")
