@@ -6,6 +6,7 @@ results' shape."""
 
 import io
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -536,6 +537,30 @@ def test_compile_time_smoke(tmp_path):
                               str(tmp_path / "compile_time.json")])
   assert [(r["impl"], r["layers"]) for r in result["rows"]] == [("xla", 1), ("xla", 2)]
   assert all(r["total_s"] > 0 for r in result["rows"])
+
+
+def test_compile_parts_smoke(tmp_path):
+  """benchmarks/dev/compile_parts.py on a tiny XLA-backend call: the cold and the second
+  compile timed, the lowering's profile written (no Mosaic kernel, so no PTX to time)."""
+  import compile_parts
+  result = compile_parts.main(["--smoke", "--out", str(tmp_path)])
+  for part in ("cold", "kernels_cached"):
+    assert all(result[part][k] > 0 for k in ("trace_s", "lower_s", "compile_s")), result
+  assert result["kernels"] == [] and "MOSAIC_GPU_DUMP_PTX" not in os.environ
+  assert "cumulative" in (tmp_path / "lower_profile.txt").read_text()
+  assert json.loads((tmp_path / "compile_parts.json").read_text()) == result
+
+
+def test_score_parts_smoke():
+  """benchmarks/dev/score_parts.py on a tiny shape (XLA backend): every score_mod, the
+  unseparated one included, checked against the reference and timed; the split restored."""
+  import score_parts
+  from jaxflash import mask_mod
+  separated = mask_mod._separated
+  rows = score_parts.main(["--smoke"])
+  assert [r["name"] for r in rows] == list(score_parts.MODS)
+  assert all(r["rel_err"] < 2e-2 and r["fwd_ms"] > 0 for r in rows), rows
+  assert mask_mod._separated is separated
 
 
 def test_model_features_smoke(tmp_path):

@@ -26,7 +26,6 @@ import os
 import pstats
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -58,15 +57,17 @@ def ptxas_seconds(ptxas: str, files: list[Path], parallel: bool) -> float:
   return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True)
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, xla backend (CPU)")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   dumps = Path(tempfile.mkdtemp(prefix="compile_parts_"))
-  os.environ.update(MOSAIC_GPU_DUMP_TO=str(dumps), MOSAIC_GPU_DUMP_PTX="1")
+  dump_vars = dict(MOSAIC_GPU_DUMP_TO=str(dumps), MOSAIC_GPU_DUMP_PTX="1")
+  if not args.smoke:  # (read when Mosaic GPU compiles; a smoke run in a test leaves them unset)
+    os.environ.update(dump_vars)
 
   import jax
   import jax.numpy as jnp
@@ -117,8 +118,12 @@ def main() -> None:
   (out / "lower_profile.txt").write_text(text.getvalue())
   (out / "compile_parts.json").write_text(json.dumps(result, indent=1))
   shutil.rmtree(dumps, ignore_errors=True)
+  if not args.smoke:
+    for name in dump_vars:
+      os.environ.pop(name, None)
   print(json.dumps(result, indent=1))
+  return result
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  main()

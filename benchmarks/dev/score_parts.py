@@ -3,12 +3,15 @@ forward+backward at one shape (B = 4, S = 4k, 16 heads, D = 128, causal, bf16) f
 that each add one piece of ALiBi's work, after checking each against the float32 reference on
 head 0 of batch row 0. On the GPU machine, from the repo root:
 
-    PYTHONPATH=.:benchmarks python benchmarks/dev/score_parts.py
+    PYTHONPATH=.:benchmarks python benchmarks/dev/score_parts.py [NAME ...]
+
+``--smoke`` runs every score_mod on a tiny shape on the XLA backend (a CPU; the times mean
+nothing) and returns the rows.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +21,8 @@ import jaxflash
 from jaxflash import mask_mod as mask_mod_lib
 
 B, S, N, D = 4, 4096, 16, 128
-SLOPES = 2.0 ** (-8.0 * jnp.arange(1, N + 1, dtype=jnp.float32) / N)
+SMOKE_SHAPE = (1, 64, 2, 32)
+SLOPES = 2.0 ** (-8.0 * jnp.arange(1, N + 1, dtype=jnp.float32) / N)  # (N covers the smoke's)
 MODS = {
     "none": None,
     "plus_zero": lambda s, b, h, q, kv: s + 0.0,
@@ -29,30 +33,43 @@ MODS = {
 }
 
 
-def main():
+def main(argv: list[str] | None = None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("names", nargs="*", help=f"score_mods to time (default all: {list(MODS)})")
+  parser.add_argument("--smoke", action="store_true", help="tiny shape, XLA backend (a CPU)")
+  args = parser.parse_args(argv)
+  if unknown := set(args.names) - set(MODS):
+    parser.error(f"unknown score_mods {sorted(unknown)}; choose from {list(MODS)}")
+  b, s, n, d = SMOKE_SHAPE if args.smoke else (B, S, N, D)
+  implementation = "xla" if args.smoke else "mosaic"
   keys = jax.random.split(jax.random.key(0), 4)
-  q, k, v = (jax.random.normal(x, (B, S, N, D), jnp.bfloat16) for x in keys[:3])
-  d_out = jax.random.normal(keys[3], (B, S, N, D), jnp.float32)
-  names = sys.argv[1:] or list(MODS)
-  separated = mask_mod_lib._separated
-  for name in names:
+  q, k, v = (jax.random.normal(x, (b, s, n, d), jnp.bfloat16) for x in keys[:3])
+  d_out = jax.random.normal(keys[3], (b, s, n, d), jnp.float32)
+  separated, rows = mask_mod_lib._separated, []
+  for name in args.names or list(MODS):
     mod = MODS[name]
     mask_mod_lib._separated = (lambda c: c) if name.endswith("unseparated") else separated
-    call = lambda q, k, v, mod=mod: jaxflash.flash_attention(  # noqa: E731
-        q, k, v, is_causal=True, score_mod=mod, implementation="mosaic")
-    fwd = jax.jit(call)
-    fwdbwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(call(q, k, v).astype(jnp.float32) * d_out),
-                              argnums=(0, 1, 2)))
-    out = fwd(q, k, v)
-    want, _ = jaxflash.reference_attention(q[:1, :, :1].astype(jnp.float32),
-                                           k[:1, :, :1].astype(jnp.float32),
-                                           v[:1, :, :1].astype(jnp.float32), is_causal=True,
-                                           score_mod=mod)
-    err = float(jnp.linalg.norm(out[:1, :, :1].astype(jnp.float32) - want)
-                / jnp.linalg.norm(want))
-    ms_f, _ = time_calls(fwd, (q, k, v))
-    ms_b, _ = time_calls(fwdbwd, (q, k, v))
+    try:
+      call = lambda q, k, v, mod=mod: jaxflash.flash_attention(  # noqa: E731
+          q, k, v, is_causal=True, score_mod=mod, implementation=implementation)
+      fwd = jax.jit(call)
+      fwdbwd = jax.jit(jax.grad(
+          lambda q, k, v: jnp.sum(call(q, k, v).astype(jnp.float32) * d_out), argnums=(0, 1, 2)))
+      out = fwd(q, k, v)
+      want, _ = jaxflash.reference_attention(q[:1, :, :1].astype(jnp.float32),
+                                             k[:1, :, :1].astype(jnp.float32),
+                                             v[:1, :, :1].astype(jnp.float32), is_causal=True,
+                                             score_mod=mod)
+      err = float(jnp.linalg.norm(out[:1, :, :1].astype(jnp.float32) - want)
+                  / jnp.linalg.norm(want))
+      timing = dict(warmups=1, calls=1, repeats=1) if args.smoke else {}
+      ms_f, _ = time_calls(fwd, (q, k, v), **timing)
+      ms_b, _ = time_calls(fwdbwd, (q, k, v), **timing)
+    finally:
+      mask_mod_lib._separated = separated
+    rows.append(dict(name=name, fwd_ms=ms_f, fwdbwd_ms=ms_b, rel_err=err))
     print(f"{name:20s} fwd {ms_f:.3f} ms  fwd+bwd {ms_b:.3f} ms  err {err:.1e}", flush=True)
+  return rows
 
 
 if __name__ == "__main__":
