@@ -200,6 +200,15 @@ def logits_base2(qk: jax.Array, params: Params, bias: jax.Array | None, score=No
   """
   if params.logits_soft_cap is None and bias is None and score is None:
     return qk * (params.scale * LOG2_E), None  # one multiply on the common path
+  z, chain = logits(qk, params, bias, score, derivative)
+  return z * LOG2_E, chain
+
+
+def logits(qk: jax.Array, params: Params, bias: jax.Array | None, score=None,
+           derivative: bool = False):
+  """`logits_base2`'s natural logits ``z`` (not times log2(e)) and chain factor: for a forward
+  that takes the row max of ``z`` and folds log2(e) into exp2's argument, one fused multiply-
+  add with the row's shift, instead of scaling every entry first."""
   z = qk * params.scale
   chain = None
   if params.logits_soft_cap is not None:
@@ -214,7 +223,7 @@ def logits_base2(qk: jax.Array, params: Params, bias: jax.Array | None, score=No
       z = score(z)
   if bias is not None:
     z = z + bias.astype(jnp.float32)
-  return z * LOG2_E, chain
+  return z, chain
 
 
 def dropout_stream(params: Params, seed, batch, head):

@@ -540,29 +540,30 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         if key_factors is not None:
           s = s * lax.broadcast_in_dim(key_factors, shape, [1])
         score = score_fn(params, shape, score)
-        # With a plain positive scale the row max is taken of the raw scores and scaled once
-        # (max(c s) = c max(s) for c > 0), and c s - m is one fused multiply-add per entry: a
-        # multiply per entry less than scaling the tile first.
+        # The row max is taken of unscaled values and scaled once (max(c x) = c max(x) for
+        # c > 0), so that c x - m is one fused multiply-add per entry, a multiply per entry
+        # less than scaling the tile first: x is the raw scores with a plain positive scale
+        # (c = scale log2(e)), else the natural logits (c = log2(e), `_core.logits`).
         folded = (params.logits_soft_cap is None and bias is None and score is None
                   and params.scale > 0)
         if qk_descale is not None and not folded:
           s = s * (_rows(qk_descale, shape) if jnp.ndim(qk_descale) else qk_descale)
-        s2 = s if folded else _core.logits_base2(s, params, bias, score)[0]
+        x = s if folded else _core.logits(s, params, bias, score)[0]
         if masked:
-          s2 = jnp.where(mask, s2, -jnp.inf)
-        c = params.scale * _core.LOG2_E if folded else 1.0
+          x = jnp.where(mask, x, -jnp.inf)
+        c = params.scale * _core.LOG2_E if folded else _core.LOG2_E
         if folded and qk_descale is not None:  # (descale factors are positive)
           c = c * qk_descale
         # A row that has seen no visible key keeps m = -inf and is shifted by 0 instead, so that
         # exp2 stays finite and the row stays at l = 0, acc = 0. NaN logits make m, l and acc
         # NaN: the row comes out NaN, as in jax.nn. (A bias or a score_mod may give -inf
         # anywhere.)
-        m_new = jnp.maximum(m, s2.max(axis=1) * c if folded else s2.max(axis=1))
+        m_new = jnp.maximum(m, x.max(axis=1) * c)
         finite = not masked and bias is None and score is None
         m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_shift)
-        scaled = s2 * (_rows(c, s2.shape) if jnp.ndim(c) else c) if folded else s2
-        p = jnp.exp2(scaled - _rows(m_shift, s2.shape))
+        scaled = x * (_rows(c, x.shape) if jnp.ndim(c) else c)
+        p = jnp.exp2(scaled - _rows(m_shift, x.shape))
         l = l * alpha + p.sum(axis=1)  # the undropped sum: dropout leaves the LSE alone
         if row_key is not None:  # dropped entries leave P V only; 1 / P(keep) is applied once
           cols = masking.shifted(j * block_kv + _iota(p.shape, 1), pos.kv_offset)
