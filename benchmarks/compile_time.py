@@ -50,10 +50,9 @@ def program(impl: str, layers: int):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def measure(impl: str, layers: int, shape) -> dict:
-  jax.clear_caches()
-  args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3
-  fn = program(impl, layers)
+def stages(fn, args) -> tuple[dict, object]:
+  """Seconds to trace, lower and compile the jitted ``fn`` on ``args`` (and their total), and
+  the lowered program."""
   start = time.perf_counter()
   traced = fn.trace(*args)
   traced_at = time.perf_counter()
@@ -61,9 +60,15 @@ def measure(impl: str, layers: int, shape) -> dict:
   lowered_at = time.perf_counter()
   lowered.compile()
   done = time.perf_counter()
-  return dict(impl=impl, layers=layers, shape=list(shape), trace_s=traced_at - start,
-              lower_s=lowered_at - traced_at, compile_s=done - lowered_at,
-              total_s=done - start)
+  return dict(trace_s=traced_at - start, lower_s=lowered_at - traced_at,
+              compile_s=done - lowered_at, total_s=done - start), lowered
+
+
+def measure(impl: str, layers: int, shape) -> dict:
+  jax.clear_caches()
+  args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3
+  times, _ = stages(program(impl, layers), args)
+  return dict(impl=impl, layers=layers, shape=list(shape), **times)
 
 
 def main(argv=None) -> dict:
