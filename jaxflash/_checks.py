@@ -92,7 +92,8 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       q_features=None if block_mask is None else block_mask.q_features,
       kv_features=None if block_mask is None else block_mask.kv_features,
       mask_consts=mask_consts, sinks=sinks, score_q_features=score_features[0],
-      score_kv_features=score_features[1], score_consts=score_consts,
+      score_kv_features=score_features[1], score_kv_scalars=score_features[2],
+      score_consts=score_consts,
       score_tables=score_tables, q_descale=descales[0], k_descale=descales[1],
       v_descale=descales[2])
   params = Params(scale=scale, window=window, logits_soft_cap=logits_soft_cap,
@@ -349,17 +350,19 @@ def _check_lengths(lengths, name: str, batch: int, unbatched: bool) -> jax.Array
 
 
 def _check_score_mod(score_mod, b: int, n: int, t: int, s: int):
-  """``(rule, (row features, column features), consts, tables)`` of a score_mod (all None
+  """``(rule, (row features, column features, column scalars), consts, tables)`` of a score_mod
+  (all None
   without one): the split (`jaxflash.mask_mod.split_score`, which checks it), its features for
   every (batch row, head, position), the arrays it closes over where only the XLA backend's
   evaluation of the whole function can run it, and else the arrays its lookups read."""
   if score_mod is None:
-    return None, (None, None), None, None
+    return None, (None, None, None), None, None
   rule = mask_mod_lib.split_score(score_mod)
   if rule.kernel_reason is not None:
-    return rule, (None, None), tuple(rule.closed.consts), None
+    return rule, (None, None, None), tuple(rule.closed.consts), None
   features = (rule.features(rule.row_vars, b, n, t, mask_mod_lib.Q),
-              rule.features(rule.col_vars, b, n, s, mask_mod_lib.KV))
+              rule.features(rule.col_vars, b, n, s, mask_mod_lib.KV),
+              rule.features(rule.col_scalars, b, n, 1, mask_mod_lib.KV))
   return rule, features, None, (rule.table_arrays() if rule.lookups else None)
 
 

@@ -74,6 +74,9 @@ class Inputs(NamedTuple):
   # evaluation can run it.
   score_q_features: jax.Array | None = None
   score_kv_features: jax.Array | None = None
+  # int32 [F, B or 1, N or 1, 1]: the values of the batch row and head alone from which a
+  # kernel may compute column features instead of loading them (`Split.computed_cols`).
+  score_kv_scalars: jax.Array | None = None
   score_consts: tuple | None = None
   # The arrays a score_mod's lookups read (`jaxflash.mask_mod.Split.tables`), flattened: whole
   # on every device, gathered from by the Triton kernels and the XLA backend.
@@ -130,7 +133,7 @@ class Params:
     return 1.0 / dropout.keep_probability(self.dropout_rate)
 
 
-def finish_rows(m: jax.Array, l: jax.Array, seen: jax.Array, sink2=None):
+def finish_rows(m: jax.Array, l: jax.Array, seen: jax.Array, sink2=None, term2=None):
   """``(factor, lse2)`` that end a row's online softmax: the output row is ``acc * factor``.
 
   ``m`` is the row's running max and ``l`` its sum of ``exp2(s2 - m)`` (base-2 logits), and
@@ -142,14 +145,28 @@ def finish_rows(m: jax.Array, l: jax.Array, seen: jax.Array, sink2=None):
   larger of the two, so neither overflows). A row that sees no key stays empty: it has no
   output, and an LSE of +inf keeps its P at zero in the backward. Plain jnp on row vectors (or
   a scalar ``sink2``): every kernel's epilogue calls it.
+  ``term2`` is the row's score_mod row term in base-2 units, or None: a value the kernel left
+  out of every logit of the row (`jaxflash.mask_mod.Split.row_term`), so ``m``, ``l`` (and the
+  sink, relative to them) are those of the logits without it and the LSE gets it back. A term
+  of -inf made every logit -inf (the row is empty: factor 0, LSE +inf); NaN or +inf makes the
+  row NaN, as those logits would have.
   """
+  if term2 is not None and sink2 is not None:
+    sink2 = sink2 - term2
   if sink2 is None:
     l_safe = jnp.where(seen, l, 1.0)
-    return 1.0 / l_safe, jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
-  top = jnp.maximum(m, sink2)
-  shift = jnp.exp2(jnp.where(seen, m - top, 0.0))
-  total = jnp.where(seen, l * shift + jnp.exp2(sink2 - top), 1.0)
-  return shift / total, jnp.where(seen, top + jnp.log2(total), jnp.inf)
+    factor, lse2 = 1.0 / l_safe, jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
+  else:
+    top = jnp.maximum(m, sink2)
+    shift = jnp.exp2(jnp.where(seen, m - top, 0.0))
+    total = jnp.where(seen, l * shift + jnp.exp2(sink2 - top), 1.0)
+    factor, lse2 = shift / total, jnp.where(seen, top + jnp.log2(total), jnp.inf)
+  if term2 is None:
+    return factor, lse2
+  gone = term2 == -jnp.inf
+  nan = term2 - term2  # 0, or NaN where the term is NaN or +inf
+  factor = jnp.where(gone, 0.0, factor + nan)
+  return factor, jnp.where(jnp.logical_or(gone, lse2 == jnp.inf), jnp.inf, lse2 + term2 + nan)
 
 
 def sink_gradient(sinks: jax.Array, lse2: jax.Array, delta: jax.Array) -> jax.Array:

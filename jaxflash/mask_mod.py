@@ -22,6 +22,7 @@ decline it with that reason, and the XLA backend evaluates the function itself, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Callable
 
@@ -121,6 +122,83 @@ class Split:
   @property
   def col_dtypes(self) -> tuple:
     return tuple(v.aval.dtype for v in self.col_vars)
+
+  @functools.cached_property
+  def _columns(self) -> tuple:
+    """(`computed_cols`, `col_scalars`, the equations that compute the former from the key
+    index and the latter, in order)."""
+    jaxpr = self.closed.jaxpr
+    producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    computed, scalars, eqns = [], [], set()
+    for var in self.col_vars:
+      mine = [producer[v] for v in _needed(jaxpr, [var]) if v in producer and KV in self.deps[v]]
+      inputs = {x for eqn in mine for x in eqn.invars
+                if isinstance(x, jcore.Var) and KV not in self.deps[x]}
+      if all(_kernel_reason(eqn) is None and all(v.aval.shape == () for v in eqn.outvars)
+             for eqn in mine) and all(x.aval.shape == () for x in inputs):
+        computed.append(var)
+        scalars.extend(x for x in sorted(inputs, key=lambda x: _position(jaxpr, x))
+                       if x not in scalars)
+        eqns.update(mine)
+    ordered = tuple(eqn for eqn in jaxpr.eqns if eqn in eqns)
+    return tuple(computed), tuple(scalars), ordered
+
+  @property
+  def computed_cols(self) -> tuple:
+    """The column features that are elementwise arithmetic of the key index and values of the
+    batch row and head alone (ALiBi's ``slope[h] * kv_idx``): a kernel can compute them from
+    its key indices, one value per column it holds, instead of loading them
+    (`column_values`)."""
+    return self._columns[0]
+
+  @property
+  def col_scalars(self) -> tuple:
+    """The values of the batch row and head alone (no query or key index) that
+    `computed_cols` read; `features` makes them as [F, B or 1, N or 1, 1]."""
+    return self._columns[1]
+
+  @property
+  def col_scalar_dtypes(self) -> tuple:
+    return tuple(v.aval.dtype for v in self.col_scalars)
+
+  def column_values(self, kv: jax.Array, scalars: list) -> dict:
+    """`computed_cols` at the key indices ``kv`` (an int32 vector) from the values of
+    `col_scalars` (scalars in their own dtypes): {variable: vector}."""
+    env = dict(zip(self.col_scalars, scalars))
+    env[self.index_vars[3]] = kv
+    for eqn in self._columns[2]:
+      _run_on_tile(eqn, env, kv.shape, self, None)
+    return {v: env[v] for v in self.computed_cols}
+
+  @property
+  def row_term(self):
+    """The variable ``r`` of a score_mod whose result is ``rest + r`` with ``r`` a row feature
+    (a float32 value of no key index, like ALiBi's ``-slope[h] * q_idx`` once `_separated`);
+    None otherwise. Adding one value to every logit of a row leaves its softmax alone, so a
+    kernel may leave ``r`` out of the logits and add it to the row's LSE instead
+    (`without_row_term`)."""
+    if not self.takes_score or not self.tile_eqns:
+      return None
+    last, out = self.tile_eqns[-1], self.closed.jaxpr.outvars[0]
+    if last.primitive.name != "add" or last.outvars[0] is not out:
+      return None
+    term = last.invars[1]
+    if not isinstance(term, jcore.Var) or term not in self.row_vars:
+      return None
+    return term if out.aval.dtype == jnp.float32 else None
+
+  @functools.cached_property
+  def without_row_term(self) -> Split | None:
+    """This score_mod without its `row_term` (``rest`` alone), split: what a kernel evaluates
+    per tile when it adds the row term to the LSE. Its row features are a subset of this
+    split's (the same variables); None without a row term."""
+    term = self.row_term
+    if term is None:
+      return None
+    jaxpr, last = self.closed.jaxpr, self.tile_eqns[-1]
+    rest = jaxpr.replace(eqns=[e for e in jaxpr.eqns if e is not last],
+                         outvars=[last.invars[0]])
+    return _split(self.mask_mod, self.closed.replace(jaxpr=rest), takes_score=True)
 
   def depends_on(self, index: str) -> bool:
     """Whether the mask depends on ``index`` (one of `INDICES`) at all."""
@@ -345,41 +423,54 @@ def _dependencies(jaxpr, takes_score: bool) -> dict:
 
 @dataclasses.dataclass(eq=False)
 class _Sum:
-  """A value of both indices held as ``row + col`` (`_separated`): ``row`` of no key index,
-  ``col`` of no query index, either None for zero."""
+  """A value held as ``tile + col + row`` (`_separated`): ``tile`` of both indices, ``col`` of
+  no query index, ``row`` of no key index; None for zero."""
+  tile: object
   row: object
   col: object
-  made: object = None  # row + col, once an operation needs the value itself
+  made: object = None  # the sum, once an operation needs the value itself
 
   def whole(self):
     if self.made is None:
-      parts = [x for x in (self.row, self.col) if x is not None]
-      self.made = parts[0] if len(parts) == 1 else jax.lax.add(*parts)
+      # (The row term last: a score_mod's result then ends in ``+ row``, which the Mosaic
+      # kernels leave out of every logit and add to the LSE, `Split.without_row_term`.)
+      parts = [x for x in (self.tile, self.col, self.row) if x is not None]
+      made = parts[0]
+      for part in parts[1:]:
+        made = jax.lax.add(made, part)
+      self.made = made
     return self.made
 
 
 def _separated(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
-  """``closed`` (a score_mod's jaxpr) traced again with sums of a query term and a key term
-  kept apart for as long as the arithmetic allows (sums, differences, negation, products and
-  quotients by values of neither index, conversions to a float), so that the terms become row
-  and column features computed outside the kernels and the tile rule adds them once.
+  """``closed`` (a score_mod's jaxpr) traced again with sums of a query term, a key term and a
+  term of both kept apart for as long as the arithmetic allows (sums, differences, negation,
+  products and quotients by values of neither index, conversions to a float), so that the
+  query and key terms become row and column features computed outside the kernels, and the
+  tile rule adds them once, the row term last.
 
   ALiBi, ``score + slope[h] * (kv_idx - q_idx)``, has a tile rule of a subtraction, a
   conversion, a product and a sum per entry as written; separated, ``slope[h] * kv_idx`` is a
-  column feature, ``-slope[h] * q_idx`` a row feature, and the rule is two sums. Integer
-  arithmetic gives the same values (modulo 2³², as before); in floating point ``a * (k - q)``
-  becomes ``a * k - a * q``, which rounds differently (by an ulp of the larger term: 2⁻¹² at
-  terms near 4096, far below a bfloat16 score's rounding)."""
+  column feature, ``-slope[h] * q_idx`` a row feature, and the rule is
+  ``(score + col) + row``, whose last term the Mosaic kernels move to the LSE
+  (`Split.without_row_term`). Integer arithmetic gives the same values (modulo 2³², as
+  before); in floating point ``a * (k - q)`` becomes ``a * k - a * q``, which rounds
+  differently (by an ulp of the larger term: 2⁻¹² at terms near 4096, far below a bfloat16
+  score's rounding)."""
   jaxpr = closed.jaxpr
   deps = _dependencies(jaxpr, takes_score=True)
 
   def dep(v):
     return frozenset() if isinstance(v, jcore.Literal) else deps[v]
 
-  def as_parts(v, x):  # (row, col) of an operand: a _Sum, or a value of one index or none
+  def kind(v):  # which part of a `_Sum` a value of these indices is
+    d = dep(v)
+    return "tile" if {Q, KV} <= d else "col" if KV in d else "row"
+
+  def as_parts(v, x) -> dict:
     if isinstance(x, _Sum):
-      return x.row, x.col
-    return (None, x) if KV in dep(v) else (x, None)
+      return {"tile": x.tile, "row": x.row, "col": x.col}
+    return {part: x if part == kind(v) else None for part in ("tile", "row", "col")}
 
   def combine(a, b, op):
     if b is None:
@@ -388,23 +479,23 @@ def _separated(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
       return b if op is jax.lax.add else jax.lax.neg(b)
     return op(a, b)
 
+  def each(x: _Sum, fn) -> _Sum:
+    return _Sum(*(None if p is None else fn(p) for p in (x.tile, x.row, x.col)))
+
   def distribute(eqn, args):
     """The equation's result as a `_Sum`, or None to compute it whole."""
     name, sums = eqn.primitive.name, [isinstance(x, _Sum) for x in args]
     if name in ("add", "sub"):
-      kinds = [dep(v) & {Q, KV} for v in eqn.invars]
-      one_each = {frozenset((Q,)), frozenset((KV,))} <= set(kinds)
-      if not (any(sums) or one_each) or any(
-          k == {Q, KV} and not s for k, s in zip(kinds, sums)):
+      # (Two plain values of one kind gain nothing from being kept apart.)
+      if not any(sums) and kind(eqn.invars[0]) == kind(eqn.invars[1]):
         return None
-      (r1, c1), (r2, c2) = (as_parts(v, x) for v, x in zip(eqn.invars, args))
+      first, second = (as_parts(v, x) for v, x in zip(eqn.invars, args))
       op = jax.lax.add if name == "add" else jax.lax.sub
-      return _Sum(combine(r1, r2, op), combine(c1, c2, op))
+      return _Sum(*(combine(first[p], second[p], op) for p in ("tile", "row", "col")))
     if not any(sums):
       return None
     if name == "neg":
-      x = args[0]
-      return _Sum(*(None if p is None else jax.lax.neg(p) for p in (x.row, x.col)))
+      return each(args[0], jax.lax.neg)
     if name in ("mul", "div") and sums.count(True) == 1 and (name == "mul" or sums[0]):
       i = sums.index(True)  # (a quotient distributes only with the sum on top)
       factor_var, factor = eqn.invars[1 - i], args[1 - i]
@@ -412,16 +503,14 @@ def _separated(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
         return None
       if name == "div" and not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
         return None  # (integer division does not distribute)
-      op = jax.lax.mul if name == "mul" else jax.lax.div
-      x = args[i]
-      return _Sum(*(None if p is None else (op(p, factor) if i == 0 or name == "div"
-                                            else op(factor, p)) for p in (x.row, x.col)))
+      if name == "div":
+        return each(args[i], lambda p: jax.lax.div(p, factor))
+      return each(args[i], (lambda p: jax.lax.mul(p, factor)) if i == 0 else
+                  (lambda p: jax.lax.mul(factor, p)))
     if name == "convert_element_type" and jnp.issubdtype(eqn.params["new_dtype"],
                                                          jnp.floating):
-      x = args[0]
-      return _Sum(*(None if p is None else
-                    jax.lax.convert_element_type(p, eqn.params["new_dtype"])
-                    for p in (x.row, x.col)))
+      dtype = eqn.params["new_dtype"]
+      return each(args[0], lambda p: jax.lax.convert_element_type(p, dtype))
     return None
 
   def fn(*inputs):
@@ -567,6 +656,14 @@ def _needed(jaxpr, wanted) -> set:
     if eqn is not None:
       stack.extend(x for x in eqn.invars if isinstance(x, jcore.Var))
   return needed
+
+
+def _position(jaxpr, v) -> int:
+  """Where ``v`` is made in ``jaxpr`` (inputs first): an order that tracing fixes."""
+  inputs = list(jaxpr.constvars) + list(jaxpr.invars)
+  if v in inputs:
+    return inputs.index(v) - len(inputs)
+  return next(i for i, eqn in enumerate(jaxpr.eqns) if v in eqn.outvars)
 
 
 def _read(env, v):

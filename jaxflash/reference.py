@@ -23,7 +23,8 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
   one more logit per head, in every row that sees a key, whose value is zero. ``score_mod`` is
   called once on the whole [B, N, T, S] logits and broadcasting index arrays.
 
-  Returns ``(out, lse)``: ``out`` float32 [B, T, N, H] (zeros on rows that see no key) and ``lse``
+  Returns ``(out, lse)``: ``out`` float32 [B, T, N, H] (zeros on rows that see no key: all
+  their logits masked or -inf) and ``lse``
   float32 [B, T, N] (natural log, ``-inf`` on rows that see no key).
   """
   q = jnp.asarray(query, jnp.float32)
@@ -66,8 +67,13 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
     ok = ok & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
 
   logits = jnp.where(ok, logits, -jnp.inf)
-  lse = jax.nn.logsumexp(logits, axis=-1)  # -inf where the row sees nothing
-  any_visible = jnp.any(ok, axis=-1)
+  # A row sees a key where a logit is above -inf: an entry that the score_mod or the bias makes
+  # -inf is hidden as a masked one is (FlexAttention's way to mask from a score_mod). (NaN is
+  # not -inf: a NaN row stays NaN.)
+  any_visible = jnp.max(logits, axis=-1) != -jnp.inf
+  # (The LSE of a row that sees nothing is taken of zeros: its gradient would be NaN.)
+  lse = jax.nn.logsumexp(jnp.where(any_visible[..., None], logits, 0.0), axis=-1)
+  lse = jnp.where(any_visible, lse, -jnp.inf)
   if sinks is not None:  # a column of the sink's logit, dropped again after the softmax
     sink = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[None, :, None], lse.shape)
     lse = jnp.where(any_visible, jnp.logaddexp(lse, sink), -jnp.inf)

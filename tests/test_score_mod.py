@@ -91,6 +91,30 @@ def test_mosaic_kernels(rule):
         key_value_seq_lengths=jnp.array([133, 50]))
 
 
+# Rows 0, 5, 10, ... get -inf, the others a term per head (a row term the Mosaic kernels leave
+# to the LSE); with NaN_ROW, that row's term is NaN.
+NAN_ROW = 7
+ROW_TERMS = lambda score, b, h, i, j: score + jnp.where(  # noqa: E731
+    i % 5 == 0, -jnp.inf, 0.5 * h - 0.01 * i)
+NAN_TERM = lambda score, b, h, i, j: ROW_TERMS(score, b, h, i, j) + jnp.where(  # noqa: E731
+    i == NAN_ROW, jnp.nan, 0.0)
+
+
+@pytest.mark.parametrize("implementation", ("xla", "mosaic"))
+def test_a_row_term_empties_or_poisons_its_row(implementation):
+  """A score_mod that adds a value of the query alone (ALiBi's ``-slope[h] * q_idx``): the Mosaic
+  kernels leave it out of the logits and add it to the LSE (`Split.row_term`). A row whose term
+  is -inf sees no key (zeros, no gradient); one whose term is NaN is NaN, and only that row."""
+  assert mask_mod_lib.split_score(ROW_TERMS).row_term is not None
+  dims = dict(b=2, t=70, s=133, n=2, k=1, h=64, dtype=jnp.bfloat16)
+  check(implementation, **dims, score_mod=lambda *_: ROW_TERMS, is_causal=True,
+        sinks=random_array(15, (2,), "float"))
+  q, kk, v, _ = random_qkv(16, 2, 70, 133, 2, 1, 64, jnp.bfloat16)
+  out = attention(implementation, q, kk, v, score_mod=NAN_TERM, is_causal=True)
+  bad = jnp.isnan(out.astype(jnp.float32)).any(axis=(0, 2, 3))
+  assert bad.tolist() == [i == NAN_ROW for i in range(70)]
+
+
 @pytest.mark.parametrize("rule", ("alibi", "tanh_gate"))
 def test_mosaic_kernels_lower_for_cuda(rule, cuda_plugin):
   q = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
@@ -139,6 +163,39 @@ def test_the_split_sees_features_and_lookups():
   assert "gather" in table.lookup_reason
   (flat,) = table.table_arrays()
   assert flat.shape == (TABLE.size,)
+
+
+def test_the_split_finds_a_row_term():
+  """ALiBi's query term is added last, and the rule without it reads no row feature; rules
+  whose result is not ``rest + (a value of no key index)`` have none."""
+  alibi = mask_mod_lib.split_score(RULES["alibi"])
+  assert alibi.row_term is alibi.row_vars[0]
+  rest = alibi.without_row_term
+  assert rest.row_vars == () and rest.col_vars == alibi.col_vars
+  assert [e.primitive.name for e in rest.tile_eqns] == ["add"]
+  i, j = jnp.arange(9)[:, None], jnp.arange(11)[None, :]
+  score = random_array(17, (9, 11), "float")
+  gap = alibi.reference(0, 2, i, j, score=score) - rest.reference(0, 2, i, j, score=score)
+  assert float(jnp.max(jnp.abs(gap - (-SLOPES[2] * i)))) < 1e-5  # the same on every key
+  for rule in ("tanh_gate", "key_only", "relative_table"):
+    split = mask_mod_lib.split_score(RULES[rule])
+    assert split.row_term is None and split.without_row_term is None
+
+
+def test_the_split_computes_columns():
+  """Column features that are elementwise arithmetic of the key index and values of the batch
+  row and head (ALiBi's ``slope[h] * kv_idx``, ``0.1 * (kv_idx % 3)``) are computed by the Mosaic
+  kernels from their key indices; a column read from a captured array is loaded."""
+  alibi = mask_mod_lib.split_score(RULES["alibi"])
+  assert alibi.computed_cols == alibi.col_vars and len(alibi.col_scalars) == 1
+  assert alibi.without_row_term.col_scalars == alibi.col_scalars
+  kv = jnp.arange(0, 5000, 7)
+  (made,) = alibi.column_values(kv, [SLOPES[3]]).values()
+  assert float(jnp.max(jnp.abs(made - SLOPES[3] * kv))) == 0.0
+  key_only = mask_mod_lib.split_score(RULES["key_only"])
+  assert key_only.computed_cols == key_only.col_vars and key_only.col_scalars == ()
+  looked_up = mask_mod_lib.split_score(lambda s, b, h, i, j: s + TABLE[h, j])
+  assert looked_up.col_vars and looked_up.computed_cols == ()
 
 
 @pytest.mark.parametrize("rule,separated", [

@@ -49,6 +49,7 @@ lacks ``run_state`` and wgmma operands in registers: only the P V step differs t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -141,6 +142,10 @@ class _Extras(NamedTuple):
   # A score_mod's features, as a mask_mod's.
   score_q_features: jax.Array | None = None
   score_kv_features: jax.Array | None = None
+  score_kv_scalars: jax.Array | None = None  # (`Inputs.score_kv_scalars`)
+  # A score_mod's row term, left out of the logits and added to the LSE (`without_row_term`),
+  # in base-2 units: float32 [B or 1, N or 1, rows].
+  score_row_term: jax.Array | None = None
   # An FP8 call's descale factors (`jaxflash.fp8`), float32: [B, N] or per row [B, N, rows];
   # [B, K] or per key [B, K, keys]; and [B, K].
   q_descale: jax.Array | None = None
@@ -153,17 +158,41 @@ def _iota(shape, dim: int):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def feature_tiles(ref, batch, head, index, layout, broadcast, dtypes) -> list:
+def feature_tiles(ref, batch, head, index, layout, broadcast, dtypes, made=()) -> list:
   """A mask_mod's features ([F, B or 1, N or 1, L] int32) at ``index`` (rows or keys of a
   tile), loaded in ``layout``, broadcast to the tile by ``broadcast`` and cast back to
-  ``dtypes`` (`jaxflash.mask_mod.from_int32`)."""
-  if ref is None:
+  ``dtypes`` (`jaxflash.mask_mod.from_int32`); the f-th is ``made[f]`` instead (a vector in
+  ``layout`` and its own dtype) where that is not None."""
+  if not dtypes:
     return []
   b = batch if ref.shape[1] > 1 else 0
   h = head if ref.shape[2] > 1 else 0
-  return [mask_mod_lib.from_int32(broadcast(plgpu.load(ref.at[f, b, h, index], layout=layout,
+  made = tuple(made) + (None,) * (len(dtypes) - len(made))
+  return [broadcast(x) if x is not None else
+          mask_mod_lib.from_int32(broadcast(plgpu.load(ref.at[f, b, h, index], layout=layout,
                                                        optimized=False)), dtype)
-          for f, dtype in enumerate(dtypes)]
+          for f, (dtype, x) in enumerate(zip(dtypes, made))]
+
+
+def computed_columns(rule, scalars, batch, head, keys, layout) -> list:
+  """The column features of ``rule`` that the kernel computes from its key indices
+  (`jaxflash.mask_mod.Split.computed_cols`: a value per key it holds, no load from memory), as
+  vectors over ``keys`` (a `pl.ds`) in ``layout``, each in the place of its feature; None for
+  those to load. ``scalars`` are the batch row's and head's values they read (int32 [F, B or 1,
+  N or 1, 1], or None)."""
+  if not rule.computed_cols:
+    return []
+  kv = keys.start + plgpu.broadcasted_iota(jnp.int32, (keys.size,), 0, layout=layout)
+  values = []
+  if rule.col_scalars:
+    b = batch if scalars.shape[1] > 1 else 0
+    h = head if scalars.shape[2] > 1 else 0
+    # (Each as a vector over the keys: Mosaic GPU bit-casts vectors, not scalars.)
+    values = [mask_mod_lib.from_int32(lax.broadcast_in_dim(scalars[f, b, h, 0], kv.shape, ()),
+                                      dtype)
+              for f, dtype in enumerate(rule.col_scalar_dtypes)]
+  made = rule.column_values(kv, values)
+  return [made.get(v) for v in rule.col_vars]
 
 
 def rule_mask(params: Params, extras: _Extras, batch, head, shape, q_idx, kv_idx, rows, keys,
@@ -210,7 +239,9 @@ def score_inputs(params: Params, extras: _Extras, batch, head, q_idx, kv_idx, ro
   rows_of = feature_tiles(extras.score_q_features, batch, head, rows, row_layout,
                           broadcast_rows, rule.row_dtypes)
   cols_of = feature_tiles(extras.score_kv_features, batch, head, keys, key_layout,
-                          broadcast_keys, rule.col_dtypes)
+                          broadcast_keys, rule.col_dtypes,
+                          computed_columns(rule, extras.score_kv_scalars, batch, head, keys,
+                                           key_layout))
   q_tile = q_idx() if rule.reads(mask_mod_lib.Q) else None
   kv_tile = kv_idx() if rule.reads(mask_mod_lib.KV) else None
   return q_tile, kv_tile, rows_of, cols_of
@@ -698,7 +729,13 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       # NaN != 0, so a NaN row stays NaN.
       seen = jnp.logical_and(q_rows < pos.q_len, l != 0.0)
       sink2 = None if extras.sinks is None else extras.sinks[head]
-      factor, lse2 = _core.finish_rows(m, l, seen, sink2)
+      term2 = None
+      if extras.score_row_term is not None:
+        terms = extras.score_row_term
+        term2 = plgpu.load(terms.at[batch if terms.shape[0] > 1 else 0,
+                                    head if terms.shape[1] > 1 else 0,
+                                    pl.ds(q_start, block_q)], layout=_ROWS, optimized=False)
+      factor, lse2 = _core.finish_rows(m, l, seen, sink2, term2)
       if row_key is not None:
         factor = factor * params.keep_scale
       if v_descale is not None:
@@ -875,7 +912,8 @@ def _extras(inputs: Inputs, rows: int, keys: int) -> _Extras:
   kv_features = _padded_features(inputs.kv_features, keys)
   return _Extras(q_ids, kv_ids, mask, bias, inputs.dropout_seed, None, q_features, kv_features,
                  score_q_features=_padded_features(inputs.score_q_features, rows),
-                 score_kv_features=_padded_features(inputs.score_kv_features, keys))
+                 score_kv_features=_padded_features(inputs.score_kv_features, keys),
+                 score_kv_scalars=inputs.score_kv_scalars)
 
 
 def _padded_features(features, length: int):
@@ -903,8 +941,26 @@ def with_order(extras: _Extras, inputs: Inputs, groups: int = 1) -> _Extras:
   return extras._replace(order=by_cost(extras.lists, b, heads, groups))
 
 
+def without_row_term(inputs: Inputs, params: Params):
+  """``(inputs, params, term2)`` of kernels that add a score_mod's row term to the LSE instead
+  of to every logit (`jaxflash.mask_mod.Split.row_term`: ALiBi's ``-slope[h] * q_idx``, whose
+  load and add per block would cost the forward and the backward): the call with the rule
+  without it and that rule's row features, and the term in base-2 units, float32 [B or 1,
+  N or 1, T]. Without a row term the call comes back unchanged, with ``term2`` None."""
+  rule = params.score_rule
+  rest = None if rule is None else rule.without_row_term
+  if rest is None:
+    return inputs, params, None
+  features = inputs.score_q_features
+  term = mask_mod_lib.from_int32(features[rule.row_vars.index(rule.row_term)], jnp.float32)
+  kept = [rule.row_vars.index(v) for v in rest.row_vars]
+  inputs = inputs._replace(score_q_features=features[np.asarray(kept)] if kept else None)
+  return inputs, dataclasses.replace(params, score_rule=rest), term * _core.LOG2_E
+
+
 def forward(inputs: Inputs, params: Params, config: Config):
   """``(out [B, T, N, Dv], lse2 [B, N, T])`` (see `jaxflash._core`)."""
+  inputs, params, term2 = without_row_term(inputs, params)
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, h = q.shape
   hv = v.shape[3]
@@ -929,6 +985,9 @@ def forward(inputs: Inputs, params: Params, config: Config):
   extras = with_order(with_lists(extras, inputs, params, rows_per_cta, config.block_kv), inputs)
   if inputs.sinks is not None:
     extras = extras._replace(sinks=inputs.sinks.astype(jnp.float32) * _core.LOG2_E)
+  if term2 is not None:
+    extras = extras._replace(score_row_term=_pad_to(term2, term2.shape[:2] + (
+        q_tiles * rows_per_cta,)))
   if quantized:
     extras = extras._replace(**_descales(inputs, q_tiles * rows_per_cta,
                                          _round_up(k.shape[1], config.block_kv)))
