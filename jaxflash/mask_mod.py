@@ -134,8 +134,11 @@ class Split:
       mine = [producer[v] for v in _needed(jaxpr, [var]) if v in producer and KV in self.deps[v]]
       inputs = {x for eqn in mine for x in eqn.invars
                 if isinstance(x, jcore.Var) and KV not in self.deps[x]}
-      if all(_kernel_reason(eqn) is None and all(v.aval.shape == () for v in eqn.outvars)
-             for eqn in mine) and all(x.aval.shape == () for x in inputs):
+      # (Scalar elementwise steps in 32-bit types: under jax_enable_x64 a float64 slope
+      # would make 64-bit vector arithmetic, which a GPU kernel should not do; such a
+      # column is loaded, already converted.)
+      if all(_kernel_reason(eqn) is None and all(_is_small_scalar(v) for v in eqn.outvars)
+             for eqn in mine) and all(_is_small_scalar(x) for x in inputs):
         computed.append(var)
         scalars.extend(x for x in sorted(inputs, key=lambda x: _position(jaxpr, x))
                        if x not in scalars)
@@ -656,6 +659,11 @@ def _needed(jaxpr, wanted) -> set:
     if eqn is not None:
       stack.extend(x for x in eqn.invars if isinstance(x, jcore.Var))
   return needed
+
+
+def _is_small_scalar(v) -> bool:
+  """Whether ``v`` is a scalar of at most 32 bits."""
+  return v.aval.shape == () and jnp.dtype(v.aval.dtype).itemsize <= 4
 
 
 def _position(jaxpr, v) -> int:

@@ -115,6 +115,39 @@ def test_a_row_term_empties_or_poisons_its_row(implementation):
   assert bad.tolist() == [i == NAN_ROW for i in range(70)]
 
 
+def _x64_alibi():
+  """README's ALiBi under jax_enable_x64 (call inside it): its slopes are float64."""
+  slopes = 2.0 ** -jnp.arange(1.0, 3.0)
+  return lambda score, b, h, i, j: score + slopes[h] * (j - i)
+
+
+def test_mosaic_kernels_under_x64_lower_for_cuda(cuda_plugin):
+  """With jax_enable_x64 the Mosaic kernels load a float64 slope's column (converted to float32
+  outside) rather than compute it in 64 bits, still move the row term to the LSE, and lower.
+  (Mosaic GPU's interpreter cannot run under x64: the numbers are checked on the GPU.)"""
+  with jax.enable_x64(True):
+    rule = _x64_alibi()
+    split = mask_mod_lib.split_score(rule)
+    assert split.row_term is not None and split.computed_cols == ()
+    q = jax.ShapeDtypeStruct((1, 300, 2, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 300, 1, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+      out = jaxflash.flash_attention(q, k, v, score_mod=rule, is_causal=True,
+                                     implementation="mosaic")
+      return jnp.sum(out.astype(jnp.float32))
+
+    text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+  assert "mosaic_gpu" in text and "jaxflash_backward_dkv" not in text
+
+
+@pytest.mark.gpu
+def test_mosaic_kernels_under_x64():
+  with jax.enable_x64(True):
+    check("mosaic", b=1, t=70, s=133, n=2, k=1, h=64, dtype=jnp.bfloat16,
+          score_mod=lambda *_: _x64_alibi(), is_causal=True)
+
+
 @pytest.mark.parametrize("rule", ("alibi", "tanh_gate"))
 def test_mosaic_kernels_lower_for_cuda(rule, cuda_plugin):
   q = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
