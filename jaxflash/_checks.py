@@ -351,10 +351,10 @@ def _check_lengths(lengths, name: str, batch: int, unbatched: bool) -> jax.Array
 
 def _check_score_mod(score_mod, b: int, n: int, t: int, s: int):
   """``(rule, (row features, column features, column scalars), consts, tables)`` of a score_mod
-  (all None
-  without one): the split (`jaxflash.mask_mod.split_score`, which checks it), its features for
-  every (batch row, head, position), the arrays it closes over where only the XLA backend's
-  evaluation of the whole function can run it, and else the arrays its lookups read."""
+  (all None without one): the split (`jaxflash.mask_mod.split_score`, which checks it), its
+  features for every (batch row, head, position) and the scalars of its computed columns
+  (`Split.col_scalars`), the arrays it closes over where only the XLA backend's evaluation of
+  the whole function can run it, and else the arrays its lookups read."""
   if score_mod is None:
     return None, (None, None, None), None, None
   rule = mask_mod_lib.split_score(score_mod)
