@@ -198,6 +198,17 @@ def test_block_lists_visit_exactly_the_visible_blocks(transpose):
           np.flatnonzero(_full_but_padding(dense, b, lengths, row, bq, bk, transpose)))
 
 
+@pytest.mark.parametrize("items", [1, 5, 2048, 4097])
+def test_items_go_heaviest_first(items):
+  """The Mosaic kernels' order of work items under a block table: by visits, most first, ties
+  in index order (a stable sort), whether ranked pair by pair (up to 4096 items) or sorted."""
+  from jaxflash.backends.mosaic.forward import by_cost
+  visits = np.random.default_rng(items).integers(0, 9, (1, 1, items))
+  lists = jnp.asarray(np.stack([visits, np.zeros_like(visits)], axis=-1), jnp.int32)
+  got = np.asarray(by_cost(lists, 1, 1))
+  np.testing.assert_array_equal(got, np.argsort(-visits.reshape(-1), kind="stable"))
+
+
 def _full_but_padding(dense, b, lengths, row, bq, bk, transpose):
   """Blocks of one row of blocks that are full once padding query rows are left out."""
   q_len = int(lengths[b, 0])
