@@ -629,17 +629,25 @@ def problems(rows: list[dict]) -> list[str]:
   return out
 
 
+def current_rows(result: dict) -> list[dict]:
+  """The rows of a results file, where joined runs (`report.join`) measured the same case,
+  implementation and mode, the later run's."""
+  return report.current_rows(result, key=lambda r: (r.get("case"), r.get("impl"),
+                                                    r.get("mode")))
+
+
 def markdown(result: dict) -> str:
-  block = result.get("config", {}).get("block", 128)
+  block = next(iter(report.runs(result).values())).get("config", {}).get("block", 128)
+  rows = current_rows(result)
   parts = [f"# Masks and block sparsity: {report.describe(result)}", "",
            "bf16. Time is the median per call; TFLOP/s count visible entries only "
            f"({FLOP_CONVENTION}). `visible`: the fraction of (query, key) entries visible; "
            f"`blocks`: of {block} x {block} blocks with any visible entry. `err`: see the "
-           f"JSON; WRONG: relative error over {TOLERANCE}.", "", markdown_table(result["rows"])]
-  lines = ratios(result["rows"])
+           f"JSON; WRONG: relative error over {TOLERANCE}.", "", markdown_table(rows)]
+  lines = ratios(rows)
   if lines:
     parts += ["", "Ratios:", ""] + [f"- {line}" for line in lines]
-  issues = problems(result["rows"])
+  issues = problems(rows)
   if issues:
     parts += ["", "Problems:", ""] + [f"- {line}" for line in issues]
   return "\n".join(parts) + "\n"
