@@ -113,7 +113,9 @@ def _pack_bits(visible: jax.Array) -> jax.Array:
   words = -(-cols // 32)
   bits = jnp.pad(visible, [(0, 0)] * 3 + [(0, words * 32 - cols)]).astype(jnp.uint32)
   bits = bits.reshape(visible.shape[:3] + (words, 32))
-  packed = jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+  # (The shifts at the bits' rank: strict rank promotion refuses to broadcast a vector.)
+  shifts = jnp.arange(32, dtype=jnp.uint32).reshape((1,) * (bits.ndim - 1) + (32,))
+  packed = jnp.sum(bits << shifts, axis=-1, dtype=jnp.uint32)
   return jax.lax.bitcast_convert_type(packed, jnp.int32)
 
 

@@ -218,6 +218,16 @@ def _full_but_padding(dense, b, lengths, row, bq, bk, transpose):
   return (states.T if transpose else states)[row] == bm.FULL
 
 
+def test_from_blocks_under_strict_rank_promotion():
+  """jax_numpy_rank_promotion="raise": packing a block pattern broadcasts nothing implicitly."""
+  pattern = jax.random.bernoulli(jax.random.key(0), 0.3, (1, 2, 2, 4))
+  q, kv = jnp.ones((1, 60, 2, 16)), jnp.ones((1, 100, 2, 16))
+  with jax.numpy_rank_promotion("raise"):
+    made = jaxflash.BlockMask.from_blocks(pattern, 60, 100, 32)
+    out = jaxflash.flash_attention(q, kv, kv, block_mask=made, implementation="xla")
+  chex.assert_shape(out, q.shape)
+
+
 def test_from_blocks_is_exact_at_every_tile_size():
   visible = jnp.asarray(_rng.rand(2, 1, 5, 4) < 0.4) | jnp.eye(5, 4, dtype=bool)
   made = jaxflash.BlockMask.from_blocks(visible, 300, 250, 64)
