@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxflash import dropout
+from jaxflash import mask_mod
 from jaxflash import masking
 
 LOG2_E = math.log2(math.e)
@@ -167,6 +168,32 @@ def finish_rows(m: jax.Array, l: jax.Array, seen: jax.Array, sink2=None, term2=N
   nan = term2 - term2  # 0, or NaN where the term is NaN or +inf
   factor = jnp.where(gone, 0.0, factor + nan)
   return factor, jnp.where(jnp.logical_or(gone, lse2 == jnp.inf), jnp.inf, lse2 + term2 + nan)
+
+
+def without_row_term(inputs: Inputs, params: Params):
+  """``(inputs, params, term2)`` of kernels that add a score_mod's row term to the LSE instead
+  of to every logit (`jaxflash.mask_mod.Split.row_term`: ALiBi's ``-slope[h] * q_idx``, whose
+  load and add per block would cost the forward and the backward): the call with the rule
+  without it and that rule's row features, and the term in base-2 units, float32 [B or 1,
+  N or 1, T], for `finish_rows` and `lse_without_row_term`. Without a row term the call comes
+  back unchanged, with ``term2`` None."""
+  rule = params.score_rule
+  rest = None if rule is None else rule.without_row_term
+  if rest is None:
+    return inputs, params, None
+  features = inputs.score_q_features
+  term = mask_mod.from_int32(features[rule.row_vars.index(rule.row_term)], jnp.float32)
+  kept = [rule.row_vars.index(v) for v in rest.row_vars]
+  inputs = inputs._replace(score_q_features=features[jnp.asarray(kept)] if kept else None)
+  return inputs, dataclasses.replace(params, score_rule=rest), term * LOG2_E
+
+
+def lse_without_row_term(lse2: jax.Array, term2) -> jax.Array:
+  """The LSE [B, N, T] of the logits without the row term ``term2`` (`without_row_term`; None:
+  ``lse2`` itself), for a backward that recomputes P without it. Empty rows keep +inf."""
+  if term2 is None:
+    return lse2
+  return jnp.where(lse2 == jnp.inf, jnp.inf, lse2 - term2)
 
 
 def sink_gradient(sinks: jax.Array, lse2: jax.Array, delta: jax.Array) -> jax.Array:

@@ -946,9 +946,8 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
   if unsupported(inputs, params, config) is not None or want_dbias:
     return triton_backward.backward(inputs, params, config.triton, lse2, d_out, delta,
                                     want_dbias)
-  inputs, params, term2 = fwd.without_row_term(inputs, params)
-  if term2 is not None:  # the kernels recompute the logits without it: so must their LSE
-    lse2 = jnp.where(lse2 == jnp.inf, jnp.inf, lse2 - term2)
+  inputs, params, term2 = _core.without_row_term(inputs, params)
+  lse2 = _core.lse_without_row_term(lse2, term2)
   t, h = inputs.query.shape[1], inputs.query.shape[3]
   s, h_v = inputs.key.shape[1], inputs.value.shape[3]
   args = kernel_args(inputs, params, config, lse2, d_out, delta)

@@ -49,7 +49,6 @@ lacks ``run_state`` and wgmma operands in registers: only the P V step differs t
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -960,26 +959,9 @@ def with_order(extras: _Extras, inputs: Inputs, groups: int = 1) -> _Extras:
   return extras._replace(order=by_cost(extras.lists, b, heads, groups))
 
 
-def without_row_term(inputs: Inputs, params: Params):
-  """``(inputs, params, term2)`` of kernels that add a score_mod's row term to the LSE instead
-  of to every logit (`jaxflash.mask_mod.Split.row_term`: ALiBi's ``-slope[h] * q_idx``, whose
-  load and add per block would cost the forward and the backward): the call with the rule
-  without it and that rule's row features, and the term in base-2 units, float32 [B or 1,
-  N or 1, T]. Without a row term the call comes back unchanged, with ``term2`` None."""
-  rule = params.score_rule
-  rest = None if rule is None else rule.without_row_term
-  if rest is None:
-    return inputs, params, None
-  features = inputs.score_q_features
-  term = mask_mod_lib.from_int32(features[rule.row_vars.index(rule.row_term)], jnp.float32)
-  kept = [rule.row_vars.index(v) for v in rest.row_vars]
-  inputs = inputs._replace(score_q_features=features[np.asarray(kept)] if kept else None)
-  return inputs, dataclasses.replace(params, score_rule=rest), term * _core.LOG2_E
-
-
 def forward(inputs: Inputs, params: Params, config: Config):
   """``(out [B, T, N, Dv], lse2 [B, N, T])`` (see `jaxflash._core`)."""
-  inputs, params, term2 = without_row_term(inputs, params)
+  inputs, params, term2 = _core.without_row_term(inputs, params)
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, h = q.shape
   hv = v.shape[3]

@@ -249,6 +249,9 @@ def _dkv(inputs, params, config, opt, d_out, lse2, delta, out_dtype):
 def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
              want_dbias: bool):
   """``(dq, dk, dv, dbias)`` (see `jaxflash._core`); float32 for a partial call."""
+  # (The kernels recompute the logits without a score_mod's row term, and P from their LSE.)
+  inputs, params, term2 = _core.without_row_term(inputs, params)
+  lse2 = _core.lse_without_row_term(lse2, term2)
   d_out = d_out.astype(inputs.query.dtype)
   out_dtype = jnp.float32 if params.partial else inputs.query.dtype
   opt = tiles.optional_inputs(inputs)

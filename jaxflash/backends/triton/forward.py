@@ -21,8 +21,8 @@ from jaxflash.backends.triton.config import Config
 from jaxflash.schedule import Schedule
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, sink_ref, o_ref,
-                    lse_ref, *,
+def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, sink_ref, term_ref,
+                    o_ref, lse_ref, *,
                     params: Params, st: tiles.Static, schedule: Schedule):
   qt = tiles.query_tile(q_ref, lengths_ref, opt, params, st, schedule.block_q, schedule.block_k)
   # With a plain positive scale the tile's max is taken on the raw q @ k.T and scaled per row;
@@ -61,7 +61,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, sink_
   # must come out NaN (as in jax.nn), not as an empty row: `l > 0` would hide them as zeros.
   seen = jnp.logical_and(qt.rows < qt.pos.q_len, l != 0.0)
   sink2 = None if sink_ref is None else sink_ref[0] * _core.LOG2_E
-  factor, lse2 = _core.finish_rows(m, l, seen, sink2)
+  # A score_mod's row term, left out of the logits (`_core.without_row_term`).
+  term2 = None if term_ref is None else tiles.load(term_ref, mask=qt.row_ok, other=0.0)
+  factor, lse2 = _core.finish_rows(m, l, seen, sink2, term2)
   if qt.stream is not None:
     factor = factor * params.keep_scale
   out = jnp.where(seen[:, None], acc * factor[:, None], 0.0)
@@ -71,6 +73,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, sink_
 
 def forward(inputs: Inputs, params: Params, config: Config):
   """``(out [B, T, N, Dv], lse2 [B, N, T])`` (see `jaxflash._core`)."""
+  inputs, params, term2 = _core.without_row_term(inputs, params)
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, _ = q.shape
   s = k.shape[1]
@@ -88,16 +91,22 @@ def forward(inputs: Inputs, params: Params, config: Config):
   out_dtype = jnp.float32 if params.partial else q.dtype
   # The heads' sinks as [N, 1]: each program reads its head's one (a block of one element).
   sinks = None if inputs.sinks is None else inputs.sinks.astype(jnp.float32).reshape(n, 1)
+  term_spec = None
+  if term2 is not None:  # [B or 1, N or 1, T]: this block's rows
+    shared_b, shared_h = term2.shape[0] == 1, term2.shape[1] == 1
+    term_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (
+        0 if shared_b else b, 0 if shared_h else h, i))
   return pl.pallas_call(
       kernel,
       grid=(pl.cdiv(t, block_q), b, n),
       in_specs=[rows, kv, v_spec, pl.BlockSpec((None, 2), lambda i, b, h: (b, 0)),
                 tiles.query_block_specs(opt, block_q, s),
-                None if sinks is None else pl.BlockSpec((None, 1), lambda i, b, h: (h, 0))],
+                None if sinks is None else pl.BlockSpec((None, 1), lambda i, b, h: (h, 0)),
+                term_spec],
       out_specs=[o_rows, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
       out_shape=[_core.out_struct((b, t, n, v.shape[3]), out_dtype, q),
                  _core.out_struct((b, n, t), jnp.float32, q)],
       compiler_params=tiles.compiler_params(config.forward),
       interpret=params.interpret,
       name="jaxflash_forward",
-  )(q, k, v, inputs.lengths, opt, sinks)
+  )(q, k, v, inputs.lengths, opt, sinks, term2)
