@@ -56,6 +56,14 @@ def test_combines_with_everything(implementation, options):
         **options)
 
 
+@pytest.mark.parametrize("implementation", ("xla", "triton"))
+def test_row_term_with_a_differentiated_bias(implementation):
+  """ALiBi (whose row term the Triton kernels move to the LSE) beside a bias whose gradient is
+  asked for: the bias gradient's kernel recomputes P from the same LSE."""
+  check(implementation, b=B, t=T, s=S, n=N, k=K, h=H, score_mod=lambda *_: RULES["alibi"],
+        bias=random_array(18, (1, N, T, S), "float"), is_causal=True)
+
+
 def test_sinks_and_score_mod():
   """The sink joins after the score_mod: its logit is not modified."""
   q, kk, v, _ = random_qkv(7, B, T, S, N, K, H)
