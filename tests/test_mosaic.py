@@ -753,8 +753,7 @@ def test_atomic_backward_where_it_measured_faster(h, t, causal, deterministic, p
   call = _checks.normalise(q, q, q, deterministic=deterministic, is_causal=causal)
   params = dataclasses.replace(call.params, partial=partial_call)
   config = mosaic.default_config(h, BF16, causal, t, "NVIDIA H200")
-  hp = mosaic.config.padded_head_dim(h)
-  assert backward._one_pass_mode(call.inputs, params, config.backward, hp) == want
+  assert backward._one_pass_mode(call.inputs, params, config.backward) == want
   if want == "atomic" and h == 128:
     assert config.backward.atomic_pass().registers == 240
 

@@ -86,7 +86,7 @@ def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
   if config.backward is None:
     return "config.backward is None"
   head_dim, value_dim = inputs.query.shape[-1], inputs.value.shape[-1]
-  hp, hv = padded_head_dim(head_dim), padded_head_dim(value_dim)
+  hp, hv = _padded_dims(inputs)
   if params.partial and value_dim != head_dim:  # (one float32 tile carries dK, then dV)
     return "partial results (float32 gradients) with a value head dim of its own"
   if params.partial and config.backward.runs_one_pass(hp, hv=hv):
@@ -907,9 +907,8 @@ def kernel_args(inputs: Inputs, params: Params, config: Config, lse2, d_out, del
   optional inputs padded to whole tiles), as `backward` passes them; ``benchmarks/bwd_parts.py``
   times the kernels on them one by one."""
   q, k, v = inputs.query, inputs.key, inputs.value
-  t, h = q.shape[1], q.shape[3]
-  s = k.shape[1]
-  hp, hv = padded_head_dim(h), padded_head_dim(v.shape[3])
+  t, s = q.shape[1], k.shape[1]
+  hp, hv = _padded_dims(inputs)
   rows = _CONSUMERS * _KEYS
   # Every tile either kernel reads of the LSE, delta and segment ids lies inside the padding.
   t_pad = fwd._round_up(t, math.lcm(rows, config.backward.dkv_block_q,
@@ -927,11 +926,16 @@ def kernel_args(inputs: Inputs, params: Params, config: Config, lse2, d_out, del
   return (q_p, k_p, v_p, do_p, lse_p, delta_p, inputs, params, config.backward, extras, hp)
 
 
-def _one_pass_mode(inputs: Inputs, params: Params, config: Backward, hp: int) -> str | None:
+def _padded_dims(inputs: Inputs) -> tuple[int, int]:
+  """The head dims the kernels pad Q and K, and V and dO, to (`padded_head_dim`)."""
+  return padded_head_dim(inputs.query.shape[-1]), padded_head_dim(inputs.value.shape[-1])
+
+
+def _one_pass_mode(inputs: Inputs, params: Params, config: Backward) -> str | None:
   """How dQ comes out: ``"atomic"`` or ``"ordered"`` from the dK/dV kernel, or None (the dQ
   kernel). A call that allows nondeterministic gradients but that the atomic kernel cannot
   serve (a partial call, or one whose tiles do not fit) takes the deterministic kernels."""
-  q_len, hv = inputs.query.shape[1], padded_head_dim(inputs.value.shape[-1])
+  q_len, (hp, hv) = inputs.query.shape[1], _padded_dims(inputs)
   mode = config.one_pass_mode(hp, params.deterministic, q_len, hv)
   if mode == "atomic" and (params.partial or backward_smem_bytes(
       config, inputs.query.shape[-1], deterministic=False,
@@ -951,9 +955,8 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
   t, h = inputs.query.shape[1], inputs.query.shape[3]
   s, h_v = inputs.key.shape[1], inputs.value.shape[3]
   args = kernel_args(inputs, params, config, lse2, d_out, delta)
-  hp = args[-1]
-  mode = _one_pass_mode(inputs, params, config.backward, hp)
-  if config.backward.splits_dkv(hp, padded_head_dim(h_v)):  # dV, then dK: one accumulator each
+  mode = _one_pass_mode(inputs, params, config.backward)
+  if config.backward.splits_dkv(*_padded_dims(inputs)):  # dV, then dK: one accumulator each
     grads = {**_dkv(*args, grads=("dv",)), **_dkv(*args, grads=("dk",))}
     dq = _dq(*args)[:, :t, :, :h]
   elif mode is not None:
