@@ -111,8 +111,9 @@ NAN_TERM = lambda score, b, h, i, j: ROW_TERMS(score, b, h, i, j) + jnp.where(  
 @pytest.mark.parametrize("implementation", ("xla", "triton", "mosaic"))
 def test_a_row_term_empties_or_poisons_its_row(implementation):
   """A score_mod that adds a value of the query alone (ALiBi's ``-slope[h] * q_idx``): the Mosaic
-  and Triton kernels leave it out of the logits and add it to the LSE (`Split.row_term`). A row whose term
-  is -inf sees no key (zeros, no gradient); one whose term is NaN is NaN, and only that row."""
+  and Triton kernels leave it out of the logits and add it to the LSE (`Split.row_term`). A row
+  whose term is -inf sees no key (zeros, no gradient); one whose term is NaN is NaN, and only
+  that row."""
   assert mask_mod_lib.split_score(ROW_TERMS).row_term is not None
   dims = dict(b=2, t=70, s=133, n=2, k=1, h=64, dtype=jnp.bfloat16)
   check(implementation, **dims, score_mod=lambda *_: ROW_TERMS, is_causal=True,
