@@ -632,8 +632,7 @@ def problems(rows: list[dict]) -> list[str]:
 def current_rows(result: dict) -> list[dict]:
   """The rows of a results file, where joined runs (`report.join`) measured the same case,
   implementation and mode, the later run's."""
-  return report.current_rows(result, key=lambda r: (r.get("case"), r.get("impl"),
-                                                    r.get("mode")))
+  return report.current_rows(result, key=report.case_key)
 
 
 def markdown(result: dict) -> str:

@@ -179,9 +179,8 @@ def plot_masks(result: dict, stem) -> Path:
   visible entries per case as bars, side by side for the implementations that ran it, each
   labelled with its rate; an x over a wrong result. jaxflash's ways are shades of blue. Of
   joined runs, each cell's latest."""
-  current = report.current_rows(result, key=lambda r: (r.get("case"), r.get("impl"),
-                                                        r.get("mode")))
-  rows = [r for r in current if r.get("mode") in ("fwd", "fwdbwd")]
+  rows = [r for r in report.current_rows(result, key=report.case_key)
+          if r.get("mode") in ("fwd", "fwdbwd")]
   cases = list(dict.fromkeys(r["case"] for r in rows))
   order = ("jaxflash", "jaxflash_segments", "jaxflash_mask_mod", "cudnn", "xla")
   impls = sorted(dict.fromkeys(r["impl"] for r in rows),

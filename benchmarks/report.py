@@ -38,6 +38,12 @@ TOLERANCE = 2e-2
 FLOP_CONVENTION = "fwd 4*B*N*S^2*D (x0.5 causal); fwdbwd 3.5x fwd; N = query heads"
 
 
+def case_key(row: dict) -> tuple:
+  """What a row of a results file with named cases (masks.py) measured: case, implementation
+  and mode."""
+  return tuple(row.get(f) for f in ("case", "impl", "mode"))
+
+
 def row_key(row: dict) -> tuple:
   """What a row measured: implementation, mode and case."""
   return tuple(row.get(f) for f in ("impl", "mode", "dtype", "B", "S", "N", "K", "D", "causal"))

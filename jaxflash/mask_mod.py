@@ -129,7 +129,7 @@ class Split:
     index and the latter, in order)."""
     jaxpr = self.closed.jaxpr
     producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-    computed, scalars, eqns = [], [], set()
+    computed, scalars, eqns = [], set(), set()
     for var in self.col_vars:
       mine = [producer[v] for v in _needed(jaxpr, [var]) if v in producer and KV in self.deps[v]]
       inputs = {x for eqn in mine for x in eqn.invars
@@ -140,11 +140,12 @@ class Split:
       if all(_kernel_reason(eqn) is None and all(_is_small_scalar(v) for v in eqn.outvars)
              for eqn in mine) and all(_is_small_scalar(x) for x in inputs):
         computed.append(var)
-        scalars.extend(x for x in sorted(inputs, key=lambda x: _position(jaxpr, x))
-                       if x not in scalars)
+        scalars.update(inputs)
         eqns.update(mine)
-    ordered = tuple(eqn for eqn in jaxpr.eqns if eqn in eqns)
-    return tuple(computed), tuple(scalars), ordered
+    # (In the jaxpr's order, which tracing fixes: the kernels index the scalars by position.)
+    made = list(jaxpr.constvars) + list(jaxpr.invars) + [v for e in jaxpr.eqns for v in e.outvars]
+    return (tuple(computed), tuple(v for v in made if v in scalars),
+            tuple(eqn for eqn in jaxpr.eqns if eqn in eqns))
 
   @property
   def computed_cols(self) -> tuple:
@@ -664,14 +665,6 @@ def _needed(jaxpr, wanted) -> set:
 def _is_small_scalar(v) -> bool:
   """Whether ``v`` is a scalar of at most 32 bits."""
   return v.aval.shape == () and jnp.dtype(v.aval.dtype).itemsize <= 4
-
-
-def _position(jaxpr, v) -> int:
-  """Where ``v`` is made in ``jaxpr`` (inputs first): an order that tracing fixes."""
-  inputs = list(jaxpr.constvars) + list(jaxpr.invars)
-  if v in inputs:
-    return inputs.index(v) - len(inputs)
-  return next(i for i, eqn in enumerate(jaxpr.eqns) if v in eqn.outvars)
 
 
 def _read(env, v):
