@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxflash import _core
 from jaxflash import block_mask as block_mask_lib
+from jaxflash import dense_mask
 from jaxflash import dropout
 from jaxflash import fp8
 from jaxflash import mask_mod as mask_mod_lib
@@ -74,11 +75,15 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                                    unbatched)
 
   block_mask = _check_block_mask(mask_mod, block_mask, b, n, t, s, unbatched)
+  packed = None
   if mask is not None:
-    # One byte per entry, nonzero = visible: what every kernel reads (Mosaic GPU and Triton
-    # load no booleans), made once here rather than in each kernel's launcher.
+    # The mask's words and block table from one pass over it (`jaxflash.dense_mask`): the
+    # Mosaic kernels read the words. One byte per entry, nonzero = visible, for the Triton and
+    # XLA backends, made once here rather than in each kernel's launcher. (Under jit XLA
+    # computes only what the call's backend reads.)
+    packed = dense_mask.pack(mask)
     mask = mask.astype(jnp.int8)
-  table, table_block = _block_table(block_mask, mask, segments, t, s)
+  table, table_block = _block_table(block_mask, packed, segments, t, s)
   split = None if block_mask is None else block_mask.split
   mask_consts = None
   if split is not None and split.kernel_reason is not None:
@@ -86,7 +91,9 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
 
   inputs = Inputs(
       query=query, key=key, value=value, lengths=_lengths(q_lens, kv_lens, b, t, s),
-      bias=bias, mask=mask, q_segment_ids=None if segments is None else segments[0],
+      bias=bias, mask=mask, mask_words=None if packed is None else packed.by_keys,
+      mask_words_t=None if packed is None else packed.by_queries,
+      q_segment_ids=None if segments is None else segments[0],
       kv_segment_ids=None if segments is None else segments[1], dropout_seed=dropout_seed,
       block_table=table,
       q_features=None if block_mask is None else block_mask.q_features,
@@ -132,14 +139,15 @@ def _check_block_mask(mask_mod, block_mask, b: int, n: int, t: int, s: int,
   return block_mask_lib.create_block_mask(mask_mod, None if unbatched else b, n, t, s)
 
 
-def _block_table(block_mask, mask, segments, t: int, s: int):
+def _block_table(block_mask, packed, segments, t: int, s: int):
   """The block table of everything that hides entries element by element (a block mask, a
-  dense mask, segment ids) as one, and its block sizes; (None, None) without any."""
+  dense mask given as `jaxflash.dense_mask.pack`'s result, segment ids) as one, and its block
+  sizes; (None, None) without any."""
   tables = []
   if block_mask is not None:
     tables.append((block_mask.table, (block_mask.block_q, block_mask.block_k)))
-  if mask is not None:
-    tables.append((block_mask_lib.classify_dense(mask), (block_mask_lib.CLASSIFY_BLOCK,) * 2))
+  if packed is not None:
+    tables.append((packed.table, (block_mask_lib.CLASSIFY_BLOCK,) * 2))
   if segments is not None:
     tables.append((block_mask_lib.classify_segments(*segments),
                    (block_mask_lib.CLASSIFY_BLOCK,) * 2))

@@ -53,6 +53,12 @@ class Inputs(NamedTuple):
   offsets: jax.Array | None = None
   bias: jax.Array | None = None  # [B or 1, N or 1, T, S] float
   mask: jax.Array | None = None  # [B or 1, N or 1, T, S] int8, nonzero = visible
+  # The same mask packed 32 entries to an int32 word along the keys and along the queries
+  # (`jaxflash.dense_mask`): [B or 1, N or 1, ceil(S / 32), T] and [B or 1, N or 1,
+  # ceil(T / 32), S]. What the Mosaic kernels read; None where only ``mask`` is given (they
+  # pack it then).
+  mask_words: jax.Array | None = None
+  mask_words_t: jax.Array | None = None
   q_segment_ids: jax.Array | None = None  # int32 [B, T]
   kv_segment_ids: jax.Array | None = None  # int32 [B, S]
   dropout_seed: jax.Array | None = None  # uint32 [2], present iff params.dropout_rate > 0

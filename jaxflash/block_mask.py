@@ -7,7 +7,8 @@ whatever says which entries are visible:
 
 - a `mask_mod` (`create_block_mask`): evaluated over every entry once, a query block at a time,
   and reduced per block; its element mask is then what `jaxflash.mask_mod.Split` makes of it;
-- a dense boolean ``mask=`` (`classify_dense`): one pass over the mask;
+- a dense boolean ``mask=`` (`classify_dense`, or `jaxflash.dense_mask.pack` with the mask's
+  packed words): one pass over the mask;
 - segment ids (`classify_segments`): from each block's smallest and largest id, without
   looking at entries;
 - a table of visible blocks (`BlockMask.from_blocks`): block-aligned patterns, all full.
@@ -99,14 +100,14 @@ class BlockMask:
                        f"blocks) = {want}, got {visible.dtype}{list(visible.shape)}")
     visible = visible.reshape((1,) * (4 - visible.ndim) + visible.shape)
     table = jnp.where(visible, FULL, EMPTY).astype(jnp.int8)
-    split = mask_mod_lib.split(_block_rule(_pack_bits(visible), block_q, block_k))
+    split = mask_mod_lib.split(_block_rule(pack_bits(visible), block_q, block_k))
     b, n = visible.shape[:2]
     q_features = split.features(split.row_vars, b, n, q_len, mask_mod_lib.Q)
     kv_features = split.features(split.col_vars, b, n, kv_len, mask_mod_lib.KV)
     return cls(table, q_features, kv_features, split, block_q, block_k, q_len, kv_len)
 
 
-def _pack_bits(visible: jax.Array) -> jax.Array:
+def pack_bits(visible: jax.Array) -> jax.Array:
   """bool [B, N, rows, cols] -> int32 [B, N, rows, ceil(cols / 32)]: bit c % 32 of word c // 32
   is column c."""
   cols = visible.shape[-1]
@@ -211,7 +212,7 @@ def _reduce_blocks(visible, real, block_q: int, block_k: int) -> jax.Array:
   """[..., rows, keys] booleans (and which entries are real) -> int8 [..., row blocks, key
   blocks]: `EMPTY` if no real entry is visible, `FULL` if every real one is, else `PARTIAL`."""
   real = jnp.broadcast_to(real, visible.shape)
-  return _states(_count_blocks(jnp.logical_and(visible, real), block_q, block_k),
+  return block_states(_count_blocks(jnp.logical_and(visible, real), block_q, block_k),
                  _count_blocks(real, block_q, block_k))
 
 
@@ -226,7 +227,8 @@ def _count_blocks(x, block_q: int, block_k: int) -> jax.Array:
   return jnp.sum(per_row, axis=-2, dtype=jnp.int32)
 
 
-def _states(visible_count, real_count) -> jax.Array:
+def block_states(visible_count, real_count) -> jax.Array:
+  """A block table from each block's visible and real (inside T x S) entry counts."""
   return jnp.where(visible_count == real_count, FULL,
                    jnp.where(visible_count > 0, PARTIAL, EMPTY)).astype(jnp.int8)
 
@@ -242,7 +244,7 @@ def classify_dense(mask: jax.Array, block: int = CLASSIFY_BLOCK) -> jax.Array:
   # Entries of each block inside T x S, from the block's position alone.
   rows = jnp.minimum(t - jnp.arange(0, tp, block), block)[:, None]
   keys = jnp.minimum(s - jnp.arange(0, sp, block), block)[None, :]
-  return _states(counts, jnp.broadcast_to(rows * keys, counts.shape))
+  return block_states(counts, jnp.broadcast_to(rows * keys, counts.shape))
 
 
 def classify_segments(q_segment_ids: jax.Array, kv_segment_ids: jax.Array,

@@ -13,6 +13,7 @@ import pytest
 
 import jaxflash
 from jaxflash import block_mask as bm
+from jaxflash import dense_mask
 from jaxflash import mask_mod as mm
 from jaxflash.backends import UnsupportedCallError
 from jaxflash.masking import make_window
@@ -146,6 +147,28 @@ def test_dense_and_segment_tables():
   dense = ids[:, None, :, None] == ids[:, None, None, :]
   np.testing.assert_array_equal(bm.classify_segments(jnp.asarray(ids), jnp.asarray(ids), 32),
                                 _blocks_of(dense, 32, 32))
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 100, 130), (1, 3, 64, 256), (1, 1, 1, 300),
+                                   (1, 2, 257, 33)])
+def test_dense_mask_packed_both_ways(shape):
+  """`dense_mask.pack`: its words' bits are the entries, along the keys and along the queries,
+  and its table is the mask's; the GPU's Triton kernel (interpreted here) gives the same as
+  XLA's ops, edge tiles and bit 31 included."""
+  mask = np.array(jax.random.bernoulli(jax.random.key(3), 0.6, shape))
+  mask[..., : shape[2] // 3, :] = True  # full blocks
+  mask[..., shape[2] // 2:, : shape[3] // 2] = False  # empty ones
+  packed = dense_mask.pack(jnp.asarray(mask))
+  q, k = np.arange(shape[2])[:, None], np.arange(shape[3])[None, :]
+  words = np.asarray(packed.by_keys).view(np.uint32)
+  np.testing.assert_array_equal((words[:, :, k // 32, q] >> (k % 32)) & 1, mask)
+  words = np.asarray(packed.by_queries).view(np.uint32)
+  np.testing.assert_array_equal((words[:, :, q // 32, k] >> (q % 32)) & 1, mask)
+  np.testing.assert_array_equal(packed.table, _blocks_of(mask, bm.CLASSIFY_BLOCK,
+                                                         bm.CLASSIFY_BLOCK))
+  on_gpu = dense_mask._pack_with_triton(jnp.asarray(mask), interpret=True)
+  for got, want in zip(on_gpu, packed):
+    chex.assert_trees_all_equal(got, want)
 
 
 @pytest.mark.parametrize("to", [(16, 16), (64, 128), (96, 32), (256, 256)])
@@ -350,6 +373,11 @@ def test_masks_on_gpu(implementation, h):
            & (np.arange(s)[None, None, None, :] < kv_len[:, None, None, None]))
   check(implementation, small=False, b=b, t=t, s=s, n=8, k=2, h=h, dtype=jnp.bfloat16,
         mask=lambda *a: jnp.asarray(dense))
+  # A random mask per head (every entry's bit matters; some rows see no key).
+  scattered = _rng.rand(b, 8, t, s) < 0.3
+  scattered[:, :, 100:110] = False
+  check(implementation, small=False, b=b, t=t, s=s, n=8, k=2, h=h, dtype=jnp.bfloat16,
+        mask=lambda *a: jnp.asarray(scattered))
   ids = lambda length: jnp.asarray(np.sort(_rng.randint(0, 7, (b, length)), axis=1))  # noqa: E731
   check(implementation, small=False, b=b, t=t, s=s, n=8, k=2, h=h, dtype=jnp.bfloat16,
         is_causal=True, segment_ids=lambda *a: (ids(t), ids(s)))

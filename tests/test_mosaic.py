@@ -310,7 +310,7 @@ def test_lowers_with_x64_and_strict_rank_promotion(ctas, with_dense):
 def test_block_masks_lower(h, masking):
   """A dense mask, a mask_mod (with features and an elementwise rule), segment ids and a block
   pattern (whose rule reads features only): the forward and the Mosaic backward walk block
-  lists (no Triton kernel), at every head dim."""
+  lists (no Triton attention kernel; a dense mask is packed by one), at every head dim."""
   b, t, s, n, k = 2, 777, 1300, 8, 2
   rng = np.random.RandomState(0)
   ids = jnp.asarray(np.sort(rng.randint(0, 5, (b, s)), axis=1))
@@ -564,16 +564,18 @@ def test_option(option):
 
 @gpu  # (on a CPU, test_partial_backward's split forward covers it)
 def test_key_split_equals_whole_call():
-  """Float32 partial forwards over keys split mid-block (21), at a key offset, with causal
-  masking and dropout at absolute positions, merged through the LSE, equal the whole call."""
+  """Float32 partial forwards over keys split mid-block (21) and at a word of the dense mask's
+  packing (96), at a key offset, with causal masking, a dense mask and dropout at absolute
+  positions, merged through the LSE, equal the whole call."""
   b, t, s, n, k, h = OPTION_SHAPE
   q, kk, v, _ = random_qkv(5, b, t, s, n, k, h, BF16)
-  call = _checks.normalise(q, kk, v, is_causal=True, dropout_rate=0.2,
+  mask = jax.random.bernoulli(jax.random.key(4), 0.7, (b, 1, t, s))
+  call = _checks.normalise(q, kk, v, mask=mask, is_causal=True, dropout_rate=0.2,
                            dropout_rng=jax.random.key(3), interpret=not ON_GPU)
   config = SMALL_CONFIGS["mosaic"]
   out, lse = flash.attention(call.inputs, call.params, mosaic.BACKEND, config)
   got_out, got_lse = partial.split_keys_attention(call.inputs, call.params, mosaic.BACKEND,
-                                                  config, (21,))
+                                                  config, (21, 96))
   assert rel_err(got_out, out) < 1e-2  # the whole call rounds O to bfloat16 once more
   finite = np.isfinite(np.asarray(lse))
   np.testing.assert_array_equal(np.isfinite(np.asarray(got_lse)), finite)

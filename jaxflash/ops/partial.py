@@ -47,9 +47,17 @@ def key_range(inputs: Inputs, start: int, stop: int) -> Inputs:
   k_descale = inputs.k_descale
   if k_descale is not None and k_descale.shape[1] > 1:  # per key, [B, S, K]
     k_descale = keys(k_descale, 1)
+  # A dense mask's words along the keys are sliced where the range starts at a word; else
+  # (None) the backend packs the range's keys again. Bits of the last word past ``stop`` lie
+  # past the range's key length: no kernel reads them as visible.
+  mask_words = inputs.mask_words
+  if mask_words is not None:
+    mask_words = (lax.slice_in_dim(mask_words, start // 32, -(-stop // 32), axis=2)
+                  if start % 32 == 0 else None)
   return inputs._replace(
       key=keys(inputs.key, 1), value=keys(inputs.value, 1), k_descale=k_descale,
       kv_segment_ids=keys(inputs.kv_segment_ids, 1), mask=keys(inputs.mask, 3),
+      mask_words=mask_words, mask_words_t=keys(inputs.mask_words_t, 3),
       bias=keys(inputs.bias, 3), lengths=inputs.lengths.at[:, 1].set(kv_len),
       offsets=offsets.at[:, 1].add(start))
 

@@ -445,7 +445,7 @@ def _operands(inputs: Inputs):
         operands.append(c)
         roles.append((None,) * jnp.ndim(c))
       continue
-    if name in ("bias", "mask", "block_table"):
+    if name in ("bias", "mask", "mask_words", "mask_words_t", "block_table"):
       # [B or 1, N or 1, ...]: broadcast axes are never split
       role = (BATCH if x.shape[0] == b else None, HEADS if x.shape[1] == n else None, None, None)
     elif name in _FEATURES:  # [F, B or 1, N or 1, T or S]

@@ -62,6 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 
 from jaxflash import _core
+from jaxflash import dense_mask
 from jaxflash import dropout
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
@@ -255,7 +256,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         visible = _visible(k_idx(), by_col(first_key), by_col(last_key), q_ids, kv_ids)
         if extras.mask is not None:  # the transposed mask's [keys, rows] tile
           visible = jnp.logical_and(visible,
-                                    fwd._entry_tile(extras.mask, batch, head, keys, rows) != 0)
+                                    fwd.packed_tile(extras.mask, batch, head, q_start // 32,
+                                                    keys, shape))
         if params.mask_rule is not None:  # (index tiles only where read: see above)
           visible = jnp.logical_and(visible, fwd.rule_mask(
               params, extras, batch, head, shape, lambda: _cols(q_cols(), shape), k_idx,
@@ -566,12 +568,16 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   keys_per_cta = _CONSUMERS * _KEYS
   k_tiles = pl.cdiv(inputs.key.shape[1], keys_per_cta)
   schedule = Schedule(params.window, block_q, keys_per_cta, extras.q_segment_ids is not None)
-  # A block table's visits per key tile, and the dense mask transposed: this kernel's tiles
-  # are [keys, queries].
+  # A block table's visits per key tile, and the dense mask packed along the queries: this
+  # kernel's tiles are [keys, queries].
   extras = fwd.with_lists(extras, inputs, params, block_q, keys_per_cta, transpose=True)
   extras = fwd.with_order(extras, inputs, groups)
   if extras.mask is not None:
-    extras = extras._replace(mask=jnp.swapaxes(extras.mask, 2, 3))
+    words = inputs.mask_words_t
+    if words is None:
+      words = dense_mask.pack(inputs.mask).by_queries
+    keys, rows = extras.mask.shape[2] * 32, extras.mask.shape[3]  # (the forward words' padding)
+    extras = extras._replace(mask=fwd._pad_to(words, words.shape[:2] + (rows // 32, keys)))
   want_dk, want_dq = "dk" in grads, "dq" in grads
   hv = v.shape[-1]  # (V's and dO's padded head dim)
   resident = 2 if want_dk else 1  # K, and V for dPᵀ
@@ -791,7 +797,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
         visible = _visible(k_idx(), first_key, last_key, q_ids, kv_ids)
         if extras.mask is not None:
           visible = jnp.logical_and(visible,
-                                    fwd._entry_tile(extras.mask, batch, head, rows, keys) != 0)
+                                    fwd.packed_tile(extras.mask, batch, head,
+                                                    j * (block_kv // 32), rows, shape))
         if params.mask_rule is not None:  # (index tiles only where read: see `_dkv_kernel`)
           visible = jnp.logical_and(visible, fwd.rule_mask(
               params, extras, batch, head, shape, lambda: fwd._rows(q_rows(), shape), k_idx,

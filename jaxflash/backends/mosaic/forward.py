@@ -63,6 +63,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith
 
 from jaxflash import _core
+from jaxflash import dense_mask
 from jaxflash import dropout
 from jaxflash import fp8
 from jaxflash import mask_mod as mask_mod_lib
@@ -124,7 +125,9 @@ class _Extras(NamedTuple):
 
   q_segment_ids: jax.Array | None = None  # int32 [B, rows of all CTAs]
   kv_segment_ids: jax.Array | None = None  # int32 [B, keys of all blocks]
-  mask: jax.Array | None = None  # int8 [B or 1, N or 1, rows, keys]
+  # A dense mask packed 32 entries to a word (`packed_tile`), word-major: int32 [B or 1, N or 1,
+  # keys / 32, rows] (for dK/dV, packed along the queries: [..., rows / 32, keys]).
+  mask: jax.Array | None = None
   bias: jax.Array | None = None  # [B or 1, N or 1, rows, keys], the caller's float dtype
   dropout_seed: jax.Array | None = None  # uint32 [2], or [4] (see `_core.dropout_stream`)
   # A block table's visits (`jaxflash.schedule.BlockLists`), per CTA tile of rows: [B, N or 1,
@@ -260,6 +263,26 @@ def _descale_of(ref, batch, head, rows, layout):
   if ref.ndim == 2:
     return ref[batch, head]
   return plgpu.load(ref.at[batch, head, rows], layout=layout, optimized=False)
+
+
+def packed_tile(words, batch, head, first_word, rows, shape):
+  """The boolean ``shape`` tile of a dense mask packed 32 entries to a word (`_Extras.mask`):
+  its rows are ``rows`` (a `pl.ds` of the words' last axis) and its columns the bits of words
+  ``first_word``, ``first_word + 1``, ... One word of every row per 32 columns is loaded as a
+  row vector, a sixteenth of the int8 tile's loads; each entry then picks its word and bit (in
+  the wgmma layout a register's word is fixed: columns 8i + 2(lane % 4) + {0, 1} are in word
+  i // 4)."""
+  if shape[1] % 32:
+    raise ValueError(f"a packed mask's tiles are whole words wide, got {shape}")
+  b = batch if words.shape[0] > 1 else 0
+  h = head if words.shape[1] > 1 else 0
+  cols = _iota(shape, 1)
+  tile = None
+  for w in range(shape[1] // 32):
+    word = _rows(plgpu.load(words.at[b, h, first_word + w, rows], layout=_ROWS,
+                            optimized=False), shape)
+    tile = word if tile is None else jnp.where(cols >= 32 * w, word, tile)
+  return (lax.shift_right_logical(tile, cols & 31) & 1) != 0
 
 
 def _entry_tile(ref, batch, head, rows, keys):
@@ -534,7 +557,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
                               optimized=False)
           conds.append(_rows(q_ids, shape) == lax.broadcast_in_dim(kv_ids, shape, [1]))
         if extras.mask is not None:
-          conds.append(_entry_tile(extras.mask, batch, head, rows, keys) != 0)
+          conds.append(packed_tile(extras.mask, batch, head, j * (block_kv // 32), rows, shape))
         if params.mask_rule is not None:  # (Mosaic GPU infers no layout for an unread tile)
           conds.append(rule_mask(params, extras, batch, head, shape,
                                  lambda: _rows(q_rows, shape), lambda: start + cols,
@@ -923,7 +946,10 @@ def _extras(inputs: Inputs, rows: int, keys: int) -> _Extras:
     q_ids = _pad_to(q_ids.astype(jnp.int32), (q_ids.shape[0], rows))
     kv_ids = _pad_to(kv_ids.astype(jnp.int32), (kv_ids.shape[0], keys))
   if mask is not None:
-    mask = _pad_to(mask.astype(jnp.int8), mask.shape[:2] + (rows, keys))
+    words = inputs.mask_words
+    if words is None:
+      words = dense_mask.pack(mask).by_keys
+    mask = _pad_to(words, words.shape[:2] + (keys // 32, rows))
   if bias is not None:
     bias = _pad_to(bias, bias.shape[:2] + (rows, keys))
   q_features = _padded_features(inputs.q_features, rows)
