@@ -78,11 +78,10 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   packed = None
   if mask is not None:
     # The mask's words and block table from one pass over it (`jaxflash.dense_mask`): the
-    # Mosaic kernels read the words. One byte per entry, nonzero = visible, for the Triton and
-    # XLA backends, made once here rather than in each kernel's launcher. (Under jit XLA
-    # computes only what the call's backend reads.)
+    # Mosaic kernels read the words. The boolean mask stays as given (the Triton and XLA
+    # backends read it): an int8 copy made here would be an operand of every kernel call,
+    # written (64 MiB at B=4, 4k) even where no kernel reads it.
     packed = dense_mask.pack(mask)
-    mask = mask.astype(jnp.int8)
   table, table_block = _block_table(block_mask, packed, segments, t, s)
   split = None if block_mask is None else block_mask.split
   mask_consts = None

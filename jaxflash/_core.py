@@ -52,7 +52,7 @@ class Inputs(NamedTuple):
   # batch row (see `jaxflash.masking`); None means zeros and costs nothing.
   offsets: jax.Array | None = None
   bias: jax.Array | None = None  # [B or 1, N or 1, T, S] float
-  mask: jax.Array | None = None  # [B or 1, N or 1, T, S] int8, nonzero = visible
+  mask: jax.Array | None = None  # [B or 1, N or 1, T, S] bool (or nonzero = visible)
   # The same mask packed 32 entries to an int32 word along the keys and along the queries
   # (`jaxflash.dense_mask`): [B or 1, N or 1, ceil(S / 32), T] and [B or 1, N or 1,
   # ceil(T / 32), S]. What the Mosaic kernels read; None where only ``mask`` is given (they

@@ -605,7 +605,7 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
   sizes = dict(split=splits, batch=b, head=kv_heads // fold)
   mask = mask_spec = None
   if inputs.mask is not None:  # [B, N or 1, T, S] -> rows (head g, token t) like the queries'
-    mask = inputs.mask
+    mask = inputs.mask.astype(jnp.int8)  # (bytes, nonzero = visible)
     shared = mask.shape[1] == 1  # one mask for every head: a row per (g, t) of the group
     if shared:
       mask = jnp.broadcast_to(mask[:, :, None], (b, 1, g, t, mask.shape[3]))
