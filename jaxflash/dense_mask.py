@@ -1,5 +1,4 @@
-"""A dense boolean mask [B or 1, N or 1, T, S] in the forms the kernels read, from one pass over
-its bytes (`pack`):
+"""A dense boolean mask [B or 1, N or 1, T, S] in the forms the kernels read (`pack`):
 
 - packed along the keys, 32 entries to an int32 word, word-major: [B or 1, N or 1, ceil(S / 32),
   T], bit k of word w of query t being entry (t, 32 w + k). A kernel whose tiles are [queries,
@@ -8,14 +7,16 @@ its bytes (`pack`):
   entry (32 w + k, s), for the dK/dV kernel, whose tiles are [keys, queries];
 - its block table at `jaxflash.block_mask.CLASSIFY_BLOCK` (`jaxflash.block_mask.classify_dense`).
 
-Why a kernel of its own: Mosaic GPU loads no 1-bit elements and `jax.lax` bitcasts no bool, so
-the attention kernels read either a byte per entry (an int8 copy of the mask, 64 MiB written for
-a 4k batch of 4) or these words. XLA packs words slowly (a reduction over 32 minor elements;
-along the queries it transposes first: 54 and 163 µs at that size on an H200, against 39 µs for
-the int8 copy), while Pallas' Triton lowering loads a boolean ref as bytes. So on a GPU one
-Triton program reads a 64 x 256 tile of the mask once and writes its words both ways and its
-blocks' counts; elsewhere XLA computes the same (`lax.platform_dependent` picks by the platform
-the call is lowered for).
+Why kernels of our own: Mosaic GPU loads no 1-bit elements and `jax.lax` bitcasts no bool, so
+the attention kernels would read either a byte per entry (an int8 copy of the mask: 42 µs for a
+4 x 4k x 4k mask on an H200, and 47 µs more for the backward's transposed copy) or these words,
+which XLA packs slowly (a reduction over 32 minor elements, and a transpose first along the
+queries: 250 µs for both at that size). Pallas' Triton lowering loads a boolean ref as bytes,
+so on a GPU two Triton kernels read the mask (27 µs each at that size): one writes the words
+along the keys and the block counts, the other the words along the queries, which only a
+backward reads (under jit a forward alone drops it). Elsewhere XLA computes the same
+(`lax.platform_dependent` picks by the platform the call is lowered for). Measured variants:
+docs/block_sparse.md.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from jaxflash import block_mask as block_mask_lib
 __all__ = ["Packed", "pack", "packed_keys", "packed_queries"]
 
 _BLOCK = block_mask_lib.CLASSIFY_BLOCK
-# A Triton program's tile of the mask (2 x 2 blocks, 4 words of every row and of every column).
+# A Triton program's tile of the mask: 2 x 2 blocks, 4 words of every row and of every column
+# (64 x 256 tiles, 8 warps and loops over column tiles measured slower).
 _TILE_ROWS, _TILE_COLS = 2 * _BLOCK, 2 * _BLOCK
 
 
@@ -48,7 +50,8 @@ class Packed(NamedTuple):
 
 def pack(mask: jax.Array) -> Packed:
   """The words and block table of a dense mask [B or 1, N or 1, T, S] (boolean, or nonzero =
-  visible), from one pass over it on a GPU."""
+  visible): on a GPU, the words along the keys and the table from one read of the mask, the
+  words along the queries from another (which jit drops where nothing reads them)."""
   visible = mask if mask.dtype == jnp.bool_ else mask != 0
   return Packed(*lax.platform_dependent(visible, cuda=_pack_with_triton,
                                         default=_pack_with_xla))
