@@ -77,7 +77,7 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   block_mask = _check_block_mask(mask_mod, block_mask, b, n, t, s, unbatched)
   packed = None
   if mask is not None:
-    # The mask's words and block table from one pass over it (`jaxflash.dense_mask`): the
+    # The mask packed into words both ways, and its block table (`jaxflash.dense_mask`): the
     # Mosaic kernels read the words. The boolean mask stays as given (the Triton and XLA
     # backends read it): an int8 copy made here would be an operand of every kernel call,
     # written (64 MiB at B=4, 4k) even where no kernel reads it.

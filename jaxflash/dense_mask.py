@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from jaxflash import block_mask as block_mask_lib
 
@@ -53,6 +55,30 @@ def pack(mask: jax.Array) -> Packed:
   visible): on a GPU, the words along the keys and the table from one read of the mask, the
   words along the queries from another (which jit drops where nothing reads them)."""
   visible = mask if mask.dtype == jnp.bool_ else mask != 0
+  mesh = jax.sharding.get_abstract_mesh()
+  types = () if mesh.empty else tuple(mesh.axis_types)
+  if types and all(t == AxisType.Manual for t in types):
+    return _pack_here(visible)  # (inside shard_map: this device's share)
+  if AxisType.Explicit in types:
+    spec = jax.typeof(visible).sharding.spec
+    spec = tuple(spec) + (None,) * (4 - len(spec))
+    if spec[2] is None and spec[3] is None:  # batch and heads split: each device packs its own
+      axes = frozenset(a for e in spec[:2] if e is not None
+                       for a in ((e,) if isinstance(e, str) else e))
+      share = P(*spec)
+      return jax.shard_map(_pack_here, mesh=mesh, in_specs=share,
+                           out_specs=Packed(share, share, share), axis_names=axes,
+                           check_vma=False)(visible)
+    return Packed(*_pack_with_xla(visible))
+  if jax.device_count() > 1:
+    # Under jit with Auto axes the mask may be sharded, and XLA's partitioner cannot split a
+    # Pallas call (it would gather the mask to every device): XLA's ops partition.
+    return Packed(*_pack_with_xla(visible))
+  return _pack_here(visible)
+
+
+def _pack_here(visible: jax.Array) -> Packed:
+  """`pack` of a mask wholly on this device: Triton kernels where lowered for a GPU."""
   return Packed(*lax.platform_dependent(visible, cuda=_pack_with_triton,
                                         default=_pack_with_xla))
 
