@@ -212,7 +212,7 @@ def _reduce_blocks(visible, real, block_q: int, block_k: int) -> jax.Array:
   """[..., rows, keys] booleans (and which entries are real) -> int8 [..., row blocks, key
   blocks]: `EMPTY` if no real entry is visible, `FULL` if every real one is, else `PARTIAL`."""
   real = jnp.broadcast_to(real, visible.shape)
-  return block_states(_count_blocks(jnp.logical_and(visible, real), block_q, block_k),
+  return _states(_count_blocks(jnp.logical_and(visible, real), block_q, block_k),
                  _count_blocks(real, block_q, block_k))
 
 
@@ -227,8 +227,7 @@ def _count_blocks(x, block_q: int, block_k: int) -> jax.Array:
   return jnp.sum(per_row, axis=-2, dtype=jnp.int32)
 
 
-def block_states(visible_count, real_count) -> jax.Array:
-  """A block table from each block's visible and real (inside T x S) entry counts."""
+def _states(visible_count, real_count) -> jax.Array:
   return jnp.where(visible_count == real_count, FULL,
                    jnp.where(visible_count > 0, PARTIAL, EMPTY)).astype(jnp.int8)
 
@@ -240,11 +239,16 @@ def classify_dense(mask: jax.Array, block: int = CLASSIFY_BLOCK) -> jax.Array:
   tp, sp = _round_up(t, block), _round_up(s, block)
   visible = mask != 0 if mask.dtype != jnp.bool_ else mask
   visible = jnp.pad(visible, [(0, 0), (0, 0), (0, tp - t), (0, sp - s)])
-  counts = _count_blocks(visible, block, block)
-  # Entries of each block inside T x S, from the block's position alone.
-  rows = jnp.minimum(t - jnp.arange(0, tp, block), block)[:, None]
-  keys = jnp.minimum(s - jnp.arange(0, sp, block), block)[None, :]
-  return block_states(counts, jnp.broadcast_to(rows * keys, counts.shape))
+  return table_of_counts(_count_blocks(visible, block, block), t, s, block)
+
+
+def table_of_counts(counts: jax.Array, t: int, s: int, block: int) -> jax.Array:
+  """The block table of a T x S dense mask from each ``block`` x ``block`` block's visible
+  entries, int32 [..., ceil(T / block), ceil(S / block)]: a block is full where every entry
+  inside T x S (known from its position alone) is visible."""
+  rows = jnp.minimum(t - jnp.arange(0, counts.shape[-2] * block, block), block)[:, None]
+  keys = jnp.minimum(s - jnp.arange(0, counts.shape[-1] * block, block), block)[None, :]
+  return _states(counts, jnp.broadcast_to(rows * keys, counts.shape))
 
 
 def classify_segments(q_segment_ids: jax.Array, kv_segment_ids: jax.Array,

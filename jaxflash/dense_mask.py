@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxflash import block_mask as block_mask_lib
 
-__all__ = ["Packed", "pack", "packed_keys", "packed_queries"]
+__all__ = ["Packed", "pack", "pack_local"]
 
 _BLOCK = block_mask_lib.CLASSIFY_BLOCK
 # A Triton program's tile of the mask: 2 x 2 blocks, 4 words of every row and of every column
@@ -45,20 +45,26 @@ _TILE_ROWS, _TILE_COLS = 2 * _BLOCK, 2 * _BLOCK
 class Packed(NamedTuple):
   """`pack`'s result (see the module docstring for the layouts)."""
 
-  by_keys: jax.Array  # int32 [B or 1, N or 1, ceil(S / 32), T]
-  by_queries: jax.Array  # int32 [B or 1, N or 1, ceil(T / 32), S]
+  by_keys: jax.Array | None  # int32 [B or 1, N or 1, ceil(S / 32), T] (None: see `pack`)
+  by_queries: jax.Array | None  # int32 [B or 1, N or 1, ceil(T / 32), S]
   table: jax.Array  # int8 [B or 1, N or 1, ceil(T / CLASSIFY_BLOCK), ceil(S / CLASSIFY_BLOCK)]
 
 
 def pack(mask: jax.Array) -> Packed:
   """The words and block table of a dense mask [B or 1, N or 1, T, S] (boolean, or nonzero =
   visible): on a GPU, the words along the keys and the table from one read of the mask, the
-  words along the queries from another (which jit drops where nothing reads them)."""
+  words along the queries from another (which jit drops where nothing reads them).
+
+  Where the mask may be split over devices in a way a kernel call here cannot follow (jit with
+  `Auto` axes on several devices, or `Explicit` axes that split T or S), only the table is
+  made (by XLA's ops, which partition) and the words are None: the Mosaic kernels' launchers,
+  which run on each device's share, pack what they read there (`pack_local`)."""
   visible = mask if mask.dtype == jnp.bool_ else mask != 0
   mesh = jax.sharding.get_abstract_mesh()
   types = () if mesh.empty else tuple(mesh.axis_types)
+  table_only = Packed(None, None, block_mask_lib.classify_dense(visible, _BLOCK))
   if types and all(t == AxisType.Manual for t in types):
-    return _pack_here(visible)  # (inside shard_map: this device's share)
+    return pack_local(visible)  # (inside shard_map: this device's share)
   if AxisType.Explicit in types:
     spec = jax.typeof(visible).sharding.spec
     spec = tuple(spec) + (None,) * (4 - len(spec))
@@ -66,38 +72,31 @@ def pack(mask: jax.Array) -> Packed:
       axes = frozenset(a for e in spec[:2] if e is not None
                        for a in ((e,) if isinstance(e, str) else e))
       share = P(*spec)
-      return jax.shard_map(_pack_here, mesh=mesh, in_specs=share,
+      return jax.shard_map(pack_local, mesh=mesh, in_specs=share,
                            out_specs=Packed(share, share, share), axis_names=axes,
                            check_vma=False)(visible)
-    return Packed(*_pack_with_xla(visible))
+    return table_only
   if jax.device_count() > 1:
     # Under jit with Auto axes the mask may be sharded, and XLA's partitioner cannot split a
-    # Pallas call (it would gather the mask to every device): XLA's ops partition.
-    return Packed(*_pack_with_xla(visible))
-  return _pack_here(visible)
+    # Pallas call (it would gather the mask to every device).
+    return table_only
+  return pack_local(visible)
 
 
-def _pack_here(visible: jax.Array) -> Packed:
-  """`pack` of a mask wholly on this device: Triton kernels where lowered for a GPU."""
+def pack_local(mask: jax.Array) -> Packed:
+  """`pack` of a mask wholly on this device (inside ``shard_map``, a partitioned kernel call,
+  or one device): Triton kernels where lowered for a GPU, XLA's ops elsewhere."""
+  visible = mask if mask.dtype == jnp.bool_ else mask != 0
   return Packed(*lax.platform_dependent(visible, cuda=_pack_with_triton,
                                         default=_pack_with_xla))
 
 
-def packed_keys(mask: jax.Array) -> jax.Array:
-  """`Packed.by_keys` of ``mask`` computed by XLA (bool or nonzero = visible)."""
-  visible = mask if mask.dtype == jnp.bool_ else mask != 0
-  return jnp.swapaxes(block_mask_lib.pack_bits(visible), 2, 3)
-
-
-def packed_queries(mask: jax.Array) -> jax.Array:
-  """`Packed.by_queries` of ``mask`` computed by XLA (bool or nonzero = visible)."""
-  visible = mask if mask.dtype == jnp.bool_ else mask != 0
-  return jnp.swapaxes(block_mask_lib.pack_bits(jnp.swapaxes(visible, 2, 3)), 2, 3)
-
-
 def _pack_with_xla(visible: jax.Array):
-  return (packed_keys(visible), packed_queries(visible),
-          block_mask_lib.classify_dense(visible, _BLOCK))
+  """`pack` by XLA's ops: bits shifted and summed along the keys, and (transposed first) along
+  the queries."""
+  by_queries = block_mask_lib.pack_bits(jnp.swapaxes(visible, 2, 3))
+  return (jnp.swapaxes(block_mask_lib.pack_bits(visible), 2, 3),
+          jnp.swapaxes(by_queries, 2, 3), block_mask_lib.classify_dense(visible, _BLOCK))
 
 
 def _byte_weights(entries: int) -> jax.Array:
@@ -145,9 +144,7 @@ def _pack_with_triton(visible: jax.Array, *, interpret: bool = False):
       out_shape=jax.ShapeDtypeStruct((bm * nm, query_words, s), jnp.int32),
       compiler_params=params, interpret=interpret, name="jaxflash_pack_mask_queries",
   )(flat, _byte_weights(rows))
-  rows = jnp.minimum(t - jnp.arange(0, row_blocks * _BLOCK, _BLOCK), _BLOCK)[:, None]
-  keys = jnp.minimum(s - jnp.arange(0, col_blocks * _BLOCK, _BLOCK), _BLOCK)[None, :]
-  table = block_mask_lib.block_states(counts, jnp.broadcast_to(rows * keys, counts.shape))
+  table = block_mask_lib.table_of_counts(counts, t, s, _BLOCK)
   return (by_keys.reshape(bm, nm, key_words, t), by_queries.reshape(bm, nm, query_words, s),
           table.reshape(bm, nm, row_blocks, col_blocks))
 

@@ -152,13 +152,13 @@ def test_dense_and_segment_tables():
 @pytest.mark.parametrize("shape", [(2, 1, 100, 130), (1, 3, 64, 256), (1, 1, 1, 300),
                                    (1, 2, 257, 33)])
 def test_dense_mask_packed_both_ways(shape):
-  """`dense_mask.pack`: its words' bits are the entries, along the keys and along the queries,
-  and its table is the mask's; the GPU's Triton kernel (interpreted here) gives the same as
-  XLA's ops, edge tiles and bit 31 included."""
+  """`dense_mask.pack_local`: its words' bits are the entries, along the keys and along the
+  queries, and its table is the mask's; the GPU's Triton kernels (interpreted here) give the
+  same as XLA's ops, edge tiles and bit 31 included."""
   mask = np.array(jax.random.bernoulli(jax.random.key(3), 0.6, shape))
   mask[..., : shape[2] // 3, :] = True  # full blocks
   mask[..., shape[2] // 2:, : shape[3] // 2] = False  # empty ones
-  packed = dense_mask.pack(jnp.asarray(mask))
+  packed = dense_mask.pack_local(jnp.asarray(mask))
   q, k = np.arange(shape[2])[:, None], np.arange(shape[3])[None, :]
   words = np.asarray(packed.by_keys).view(np.uint32)
   np.testing.assert_array_equal((words[:, :, k // 32, q] >> (k % 32)) & 1, mask)

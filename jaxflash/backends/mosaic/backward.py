@@ -575,7 +575,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   if extras.mask is not None:
     words = inputs.mask_words_t
     if words is None:
-      words = dense_mask.pack(inputs.mask).by_queries
+      words = dense_mask.pack_local(inputs.mask).by_queries
     keys, rows = extras.mask.shape[2] * 32, extras.mask.shape[3]  # (the forward words' padding)
     extras = extras._replace(mask=fwd._pad_to(words, words.shape[:2] + (rows // 32, keys)))
   want_dk, want_dq = "dk" in grads, "dq" in grads

@@ -948,7 +948,7 @@ def _extras(inputs: Inputs, rows: int, keys: int) -> _Extras:
   if mask is not None:
     words = inputs.mask_words
     if words is None:
-      words = dense_mask.pack(mask).by_keys
+      words = dense_mask.pack_local(mask).by_keys
     mask = _pad_to(words, words.shape[:2] + (keys // 32, rows))
   if bias is not None:
     bias = _pad_to(bias, bias.shape[:2] + (rows, keys))
