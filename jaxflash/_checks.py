@@ -100,7 +100,7 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       mask_consts=mask_consts, sinks=sinks, score_q_features=score_features[0],
       score_kv_features=score_features[1], score_kv_scalars=score_features[2],
       score_consts=score_consts,
-      score_tables=score_tables, q_descale=descales[0], k_descale=descales[1],
+      score_tables=score_tables, score_bands=score_features[3], q_descale=descales[0], k_descale=descales[1],
       v_descale=descales[2])
   params = Params(scale=scale, window=window, logits_soft_cap=logits_soft_cap,
                   dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
@@ -357,19 +357,22 @@ def _check_lengths(lengths, name: str, batch: int, unbatched: bool) -> jax.Array
 
 
 def _check_score_mod(score_mod, b: int, n: int, t: int, s: int):
-  """``(rule, (row features, column features, column scalars), consts, tables)`` of a score_mod
-  (all None without one): the split (`jaxflash.mask_mod.split_score`, which checks it), its
-  features for every (batch row, head, position) and the scalars of its computed columns
-  (`Split.col_scalars`), the arrays it closes over where only the XLA backend's evaluation of
-  the whole function can run it, and else the arrays its lookups read."""
+  """``(rule, (row features, column features, column scalars, bands), consts, tables)`` of a
+  score_mod (all None without one): the split (`jaxflash.mask_mod.split_score`, which checks
+  it), its features for every (batch row, head, position), the scalars of its computed columns
+  (`Split.col_scalars`) and its lookups' values on every diagonal where they read through
+  ``q_idx - kv_idx`` alone (`Split.band_values`), the arrays it closes over where only the XLA
+  backend's evaluation of the whole function can run it, and else the arrays its lookups
+  read."""
   if score_mod is None:
-    return None, (None, None, None), None, None
+    return None, (None,) * 4, None, None
   rule = mask_mod_lib.split_score(score_mod)
   if rule.kernel_reason is not None:
-    return rule, (None, None, None), tuple(rule.closed.consts), None
+    return rule, (None,) * 4, tuple(rule.closed.consts), None
   features = (rule.features(rule.row_vars, b, n, t, mask_mod_lib.Q),
               rule.features(rule.col_vars, b, n, s, mask_mod_lib.KV),
-              rule.features(rule.col_scalars, b, n, 1, mask_mod_lib.KV))
+              rule.features(rule.col_scalars, b, n, 1, mask_mod_lib.KV),
+              rule.band_values(b, n, t, s))
   return rule, features, None, (rule.table_arrays() if rule.lookups else None)
 
 

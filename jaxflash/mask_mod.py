@@ -98,11 +98,77 @@ class Split:
 
   @property
   def lookup_reason(self) -> str | None:
-    """Why kernels without a gather from memory cannot run the rule, or None."""
-    if not self.lookups:
+    """Why kernels without a gather from memory cannot run the rule, or None: they can where
+    every lookup reads its array at indices of the query and key through ``q_idx - kv_idx``
+    alone (`diagonal_lookups`), from a band of values made outside them (`band_values`)."""
+    if not self.lookups or self.diagonal_lookups:
       return None
-    return ("its score_mod reads a captured array at indices of both the query and the key (a "
-            "gather), which these kernels cannot (the Triton and XLA backends can)")
+    return ("its score_mod reads a captured array at indices of both the query and the key "
+            "other than through q_idx - kv_idx (a gather), which these kernels cannot (the "
+            "Triton and XLA backends can)")
+
+  @functools.cached_property
+  def diagonal_lookups(self) -> bool:
+    """Whether every lookup's indices depend on the query and key indices through ``q_idx -
+    kv_idx`` alone (a relative-position table, T5's buckets of the distance): then a lookup's
+    value is one per (batch row, head, diagonal), and a tile's values are a band of them."""
+    if not self.lookups:
+      return False
+    jaxpr = self.closed.jaxpr
+    start = {v: _NEITHER for v in jaxpr.constvars}
+    start.update(zip(self.index_vars, (_NEITHER, _NEITHER, (_ONE, _ZERO), (_ZERO, _ONE))))
+    tags = _diagonal_tags(jaxpr, start)
+    return all(_on_diagonal(_tag_of(tags, v)) for eqn in self.lookups for v in eqn.invars[1:])
+
+  @property
+  def band_dtypes(self) -> tuple:
+    """The dtypes of the lookups' values."""
+    return tuple(eqn.outvars[0].aval.dtype for eqn in self.lookups)
+
+  def band_values(self, batch: int, heads: int, t: int, s: int) -> jax.Array | None:
+    """The lookups' values on every diagonal, int32 [F, B or 1, N or 1, T + S] (`to_int32`):
+    entry ``i`` is the value where ``q_idx - kv_idx = i - S``; None unless the lookups are
+    `diagonal_lookups`. Each is evaluated at ``q_idx = i - S, kv_idx = 0``, which gives the
+    value of every (query, key) pair on that diagonal."""
+    if not self.diagonal_lookups:
+      return None
+    wanted = [eqn.outvars[0] for eqn in self.lookups]
+    deps = set().union(*(self.deps[v] for eqn in self.lookups for v in eqn.invars[1:]
+                         if isinstance(v, jcore.Var)))
+    b_axis = jnp.arange(batch, dtype=jnp.int32) if BATCH in deps else jnp.zeros(1, jnp.int32)
+    h_axis = jnp.arange(heads, dtype=jnp.int32) if HEAD in deps else jnp.zeros(1, jnp.int32)
+    diagonals = jnp.arange(-s, t, dtype=jnp.int32)
+
+    def at(b, h, d):
+      values = self._evaluate({BATCH: b, HEAD: h, Q: d, KV: jnp.int32(0)}, wanted)
+      return jnp.stack([to_int32(jnp.reshape(x, ())) for x in values])
+
+    per_diagonal = jax.vmap(at, in_axes=(None, None, 0), out_axes=-1)
+    per_head = jax.vmap(per_diagonal, in_axes=(None, 0, None), out_axes=-2)
+    return jax.vmap(per_head, in_axes=(0, None, None), out_axes=-3)(b_axis, h_axis, diagonals)
+
+  @functools.cached_property
+  def _banded(self) -> tuple[dict, tuple]:
+    """``(band variables, equations)`` of the tile rule when the lookups' values come as band
+    tiles: each lookup's result, and its reshapes to a scalar, mapped to the lookup's place;
+    and the tile equations still to run (not the lookups, their reshapes, nor what computes
+    their indices alone)."""
+    place = {eqn.outvars[0]: i for i, eqn in enumerate(self.lookups)}
+    for eqn in self.tile_eqns:  # (the (1, 1) entry a lookup reads, squeezed: the same value)
+      if (eqn.primitive.name in _SCALAR_SHAPE_OPS and isinstance(eqn.invars[0], jcore.Var)
+          and eqn.invars[0] in place):
+        place[eqn.outvars[0]] = place[eqn.invars[0]]
+    jaxpr = self.closed.jaxpr
+    needed = _needed(jaxpr, jaxpr.outvars, known=set(place))
+    eqns = tuple(eqn for eqn in self.tile_eqns if eqn.outvars[0] not in place
+                 and any(v in needed for v in eqn.outvars))
+    return place, eqns
+
+  def banded_reads(self, var) -> bool:
+    """Whether the tile rule, given its lookups as band tiles, reads ``var`` (a row or column
+    feature): a kernel loads or computes only those."""
+    place, eqns = self._banded
+    return var is self.closed.jaxpr.outvars[0] or any(var in eqn.invars for eqn in eqns)
 
   def table_arrays(self, consts=None) -> tuple:
     """The captured arrays the lookups read, flattened (``consts``: the jaxpr's, by default)."""
@@ -247,11 +313,11 @@ class Split:
 
   # --- The tile rule, inside a kernel ------------------------------------------------------
 
-  def reads(self, index: str) -> bool:
-    """Whether the tile rule reads the index ``index`` (`Q` or `KV`) itself: a kernel builds
-    an index tile only then."""
+  def reads(self, index: str, banded: bool = False) -> bool:
+    """Whether the tile rule reads the index ``index`` (`Q` or `KV`) itself (``banded``: with
+    its lookups as band tiles, `tile`'s ``bands``): a kernel builds an index tile only then."""
     var = self.index_vars[INDICES.index(index)]
-    return any(var in eqn.invars for eqn in self.tile_eqns)
+    return any(var in eqn.invars for eqn in (self._banded[1] if banded else self.tile_eqns))
 
   def tile_fn(self, shape, q_idx, kv_idx, rows: list, cols: list, lookup=None):
     """A score_mod's rule on one ``shape`` tile as a function of the tile's scores (arguments as
@@ -285,15 +351,20 @@ class Split:
       return jnp.broadcast_to(jnp.asarray(value, jnp.float32), shape)
     return fn
 
-  def tile(self, shape, q_idx, kv_idx, rows: list, cols: list, score=None):
+  def tile(self, shape, q_idx, kv_idx, rows: list, cols: list, score=None, bands=None):
     """The mask of one ``shape`` tile (a score_mod's new scores, given the tile's ``score``):
     ``q_idx`` and ``kv_idx`` give the tile's query and key indices (int32 tiles, or functions
     that make them: called only if the rule reads them, since a kernel must not build a tile
     nothing reads), ``rows`` and ``cols`` its row and column features in their own dtypes
-    (`from_int32`) broadcast to the tile. The tile rule runs vectorised over the tile's
+    (`from_int32`) broadcast to the tile (None for those the rule does not read). ``bands``:
+    the lookups' values on the tile in their own dtypes (`band_values`, one tile per lookup),
+    for a rule with `diagonal_lookups`. The tile rule runs vectorised over the tile's
     entries."""
     jaxpr = self.closed.jaxpr
     out = jaxpr.outvars[0]
+    place, eqns = self._banded if bands is not None else ({}, self.tile_eqns)
+    if out in place:  # the looked-up value itself
+      return bands[place[out]].astype(jnp.float32)
     if out in self.row_vars or out in self.col_vars:  # a result of one index only
       values = rows if out in self.row_vars else cols
       keys = self.row_vars if out in self.row_vars else self.col_vars
@@ -303,13 +374,16 @@ class Split:
       return jnp.full(shape, out.val, jnp.float32 if self.takes_score else bool)
     if self.takes_score and out is jaxpr.invars[0]:  # the score itself
       return score
-    read = {v for eqn in self.tile_eqns for v in eqn.invars if isinstance(v, jcore.Var)}
+    read = {v for eqn in eqns for v in eqn.invars if isinstance(v, jcore.Var)}
     tiles = tuple(self.index_vars[2:]) + ((jaxpr.invars[0],) if self.takes_score else ())
     indices = [(var, idx) for var, idx in zip(tiles, (q_idx, kv_idx, score)) if var in read]
+    given = [(var, x) for var, x in zip(self.row_vars + self.col_vars, (*rows, *cols))
+             if var in read]
+    given += [(var, bands[i]) for var, i in place.items() if var in read]
 
     def entry(*values):
-      env = dict(zip([var for var, _ in indices] + list(self.row_vars + self.col_vars), values))
-      for eqn in self.tile_eqns:
+      env = dict(zip([var for var, _ in indices + given], values))
+      for eqn in eqns:
         _run(eqn, env)
       return _read(env, out)
 
@@ -318,7 +392,7 @@ class Split:
     for _ in shape:
       vectorised = jax.vmap(vectorised)
     made = [idx() if callable(idx) else idx for _, idx in indices]
-    return vectorised(*(jnp.broadcast_to(x, shape) for x in (*made, *rows, *cols)))
+    return vectorised(*(jnp.broadcast_to(x, shape) for x in (*made, *(x for _, x in given))))
 
   def reference(self, batch, head, q_idx, kv_idx, consts=None, score=None):
     """The whole function on broadcasting index arrays (and a score_mod's ``score``), evaluated
@@ -647,8 +721,9 @@ def _kernel_reason(eqn) -> str | None:
   return f"'{name}'"
 
 
-def _needed(jaxpr, wanted) -> set:
-  """The variables that the values of ``wanted`` are computed from (``wanted`` included)."""
+def _needed(jaxpr, wanted, known=frozenset()) -> set:
+  """The variables that the values of ``wanted`` are computed from (``wanted`` included), not
+  looking past those in ``known`` (values given otherwise)."""
   producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
   needed, stack = set(), [v for v in wanted if isinstance(v, jcore.Var)]
   while stack:
@@ -656,10 +731,90 @@ def _needed(jaxpr, wanted) -> set:
     if v in needed:
       continue
     needed.add(v)
-    eqn = producer.get(v)
+    eqn = None if v in known else producer.get(v)
     if eqn is not None:
       stack.extend(x for x in eqn.invars if isinstance(x, jcore.Var))
   return needed
+
+
+# How a value depends on the query and key indices, for `Split.diagonal_lookups`: ``(a, b)``
+# for ``a * q_idx + b * kv_idx + c`` with c of neither index and coefficients that are sums of
+# integers times products of values of neither index (`_Coefficient`: ``_separated`` turns
+# ``x * (q_idx - kv_idx)`` into ``x * q_idx - x * kv_idx``); `_DIAGONAL` for another function of
+# ``q_idx - kv_idx`` (and of neither index); None for anything else.
+_DIAGONAL = "diagonal"
+
+
+class _Coefficient(dict):
+  """``{product of factors (a sorted tuple of their ids): integer}``; empty for zero."""
+
+  def plus(self, other: _Coefficient, sign: int = 1) -> _Coefficient:
+    out = _Coefficient(self)
+    for term, n in other.items():
+      out[term] = out.get(term, 0) + sign * n
+      if out[term] == 0:
+        del out[term]
+    return out
+
+  def times(self, n: int = 1, factor=None) -> _Coefficient:
+    extra = () if factor is None else (id(factor),)
+    return _Coefficient({tuple(sorted(term + extra)): m * n for term, m in self.items() if n})
+
+
+_ZERO, _ONE = _Coefficient(), _Coefficient({(): 1})
+_NEITHER = (_ZERO, _ZERO)
+
+
+def _on_diagonal(tag) -> bool:
+  """Whether a value of this tag is a function of ``q_idx - kv_idx`` (and of neither index)."""
+  return tag == _DIAGONAL or (isinstance(tag, tuple) and not tag[0].plus(tag[1]))
+
+
+def _tag_of(tags: dict, v):
+  return _NEITHER if isinstance(v, jcore.Literal) else tags.get(v)
+
+
+def _diagonal_tags(jaxpr, tags: dict) -> dict:
+  """Every variable's tag (see `_DIAGONAL`), from those of the inputs in ``tags``; calls are
+  looked into."""
+  tags = dict(tags)
+  for eqn in jaxpr.eqns:
+    args = [_tag_of(tags, v) for v in eqn.invars]
+    if eqn.primitive.name in _CALLS:
+      sub = next(iter(jcore.jaxprs_in_params(eqn.params)))
+      inner = {v: _NEITHER for v in sub.constvars}
+      inner.update(zip(sub.invars, args[-len(sub.invars):]))
+      inner = _diagonal_tags(sub, inner)
+      tags.update(zip(eqn.outvars, (_tag_of(inner, w) for w in sub.outvars)))
+      continue
+    tags.update((v, _affine_tag(eqn, args)) for v in eqn.outvars)
+  return tags
+
+
+def _affine_tag(eqn, args: list):
+  """The tag of an equation's result from its operands' tags."""
+  name = eqn.primitive.name
+  if all(isinstance(t, tuple) for t in args):
+    if name in ("add", "sub"):
+      sign = 1 if name == "add" else -1
+      return (args[0][0].plus(args[1][0], sign), args[0][1].plus(args[1][1], sign))
+    if name == "neg":
+      return (args[0][0].times(-1), args[0][1].times(-1))
+    if name in ("convert_element_type", "copy", "copy_p") or name in _SCALAR_SHAPE_OPS:
+      return args[0]
+    if name == "mul":  # by an integer literal or by a value of neither index: still affine
+      for i, v in enumerate(eqn.invars):
+        other = args[1 - i]
+        value = v.val if isinstance(v, jcore.Literal) else None
+        if value is not None and jnp.ndim(value) == 0 and float(value).is_integer():
+          return (other[0].times(int(value)), other[1].times(int(value)))
+        if value is None and args[i] == _NEITHER:
+          return (other[0].times(factor=v), other[1].times(factor=v))
+  if all(t == _NEITHER for t in args):
+    return _NEITHER
+  if all(_on_diagonal(t) for t in args):  # any function of diagonal values is one too
+    return _DIAGONAL
+  return None
 
 
 def _is_small_scalar(v) -> bool:

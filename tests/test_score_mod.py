@@ -4,8 +4,8 @@ calls the same function on the dense logits; outputs and the gradients of query,
 
 The rules: ALiBi (a per-head slope times the distance: a row feature and index arithmetic,
 which kernels can evaluate per tile), a tanh gate (elementwise on the score), a relative-position
-table read with both indices (a gather: only the XLA backend's whole-function evaluation runs
-it), and a score_mod of one index only. Every one combines with the causal band, lengths, GQA,
+table read with both indices (a lookup: the Triton kernels gather it, the Mosaic kernels read a
+band of its values per diagonal), and a score_mod of one index only. Every one combines with the causal band, lengths, GQA,
 a soft cap, a bias, a mask_mod and sinks.
 """
 
@@ -89,14 +89,45 @@ def test_under_jit_and_vmap_with_traced_arrays():
   assert rel_err(got, want) < F32_TOLERANCE
 
 
+# Lookups through q_idx - kv_idx alone, at the Mosaic tests' T = 70, S = 133: a table per head
+# and diagonal, and T5's buckets of the distance (a log, a floor and a clamp before the lookup).
+RELATIVE = random_array(19, (2, 70 + 133), "float")
+BUCKETS = random_array(20, (3, 2, 16), "float")
+
+
+def _t5_bucket(distance):
+  far = 8 + (jnp.log(jnp.maximum(distance, 1) / 8.0) / jnp.log(8.0) * 8).astype(jnp.int32)
+  return jnp.where(distance < 8, distance, jnp.minimum(far, 15))
+
+
+MOSAIC_RULES = {
+    **RULES,
+    "relative_table": lambda score, b, h, i, j: score + RELATIVE[h, i - j + 133],
+    "t5_buckets": lambda score, b, h, i, j: 2.0 * jnp.tanh(score / 2.0) + BUCKETS[
+        b + 1, h, _t5_bucket(jnp.abs(j - i))],
+}
+
+
 # (ALiBi on a CPU: test_kernels_with_every_other_option runs it with every other option.)
-@pytest.mark.parametrize("rule", (pytest.param("alibi", marks=pytest.mark.gpu), "tanh_gate"))
+@pytest.mark.parametrize("rule", (pytest.param("alibi", marks=pytest.mark.gpu), "tanh_gate",
+                                  "relative_table", "t5_buckets"))
 def test_mosaic_kernels(rule):
   """The Mosaic forward and backward run the tile rule (in Mosaic GPU's interpreter on a CPU),
-  the backward with its derivative on its transposed dK/dV tiles and its dQ tiles."""
+  the backward with its derivative on its transposed dK/dV tiles and its dQ tiles; lookups
+  through ``q_idx - kv_idx`` come from their bands in both orientations."""
   check("mosaic", b=2, t=70, s=133, n=2, k=1, h=64, dtype=jnp.bfloat16,
-        score_mod=lambda *_: RULES[rule], is_causal=True,
+        score_mod=lambda *_: MOSAIC_RULES[rule], is_causal=True,
         key_value_seq_lengths=jnp.array([133, 50]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", ("relative_table", "t5_buckets"))
+def test_mosaic_lookups_on_long_shapes(rule):
+  """Bands past one tile's worth of diagonals, GQA, a window and lengths, head dim 96."""
+  check("mosaic", b=2, t=700, s=1333, n=4, k=2, h=96, dtype=jnp.bfloat16,
+        score_mod=lambda *_: lambda score, b, h, i, j: score + RELATIVE[h % 2, jnp.clip(
+            i - j, -133, 69) + 133] if rule == "relative_table" else MOSAIC_RULES[rule],
+        local_window_size=(300, 40), key_value_seq_lengths=jnp.array([1333, 900]))
 
 
 # Rows 0, 5, 10, ... get -inf, the others a term per head (a row term the Mosaic kernels leave
@@ -157,13 +188,13 @@ def test_mosaic_kernels_under_x64():
           score_mod=lambda *_: _x64_alibi(), is_causal=True)
 
 
-@pytest.mark.parametrize("rule", ("alibi", "tanh_gate"))
+@pytest.mark.parametrize("rule", ("alibi", "tanh_gate", "relative_table", "t5_buckets"))
 def test_mosaic_kernels_lower_for_cuda(rule, cuda_plugin):
   q = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
 
   def loss(q, k, v):
-    out = jaxflash.flash_attention(q, k, v, score_mod=RULES[rule], is_causal=True,
+    out = jaxflash.flash_attention(q, k, v, score_mod=MOSAIC_RULES[rule], is_causal=True,
                                    implementation="mosaic")
     return jnp.sum(out.astype(jnp.float32))
 
@@ -180,11 +211,17 @@ def test_who_serves_it():
       q, kv, kv, score_mod=RULES[rule], interpret=True, **kw)
   assert which("alibi", implementation="triton") == "triton"
   assert which("alibi", implementation="mosaic") == "mosaic"
-  # A lookup in a captured table: Triton gathers it, Mosaic GPU cannot.
+  # A lookup in a captured table: Triton gathers it; Mosaic GPU cannot gather, but reads a
+  # lookup through q_idx - kv_idx from its band. Other lookups it declines.
   assert mask_mod_lib.split_score(RULES["relative_table"]).lookups
   assert which("relative_table", implementation="triton") == "triton"
+  assert which("relative_table", implementation="mosaic") == "mosaic"
+  both = lambda score, b, h, i, j: score + TABLE[h, (i + j) % 90]  # noqa: E731
   with pytest.raises(ValueError, match="gather"):
-    which("relative_table", implementation="mosaic")
+    jaxflash.implementation_for(q, kv, kv, score_mod=both, implementation="mosaic",
+                                interpret=True)
+  assert jaxflash.implementation_for(q, kv, kv, score_mod=both, implementation="triton",
+                                     interpret=True) == "triton"
   # A table indexed by a value of the score itself is no lookup of indices: XLA only.
   by_score = lambda score, b, h, i, j: score + TABLE[h, jnp.int32(score) % 8]  # noqa: E731
   with pytest.raises(ValueError, match="cannot evaluate per tile"):
@@ -202,9 +239,41 @@ def test_the_split_sees_features_and_lookups():
   assert not alibi.reads(mask_mod_lib.Q) and not alibi.reads(mask_mod_lib.KV)
   table = mask_mod_lib.split_score(RULES["relative_table"])
   assert table.kernel_reason is None and len(table.lookups) == 1
-  assert "gather" in table.lookup_reason
+  assert table.diagonal_lookups and table.lookup_reason is None
   (flat,) = table.table_arrays()
   assert flat.shape == (TABLE.size,)
+
+
+@pytest.mark.parametrize("index,diagonal", [
+    (lambda h, i, j: (h, i - j + 53), True),
+    (lambda h, i, j: (h, 89 - (j - i + 36)), True),
+    (lambda h, i, j: (h, 3 * (i - j) // 2 + 60), True),  # (a function of i - j, then anything)
+    (lambda h, i, j: (h, jnp.clip(i - j, -20, 20) + 40), True),
+    (lambda h, i, j: (h, _t5_bucket(jnp.abs(j - i))), True),
+    (lambda h, i, j: (h, (i - j) * (h + 1) // 3 + 45), True),  # (a factor of the head)
+    (lambda h, i, j: (h, (SLOPES[h] * (i - j)).astype(jnp.int32) + 45), True),
+    (lambda h, i, j: (h, (i + j) % 90), False),
+    (lambda h, i, j: (h, (i - 2 * j) % 90), False),
+    (lambda h, i, j: (h, i // 16 - j // 16 + 45), False),  # (blocks: not one per diagonal)
+    (lambda h, i, j: ((i - j) % 4, j % 90), False),
+])
+def test_the_split_finds_diagonal_lookups(index, diagonal):
+  """A lookup whose indices depend on the query and key through ``q_idx - kv_idx`` alone is
+  diagonal, and its band of values equals the function on every (query, key) pair."""
+  rule = lambda score, b, h, i, j: score + TABLE[index(h, i, j)]  # noqa: E731
+  split = mask_mod_lib.split_score(rule)
+  assert split.diagonal_lookups == diagonal
+  assert (split.lookup_reason is None) == diagonal
+  if not diagonal:
+    assert split.band_values(B, N, T, S) is None
+    return
+  bands = split.band_values(B, N, T, S)  # [1, 1 | B, 1 | N, T + S]
+  i, j = jnp.arange(T)[:, None], jnp.arange(S)[None, :]
+  for h in (0, N - 1):
+    want = TABLE[index(h, i, j)]
+    got = mask_mod_lib.from_int32(bands[0, 0, min(h, bands.shape[2] - 1)][i - j + S],
+                                  jnp.float32)
+    assert float(jnp.max(jnp.abs(got - want))) == 0.0
 
 
 def test_the_split_finds_a_row_term():

@@ -461,7 +461,7 @@ def _operands(inputs: Inputs):
 # Tuples of arrays, one operand each, whole on every device.
 _CONSTS = ("mask_consts", "score_consts", "score_tables")
 _FEATURES = ("q_features", "kv_features", "score_q_features", "score_kv_features",
-             "score_kv_scalars")
+             "score_kv_scalars", "score_bands")
 
 
 def _inputs(names, arrays, origin, **absent) -> Inputs:

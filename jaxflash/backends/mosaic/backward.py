@@ -279,7 +279,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       # The score_mod on the transposed [keys, rows] tile (None without one).
       score = fwd.score_of(params, extras, batch, head, shape, lambda: _cols(q_cols(), shape),
                            k_idx, rows, keys, lambda x: _cols(x, shape),
-                           lambda x: fwd._rows(x, shape), _COLS, _ROWS)
+                           lambda x: fwd._rows(x, shape), _COLS, _ROWS, transposed=True)
 
       def probabilities(s):  # Pᵀ (while dPᵀ is in flight)
         lse2 = _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape)
@@ -572,6 +572,9 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   # kernel's tiles are [keys, queries].
   extras = fwd.with_lists(extras, inputs, params, block_q, keys_per_cta, transpose=True)
   extras = fwd.with_order(extras, inputs, groups)
+  if inputs.score_bands is not None:
+    extras = extras._replace(score_band=fwd.expand_band(
+        inputs.score_bands, inputs.query.shape[1], block_q, transposed=True))
   if extras.mask is not None:
     words = inputs.mask_words_t
     if words is None:
@@ -876,6 +879,9 @@ def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Bac
   schedule = Schedule(params.window, rows_per_cta, block_kv, extras.q_segment_ids is not None)
   extras = fwd.with_order(fwd.with_lists(extras, inputs, params, rows_per_cta, block_kv),
                           inputs)
+  if inputs.score_bands is not None:
+    extras = extras._replace(score_band=fwd.expand_band(
+        inputs.score_bands, inputs.query.shape[1], block_kv, transposed=False))
   tile = functools.partial(fwd._smem_tile, swizzle=_swizzle(block_kv))
   scratch = (
       tile((_CONSUMERS, _KEYS, hp), q.dtype),  # Q, then dQ on the way out

@@ -145,6 +145,9 @@ class _Extras(NamedTuple):
   score_q_features: jax.Array | None = None
   score_kv_features: jax.Array | None = None
   score_kv_scalars: jax.Array | None = None  # (`Inputs.score_kv_scalars`)
+  # A score_mod's lookups on this kernel's tiles (`expand_band`), int32 [F, B or 1, N or 1,
+  # 2 * base, tile columns]: a tile's values are one slice of rows (`band_tiles`).
+  score_band: jax.Array | None = None
   # A score_mod's row term, left out of the logits and added to the LSE (`without_row_term`),
   # in base-2 units: float32 [B or 1, N or 1, rows].
   score_row_term: jax.Array | None = None
@@ -160,29 +163,68 @@ def _iota(shape, dim: int):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def feature_tiles(ref, batch, head, index, layout, broadcast, dtypes, made=()) -> list:
+def feature_tiles(ref, batch, head, index, layout, broadcast, dtypes, made=(),
+                  wanted=None) -> list:
   """A mask_mod's features ([F, B or 1, N or 1, L] int32) at ``index`` (rows or keys of a
   tile), loaded in ``layout``, broadcast to the tile by ``broadcast`` and cast back to
   ``dtypes`` (`jaxflash.mask_mod.from_int32`); the f-th is ``made[f]`` instead (a vector in
-  ``layout`` and its own dtype) where that is not None."""
+  ``layout`` and its own dtype) where that is not None, and None where ``wanted[f]`` is False
+  (Mosaic GPU infers no layout for a vector nothing reads)."""
   if not dtypes:
     return []
   b = batch if ref.shape[1] > 1 else 0
   h = head if ref.shape[2] > 1 else 0
   made = tuple(made) + (None,) * (len(dtypes) - len(made))
-  return [broadcast(x) if x is not None else
+  wanted = (True,) * len(dtypes) if wanted is None else wanted
+  return [None if not want else broadcast(x) if x is not None else
           mask_mod_lib.from_int32(broadcast(plgpu.load(ref.at[f, b, h, index], layout=layout,
                                                        optimized=False)), dtype)
-          for f, (dtype, x) in enumerate(zip(dtypes, made))]
+          for f, (dtype, x, want) in enumerate(zip(dtypes, made, wanted))]
 
 
-def computed_columns(rule, scalars, batch, head, keys, layout) -> list:
+def expand_band(values: jax.Array, t: int, width: int, transposed: bool) -> jax.Array:
+  """A score_mod's lookups on every diagonal (`Inputs.score_bands`, [F, B or 1, N or 1, T + S],
+  entry ``i`` at ``q_idx - kv_idx = i - S``) laid out so that a kernel's tile of them is one
+  slice of rows (`band_tiles`; Mosaic GPU has no gather): int32 [F, B or 1, N or 1, 2 * base,
+  width], row ``m`` column ``c`` holding diagonal ``m - base - c`` for [query, key] tiles of
+  ``width`` keys, or ``c + base - m`` for ``transposed`` [key, query] tiles of ``width``
+  queries. ``base`` exceeds every padded length, so every tile's rows lie inside; diagonals
+  past the call's (padding entries, never visible) take the nearest value."""
+  s = values.shape[-1] - t
+  base = band_base(t, s)
+  m = jnp.arange(2 * base, dtype=jnp.int32)[:, None]
+  c = jnp.arange(width, dtype=jnp.int32)[None, :]
+  diagonal = c + base - m if transposed else m - base - c
+  return values[..., jnp.clip(diagonal + s, 0, t + s - 1)]
+
+
+def band_base(t: int, s: int) -> int:
+  """`expand_band`'s row of diagonal 0 (a tile's first column): past every padded length."""
+  return _round_up(max(t, s), 512) + 512
+
+
+def band_tiles(ref, batch, head, rows, keys, transposed: bool, dtypes) -> list:
+  """A score_mod's lookups on one tile, in the wgmma layout and their own dtypes: from
+  `expand_band`'s ``ref``, the tile of query rows ``rows`` and keys ``keys`` (`pl.ds`), a
+  [key, query] tile where ``transposed``."""
+  b = batch if ref.shape[1] > 1 else 0
+  h = head if ref.shape[2] > 1 else 0
+  first, across = (keys, rows) if transposed else (rows, keys)
+  start = first.start - across.start + ref.shape[3] // 2
+  return [mask_mod_lib.from_int32(plgpu.load(
+      ref.at[f, b, h, pl.ds(start, first.size), pl.ds(0, across.size)],
+      layout=plgpu.Layout.WGMMA, optimized=False), dtype) for f, dtype in enumerate(dtypes)]
+
+
+def computed_columns(rule, scalars, batch, head, keys, layout, banded: bool = False) -> list:
   """The column features of ``rule`` that the kernel computes from its key indices
   (`jaxflash.mask_mod.Split.computed_cols`: a value per key it holds, no load from memory), as
   vectors over ``keys`` (a `pl.ds`) in ``layout``, each in the place of its feature; None for
   those to load. ``scalars`` are the batch row's and head's values they read (int32 [F, B or 1,
-  N or 1, 1], or None)."""
-  if not rule.computed_cols:
+  N or 1, 1], or None). ``banded``: the rule takes its lookups as band tiles, and only the
+  columns it then reads are wanted."""
+  if not rule.computed_cols or (banded and not any(map(rule.banded_reads,
+                                                       rule.computed_cols))):
     return []
   kv = keys.start + plgpu.broadcasted_iota(jnp.int32, (keys.size,), 0, layout=layout)
   values = []
@@ -220,41 +262,52 @@ def _rule_tile(rule, q_features, kv_features, batch, head, shape, q_idx, kv_idx,
 
 
 def score_of(params: Params, extras: _Extras, batch, head, shape, q_idx, kv_idx, rows, keys,
-             broadcast_rows, broadcast_keys, row_layout, key_layout):
-  """The score_mod of a ``shape`` tile as a function of its scores (arguments as `rule_mask`),
-  or None without one. Its features and index tiles are loaded and built here, outside the
-  function: the backward differentiates it (`jax.jvp`), and Mosaic GPU's loads have no
-  derivative."""
+             broadcast_rows, broadcast_keys, row_layout, key_layout, transposed: bool = False):
+  """The score_mod of a ``shape`` tile as a function of its scores (arguments as `rule_mask`;
+  ``transposed`` for a [key, query] tile), or None without one. Its features, lookups and
+  index tiles are loaded and built here, outside the function: the backward differentiates it
+  (`jax.jvp`), and Mosaic GPU's loads have no derivative."""
   return score_fn(params, shape, score_inputs(params, extras, batch, head, q_idx, kv_idx, rows,
                                               keys, broadcast_rows, broadcast_keys, row_layout,
-                                              key_layout))
+                                              key_layout, transposed))
 
 
 def score_inputs(params: Params, extras: _Extras, batch, head, q_idx, kv_idx, rows, keys,
-                 broadcast_rows, broadcast_keys, row_layout, key_layout):
+                 broadcast_rows, broadcast_keys, row_layout, key_layout,
+                 transposed: bool = False):
   """What a score_mod's tile rule reads besides the scores: ``(q tile, kv tile, row features,
-  column features)``, each index tile None where the rule does not read it; None without a
-  score_mod. Arguments as `score_of`."""
+  column features, lookups)``, each index tile None where the rule does not read it, the
+  lookups None without `_Extras.score_band`; None without a score_mod. Arguments as
+  `score_of`."""
   rule = params.score_rule
   if rule is None:
     return None
+  banded = extras.score_band is not None
+  wanted = lambda variables: (  # noqa: E731
+      tuple(map(rule.banded_reads, variables)) if banded else None)
   rows_of = feature_tiles(extras.score_q_features, batch, head, rows, row_layout,
-                          broadcast_rows, rule.row_dtypes)
+                          broadcast_rows, rule.row_dtypes, wanted=wanted(rule.row_vars))
   cols_of = feature_tiles(extras.score_kv_features, batch, head, keys, key_layout,
                           broadcast_keys, rule.col_dtypes,
                           computed_columns(rule, extras.score_kv_scalars, batch, head, keys,
-                                           key_layout))
-  q_tile = q_idx() if rule.reads(mask_mod_lib.Q) else None
-  kv_tile = kv_idx() if rule.reads(mask_mod_lib.KV) else None
-  return q_tile, kv_tile, rows_of, cols_of
+                                           key_layout, banded),
+                          wanted=wanted(rule.col_vars))
+  q_tile = q_idx() if rule.reads(mask_mod_lib.Q, banded) else None
+  kv_tile = kv_idx() if rule.reads(mask_mod_lib.KV, banded) else None
+  bands = None
+  if banded:
+    bands = band_tiles(extras.score_band, batch, head, rows, keys, transposed,
+                       rule.band_dtypes)
+  return q_tile, kv_tile, rows_of, cols_of, bands
 
 
 def score_fn(params: Params, shape, inputs):
   """The score_mod of a ``shape`` tile as a function of its scores, from `score_inputs`."""
   if inputs is None:
     return None
-  q_tile, kv_tile, rows_of, cols_of = inputs
-  return lambda z: params.score_rule.tile(shape, q_tile, kv_tile, rows_of, cols_of, score=z)
+  q_tile, kv_tile, rows_of, cols_of, bands = inputs
+  return lambda z: params.score_rule.tile(shape, q_tile, kv_tile, rows_of, cols_of, score=z,
+                                          bands=bands)
 
 
 def _descale_of(ref, batch, head, rows, layout):
@@ -1010,6 +1063,9 @@ def forward(inputs: Inputs, params: Params, config: Config):
   q_tiles = pl.cdiv(t, rows_per_cta)
   extras = _extras(inputs, q_tiles * rows_per_cta, _round_up(k.shape[1], config.block_kv))
   extras = with_order(with_lists(extras, inputs, params, rows_per_cta, config.block_kv), inputs)
+  if inputs.score_bands is not None:
+    extras = extras._replace(score_band=expand_band(inputs.score_bands, t, config.block_kv,
+                                                    transposed=False))
   if inputs.sinks is not None:
     extras = extras._replace(sinks=inputs.sinks.astype(jnp.float32) * _core.LOG2_E)
   if term2 is not None:
