@@ -93,6 +93,7 @@ def test_under_jit_and_vmap_with_traced_arrays():
 # and diagonal, and T5's buckets of the distance (a log, a floor and a clamp before the lookup).
 RELATIVE = random_array(19, (2, 70 + 133), "float")
 BUCKETS = random_array(20, (3, 2, 16), "float")
+RELATIVE_BF16 = RELATIVE.astype(jnp.bfloat16)
 
 
 def _t5_bucket(distance):
@@ -104,13 +105,15 @@ MOSAIC_RULES = {
     **RULES,
     "relative_table": lambda score, b, h, i, j: score + RELATIVE[h, i - j + 133],
     "t5_buckets": lambda score, b, h, i, j: 2.0 * jnp.tanh(score / 2.0) + BUCKETS[
-        b + 1, h, _t5_bucket(jnp.abs(j - i))],
+        b + 1, h % 2, _t5_bucket(jnp.abs(j - i))],
+    # (A 16-bit table: its band is stored in bfloat16, `Split.band_dtype`.)
+    "relative_bf16": lambda score, b, h, i, j: score + RELATIVE_BF16[h, i - j + 133],
 }
 
 
 # (ALiBi on a CPU: test_kernels_with_every_other_option runs it with every other option.)
 @pytest.mark.parametrize("rule", (pytest.param("alibi", marks=pytest.mark.gpu), "tanh_gate",
-                                  "relative_table", "t5_buckets"))
+                                  "relative_table", "t5_buckets", "relative_bf16"))
 def test_mosaic_kernels(rule):
   """The Mosaic forward and backward run the tile rule (in Mosaic GPU's interpreter on a CPU),
   the backward with its derivative on its transposed dK/dV tiles and its dQ tiles; lookups
@@ -121,12 +124,14 @@ def test_mosaic_kernels(rule):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rule", ("relative_table", "t5_buckets"))
+@pytest.mark.parametrize("rule", ("relative_table", "t5_buckets", "relative_bf16"))
 def test_mosaic_lookups_on_long_shapes(rule):
   """Bands past one tile's worth of diagonals, GQA, a window and lengths, head dim 96."""
+  table = RELATIVE if rule == "relative_table" else RELATIVE_BF16
+  clipped = lambda score, b, h, i, j: score + table[h % 2, jnp.clip(  # noqa: E731
+      i - j, -133, 69) + 133]
   check("mosaic", b=2, t=700, s=1333, n=4, k=2, h=96, dtype=jnp.bfloat16,
-        score_mod=lambda *_: lambda score, b, h, i, j: score + RELATIVE[h % 2, jnp.clip(
-            i - j, -133, 69) + 133] if rule == "relative_table" else MOSAIC_RULES[rule],
+        score_mod=lambda *_: MOSAIC_RULES[rule] if rule == "t5_buckets" else clipped,
         local_window_size=(300, 40), key_value_seq_lengths=jnp.array([1333, 900]))
 
 
@@ -188,7 +193,8 @@ def test_mosaic_kernels_under_x64():
           score_mod=lambda *_: _x64_alibi(), is_causal=True)
 
 
-@pytest.mark.parametrize("rule", ("alibi", "tanh_gate", "relative_table", "t5_buckets"))
+@pytest.mark.parametrize("rule", ("alibi", "tanh_gate", "relative_table", "t5_buckets",
+                                  "relative_bf16"))
 def test_mosaic_kernels_lower_for_cuda(rule, cuda_plugin):
   q = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
