@@ -24,9 +24,8 @@ Cases (bf16):
 - ``alibi``: the same call with ALiBi as a ``score_mod`` (``score + slope[h] * (kv - q)``, the
   slopes 2^(-8 (h + 1) / N)); cuDNN gets it as a dense bias [1, N, S, S] (jax.nn takes no
   score_mod), which is how a JAX model passes ALiBi to it.
-- ``relative_table``: a learned relative-position bias read from a bfloat16 table [N, 2S - 1]
-  by the score_mod (``score + table[h, q - kv + S - 1]``); cuDNN again gets the dense bias (the
-  same bfloat16 values). ``relative_table_f32``: the same with a float32 table (jaxflash only).
+- ``relative_table``: a learned relative-position bias read from a table [N, 2S - 1] by the
+  score_mod (``score + table[h, q - kv + S - 1]``); cuDNN again gets the dense bias.
 
 Modes: ``fwd``, ``fwdbwd`` (jax.grad of sum(out * dO) with respect to q, k, v, and the sinks where
 given) and, for the MLA case, ``bwd`` = fwdbwd - fwd. FLOPs count visible entries only (the
@@ -59,8 +58,7 @@ import report
 from cases import IMPL_OPTIONS, time_calls
 from report import TOLERANCE
 
-CASES = ("gpt_oss", "gpt_oss_sinks", "mla_192_128", "plain_4k", "alibi", "relative_table",
-         "relative_table_f32")
+CASES = ("gpt_oss", "gpt_oss_sinks", "mla_192_128", "plain_4k", "alibi", "relative_table")
 FLOP_CONVENTION = ("visible entries only: fwd 2*(Dqk+Dv) per entry, bwd 2*(3*Dqk+2*Dv), fwdbwd "
                    "their sum")
 
@@ -85,15 +83,13 @@ SHAPES = {
     "plain_4k": Shape(4, 4096, 16, 16, 128, 128, None),
     "alibi": Shape(4, 4096, 16, 16, 128, 128, None, score="alibi"),
     "relative_table": Shape(4, 4096, 16, 16, 128, 128, None, score="relative_table"),
-    "relative_table_f32": Shape(4, 4096, 16, 16, 128, 128, None, score="relative_table_f32"),
 }
 SMOKE = {name: dataclasses.replace(shape, b=min(shape.b, 2), s=96, n=4,
                                    k=2 if shape.k < shape.n else 4)
          for name, shape in SHAPES.items()}
 IMPLS = {"gpt_oss": ("jaxflash", "cudnn", "cudnn_det"), "gpt_oss_sinks": ("jaxflash",),
          "mla_192_128": ("jaxflash", "cudnn", "cudnn_det"), "plain_4k": ("jaxflash", "cudnn"),
-         "alibi": ("jaxflash", "cudnn"), "relative_table": ("jaxflash", "cudnn"),
-         "relative_table_f32": ("jaxflash",)}
+         "alibi": ("jaxflash", "cudnn"), "relative_table": ("jaxflash", "cudnn")}
 
 
 def score_mod(shape: Shape):
@@ -103,10 +99,7 @@ def score_mod(shape: Shape):
   if shape.score == "alibi":
     slopes = 2.0 ** (-8.0 * jnp.arange(1, shape.n + 1, dtype=jnp.float32) / shape.n)
     return lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx)
-  # (In bfloat16, the values cuDNN's dense bias holds; float32 for relative_table_f32.)
-  dtype = jnp.float32 if shape.score == "relative_table_f32" else jnp.bfloat16
-  table = (0.5 * jax.random.normal(jax.random.key(0), (shape.n, 2 * shape.s - 1),
-                                   jnp.float32)).astype(dtype)
+  table = 0.5 * jax.random.normal(jax.random.key(0), (shape.n, 2 * shape.s - 1), jnp.float32)
   return lambda score, b, h, q_idx, kv_idx: score + table[h, q_idx - kv_idx + shape.s - 1]
 
 

@@ -89,9 +89,8 @@ class Inputs(NamedTuple):
   # on every device, gathered from by the Triton kernels and the XLA backend.
   score_tables: tuple | None = None
   # Where every lookup reads its array through ``q_idx - kv_idx`` alone (a relative-position
-  # table: `Split.diagonal_lookups`), their values on every diagonal, [F, B or 1, N or 1, T + S]
-  # (`Split.band_values`, in `Split.band_dtype`): the Mosaic kernels, which cannot gather,
-  # read tiles of them.
+  # table: `Split.diagonal_lookups`), their values on every diagonal, int32 [F, B or 1, N or 1,
+  # T + S] (`Split.band_values`): the Mosaic kernels, which cannot gather, read tiles of them.
   score_bands: jax.Array | None = None
   # An FP8 call's descale factors (`jaxflash.fp8`), float32: real values are
   # ``float(x8) * descale``. [B, T or 1, N], [B, S or 1, K] (per token and head, or per batch

@@ -125,17 +125,8 @@ class Split:
     """The dtypes of the lookups' values."""
     return tuple(eqn.outvars[0].aval.dtype for eqn in self.lookups)
 
-  @property
-  def band_dtype(self):
-    """The dtype `band_values` are stored in: the lookups' own where all read one 16-bit float
-    dtype (half the bytes for a kernel to load, and exact), else int32 (`to_int32`)."""
-    dtypes = set(self.band_dtypes)
-    if len(dtypes) == 1 and next(iter(dtypes)) in (jnp.bfloat16, jnp.float16):
-      return next(iter(dtypes))
-    return jnp.dtype(jnp.int32)
-
   def band_values(self, batch: int, heads: int, t: int, s: int) -> jax.Array | None:
-    """The lookups' values on every diagonal, [F, B or 1, N or 1, T + S] in `band_dtype`:
+    """The lookups' values on every diagonal, int32 [F, B or 1, N or 1, T + S] (`to_int32`):
     entry ``i`` is the value where ``q_idx - kv_idx = i - S``; None unless the lookups are
     `diagonal_lookups`. Each is evaluated at ``q_idx = i - S, kv_idx = 0``, which gives the
     value of every (query, key) pair on that diagonal."""
@@ -149,11 +140,8 @@ class Split:
     diagonals = jnp.arange(-s, t, dtype=jnp.int32)
 
     def at(b, h, d):
-      values = [jnp.reshape(x, ()) for x in self._evaluate(
-          {BATCH: b, HEAD: h, Q: d, KV: jnp.int32(0)}, wanted)]
-      if self.band_dtype != jnp.int32:
-        return jnp.stack(values)
-      return jnp.stack([to_int32(x) for x in values])
+      values = self._evaluate({BATCH: b, HEAD: h, Q: d, KV: jnp.int32(0)}, wanted)
+      return jnp.stack([to_int32(jnp.reshape(x, ())) for x in values])
 
     per_diagonal = jax.vmap(at, in_axes=(None, None, 0), out_axes=-1)
     per_head = jax.vmap(per_diagonal, in_axes=(None, 0, None), out_axes=-2)

@@ -106,7 +106,7 @@ MOSAIC_RULES = {
     "relative_table": lambda score, b, h, i, j: score + RELATIVE[h, i - j + 133],
     "t5_buckets": lambda score, b, h, i, j: 2.0 * jnp.tanh(score / 2.0) + BUCKETS[
         b + 1, h % 2, _t5_bucket(jnp.abs(j - i))],
-    # (A 16-bit table: its band is stored in bfloat16, `Split.band_dtype`.)
+    # (A 16-bit table: its band holds float32 bits, cast back in the kernel.)
     "relative_bf16": lambda score, b, h, i, j: score + RELATIVE_BF16[h, i - j + 133],
 }
 

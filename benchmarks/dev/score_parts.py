@@ -23,6 +23,8 @@ from jaxflash import mask_mod as mask_mod_lib
 B, S, N, D = 4, 4096, 16, 128
 SMOKE_SHAPE = (1, 64, 2, 32)
 SLOPES = 2.0 ** (-8.0 * jnp.arange(1, N + 1, dtype=jnp.float32) / N)  # (N covers the smoke's)
+TABLE = 0.5 * jax.random.normal(jax.random.key(1), (N, 2 * S - 1), jnp.float32)
+TABLE_BF16 = TABLE.astype(jnp.bfloat16)
 MODS = {
     "none": None,
     "plus_zero": lambda s, b, h, q, kv: s + 0.0,
@@ -30,6 +32,9 @@ MODS = {
     "col_only": lambda s, b, h, q, kv: s + SLOPES[h] * kv,
     "alibi": lambda s, b, h, q, kv: s + SLOPES[h] * (kv - q),
     "alibi_unseparated": lambda s, b, h, q, kv: s + SLOPES[h] * (kv - q),
+    # A relative-position table read through q - kv (the Mosaic kernels load its band).
+    "relative": lambda s, b, h, q, kv: s + TABLE[h, q - kv + S - 1],
+    "relative_bf16": lambda s, b, h, q, kv: s + TABLE_BF16[h, q - kv + S - 1],
 }
 
 
@@ -37,6 +42,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("names", nargs="*", help=f"score_mods to time (default all: {list(MODS)})")
   parser.add_argument("--smoke", action="store_true", help="tiny shape, XLA backend (a CPU)")
+  parser.add_argument("--profile", action="store_true",
+                      help="also each kernel's GPU time in forward+backward (a profile)")
   args = parser.parse_args(argv)
   if unknown := set(args.names) - set(MODS):
     parser.error(f"unknown score_mods {sorted(unknown)}; choose from {list(MODS)}")
@@ -69,6 +76,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
       mask_mod_lib._separated = separated
     rows.append(dict(name=name, fwd_ms=ms_f, fwdbwd_ms=ms_b, rel_err=err))
     print(f"{name:20s} fwd {ms_f:.3f} ms  fwd+bwd {ms_b:.3f} ms  err {err:.1e}", flush=True)
+    if args.profile:
+      from mask_parts import kernel_ms  # (this folder is the script's first path)
+      for kernel, ms in kernel_ms(fwdbwd, q, k, v).most_common(6):
+        print(f"    {ms:7.3f} ms  {kernel}", flush=True)
   return rows
 
 

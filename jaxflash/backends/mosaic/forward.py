@@ -145,8 +145,8 @@ class _Extras(NamedTuple):
   score_q_features: jax.Array | None = None
   score_kv_features: jax.Array | None = None
   score_kv_scalars: jax.Array | None = None  # (`Inputs.score_kv_scalars`)
-  # A score_mod's lookups on this kernel's tiles (`expand_band`), [F, B or 1, N or 1, 2 * base,
-  # tile columns] in `Split.band_dtype`: a tile's values are one slice of rows (`band_tiles`).
+  # A score_mod's lookups on this kernel's tiles (`expand_band`), int32 [F, B or 1, N or 1,
+  # 2 * base, tile columns]: a tile's values are one slice of rows (`band_tiles`).
   score_band: jax.Array | None = None
   # A score_mod's row term, left out of the logits and added to the LSE (`without_row_term`),
   # in base-2 units: float32 [B or 1, N or 1, rows].
@@ -185,12 +185,11 @@ def feature_tiles(ref, batch, head, index, layout, broadcast, dtypes, made=(),
 def expand_band(values: jax.Array, t: int, width: int, transposed: bool) -> jax.Array:
   """A score_mod's lookups on every diagonal (`Inputs.score_bands`, [F, B or 1, N or 1, T + S],
   entry ``i`` at ``q_idx - kv_idx = i - S``) laid out so that a kernel's tile of them is one
-  slice of rows (`band_tiles`; Mosaic GPU has no gather): [F, B or 1, N or 1, 2 * base,
+  slice of rows (`band_tiles`; Mosaic GPU has no gather): int32 [F, B or 1, N or 1, 2 * base,
   width], row ``m`` column ``c`` holding diagonal ``m - base - c`` for [query, key] tiles of
   ``width`` keys, or ``c + base - m`` for ``transposed`` [key, query] tiles of ``width``
-  queries, in the values' dtype. ``base`` exceeds every padded length, so every tile's rows
-  lie inside; diagonals past the call's (padding entries, never visible) take the nearest
-  value."""
+  queries. ``base`` exceeds every padded length, so every tile's rows lie inside; diagonals
+  past the call's (padding entries, never visible) take the nearest value."""
   s = values.shape[-1] - t
   base = band_base(t, s)
   m = jnp.arange(2 * base, dtype=jnp.int32)[:, None]
@@ -212,11 +211,9 @@ def band_tiles(ref, batch, head, rows, keys, transposed: bool, dtypes) -> list:
   h = head if ref.shape[2] > 1 else 0
   first, across = (keys, rows) if transposed else (rows, keys)
   start = first.start - across.start + ref.shape[3] // 2
-  tiles = [plgpu.load(ref.at[f, b, h, pl.ds(start, first.size), pl.ds(0, across.size)],
-                      layout=plgpu.Layout.WGMMA, optimized=False) for f in range(len(dtypes))]
-  if ref.dtype != jnp.int32:  # (16-bit values stored as themselves: `Split.band_dtype`)
-    return tiles
-  return [mask_mod_lib.from_int32(x, dtype) for x, dtype in zip(tiles, dtypes)]
+  return [mask_mod_lib.from_int32(plgpu.load(
+      ref.at[f, b, h, pl.ds(start, first.size), pl.ds(0, across.size)],
+      layout=plgpu.Layout.WGMMA, optimized=False), dtype) for f, dtype in enumerate(dtypes)]
 
 
 def computed_columns(rule, scalars, batch, head, keys, layout, banded: bool = False) -> list:
