@@ -126,6 +126,8 @@ def _probabilities(s, lse2, params: Params, visible, score=None):
   boolean tile, or None) is false, and the chain factor of the soft cap and the score_mod
   (``score``, this tile's, or None; `_core.logits_base2`). ``lse2`` is already broadcast to the
   tile."""
+  if hasattr(score, "ready"):  # (lookups loaded now, S being done: `fwd.score_of`)
+    score = score.ready()
   s2, chain = _core.logits_base2(s, params, None, score, derivative=True)
   if visible is not None:
     s2 = jnp.where(visible, s2, -jnp.inf)
@@ -279,7 +281,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       # The score_mod on the transposed [keys, rows] tile (None without one).
       score = fwd.score_of(params, extras, batch, head, shape, lambda: _cols(q_cols(), shape),
                            k_idx, rows, keys, lambda x: _cols(x, shape),
-                           lambda x: fwd._rows(x, shape), _COLS, _ROWS, transposed=True)
+                           lambda x: fwd._rows(x, shape), _COLS, _ROWS, transposed=True,
+                           deferred=True)
 
       def probabilities(s):  # Pᵀ (while dPᵀ is in flight)
         lse2 = _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape)
@@ -816,7 +819,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
       k_tile = k_smem.at[slot]
       score = fwd.score_of(params, extras, batch, head, shape, lambda: fwd._rows(q_rows(), shape),
                            k_idx, rows, keys, lambda x: fwd._rows(x, shape),
-                           lambda x: _cols(x, shape), _ROWS, _COLS)
+                           lambda x: _cols(x, shape), _ROWS, _COLS, deferred=True)
       (p, chain), dp = _wgmma_scores(
           q_tile, k_tile, do_tile, v_smem.at[slot], shape,
           lambda s: _probabilities(s, lse2, params, visible, score))
