@@ -52,8 +52,10 @@ def alibi():
 
 def relative_buckets(buckets: int = 32, max_distance: int = 128):
   """T5's relative-position bias: a learned [N, buckets] table read at the bucket of the
-  distance back (exact up to half the buckets, then logarithmic). The Triton kernels gather the
-  table's entries; on a CPU the XLA backend does."""
+  distance back (exact up to half the buckets, then logarithmic). The bucket is a function of
+  ``q_idx - kv_idx`` alone, so on a Hopper GPU the Mosaic kernels read the table's values per
+  diagonal (made once per call); the Triton kernels gather them; on a CPU the XLA backend
+  does."""
   table = 0.5 * jax.random.normal(jax.random.key(7), (N, buckets))
   exact = buckets // 2
 
