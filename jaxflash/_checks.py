@@ -361,19 +361,20 @@ def _check_score_mod(score_mod, b: int, n: int, t: int, s: int):
   score_mod (all None without one): the split (`jaxflash.mask_mod.split_score`, which checks
   it), its features for every (batch row, head, position), the scalars of its computed columns
   (`Split.col_scalars`) and its lookups' values on every diagonal where they read through
-  ``q_idx - kv_idx`` alone (`Split.band_values`), the arrays it closes over where only the XLA
-  backend's evaluation of the whole function can run it, and else the arrays its lookups
-  read."""
+  ``q_idx - kv_idx`` alone (`Split.band_values`), the arrays it closes over (None without any:
+  the XLA backend evaluates a rule the kernels cannot from them, and their gradients come from
+  them), and the arrays its lookups read (flattened)."""
   if score_mod is None:
     return None, (None,) * 4, None, None
   rule = mask_mod_lib.split_score(score_mod)
+  consts = tuple(rule.closed.consts) or None
   if rule.kernel_reason is not None:
-    return rule, (None,) * 4, tuple(rule.closed.consts), None
+    return rule, (None,) * 4, consts, None
   features = (rule.features(rule.row_vars, b, n, t, mask_mod_lib.Q),
               rule.features(rule.col_vars, b, n, s, mask_mod_lib.KV),
               rule.features(rule.col_scalars, b, n, 1, mask_mod_lib.KV),
               rule.band_values(b, n, t, s))
-  return rule, features, None, (rule.table_arrays() if rule.lookups else None)
+  return rule, features, consts, (rule.table_arrays() if rule.lookups else None)
 
 
 def _check_fp8(query, key, descales, out_dtype, unbatched: bool):

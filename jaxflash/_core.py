@@ -77,8 +77,9 @@ class Inputs(NamedTuple):
   # after merging, `jaxflash.merge.with_sinks`), and a backward needs only the LSE it went into.
   sinks: jax.Array | None = None
   # A score_mod's row and column features (as ``q_features``/``kv_features`` are a mask_mod's),
-  # for `params.score_rule`'s tile rule, and the arrays it closes over where only its XLA
-  # evaluation can run it.
+  # for `params.score_rule`'s tile rule, and the arrays it closes over (its jaxpr's consts: what
+  # the XLA backend evaluates a rule the kernels cannot from, and what gets gradients,
+  # `jaxflash.backends.xla.backward.score_const_gradients`).
   score_q_features: jax.Array | None = None
   score_kv_features: jax.Array | None = None
   # int32 [F, B or 1, N or 1, 1]: the values of the batch row and head alone from which a

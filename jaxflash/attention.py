@@ -117,10 +117,13 @@ def flash_attention(
       signature): a function that changes each logit, applied to the scaled (and soft-capped)
       logits before the bias and the masks, as jnp code on a float32 score and broadcasting
       int32 indices; it may close over arrays (ALiBi slopes, a relative-position table).
-      Gradients flow through it to query and key (the backward differentiates it per entry);
-      the arrays it closes over get none. The Mosaic and Triton kernels evaluate it per tile
-      (like a mask_mod, from row and column features); one that reads an array at both indices
-      (a relative-position table ``table[h, q_idx - kv_idx]``) runs on Triton, which gathers.
+      Gradients flow through it to query and key (the backward differentiates it per entry),
+      and to the floating-point arrays it closes over where they are differentiated (a
+      learned table or slopes: one more blockwise pass, deterministic, that costs about an
+      XLA backward). The Mosaic and Triton kernels evaluate it per tile (like a mask_mod, from
+      row and column features); one that reads an array at both indices is a lookup, which
+      Triton gathers and Mosaic reads per diagonal where the indices depend on ``q_idx -
+      kv_idx`` alone (a relative-position table ``table[h, q_idx - kv_idx]``).
     sinks: optional float [N], one learnable logit per query head (attention sinks, as in
       gpt-oss and StreamingLLM) that joins every row's softmax denominator with a zero value
       row: ``out = sum_s exp(l_s) v_s / (exp(sink) + sum_s exp(l_s))`` over the row's visible

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxflash import _core
 from jaxflash import fp8
 from jaxflash._core import Inputs, Params
+from jaxflash.backends.xla import backward as xla_backward
 from jaxflash.ops import partitioning
 
 
@@ -26,22 +27,42 @@ def attention(inputs: Inputs, params: Params, backend, config):
 
 
 def _forward(inputs, params, backend, config):
-  # Symbolic zeros tell us whether the bias is being differentiated at all: only then does the
-  # backward pay for dbias (a Python bool in the residuals is static under jit).
+  # Symbolic zeros tell us whether the bias, or an array a score_mod closes over, is being
+  # differentiated at all: only then does the backward pay for its gradient (a Python bool in
+  # the residuals is static under jit).
   want_dbias = inputs.bias is not None and inputs.bias.perturbed
+  want_dconsts = inputs.score_consts is not None and any(c.perturbed
+                                                         for c in inputs.score_consts)
   inputs = primal_values(inputs)
   out, lse2 = forward(backend, inputs, params, config)
-  return (out, _core.user_lse(lse2)), (inputs, out, lse2, want_dbias)
+  return (out, _core.user_lse(lse2)), (inputs, out, lse2, want_dbias, want_dconsts)
 
 
 def _backward(params, backend, config, residuals, cotangents):
-  inputs, out, lse2, want_dbias = residuals
+  inputs, out, lse2, want_dbias, want_dconsts = residuals
   if fp8.is_fp8(inputs.query.dtype):
     raise ValueError(FP8_GRADIENT)
   d_out, delta = output_cotangents(out, cotangents)
   grads = backward(backend, without_sinks(inputs), params, config, lse2, d_out, delta,
                    want_dbias)
-  return (cotangents_of(inputs, *grads, lse2=lse2, delta=delta),)
+  d_consts = None
+  if want_dconsts:  # (one blockwise XLA pass, whichever backend ran the rest)
+    d_consts = score_const_gradients(without_sinks(inputs), params, lse2, d_out, delta)
+  return (cotangents_of(inputs, *grads, lse2=lse2, delta=delta)._replace(
+      score_consts=d_consts),)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def score_const_gradients(inputs: Inputs, params: Params, lse2, d_out, delta) -> tuple:
+  """`jaxflash.backends.xla.backward.score_const_gradients` (the gradients of the arrays a
+  score_mod closes over), refusing to be differentiated like `backward`."""
+  return xla_backward.score_const_gradients(inputs, params, lse2, d_out, delta)
+
+
+@score_const_gradients.defjvp
+def _score_const_gradients_jvp(params, primals, tangents):
+  del params, primals, tangents
+  raise NotImplementedError(SECOND_ORDER)
 
 
 FP8_GRADIENT = ("flash_attention on float8 inputs has no gradient (an FP8 cotangent would lose "

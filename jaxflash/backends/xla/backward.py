@@ -8,6 +8,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -110,3 +113,64 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
     return jnp.moveaxis(x, 0, 1).reshape(lay.b, lay.s_pad, lay.kh, x.shape[-1])[:, :lay.s]
 
   return dq, ungroup_keys(dk), ungroup_keys(dv), dbias
+
+
+def score_const_gradients(inputs: Inputs, params: Params, lse2, d_out, delta,
+                          config: Config = Config()) -> tuple:
+  """The gradients of the arrays a score_mod closes over (`Inputs.score_consts`, in the order
+  of its split's jaxpr; None for those that are not floating point): the sum over every
+  visible entry of dZ (the loss's derivative w.r.t. the entry's logit after the score_mod)
+  times the derivative of the score_mod's result w.r.t. the arrays, which `jax.vjp` of the
+  whole function takes on each tile. One pass of the dQ loop's tiles, in a fixed order
+  (deterministic), whatever backend computed the rest of the gradient; it recomputes S, P
+  and dP, so it costs about an XLA backward. (A relative-position table's gradient is the sum
+  of dZ along each diagonal; a kernel could add it up as it goes.)"""
+  rule = params.score_rule
+  consts = inputs.score_consts
+  wanted = [jnp.issubdtype(jnp.result_type(c), jnp.floating) for c in consts]
+  lay = blocks.layout(inputs, config)
+  blk = blocks.Blocks(inputs, lay, params)
+  bq, bk = lay.block_q, lay.block_k
+  plain = dataclasses.replace(params, score_rule=None)  # (the score_mod's input logits)
+  do = blocks.pad_axis(d_out.astype(inputs.query.dtype).reshape(
+      lay.b, lay.t, lay.kh, lay.g, lay.hv), 1, lay.t_pad)
+  lse2 = blocks.pad_axis(lse2.reshape(lay.b, lay.kh, lay.g, lay.t), 3, lay.t_pad, jnp.inf)
+  delta = blocks.pad_axis(delta.reshape(lay.b, lay.kh, lay.g, lay.t), 3, lay.t_pad)
+  heads = jnp.arange(lay.kh * lay.g, dtype=jnp.int32).reshape(1, lay.kh, lay.g, 1, 1)
+  batch = jnp.arange(lay.b, dtype=jnp.int32).reshape(lay.b, 1, 1, 1, 1)
+
+  def tile(q_start, k_start, q_blk, do_blk, grads):
+    k_blk, v_blk = blocks.rows(blk.k, k_start, bk), blocks.rows(blk.v, k_start, bk)
+    s2, _ = blk.logits(q_blk, k_blk, q_start, k_start)
+    p = jnp.exp2(s2 - blocks.rows(lse2, q_start, bq, axis=3)[..., None])
+    dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
+    dz = p * (_core.dropped(dp, blk.keep(q_start, k_start), params)
+              - blocks.rows(delta, q_start, bq, axis=3)[..., None])
+    dz = jnp.where(p > 0, dz, 0.0)  # (no NaN from entries nothing sees)
+    qk = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32)
+    z, _ = _core.logits(qk, plain, None)
+    q_idx = jnp.minimum(q_start + jnp.arange(bq, dtype=jnp.int32), lay.t - 1)
+    k_idx = jnp.minimum(k_start + jnp.arange(bk, dtype=jnp.int32), lay.s - 1)
+
+    def scores(*arrays):
+      return rule.reference(batch, heads, q_idx.reshape(1, 1, 1, bq, 1),
+                            k_idx.reshape(1, 1, 1, 1, bk), consts=arrays, score=z)
+
+    _, vjp = jax.vjp(scores, *consts)
+    return tuple(g if g is None else g + d.astype(jnp.float32)
+                 for g, d in zip(grads, vjp(dz)))
+
+  def query_block(grads, i):
+    q_start = i * bq
+    q_blk, do_blk = blocks.rows(blk.q, q_start, bq), blocks.rows(do, q_start, bq)
+    grads = blk.schedule.visit_kv(
+        q_start, blk.pos, lambda j, g, masked: tile(q_start, j * bk, q_blk, do_blk, g),
+        blk.carry(grads), spans=blk.kv_spans(i))
+    return grads, None
+
+  zeros = tuple(jnp.zeros(jnp.shape(c), jnp.float32) if want else None
+                for c, want in zip(consts, wanted))
+  grads, _ = lax.scan(query_block, blk.carry(zeros), jnp.arange(lay.t_pad // bq,
+                                                                  dtype=jnp.int32))
+  return tuple(None if g is None else g.astype(jnp.result_type(c))
+               for g, c in zip(grads, consts))
