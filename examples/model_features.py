@@ -55,7 +55,8 @@ def relative_buckets(buckets: int = 32, max_distance: int = 128):
   distance back (exact up to half the buckets, then logarithmic). The bucket is a function of
   ``q_idx - kv_idx`` alone, so on a Hopper GPU the Mosaic kernels read the table's values per
   diagonal (made once per call); the Triton kernels gather them; on a CPU the XLA backend
-  does."""
+  does. The table is a parameter: ``(score_mod_of(table), bias_of(table), table)``, and
+  gradients reach it through the score_mod as through the dense bias."""
   table = 0.5 * jax.random.normal(jax.random.key(7), (N, buckets))
   exact = buckets // 2
 
@@ -64,12 +65,13 @@ def relative_buckets(buckets: int = 32, max_distance: int = 128):
                    * (buckets - exact)).astype(jnp.int32)
     return jnp.where(distance < exact, distance, jnp.minimum(far, buckets - 1))
 
-  def score_mod(score, b, h, q_idx, kv_idx):
-    return score + table[h, bucket(jnp.maximum(q_idx - kv_idx, 0))]
+  def score_mod_of(table):
+    return lambda score, b, h, q_idx, kv_idx: score + table[
+        h, bucket(jnp.maximum(q_idx - kv_idx, 0))]
 
   distance = jnp.maximum(jnp.arange(T)[:, None] - jnp.arange(T)[None, :], 0)
-  bias = table[:, bucket(distance)]  # [N, T, T]
-  return score_mod, bias[None]
+  bias_of = lambda table: table[:, bucket(distance)][None]  # noqa: E731 ([1, N, T, T])
+  return score_mod_of, bias_of, table
 
 
 def check(name, ours, theirs, *args) -> dict:
@@ -105,12 +107,17 @@ def main() -> dict:
       "value head dim", lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=True),
       lambda q, k, v: dense_attention(q, k, v, zero_bias), q, k, v_narrow)
 
-  for name, make in (("alibi", alibi), ("relative_buckets", relative_buckets)):
-    score_mod, bias = make()
-    results[name] = check(
-        name, lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=True,
-                                                       score_mod=score_mod),
-        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias, is_causal=True), q, k, v)
+  score_mod, bias = alibi()
+  results["alibi"] = check(
+      "alibi", lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=True,
+                                                        score_mod=score_mod),
+      lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias, is_causal=True), q, k, v)
+  score_mod_of, bias_of, table = relative_buckets()  # (the table's gradient checked too)
+  results["relative_buckets"] = check(
+      "relative_buckets", lambda q, k, v, table: jaxflash.flash_attention(
+          q, k, v, is_causal=True, score_mod=score_mod_of(table)),
+      lambda q, k, v, table: jax.nn.dot_product_attention(q, k, v, bias_of(table),
+                                                          is_causal=True), q, k, v, table)
   # float32 matmuls run in TF32 on an NVIDIA GPU (in jaxflash's kernels and in jnp alike).
   tol = 1e-4 if jax.default_backend() == "cpu" else 3e-3
   bad = [name for name, r in results.items() if not (r["error"] < tol and r["grad_error"] < tol)]

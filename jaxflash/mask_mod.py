@@ -741,7 +741,9 @@ def _needed(jaxpr, wanted, known=frozenset()) -> set:
 # for ``a * q_idx + b * kv_idx + c`` with c of neither index and coefficients that are sums of
 # integers times products of values of neither index (`_Coefficient`: ``_separated`` turns
 # ``x * (q_idx - kv_idx)`` into ``x * q_idx - x * kv_idx``); `_DIAGONAL` for another function of
-# ``q_idx - kv_idx`` (and of neither index); None for anything else.
+# ``q_idx - kv_idx`` (and of neither index); None for anything else. (In floating point,
+# ``x * q_idx - x * kv_idx`` may round differently from ``x * (q_idx - kv_idx)``, which a band
+# holds: by an ulp of the larger term, as `_separated` says.)
 _DIAGONAL = "diagonal"
 
 
@@ -800,7 +802,9 @@ def _affine_tag(eqn, args: list):
       return (args[0][0].plus(args[1][0], sign), args[0][1].plus(args[1][1], sign))
     if name == "neg":
       return (args[0][0].times(-1), args[0][1].times(-1))
-    if name in ("convert_element_type", "copy", "copy_p") or name in _SCALAR_SHAPE_OPS:
+    if name == "convert_element_type" and _truncates(eqn):
+      pass  # (int(x * q_idx) - int(x * kv_idx) is no function of q_idx - kv_idx)
+    elif name in ("convert_element_type", "copy", "copy_p") or name in _SCALAR_SHAPE_OPS:
       return args[0]
     if name == "mul":  # by an integer literal or by a value of neither index: still affine
       for i, v in enumerate(eqn.invars):
@@ -815,6 +819,13 @@ def _affine_tag(eqn, args: list):
   if all(_on_diagonal(t) for t in args):  # any function of diagonal values is one too
     return _DIAGONAL
   return None
+
+
+def _truncates(eqn) -> bool:
+  """Whether a conversion rounds a float to an integer (or a boolean)."""
+  src = eqn.invars[0].aval.dtype if isinstance(eqn.invars[0], jcore.Var) else None
+  return (src is not None and jnp.issubdtype(src, jnp.floating)
+          and not jnp.issubdtype(eqn.params["new_dtype"], jnp.floating))
 
 
 def _is_small_scalar(v) -> bool:

@@ -557,9 +557,11 @@ def test_score_parts_smoke():
   import score_parts
   from jaxflash import mask_mod
   separated = mask_mod._separated
-  rows = score_parts.main(["--smoke"])
+  rows = score_parts.main(["--smoke", "--table-gradient"])
   assert [r["name"] for r in rows] == list(score_parts.MODS)
   assert all(r["rel_err"] < 2e-2 and r["fwd_ms"] > 0 for r in rows), rows
+  assert all((r["with_table_gradient_ms"] is not None) == r["name"].startswith("relative")
+             for r in rows), rows
   assert mask_mod._separated is separated
 
 

@@ -15,10 +15,13 @@ def test_every_feature_matches_the_dense_computation():
     assert result["error"] < tol and result["grad_error"] < tol, (name, result)
 
 
-def test_the_relative_bias_is_a_lookup_the_triton_kernels_gather():
+def test_the_relative_bias_is_a_lookup_of_the_distance():
+  """T5's buckets are a lookup (Triton gathers it) through q_idx - kv_idx alone (the Mosaic
+  kernels read it per diagonal)."""
   from jaxflash import mask_mod
   example = load_example("model_features")
-  split = mask_mod.split_score(example.relative_buckets()[0])
-  assert split.lookups and split.kernel_reason is None
+  score_mod_of, _, table = example.relative_buckets()
+  split = mask_mod.split_score(score_mod_of(table))
+  assert split.lookups and split.kernel_reason is None and split.diagonal_lookups
   with pytest.raises(ValueError, match="score_mod"):
     mask_mod.split_score(lambda s, b, h: s)

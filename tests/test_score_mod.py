@@ -262,6 +262,9 @@ def test_the_split_sees_features_and_lookups():
     (lambda h, i, j: (h, (i - 2 * j) % 90), False),
     (lambda h, i, j: (h, i // 16 - j // 16 + 45), False),  # (blocks: not one per diagonal)
     (lambda h, i, j: ((i - j) % 4, j % 90), False),
+    # (Rounded to integers before the difference: not one value per diagonal.)
+    (lambda h, i, j: (h, (SLOPES[h] * i).astype(jnp.int32) - (SLOPES[h] * j).astype(jnp.int32)
+                      + 45), False),
 ])
 def test_the_split_finds_diagonal_lookups(index, diagonal):
   """A lookup whose indices depend on the query and key through ``q_idx - kv_idx`` alone is

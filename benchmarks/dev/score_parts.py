@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
   parser.add_argument("--smoke", action="store_true", help="tiny shape, XLA backend (a CPU)")
   parser.add_argument("--profile", action="store_true",
                       help="also each kernel's GPU time in forward+backward (a profile)")
+  parser.add_argument("--table-gradient", action="store_true",
+                      help="relative*: also forward+backward with the table differentiated")
   args = parser.parse_args(argv)
   if unknown := set(args.names) - set(MODS):
     parser.error(f"unknown score_mods {sorted(unknown)}; choose from {list(MODS)}")
@@ -72,10 +74,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
       timing = dict(warmups=1, calls=1, repeats=1) if args.smoke else {}
       ms_f, _ = time_calls(fwd, (q, k, v), **timing)
       ms_b, _ = time_calls(fwdbwd, (q, k, v), **timing)
+      ms_t = None
+      if args.table_gradient and name.startswith("relative"):  # the table differentiated too
+        def learned(q, k, v, table):
+          mod = lambda s_, b_, h, q_, kv: s_ + table[h, q_ - kv + S - 1]  # noqa: E731
+          out = jaxflash.flash_attention(q, k, v, is_causal=True, score_mod=mod,
+                                         implementation=implementation)
+          return jnp.sum(out.astype(jnp.float32) * d_out)
+        with_table = jax.jit(jax.grad(learned, argnums=(0, 1, 2, 3)))
+        ms_t, _ = time_calls(with_table, (q, k, v, TABLE), **timing)
     finally:
       mask_mod_lib._separated = separated
-    rows.append(dict(name=name, fwd_ms=ms_f, fwdbwd_ms=ms_b, rel_err=err))
-    print(f"{name:20s} fwd {ms_f:.3f} ms  fwd+bwd {ms_b:.3f} ms  err {err:.1e}", flush=True)
+    rows.append(dict(name=name, fwd_ms=ms_f, fwdbwd_ms=ms_b, rel_err=err,
+                     with_table_gradient_ms=ms_t))
+    print(f"{name:20s} fwd {ms_f:.3f} ms  fwd+bwd {ms_b:.3f} ms  err {err:.1e}"
+          + ("" if ms_t is None else f"  fwd+bwd with d table {ms_t:.3f} ms"), flush=True)
     if args.profile:
       from mask_parts import kernel_ms  # (this folder is the script's first path)
       for kernel, ms in kernel_ms(fwdbwd, q, k, v).most_common(6):

@@ -31,8 +31,7 @@ def _forward(inputs, params, backend, config):
   # differentiated at all: only then does the backward pay for its gradient (a Python bool in
   # the residuals is static under jit).
   want_dbias = inputs.bias is not None and inputs.bias.perturbed
-  want_dconsts = inputs.score_consts is not None and any(c.perturbed
-                                                         for c in inputs.score_consts)
+  want_dconsts = consts_perturbed(inputs)
   inputs = primal_values(inputs)
   out, lse2 = forward(backend, inputs, params, config)
   return (out, _core.user_lse(lse2)), (inputs, out, lse2, want_dbias, want_dconsts)
@@ -45,11 +44,23 @@ def _backward(params, backend, config, residuals, cotangents):
   d_out, delta = output_cotangents(out, cotangents)
   grads = backward(backend, without_sinks(inputs), params, config, lse2, d_out, delta,
                    want_dbias)
-  d_consts = None
-  if want_dconsts:  # (one blockwise XLA pass, whichever backend ran the rest)
-    d_consts = score_const_gradients(without_sinks(inputs), params, lse2, d_out, delta)
   return (cotangents_of(inputs, *grads, lse2=lse2, delta=delta)._replace(
-      score_consts=d_consts),)
+      score_consts=const_cotangents(inputs, params, lse2, d_out, delta, want_dconsts)),)
+
+
+def consts_perturbed(inputs: Inputs) -> bool:
+  """Whether an array a score_mod closes over is differentiated (``inputs`` as a
+  ``symbolic_zeros`` forward rule receives them): only then does a backward pay for
+  `const_cotangents`."""
+  return inputs.score_consts is not None and any(c.perturbed for c in inputs.score_consts)
+
+
+def const_cotangents(inputs: Inputs, params: Params, lse2, d_out, delta, wanted: bool):
+  """The cotangents of `Inputs.score_consts` (None unless ``wanted``): one blockwise XLA pass
+  over the whole call, whichever backend ran the rest of the backward."""
+  if not wanted:
+    return None
+  return score_const_gradients(without_sinks(inputs), params, lse2, d_out, delta)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
