@@ -125,27 +125,18 @@ class Split:
     """The dtypes of the lookups' values."""
     return tuple(eqn.outvars[0].aval.dtype for eqn in self.lookups)
 
-  def band_values(self, batch: int, heads: int, t: int, s: int) -> jax.Array | None:
+  def band_values(self, batch: int, heads: int, t: int, s: int, consts=None,
+                  raw: bool = False):
     """The lookups' values on every diagonal, int32 [F, B or 1, N or 1, T + S] (`to_int32`):
     entry ``i`` is the value where ``q_idx - kv_idx = i - S``; None unless the lookups are
     `diagonal_lookups`. Each is evaluated at ``q_idx = i - S, kv_idx = 0``, which gives the
-    value of every (query, key) pair on that diagonal."""
+    value of every (query, key) pair on that diagonal. ``consts`` and ``raw`` as `features`
+    take them."""
     if not self.diagonal_lookups:
       return None
     wanted = [eqn.outvars[0] for eqn in self.lookups]
-    deps = set().union(*(self.deps[v] for eqn in self.lookups for v in eqn.invars[1:]
-                         if isinstance(v, jcore.Var)))
-    b_axis = jnp.arange(batch, dtype=jnp.int32) if BATCH in deps else jnp.zeros(1, jnp.int32)
-    h_axis = jnp.arange(heads, dtype=jnp.int32) if HEAD in deps else jnp.zeros(1, jnp.int32)
-    diagonals = jnp.arange(-s, t, dtype=jnp.int32)
-
-    def at(b, h, d):
-      values = self._evaluate({BATCH: b, HEAD: h, Q: d, KV: jnp.int32(0)}, wanted)
-      return jnp.stack([to_int32(jnp.reshape(x, ())) for x in values])
-
-    per_diagonal = jax.vmap(at, in_axes=(None, None, 0), out_axes=-1)
-    per_head = jax.vmap(per_diagonal, in_axes=(None, 0, None), out_axes=-2)
-    return jax.vmap(per_head, in_axes=(0, None, None), out_axes=-3)(b_axis, h_axis, diagonals)
+    return self._tabulate(wanted, batch, heads, jnp.arange(-s, t, dtype=jnp.int32),
+                          lambda d: (d, jnp.int32(0)), consts, raw)
 
   @functools.cached_property
   def _banded(self) -> tuple[dict, tuple]:
@@ -277,33 +268,43 @@ class Split:
   # --- Features, outside the kernels ---------------------------------------------------------
 
   def features(self, variables: tuple, batch: int, heads: int, length: int,
-               index: str) -> jax.Array | None:
+               index: str, consts=None, raw: bool = False):
     """``variables`` (row or column features) for every (batch row, head, position) of the
     axis ``index`` (`Q` or `KV`), stacked as int32 [F, B or 1, N or 1, length] (`to_int32`);
     a feature's batch (head) axis is 1 where no feature depends on the batch row (head).
-    None when there are none."""
+    None when there are none. ``consts``: the arrays the function closes over (its own by
+    default); ``raw``: a tuple of [B or 1, N or 1, length] arrays in their own dtypes instead,
+    through which gradients reach ``consts``."""
     if not variables:
       return None
-    deps = set().union(*(self.deps[v] for v in variables))
+    zero = jnp.int32(0)
+    return self._tabulate(variables, batch, heads, jnp.arange(length, dtype=jnp.int32),
+                          lambda i: (i if index == Q else zero, i if index == KV else zero),
+                          consts, raw)
+
+  def _tabulate(self, wanted, batch: int, heads: int, positions, indices, consts, raw: bool):
+    """``wanted`` (one value per entry) at every (batch row, head, position), the query and
+    key indices of a position being ``indices(position)``: as `features` returns them."""
+    deps = set().union(*(self.deps[v] for v in wanted))
     b_axis = jnp.arange(batch, dtype=jnp.int32) if BATCH in deps else jnp.zeros(1, jnp.int32)
     h_axis = jnp.arange(heads, dtype=jnp.int32) if HEAD in deps else jnp.zeros(1, jnp.int32)
-    positions = jnp.arange(length, dtype=jnp.int32)
-    zero = jnp.int32(0)
 
     def at(b, h, i):
-      env = {BATCH: b, HEAD: h, Q: i if index == Q else zero, KV: i if index == KV else zero}
-      values = self._evaluate(env, variables)
-      return jnp.stack([to_int32(x) for x in values])
+      q, kv = indices(i)
+      values = [jnp.reshape(x, ()) for x in self._evaluate({BATCH: b, HEAD: h, Q: q, KV: kv},
+                                                           wanted, consts)]
+      return tuple(values) if raw else jnp.stack([to_int32(x) for x in values])
 
     per_position = jax.vmap(at, in_axes=(None, None, 0), out_axes=-1)
     per_head = jax.vmap(per_position, in_axes=(None, 0, None), out_axes=-2)
     return jax.vmap(per_head, in_axes=(0, None, None), out_axes=-3)(b_axis, h_axis, positions)
 
-  def _evaluate(self, env_by_index: dict, wanted: tuple) -> list:
-    """The values of ``wanted`` (variables that do not depend on both indices) from the
-    indices in ``env_by_index``, running only the equations they need."""
+  def _evaluate(self, env_by_index: dict, wanted, consts=None) -> list:
+    """The values of ``wanted`` (variables of one entry) from the indices in
+    ``env_by_index`` and ``consts`` (its own by default), running only the equations they
+    need."""
     jaxpr = self.closed.jaxpr
-    env = dict(zip(jaxpr.constvars, self.closed.consts))
+    env = dict(zip(jaxpr.constvars, self.closed.consts if consts is None else consts))
     env.update(zip(self.index_vars, (env_by_index[name] for name in INDICES)))
     needed = _needed(jaxpr, wanted)
     for eqn in jaxpr.eqns:

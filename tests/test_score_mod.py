@@ -342,22 +342,35 @@ def test_the_split_separates_query_and_key_terms(rule, separated):
     assert float(jnp.max(jnp.abs(got - want))) <= 1e-6 * float(jnp.max(jnp.abs(want)))
 
 
-def _learned(table, slopes, n_table):
+def _learned(table, slopes, n_table, gathered=False):
   """T5-like: a gate on the score, a learned table per distance times a learned per-head
-  scale, and an ALiBi-like term of learned slopes (a row and a column feature)."""
+  scale, and an ALiBi-like term of learned slopes (a row and a column feature). ``gathered``:
+  the table read at (q_idx + kv_idx) instead, a lookup that is no function of the distance."""
   def score_mod(score, b, h, i, j):
     distance = jnp.clip(i - j, -(n_table // 2), n_table // 2) + n_table // 2
+    if gathered:
+      distance = (i + j) % n_table
     return (2.0 * jnp.tanh(score / 2.0) + table[h % table.shape[0], distance] * slopes[h]
             - slopes[h] * (i - j).astype(jnp.float32) * 0.01)
   return score_mod
 
 
-@pytest.mark.parametrize("implementation", ("xla", "triton", "mosaic"))
-def test_gradients_of_captured_arrays(implementation):
+@pytest.mark.parametrize("implementation,kind", [
+    ("xla", "diagonal"), ("triton", "diagonal"), ("mosaic", "diagonal"), ("xla", "gathered"),
+    ("triton", "gathered")])
+def test_gradients_of_captured_arrays(implementation, kind, monkeypatch):
   """Arrays a score_mod closes over get their gradients when they are differentiated (a learned
   relative-position table, per-head slopes), equal to the dense reference's, whichever backend
   runs the call; under jit, with GQA, a causal band, lengths and T != S. An integer array it
-  closes over (document ids) gets none, and is no error."""
+  closes over (document ids) gets none, and is no error. A lookup through q_idx - kv_idx takes
+  the features' way (sums along rows, columns and diagonals), any other the per-entry one."""
+  from jaxflash.backends.xla import backward as xla_backward
+
+  def refuse(*args):
+    raise AssertionError("the other way ran")
+
+  monkeypatch.setattr(xla_backward, "_per_entry" if kind == "diagonal" else
+                      "_through_features", refuse)
   dtype = jnp.bfloat16 if implementation == "mosaic" else jnp.float32
   q, kk, v, d_out = random_qkv(21, B, T, S, N, K, 64, dtype)
   table = random_array(22, (N, 41), "float")
@@ -366,7 +379,7 @@ def test_gradients_of_captured_arrays(implementation):
   lengths = jnp.array([S, 30])
 
   def loss(fn, table, slopes):
-    rule = _learned(table, slopes, 40)
+    rule = _learned(table, slopes, 40 if kind == "diagonal" else 41, kind == "gathered")
     both = lambda score, b, h, i, j: jnp.where(  # noqa: E731
         docs[jnp.minimum(i, S - 1)] >= docs[j] - 5, rule(score, b, h, i, j), score)
     out = fn(both)
@@ -383,6 +396,32 @@ def test_gradients_of_captured_arrays(implementation):
   for g, w in zip(got, want):
     assert rel_err(g, w) < tolerance
   assert float(jnp.max(jnp.abs(got[0]))) > 0  # (the test can fail: zeros were the bug)
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
+def test_gradients_of_captured_arrays_sharded():
+  """A learned table's and slopes' gradients under batch- and head-sharded inputs (Auto and
+  Explicit axes) equal one device's."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  q, kk, v, d_out = random_qkv(26, 4, 24, 24, 4, 2, 16)
+  table, slopes = random_array(27, (4, 41), "float"), random_array(28, (4,), "float")
+
+  @jax.jit
+  def grads(q, kk, v, d_out, table, slopes):
+    def loss(table, slopes):
+      out = attention("xla", q, kk, v, score_mod=_learned(table, slopes, 40), is_causal=True)
+      return jnp.sum(out * d_out)
+    return jax.grad(loss, argnums=(0, 1))(table, slopes)
+
+  want = grads(q, kk, v, d_out, table, slopes)
+  for axis_type in (AxisType.Auto, AxisType.Explicit):
+    mesh = jax.make_mesh((2, 2) if jax.device_count() >= 4 else (2, 1), ("b", "h"),
+                         axis_types=(axis_type,) * 2)
+    with jax.set_mesh(mesh):
+      put = lambda x: jax.device_put(x, NamedSharding(mesh, P("b", None, "h")))  # noqa: E731
+      got = grads(put(q), put(kk), put(v), put(d_out), table, slopes)
+    for g, w in zip(got, want):
+      assert rel_err(g, w) < F32_TOLERANCE
 
 
 def test_captured_arrays_not_differentiated_cost_nothing(monkeypatch):

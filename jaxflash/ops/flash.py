@@ -57,10 +57,14 @@ def consts_perturbed(inputs: Inputs) -> bool:
 
 def const_cotangents(inputs: Inputs, params: Params, lse2, d_out, delta, wanted: bool):
   """The cotangents of `Inputs.score_consts` (None unless ``wanted``): one blockwise XLA pass
-  over the whole call, whichever backend ran the rest of the backward."""
+  over the whole call, whichever backend ran the rest of the backward. (Under Explicit mesh
+  axes it runs on whole arrays, which XLA's partitioner would otherwise split for it.)"""
   if not wanted:
     return None
-  return score_const_gradients(without_sinks(inputs), params, lse2, d_out, delta)
+  whole = lambda x: x if _core.explicit_spec(x) is None else jax.reshard(  # noqa: E731
+      x, jax.sharding.PartitionSpec())
+  args = jax.tree.map(whole, (without_sinks(inputs), lse2, d_out, delta))
+  return score_const_gradients(args[0], params, *args[1:])
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))

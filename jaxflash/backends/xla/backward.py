@@ -12,9 +12,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxflash import _core
+from jaxflash import mask_mod as mask_mod_lib
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.xla import blocks
 from jaxflash.backends.xla.blocks import Config
@@ -120,14 +122,18 @@ def score_const_gradients(inputs: Inputs, params: Params, lse2, d_out, delta,
   """The gradients of the arrays a score_mod closes over (`Inputs.score_consts`, in the order
   of its split's jaxpr; None for those that are not floating point): the sum over every
   visible entry of dZ (the loss's derivative w.r.t. the entry's logit after the score_mod)
-  times the derivative of the score_mod's result w.r.t. the arrays, which `jax.vjp` of the
-  whole function takes on each tile. One pass of the dQ loop's tiles, in a fixed order
-  (deterministic), whatever backend computed the rest of the gradient; it recomputes S, P
-  and dP, so it costs about an XLA backward. (A relative-position table's gradient is the sum
-  of dZ along each diagonal; a kernel could add it up as it goes.)"""
+  times the derivative of the score_mod's result w.r.t. the arrays. One pass over the dQ
+  loop's tiles in a fixed order (deterministic), whatever backend computed the rest of the
+  gradient; it recomputes S, P and dP.
+
+  A rule the kernels run (`Split.kernel_reason` None) whose lookups, if any, read through
+  ``q_idx - kv_idx`` alone goes through its features: each tile's dZ times the tile rule's
+  derivative w.r.t. its row features, column features and lookups (`jax.vjp` of `Split.tile`)
+  is summed along rows, columns and diagonals (`_diagonal_sums`), and `jax.vjp` of the
+  features (`Split.features`, `Split.band_values`) takes those sums to the arrays: no
+  per-entry scatter. Any other rule takes `jax.vjp` of the whole function per entry
+  (`Split.reference`), whose scatter into the arrays is slow."""
   rule = params.score_rule
-  consts = inputs.score_consts
-  wanted = [jnp.issubdtype(jnp.result_type(c), jnp.floating) for c in consts]
   lay = blocks.layout(inputs, config)
   blk = blocks.Blocks(inputs, lay, params)
   bq, bk = lay.block_q, lay.block_k
@@ -136,19 +142,54 @@ def score_const_gradients(inputs: Inputs, params: Params, lse2, d_out, delta,
       lay.b, lay.t, lay.kh, lay.g, lay.hv), 1, lay.t_pad)
   lse2 = blocks.pad_axis(lse2.reshape(lay.b, lay.kh, lay.g, lay.t), 3, lay.t_pad, jnp.inf)
   delta = blocks.pad_axis(delta.reshape(lay.b, lay.kh, lay.g, lay.t), 3, lay.t_pad)
-  heads = jnp.arange(lay.kh * lay.g, dtype=jnp.int32).reshape(1, lay.kh, lay.g, 1, 1)
-  batch = jnp.arange(lay.b, dtype=jnp.int32).reshape(lay.b, 1, 1, 1, 1)
 
-  def tile(q_start, k_start, q_blk, do_blk, grads):
+  def dz_and_z(q_start, k_start, q_blk, do_blk):
+    """A tile's dZ (0 where nothing is seen) and the score_mod's input logits there."""
     k_blk, v_blk = blocks.rows(blk.k, k_start, bk), blocks.rows(blk.v, k_start, bk)
     s2, _ = blk.logits(q_blk, k_blk, q_start, k_start)
     p = jnp.exp2(s2 - blocks.rows(lse2, q_start, bq, axis=3)[..., None])
     dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
     dz = p * (_core.dropped(dp, blk.keep(q_start, k_start), params)
               - blocks.rows(delta, q_start, bq, axis=3)[..., None])
-    dz = jnp.where(p > 0, dz, 0.0)  # (no NaN from entries nothing sees)
     qk = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32)
-    z, _ = _core.logits(qk, plain, None)
+    return jnp.where(p > 0, dz, 0.0), _core.logits(qk, plain, None)[0]
+
+  def over_tiles(init, tile):
+    """``carry = tile(q_start, k_start, dz, z, carry)`` over every tile the dQ loop visits
+    (``carry`` a pytree of float32 arrays)."""
+    typed = lambda c: jax.tree.map(  # noqa: E731 (varying like the tiles: `Blocks.carry`)
+        lambda x: _core.varying_like(x, blk.manual_axes), c)
+
+    def query_block(carry, i):
+      q_start = i * bq
+      q_blk, do_blk = blocks.rows(blk.q, q_start, bq), blocks.rows(do, q_start, bq)
+
+      def body(j, c, masked):
+        del masked
+        return tile(q_start, j * bk, *dz_and_z(q_start, j * bk, q_blk, do_blk), c)
+      return blk.schedule.visit_kv(q_start, blk.pos, body, typed(carry),
+                                   spans=blk.kv_spans(i)), None
+
+    carry, _ = lax.scan(query_block, typed(init),
+                        jnp.arange(lay.t_pad // bq, dtype=jnp.int32))
+    return carry
+
+  if rule.kernel_reason is None and (not rule.lookups or rule.diagonal_lookups):
+    return _through_features(rule, inputs.score_consts, lay, over_tiles)
+  return _per_entry(rule, inputs.score_consts, lay, over_tiles)
+
+
+def _floating(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _per_entry(rule, consts, lay, over_tiles) -> tuple:
+  """`score_const_gradients` by `jax.vjp` of the whole function on each tile."""
+  bq, bk = lay.block_q, lay.block_k
+  heads = jnp.arange(lay.kh * lay.g, dtype=jnp.int32).reshape(1, lay.kh, lay.g, 1, 1)
+  batch = jnp.arange(lay.b, dtype=jnp.int32).reshape(lay.b, 1, 1, 1, 1)
+
+  def tile(q_start, k_start, dz, z, grads):
     q_idx = jnp.minimum(q_start + jnp.arange(bq, dtype=jnp.int32), lay.t - 1)
     k_idx = jnp.minimum(k_start + jnp.arange(bk, dtype=jnp.int32), lay.s - 1)
 
@@ -160,17 +201,83 @@ def score_const_gradients(inputs: Inputs, params: Params, lse2, d_out, delta,
     return tuple(g if g is None else g + d.astype(jnp.float32)
                  for g, d in zip(grads, vjp(dz)))
 
-  def query_block(grads, i):
-    q_start = i * bq
-    q_blk, do_blk = blocks.rows(blk.q, q_start, bq), blocks.rows(do, q_start, bq)
-    grads = blk.schedule.visit_kv(
-        q_start, blk.pos, lambda j, g, masked: tile(q_start, j * bk, q_blk, do_blk, g),
-        blk.carry(grads), spans=blk.kv_spans(i))
-    return grads, None
-
-  zeros = tuple(jnp.zeros(jnp.shape(c), jnp.float32) if want else None
-                for c, want in zip(consts, wanted))
-  grads, _ = lax.scan(query_block, blk.carry(zeros), jnp.arange(lay.t_pad // bq,
-                                                                  dtype=jnp.int32))
+  zeros = tuple(jnp.zeros(jnp.shape(c), jnp.float32) if _floating(c) else None
+                for c in consts)
+  grads = over_tiles(zeros, tile)
   return tuple(None if g is None else g.astype(jnp.result_type(c))
                for g, c in zip(grads, consts))
+
+
+def _through_features(rule, consts, lay, over_tiles) -> tuple:
+  """`score_const_gradients` through the rule's features and lookups (see there)."""
+  b, n, t, s = lay.b, lay.kh * lay.g, lay.t, lay.s
+  bq, bk = lay.block_q, lay.block_k
+  shape = (b, lay.kh, lay.g, bq, bk)
+
+  def derived(*arrays):  # (row features, column features, lookups per diagonal)
+    return (rule.features(rule.row_vars, b, n, t, mask_mod_lib.Q, arrays, raw=True) or (),
+            rule.features(rule.col_vars, b, n, s, mask_mod_lib.KV, arrays, raw=True) or (),
+            rule.band_values(b, n, t, s, arrays, raw=True) or ())
+
+  values, vjp_derived = jax.vjp(derived, *consts)
+  lengths = (lay.t_pad, lay.s_pad, lay.t_pad + lay.s_pad)
+
+  def grouped(x):  # [B|1, N|1, ...] -> [B|1, K|1, G|1, ...]
+    heads = (lay.kh, lay.g) if x.shape[1] > 1 else (1, 1)
+    return x.reshape(x.shape[:1] + heads + x.shape[2:])
+
+  def ungrouped(x):  # the inverse
+    return x.reshape(x.shape[:1] + (x.shape[1] * x.shape[2],) + x.shape[3:])
+
+  def tile(q_start, k_start, dz, z, sums):
+    q_idx = q_start + jnp.arange(bq, dtype=jnp.int32)
+    k_idx = k_start + jnp.arange(bk, dtype=jnp.int32)
+    rows = [grouped(blocks.rows(blocks.pad_axis(x, 2, lay.t_pad), q_start, bq, axis=2))[
+        ..., :, None] for x in values[0]]
+    cols = [grouped(blocks.rows(blocks.pad_axis(x, 2, lay.s_pad), k_start, bk, axis=2))[
+        ..., None, :] for x in values[1]]
+    diagonal = jnp.clip(q_idx[:, None] - k_idx[None, :] + s, 0, t + s - 1)
+    bands = [grouped(x[..., diagonal]) for x in values[2]]
+
+    def scores(rows, cols, bands):
+      return rule.tile(shape, q_idx.reshape(1, 1, 1, bq, 1), k_idx.reshape(1, 1, 1, 1, bk),
+                       list(rows), list(cols), score=z,
+                       bands=list(bands) if rule.lookups else None)
+
+    _, vjp = jax.vjp(scores, rows, cols, bands)
+    d_rows, d_cols, d_bands = vjp(dz)
+    # Each sum's window: the tile's rows, its keys, and its diagonals (from q - k = q_start -
+    # k_start - (bk - 1) on, at q - k + S_pad).
+    starts = (q_start, k_start, q_start - k_start - (bk - 1) + lay.s_pad)
+    made = ([ungrouped(d[..., 0]) for d in d_rows], [ungrouped(d[..., 0, :]) for d in d_cols],
+            [_diagonal_sums(ungrouped(d)) for d in d_bands])
+    return tuple(tuple(None if acc is None else _add_at(acc, part.astype(jnp.float32), start)
+                       for acc, part in zip(kind, parts))
+                 for kind, parts, start in zip(sums, made, starts))
+
+  init = tuple(tuple(jnp.zeros(x.shape[:2] + (length,), jnp.float32) if _floating(x) else None
+                     for x in kind) for kind, length in zip(values, lengths))
+  sums = over_tiles(init, tile)
+  windows = ((0, t), (0, s), (lay.s_pad - s, lay.s_pad + t))
+  cotangents = tuple(
+      tuple(np.zeros(x.shape, jax.dtypes.float0) if acc is None else
+            acc[..., lo:hi].astype(x.dtype) for acc, x in zip(kind, xs))
+      for kind, xs, (lo, hi) in zip(sums, values, windows))
+  return tuple(g if _floating(c) else None for g, c in zip(vjp_derived(cotangents), consts))
+
+
+def _add_at(acc, part, start):
+  """``acc`` with ``part`` added along its last axis from ``start`` on."""
+  size = part.shape[-1]
+  old = lax.dynamic_slice_in_dim(acc, start, size, axis=acc.ndim - 1)
+  return lax.dynamic_update_slice_in_dim(acc, old + part, start, axis=acc.ndim - 1)
+
+
+def _diagonal_sums(x):
+  """[..., R, C] -> [..., R + C - 1]: entry ``i`` the sum of x[r, c] over r - c = i - (C - 1).
+  (The columns reversed and each row shifted one further than the last, by padding and
+  reshaping, so that a diagonal becomes a column.)"""
+  r, c = x.shape[-2:]
+  y = jnp.pad(x[..., ::-1], [(0, 0)] * (x.ndim - 1) + [(0, r)])  # [..., R, C + R]
+  y = y.reshape(x.shape[:-2] + (r * (c + r),))[..., :r * (c + r - 1)]
+  return y.reshape(x.shape[:-2] + (r, c + r - 1)).sum(axis=-2)
