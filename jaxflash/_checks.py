@@ -100,8 +100,8 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       mask_consts=mask_consts, sinks=sinks, score_q_features=score_features[0],
       score_kv_features=score_features[1], score_kv_scalars=score_features[2],
       score_consts=score_consts,
-      score_tables=score_tables, score_bands=score_features[3], q_descale=descales[0], k_descale=descales[1],
-      v_descale=descales[2])
+      score_tables=score_tables, score_bands=score_features[3], q_descale=descales[0],
+      k_descale=descales[1], v_descale=descales[2])
   params = Params(scale=scale, window=window, logits_soft_cap=logits_soft_cap,
                   dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
                   interpret=interpret, table_block=table_block, mask_rule=split,

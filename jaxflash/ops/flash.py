@@ -58,7 +58,7 @@ def consts_perturbed(inputs: Inputs) -> bool:
 def const_cotangents(inputs: Inputs, params: Params, lse2, d_out, delta, wanted: bool):
   """The cotangents of `Inputs.score_consts` (None unless ``wanted``): one blockwise XLA pass
   over the whole call, whichever backend ran the rest of the backward. (Under Explicit mesh
-  axes it runs on whole arrays, which XLA's partitioner would otherwise split for it.)"""
+  axes it runs on whole arrays: its products would otherwise mix operands sharded unlike.)"""
   if not wanted:
     return None
   whole = lambda x: x if _core.explicit_spec(x) is None else jax.reshard(  # noqa: E731
