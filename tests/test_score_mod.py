@@ -5,8 +5,9 @@ calls the same function on the dense logits; outputs and the gradients of query,
 The rules: ALiBi (a per-head slope times the distance: a row feature and index arithmetic,
 which kernels can evaluate per tile), a tanh gate (elementwise on the score), a relative-position
 table read with both indices (a lookup: the Triton kernels gather it, the Mosaic kernels read a
-band of its values per diagonal), and a score_mod of one index only. Every one combines with the causal band, lengths, GQA,
-a soft cap, a bias, a mask_mod and sinks.
+band of its values per diagonal), and a score_mod of one index only. Every one combines with
+the causal band, lengths, GQA, a soft cap, a bias, a mask_mod and sinks. Arrays a score_mod
+closes over get gradients when they are differentiated.
 """
 
 from __future__ import annotations
