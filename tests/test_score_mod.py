@@ -425,6 +425,16 @@ def test_gradients_of_captured_arrays_sharded():
       assert rel_err(g, w) < F32_TOLERANCE
 
 
+def test_the_gradient_pass_tiles():
+  """As large as 1024 x 1024, smaller where the batch and heads would make a tile hold more
+  than 2^26 entries."""
+  from jaxflash.backends.xla import backward as xla_backward
+  size = lambda b, n: xla_backward.gradient_config(  # noqa: E731
+      jaxflash._core.Inputs(query=jax.ShapeDtypeStruct((b, 8, n, 16), jnp.float32), key=None,
+                            value=None, lengths=None)).block_q
+  assert (size(4, 16), size(8, 16), size(64, 64), size(1024, 128)) == (1024, 512, 128, 128)
+
+
 def test_captured_arrays_not_differentiated_cost_nothing(monkeypatch):
   """The pass that makes a captured array's gradient runs only when the array is
   differentiated: not for a constant, nor for a jit argument whose gradient no one asks."""
