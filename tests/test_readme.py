@@ -48,9 +48,10 @@ def test_readme_links_stay_in_the_repository():
 
 
 def _anchors(path: Path) -> set[str]:
-  """GitHub's anchors of a markdown file's headings."""
+  """GitHub's anchors of a markdown file's headings (punctuation dropped but ``-`` and ``_``,
+  spaces made ``-``)."""
   heads = re.findall(r"^#+ (.*)$", path.read_text(), flags=re.M)
-  return {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-") for h in heads}
+  return {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-") for h in heads}
 
 
 def test_docs_links_resolve():
