@@ -187,6 +187,29 @@ def test_mosaic_kernels_under_x64_lower_for_cuda(cuda_plugin):
   assert "mosaic_gpu" in text and "jaxflash_backward_dkv" not in text
 
 
+def test_a_float64_table_under_x64(cuda_plugin):
+  """Under jax_enable_x64 a float64 relative-position table: the Mosaic kernels read its band
+  (float32 bits) and lower for CUDA, and its gradient (float64) equals the reference's."""
+  with jax.enable_x64(True):
+    table = jnp.linspace(-1.0, 1.0, 4 * 599).reshape(4, 599)
+    rule_of = lambda t: lambda s, b, h, i, j: s + t[h, i - j + 299]  # noqa: E731
+    q = jax.ShapeDtypeStruct((1, 300, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 300, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+      out = jaxflash.flash_attention(q, k, v, score_mod=rule_of(table), is_causal=True,
+                                     implementation="mosaic")
+      return jnp.sum(out.astype(jnp.float32))
+
+    assert "mosaic_gpu" in lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+    x = random_array(29, (1, 40, 4, 16), "float").astype(jnp.float32)
+    got = jax.grad(lambda t: jnp.sum(jnp.sin(attention("xla", x, x, x,
+                                                       score_mod=rule_of(t)))))(table)
+    want = jax.grad(lambda t: jnp.sum(jnp.sin(jaxflash.reference_attention(
+        x, x, x, score_mod=rule_of(t))[0])))(table)
+  assert got.dtype == jnp.float64 and rel_err(got, want) < F32_TOLERANCE
+
+
 @pytest.mark.gpu
 def test_mosaic_kernels_under_x64():
   with jax.enable_x64(True):
