@@ -29,23 +29,14 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
   lay = blocks.layout(inputs, config)
   blk = blocks.Blocks(inputs, lay, params)
   bq, bk = lay.block_q, lay.block_k
-  q_dtype = inputs.query.dtype
-  out_dtype = jnp.float32 if params.partial else q_dtype
-  do = blocks.pad_axis(d_out.astype(q_dtype).reshape(lay.b, lay.t, lay.kh, lay.g, lay.hv), 1,
-                       lay.t_pad)
-  # Per-row statistics grouped [B, K, G, T_pad]; padded rows get lse2 = +inf, hence P = 0.
-  lse2 = blocks.pad_axis(lse2.reshape(lay.b, lay.kh, lay.g, lay.t), 3, lay.t_pad, jnp.inf)
-  delta = blocks.pad_axis(delta.reshape(lay.b, lay.kh, lay.g, lay.t), 3, lay.t_pad)
+  out_dtype = jnp.float32 if params.partial else inputs.query.dtype
+  do, lse2, delta = _padded_rows(inputs, lay, lse2, d_out, delta)
 
   def tile_grads(q_start, k_start, q_blk, k_blk, v_blk, do_blk):
     """One tile's dropped P (for dV), dZ (w.r.t. the natural logits, i.e. dbias) and dS (w.r.t.
     q @ k.T before the final `scale`)."""
-    s2, chain = blk.logits(q_blk, k_blk, q_start, k_start, derivative=True)
-    p = jnp.exp2(s2 - blocks.rows(lse2, q_start, bq, axis=3)[..., None])
-    dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
-    keep = blk.keep(q_start, k_start)
-    dz = p * (_core.dropped(dp, keep, params)
-              - blocks.rows(delta, q_start, bq, axis=3)[..., None])
+    p, keep, dz, chain = _tile_dz(blk, params, lse2, delta, q_start, k_start, q_blk, k_blk,
+                                  v_blk, do_blk, derivative=True)
     return _core.dropped(p, keep, params), dz, _core.dlogits_to_dqk(dz, chain)
 
   def bias_tile(dz):
@@ -133,6 +124,29 @@ def gradient_config(inputs: Inputs) -> Config:
   return Config(block_q=size, block_k=size)
 
 
+def _padded_rows(inputs: Inputs, lay: blocks.Layout, lse2, d_out, delta):
+  """``(dO, lse2, delta)`` grouped by K/V head and padded to whole query blocks: dO [B, T_pad, K,
+  G, Dv], the per-row statistics [B, K, G, T_pad]; padded rows get lse2 = +inf, hence P = 0."""
+  do = blocks.pad_axis(d_out.astype(inputs.query.dtype).reshape(
+      lay.b, lay.t, lay.kh, lay.g, lay.hv), 1, lay.t_pad)
+  lse2 = blocks.pad_axis(lse2.reshape(lay.b, lay.kh, lay.g, lay.t), 3, lay.t_pad, jnp.inf)
+  delta = blocks.pad_axis(delta.reshape(lay.b, lay.kh, lay.g, lay.t), 3, lay.t_pad)
+  return do, lse2, delta
+
+
+def _tile_dz(blk: blocks.Blocks, params: Params, lse2, delta, q_start, k_start, q_blk, k_blk,
+             v_blk, do_blk, derivative: bool = False, qk=None):
+  """``(P, keep mask, dZ, chain)`` of one tile: dZ the loss's derivative w.r.t. the natural
+  logits (`_padded_rows`' statistics; ``qk`` as `Blocks.logits` takes it)."""
+  bq = q_blk.shape[1]
+  s2, chain = blk.logits(q_blk, k_blk, q_start, k_start, derivative=derivative, qk=qk)
+  p = jnp.exp2(s2 - blocks.rows(lse2, q_start, bq, axis=3)[..., None])
+  dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
+  keep = blk.keep(q_start, k_start)
+  dz = p * (_core.dropped(dp, keep, params) - blocks.rows(delta, q_start, bq, axis=3)[..., None])
+  return p, keep, dz, chain
+
+
 def score_const_gradients(inputs: Inputs, params: Params, lse2, d_out, delta,
                           config: Config | None = None) -> tuple:
   """The gradients of the arrays a score_mod closes over (`Inputs.score_consts`, in the order
@@ -155,20 +169,14 @@ def score_const_gradients(inputs: Inputs, params: Params, lse2, d_out, delta,
   blk = blocks.Blocks(inputs, lay, params)
   bq, bk = lay.block_q, lay.block_k
   plain = dataclasses.replace(params, score_rule=None)  # (the score_mod's input logits)
-  do = blocks.pad_axis(d_out.astype(inputs.query.dtype).reshape(
-      lay.b, lay.t, lay.kh, lay.g, lay.hv), 1, lay.t_pad)
-  lse2 = blocks.pad_axis(lse2.reshape(lay.b, lay.kh, lay.g, lay.t), 3, lay.t_pad, jnp.inf)
-  delta = blocks.pad_axis(delta.reshape(lay.b, lay.kh, lay.g, lay.t), 3, lay.t_pad)
+  do, lse2, delta = _padded_rows(inputs, lay, lse2, d_out, delta)
 
   def dz_and_z(q_start, k_start, q_blk, do_blk):
     """A tile's dZ (0 where nothing is seen) and the score_mod's input logits there."""
     k_blk, v_blk = blocks.rows(blk.k, k_start, bk), blocks.rows(blk.v, k_start, bk)
-    s2, _ = blk.logits(q_blk, k_blk, q_start, k_start)
-    p = jnp.exp2(s2 - blocks.rows(lse2, q_start, bq, axis=3)[..., None])
-    dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
-    dz = p * (_core.dropped(dp, blk.keep(q_start, k_start), params)
-              - blocks.rows(delta, q_start, bq, axis=3)[..., None])
-    qk = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32)
+    qk = blocks.qk_of(q_blk, k_blk)
+    p, _, dz, _ = _tile_dz(blk, params, lse2, delta, q_start, k_start, q_blk, k_blk, v_blk,
+                           do_blk, qk=qk)
     return jnp.where(p > 0, dz, 0.0), _core.logits(qk, plain, None)[0]
 
   def over_tiles(init, tile):
@@ -193,27 +201,21 @@ def score_const_gradients(inputs: Inputs, params: Params, lse2, d_out, delta,
 
   if rule.kernel_reason is None and (not rule.lookups or rule.diagonal_lookups):
     return _through_features(rule, inputs.score_consts, lay, over_tiles)
-  return _per_entry(rule, inputs.score_consts, lay, over_tiles)
+  return _per_entry(rule, inputs.score_consts, blk, over_tiles)
 
 
 def _floating(x) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
-def _per_entry(rule, consts, lay, over_tiles) -> tuple:
+def _per_entry(rule, consts, blk: blocks.Blocks, over_tiles) -> tuple:
   """`score_const_gradients` by `jax.vjp` of the whole function on each tile."""
-  bq, bk = lay.block_q, lay.block_k
-  heads = jnp.arange(lay.kh * lay.g, dtype=jnp.int32).reshape(1, lay.kh, lay.g, 1, 1)
-  batch = jnp.arange(lay.b, dtype=jnp.int32).reshape(lay.b, 1, 1, 1, 1)
+  bq, bk = blk.lay.block_q, blk.lay.block_k
 
   def tile(q_start, k_start, dz, z, grads):
-    q_idx = jnp.minimum(q_start + jnp.arange(bq, dtype=jnp.int32), lay.t - 1)
-    k_idx = jnp.minimum(k_start + jnp.arange(bk, dtype=jnp.int32), lay.s - 1)
-
-    def scores(*arrays):
-      return rule.reference(batch, heads, q_idx.reshape(1, 1, 1, bq, 1),
-                            k_idx.reshape(1, 1, 1, 1, bk), consts=arrays, score=z)
-
+    q_idx = (q_start + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, 1, bq, 1)
+    k_idx = (k_start + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, bk)
+    scores = lambda *arrays: blk.whole_function(rule, arrays, q_idx, k_idx, z)  # noqa: E731
     _, vjp = jax.vjp(scores, *consts)
     return tuple(g if g is None else g + d.astype(jnp.float32)
                  for g, d in zip(grads, vjp(dz)))

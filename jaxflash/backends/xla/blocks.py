@@ -74,6 +74,11 @@ def rows(x, start, size, axis=1):
   return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
+def qk_of(q_blk, k_blk):
+  """A tile's Q Kᵀ in float32, [B, K, G, bq, bk]."""
+  return jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32)
+
+
 def _per_row(x, lay: Layout):
   """[B] -> [B, 1, 1, 1, 1], to broadcast against [B, K, G, rows, cols] tiles."""
   return x.reshape(lay.b, 1, 1, 1, 1)
@@ -146,11 +151,13 @@ class Blocks:
     # Two one-axis slices: no literal 0 indices, whose type would differ under x64.
     return rows(rows(x, q_start, self.lay.block_q, axis=3), k_start, self.lay.block_k, axis=4)
 
-  def logits(self, q_blk, k_blk, q_start, k_start, derivative: bool = False):
+  def logits(self, q_blk, k_blk, q_start, k_start, derivative: bool = False, qk=None):
     """Base-2 logits [B, K, G, bq, bk] of one tile, masked to -inf; also the backward's chain
-    factor (`_core.logits_base2`, with the score_mod's derivative when ``derivative``)."""
+    factor (`_core.logits_base2`, with the score_mod's derivative when ``derivative``).
+    ``qk``: the tile's Q Kᵀ where the caller has it already (`qk_of`)."""
     bq, bk = q_blk.shape[1], k_blk.shape[1]
-    qk = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32)
+    if qk is None:
+      qk = qk_of(q_blk, k_blk)
     bias = None if self.bias is None else self._tile(self.bias, q_start, k_start)
     q_idx = (q_start + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, 1, bq, 1)
     k_idx = (k_start + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, bk)
@@ -185,11 +192,7 @@ class Blocks:
     shape = (lay.b, lay.kh, lay.g, lay.block_q, lay.block_k)
     q_idx, k_idx = jnp.broadcast_to(q_idx, shape), jnp.broadcast_to(k_idx, shape)
     if rule.kernel_reason is not None:
-      heads = jnp.arange(lay.kh * lay.g, dtype=jnp.int32).reshape(1, lay.kh, lay.g, 1, 1)
-      batch = jnp.arange(lay.b, dtype=jnp.int32).reshape(lay.b, 1, 1, 1, 1)
-      # (Padding rows and keys are clamped into range: the function may index arrays.)
-      return rule.reference(batch, heads, jnp.minimum(q_idx, lay.t - 1),
-                            jnp.minimum(k_idx, lay.s - 1), consts=consts, score=score)
+      return self.whole_function(rule, consts, q_idx, k_idx, score)
 
     def features(x, start, size, dtypes, axis):  # [F, B|1, N|1, L] -> F tiles
       if x is None:
@@ -209,6 +212,16 @@ class Blocks:
       return rule.tile_fn(shape, q_idx, k_idx, rows_of, cols_of,
                           lookup=lambda t, flat: jnp.take(tables[t], flat))(score)
     return rule.tile(shape, q_idx, k_idx, rows_of, cols_of, score=score)
+
+  def whole_function(self, rule, consts, q_idx, k_idx, score=None):
+    """``rule``'s whole function on one tile's index tiles (broadcasting to [B, K, G, bq, bk])
+    and the captured arrays ``consts`` (`Split.reference`): padding rows and keys are clamped
+    into range, since the function may index arrays with them."""
+    lay = self.lay
+    heads = jnp.arange(lay.kh * lay.g, dtype=jnp.int32).reshape(1, lay.kh, lay.g, 1, 1)
+    batch = jnp.arange(lay.b, dtype=jnp.int32).reshape(lay.b, 1, 1, 1, 1)
+    return rule.reference(batch, heads, jnp.minimum(q_idx, lay.t - 1),
+                          jnp.minimum(k_idx, lay.s - 1), consts=consts, score=score)
 
   def keep(self, q_start, k_start):
     """Dropout keep mask [B, K, G, bq, bk] of one tile (absolute coordinates), or None."""
