@@ -158,8 +158,8 @@ class Split:
   def banded_reads(self, var) -> bool:
     """Whether the tile rule, given its lookups as band tiles, reads ``var`` (a row or column
     feature): a kernel loads or computes only those."""
-    place, eqns = self._banded
-    return var is self.closed.jaxpr.outvars[0] or any(var in eqn.invars for eqn in eqns)
+    return var is self.closed.jaxpr.outvars[0] or any(var in eqn.invars
+                                                      for eqn in self._banded[1])
 
   def table_arrays(self, consts=None) -> tuple:
     """The captured arrays the lookups read, flattened (``consts``: the jaxpr's, by default)."""

@@ -121,13 +121,12 @@ def _positions(lengths_ref, offsets_ref, batch) -> Positions:
   return Positions(lengths_ref[batch, 0], lengths_ref[batch, 1], *offsets)
 
 
-def _probabilities(s, lse2, params: Params, visible, score=None):
+def _probabilities(s, lse2, params: Params, visible, make_score=None):
   """``(p, chain)``: P = exp2(base-2 logits − LSE) of a raw score tile, 0 where ``visible`` (a
   boolean tile, or None) is false, and the chain factor of the soft cap and the score_mod
-  (``score``, this tile's, or None; `_core.logits_base2`). ``lse2`` is already broadcast to the
-  tile."""
-  if hasattr(score, "ready"):  # (lookups loaded now, S being done: `fwd.score_of`)
-    score = score.ready()
+  (``make_score()``, this tile's, made now that S is done: `fwd.score_of`'s ``deferred``; or
+  None; `_core.logits_base2`). ``lse2`` is already broadcast to the tile."""
+  score = None if make_score is None else make_score()
   s2, chain = _core.logits_base2(s, params, None, score, derivative=True)
   if visible is not None:
     s2 = jnp.where(visible, s2, -jnp.inf)
@@ -278,15 +277,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       plgpu.barrier_wait(smem["do_ready"].at[slot])
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
 
-      # The score_mod on the transposed [keys, rows] tile (None without one).
-      score = fwd.score_of(params, extras, batch, head, shape, lambda: _cols(q_cols(), shape),
+      # What makes the score_mod of the transposed [keys, rows] tile (None without one).
+      make_score = fwd.score_of(params, extras, batch, head, shape, lambda: _cols(q_cols(), shape),
                            k_idx, rows, keys, lambda x: _cols(x, shape),
                            lambda x: fwd._rows(x, shape), _COLS, _ROWS, transposed=True,
                            deferred=True)
 
       def probabilities(s):  # Pᵀ (while dPᵀ is in flight)
         lse2 = _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape)
-        return _probabilities(s, lse2, params, visible, score)
+        return _probabilities(s, lse2, params, visible, make_score)
 
       ds16 = None
       if want_dk:
@@ -817,12 +816,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
       plgpu.barrier_wait(k_ready.at[slot])
       plgpu.barrier_wait(v_ready.at[slot])
       k_tile = k_smem.at[slot]
-      score = fwd.score_of(params, extras, batch, head, shape, lambda: fwd._rows(q_rows(), shape),
-                           k_idx, rows, keys, lambda x: fwd._rows(x, shape),
-                           lambda x: _cols(x, shape), _ROWS, _COLS, deferred=True)
+      make_score = fwd.score_of(
+          params, extras, batch, head, shape, lambda: fwd._rows(q_rows(), shape), k_idx, rows,
+          keys, lambda x: fwd._rows(x, shape), lambda x: _cols(x, shape), _ROWS, _COLS,
+          deferred=True)
       (p, chain), dp = _wgmma_scores(
           q_tile, k_tile, do_tile, v_smem.at[slot], shape,
-          lambda s: _probabilities(s, lse2, params, visible, score))
+          lambda s: _probabilities(s, lse2, params, visible, make_score))
       plgpu.barrier_arrive(v_free.at[slot])
       ds16 = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
                                   chain).astype(k_tile.dtype)

@@ -191,16 +191,11 @@ def expand_band(values: jax.Array, t: int, width: int, transposed: bool) -> jax.
   queries. ``base`` exceeds every padded length, so every tile's rows lie inside; diagonals
   past the call's (padding entries, never visible) take the nearest value."""
   s = values.shape[-1] - t
-  base = band_base(t, s)
+  base = _round_up(max(t, s), 512) + 512  # (past any kernel's padded lengths)
   m = jnp.arange(2 * base, dtype=jnp.int32)[:, None]
   c = jnp.arange(width, dtype=jnp.int32)[None, :]
   diagonal = c + base - m if transposed else m - base - c
   return values[..., jnp.clip(diagonal + s, 0, t + s - 1)]
-
-
-def band_base(t: int, s: int) -> int:
-  """`expand_band`'s row of diagonal 0 (a tile's first column): past every padded length."""
-  return _round_up(max(t, s), 512) + 512
 
 
 def band_tiles(ref, batch, head, rows, keys, transposed: bool, dtypes) -> list:
@@ -267,15 +262,18 @@ def score_of(params: Params, extras: _Extras, batch, head, shape, q_idx, kv_idx,
   """The score_mod of a ``shape`` tile as a function of its scores (arguments as `rule_mask`;
   ``transposed`` for a [key, query] tile), or None without one. Its features, lookups and
   index tiles are loaded and built here, outside the function: the backward differentiates it
-  (`jax.jvp`), and Mosaic GPU's loads have no derivative. ``deferred`` leaves the lookups'
-  loads to the function's ``ready()``, which returns the function (`score_fn`): a backward
-  calls it once S is done, so that the tile of lookups does not hold registers while the
-  products run (on an H200, ptxas spilled 520 bytes in a backward kernel with the loads
-  first, 108 with them deferred, and forward+backward of a relative-position table at 4k
-  took 3.13 ms instead of 3.32)."""
-  return score_fn(params, shape, score_inputs(params, extras, batch, head, q_idx, kv_idx, rows,
-                                              keys, broadcast_rows, broadcast_keys, row_layout,
-                                              key_layout, transposed, deferred))
+  (`jax.jvp`), and Mosaic GPU's loads have no derivative. ``deferred``: a function that
+  returns it instead, loading the lookups when called; a backward calls it once S is done, so
+  that the tile of lookups does not hold registers while the products run (on an H200, ptxas
+  spilled 520 bytes in a backward kernel with the loads first, 108 with them deferred, and
+  forward+backward of a relative-position table at 4k took 3.13 ms instead of 3.32)."""
+  inputs = score_inputs(params, extras, batch, head, q_idx, kv_idx, rows, keys, broadcast_rows,
+                        broadcast_keys, row_layout, key_layout, transposed, deferred)
+  if inputs is None:
+    return None
+  if deferred:
+    return functools.partial(score_fn, params, shape, inputs)
+  return score_fn(params, shape, inputs)
 
 
 def score_inputs(params: Params, extras: _Extras, batch, head, q_idx, kv_idx, rows, keys,
@@ -314,10 +312,8 @@ def score_fn(params: Params, shape, inputs):
   if inputs is None:
     return None
   q_tile, kv_tile, rows_of, cols_of, bands = inputs
-  if callable(bands):  # (deferred lookups: `ready()` loads them, outside any jvp)
-    deferred = lambda: score_fn(params, shape, inputs[:4] + (bands(),))  # noqa: E731
-    deferred.ready = deferred
-    return deferred
+  if callable(bands):  # (deferred lookups, loaded now: outside the function a jvp takes)
+    bands = bands()
   return lambda z: params.score_rule.tile(shape, q_tile, kv_tile, rows_of, cols_of, score=z,
                                           bands=bands)
 
