@@ -213,6 +213,9 @@ def test_block_lists_visit_exactly_the_visible_blocks(transpose):
       partial = list(packed[2:2 + packed[0]])
       full = list(packed[2 + width:2 + width + packed[1]])
       assert partial == sorted(partial) and full == sorted(full)
+      # (Entries past a count are block 0, one that exists, whatever a kernel reads there.)
+      assert not packed[2 + packed[0]:2 + width].any()
+      assert not packed[2 + width + packed[1]:].any()
       visible = np.flatnonzero(states[row] != bm.EMPTY)
       assert sorted(partial + full) == list(visible)
       # A block the lists call full has every entry visible (valid query rows; padding rows

@@ -760,6 +760,21 @@ def test_atomic_backward_where_it_measured_faster(h, t, causal, deterministic, p
     assert config.backward.atomic_pass().registers == 240
 
 
+@pytest.mark.parametrize("h,want", [(64, 128), (128, 128), (256, 32)])
+def test_block_table_calls_take_wider_dq_tiles(h, want):
+  """Calls that walk a block table take `BLOCK_TABLE_BACKWARD`'s dQ tiles (128 keys at D = 128,
+  where they measured faster); the same call without one keeps `BACKWARD_TUNED`'s."""
+  from jaxflash.backends.mosaic import config as mosaic_config
+  q = jnp.zeros((1, 256, 2, h), BF16)
+  device = devices.Device("gpu", "NVIDIA H200", True)
+  plain = _checks.normalise(q, q, q)
+  blocks = _checks.normalise(q, q, q, mask_mod=lambda b, h, i, j: i >= j)
+  tiles = mosaic.BACKEND.default_config(blocks.inputs, blocks.params, device).backward
+  plain_tiles = mosaic.BACKEND.default_config(plain.inputs, plain.params, device).backward
+  assert tiles == dataclasses.replace(plain_tiles, dq_block_kv=want)
+  assert plain_tiles.dq_block_kv == mosaic_config.BACKWARD_TUNED[h].dq_block_kv
+
+
 @needs_cuda_plugin
 @pytest.mark.parametrize("h,kernels", [(64, 2), (128, 3)])
 def test_atomic_backward_lowers(h, kernels):

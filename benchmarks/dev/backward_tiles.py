@@ -9,7 +9,13 @@ Prints one line per variant: forward and forward+backward ms, the backward's TFL
 fwd+bwd − fwd; 2·(3·H + 2·Dv) FLOPs per visible entry, as benchmarks/model_features.py counts),
 and the relative error of dQ, dK and dV in head 0 against the float32 reference (MHA: head 0's
 gradients depend on head 0 alone). ``--out`` writes the rows as JSON; ``--smoke`` runs a tiny
-shape in Mosaic GPU's interpreter (CI keeps it working).
+shape in Mosaic GPU's interpreter (CI keeps it working). ``--block-fraction 0.1`` runs
+benchmarks/masks.py's random block pattern instead of the causal band (FLOPs on its visible
+entries), and ``--profile`` adds each kernel's GPU time per call (the forward, dQ and dK/dV
+kernels are named in a profile):
+
+    PYTHONPATH=. python benchmarks/dev/backward_tiles.py --h 128 --dv 128 --heads 16 \
+        --seq 16384 --block-fraction 0.1 --variants shipped dq_kv128 --profile
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import time_calls  # noqa: E402
-from forward_tiles import parse_args, random_qkv  # noqa: E402
+from forward_tiles import block_pattern, parse_args, random_qkv  # noqa: E402
+from mask_parts import kernel_ms  # noqa: E402
 
 from jaxflash.attention import attention_with_config  # noqa: E402
 from jaxflash.backends import mosaic  # noqa: E402
@@ -43,6 +50,9 @@ VARIANTS = {
     "dq_stages3": dict(dq_stages=3),
     "dkv_stages3": dict(dkv_stages=3),
     "dkv_stages4": dict(dkv_stages=4),
+    "stages3": dict(dkv_stages=3, dq_stages=3),
+    "dq_kv128": dict(dq_block_kv=128),
+    "dq_stages4": dict(dq_stages=4),
     "dkv_q32": dict(dkv_block_q=32, dv_block_q=64),
     "dq_kv32": dict(dq_block_kv=32),
     "triton": None,
@@ -64,13 +74,16 @@ def main(argv=None) -> list[dict]:
   args = parse_args(__doc__, VARIANTS, "shipped", (192, 128), argv)
   b, s, n = args.batch, args.seq, args.heads
   q, k, v, d_out = random_qkv(args)
+  pattern, dense, visible = block_pattern(args)
+  causal = args.causal and dense is None
   head0 = lambda x: x[:1, :, :1].astype(jnp.float32)  # noqa: E731
-  want = jax.jit(_grads(lambda q, k, v: reference_attention(q, k, v, is_causal=args.causal)[0],
+  want = jax.jit(_grads(lambda q, k, v: reference_attention(q, k, v, mask=dense,
+                                                            is_causal=causal)[0],
                         head0(d_out)))(head0(q), head0(k), head0(v))
-  entries = b * n * (s * (s + 1) // 2 if args.causal else s * s)
+  entries = b * n * visible
   bwd_flops = 2.0 * (3 * args.h + 2 * args.dv) * entries
   kind = "NVIDIA H200" if args.smoke else jax.devices()[0].device_kind
-  shipped = mosaic.default_config(args.h, jnp.bfloat16, args.causal, s, kind,
+  shipped = mosaic.default_config(args.h, jnp.bfloat16, causal, s, kind,
                                   value_dim=args.dv)
   rows = []
   for name in args.variants:
@@ -80,8 +93,7 @@ def main(argv=None) -> list[dict]:
       backward = None if fields is None else dataclasses.replace(shipped.backward, **fields)
       config = dataclasses.replace(shipped, backward=backward)
       fn = lambda q, k, v, config=config: attention_with_config(  # noqa: E731
-          q, k, v, is_causal=args.causal, config=config, implementation="mosaic",
-          interpret=args.smoke)
+          q, k, v, config=config, implementation="mosaic", interpret=args.smoke, **pattern)
       grads = _grads(fn, d_out)
       grads = grads if args.smoke else jax.jit(grads)  # (the interpreter runs eagerly)
       got = grads(q, k, v)
@@ -91,6 +103,9 @@ def main(argv=None) -> list[dict]:
         total_ms = time_calls(grads, (q, k, v))[0]
         row.update(fwd_ms=round(fwd_ms, 4), fwdbwd_ms=round(total_ms, 4),
                    bwd_tflops=round(bwd_flops / (total_ms - fwd_ms) / 1e9, 1))
+        if args.profile:
+          row["kernels_ms"] = {name: round(ms, 4) for name, ms
+                               in kernel_ms(grads, q, k, v).most_common(6)}
     except Exception as e:  # noqa: BLE001 (a variant that does not fit or lower: say why)
       row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     rows.append(row)

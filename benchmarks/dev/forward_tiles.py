@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cases import time_calls  # noqa: E402
 
+import jaxflash  # noqa: E402
 from jaxflash.attention import attention_with_config  # noqa: E402
 from jaxflash.backends import mosaic  # noqa: E402
 from jaxflash.reference import reference_attention  # noqa: E402
@@ -52,6 +53,12 @@ def parse_args(doc: str, variants: dict, smoke_variant: str, smoke_dims: tuple[i
   parser.add_argument("--seq", type=int, default=8192)
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--no-causal", dest="causal", action="store_false")
+  parser.add_argument("--block-fraction", type=float,
+                      help="a random pattern of 128 x 128 blocks with this fraction visible "
+                           "(benchmarks/masks.py's block cases and seed), given as a block "
+                           "mask, with no causal band")
+  parser.add_argument("--profile", action="store_true",
+                      help="also each kernel's GPU time per call (a profile)")
   parser.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants))
   parser.add_argument("--smoke", action="store_true")
   parser.add_argument("--out", type=Path)
@@ -59,6 +66,22 @@ def parse_args(doc: str, variants: dict, smoke_variant: str, smoke_dims: tuple[i
   if args.smoke:
     (args.h, args.dv), args.heads, args.seq, args.variants = smoke_dims, 2, 70, [smoke_variant]
   return args
+
+
+def block_pattern(args: argparse.Namespace) -> tuple[dict, jax.Array | None, float]:
+  """What ``--block-fraction`` asks for: the attention call's keyword arguments (a block mask, or
+  the causal band), the dense mask [1, 1, S, S] of the reference (None: the band) and the
+  visible (query, key) entries of one batch row and head."""
+  s = args.seq
+  if args.block_fraction is None:
+    return dict(is_causal=args.causal), None, s * (s + 1) / 2 if args.causal else s * s
+  import masks  # (benchmarks/masks.py: the block cases' pattern and seed)
+  blocks = -(-s // 128)
+  seed = masks.CASES.index("block_10pct")
+  visible = jnp.asarray(masks.block_pattern(blocks, args.block_fraction, seed))[None, None]
+  dense = jnp.repeat(jnp.repeat(visible, 128, 2), 128, 3)[..., :s, :s]
+  block_mask = jaxflash.BlockMask.from_blocks(visible, s, s)
+  return dict(block_mask=block_mask), dense, float(dense.sum())
 
 
 def random_qkv(args: argparse.Namespace):
@@ -75,8 +98,10 @@ def main(argv=None) -> list[dict]:
   args = parse_args(__doc__, VARIANTS, "kv64", (64, 32), argv)
   b, s, n = args.batch, args.seq, args.heads
   q, k, v, _ = random_qkv(args)
-  want, _ = reference_attention(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], is_causal=args.causal)
-  entries = b * n * (s * (s + 1) // 2 if args.causal else s * s)
+  pattern, dense, visible = block_pattern(args)
+  want, _ = reference_attention(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], mask=dense,
+                                is_causal=args.causal and dense is None)
+  entries = b * n * visible
   flops = 2.0 * (args.h + args.dv) * entries
   rows = []
   for name in args.variants:
@@ -84,8 +109,7 @@ def main(argv=None) -> list[dict]:
     try:
       config = dataclasses.replace(mosaic.Config(), **VARIANTS[name])
       fn = jax.jit(lambda q, k, v, config=config: attention_with_config(
-          q, k, v, is_causal=args.causal, config=config, implementation="mosaic",
-          interpret=args.smoke))
+          q, k, v, config=config, implementation="mosaic", interpret=args.smoke, **pattern))
       got = np.asarray(fn(q, k, v)[:1, :, :1], np.float64)
       err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
       ms = time_calls(fn, (q, k, v))[0] if not args.smoke else 0.0

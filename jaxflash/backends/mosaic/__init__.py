@@ -67,7 +67,8 @@ def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
 def _default_config(inputs: Inputs, params: Params, device: Device) -> Config | None:
   q = inputs.query
   return default_config(q.shape[-1], q.dtype, params.window.is_causal, q.shape[1], device.kind,
-                        params.partial, inputs.value.shape[-1])
+                        params.partial, inputs.value.shape[-1],
+                        block_table=inputs.block_table is not None)
 
 
 def _preferred(inputs: Inputs, params: Params, device: Device) -> bool:

@@ -647,6 +647,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
       grid_names=("heads", "k_tiles", "batch"),
       num_threads=_CONSUMERS + 1,
       thread_name="wg",
+      kernel_name=_dkv_name(grads, atomic),
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
       interpret=plgpu.InterpretGPUParams() if params.interpret else None,
   )
@@ -662,6 +663,13 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     visited = jnp.repeat(first < k_tiles, block_q, axis=1)[:, :, None, None]
     grads_out["dq"] = (jnp.where(visited, grads_out["dq"], 0.0) * params.scale).astype(q.dtype)
   return grads_out
+
+
+def _dkv_name(grads, atomic: bool) -> str:
+  """The dK/dV kernel's name in a profile: what it computes (the dV and dK passes, or the one
+  pass that forms dQ too)."""
+  name = "".join(g for g in ("dq", "dk", "dv") if g in grads)
+  return f"jaxflash_mosaic_{name}{'_atomic' if atomic else ''}"
 
 
 def _with_zeroed_sum(run, operands, dq_shape, out_type: dict) -> dict:
@@ -910,6 +918,7 @@ def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Bac
       grid_names=("heads", "q_tiles", "batch"),
       num_threads=_CONSUMERS + 1,
       thread_name="wg",
+      kernel_name="jaxflash_mosaic_dq",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
       interpret=plgpu.InterpretGPUParams() if params.interpret else None,
   )(q, k, v, d_out, lse2, delta, inputs.lengths, inputs.offsets, extras)

@@ -333,6 +333,17 @@ BACKWARD_TUNED_VALUE_DIM: dict[tuple[int, int], Backward] = {
 }
 
 
+# Backward fields over `BACKWARD_TUNED`'s for calls with a block table (a mask_mod, a block
+# mask, a dense mask, segment ids), by padded head dim. Their tiles' key blocks come from a
+# list in memory, in no order, so the dQ kernel's K and V loads hit L2 less and wait longer
+# behind each list read: 128-key tiles give each load twice the work to hide behind. H200,
+# 2026-11-25 (benchmarks/dev/backward_tiles.py --block-fraction 0.1, B = 1, 16k, 16 heads,
+# kernel times from a profile, two runs): the dQ kernel 518 against 550-583 µs with 64-key
+# tiles (three or four stages of 64: 548, 567); a causal band without a table, 2157 against
+# 2155 (no change, so not worth a second rule there).
+BLOCK_TABLE_BACKWARD: dict[int, dict] = {128: dict(dq_block_kv=128)}
+
+
 # Where calls with deterministic=False take the atomic one pass: (padded head dim, causal) ->
 # `Backward` fields over `BACKWARD_TUNED`'s. H200, 2026-11-24 (benchmarks/results/h200/grid.json,
 # runs atomic_, llama_ and atomic_d128_2026-11-24; benchmarks/dev/atomic_check.py), forward+
@@ -373,20 +384,23 @@ def _tuned_from_length(device_kind: str, hp: int, causal: bool) -> int:
   return (_for_kind(TUNED_FROM_LENGTH, device_kind) or {}).get((hp, causal), 0)
 
 
-def _backward_tiles(hp: int, causal: bool, hv: int) -> Backward:
+def _backward_tiles(hp: int, causal: bool, hv: int, block_table: bool) -> Backward:
   if hv != hp:
     return BACKWARD_TUNED_VALUE_DIM.get((hp, hv), Backward())
-  return dataclasses.replace(BACKWARD_TUNED.get(hp, Backward()),
-                             **ATOMIC_TUNED.get((hp, causal), {}))
+  fields = dict(ATOMIC_TUNED.get((hp, causal), {}))
+  if block_table:
+    fields.update(BLOCK_TABLE_BACKWARD.get(hp, {}))
+  return dataclasses.replace(BACKWARD_TUNED.get(hp, Backward()), **fields)
 
 
 def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: str,
-                   partial: bool = False, value_dim: int | None = None) -> Config | None:
+                   partial: bool = False, value_dim: int | None = None,
+                   block_table: bool = False) -> Config | None:
   """`TUNED`'s config (persistent on this device's SM count), else it on one CTA per tile,
   else the 128-key tile, else the 64-key one, whichever first fits in shared memory (a float32
   partial result, or a value head dim ``value_dim`` unlike ``head_dim``, needs O tiles of its
   own); None if none fits (partial results at D = 256). Causal CTAs are launched heaviest
-  first."""
+  first. ``block_table``: the call walks a block table (`BLOCK_TABLE_BACKWARD`)."""
   # (The Triton backward's tiles for the wider of the two head dims: it serves Dv != H.)
   backward = triton_config.default_config(max(head_dim, value_dim or 0), dtype, causal, q_len,
                                           device_kind)
@@ -401,7 +415,7 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
     if tuned.get("persistent_ctas"):
       candidates.insert(0, dict(tuned, persistent_ctas=sm_count(device_kind)))
   mosaic_backward = _backward_tiles(padded_head_dim(head_dim), causal,
-                                    padded_head_dim(value_dim or head_dim))
+                                    padded_head_dim(value_dim or head_dim), block_table)
   for fields in candidates:
     config = Config(triton=backward, backward=mosaic_backward, **fields)
     if fits(config, head_dim, partial, value_dim, 1 if fp8.is_fp8(dtype) else 2):

@@ -1129,6 +1129,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
       grid_names=names,
       num_threads=_CONSUMERS + 1,
       thread_name="wg",
+      kernel_name="jaxflash_mosaic_forward",
       # No automatic warpgroup barriers around loads, stores and branches: no thread reads and
       # writes the same shared memory, and commit_smem orders the O and LSE tiles before TMA.
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
