@@ -18,7 +18,9 @@ from jaxflash import mask_mod as mm
 from jaxflash.backends import UnsupportedCallError
 from jaxflash.masking import make_window
 from jaxflash.schedule import block_lists
-from checks import F32_TOLERANCE, ON_GPU, attention, check, dense_mask_of, rel_err
+from checks import (F32_TOLERANCE, ON_GPU, attention, check, dense_mask_of, random_qkv,
+                    rel_err)
+from jaxflash.reference import reference_attention
 
 B, N = 2, 4
 _rng = np.random.RandomState(0)
@@ -337,6 +339,69 @@ def test_gather_on_both_indices_falls_back_to_xla():
     attention("triton", q, q, q, mask_mod=GATHER_BOTH)
   assert jaxflash.implementation_for(q, q, q, mask_mod=GATHER_BOTH) == "xla"
   check("xla", b=1, t=70, s=70, n=2, k=2, h=16, mask_mod=_maker(GATHER_BOTH))
+
+
+def _few_rows_case(kind: str, t: int, s: int):
+  """``(flash_attention keyword arguments, the dense mask [B or 1, N or 1, T, S] they mean)``
+  for a decoding-shaped call (few query rows against many keys)."""
+  blocks = np.array([True, False, True, True])[:-(-s // 128)]
+  pattern = np.repeat(blocks, 128)[:s][None, None, None, :]
+  if kind == "table_only":  # a BlockMask made by hand, with no mask_mod: visible blocks full
+    table = jnp.asarray(np.where(blocks, bm.FULL, bm.EMPTY)[None, None, None], jnp.int8)
+    made = jaxflash.BlockMask(table, None, None, None, 128, 128, t, s)
+    return dict(block_mask=made), np.broadcast_to(pattern, (1, 1, t, s))
+  if kind == "from_blocks":
+    made = jaxflash.BlockMask.from_blocks(jnp.asarray(blocks)[None], t, s)
+    return dict(block_mask=made), np.broadcast_to(pattern, (1, 1, t, s))
+  fn = {"documents": lambda b, h, q, k: (DOCS[b, q + s - t] == DOCS[b, k]) | (k < 3),
+        "per_head": MASK_MODS["per_head"], "gather_both": GATHER_BOTH}[kind]
+  return dict(mask_mod=fn), np.asarray(fn(*_indices(B, N, t, s)))
+
+
+@pytest.mark.parametrize("kind", ["table_only", "from_blocks", "documents", "per_head",
+                                  "gather_both"])
+def test_block_masks_on_few_query_rows_take_the_split_kv_kernel(kind, monkeypatch):
+  """A block mask or a mask_mod on a call of a few query rows (a decoding step) runs the
+  split-KV decoding kernel, its T rows of the mask made dense, GQA and odd lengths; forward,
+  LSE and gradients against the reference. A hand-made BlockMask with no mask_mod (every
+  visible block full) once ran there with its table ignored. A mask_mod no Pallas kernel can
+  run (a gather on both indices) goes to the XLA backend, as it does with more rows."""
+  from jaxflash.backends.triton import decode
+  jax.clear_caches()  # (the spy counts traces)
+  ran = []
+  split_kv = decode.forward
+  monkeypatch.setattr(decode, "forward", lambda *a: ran.append(a) or split_kv(*a))
+  t, s, k = 3, 300, 2
+  q, kk, v, d_out = random_qkv(4, B, t, s, N, k, 40)
+  options, dense = _few_rows_case(kind, t, s)
+  ours = lambda q, kk, v: jaxflash.flash_attention(  # noqa: E731
+      q, kk, v, return_residual=True, interpret=not ON_GPU, **options)
+  (out, lse), vjp = jax.vjp(ours, q, kk, v)
+  (want, want_lse), ref_vjp = jax.vjp(
+      lambda *x: reference_attention(*x, mask=jnp.asarray(dense)), q, kk, v)
+  assert len(ran) == (kind != "gather_both")
+  assert rel_err(out, want) < F32_TOLERANCE
+  seen = np.isfinite(np.asarray(want_lse))
+  assert rel_err(np.where(seen, lse, 0), np.where(seen, want_lse, 0)) < F32_TOLERANCE
+  for got, ref in zip(vjp((d_out, jnp.zeros_like(lse))), ref_vjp((d_out, jnp.zeros_like(lse)))):
+    assert rel_err(got, ref) < F32_TOLERANCE
+
+
+def test_block_masks_too_large_to_make_dense_run_the_training_kernels(monkeypatch):
+  """Above `MAX_DENSE_ENTRIES` (a long cache with a mask per head and 16 query rows) the
+  split-KV kernel declines a block mask, and the training kernels walk its lists."""
+  from jaxflash.backends.triton import decode
+  monkeypatch.setattr(decode, "MAX_DENSE_ENTRIES", 1000)
+  jax.clear_caches()
+  ran = []
+  split_kv = decode.forward
+  monkeypatch.setattr(decode, "forward", lambda *a: ran.append(a) or split_kv(*a))
+  t, s = 2, 300
+  q, kk, v, _ = random_qkv(5, B, t, s, N, 2, 32)
+  options, dense = _few_rows_case("per_head", t, s)
+  out = jaxflash.flash_attention(q, kk, v, interpret=not ON_GPU, **options)
+  want, _ = reference_attention(q, kk, v, mask=jnp.asarray(dense))
+  assert not ran and rel_err(out, want) < F32_TOLERANCE
 
 
 class MaskModTransformsTest(chex.TestCase):

@@ -19,8 +19,9 @@ offsets put query row ``t`` of batch row ``b`` at position ``kv_len - T + t``, c
 optionally with a left window. A `jaxflash.flash_attention` call with few query rows comes as it
 is, with no offsets (a top-left band), and query lengths zero the rows past them. Soft caps and
 dense masks too (a decoding step through a Flax hook brings its cache mask [B, 1, 1, S]: keys
-past a row's last visible one are skipped like a shorter cache); no biases, segments, dropout
-or mask_mod.
+past a row's last visible one are skipped like a shorter cache). A block mask or a mask_mod
+(whose rows are few here) is made a dense mask of the call's T rows first
+(`_block_mask_as_dense`); no biases, segments, dropout or score_mod.
 The backward stays the training backward (the residuals, O and the LSE, are the same).
 """
 
@@ -37,7 +38,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxflash import _core
+from jaxflash import block_mask as block_mask_lib
 from jaxflash import fp8
+from jaxflash import mask_mod as mask_mod_lib
 from jaxflash import masking
 from jaxflash import merge
 from jaxflash._core import Inputs, Params
@@ -96,13 +99,73 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
     return f"G·T = {inputs.query.shape[1] * inputs.query.shape[2] // inputs.key.shape[2]} rows"
   if any(x is not None for x in (inputs.bias, inputs.q_segment_ids, inputs.dropout_seed)):
     return "biases, segments and dropout"
-  if params.mask_rule is not None or params.score_rule is not None:
-    return "mask_mod, score_mod and block masks (a dense mask it takes)"
+  if params.score_rule is not None:
+    return "score_mod"
+  if params.mask_rule is not None and params.mask_rule.kernel_reason is not None:
+    return params.mask_rule.kernel_reason
+  if inputs.block_table is not None and _dense_entries(inputs) > MAX_DENSE_ENTRIES:
+    return (f"a block mask of {_dense_entries(inputs)} entries made dense (at most "
+            f"{MAX_DENSE_ENTRIES})")
   if params.partial:
     return "partial results (ring attention)"
   if fp8.is_fp8(inputs.query.dtype):
     return "float8 inputs"
   return None
+
+
+# The most entries (batch rows or 1 x heads or 1 x T x S) of a block mask that `forward` makes
+# dense: 16M bytes of mask for the kernel, and the mask_mod's intermediates of that size. A
+# decoding step of B = 8 at 32k keys, one query row and one mask for every head is 262k; per
+# head with 32 heads, 8M. Larger calls run the training kernels, which walk the block lists.
+MAX_DENSE_ENTRIES = 1 << 24
+
+
+def _dense_shape(inputs: Inputs) -> tuple[int, int, int, int]:
+  """(B or 1, N or 1, T, S): the dense mask a block mask makes here (an axis is 1 where the
+  table, the mask_mod's features and a dense mask all are)."""
+  b, t, n, _ = inputs.query.shape
+  parts = [x for x in (inputs.block_table, inputs.mask) if x is not None]
+  parts += [f[0] for f in (inputs.q_features, inputs.kv_features) if f is not None]
+  return (b if any(x.shape[0] > 1 for x in parts) else 1,
+          n if any(x.shape[1] > 1 for x in parts) else 1, t, inputs.key.shape[1])
+
+
+def _dense_entries(inputs: Inputs) -> int:
+  return math.prod(_dense_shape(inputs))
+
+
+def _block_mask_as_dense(inputs: Inputs, params: Params) -> tuple[Inputs, Params]:
+  """A call with a block table (a block mask or a mask_mod, a dense mask's or several) as the
+  kernel takes it: one dense boolean mask [B, N or 1, T, S], the entries its table leaves
+  visible where the mask_mod's tile rule (if any) holds and a dense mask (if any) is nonzero. Evaluated on
+  every entry: T is at most 16 here, so that is what the training kernels' partial blocks
+  would have done, and the kernel's key blocks read it as they read a dense mask."""
+  if inputs.block_table is None:
+    return inputs, params
+  shape = _dense_shape(inputs)
+  _, _, t, s = shape
+  bq, bk = params.table_block
+  table = jnp.broadcast_to(inputs.block_table, shape[:2] + inputs.block_table.shape[2:])
+  visible = jnp.repeat(jnp.repeat(table != block_mask_lib.EMPTY, bq, axis=2), bk,
+                       axis=3)[:, :, :t, :s]
+  rule = params.mask_rule
+  if rule is not None:  # (elementwise: `unsupported` declines the others, as the backend does)
+    def features(x, dtypes, axis):  # [F, B|1, N|1, L] -> F arrays of the mask's shape
+      if x is None:
+        return []
+      x = jnp.expand_dims(x, axis)
+      return [mask_mod_lib.from_int32(jnp.broadcast_to(f, shape), d) for f, d in zip(x, dtypes)]
+    visible = jnp.logical_and(visible, rule.tile(
+        shape, lax.broadcasted_iota(jnp.int32, shape, 2), lax.broadcasted_iota(jnp.int32, shape, 3),
+        features(inputs.q_features, rule.row_dtypes, 4),
+        features(inputs.kv_features, rule.col_dtypes, 3)))
+  if inputs.mask is not None:
+    visible = jnp.logical_and(visible, inputs.mask != 0)
+  b = inputs.query.shape[0]
+  inputs = inputs._replace(
+      mask=jnp.broadcast_to(visible, (b,) + visible.shape[1:]), block_table=None,
+      q_features=None, kv_features=None, mask_consts=None, mask_words=None, mask_words_t=None)
+  return inputs, dataclasses.replace(params, mask_rule=None, table_block=None)
 
 
 def default_config(inputs: Inputs, training: Config, device: Device,
@@ -469,6 +532,7 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   ``inputs.value`` only give shapes (the rows the pages make,
   `jaxflash.ops.decode.gather_pages`: under jit nothing computes them unless a backward needs
   them)."""
+  inputs, params = _block_mask_as_dense(inputs, params)
   b, t, n, _ = inputs.query.shape
   if inputs.mask is not None:
     # Keys past a row's last visible one are skipped like a shorter cache: a decoding mask
