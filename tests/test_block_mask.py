@@ -387,6 +387,27 @@ def test_block_masks_on_few_query_rows_take_the_split_kv_kernel(kind, monkeypatc
     assert rel_err(got, ref) < F32_TOLERANCE
 
 
+def test_block_mask_on_few_query_rows_on_a_sharded_batch():
+  """A decoding-shaped call with a per-row mask_mod under jit, its batch sharded over four (CPU)
+  devices: each device makes its own rows' dense mask for the split-KV kernel, and the result is
+  the unsharded call's."""
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices (tests/conftest.py fakes them on a CPU)")
+  mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  docs = jnp.asarray(np.sort(_rng.randint(0, 4, (4, 200)), axis=1))
+  fn = lambda b, h, q, k: (docs[b, q + 198] == docs[b, k]) & (k <= q + 198)  # noqa: E731
+  q = jax.random.normal(jax.random.key(6), (4, 2, 2, 16))
+  kv = jax.random.normal(jax.random.key(7), (4, 200, 2, 16))
+  call = jax.jit(lambda q, kv: jaxflash.flash_attention(q, kv, kv, mask_mod=fn,
+                                                        implementation="triton", interpret=True))
+  want = call(q, kv)
+  got = call(jax.device_put(q, sharding), jax.device_put(kv, sharding))
+  chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-6)
+  ref, _ = reference_attention(q, kv, kv, mask=dense_mask_of(fn, b=4, t=2, s=200, n=2))
+  assert rel_err(want, ref) < F32_TOLERANCE
+
+
 def test_block_masks_too_large_to_make_dense_run_the_training_kernels(monkeypatch):
   """Above `MAX_DENSE_ENTRIES` (a long cache with a mask per head and 16 query rows) the
   split-KV kernel declines a block mask, and the training kernels walk its lists."""
