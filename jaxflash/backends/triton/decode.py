@@ -137,9 +137,10 @@ def _dense_entries(inputs: Inputs) -> int:
 def _block_mask_as_dense(inputs: Inputs, params: Params) -> tuple[Inputs, Params]:
   """A call with a block table (a block mask or a mask_mod, a dense mask's or several) as the
   kernel takes it: one dense boolean mask [B, N or 1, T, S], the entries its table leaves
-  visible where the mask_mod's tile rule (if any) holds and a dense mask (if any) is nonzero. Evaluated on
-  every entry: T is at most 16 here, so that is what the training kernels' partial blocks
-  would have done, and the kernel's key blocks read it as they read a dense mask."""
+  visible where the mask_mod's tile rule (if any) holds and a dense mask (if any) is nonzero.
+  Evaluated on every entry: T is at most 16 here, so that is what the training kernels'
+  partial blocks would have done, and the kernel's key blocks read it as they read a dense
+  mask."""
   if inputs.block_table is None:
     return inputs, params
   shape = _dense_shape(inputs)
@@ -155,9 +156,9 @@ def _block_mask_as_dense(inputs: Inputs, params: Params) -> tuple[Inputs, Params
         return []
       x = jnp.expand_dims(x, axis)
       return [mask_mod_lib.from_int32(jnp.broadcast_to(f, shape), d) for f, d in zip(x, dtypes)]
+    index = lambda axis: lax.broadcasted_iota(jnp.int32, shape, axis)  # noqa: E731
     visible = jnp.logical_and(visible, rule.tile(
-        shape, lax.broadcasted_iota(jnp.int32, shape, 2), lax.broadcasted_iota(jnp.int32, shape, 3),
-        features(inputs.q_features, rule.row_dtypes, 4),
+        shape, index(2), index(3), features(inputs.q_features, rule.row_dtypes, 4),
         features(inputs.kv_features, rule.col_dtypes, 3)))
   if inputs.mask is not None:
     visible = jnp.logical_and(visible, inputs.mask != 0)
