@@ -763,7 +763,8 @@ def test_atomic_backward_where_it_measured_faster(h, t, causal, deterministic, p
 @pytest.mark.parametrize("h,want", [(64, 128), (128, 128), (256, 32)])
 def test_block_table_calls_take_wider_dq_tiles(h, want):
   """Calls that walk a block table take `BLOCK_TABLE_BACKWARD`'s dQ tiles (128 keys at D = 128,
-  where they measured faster); the same call without one keeps `BACKWARD_TUNED`'s."""
+  where they measured faster) where they fit; the same call without one keeps
+  `BACKWARD_TUNED`'s."""
   from jaxflash.backends.mosaic import config as mosaic_config
   q = jnp.zeros((1, 256, 2, h), BF16)
   device = devices.Device("gpu", "NVIDIA H200", True)
@@ -773,6 +774,12 @@ def test_block_table_calls_take_wider_dq_tiles(h, want):
   plain_tiles = mosaic.BACKEND.default_config(plain.inputs, plain.params, device).backward
   assert tiles == dataclasses.replace(plain_tiles, dq_block_kv=want)
   assert plain_tiles.dq_block_kv == mosaic_config.BACKWARD_TUNED[h].dq_block_kv
+  # A partial call's (ring attention with segment ids) float32 dQ tile leaves no room for
+  # them: it keeps the tiles that fit, not a fallback to the Triton backward.
+  # (At D = 256 no partial call fits the Mosaic kernels at all.)
+  ring = mosaic.default_config(h, BF16, True, 256, "NVIDIA H200", partial=True, block_table=True)
+  assert ring is None if h == 256 else (
+      mosaic_config.backward_smem_bytes(ring.backward, h, True) <= mosaic_config.SMEM_BUDGET)
 
 
 @needs_cuda_plugin

@@ -340,7 +340,8 @@ BACKWARD_TUNED_VALUE_DIM: dict[tuple[int, int], Backward] = {
 # 2026-11-25 (benchmarks/dev/backward_tiles.py --block-fraction 0.1, B = 1, 16k, 16 heads,
 # kernel times from a profile, two runs): the dQ kernel 518 against 550-583 µs with 64-key
 # tiles (three or four stages of 64: 548, 567); a causal band without a table, 2157 against
-# 2155 (no change, so not worth a second rule there).
+# 2155 (no change, so not worth a second rule there). Not in partial calls (ring attention with
+# segment ids): their float32 dQ tile leaves no room for them in shared memory.
 BLOCK_TABLE_BACKWARD: dict[int, dict] = {128: dict(dq_block_kv=128)}
 
 
@@ -384,13 +385,19 @@ def _tuned_from_length(device_kind: str, hp: int, causal: bool) -> int:
   return (_for_kind(TUNED_FROM_LENGTH, device_kind) or {}).get((hp, causal), 0)
 
 
-def _backward_tiles(hp: int, causal: bool, hv: int, block_table: bool) -> Backward:
+def _backward_tiles(hp: int, causal: bool, hv: int, block_table: bool,
+                    partial: bool) -> Backward:
   if hv != hp:
     return BACKWARD_TUNED_VALUE_DIM.get((hp, hv), Backward())
-  fields = dict(ATOMIC_TUNED.get((hp, causal), {}))
+  tiles = dataclasses.replace(BACKWARD_TUNED.get(hp, Backward()),
+                              **ATOMIC_TUNED.get((hp, causal), {}))
   if block_table:
-    fields.update(BLOCK_TABLE_BACKWARD.get(hp, {}))
-  return dataclasses.replace(BACKWARD_TUNED.get(hp, Backward()), **fields)
+    # (Where they fit: a partial call's float32 dQ tile of its own leaves no room for 128-key
+    # tiles, and the tuned ones beat the Triton backward that a misfit would get.)
+    wider = dataclasses.replace(tiles, **BLOCK_TABLE_BACKWARD.get(hp, {}))
+    if backward_smem_bytes(wider, hp, partial) <= SMEM_BUDGET:
+      tiles = wider
+  return tiles
 
 
 def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: str,
@@ -415,7 +422,8 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
     if tuned.get("persistent_ctas"):
       candidates.insert(0, dict(tuned, persistent_ctas=sm_count(device_kind)))
   mosaic_backward = _backward_tiles(padded_head_dim(head_dim), causal,
-                                    padded_head_dim(value_dim or head_dim), block_table)
+                                    padded_head_dim(value_dim or head_dim), block_table,
+                                    partial)
   for fields in candidates:
     config = Config(triton=backward, backward=mosaic_backward, **fields)
     if fits(config, head_dim, partial, value_dim, 1 if fp8.is_fp8(dtype) else 2):
