@@ -63,9 +63,10 @@ def flash_attention(
   A drop-in for `jax.nn.dot_product_attention`: the arguments they share mean the same thing.
   The softmax is computed blockwise with an online max/sum, so neither the logits nor the
   probabilities are ever stored; the backward pass recomputes them from the inputs and the
-  logsumexp saved by the forward pass. A call with at most 16 query rows and no mask, bias,
-  segments or dropout (decoding-like: a few queries against many keys) runs the Triton
-  backend's split-KV forward, the kernel of `decode_attention`; its backward is the same.
+  logsumexp saved by the forward pass. A call with at most 16 query rows and no bias,
+  segments, dropout or score_mod (decoding-like: a few queries against many keys) runs the
+  Triton backend's split-KV forward, the kernel of `decode_attention` (a mask, a mask_mod or a
+  block mask is read as a dense mask of those rows); its backward is the same.
 
   Notation: B batch, T query length, S key/value length, N query heads, K key/value heads
   (N % K == 0: grouped-query attention when K < N), H head dim of query and key, Dv that of
