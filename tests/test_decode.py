@@ -586,6 +586,23 @@ def test_flash_attention_routes_few_queries_to_split_kv(options, monkeypatch):
   assert ran["split_kv"] == split_kv and ran["training"] >= 1
 
 
+@pytest.mark.parametrize("first,last,splits", [(0, 512, 6), (0, 51, 6), (40, 47, 6),
+                                                (3, 3, 4), (9, 2, 4), (0, 5, 8), (7, 1000, 1)])
+def test_splits_share_out_the_rows_own_blocks(first, last, splits):
+  """`split_range` gives the splits runs that tile the row's blocks [first, last) exactly, in
+  order, none longer than ceil(blocks / splits): a cache a tenth full (51 of 512 blocks) keeps
+  every split busy instead of leaving the work to the first."""
+  from jaxflash.backends.triton.decode import split_range
+  ranges = [tuple(int(x) for x in split_range(jnp.int32(i), splits, jnp.int32(first),
+                                              jnp.int32(last))) for i in range(splits)]
+  covered = [j for lo, hi in ranges for j in range(lo, hi)]
+  assert covered == list(range(first, max(first, last)))
+  blocks = max(last - first, 0)
+  assert all(hi - lo <= -(-blocks // splits) for lo, hi in ranges)
+  if blocks >= splits:
+    assert all(hi > lo for lo, hi in ranges[:blocks // -(-blocks // splits)])
+
+
 @pytest.mark.parametrize("blocks,rows,want", [
     (2048, 32, 12),  # 32 K/V heads at B = 1, 128k keys: 384 programs, not 288 (measured)
     (512, 64, 6),  # 8 K/V heads at B = 8, 32k keys: 384 programs, not 320

@@ -412,7 +412,7 @@ def used_splits(blocks: int, splits: int) -> int:
 
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, mask_ref, o_ref, lse_ref, *,
-            params: Params, t: int, rows_used: int, blocks_per_split: int, block_k: int,
+            params: Params, t: int, rows_used: int, splits: int, block_k: int,
             page_size: int | None, split_axis: int, whole: bool, st: tiles.Static):
   """One (split, batch row, group of F K/V heads); the split is grid axis ``split_axis``.
   ``q_ref`` is the group's query tiles [F, rows, hp]; ``k_ref`` and ``v_ref`` are the row's
@@ -435,13 +435,13 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, mask_ref, 
   qs = [tiles.load(q_ref.at[i], mask=io_ok, other=0.0) for i in head_ids]  # [rows, hp]
   q_len, kv_len = lengths_ref[0], lengths_ref[1]
   diagonal = 0 if offsets_ref is None else offsets_ref[0] - offsets_ref[1]
-  lo = pl.program_id(split_axis) * blocks_per_split
-  hi = jnp.minimum(lo + blocks_per_split, pl.cdiv(kv_len, block_k))
+  first, last = 0, pl.cdiv(kv_len, block_k)  # the key blocks this batch row may see
   left, right = params.window.left, params.window.right
   if left is not None:  # blocks wholly before the earliest row's window hold nothing
-    lo = jnp.maximum(lo, lax.div(jnp.maximum(diagonal - left, 0), block_k))
+    first = lax.div(jnp.maximum(diagonal - left, 0), block_k)
   if right is not None:  # nor blocks wholly after the last row's (a top-left band ends early)
-    hi = jnp.minimum(hi, lax.div(jnp.maximum(diagonal + t - 1 + right, -1), block_k) + 1)
+    last = jnp.minimum(last, lax.div(jnp.maximum(diagonal + t - 1 + right, -1), block_k) + 1)
+  lo, hi = split_range(pl.program_id(split_axis), splits, first, last)
 
   def body(j, carry):
     pieces = _key_pieces(j, table_ref, block_k, page_size, st)
@@ -485,6 +485,17 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, mask_ref, 
     plgpu.store(lse_ref.at[i], jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)),
                                          jnp.inf if whole else -jnp.inf),
                 mask=None if rows_used == rows else row_ok)
+
+
+def split_range(split, splits: int, first, last):
+  """Key blocks ``[lo, hi)`` of split ``split`` of ``splits``: the row's blocks ``[first,
+  last)`` (those its lengths and window leave), shared out in runs of equal length (the last
+  run shorter, runs past the end empty). Sharing out the row's own blocks, not the cache's,
+  keeps every split busy when the cache is partly filled or a window sees a part of it: cut
+  by the cache's length, a cache a tenth full left one split of ten all the work."""
+  per = lax.div(jnp.maximum(last - first, 0) + (splits - 1), splits)
+  lo = first + split * per
+  return lo, jnp.maximum(jnp.minimum(lo + per, last), lo)
 
 
 def _key_pieces(j, table_ref, block_k: int, page_size: int | None, st: tiles.Static):
@@ -661,9 +672,8 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
   blocks = pl.cdiv(inputs.key.shape[1], block_k)
   splits = used_splits(blocks, config.splits)
   whole = splits == 1
-  per_split = pl.cdiv(blocks, splits)
   kernel = functools.partial(_kernel, params=params, t=t, rows_used=g * t,
-                             blocks_per_split=per_split, block_k=block_k,
+                             splits=splits, block_k=block_k,
                              page_size=None if pages is None else page_size,
                              split_axis=order.index("split"), whole=whole, st=st)
   row_pair = pl.BlockSpec((None, 2), named(lambda split, batch, head: (batch, 0)))
