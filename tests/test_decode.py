@@ -603,6 +603,41 @@ def test_splits_share_out_the_rows_own_blocks(first, last, splits):
     assert all(hi > lo for lo, hi in ranges[:blocks // -(-blocks // splits)])
 
 
+def test_visible_keys_of_a_mask():
+  """The range of keys a decoding mask lets each batch row see (what the split-KV kernel's
+  splits share out): from the first visible key of any query row or head to the last."""
+  from jaxflash.backends.triton.decode import visible_keys
+  mask = np.zeros((3, 2, 2, 50), bool)
+  mask[0, 1, 0, [7, 30]] = True
+  mask[0, 0, 1, 12] = True
+  mask[1, :, :, 40:] = True
+  first, stop = visible_keys(jnp.asarray(mask))
+  assert first.tolist() == [7, 40, 50] and stop.tolist() == [31, 50, 0]
+
+
+@pytest.mark.parametrize("window", [5, 130])
+def test_split_kv_with_a_sliding_window_mask(window, monkeypatch):
+  """A decoding step given its sliding window as a dense mask (as a Flax model with local
+  layers passes it through the hook): the kernel skips the keys before the window and four
+  splits share out the rest; the result is the reference's, rows of several lengths."""
+  from jaxflash.backends.triton import decode
+  default = decode.default_config
+  configs = []
+  monkeypatch.setattr(decode, "default_config", lambda *a, **kw: configs.append(
+      dataclasses.replace(default(*a, **kw), splits=4)) or configs[-1])
+  b, t, s, n, k, h = 3, 2, 700, 4, 2, 32
+  q, kk, v, _ = random_qkv(11, b, t, s, n, k, h)
+  length = np.array([700, 333, 64])
+  pos = np.arange(s)
+  query_pos = length[:, None] - t + np.arange(t)[None]  # [B, T]
+  mask = ((pos[None, None] <= query_pos[..., None]) & (pos[None, None] > query_pos[..., None]
+                                                       - window))[:, None]  # [B, 1, T, S]
+  ours = jaxflash.flash_attention(q, kk, v, mask=jnp.asarray(mask), implementation="triton",
+                                  interpret=interpret_for("triton"))
+  want, _ = reference_attention(q, kk, v, mask=jnp.asarray(mask))
+  assert configs and rel_err(ours, want) < TOLERANCE[jnp.float32]
+
+
 @pytest.mark.parametrize("blocks,rows,want", [
     (2048, 32, 12),  # 32 K/V heads at B = 1, 128k keys: 384 programs, not 288 (measured)
     (512, 64, 6),  # 8 K/V heads at B = 8, 32k keys: 384 programs, not 320

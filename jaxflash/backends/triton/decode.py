@@ -411,17 +411,18 @@ def used_splits(blocks: int, splits: int) -> int:
   return pl.cdiv(blocks, pl.cdiv(blocks, max(1, min(splits, blocks))))
 
 
-def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, mask_ref, o_ref, lse_ref, *,
+def _kernel(q_ref, k_ref, v_ref, bounds_ref, offsets_ref, table_ref, mask_ref, o_ref, lse_ref, *,
             params: Params, t: int, rows_used: int, splits: int, block_k: int,
             page_size: int | None, split_axis: int, whole: bool, st: tiles.Static):
   """One (split, batch row, group of F K/V heads); the split is grid axis ``split_axis``.
   ``q_ref`` is the group's query tiles [F, rows, hp]; ``k_ref`` and ``v_ref`` are the row's
   cache [S, F, hp], or with ``table_ref`` (the row's page table) the group's pages [num_pages,
-  page_size, F, hp] (see `_key_pieces`). ``offsets_ref`` holds the row's (query, key) offsets
-  (a decoding call's put the T tokens at the cache's end), or is None: both 0. Writes ``o_ref``
-  [F, rows, hp] and ``lse_ref`` [F, rows]: a partial result (float32 O, base-2 LSE, -inf where
-  the split sees no key), or with ``whole`` (one split) the result itself: O in the query dtype
-  and the internal LSE (+inf on empty rows, `jaxflash._core`)."""
+  page_size, F, hp] (see `_key_pieces`). ``bounds_ref`` holds the row's query and key lengths
+  and the first key a mask lets it see (`_launch`). ``offsets_ref`` holds the row's (query,
+  key) offsets (a decoding call's put the T tokens at the cache's end), or is None: both 0.
+  Writes ``o_ref`` [F, rows, hp] and ``lse_ref`` [F, rows]: a partial result (float32 O,
+  base-2 LSE, -inf where the split sees no key), or with ``whole`` (one split) the result
+  itself: O in the query dtype and the internal LSE (+inf on empty rows, `jaxflash._core`)."""
   heads, rows = q_ref.shape[:2]
   head_ids = [jnp.int32(i) for i in range(heads)]  # (Pallas wants array indices in loads)
   r = jnp.arange(rows)
@@ -433,12 +434,13 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, table_ref, mask_ref, 
   io_ok = tiles.tile_ok(row_io, st.dim_ok)
   out_ok = tiles.tile_ok(row_io, st.value_dim_ok)  # (O has the value's head dim)
   qs = [tiles.load(q_ref.at[i], mask=io_ok, other=0.0) for i in head_ids]  # [rows, hp]
-  q_len, kv_len = lengths_ref[0], lengths_ref[1]
+  q_len, kv_len = bounds_ref[0], bounds_ref[1]
   diagonal = 0 if offsets_ref is None else offsets_ref[0] - offsets_ref[1]
-  first, last = 0, pl.cdiv(kv_len, block_k)  # the key blocks this batch row may see
+  # The key blocks this batch row may see: from its mask's first visible key to its length.
+  first, last = lax.div(bounds_ref[2], block_k), pl.cdiv(kv_len, block_k)
   left, right = params.window.left, params.window.right
   if left is not None:  # blocks wholly before the earliest row's window hold nothing
-    first = lax.div(jnp.maximum(diagonal - left, 0), block_k)
+    first = jnp.maximum(first, lax.div(jnp.maximum(diagonal - left, 0), block_k))
   if right is not None:  # nor blocks wholly after the last row's (a top-left band ends early)
     last = jnp.minimum(last, lax.div(jnp.maximum(diagonal + t - 1 + right, -1), block_k) + 1)
   lo, hi = split_range(pl.program_id(split_axis), splits, first, last)
@@ -546,15 +548,15 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   them)."""
   inputs, params = _block_mask_as_dense(inputs, params)
   b, t, n, _ = inputs.query.shape
+  first_keys = None
   if inputs.mask is not None:
-    # Keys past a row's last visible one are skipped like a shorter cache: a decoding mask
-    # (Flax's, [B, 1, 1, S]) hides the cache's unwritten tail.
-    visible = jnp.any(inputs.mask != 0, axis=(1, 2))  # [B, S]
-    last = jnp.max(jnp.where(visible, jnp.arange(1, visible.shape[1] + 1, dtype=jnp.int32), 0),
-                   axis=1)
+    # Keys past a row's last visible one are skipped like a shorter cache (a decoding mask,
+    # Flax's [B, 1, 1, S], hides the cache's unwritten tail), and keys before its first visible
+    # one too (a sliding window given as a mask, a document that starts late in the cache).
+    first_keys, last = visible_keys(inputs.mask)
     lengths = inputs.lengths.at[:, 1].set(jnp.minimum(inputs.lengths[:, 1], last))
     inputs = inputs._replace(lengths=lengths)
-  outs, lse2 = _launch(inputs, params, config, pages)
+  outs, lse2 = _launch(inputs, params, config, pages, first_keys)
   if outs.shape[2] == 1:  # (the kernel wrote the result itself)
     out, lse2 = outs[:, :, 0], lse2[:, :, 0]
   elif config.merge == "kernel":
@@ -569,6 +571,16 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
     out, lse = merge.with_sinks(out, jnp.swapaxes(_core.user_lse(lse2), 1, 2), inputs.sinks)
     lse2 = _core.base2_lse(jnp.swapaxes(lse, 1, 2))
   return out.astype(inputs.query.dtype), lse2
+
+
+def visible_keys(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(first, stop)``, int32 [B] each: the keys of a mask [B, N or 1, T, S] (nonzero =
+  visible) that some query row of a batch row may see lie in ``[first, stop)`` (``(S, 0)``
+  where none may)."""
+  visible = jnp.any(mask != 0, axis=(1, 2))  # [B, S]
+  key = lax.broadcasted_iota(jnp.int32, visible.shape, 1)
+  return (jnp.min(jnp.where(visible, key, visible.shape[1]), axis=1),
+          jnp.max(jnp.where(visible, key + 1, 0), axis=1))
 
 
 def _merge_splits(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -636,10 +648,11 @@ def _merge_in_kernel(outs: jax.Array, lse2: jax.Array, dtype, interpret: bool):
   )(outs, lse2)
 
 
-def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
+def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_keys=None):
   """The kernel over the grid: ``(outs [B, K, splits, G·T, Dv], lse2 [B, K, splits, G·T])``,
   rows (head g, token t) with the token fastest. With one split these are the result itself
-  (`_kernel`'s ``whole``), else float32 partial results."""
+  (`_kernel`'s ``whole``), else float32 partial results. ``first_keys`` [B] (None: 0): the
+  first key of each row that any of its query rows may see; the splits share out the rest."""
   q, k, v = inputs.query, inputs.key, inputs.value
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
@@ -677,6 +690,12 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
                              page_size=None if pages is None else page_size,
                              split_axis=order.index("split"), whole=whole, st=st)
   row_pair = pl.BlockSpec((None, 2), named(lambda split, batch, head: (batch, 0)))
+  # Each row's (query length, key length, first key it may see, 0): four, a power of two.
+  if first_keys is None:
+    first_keys = jnp.zeros((b,), jnp.int32)
+  bounds = jnp.concatenate([inputs.lengths, first_keys[:, None], jnp.zeros((b, 1), jnp.int32)],
+                           axis=1)
+  bounds_spec = pl.BlockSpec((None, 4), named(lambda split, batch, head: (batch, 0)))
   sizes = dict(split=splits, batch=b, head=kv_heads // fold)
   mask = mask_spec = None
   if inputs.mask is not None:  # [B, N or 1, T, S] -> rows (head g, token t) like the queries'
@@ -693,7 +712,7 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
       grid=tuple(sizes[axis] for axis in order),
       in_specs=[pl.BlockSpec((None, fold, rows, hp), named(lambda split, batch, head: (
                     batch, head, 0, 0))), kv, v_spec,
-                row_pair, None if inputs.offsets is None else row_pair, table_spec,
+                bounds_spec, None if inputs.offsets is None else row_pair, table_spec,
                 mask_spec],
       out_specs=[pl.BlockSpec((None, fold, None, rows, hvp), named(lambda split, batch, head: (
                      batch, head, split, 0, 0))),
@@ -706,4 +725,4 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages):
                                            num_stages=config.num_stages),
       interpret=params.interpret,
       name="jaxflash_decode_split_kv",
-  )(qg, k, v, inputs.lengths, inputs.offsets, table, mask)
+  )(qg, k, v, bounds, inputs.offsets, table, mask)
