@@ -74,11 +74,10 @@ def main(argv=None) -> list[dict]:
   args = parse_args(__doc__, VARIANTS, "shipped", (192, 128), argv)
   b, s, n = args.batch, args.seq, args.heads
   q, k, v, d_out = random_qkv(args)
-  pattern, dense, visible = block_pattern(args)
-  causal = args.causal and dense is None
+  pattern, reference, visible = block_pattern(args)
+  causal = pattern.get("is_causal", False)
   head0 = lambda x: x[:1, :, :1].astype(jnp.float32)  # noqa: E731
-  want = jax.jit(_grads(lambda q, k, v: reference_attention(q, k, v, mask=dense,
-                                                            is_causal=causal)[0],
+  want = jax.jit(_grads(lambda q, k, v: reference_attention(q, k, v, **reference)[0],
                         head0(d_out)))(head0(q), head0(k), head0(v))
   entries = b * n * visible
   bwd_flops = 2.0 * (3 * args.h + 2 * args.dv) * entries

@@ -68,20 +68,21 @@ def parse_args(doc: str, variants: dict, smoke_variant: str, smoke_dims: tuple[i
   return args
 
 
-def block_pattern(args: argparse.Namespace) -> tuple[dict, jax.Array | None, float]:
+def block_pattern(args: argparse.Namespace) -> tuple[dict, dict, float]:
   """What ``--block-fraction`` asks for: the attention call's keyword arguments (a block mask, or
-  the causal band), the dense mask [1, 1, S, S] of the reference (None: the band) and the
-  visible (query, key) entries of one batch row and head."""
+  the causal band), the reference's (the dense mask [1, 1, S, S], or the band) and the visible
+  (query, key) entries of one batch row and head."""
   s = args.seq
   if args.block_fraction is None:
-    return dict(is_causal=args.causal), None, s * (s + 1) / 2 if args.causal else s * s
+    band = dict(is_causal=args.causal)
+    return band, band, s * (s + 1) / 2 if args.causal else s * s
   import masks  # (benchmarks/masks.py: the block cases' pattern and seed)
   blocks = -(-s // 128)
   seed = masks.CASES.index("block_10pct")
   visible = jnp.asarray(masks.block_pattern(blocks, args.block_fraction, seed))[None, None]
   dense = jnp.repeat(jnp.repeat(visible, 128, 2), 128, 3)[..., :s, :s]
   block_mask = jaxflash.BlockMask.from_blocks(visible, s, s)
-  return dict(block_mask=block_mask), dense, float(dense.sum())
+  return dict(block_mask=block_mask), dict(mask=dense), float(dense.sum())
 
 
 def random_qkv(args: argparse.Namespace):
@@ -98,9 +99,8 @@ def main(argv=None) -> list[dict]:
   args = parse_args(__doc__, VARIANTS, "kv64", (64, 32), argv)
   b, s, n = args.batch, args.seq, args.heads
   q, k, v, _ = random_qkv(args)
-  pattern, dense, visible = block_pattern(args)
-  want, _ = reference_attention(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], mask=dense,
-                                is_causal=args.causal and dense is None)
+  pattern, reference, visible = block_pattern(args)
+  want, _ = reference_attention(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], **reference)
   entries = b * n * visible
   flops = 2.0 * (args.h + args.dv) * entries
   rows = []

@@ -103,9 +103,9 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
     return "score_mod"
   if params.mask_rule is not None and params.mask_rule.kernel_reason is not None:
     return params.mask_rule.kernel_reason
-  if inputs.block_table is not None and _dense_entries(inputs) > MAX_DENSE_ENTRIES:
-    return (f"a block mask of {_dense_entries(inputs)} entries made dense (at most "
-            f"{MAX_DENSE_ENTRIES})")
+  if inputs.block_table is not None and (entries := math.prod(_dense_shape(inputs))) > (
+      MAX_DENSE_ENTRIES):
+    return f"a block mask of {entries} entries made dense (at most {MAX_DENSE_ENTRIES})"
   if params.partial:
     return "partial results (ring attention)"
   if fp8.is_fp8(inputs.query.dtype):
@@ -128,10 +128,6 @@ def _dense_shape(inputs: Inputs) -> tuple[int, int, int, int]:
   parts += [f[0] for f in (inputs.q_features, inputs.kv_features) if f is not None]
   return (b if any(x.shape[0] > 1 for x in parts) else 1,
           n if any(x.shape[1] > 1 for x in parts) else 1, t, inputs.key.shape[1])
-
-
-def _dense_entries(inputs: Inputs) -> int:
-  return math.prod(_dense_shape(inputs))
 
 
 def _block_mask_as_dense(inputs: Inputs, params: Params) -> tuple[Inputs, Params]:
