@@ -5,6 +5,8 @@ CPU tests run the xla backend and the Triton kernels in interpret mode; the `gpu
 Mosaic and Triton kernels compiled, in bf16, with the shipped tiles.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -18,8 +20,8 @@ from jaxflash import mask_mod as mm
 from jaxflash.backends import UnsupportedCallError
 from jaxflash.masking import make_window
 from jaxflash.schedule import block_lists
-from checks import (F32_TOLERANCE, ON_GPU, attention, check, dense_mask_of, random_qkv,
-                    rel_err)
+from checks import (F32_TOLERANCE, ON_GPU, TOLERANCE, attention, check, dense_mask_of,
+                    random_qkv, rel_err)
 from jaxflash.reference import reference_attention
 
 B, N = 2, 4
@@ -447,6 +449,43 @@ class MaskModTransformsTest(chex.TestCase):
 def test_mask_mod_on_gpu(implementation, name):
   check(implementation, small=False, b=B, t=1000, s=1000, n=N, k=2, h=128, dtype=jnp.bfloat16,
         mask_mod=_maker(MASK_MODS[name]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+def test_mask_mod_in_float16_under_vmap_on_gpu(implementation):
+  """float16, the call and its gradients vmapped over a leading axis and jitted, GQA and a
+  length no block divides, against the float32 reference given the same mask densely."""
+  mask_vmapped_case(implementation, jnp.float16, t=555, h=64)
+
+
+def mask_vmapped_case(implementation, dtype, t: int, h: int):
+  fn = MASK_MODS["documents"]
+  keys = jax.random.split(jax.random.key(7), 4)
+  q = jax.random.normal(keys[0], (3, B, t, N, h), dtype)
+  k, v = (jax.random.normal(key, (3, B, t, 2, h), dtype) for key in keys[1:3])
+  d_out = jax.random.normal(keys[3], q.shape, dtype)
+  dense = dense_mask_of(fn, b=B, t=t, s=t, n=N)
+
+  def out_and_grads(attend, q, k, v, d_out):
+    out, vjp = jax.vjp(attend, q, k, v)
+    return (out, *vjp(d_out.astype(out.dtype)))
+
+  ours = jax.jit(jax.vmap(functools.partial(out_and_grads, lambda q, k, v: (
+      jaxflash.flash_attention(q, k, v, mask_mod=fn, implementation=implementation,
+                               interpret=not ON_GPU)))))
+  ref = jax.vmap(functools.partial(out_and_grads, lambda q, k, v: (
+      reference_attention(q, k, v, mask=dense)[0])))
+  got = ours(q, k, v, d_out)
+  want = ref(*(x.astype(jnp.float32) for x in (q, k, v, d_out)))
+  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    assert g.dtype == dtype, name
+    assert rel_err(g, w) < TOLERANCE[dtype], name
+
+
+def test_mask_mod_under_vmap_with_gradients():
+  """The GPU test's case, small and in float32 on the CPU (XLA backend)."""
+  mask_vmapped_case("xla", jnp.float32, t=45, h=16)
 
 
 @pytest.mark.gpu
