@@ -513,6 +513,7 @@ def ring_attention(
     key_value_seq_lengths: jax.Array | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     segment_ids: jax.Array | None = None,
+    mask_mod: MaskMod | None = None,
     logits_soft_cap: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
@@ -545,6 +546,12 @@ def ring_attention(
       sequence, and the sinks join each row's softmax once, after the ring's merge.
     segment_ids: int [B, C], this chunk's segment ids (packed documents); they travel with
       their keys.
+    mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` as in `flash_attention`, with
+      ``q_idx`` and ``kv_idx`` positions in the *whole* sequence (``batch`` and ``head`` this
+      device's). Arrays it closes over (document ids of the whole sequence) are read at those
+      positions. Each step builds the block table of its (query chunk, key chunk) pair and
+      skips the blocks it hides. Not with ``"striped"`` (a chunk's tokens are not a range of
+      positions).
     query_seq_lengths, key_value_seq_lengths: int [B], the valid tokens of each row of the
       *whole* sequence (the same array on every device), as in `flash_attention`: query rows
       past it give zeros, keys past it are masked, wherever the layout put them.
@@ -556,7 +563,7 @@ def ring_attention(
   Raises:
     ValueError: a bad argument (as `flash_attention`), ``axis_name`` not bound by an enclosing
       `shard_map`, query and key chunks of different lengths, an odd chunk for ``"zigzag"``,
-      or a window or dropout with ``"striped"``.
+      or a window, dropout or a ``mask_mod`` with ``"striped"``.
   """
   from jaxflash.ops import ring as ring_op
   if layout not in ring_op.LAYOUTS:
@@ -584,6 +591,9 @@ def ring_attention(
     raise ValueError(f"query and key chunks must have the same length, got {chunk} and "
                      f"{call.inputs.key.shape[1]}")
   ring_op.validate(layout, call.params, chunk)
+  if mask_mod is not None:
+    inputs, params = ring_op.with_mask_mod(call.inputs, call.params, mask_mod, layout)
+    call = call._replace(inputs=inputs, params=params)
   b = call.inputs.query.shape[0]
   total = chunk * jax.lax.axis_size(axis_name)
   call = call._replace(inputs=call.inputs._replace(lengths=_checks.global_lengths(
@@ -591,8 +601,9 @@ def ring_attention(
   empty = _empty(call.inputs, call.params)
   if empty is not None:
     return _results(*empty, call, return_residual)
-  # Each pair of the ring is a partial call with offsets: the backend must serve those.
-  probe = call.inputs._replace(offsets=jnp.zeros((b, 2), jnp.int32))
+  # Each pair of the ring is a partial call with offsets (and a block table where it has
+  # segment ids or a mask_mod): the backend must serve those.
+  probe = ring_op.probe(call.inputs, call.params, ring_op.parts(layout))
   partial_params = dataclasses.replace(call.params, partial=True)
   backend = backends.select(implementation, probe, partial_params)
   config = backend.default_config(probe, partial_params, devices.current())

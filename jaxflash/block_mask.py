@@ -177,7 +177,7 @@ def create_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, 
   split = mask_mod_lib.split(mask_mod)
   b = batch if batch is not None and split.depends_on(mask_mod_lib.BATCH) else 1
   n = heads if heads is not None and split.depends_on(mask_mod_lib.HEAD) else 1
-  table = _classify_mask_mod(split, b, n, q_len, kv_len, block_q, block_k)
+  table = classify_mask_mod(split, b, n, q_len, kv_len, block_q, block_k)
   q_features = kv_features = None
   if split.kernel_reason is None:
     q_features = split.features(split.row_vars, b, n, q_len, mask_mod_lib.Q)
@@ -185,22 +185,25 @@ def create_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, 
   return BlockMask(table, q_features, kv_features, split, block_q, block_k, q_len, kv_len)
 
 
-def _classify_mask_mod(split, b: int, n: int, q_len: int, kv_len: int, block_q: int,
-                       block_k: int) -> jax.Array:
+def classify_mask_mod(split, b: int, n: int, q_len: int, kv_len: int, block_q: int,
+                      block_k: int, q_start=0, kv_start=0) -> jax.Array:
   """The block table of a mask_mod: evaluated one query block at a time (a [b, n, block_q,
-  kv_len] slab of booleans at once), reduced to its blocks."""
+  kv_len] slab of booleans at once), reduced to its blocks. ``q_start``/``kv_start`` (ints or
+  traced int32 scalars): the positions of query 0 and key 0, for a table of part of a
+  sequence (a pair of ring attention's chunks)."""
   nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
   batch = jnp.arange(b, dtype=jnp.int32).reshape(b, 1, 1, 1)
   head = jnp.arange(n, dtype=jnp.int32).reshape(1, n, 1, 1)
   keys = jnp.arange(nk * block_k, dtype=jnp.int32).reshape(1, 1, 1, -1)
+  q_start, kv_start = (jnp.asarray(x, jnp.int32) for x in (q_start, kv_start))
 
   def one_row_of_blocks(i):
     rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32)).reshape(1, 1, -1, 1)
     # Entries past the lengths are neither visible nor hidden: they never decide a block.
     real = jnp.logical_and(rows < q_len, keys < kv_len)
     # (Indices past the lengths are clamped into range for the function: it may index arrays.)
-    visible = split.reference(batch, head, jnp.minimum(rows, q_len - 1),
-                              jnp.minimum(keys, kv_len - 1))
+    visible = split.reference(batch, head, jnp.minimum(rows, q_len - 1) + q_start,
+                              jnp.minimum(keys, kv_len - 1) + kv_start)
     visible = jnp.broadcast_to(visible, (b, n, block_q, nk * block_k))
     return _reduce_blocks(visible, real, block_q, block_k)[:, :, 0]
 
@@ -315,6 +318,23 @@ def _resample_axis(table, axis: int, old: int, new: int, length: int):
   all_full = jnp.all(lo.reshape(shape) == FULL, axis=axis + 1)
   any_visible = jnp.any(hi.reshape(shape) != EMPTY, axis=axis + 1)
   return jnp.where(all_full, FULL, jnp.where(any_visible, PARTIAL, EMPTY)).astype(jnp.int8)
+
+
+def key_range(table: jax.Array, block_k: int, start: int, stop: int) -> jax.Array:
+  """A table of ``block_k``-key blocks restricted to keys ``[start, stop)`` (static ints),
+  with blocks of ``block_k`` keys from ``start``: a new block that straddles two old ones is
+  empty if both are, full if both are, else partial (keys past ``stop`` may make it partial,
+  never wrong)."""
+  first, shift = divmod(start, block_k)
+  count = -(-(stop - start) // block_k)
+  pad = [(0, 0)] * (table.ndim - 1) + [(0, count + 1)]
+  table = jnp.pad(table, pad, constant_values=EMPTY)  # (blocks past the old table: none)
+  left = jax.lax.slice_in_dim(table, first, first + count, axis=-1)
+  if not shift:
+    return left
+  right = jax.lax.slice_in_dim(table, first + 1, first + 1 + count, axis=-1)
+  return jnp.where((left == FULL) & (right == FULL), FULL,
+                   jnp.where((left == EMPTY) & (right == EMPTY), EMPTY, PARTIAL)).astype(jnp.int8)
 
 
 def _block_sizes(block_size) -> tuple[int, int]:

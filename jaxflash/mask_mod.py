@@ -268,17 +268,21 @@ class Split:
   # --- Features, outside the kernels ---------------------------------------------------------
 
   def features(self, variables: tuple, batch: int, heads: int, length: int,
-               index: str, consts=None, raw: bool = False):
+               index: str, consts=None, raw: bool = False, start=0):
     """``variables`` (row or column features) for every (batch row, head, position) of the
     axis ``index`` (`Q` or `KV`), stacked as int32 [F, B or 1, N or 1, length] (`to_int32`);
     a feature's batch (head) axis is 1 where no feature depends on the batch row (head).
     None when there are none. ``consts``: the arrays the function closes over (its own by
     default); ``raw``: a tuple of [B or 1, N or 1, length] arrays in their own dtypes instead,
-    through which gradients reach ``consts``."""
+    through which gradients reach ``consts``. ``start`` (an int or a traced int32 scalar): the
+    position of entry 0, for a call over part of a sequence (ring attention's chunks)."""
     if not variables:
       return None
     zero = jnp.int32(0)
-    return self._tabulate(variables, batch, heads, jnp.arange(length, dtype=jnp.int32),
+    positions = jnp.arange(length, dtype=jnp.int32)
+    if not (isinstance(start, int) and start == 0):
+      positions = positions + jnp.asarray(start, jnp.int32)
+    return self._tabulate(variables, batch, heads, positions,
                           lambda i: (i if index == Q else zero, i if index == KV else zero),
                           consts, raw)
 
@@ -847,11 +851,30 @@ def _run(eqn, env, args=None):
     subfuns, params = params
   if args is None:
     args = [_read(env, v) for v in eqn.invars]
+  # Inside `jax.shard_map` some operands may vary over manual axes (indices that start at a
+  # device's chunk) and others not: a primitive bound directly takes them only alike.
+  axes = frozenset().union(*(_varying_axes(x) for x in args))
+  if axes:
+    args = [_as_varying(x, v, axes) for x, v in zip(args, eqn.invars)]
   outs = eqn.primitive.bind(*subfuns, *args, **params)
   if not eqn.primitive.multiple_results:
     outs = [outs]
   for v, x in zip(eqn.outvars, outs):
     env[v] = x
+
+
+def _varying_axes(x) -> frozenset:
+  """The manual mesh axes ``x`` varies over (empty outside `jax.shard_map`)."""
+  mat = getattr(jax.typeof(x), "mat", None)
+  return frozenset(getattr(mat, "varying", ()))
+
+
+def _as_varying(x, var, axes: frozenset):
+  """Operand ``x`` (of the jaxpr variable or literal ``var``) varying over ``axes`` too."""
+  missing = tuple(sorted(axes - _varying_axes(x)))
+  if not missing:
+    return x
+  return jax.lax.pcast(jnp.asarray(x, var.aval.dtype), missing, to="varying")
 
 
 def to_int32(x) -> jax.Array:

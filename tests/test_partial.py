@@ -86,6 +86,55 @@ def test_key_split_equals_whole_call(implementation, option):
     assert rel_err(got_grads[name], grads[name]) < F32_TOLERANCE, name
 
 
+_DOCS = jnp.asarray(np.random.RandomState(11).randint(0, 2, (B, 150)))
+# Rules that read the indices themselves (the kernels add the call's offsets to them) and
+# arrays at them (features sliced with the keys); a block table of 128-key blocks that key
+# ranges starting mid-block must remake.
+RULES = dict(
+    mask_mod=lambda b, h, q, k: ((q - k) % 3 != 1) & (_DOCS[b, q] == _DOCS[b, k]),
+    score_mod=lambda score, b, h, q, k: score + 0.05 * (k - q).astype(jnp.float32)
+    + 0.3 * ((k - q) % 4).astype(jnp.float32) + 0.1 * _DOCS[b, k].astype(jnp.float32))
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_key_split_with_mask_and_score_mods_equals_whole_call(implementation):
+  """Keys split at 22 and 100 (mid-block for the tiles and for the block table; neither a
+  multiple of 3 or 4): a mask_mod and a score_mod see the absolute key positions, and each range
+  gets its own table and features."""
+  q, k, v, d_out = random_qkv(3, B, 70, 150, N, K, H)
+  d_lse = jax.random.normal(jax.random.key(2), (B, N, 70))
+  inputs, params, backend, config = _call(implementation, q, k, v, RULES)
+  assert inputs.block_table.shape[-1] == 2  # (the table's blocks straddle both boundaries)
+  whole = _grads_and_values(lambda x: flash.attention(x, params, backend, config), inputs,
+                            d_out, d_lse)
+  split = _grads_and_values(
+      lambda x: partial.split_keys_attention(x, params, backend, config, (22, 100)), inputs,
+      d_out, d_lse)
+  for name, got, want in zip(("out", "lse"), split[:2], whole[:2]):
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), finite)
+    assert rel_err(np.where(finite, got, 0), np.where(finite, want, 0)) < F32_TOLERANCE, name
+  for name in whole[2]:
+    assert rel_err(split[2][name], whole[2][name]) < F32_TOLERANCE, name
+
+
+def test_block_table_key_range():
+  """`block_mask.key_range` against the table of the range's keys made from the dense mask."""
+  from jaxflash import block_mask
+  dense = random_array(12, (2, 1, 40, 300), "bool") | (jnp.arange(300) < 70)
+  table = block_mask.classify_dense(dense, 64)
+  for start, stop in ((0, 300), (64, 300), (21, 150), (100, 130), (250, 300)):
+    got = block_mask.key_range(table, 64, start, stop)
+    want = block_mask.classify_dense(dense[..., start:stop], 64)
+    # Exact where the range starts at a block; else never wrong: empty only where the keys'
+    # blocks are, full only where they are.
+    if start % 64 == 0:
+      np.testing.assert_array_equal(got, want)
+    else:
+      assert not np.any((np.asarray(got) == block_mask.EMPTY) & (np.asarray(want) != 0))
+      assert not np.any((np.asarray(got) == block_mask.FULL) & (np.asarray(want) != 2))
+
+
 @pytest.mark.parametrize("implementation", BACKENDS)
 def test_query_range_at_an_offset_equals_rows_of_whole_call(implementation):
   """Rows [20, 37) run alone with q_offset = 20 are those rows of the whole call (causal band,

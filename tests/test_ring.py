@@ -1,7 +1,7 @@
 """Ring attention (issue 15) on four fake CPU devices: a sequence split over a mesh axis inside
 `jax.shard_map` gives the whole sequence's output, LSE and gradients (against the float32
 dense reference), contiguous, zigzag and striped, causal or not, with GQA, segments (packed documents
-across chunk boundaries), windows and dropout (the same mask as the unsplit call)."""
+across chunk boundaries), a mask_mod, windows and dropout (the same mask as the unsplit call)."""
 
 import chex
 import jax
@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import jaxflash
 from jaxflash.ops import ring
 from jaxflash.reference import reference_attention
-from checks import F32_TOLERANCE, ON_GPU, random_array, random_qkv, rel_err
+from checks import F32_TOLERANCE, ON_GPU, dense_mask_of, random_array, random_qkv, rel_err
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
 RING = min(jax.device_count(), 4)
@@ -116,6 +116,67 @@ def test_ring_with_segments_and_a_window():
   _compare(got, _reference(q, k, v, d_out, segment_ids=segments, **options))
 
 
+# Documents whose blocks a chunk's own table calls empty but another chunk's keys meet: with
+# 512-token chunks (two of the XLA backend's 256-row blocks), the queries 512-767 share a
+# document with keys 384-511 of chunk 0, while chunk 1's own keys 768-1023 begin a document
+# of their own.
+_DOC_STARTS = np.array([384, 640, 768])
+
+
+def _documents(length: int) -> jax.Array:
+  ids = np.searchsorted(_DOC_STARTS, np.arange(length), side="right")
+  # [2, length]: both rows alike (the XLA backend visits the blocks any row needs).
+  return jnp.asarray(np.stack([ids, ids + 5]), jnp.int32)
+
+
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+def test_ring_segments_are_classified_per_pair(layout):
+  """Each step's block table is its own (query chunk, key chunk) pair's: before 2026-11-25 the
+  pairs kept the chunk's table against itself, which skipped the blocks above."""
+  length = 512 * RING
+  q, k, v, d_out = random_qkv(6, 2, length, length, 2, 1, 16)
+  segments = _documents(length)
+  got = _ring_call(layout, is_causal=True)(q, k, v, d_out, segments)
+  _compare(got, _reference(q, k, v, d_out, is_causal=True, segment_ids=segments))
+
+
+def _ring_mask_mods(length: int) -> dict:
+  docs, prefix = _documents(length), jnp.asarray([100, 700])
+  pattern = jnp.asarray(np.random.RandomState(3).rand(length // 64, length // 64) < 0.4)
+  return {
+      # Reads both indices in the tile rule and arrays at them (features of each pair).
+      "documents": lambda b, h, q, k: (docs[b, q] == docs[b, k]) & (q >= k),
+      "prefix_lm": lambda b, h, q, k: (k <= q) | (k < prefix[b]),
+      # A gather of both indices: no kernel runs it; the XLA backend evaluates it per tile.
+      "pattern": lambda b, h, q, k: pattern[q // 64, k // 64] | (q == k),
+  }
+
+
+@pytest.mark.parametrize("layout", ("contiguous", "zigzag"))
+@pytest.mark.parametrize("name", ("documents", "prefix_lm", "pattern"))
+def test_ring_with_a_mask_mod(layout, name):
+  """A mask_mod of whole-sequence positions (closing over whole-sequence arrays) gives what the
+  dense reference gives with the same mask: output, LSE and gradients, GQA."""
+  length = 512 * RING
+  fn = _ring_mask_mods(length)[name]
+  q, k, v, d_out = random_qkv(7, 2, length, length, 2, 1, 16)
+  got = _ring_call(layout, mask_mod=fn)(q, k, v, d_out)
+  want = _reference(q, k, v, d_out, mask=dense_mask_of(fn, b=2, t=length, s=length, n=2))
+  _compare(got, want)
+
+
+def test_ring_checks_its_mask_mod():
+  mesh = _mesh()
+  x = jnp.zeros((1, 8 * RING, 2, 16))
+  fn = jax.shard_map(lambda q: jaxflash.ring_attention(
+      q, q, q, axis_name="sp", mask_mod=lambda b, h, q: q > 0, implementation="xla"),
+      mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+  with jax.set_mesh(mesh):
+    chunks = jax.device_put(x, NamedSharding(mesh, P(None, "sp")))
+    with pytest.raises(ValueError, match="mask_mod"):
+      jax.jit(fn).trace(chunks)
+
+
 @pytest.mark.parametrize("layout", ("contiguous", "zigzag"))
 def test_ring_dropout_is_the_unsplit_calls(layout):
   """Dropout coordinates are global positions: the ring drops what `flash_attention` on the
@@ -191,6 +252,7 @@ def test_ring_rejects_bad_arguments():
   x = jnp.zeros((1, 8 * RING, 2, 16))
   for options, match in ((dict(is_causal=True, local_window_size=(4, 0)), "local_window_size"),
                          (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout_rate"),
+                         (dict(mask_mod=lambda b, h, q, k: q >= k), "mask_mod"),
                          (dict(), None)):
     fn = jax.shard_map(lambda q: jaxflash.ring_attention(
         q, q, q, axis_name="sp", layout="striped", implementation="xla", **options),

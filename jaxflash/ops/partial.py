@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash import _core
+from jaxflash import block_mask
 from jaxflash._core import Inputs, Params
 from jaxflash.merge import merge
 from jaxflash.merge import with_sinks
@@ -30,12 +31,15 @@ from jaxflash.ops import flash
 __all__ = ["merge", "with_sinks", "key_range", "split_keys_attention"]
 
 
-def key_range(inputs: Inputs, start: int, stop: int) -> Inputs:
+def key_range(inputs: Inputs, start: int, stop: int,
+              table_block: tuple[int, int] | None = None) -> Inputs:
   """The inputs of the same call restricted to keys ``[start, stop)`` (static ints).
 
-  K/V, key segment ids, the key axis of mask and bias, and an FP8 call's per-key descale
-  factors are sliced; key lengths are shifted into the range and the key offset moves by
-  ``start``, so the band and the dropout mask see every key at the absolute position it had in
+  K/V, key segment ids, the key axis of mask and bias, a mask_mod's and a score_mod's key
+  features, and an FP8 call's per-key descale factors are sliced, and the block table is
+  made for the range's keys (`jaxflash.block_mask.key_range`; ``table_block``: its block
+  sizes); key lengths are shifted into the range and the key offset moves by ``start``, so
+  the band, the dropout mask and the rules see every key at the absolute position it had in
   the whole call.
   """
   def keys(x, axis):
@@ -54,7 +58,12 @@ def key_range(inputs: Inputs, start: int, stop: int) -> Inputs:
   if mask_words is not None:
     mask_words = (lax.slice_in_dim(mask_words, start // 32, -(-stop // 32), axis=2)
                   if start % 32 == 0 else None)
+  table = inputs.block_table
+  if table is not None:
+    table = block_mask.key_range(table, table_block[1], start, stop)
   return inputs._replace(
+      block_table=table, kv_features=keys(inputs.kv_features, 3),
+      score_kv_features=keys(inputs.score_kv_features, 3),
       key=keys(inputs.key, 1), value=keys(inputs.value, 1), k_descale=k_descale,
       kv_segment_ids=keys(inputs.kv_segment_ids, 1), mask=keys(inputs.mask, 3),
       mask_words=mask_words, mask_words_t=keys(inputs.mask_words_t, 3),
@@ -84,7 +93,8 @@ def _split_forward(inputs, params, backend, config, boundaries):
   outs, lses = [], []
   ranged = flash.without_sinks(inputs)
   for start, stop in _ranges(boundaries, inputs.key.shape[1]):
-    out, lse2 = flash.forward(backend, key_range(ranged, start, stop), partial_params, config)
+    out, lse2 = flash.forward(backend, key_range(ranged, start, stop, params.table_block),
+                              partial_params, config)
     outs.append(out)
     lses.append(jnp.swapaxes(_core.user_lse(lse2), 1, 2))  # [B, T, N], like the outputs
   out, lse = with_sinks(*merge(outs, lses), inputs.sinks)
@@ -107,8 +117,8 @@ def _split_bwd(params, backend, config, boundaries, residuals, cotangents):
   dq, dks, dvs, dbiases = 0.0, [], [], []
   ranged = flash.without_sinks(inputs)
   for start, stop in _ranges(boundaries, inputs.key.shape[1]):
-    share = flash.backward(backend, key_range(ranged, start, stop), partial_params, config,
-                           lse2, d_out, delta, want_dbias)
+    share = flash.backward(backend, key_range(ranged, start, stop, params.table_block),
+                           partial_params, config, lse2, d_out, delta, want_dbias)
     dq = dq + share[0]
     dks.append(share[1])
     dvs.append(share[2])

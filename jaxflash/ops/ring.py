@@ -37,6 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash import _core
+from jaxflash import block_mask as block_mask_lib
+from jaxflash import mask_mod as mask_mod_lib
 from jaxflash._core import Inputs, Params
 from jaxflash.ops import flash
 from jaxflash.ops import partial
@@ -145,6 +147,38 @@ def validate(layout: str, params: Params, chunk: int) -> None:
                        "positions a striped chunk cannot give the kernels): use 'zigzag'")
 
 
+def with_mask_mod(inputs: Inputs, params: Params, mask_mod,
+                  layout: str) -> tuple[Inputs, Params]:
+  """A ring call's inputs and params with its ``mask_mod`` split (its tile rule runs on
+  absolute positions; each pair makes its own table and features, `_with_pair_masks`), and
+  the arrays it closes over where only the XLA backend can evaluate it.
+
+  Raises:
+    ValueError: a ``mask_mod`` that is not a boolean function of four indices, or the striped
+      layout.
+  """
+  if layout == "striped":
+    raise ValueError("layout='striped' takes no mask_mod (a device's tokens are R apart, not "
+                     "a range of positions): use 'contiguous' or 'zigzag'")
+  rule = mask_mod_lib.split(mask_mod)
+  block = block_mask_lib.CLASSIFY_BLOCK
+  if rule.kernel_reason is not None:
+    inputs = inputs._replace(mask_consts=tuple(rule.closed.consts))
+  return inputs, dataclasses.replace(params, mask_rule=rule, table_block=(block, block))
+
+
+def probe(inputs: Inputs, params: Params, parts: int) -> Inputs:
+  """What one pair of the ring looks like to a backend's checks and its config: offsets, a
+  pair's lengths and, where the pairs get one, a block table (its values do not matter)."""
+  b = inputs.query.shape[0]
+  pair = inputs._replace(offsets=jnp.zeros((b, 2), jnp.int32))
+  if params.table_block is None:
+    return pair
+  t = inputs.query.shape[1] // parts
+  blocks = tuple(-(-t // size) for size in params.table_block)
+  return pair._replace(block_table=jnp.full((1, 1) + blocks, block_mask_lib.PARTIAL, jnp.int8))
+
+
 @dataclasses.dataclass(frozen=True)
 class Ring:
   """The static description of one ring call (hashable: a nondiff argument of the VJP)."""
@@ -164,27 +198,64 @@ class Ring:
     return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, perm), xs)  # (None stays)
 
 
-def _parts(ring: Ring) -> int:
+def parts(layout: str) -> int:
   """Parts of a chunk computed as pairs: the zigzag layout's two halves lie apart."""
-  return 2 if ring.layout == "zigzag" else 1
+  return 2 if layout == "zigzag" else 1
 
 
-def _pair(inputs: Inputs, kv, q_part, kv_part, parts: int, q_starts, kv_starts, valid):
+def _parts(ring: Ring) -> int:
+  return parts(ring.layout)
+
+
+def _pair(inputs: Inputs, params: Params, kv, q_part, kv_part, parts: int, q_starts,
+          kv_starts, valid):
   """The inputs of one (query part, key part) pair: slices, their offsets and their lengths
-  (``valid``: per part, the valid rows [B] of the query parts and of the key parts). The part
-  indices may be traced (a pair chosen by the device's place on the ring)."""
+  (``valid``: per part, the valid rows [B] of the query parts and of the key parts), and the
+  pair's own block table and mask_mod features. The part indices may be traced (a pair chosen
+  by the device's place on the ring)."""
   k, v, kv_seg = kv
   tq, tk = inputs.query.shape[1] // parts, k.shape[1] // parts
   q_sl = functools.partial(_part_of, start=q_part * tq, size=tq)
   k_sl = functools.partial(_part_of, start=kv_part * tk, size=tk)
   b = inputs.query.shape[0]
   starts = jnp.stack([jnp.stack(q_starts)[q_part], jnp.stack(kv_starts)[kv_part]])
-  offsets = jnp.broadcast_to(starts.astype(jnp.int32), (b, 2))
+  starts = starts.astype(jnp.int32)
+  offsets = jnp.broadcast_to(starts, (b, 2))
   q_valid, kv_valid = valid
   lengths = jnp.stack([jnp.stack(q_valid)[q_part], jnp.stack(kv_valid)[kv_part]], axis=1)
-  return inputs._replace(query=q_sl(inputs.query), key=k_sl(k), value=k_sl(v),
+  pair = inputs._replace(query=q_sl(inputs.query), key=k_sl(k), value=k_sl(v),
                          q_segment_ids=q_sl(inputs.q_segment_ids),
                          kv_segment_ids=k_sl(kv_seg), lengths=lengths, offsets=offsets)
+  return _with_pair_masks(pair, params, starts)
+
+
+def _with_pair_masks(pair: Inputs, params: Params, starts) -> Inputs:
+  """``pair`` with the block table of its own rows and keys (segment ids and a mask_mod), and
+  the mask_mod's features at its rows' and keys' positions in the whole sequence (``starts``:
+  int32 [2], the pair's first query and key position; the kernels add the offsets to the
+  indices the tile rule reads). A table made for the device's own chunk against itself says
+  nothing about another chunk's keys: blocks it calls empty may hold a shared document."""
+  tables = []
+  tq, tk = pair.query.shape[1], pair.key.shape[1]
+  if pair.q_segment_ids is not None:
+    tables.append(block_mask_lib.classify_segments(pair.q_segment_ids, pair.kv_segment_ids))
+  rule = params.mask_rule
+  if rule is not None:
+    b, n = pair.query.shape[0], pair.query.shape[2]
+    b = b if rule.depends_on(mask_mod_lib.BATCH) else 1
+    n = n if rule.depends_on(mask_mod_lib.HEAD) else 1
+    block = block_mask_lib.CLASSIFY_BLOCK
+    tables.append(block_mask_lib.classify_mask_mod(rule, b, n, tq, tk, block, block,
+                                                   starts[0], starts[1]))
+    if rule.kernel_reason is None:
+      pair = pair._replace(
+          q_features=rule.features(rule.row_vars, b, n, tq, mask_mod_lib.Q, start=starts[0]),
+          kv_features=rule.features(rule.col_vars, b, n, tk, mask_mod_lib.KV,
+                                    start=starts[1]))
+  if not tables:
+    return pair
+  table = tables[0] if len(tables) == 1 else block_mask_lib.intersect(*tables)
+  return pair._replace(block_table=table)
 
 
 def _step_pairs(inputs: Inputs, params: Params, ring: Ring, kv, step: int) -> list:
@@ -222,7 +293,7 @@ def _step_pairs(inputs: Inputs, params: Params, ring: Ring, kv, step: int) -> li
   else:
     same_side = jnp.where(step <= me, 0, 1)
     pairs = [(1, 0), (same_side, same_side)]
-  return [(p, r, _pair(inputs, kv, p, r, parts, q_starts, kv_starts, valid))
+  return [(p, r, _pair(inputs, params, kv, p, r, parts, q_starts, kv_starts, valid))
           for p, r in pairs]
 
 

@@ -38,11 +38,13 @@ def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
   if params.kernel_mask_reason is not None:
     return params.kernel_mask_reason
   rule = params.score_rule
+  if rule is not None and inputs.offsets is not None:
+    # (Its index tiles, computed columns and bands are made for positions from 0; a mask_mod's
+    # index tiles take the offsets.)
+    return "a score_mod in a call of part of the keys or queries"
   if rule is not None and rule.lookups:
     if rule.lookup_reason is not None or inputs.score_bands is None:
       return rule.lookup_reason or "a score_mod's lookups without their band of values"
-    if inputs.offsets is not None:  # (its band is indexed by the whole call's positions)
-      return "a score_mod's lookups in a call of part of the keys or queries"
   q = inputs.query
   if not (is_hopper(device) or params.interpret):
     return (f"it needs a Hopper GPU (sm90: H100, H200), and this call is for "

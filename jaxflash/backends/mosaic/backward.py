@@ -261,7 +261,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
                                                     keys, shape))
         if params.mask_rule is not None:  # (index tiles only where read: see above)
           visible = jnp.logical_and(visible, fwd.rule_mask(
-              params, extras, batch, head, shape, lambda: _cols(q_cols(), shape), k_idx,
+              params, extras, batch, head, shape,
+              lambda: _cols(masking.shifted(q_cols(), pos.q_offset), shape),
+              lambda: masking.shifted(k_idx(), pos.kv_offset),
               rows, keys, lambda x: _cols(x, shape), lambda x: fwd._rows(x, shape), _COLS,
               _ROWS))
       keep = None
@@ -814,7 +816,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
                                                     j * (block_kv // 32), rows, shape))
         if params.mask_rule is not None:  # (index tiles only where read: see `_dkv_kernel`)
           visible = jnp.logical_and(visible, fwd.rule_mask(
-              params, extras, batch, head, shape, lambda: fwd._rows(q_rows(), shape), k_idx,
+              params, extras, batch, head, shape,
+              lambda: fwd._rows(masking.shifted(q_rows(), pos.q_offset), shape),
+              lambda: masking.shifted(k_idx(), pos.kv_offset),
               rows, keys, lambda x: fwd._rows(x, shape), lambda x: _cols(x, shape), _ROWS,
               _COLS))
       keep = None

@@ -620,8 +620,10 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         if extras.mask is not None:
           conds.append(packed_tile(extras.mask, batch, head, j * (block_kv // 32), rows, shape))
         if params.mask_rule is not None:  # (Mosaic GPU infers no layout for an unread tile)
+          # (Its index tiles are absolute positions, as dropout's: offsets added.)
           conds.append(rule_mask(params, extras, batch, head, shape,
-                                 lambda: _rows(q_rows, shape), lambda: start + cols,
+                                 lambda: _rows(masking.shifted(q_rows, pos.q_offset), shape),
+                                 lambda: masking.shifted(start + cols, pos.kv_offset),
                                  rows, keys, lambda x: _rows(x, shape),
                                  lambda x: lax.broadcast_in_dim(x, shape, [1]), _ROWS, _COLS))
         return functools.reduce(jnp.logical_and, conds)

@@ -295,9 +295,13 @@ def masked_logits(q, k, rows, cols, ok, pos: Positions, params: Params, q_seg, k
   """
   bias = None if bias_ref is None else load(bias_ref, mask=ok, other=0.0)
   qk = plgpu.dot(q, k, trans_b=True)
+  # A mask_mod and a score_mod see absolute positions, as the band and dropout do (their
+  # features are the call's own rows' and keys', indexed locally).
+  q_abs = masking.shifted(rows, pos.q_offset)[:, None]
+  kv_abs = masking.shifted(cols, pos.kv_offset)[None, :]
   score = None
   if params.score_rule is not None:
-    score = score_fn(params.score_rule, rows[:, None], cols[None, :], *score_features, tables)
+    score = score_fn(params.score_rule, q_abs, kv_abs, *score_features, tables)
   s2, chain = (qk, None) if raw else _core.logits_base2(qk, params, bias, score, derivative)
   if not masked:
     return s2, chain
@@ -307,7 +311,7 @@ def masked_logits(q, k, rows, cols, ok, pos: Positions, params: Params, q_seg, k
       q_segment=None if q_seg is None else q_seg[:, None],
       kv_segment=None if kv_seg is None else kv_seg[None, :],
       dense_mask=None if dense is None else dense != 0)
-  by_rule = rule_tile(params.mask_rule, rows[:, None], cols[None, :], *features)
+  by_rule = rule_tile(params.mask_rule, q_abs, kv_abs, *features)
   if by_rule is not None:
     vis = jnp.logical_and(vis, by_rule)
   return jnp.where(vis, s2, -jnp.inf), chain

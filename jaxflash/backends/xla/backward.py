@@ -199,7 +199,9 @@ def score_const_gradients(inputs: Inputs, params: Params, lse2, d_out, delta,
                         jnp.arange(lay.t_pad // bq, dtype=jnp.int32))
     return carry
 
-  if rule.kernel_reason is None and (not rule.lookups or rule.diagonal_lookups):
+  # (The features path makes them for positions from 0: a call with offsets goes per entry.)
+  if (rule.kernel_reason is None and (not rule.lookups or rule.diagonal_lookups)
+      and inputs.offsets is None):
     return _through_features(rule, inputs.score_consts, lay, over_tiles)
   return _per_entry(rule, inputs.score_consts, blk, over_tiles)
 
@@ -215,7 +217,8 @@ def _per_entry(rule, consts, blk: blocks.Blocks, over_tiles) -> tuple:
   def tile(q_start, k_start, dz, z, grads):
     q_idx = (q_start + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, 1, bq, 1)
     k_idx = (k_start + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, bk)
-    scores = lambda *arrays: blk.whole_function(rule, arrays, q_idx, k_idx, z)  # noqa: E731
+    scores = lambda *arrays: blk.whole_function(  # noqa: E731
+        rule, arrays, *blk.absolute(q_idx, k_idx), z)
     _, vjp = jax.vjp(scores, *consts)
     return tuple(g if g is None else g + d.astype(jnp.float32)
                  for g, d in zip(grads, vjp(dz)))

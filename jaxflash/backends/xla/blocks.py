@@ -187,10 +187,12 @@ class Blocks:
                  score=None):
     """A mask_mod's mask of one tile (a score_mod's new ``score``), [B, K, G, bq, bk]: from its
     features and tile rule, or (a rule the kernels cannot run) from the whole function on the
-    captured arrays ``consts``."""
+    captured arrays ``consts``. The rule sees absolute positions (the call's offsets added to
+    the local ``q_idx``/``k_idx``, as the band and dropout do); its features cover the call's
+    own rows and keys, indexed locally."""
     lay = self.lay
     shape = (lay.b, lay.kh, lay.g, lay.block_q, lay.block_k)
-    q_idx, k_idx = jnp.broadcast_to(q_idx, shape), jnp.broadcast_to(k_idx, shape)
+    q_idx, k_idx = (jnp.broadcast_to(x, shape) for x in self.absolute(q_idx, k_idx))
     if rule.kernel_reason is not None:
       return self.whole_function(rule, consts, q_idx, k_idx, score)
 
@@ -213,15 +215,23 @@ class Blocks:
                           lookup=lambda t, flat: jnp.take(tables[t], flat))(score)
     return rule.tile(shape, q_idx, k_idx, rows_of, cols_of, score=score)
 
+  def absolute(self, q_idx, k_idx):
+    """Local query and key index tiles as the positions a rule sees: padding rows and keys
+    clamped into range (the function may index arrays with them), then the call's offsets
+    added."""
+    lay = self.lay
+    q_idx, k_idx = jnp.minimum(q_idx, lay.t - 1), jnp.minimum(k_idx, lay.s - 1)
+    if isinstance(self.pos.q_offset, int):
+      return q_idx, k_idx
+    return (q_idx + _per_row(self.pos.q_offset, lay), k_idx + _per_row(self.pos.kv_offset, lay))
+
   def whole_function(self, rule, consts, q_idx, k_idx, score=None):
-    """``rule``'s whole function on one tile's index tiles (broadcasting to [B, K, G, bq, bk])
-    and the captured arrays ``consts`` (`Split.reference`): padding rows and keys are clamped
-    into range, since the function may index arrays with them."""
+    """``rule``'s whole function on one tile's index tiles (absolute positions, broadcasting to
+    [B, K, G, bq, bk]) and the captured arrays ``consts`` (`Split.reference`)."""
     lay = self.lay
     heads = jnp.arange(lay.kh * lay.g, dtype=jnp.int32).reshape(1, lay.kh, lay.g, 1, 1)
     batch = jnp.arange(lay.b, dtype=jnp.int32).reshape(lay.b, 1, 1, 1, 1)
-    return rule.reference(batch, heads, jnp.minimum(q_idx, lay.t - 1),
-                          jnp.minimum(k_idx, lay.s - 1), consts=consts, score=score)
+    return rule.reference(batch, heads, q_idx, k_idx, consts=consts, score=score)
 
   def keep(self, q_start, k_start):
     """Dropout keep mask [B, K, G, bq, bk] of one tile (absolute coordinates), or None."""
