@@ -4,7 +4,9 @@
 
 A Flax model that uses ``jaxflash.linen.dot_product_attention`` as its ``attention_fn`` decodes
 with Flax's cache mask, a dense [B, 1, 1, S] boolean mask per step (``arange(S) <= cache
-index``). This times that call (``impl: "hook"``), `jaxflash.decode_attention` with the
+index``). This times that call (``impl: "hook"``), `jaxflash.flash_attention` given the same
+visible keys as a ``mask_mod`` (``"mask_mod"``: its block mask is built in the call, every
+step), `jaxflash.decode_attention` with the
 equivalent ``kv_lengths`` (``"decode_attention"``) and cuDNN given the same mask (``"cudnn"``,
 on a GPU), bf16, T = 1, in one process: random normal inputs, checked against each other, two
 warm-up calls, the median of 7 repeats of 50 back-to-back calls. The cache is filled to 100
@@ -54,9 +56,15 @@ def run_case(name, b, s, n, k, d, filled, window, on_gpu: bool) -> list[dict]:
   mask = jnp.broadcast_to(visible, (b, 1, 1, s))
   lengths = jnp.full((b,), filled, jnp.int32)
   band = None if window is None else (window - 1, 0)
+  def mask_mod(b, h, q_idx, kv_idx):  # the same visible keys, as a function of positions
+    seen = kv_idx <= index
+    return seen if window is None else seen & (kv_idx > index - window)
+
   calls = {
       "hook": jax.jit(lambda q, kc, vc, m: jaxflash_linen.dot_product_attention(
           q, kc, vc, mask=m, deterministic=True)),
+      "mask_mod": jax.jit(lambda q, kc, vc, m: jaxflash.flash_attention(
+          q, kc, vc, mask_mod=mask_mod)),
       "decode_attention": jax.jit(lambda q, kc, vc, m: jaxflash.decode_attention(
           q, kc, vc, lengths, local_window_size=band)),
   }

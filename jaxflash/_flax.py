@@ -203,16 +203,19 @@ def kernel_can_serve(query: jax.Array, key: jax.Array, value: jax.Array) -> bool
   return query.shape[-2] % key.shape[-2] == 0
 
 
-def ring_attention_fn(axis_name: str, *, layout: str = "contiguous", is_causal: bool = False):
+def ring_attention_fn(axis_name: str, *, layout: str = "contiguous", is_causal: bool = False,
+                      mask_mod=None):
   """A Flax ``attention_fn`` (linen or nnx) that runs `jaxflash.ring_attention` over the mesh axis
   ``axis_name``: pass it to a module whose call runs inside `jax.shard_map` with the sequence
   split along that axis, and each device attends its chunk of queries to the whole sequence.
 
-  ``layout`` and ``is_causal`` are fixed here (the module has no such arguments); a module's
-  sinks (``sinks=True``) are passed on. A ``mask`` or
-  ``bias`` is refused (a dense [T, S] array is what the ring exists to avoid; use ``is_causal``,
-  or `jaxflash.ring_attention`'s ``segment_ids`` and ``local_window_size`` directly). Dropout is
-  Flax's: ``dropout_rate``, ``dropout_rng``, ``deterministic`` and ``broadcast_dropout``.
+  ``layout``, ``is_causal`` and ``mask_mod`` (`jaxflash.ring_attention`'s: positions in the
+  whole sequence; its batch index runs over the module's batch dims flattened) are fixed here
+  (the module has no such arguments); a module's sinks (``sinks=True``) are passed on. A
+  ``mask`` or ``bias`` is refused (a dense [T, S] array is what the ring exists to avoid; use
+  ``is_causal``, a ``mask_mod``, or `jaxflash.ring_attention`'s ``segment_ids`` and
+  ``local_window_size`` directly). Dropout is Flax's: ``dropout_rate``, ``dropout_rng``,
+  ``deterministic`` and ``broadcast_dropout``.
   """
   from jaxflash.attention import ring_attention
 
@@ -230,7 +233,7 @@ def ring_attention_fn(axis_name: str, *, layout: str = "contiguous", is_causal: 
     q, k, v = (x.reshape((b,) + x.shape[-3:]) for x in (query, key, value))
     rate = 0.0 if deterministic else float(dropout_rate)
     out = ring_attention(q, k, v, axis_name=axis_name, layout=layout, is_causal=is_causal,
-                         dropout_rate=rate, dropout_rng=dropout_rng if rate > 0.0 else None,
+                         mask_mod=mask_mod, dropout_rate=rate, dropout_rng=dropout_rng if rate > 0.0 else None,
                          broadcast_dropout=broadcast_dropout, sinks=sinks_for_call(None))
     return out.reshape(query.shape[:-1] + value.shape[-1:])
 

@@ -527,7 +527,7 @@ def test_decode_hook_smoke(tmp_path):
   import decode_hook
   result = decode_hook.main(["--smoke", "--out", str(tmp_path / "decode_hook.json")])
   impls = {r["impl"] for r in result["rows"]}
-  assert impls == {"hook", "decode_attention"}
+  assert impls == {"hook", "mask_mod", "decode_attention"}
   assert all(r["max_abs_diff"] < 1e-2 and r["us"] > 0 for r in result["rows"])
 
 

@@ -307,3 +307,24 @@ def test_flax_module_with_the_ring_as_its_attention_fn():
   assert rel_err(ring.from_zigzag(np.asarray(got), RING), want) < F32_TOLERANCE * 5
   with pytest.raises(ValueError, match="no mask"):
     ringed.apply(params, x, mask=jnp.ones((2, 1, 64, 64), bool))
+
+
+def test_flax_ring_attention_fn_with_a_mask_mod():
+  """`ring_attention_fn(..., mask_mod=)`: a sliding window of whole-sequence positions gives
+  the module's output with the same mask as a dense array on the whole sequence."""
+  flax_linen = pytest.importorskip("flax.linen")
+  import jaxflash.linen
+
+  window = lambda b, h, q, k: (q >= k) & (q - k < 20)  # noqa: E731
+  x = jax.random.normal(jax.random.key(4), (2, 64, 32))
+  whole = jaxflash.linen.MultiHeadDotProductAttention(num_heads=4)
+  params = whole.init(jax.random.key(0), x)
+  want = whole.apply(params, x, mask=dense_mask_of(window, b=1, t=64, s=64, n=1))
+  ringed = flax_linen.MultiHeadDotProductAttention(
+      num_heads=4, attention_fn=jaxflash.linen.ring_attention_fn("sp", mask_mod=window))
+  mesh = _mesh()
+  fn = jax.jit(jax.shard_map(lambda x: ringed.apply(params, x), mesh=mesh,
+                             in_specs=P(None, "sp"), out_specs=P(None, "sp")))
+  with jax.set_mesh(mesh):
+    got = fn(jax.device_put(x, NamedSharding(mesh, P(None, "sp"))))
+  assert rel_err(got, want) < F32_TOLERANCE * 5
