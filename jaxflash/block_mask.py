@@ -81,6 +81,16 @@ class BlockMask:
     """The fraction of blocks that are empty (skipped), over the table's batch rows and heads."""
     return jnp.mean(self.table == EMPTY)
 
+  def to_dense(self) -> jax.Array:
+    """Which blocks hold any visible entry: bool [B or 1, N or 1, query blocks, key blocks]
+    (FlexAttention's ``BlockMask.to_dense``)."""
+    return self.table != EMPTY
+
+  def __repr__(self) -> str:
+    made = "from_blocks" if self.split is None else getattr(self.mask_mod, "__name__", "mask_mod")
+    return (f"BlockMask(shape={self.shape}, block_size=({self.block_q}, {self.block_k}), "
+            f"blocks={tuple(self.table.shape[2:])}, mask_mod={made})")
+
   @classmethod
   def from_blocks(cls, visible: jax.Array, q_len: int, kv_len: int,
                   block_size: int | tuple[int, int] = 128) -> "BlockMask":
@@ -138,6 +148,44 @@ def _block_rule(packed: jax.Array, block_q: int, block_k: int):
     return jax.lax.shift_right_logical(chosen, column % 32) & 1 == 1
 
   return rule
+
+
+def and_masks(*mask_mods: Callable) -> Callable:
+  """A mask_mod that lets an entry through where every one of ``mask_mods`` does
+  (FlexAttention's ``and_masks``); with none, every entry is visible."""
+  _check_mask_mods(mask_mods, "and_masks")
+
+  def combined(batch, head, q_idx, kv_idx):
+    visible = jnp.ones((), bool)
+    for fn in mask_mods:
+      visible = visible & fn(batch, head, q_idx, kv_idx)
+    return visible
+  combined.__name__ = _combined_name("and_masks", mask_mods)
+  return combined
+
+
+def or_masks(*mask_mods: Callable) -> Callable:
+  """A mask_mod that lets an entry through where any of ``mask_mods`` does (FlexAttention's
+  ``or_masks``); with none, no entry is visible."""
+  _check_mask_mods(mask_mods, "or_masks")
+
+  def combined(batch, head, q_idx, kv_idx):
+    visible = jnp.zeros((), bool)
+    for fn in mask_mods:
+      visible = visible | fn(batch, head, q_idx, kv_idx)
+    return visible
+  combined.__name__ = _combined_name("or_masks", mask_mods)
+  return combined
+
+
+def _combined_name(name: str, mask_mods) -> str:
+  return f"{name}({', '.join(getattr(fn, '__name__', 'mask_mod') for fn in mask_mods)})"
+
+
+def _check_mask_mods(mask_mods, name: str) -> None:
+  for i, fn in enumerate(mask_mods):
+    if not callable(fn):
+      raise ValueError(f"{name} takes mask_mod functions; argument {i} is {fn!r}")
 
 
 def create_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, q_len: int,

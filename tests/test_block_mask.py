@@ -513,3 +513,37 @@ def test_masks_on_gpu(implementation, h):
       jnp.asarray(_rng.rand(1, 8, 7, 11) < 0.3) | jnp.eye(7, 11, dtype=bool), t, s, 128)
   check(implementation, small=False, b=b, t=t, s=s, n=8, k=2, h=h, dtype=jnp.bfloat16,
         block_mask=_maker(pattern))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_and_masks_and_or_masks(implementation):
+  """FlexAttention's combinators: documents and causal, or a prefix of keys every row sees,
+  against the dense reference of the same combination (T != S, GQA)."""
+  def causal(b, h, q, k):
+    return q >= k
+
+  def same_document(b, h, q, k):
+    return DOCS[b, q] == DOCS[b, k]
+
+  def prefix(b, h, q, k):
+    return k < PREFIX[b]
+
+  combined = jaxflash.or_masks(jaxflash.and_masks(causal, same_document), prefix)
+  assert combined.__name__ == "or_masks(and_masks(causal, same_document), prefix)"
+  check(implementation, b=B, t=45, s=60, n=N, k=2, h=32, mask_mod=_maker(combined))
+  every = dense_mask_of(jaxflash.and_masks(), b=1, t=5, s=7, n=1)
+  none = dense_mask_of(jaxflash.or_masks(), b=1, t=5, s=7, n=1)
+  assert bool(jnp.all(every)) and not bool(jnp.any(none))
+  with pytest.raises(ValueError, match="and_masks"):
+    jaxflash.and_masks(causal, "causal")
+
+
+def test_block_mask_to_dense_and_repr():
+  mask = jaxflash.create_block_mask(MASK_MODS["sliding_window"], None, None, 100, 130,
+                                    block_size=32)
+  blocks = np.asarray(mask.to_dense())
+  want = _blocks_of(np.asarray(dense_mask_of(MASK_MODS["sliding_window"], b=1, t=100, s=130,
+                                             n=1)), 32, 32) != bm.EMPTY
+  np.testing.assert_array_equal(blocks, want)
+  assert repr(mask) == ("BlockMask(shape=(1, 1, 100, 130), block_size=(32, 32), "
+                        "blocks=(4, 5), mask_mod=<lambda>)")

@@ -38,6 +38,11 @@ VARIANTS = {
     "kv128_stages3": dict(block_kv=128, num_stages=3),
     "kv64_overlap_persistent": dict(block_kv=64, intra_wg_overlap=True, persistent_ctas=132),
     "kv128_persistent": dict(block_kv=128, persistent_ctas=132),
+    "kv128_overlap_persistent": dict(block_kv=128, intra_wg_overlap=True, persistent_ctas=132),
+    "kv128_overlap_persistent_q2": dict(block_kv=128, intra_wg_overlap=True, persistent_ctas=132,
+                                        q_buffers=2),
+    "kv64_overlap_persistent_q2": dict(block_kv=64, intra_wg_overlap=True, persistent_ctas=132,
+                                       q_buffers=2),
 }
 
 
@@ -57,6 +62,9 @@ def parse_args(doc: str, variants: dict, smoke_variant: str, smoke_dims: tuple[i
                       help="a random pattern of 128 x 128 blocks with this fraction visible "
                            "(benchmarks/masks.py's block cases and seed), given as a block "
                            "mask, with no causal band")
+  parser.add_argument("--documents", type=int,
+                      help="packed documents instead: benchmarks/masks.py's documents_N case "
+                           "(its lengths and seed), given as segment ids with a causal band")
   parser.add_argument("--profile", action="store_true",
                       help="also each kernel's GPU time per call (a profile)")
   parser.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants))
@@ -69,10 +77,19 @@ def parse_args(doc: str, variants: dict, smoke_variant: str, smoke_dims: tuple[i
 
 
 def block_pattern(args: argparse.Namespace) -> tuple[dict, dict, float]:
-  """What ``--block-fraction`` asks for: the attention call's keyword arguments (a block mask, or
-  the causal band), the reference's (the dense mask [1, 1, S, S], or the band) and the visible
-  (query, key) entries of one batch row and head."""
+  """What ``--block-fraction`` or ``--documents`` asks for: the attention call's keyword
+  arguments (a block mask, segment ids and the band, or the causal band), the reference's (the
+  dense mask [1, 1, S, S], or the band) and the visible (query, key) entries of one batch row
+  and head."""
   s = args.seq
+  if args.documents:
+    import masks  # (benchmarks/masks.py: the documents cases' lengths and seed)
+    seed = masks.CASES.index(f"documents_{args.documents}")
+    doc = np.asarray(masks.document_ids(s, args.documents, seed))
+    dense = (doc[:, None] == doc[None, :]) & np.tri(s, dtype=bool)
+    ids = jnp.asarray(np.tile(doc, (args.batch, 1)), jnp.int32)
+    return (dict(segment_ids=ids, is_causal=True), dict(mask=jnp.asarray(dense)[None, None]),
+            float(dense.sum()))
   if args.block_fraction is None:
     band = dict(is_causal=args.causal)
     return band, band, s * (s + 1) / 2 if args.causal else s * s
