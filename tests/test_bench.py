@@ -627,3 +627,13 @@ def test_backward_tiles_smoke():
   rows = backward_tiles.main(["--smoke"])
   assert rows and "error" not in rows[0], rows
   assert max(rows[0]["relerr"].values()) < 2e-2, rows
+
+
+def test_ring_masks_smoke(tmp_path):
+  """benchmarks/dev/ring_masks.py on the CPU's devices: the ring (segment ids and a mask_mod)
+  and the whole call agree."""
+  import ring_masks
+  rows = ring_masks.main(["--smoke", "--out", str(tmp_path / "ring_masks.json")])
+  assert {r["call"] for r in rows} == {"flash_segments", "flash_block_mask", "ring_segments",
+                                       "ring_mask_mod"}
+  assert all(r["reldiff"] < 1e-5 for r in rows)
