@@ -635,5 +635,5 @@ def test_ring_masks_smoke(tmp_path):
   import ring_masks
   rows = ring_masks.main(["--smoke", "--out", str(tmp_path / "ring_masks.json")])
   assert {r["call"] for r in rows} == {"flash_segments", "flash_block_mask", "ring_segments",
-                                       "ring_mask_mod"}
-  assert all(r["reldiff"] < 1e-5 for r in rows)
+                                       "ring_mask_mod", "create_block_mask"}
+  assert all(r["reldiff"] < 1e-5 for r in rows if "reldiff" in r)

@@ -92,6 +92,14 @@ def main(argv=None) -> list[dict]:
     seed = masks.CASES.index(f"documents_{documents}")
     doc = jnp.asarray(masks.document_ids(s, documents, seed)[None], jnp.int32)
     made = calls(doc, mesh, args.smoke)
+
+    def build(doc):  # (what ring_mask_mod's pair makes, at create_block_mask's 128 blocks)
+      return jaxflash.create_block_mask(
+          lambda b, h, q, kv: (doc[b, q] == doc[b, kv]) & (q >= kv), 1, None, s, s).table
+    ms = time_calls(jax.jit(build), (doc,))[0] if not args.smoke else 0.0
+    rows.append(dict(documents=documents, call="create_block_mask", mode="build",
+                     ms=round(ms, 4), S=s))
+    print(json.dumps(rows[-1]), flush=True)
     outs = {}
     for name, (fn, via) in made.items():
       forward = jax.jit(fn)
