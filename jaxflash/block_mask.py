@@ -5,7 +5,7 @@ A block table is int8 [B or 1, N or 1, query blocks, key blocks] of `EMPTY`, `PA
 `FULL` (batch and head axes of size 1 broadcast). It is built on the device by jitted code,
 whatever says which entries are visible:
 
-- a `mask_mod` (`create_block_mask`): evaluated over every entry once, a query block at a time,
+- a `mask_mod` (`create_block_mask`): evaluated over every entry once, rows of blocks at a time,
   and reduced per block; its element mask is then what `jaxflash.mask_mod.Split` makes of it;
 - a dense boolean ``mask=`` (`classify_dense`, or `jaxflash.dense_mask.pack` with the mask's
   packed words): one pass over the mask;
@@ -199,7 +199,7 @@ def create_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, 
   ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` says whether query ``q_idx`` of batch row
   ``batch`` and query head ``head`` may attend to key ``kv_idx`` (FlexAttention's signature):
   jnp code on broadcasting int32 index arrays, which may close over arrays (document ids, a
-  prefix length per row). It is evaluated on every entry once here, a query block at a time, and
+  prefix length per row). It is evaluated on every entry once here, rows of blocks at a time, and
   never stored as a T x S array; the block mask keeps per block whether it is empty, partial or
   full, plus the per-row and per-key values the kernels need to evaluate the partial blocks
   (`jaxflash.mask_mod`).
@@ -239,8 +239,8 @@ def create_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, 
 
 def classify_mask_mod(split, b: int, n: int, q_len: int, kv_len: int, block_q: int,
                       block_k: int, q_start=0, kv_start=0) -> jax.Array:
-  """The block table of a mask_mod: evaluated one query block at a time (a [b, n, block_q,
-  kv_len] slab of booleans at once), reduced to its blocks. ``q_start``/``kv_start`` (ints or
+  """The block table of a mask_mod: evaluated a few query blocks at a time (up to
+  `CLASSIFY_ENTRIES` booleans at once), reduced to its blocks. ``q_start``/``kv_start`` (ints or
   traced int32 scalars): the positions of query 0 and key 0, for a table of part of a
   sequence (a pair of ring attention's chunks)."""
   nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
