@@ -233,7 +233,8 @@ def ring_attention_fn(axis_name: str, *, layout: str = "contiguous", is_causal: 
     q, k, v = (x.reshape((b,) + x.shape[-3:]) for x in (query, key, value))
     rate = 0.0 if deterministic else float(dropout_rate)
     out = ring_attention(q, k, v, axis_name=axis_name, layout=layout, is_causal=is_causal,
-                         mask_mod=mask_mod, dropout_rate=rate, dropout_rng=dropout_rng if rate > 0.0 else None,
+                         mask_mod=mask_mod, dropout_rate=rate,
+                         dropout_rng=dropout_rng if rate > 0.0 else None,
                          broadcast_dropout=broadcast_dropout, sinks=sinks_for_call(None))
     return out.reshape(query.shape[:-1] + value.shape[-1:])
 

@@ -11,8 +11,8 @@ are sent home by one last `ppermute`. Nothing of size T x S is stored, on any de
 Positions come from the chunks' offsets (`Inputs.offsets`), so the causal band, windows, a
 mask_mod and the dropout mask see every token at its place in the whole sequence, and segment
 ids travel with their keys. Each (query part, key part) pair gets its own block table and
-mask_mod features (`_with_pair_masks`). ``Inputs.lengths`` hold the whole sequence's (query, key) lengths here; each pair
-gets the valid rows of its own parts. Layouts:
+mask_mod features (`_with_pair_masks`). ``Inputs.lengths`` hold the whole sequence's (query,
+key) lengths here; each pair gets the valid rows of its own parts. Layouts:
 
 - ``"contiguous"``: device ``i`` of R holds tokens ``[i * C, (i + 1) * C)``.
 - ``"striped"``: device ``i`` holds tokens ``i, i + R, i + 2R, ...`` (MaxText's ``STRIPED``):
