@@ -7,8 +7,8 @@ For shapes the tuner's grid does not hold (a value head dim of its own, as MLA's
 
 Prints one line per variant: forward and forward+backward ms, the backward's TFLOP/s (its time is
 fwd+bwd − fwd; 2·(3·H + 2·Dv) FLOPs per visible entry, as benchmarks/model_features.py counts),
-and the relative error of dQ, dK and dV in head 0 against the float32 reference (MHA: head 0's
-gradients depend on head 0 alone). ``--out`` writes the rows as JSON; ``--smoke`` runs a tiny
+and the relative error of dQ, dK and dV in K/V head 0's group against the float32 reference
+(their gradients depend on those heads alone; ``--kv-heads`` for GQA). ``--out`` writes the rows as JSON; ``--smoke`` runs a tiny
 shape in Mosaic GPU's interpreter (CI keeps it working). ``--block-fraction 0.1`` runs
 benchmarks/masks.py's random block pattern instead of the causal band (FLOPs on its visible
 entries), and ``--profile`` adds each kernel's GPU time per call (the forward, dQ and dK/dV
@@ -76,9 +76,12 @@ def main(argv=None) -> list[dict]:
   q, k, v, d_out = random_qkv(args)
   pattern, reference, visible = block_pattern(args)
   causal = pattern.get("is_causal", False)
-  head0 = lambda x: x[:1, :, :1].astype(jnp.float32)  # noqa: E731
+  # Query heads 0 ... G - 1 and the K/V head they share (MHA: G = 1): their gradients depend
+  # on those heads alone.
+  group = n // (args.kv_heads or n)
+  heads = lambda x: x[:1, :, :group if x.shape[2] == n else 1].astype(jnp.float32)  # noqa: E731
   want = jax.jit(_grads(lambda q, k, v: reference_attention(q, k, v, **reference)[0],
-                        head0(d_out)))(head0(q), head0(k), head0(v))
+                        heads(d_out)))(heads(q), heads(k), heads(v))
   entries = b * n * visible
   bwd_flops = 2.0 * (3 * args.h + 2 * args.dv) * entries
   kind = "NVIDIA H200" if args.smoke else jax.devices()[0].device_kind
@@ -86,7 +89,8 @@ def main(argv=None) -> list[dict]:
                                   value_dim=args.dv)
   rows = []
   for name in args.variants:
-    row = dict(variant=name, H=args.h, Dv=args.dv, N=n, S=s, B=b, causal=args.causal)
+    row = dict(variant=name, H=args.h, Dv=args.dv, N=n, K=args.kv_heads or n, S=s, B=b,
+               causal=args.causal)
     try:
       fields = VARIANTS[name]
       backward = None if fields is None else dataclasses.replace(shipped.backward, **fields)
@@ -96,7 +100,7 @@ def main(argv=None) -> list[dict]:
       grads = _grads(fn, d_out)
       grads = grads if args.smoke else jax.jit(grads)  # (the interpreter runs eagerly)
       got = grads(q, k, v)
-      row["relerr"] = {g: _relerr(head0(x), w) for g, x, w in zip(("dq", "dk", "dv"), got, want)}
+      row["relerr"] = {g: _relerr(heads(x), w) for g, x, w in zip(("dq", "dk", "dv"), got, want)}
       if not args.smoke:
         fwd_ms = time_calls(jax.jit(fn), (q, k, v))[0]
         total_ms = time_calls(grads, (q, k, v))[0]

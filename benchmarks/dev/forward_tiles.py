@@ -55,6 +55,8 @@ def parse_args(doc: str, variants: dict, smoke_variant: str, smoke_dims: tuple[i
   parser.add_argument("--h", type=int, default=192)
   parser.add_argument("--dv", type=int, default=128)
   parser.add_argument("--heads", type=int, default=128)
+  parser.add_argument("--kv-heads", type=int,
+                      help="K/V heads (GQA: a divisor of --heads); default: --heads (MHA)")
   parser.add_argument("--seq", type=int, default=8192)
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--no-causal", dest="causal", action="store_false")
@@ -105,10 +107,11 @@ def block_pattern(args: argparse.Namespace) -> tuple[dict, dict, float]:
 def random_qkv(args: argparse.Namespace):
   """bf16 q, k, v of the shape ``args`` names, and a float32 cotangent of the output's."""
   b, s, n = args.batch, args.seq, args.heads
+  kv_heads = args.kv_heads or n
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (b, s, n, args.h), jnp.bfloat16)
-  k = jax.random.normal(keys[1], (b, s, n, args.h), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (b, s, n, args.dv), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (b, s, kv_heads, args.h), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (b, s, kv_heads, args.dv), jnp.bfloat16)
   return q, k, v, jax.random.normal(keys[3], (b, s, n, args.dv), jnp.float32)
 
 
@@ -118,11 +121,13 @@ def main(argv=None) -> list[dict]:
   q, k, v, _ = random_qkv(args)
   pattern, reference, visible = block_pattern(args)
   want, _ = reference_attention(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], **reference)
+  # (Query head 0 reads K/V head 0 under GQA too.)
   entries = b * n * visible
   flops = 2.0 * (args.h + args.dv) * entries
   rows = []
   for name in args.variants:
-    row = dict(variant=name, H=args.h, Dv=args.dv, N=n, S=s, B=b, causal=args.causal)
+    row = dict(variant=name, H=args.h, Dv=args.dv, N=n, K=args.kv_heads or n, S=s, B=b,
+               causal=args.causal)
     try:
       config = dataclasses.replace(mosaic.Config(), **VARIANTS[name])
       fn = jax.jit(lambda q, k, v, config=config: attention_with_config(
