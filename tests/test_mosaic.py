@@ -832,6 +832,35 @@ def test_block_table_calls_take_wider_dq_tiles(h, want):
       mosaic_config.backward_smem_bytes(ring.backward, h, True) <= mosaic_config.SMEM_BUDGET)
 
 
+def test_gqa_calls_take_their_backward_registers():
+  """GQA and MQA calls at D = 128 without a causal band take `GQA_BACKWARD`'s 240 registers;
+  MHA, and GQA with a causal band, keep `BACKWARD_TUNED`'s."""
+  from jaxflash.backends.mosaic import config as mosaic_config
+  device = devices.Device("gpu", "NVIDIA H200", True)
+
+  def registers(n, k, causal, h=128):
+    q, kv = jnp.zeros((1, 256, n, h), BF16), jnp.zeros((1, 256, k, h), BF16)
+    call = _checks.normalise(q, kv, kv, is_causal=causal)
+    return mosaic.BACKEND.default_config(call.inputs, call.params, device).backward.registers
+
+  default = mosaic_config.BACKWARD_TUNED[128].registers
+  assert registers(8, 1, False) == registers(8, 2, False) == 240 != default
+  assert registers(8, 8, False) == registers(8, 2, True) == default
+  assert registers(8, 2, False, h=64) == mosaic_config.BACKWARD_TUNED[64].registers
+
+
+@needs_cuda_plugin
+def test_gqa_backward_lowers():
+  """The GQA backward at 240 registers: forward, dQ and dK/dV on Mosaic (ptxas's register
+  budget holds: a kernel that cannot lower never lands)."""
+  q = jax.ShapeDtypeStruct((2, 1000, 8, 128), BF16)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), BF16)
+  config = mosaic.default_config(128, BF16, False, 1000, "NVIDIA H200", groups=4)
+  assert config.backward.registers == 240
+  text = _lower(_gradients(config), q, kv, kv)
+  assert _mosaic_kernels(text) == 3
+
+
 @needs_cuda_plugin
 @pytest.mark.parametrize("h,kernels", [(64, 2), (128, 3)])
 def test_atomic_backward_lowers(h, kernels):

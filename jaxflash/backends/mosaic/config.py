@@ -345,6 +345,18 @@ BACKWARD_TUNED_VALUE_DIM: dict[tuple[int, int], Backward] = {
 BLOCK_TABLE_BACKWARD: dict[int, dict] = {128: dict(dq_block_kv=128)}
 
 
+# Backward fields over `BACKWARD_TUNED`'s for GQA and MQA calls (query heads sharing K/V heads),
+# by (padded head dim, causal). Their dK/dV kernel streams each K/V head's whole group of query
+# heads past one resident key block, and at D = 128 without a causal band it ran 15% faster
+# with 240 consumer registers. H200, 2026-11-25 (benchmarks/dev/backward_tiles.py --kv-heads, B
+# = 1, D = 128, 64 query heads; backward TFLOP/s, its time fwd+bwd - fwd, kernel times from a
+# profile): GQA 64/8 at 16k 480 against 442 (the dK/dV kernel 26.8 against 31.4 ms; three dK/dV
+# stages 448, 128-key dQ tiles 444), at 8k 485 against 441; MHA 64/64 at 16k ran 479 with 232
+# and 465 with 240, so only shared K/V heads take them. With a causal band GQA ran the same
+# with either (457 at 16k).
+GQA_BACKWARD: dict[tuple[int, bool], dict] = {(128, False): dict(registers=240)}
+
+
 # Where calls with deterministic=False take the atomic one pass: (padded head dim, causal) ->
 # `Backward` fields over `BACKWARD_TUNED`'s. H200, 2026-11-24 (benchmarks/results/h200/grid.json,
 # runs atomic_, llama_ and atomic_d128_2026-11-24; benchmarks/dev/atomic_check.py), forward+
@@ -386,11 +398,13 @@ def _tuned_from_length(device_kind: str, hp: int, causal: bool) -> int:
 
 
 def _backward_tiles(hp: int, causal: bool, hv: int, block_table: bool,
-                    partial: bool) -> Backward:
+                    partial: bool, groups: int = 1) -> Backward:
   if hv != hp:
     return BACKWARD_TUNED_VALUE_DIM.get((hp, hv), Backward())
   tiles = dataclasses.replace(BACKWARD_TUNED.get(hp, Backward()),
                               **ATOMIC_TUNED.get((hp, causal), {}))
+  if groups > 1:
+    tiles = dataclasses.replace(tiles, **GQA_BACKWARD.get((hp, causal), {}))
   if block_table:
     # (Where they fit: a partial call's float32 dQ tile of its own leaves no room for 128-key
     # tiles, and the tuned ones beat the Triton backward that a misfit would get.)
@@ -402,12 +416,13 @@ def _backward_tiles(hp: int, causal: bool, hv: int, block_table: bool,
 
 def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: str,
                    partial: bool = False, value_dim: int | None = None,
-                   block_table: bool = False) -> Config | None:
+                   block_table: bool = False, groups: int = 1) -> Config | None:
   """`TUNED`'s config (persistent on this device's SM count), else it on one CTA per tile,
   else the 128-key tile, else the 64-key one, whichever first fits in shared memory (a float32
   partial result, or a value head dim ``value_dim`` unlike ``head_dim``, needs O tiles of its
   own); None if none fits (partial results at D = 256). Causal CTAs are launched heaviest
-  first. ``block_table``: the call walks a block table (`BLOCK_TABLE_BACKWARD`)."""
+  first. ``block_table``: the call walks a block table (`BLOCK_TABLE_BACKWARD`); ``groups``:
+  query heads per K/V head (`GQA_BACKWARD` above 1)."""
   # (The Triton backward's tiles for the wider of the two head dims: it serves Dv != H.)
   backward = triton_config.default_config(max(head_dim, value_dim or 0), dtype, causal, q_len,
                                           device_kind)
@@ -423,7 +438,7 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
       candidates.insert(0, dict(tuned, persistent_ctas=sm_count(device_kind)))
   mosaic_backward = _backward_tiles(padded_head_dim(head_dim), causal,
                                     padded_head_dim(value_dim or head_dim), block_table,
-                                    partial)
+                                    partial, groups)
   for fields in candidates:
     config = Config(triton=backward, backward=mosaic_backward, **fields)
     if fits(config, head_dim, partial, value_dim, 1 if fp8.is_fp8(dtype) else 2):
