@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jaxflash import dropout
 from jaxflash import mask_mod
 from jaxflash import masking
+from jaxflash._vma import varying_axes, varying_like  # noqa: F401 (ops and backends use them here)
 
 LOG2_E = math.log2(math.e)
 
@@ -305,18 +306,6 @@ def explicit_spec(x) -> tuple | None:
   spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
   return spec if explicit and any(e is not None for e in spec) else None
 
-
-def varying_axes(x) -> frozenset:
-  """The manual mesh axes (inside `jax.shard_map`) that ``x`` varies over; empty elsewhere."""
-  mat = getattr(jax.typeof(x), "mat", None)
-  return frozenset(getattr(mat, "varying", ()))
-
-
-def varying_like(x, axes: frozenset):
-  """``x`` made varying over ``axes`` too (a no-op outside `jax.shard_map`): a loop carry
-  started from constants must have the type of what its body returns under ``check_vma``."""
-  missing = tuple(sorted(axes - varying_axes(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from jaxflash._vma import varying_axes, varying_like
+
 MaskMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 ScoreMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -853,28 +855,15 @@ def _run(eqn, env, args=None):
     args = [_read(env, v) for v in eqn.invars]
   # Inside `jax.shard_map` some operands may vary over manual axes (indices that start at a
   # device's chunk) and others not: a primitive bound directly takes them only alike.
-  axes = frozenset().union(*(_varying_axes(x) for x in args))
-  if axes:
-    args = [_as_varying(x, v, axes) for x, v in zip(args, eqn.invars)]
+  axes = frozenset().union(*(varying_axes(x) for x in args))
+  if axes:  # (a literal becomes an array of its variable's dtype first)
+    args = [x if varying_axes(x) >= axes else varying_like(jnp.asarray(x, v.aval.dtype), axes)
+            for x, v in zip(args, eqn.invars)]
   outs = eqn.primitive.bind(*subfuns, *args, **params)
   if not eqn.primitive.multiple_results:
     outs = [outs]
   for v, x in zip(eqn.outvars, outs):
     env[v] = x
-
-
-def _varying_axes(x) -> frozenset:
-  """The manual mesh axes ``x`` varies over (empty outside `jax.shard_map`)."""
-  mat = getattr(jax.typeof(x), "mat", None)
-  return frozenset(getattr(mat, "varying", ()))
-
-
-def _as_varying(x, var, axes: frozenset):
-  """Operand ``x`` (of the jaxpr variable or literal ``var``) varying over ``axes`` too."""
-  missing = tuple(sorted(axes - _varying_axes(x)))
-  if not missing:
-    return x
-  return jax.lax.pcast(jnp.asarray(x, var.aval.dtype), missing, to="varying")
 
 
 def to_int32(x) -> jax.Array:
