@@ -596,14 +596,15 @@ def ring_attention(
     call = call._replace(inputs=inputs, params=params)
   b = call.inputs.query.shape[0]
   total = chunk * jax.lax.axis_size(axis_name)
+  # (Every pair makes its own block table: the chunk's against itself is of no use.)
   call = call._replace(inputs=call.inputs._replace(lengths=_checks.global_lengths(
-      query_seq_lengths, key_value_seq_lengths, b, total)))
+      query_seq_lengths, key_value_seq_lengths, b, total), block_table=None))
   empty = _empty(call.inputs, call.params)
   if empty is not None:
     return _results(*empty, call, return_residual)
   # Each pair of the ring is a partial call with offsets (and a block table where it has
   # segment ids or a mask_mod): the backend must serve those.
-  probe = ring_op.probe(call.inputs, call.params, ring_op.parts(layout))
+  probe = ring_op.probe(call.inputs, call.params, ring_op.parts_of(layout))
   partial_params = dataclasses.replace(call.params, partial=True)
   backend = backends.select(implementation, probe, partial_params)
   config = backend.default_config(probe, partial_params, devices.current())

@@ -227,14 +227,25 @@ def create_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, 
                        f"got {value!r}")
   block_q, block_k = _block_sizes(block_size)
   split = mask_mod_lib.split(mask_mod)
+  made = mask_mod_blocks(split, batch, heads, q_len, kv_len, block_q, block_k)
+  return BlockMask(*made, split, block_q, block_k, q_len, kv_len)
+
+
+def mask_mod_blocks(split, batch: int | None, heads: int | None, q_len: int, kv_len: int,
+                    block_q: int, block_k: int, q_start=0, kv_start=0):
+  """``(table, q_features, kv_features)`` of a split mask_mod for ``q_len`` queries and
+  ``kv_len`` keys from positions ``q_start`` and ``kv_start`` (ints or traced int32 scalars: a
+  pair of ring attention's chunks): the table (`classify_mask_mod`) and, where the kernels can
+  run its rule, its row and column features. Batch and head axes are 1 where the mask does
+  not depend on them (or ``batch``/``heads`` is None)."""
   b = batch if batch is not None and split.depends_on(mask_mod_lib.BATCH) else 1
   n = heads if heads is not None and split.depends_on(mask_mod_lib.HEAD) else 1
-  table = classify_mask_mod(split, b, n, q_len, kv_len, block_q, block_k)
-  q_features = kv_features = None
-  if split.kernel_reason is None:
-    q_features = split.features(split.row_vars, b, n, q_len, mask_mod_lib.Q)
-    kv_features = split.features(split.col_vars, b, n, kv_len, mask_mod_lib.KV)
-  return BlockMask(table, q_features, kv_features, split, block_q, block_k, q_len, kv_len)
+  table = classify_mask_mod(split, b, n, q_len, kv_len, block_q, block_k, q_start, kv_start)
+  if split.kernel_reason is not None:
+    return table, None, None
+  return (table,
+          split.features(split.row_vars, b, n, q_len, mask_mod_lib.Q, start=q_start),
+          split.features(split.col_vars, b, n, kv_len, mask_mod_lib.KV, start=kv_start))
 
 
 def classify_mask_mod(split, b: int, n: int, q_len: int, kv_len: int, block_q: int,

@@ -199,13 +199,9 @@ class Ring:
     return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, perm), xs)  # (None stays)
 
 
-def parts(layout: str) -> int:
+def parts_of(layout: str) -> int:
   """Parts of a chunk computed as pairs: the zigzag layout's two halves lie apart."""
   return 2 if layout == "zigzag" else 1
-
-
-def _parts(ring: Ring) -> int:
-  return parts(ring.layout)
 
 
 def _pair(inputs: Inputs, params: Params, kv, q_part, kv_part, parts: int, q_starts,
@@ -237,22 +233,15 @@ def _with_pair_masks(pair: Inputs, params: Params, starts) -> Inputs:
   indices the tile rule reads). A table made for the device's own chunk against itself says
   nothing about another chunk's keys: blocks it calls empty may hold a shared document."""
   tables = []
-  tq, tk = pair.query.shape[1], pair.key.shape[1]
   if pair.q_segment_ids is not None:
     tables.append(block_mask_lib.classify_segments(pair.q_segment_ids, pair.kv_segment_ids))
-  rule = params.mask_rule
-  if rule is not None:
-    b, n = pair.query.shape[0], pair.query.shape[2]
-    b = b if rule.depends_on(mask_mod_lib.BATCH) else 1
-    n = n if rule.depends_on(mask_mod_lib.HEAD) else 1
+  if params.mask_rule is not None:
+    b, tq, n, _ = pair.query.shape
     block = block_mask_lib.CLASSIFY_BLOCK
-    tables.append(block_mask_lib.classify_mask_mod(rule, b, n, tq, tk, block, block,
-                                                   starts[0], starts[1]))
-    if rule.kernel_reason is None:
-      pair = pair._replace(
-          q_features=rule.features(rule.row_vars, b, n, tq, mask_mod_lib.Q, start=starts[0]),
-          kv_features=rule.features(rule.col_vars, b, n, tk, mask_mod_lib.KV,
-                                    start=starts[1]))
+    table, q_features, kv_features = block_mask_lib.mask_mod_blocks(
+        params.mask_rule, b, n, tq, pair.key.shape[1], block, block, starts[0], starts[1])
+    tables.append(table)
+    pair = pair._replace(q_features=q_features, kv_features=kv_features)
   if not tables:
     return pair
   table = tables[0] if len(tables) == 1 else block_mask_lib.intersect(*tables)
@@ -268,7 +257,7 @@ def _step_pairs(inputs: Inputs, params: Params, ring: Ring, kv, step: int) -> li
   always sees the early key half, and of the two same-side pairs only the one whose key chunk
   came from an earlier device (``step <= me``) is visible. That pair's part index is traced.
   Skipping a hidden pair is exact: the band hides all of it, whatever else masks it."""
-  size, me, parts = ring.size(), lax.axis_index(ring.axis_name), _parts(ring)
+  size, me, parts = ring.size(), lax.axis_index(ring.axis_name), parts_of(ring.layout)
   chunk = inputs.query.shape[1]
   owner = (me - step) % size  # of the K/V chunk this device holds at this step
   q_len, kv_len = inputs.lengths[:, 0], inputs.lengths[:, 1]  # in the whole sequence
@@ -311,7 +300,7 @@ def _part_of(x, start, size: int, axis: int = 1):
 
 def _forward(inputs: Inputs, params: Params, ring: Ring):
   """(out [B, T, N, Dv], lse2 [B, N, T]) of the local queries against the whole sequence."""
-  size, parts = ring.size(), _parts(ring)
+  size, parts = ring.size(), parts_of(ring.layout)
   partial_params = dataclasses.replace(params, partial=True)
   sinks, inputs = inputs.sinks, flash.without_sinks(inputs)  # joined after the last merge
   kv = (inputs.key, inputs.value, inputs.kv_segment_ids)
@@ -363,7 +352,7 @@ def _fwd(inputs, params, ring):
 def _bwd(params, ring, residuals, cotangents):
   inputs, out, lse2 = residuals
   d_out, delta = flash.output_cotangents(out, cotangents)
-  size, parts = ring.size(), _parts(ring)
+  size, parts = ring.size(), parts_of(ring.layout)
   tq = inputs.query.shape[1] // parts
   partial_params = dataclasses.replace(params, partial=True)  # float32 shares, summed
   pairs_of = flash.without_sinks(inputs)
