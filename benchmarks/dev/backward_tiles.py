@@ -21,7 +21,6 @@ kernels are named in a profile):
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -32,7 +31,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import time_calls  # noqa: E402
-from forward_tiles import block_pattern, parse_args, random_qkv  # noqa: E402
+from forward_tiles import (block_pattern, emit, parse_args, random_qkv,  # noqa: E402
+                           write_rows)
 from mask_parts import kernel_ms  # noqa: E402
 
 from jaxflash.attention import attention_with_config  # noqa: E402
@@ -111,11 +111,8 @@ def main(argv=None) -> list[dict]:
                                in kernel_ms(grads, q, k, v).most_common(6)}
     except Exception as e:  # noqa: BLE001 (a variant that does not fit or lower: say why)
       row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    rows.append(row)
-    print(json.dumps(row), flush=True)
-  if args.out:
-    args.out.write_text(json.dumps(rows, indent=1) + "\n")
-  return rows
+    emit(rows, row)
+  return write_rows(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,19 @@ def block_pattern(args: argparse.Namespace) -> tuple[dict, dict, float]:
   return dict(block_mask=block_mask), dict(mask=dense), float(dense.sum())
 
 
+def emit(rows: list, row: dict) -> None:
+  """Keeps one of a probe's rows and prints it at once (a long run shows its progress)."""
+  rows.append(row)
+  print(json.dumps(row), flush=True)
+
+
+def write_rows(rows: list, out: Path | None) -> list:
+  """A probe's rows, written as JSON to ``out`` where given."""
+  if out:
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+  return rows
+
+
 def random_qkv(args: argparse.Namespace):
   """bf16 q, k, v of the shape ``args`` names, and a float32 cotangent of the output's."""
   b, s, n = args.batch, args.seq, args.heads
@@ -139,11 +152,8 @@ def main(argv=None) -> list[dict]:
                  relerr=err)
     except Exception as e:  # noqa: BLE001 (a config that does not fit or lower: say why)
       row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    rows.append(row)
-    print(json.dumps(row), flush=True)
-  if args.out:
-    args.out.write_text(json.dumps(rows, indent=1) + "\n")
-  return rows
+    emit(rows, row)
+  return write_rows(rows, args.out)
 
 
 if __name__ == "__main__":

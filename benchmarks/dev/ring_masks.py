@@ -18,7 +18,6 @@ output from the whole call's; ``--out`` writes them all. ``--smoke``: a tiny run
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,8 +28,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import masks  # noqa: E402  (the documents cases' lengths and seed)
 from cases import time_calls  # noqa: E402
+from forward_tiles import emit, write_rows  # noqa: E402
 
 import jaxflash  # noqa: E402
 
@@ -97,9 +98,8 @@ def main(argv=None) -> list[dict]:
       return jaxflash.create_block_mask(
           lambda b, h, q, kv: (doc[b, q] == doc[b, kv]) & (q >= kv), 1, None, s, s).table
     ms = time_calls(jax.jit(build), (doc,))[0] if not args.smoke else 0.0
-    rows.append(dict(documents=documents, call="create_block_mask", mode="build",
-                     ms=round(ms, 4), S=s))
-    print(json.dumps(rows[-1]), flush=True)
+    emit(rows, dict(documents=documents, call="create_block_mask", mode="build",
+                    ms=round(ms, 4), S=s))
     outs = {}
     for name, (fn, via) in made.items():
       forward = jax.jit(fn)
@@ -115,11 +115,8 @@ def main(argv=None) -> list[dict]:
         ms = time_calls(call, (q, k, v))[0] if not args.smoke else 0.0
         row = dict(documents=documents, call=name, via=via, mode=mode, ms=round(ms, 4),
                    devices=len(devices), S=s, N=n, D=d, reldiff=diff)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-  if args.out:
-    args.out.write_text(json.dumps(rows, indent=1) + "\n")
-  return rows
+        emit(rows, row)
+  return write_rows(rows, args.out)
 
 
 if __name__ == "__main__":
