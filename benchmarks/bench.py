@@ -206,6 +206,7 @@ def config(args) -> dict:
       llama_seqs=(args.llama_seqs if args.llama_seqs is not None
                   else [] if smoke else [8192, 16384]),
       llama_heads=[64, 8, 128],
+      llama_mha=args.llama_mha,
       tokens=pick(args.tokens, TOKENS, 256),
       hidden=pick(args.hidden, HIDDEN, 128),
       warmups=1 if smoke else 2, calls=2 if smoke else 20, repeats=2 if smoke else 5,
@@ -235,6 +236,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--llama-seqs", type=int, nargs="*",
                       help="lengths of the Llama-3.1-70B case (B = 1, 64 query / 8 KV heads, "
                       "D = 128, bf16); default 8192 16384, none with --smoke; give none to skip")
+  parser.add_argument("--llama-mha", action="store_true",
+                      help="add the Llama case with 64 K/V heads too: the MHA rate at the same "
+                      "total heads, which GQA's is compared with")
   parser.add_argument("--tokens", type=int, help="tokens per batch, B = tokens / S (16384)")
   parser.add_argument("--hidden", type=int, help="hidden size, N = hidden / D (2048)")
   parser.add_argument("--smoke", action="store_true",

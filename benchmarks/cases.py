@@ -81,6 +81,8 @@ def build_cases(cfg: dict) -> list[Case]:
     for s in cfg["llama_seqs"]:
       for causal in bands:
         cases.append(Case("bf16", 1, s, n, k, d, causal))
+        if cfg.get("llama_mha"):  # the MHA rate at the same total heads, GQA's yardstick
+          cases.append(Case("bf16", 1, s, n, n, d, causal))
   return cases
 
 

@@ -788,6 +788,21 @@ def test_h100_short_causal_d64_takes_one_cta_per_tile():
   assert config(64, BF16, False, 4096, "NVIDIA H100 80GB HBM3").persistent_ctas == 132
 
 
+@pytest.mark.parametrize("kind", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_short_causal_calls_launch_in_natural_order(kind):
+  """Causal calls of at most `NATURAL_ORDER_ROWS` query rows on one CTA per tile launch their
+  tiles in natural order (measured faster at 512); longer ones, persistent grids and calls
+  without a causal band keep heaviest first."""
+  config = mosaic.config.default_config
+  rows = mosaic.config.NATURAL_ORDER_ROWS
+  assert not config(128, BF16, True, rows, kind).heavy_first
+  assert config(128, BF16, True, rows + 1, kind).heavy_first
+  assert config(128, BF16, False, rows, kind).heavy_first
+  d64 = config(64, BF16, True, rows, kind)
+  assert d64.heavy_first == (d64.persistent_ctas is not None)
+  assert d64.persistent_ctas == (132 if "H200" in kind else None)
+
+
 @pytest.mark.parametrize("h,t,causal,deterministic,partial_call,want", [
     (64, 256, True, False, False, "atomic"), (64, 256, False, True, False, None),
     (40, 256, False, False, False, "atomic"), (64, 256, False, False, True, None),
@@ -847,6 +862,22 @@ def test_gqa_calls_take_their_backward_registers():
   assert registers(8, 1, False) == registers(8, 2, False) == 240 != default
   assert registers(8, 8, False) == registers(8, 2, True) == default
   assert registers(8, 2, False, h=64) == mosaic_config.BACKWARD_TUNED[64].registers
+
+
+def test_gqa_calls_skip_the_atomic_pass_where_it_measured_slower():
+  """With deterministic=False, GQA at D = 128 without a causal band keeps the two kernels
+  (`GQA_BACKWARD`: its atomic one pass measured slower), where MHA takes the atomic pass."""
+  from jaxflash.backends.mosaic import backward
+  device = devices.Device("gpu", "NVIDIA H200", True)
+
+  def mode(n, k):
+    q, kv = jnp.zeros((1, 8192, n, 128), BF16), jnp.zeros((1, 8192, k, 128), BF16)
+    call = _checks.normalise(q, kv, kv, deterministic=False)
+    config = mosaic.BACKEND.default_config(call.inputs, call.params, device)
+    return backward._one_pass_mode(call.inputs, call.params, config.backward)
+
+  assert mode(8, 8) == "atomic"
+  assert mode(8, 2) is None
 
 
 @needs_cuda_plugin

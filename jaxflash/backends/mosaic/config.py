@@ -353,8 +353,11 @@ BLOCK_TABLE_BACKWARD: dict[int, dict] = {128: dict(dq_block_kv=128)}
 # profile): GQA 64/8 at 16k 480 against 442 (the dK/dV kernel 26.8 against 31.4 ms; three dK/dV
 # stages 448, 128-key dQ tiles 444), at 8k 485 against 441; MHA 64/64 at 16k ran 479 with 232
 # and 465 with 240, so only shared K/V heads take them. With a causal band GQA ran the same
-# with either (457 at 16k).
-GQA_BACKWARD: dict[tuple[int, bool], dict] = {(128, False): dict(registers=240)}
+# with either (457 at 16k). The atomic one pass (deterministic=False) is off for them: GQA 64/8
+# ran it at 487 and 490 TFLOP/s forward+backward against the two kernels' 515 and 516 at 8k and
+# 16k (benchmarks/results/h200/grid.json, gqa_2026-11-25), where MHA 64/64 gained (526 vs 510,
+# 531 vs 512): every query head of a group adds its dQ into the same rows.
+GQA_BACKWARD: dict[tuple[int, bool], dict] = {(128, False): dict(registers=240, atomic=False)}
 
 
 # Where calls with deterministic=False take the atomic one pass: (padded head dim, causal) ->
@@ -383,6 +386,15 @@ ATOMIC_TUNED: dict[tuple[int, bool], dict] = {
 # `FASTER_THAN_TRITON` gives the call to Triton).
 TUNED_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {
     "H100 80GB HBM3": {(64, True): 8192}}
+
+
+# Causal calls of at most this many query rows on one CTA per query tile launch their tiles in
+# natural order instead of heaviest first. Forward TFLOP/s at S = 512, B = 32, 16 heads, D = 128
+# (`bench.py --tune --seqs 512 --causal y`, 2026-11-25), natural against heaviest first: H200
+# 244 vs 221 (cuDNN 241), H100 224 vs 201 (cuDNN 239); at D = 64, one CTA per tile on the H100,
+# 168 vs 160. Persistent grids keep their order (natural ran 164 against 224 at D = 64 on the
+# H200), and from 1k heaviest first was the tuner's pick (`TUNED`).
+NATURAL_ORDER_ROWS = 512
 
 
 def _for_kind(table: dict[str, dict], device_kind: str) -> dict | None:
@@ -440,6 +452,8 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
                                     padded_head_dim(value_dim or head_dim), block_table,
                                     partial, groups)
   for fields in candidates:
+    if causal and q_len <= NATURAL_ORDER_ROWS and not fields.get("persistent_ctas"):
+      fields = dict(fields, heavy_first=False)
     config = Config(triton=backward, backward=mosaic_backward, **fields)
     if fits(config, head_dim, partial, value_dim, 1 if fp8.is_fp8(dtype) else 2):
       return config
