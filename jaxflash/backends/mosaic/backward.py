@@ -577,8 +577,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   extras = fwd.with_lists(extras, inputs, params, block_q, keys_per_cta, transpose=True)
   extras = fwd.with_order(extras, inputs, groups)
   if inputs.score_bands is not None:
-    extras = extras._replace(score_band=fwd.expand_band(
-        inputs.score_bands, inputs.query.shape[1], block_q, transposed=True))
+    extras = extras._replace(score_band=fwd.pad_band(inputs.score_bands, inputs.query.shape[1]))
   if extras.mask is not None:
     words = inputs.mask_words_t
     if words is None:
@@ -895,8 +894,7 @@ def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Bac
   extras = fwd.with_order(fwd.with_lists(extras, inputs, params, rows_per_cta, block_kv),
                           inputs)
   if inputs.score_bands is not None:
-    extras = extras._replace(score_band=fwd.expand_band(
-        inputs.score_bands, inputs.query.shape[1], block_kv, transposed=False))
+    extras = extras._replace(score_band=fwd.pad_band(inputs.score_bands, inputs.query.shape[1]))
   tile = functools.partial(fwd._smem_tile, swizzle=_swizzle(block_kv))
   scratch = (
       tile((_CONSUMERS, _KEYS, hp), q.dtype),  # Q, then dQ on the way out

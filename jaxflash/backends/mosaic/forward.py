@@ -61,6 +61,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith
+from jaxlib.mlir.dialects import memref
+from jaxlib.mlir.dialects import vector
 
 from jaxflash import _core
 from jaxflash import dense_mask
@@ -145,8 +147,8 @@ class _Extras(NamedTuple):
   score_q_features: jax.Array | None = None
   score_kv_features: jax.Array | None = None
   score_kv_scalars: jax.Array | None = None  # (`Inputs.score_kv_scalars`)
-  # A score_mod's lookups on this kernel's tiles (`expand_band`), int32 [F, B or 1, N or 1,
-  # 2 * base, tile columns]: a tile's values are one slice of rows (`band_tiles`).
+  # A score_mod's lookups on every diagonal, padded (`pad_band`), int32 [F, B or 1, N or 1,
+  # 2 * base]: a tile's values come from one window of it (`band_tiles`).
   score_band: jax.Array | None = None
   # A score_mod's row term, left out of the logits and added to the LSE (`without_row_term`),
   # in base-2 units: float32 [B or 1, N or 1, rows].
@@ -182,33 +184,92 @@ def feature_tiles(ref, batch, head, index, layout, broadcast, dtypes, made=(),
           for f, (dtype, x, want) in enumerate(zip(dtypes, made, wanted))]
 
 
-def expand_band(values: jax.Array, t: int, width: int, transposed: bool) -> jax.Array:
+def pad_band(values: jax.Array, t: int) -> jax.Array:
   """A score_mod's lookups on every diagonal (`Inputs.score_bands`, [F, B or 1, N or 1, T + S],
-  entry ``i`` at ``q_idx - kv_idx = i - S``) laid out so that a kernel's tile of them is one
-  slice of rows (`band_tiles`; Mosaic GPU has no gather): int32 [F, B or 1, N or 1, 2 * base,
-  width], row ``m`` column ``c`` holding diagonal ``m - base - c`` for [query, key] tiles of
-  ``width`` keys, or ``c + base - m`` for ``transposed`` [key, query] tiles of ``width``
-  queries. ``base`` exceeds every padded length, so every tile's rows lie inside; diagonals
-  past the call's (padding entries, never visible) take the nearest value."""
+  entry ``i`` at ``q_idx - kv_idx = i - S``) padded so that every kernel tile's diagonals lie
+  inside: int32 [F, B or 1, N or 1, 2 * base], entry ``j`` at diagonal ``j - base``. ``base``
+  exceeds every padded length by at least 512 (past any tile's width); diagonals past the call's
+  (padding entries, never visible) take the nearest value. `band_tiles` reads a tile's window."""
   s = values.shape[-1] - t
-  base = _round_up(max(t, s), 512) + 512  # (past any kernel's padded lengths)
-  m = jnp.arange(2 * base, dtype=jnp.int32)[:, None]
-  c = jnp.arange(width, dtype=jnp.int32)[None, :]
-  diagonal = c + base - m if transposed else m - base - c
+  base = _round_up(max(t, s), 512) + 512
+  diagonal = jnp.arange(2 * base, dtype=jnp.int32) - base
   return values[..., jnp.clip(diagonal + s, 0, t + s - 1)]
 
 
-def band_tiles(ref, batch, head, rows, keys, transposed: bool, dtypes) -> list:
+def band_tiles(ref, batch, head, rows, keys, transposed: bool, dtypes,
+               interpret: bool = False) -> list:
   """A score_mod's lookups on one tile, in the wgmma layout and their own dtypes: from
-  `expand_band`'s ``ref``, the tile of query rows ``rows`` and keys ``keys`` (`pl.ds`), a
-  [key, query] tile where ``transposed``."""
+  `pad_band`'s ``ref``, the tile of query rows ``rows`` and keys ``keys`` (`pl.ds`), a [key,
+  query] tile where ``transposed``. A tile's values depend on ``q_idx - kv_idx`` alone, so it
+  reads one window of rows + keys - 1 diagonals (`_diagonal_tile`), not a value per entry."""
   b = batch if ref.shape[1] > 1 else 0
   h = head if ref.shape[2] > 1 else 0
   first, across = (keys, rows) if transposed else (rows, keys)
-  start = first.start - across.start + ref.shape[3] // 2
-  return [mask_mod_lib.from_int32(plgpu.load(
-      ref.at[f, b, h, pl.ds(start, first.size), pl.ds(0, across.size)],
-      layout=plgpu.Layout.WGMMA, optimized=False), dtype) for f, dtype in enumerate(dtypes)]
+  base = ref.shape[3] // 2
+  # The window starts at the tile's lowest diagonal: its last column's first row, or for a
+  # [key, query] tile its last row's first column.
+  if transposed:
+    start = across.start - first.start + base - (first.size - 1)
+  else:
+    start = first.start - across.start + base - (across.size - 1)
+  shape = (first.size, across.size)
+  return [mask_mod_lib.from_int32(_diagonal_tile(
+      ref.at[f, b, h, pl.ds(start, first.size + across.size - 1)], shape, transposed,
+      interpret), dtype) for f, dtype in enumerate(dtypes)]
+
+
+def _diagonal_tile(window_ref, shape, transposed: bool, interpret: bool):
+  """int32 tile ``shape`` in the wgmma layout whose entry (r, c) is ``window_ref[r - c + C - 1]``
+  (C columns), or ``window_ref[c - r + R - 1]`` (R rows) where ``transposed``.
+
+  On the GPU each thread loads the entries it holds itself: its 64 entries of a 64 x 128 tile
+  lie on 34 diagonals (rows r and r + 8, columns 2l, 2l + 1 of every 8), so it loads 34 values
+  where a plain tile load read 64, and a warp's load touches two 32-byte sectors of one window
+  where a tile's touched eight of its rows. (A tile of every diagonal's values, one load per
+  entry, cost as much memory traffic as K and V together.)"""
+  rows, cols = shape
+  if interpret:  # (Mosaic GPU's interpreter runs a warpgroup as one thread: a gather)
+    r = lax.broadcasted_iota(jnp.int32, shape, 0)
+    c = lax.broadcasted_iota(jnp.int32, shape, 1)
+    return window_ref[...][c - r + rows - 1 if transposed else r - c + cols - 1]
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                     return_type=plgpu.ShapeDtypeStruct(shape, jnp.int32,
+                                                        layout=plgpu.Layout.WGMMA))
+  def load(ctx, window):
+    del ctx
+    layout = mgpu.WGMMA_LAYOUT
+    i32 = ir.IntegerType.get_signless(32)
+    const = lambda x: mgpu.utils.c(x, i32)  # noqa: E731
+    # As `TiledLayout.thread_idxs`: an entry's place in the tile is a part of the thread's
+    # own (warp and lane) plus a part of the register's, which never carries across a row.
+    strides = layout.tiling.tile_strides((cols, 1))
+    own_strides = [const(x) for x in strides[-layout.tiled_tiling_rank:]]
+    own = arith.addi(mgpu.utils.dyn_dot(layout.warp_indices(), own_strides),
+                     mgpu.utils.dyn_dot(layout.lane_indices(), own_strides))
+    own_row, own_col = arith.divui(own, const(cols)), arith.remui(own, const(cols))
+    if transposed:
+      first = arith.addi(arith.subi(own_col, own_row), const(rows - 1))
+    else:
+      first = arith.addi(arith.subi(own_row, own_col), const(cols - 1))
+    loaded = {}
+
+    def value(offset: int):
+      if offset not in loaded:
+        at = arith.index_cast(ir.IndexType.get(), arith.addi(first, const(offset)))
+        loaded[offset] = memref.load(window, [at])
+      return loaded[offset]
+
+    registers = np.empty(layout.registers_shape(shape), dtype=object)
+    for index in np.ndindex(registers.shape):
+      row, col = divmod(sum(i * s for i, s in zip(index, strides)), cols)
+      offsets = [(col + e - row) if transposed else (row - col - e)
+                 for e in range(layout.vector_length)]
+      registers[index] = vector.from_elements(
+          ir.VectorType.get((layout.vector_length,), i32), [value(o) for o in offsets])
+    return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=True)
+
+  return load(window_ref)
 
 
 def computed_columns(rule, scalars, batch, head, keys, layout, banded: bool = False) -> list:
@@ -301,7 +362,7 @@ def score_inputs(params: Params, extras: _Extras, batch, head, q_idx, kv_idx, ro
   bands = None
   if banded:
     bands = functools.partial(band_tiles, extras.score_band, batch, head, rows, keys,
-                              transposed, rule.band_dtypes)
+                              transposed, rule.band_dtypes, params.interpret)
     if not deferred:
       bands = bands()
   return q_tile, kv_tile, rows_of, cols_of, bands
@@ -1074,8 +1135,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
   extras = _extras(inputs, q_tiles * rows_per_cta, _round_up(k.shape[1], config.block_kv))
   extras = with_order(with_lists(extras, inputs, params, rows_per_cta, config.block_kv), inputs)
   if inputs.score_bands is not None:
-    extras = extras._replace(score_band=expand_band(inputs.score_bands, t, config.block_kv,
-                                                    transposed=False))
+    extras = extras._replace(score_band=pad_band(inputs.score_bands, t))
   if inputs.sinks is not None:
     extras = extras._replace(sinks=inputs.sinks.astype(jnp.float32) * _core.LOG2_E)
   if term2 is not None:
