@@ -356,7 +356,7 @@ BLOCK_TABLE_BACKWARD: dict[int, dict] = {128: dict(dq_block_kv=128)}
 # with either (457 at 16k). The atomic one pass (deterministic=False) is off for them: GQA 64/8
 # ran it at 487 and 490 TFLOP/s forward+backward against the two kernels' 515 and 516 at 8k and
 # 16k (benchmarks/results/h200/grid.json, gqa_2026-11-25), where MHA 64/64 gained (526 vs 510,
-# 531 vs 512): every query head of a group adds its dQ into the same rows.
+# 531 vs 512); why was not profiled.
 GQA_BACKWARD: dict[tuple[int, bool], dict] = {(128, False): dict(registers=240, atomic=False)}
 
 
@@ -391,8 +391,8 @@ TUNED_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {
 # Causal calls of at most this many query rows on one CTA per query tile launch their tiles in
 # natural order instead of heaviest first. Forward TFLOP/s at S = 512, B = 32, 16 heads, D = 128
 # (`bench.py --tune --seqs 512 --causal y`, 2026-11-25), natural against heaviest first: H200
-# 244 vs 221 (cuDNN 241), H100 224 vs 201 (cuDNN 239); at D = 64, one CTA per tile on the H100,
-# 168 vs 160. Persistent grids keep their order (natural ran 164 against 224 at D = 64 on the
+# 244 vs 221 (cuDNN 241), H100 224 vs 201 (cuDNN 239) and in another run 236 vs 206 (cuDNN
+# 231); at D = 64, one CTA per tile on the H100, 168 vs 160. Persistent grids keep their order (natural ran 164 against 224 at D = 64 on the
 # H200), and from 1k heaviest first was the tuner's pick (`TUNED`).
 NATURAL_ORDER_ROWS = 512
 
