@@ -827,7 +827,7 @@ def test_atomic_backward_where_it_measured_faster(h, t, causal, deterministic, p
 
 @pytest.mark.parametrize("h,want", [(64, 128), (128, 128), (256, 32)])
 def test_block_table_calls_take_wider_dq_tiles(h, want):
-  """Calls that walk a block table take `BLOCK_TABLE_BACKWARD`'s dQ tiles (128 keys at D = 128,
+  """Calls that walk a block table take `LOADS_BACKWARD`'s dQ tiles (128 keys at D = 128,
   where they measured faster) where they fit; the same call without one keeps
   `BACKWARD_TUNED`'s."""
   from jaxflash.backends.mosaic import config as mosaic_config
@@ -845,6 +845,23 @@ def test_block_table_calls_take_wider_dq_tiles(h, want):
   ring = mosaic.default_config(h, BF16, True, 256, "NVIDIA H200", partial=True, block_table=True)
   assert ring is None if h == 256 else (
       mosaic_config.backward_smem_bytes(ring.backward, h, True) <= mosaic_config.SMEM_BUDGET)
+
+
+def test_lookup_calls_take_wider_dq_tiles():
+  """A score_mod whose lookups run per diagonal (a relative-position table) waits on their
+  loads in the dQ kernel, and takes `LOADS_BACKWARD`'s 128-key dQ tiles too; ALiBi (computed
+  in the kernel) keeps `BACKWARD_TUNED`'s."""
+  from jaxflash.backends.mosaic import config as mosaic_config
+  q = jnp.zeros((1, 256, 2, 128), BF16)
+  device = devices.Device("gpu", "NVIDIA H200", True)
+  table = jnp.zeros((2, 511), jnp.float32)
+  relative = _checks.normalise(q, q, q, score_mod=lambda s, b, h, i, j: s + table[h, i - j + 255])
+  alibi = _checks.normalise(q, q, q, score_mod=lambda s, b, h, i, j: s + 0.5 * (j - i))
+  assert relative.inputs.score_bands is not None and alibi.inputs.score_bands is None
+  tiles = lambda call: mosaic.BACKEND.default_config(  # noqa: E731
+      call.inputs, call.params, device).backward.dq_block_kv
+  assert tiles(relative) == mosaic_config.LOADS_BACKWARD[128]["dq_block_kv"] == 128
+  assert tiles(alibi) == mosaic_config.BACKWARD_TUNED[128].dq_block_kv == 64
 
 
 def test_gqa_calls_take_their_backward_registers():

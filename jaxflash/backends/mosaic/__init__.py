@@ -71,7 +71,8 @@ def _default_config(inputs: Inputs, params: Params, device: Device) -> Config | 
   return default_config(q.shape[-1], q.dtype, params.window.is_causal, q.shape[1], device.kind,
                         params.partial, inputs.value.shape[-1],
                         block_table=inputs.block_table is not None,
-                        groups=q.shape[2] // inputs.key.shape[2])
+                        groups=q.shape[2] // inputs.key.shape[2],
+                        lookups=inputs.score_bands is not None)
 
 
 def _preferred(inputs: Inputs, params: Params, device: Device) -> bool:

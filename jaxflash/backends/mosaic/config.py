@@ -333,16 +333,23 @@ BACKWARD_TUNED_VALUE_DIM: dict[tuple[int, int], Backward] = {
 }
 
 
-# Backward fields over `BACKWARD_TUNED`'s for calls with a block table (a mask_mod, a block
-# mask, a dense mask, segment ids), by padded head dim. Their tiles' key blocks come from a
-# list in memory, in no order, so the dQ kernel's K and V loads hit L2 less and wait longer
-# behind each list read: 128-key tiles give each load twice the work to hide behind. H200,
+# Backward fields over `BACKWARD_TUNED`'s for calls whose dQ tiles wait on loads besides K and
+# V, by padded head dim: 128-key tiles give each wait twice the work to hide behind.
+# - A block table (a mask_mod, a block mask, a dense mask, segment ids): the tiles' key blocks
+#   come from a list in memory, in no order, so the K and V loads hit L2 less and wait behind
+#   each list read. H200,
 # 2026-11-25 (benchmarks/dev/backward_tiles.py --block-fraction 0.1, B = 1, 16k, 16 heads,
 # kernel times from a profile, two runs): the dQ kernel 518 against 550-583 µs with 64-key
 # tiles (three or four stages of 64: 548, 567); a causal band without a table, 2157 against
-# 2155 (no change, so not worth a second rule there). Not in partial calls (ring attention with
-# segment ids): their float32 dQ tile leaves no room for them in shared memory.
-BLOCK_TABLE_BACKWARD: dict[int, dict] = {128: dict(dq_block_kv=128)}
+# 2155 (no change, so not worth a second rule there).
+# - A score_mod's lookups per diagonal (a relative-position table): each tile loads its
+#   diagonals once S is done (`forward.band_tiles`). H200, 2026-11-25 (benchmarks/dev/
+#   score_parts.py relative --profile, B = 4, 4k, 16 heads, causal): the dQ kernel 680 against
+#   798 µs with 64-key tiles, where the plain call's ran 622 against 601; forward+backward 1.11x
+#   the plain call's, against 1.17x.
+# Not in partial calls (ring attention with segment ids): their float32 dQ tile leaves no room
+# for them in shared memory.
+LOADS_BACKWARD: dict[int, dict] = {128: dict(dq_block_kv=128)}
 
 
 # Backward fields over `BACKWARD_TUNED`'s for GQA and MQA calls (query heads sharing K/V heads),
@@ -410,17 +417,17 @@ def _tuned_from_length(device_kind: str, hp: int, causal: bool) -> int:
 
 
 def _backward_tiles(hp: int, causal: bool, hv: int, block_table: bool,
-                    partial: bool, groups: int = 1) -> Backward:
+                    partial: bool, groups: int = 1, lookups: bool = False) -> Backward:
   if hv != hp:
     return BACKWARD_TUNED_VALUE_DIM.get((hp, hv), Backward())
   tiles = dataclasses.replace(BACKWARD_TUNED.get(hp, Backward()),
                               **ATOMIC_TUNED.get((hp, causal), {}))
   if groups > 1:
     tiles = dataclasses.replace(tiles, **GQA_BACKWARD.get((hp, causal), {}))
-  if block_table:
+  if block_table or lookups:
     # (Where they fit: a partial call's float32 dQ tile of its own leaves no room for 128-key
     # tiles, and the tuned ones beat the Triton backward that a misfit would get.)
-    wider = dataclasses.replace(tiles, **BLOCK_TABLE_BACKWARD.get(hp, {}))
+    wider = dataclasses.replace(tiles, **LOADS_BACKWARD.get(hp, {}))
     if backward_smem_bytes(wider, hp, partial) <= SMEM_BUDGET:
       tiles = wider
   return tiles
@@ -428,13 +435,15 @@ def _backward_tiles(hp: int, causal: bool, hv: int, block_table: bool,
 
 def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: str,
                    partial: bool = False, value_dim: int | None = None,
-                   block_table: bool = False, groups: int = 1) -> Config | None:
+                   block_table: bool = False, groups: int = 1,
+                   lookups: bool = False) -> Config | None:
   """`TUNED`'s config (persistent on this device's SM count), else it on one CTA per tile,
   else the 128-key tile, else the 64-key one, whichever first fits in shared memory (a float32
   partial result, or a value head dim ``value_dim`` unlike ``head_dim``, needs O tiles of its
   own); None if none fits (partial results at D = 256). Causal CTAs are launched heaviest
-  first. ``block_table``: the call walks a block table (`BLOCK_TABLE_BACKWARD`); ``groups``:
-  query heads per K/V head (`GQA_BACKWARD` above 1)."""
+  first. ``block_table``: the call walks a block table, ``lookups``: its score_mod reads values
+  per diagonal (both `LOADS_BACKWARD`); ``groups``: query heads per K/V head (`GQA_BACKWARD`
+  above 1)."""
   # (The Triton backward's tiles for the wider of the two head dims: it serves Dv != H.)
   backward = triton_config.default_config(max(head_dim, value_dim or 0), dtype, causal, q_len,
                                           device_kind)
@@ -450,7 +459,7 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
       candidates.insert(0, dict(tuned, persistent_ctas=sm_count(device_kind)))
   mosaic_backward = _backward_tiles(padded_head_dim(head_dim), causal,
                                     padded_head_dim(value_dim or head_dim), block_table,
-                                    partial, groups)
+                                    partial, groups, lookups)
   for fields in candidates:
     if causal and q_len <= NATURAL_ORDER_ROWS and not fields.get("persistent_ctas"):
       fields = dict(fields, heavy_first=False)
