@@ -343,11 +343,13 @@ def join_files(paths: list[str], names: list[str] | None = None) -> dict:
 
 
 def summary_table(result: dict, impl: str = "jaxflash_mosaic", dtype: str = "bfloat16",
-                  seqs=(1024, 4096, 16384)) -> str:
+                  seqs=(1024, 4096, 16384), hidden: int = 2048) -> str:
   """The README's table: TFLOP/s of ``impl`` and cuDNN per (head dim, S, causal), forward and
-  forward+backward, and cuDNN made deterministic; the latest run of each (`current_rows`)."""
+  forward+backward, and cuDNN made deterministic; the latest run of each (`current_rows`). The
+  grid's MHA cells only: ``hidden`` = heads x head dim (not GQA, nor the Llama shape's MHA
+  twin of `bench.py --llama-mha`)."""
   rows = [r for r in current_rows(result) if r.get("dtype") == dtype
-          and r.get("K", r["N"]) == r["N"] and r["S"] in seqs]
+          and r.get("K", r["N"]) == r["N"] and r["N"] * r["D"] == hidden and r["S"] in seqs]
   cells = {(r["impl"], r["mode"], r["D"], r["S"], r["causal"]): r for r in rows}
   columns = [(impl, "fwd"), ("cudnn", "fwd"), (impl, "fwdbwd"), ("cudnn", "fwdbwd"),
              ("cudnn_det", "fwdbwd")]
