@@ -399,8 +399,9 @@ TUNED_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {
 # natural order instead of heaviest first. Forward TFLOP/s at S = 512, B = 32, 16 heads, D = 128
 # (`bench.py --tune --seqs 512 --causal y`, 2026-11-25), natural against heaviest first: H200
 # 244 vs 221 (cuDNN 241), H100 224 vs 201 (cuDNN 239) and in another run 236 vs 206 (cuDNN
-# 231); at D = 64, one CTA per tile on the H100, 168 vs 160. Persistent grids keep their order (natural ran 164 against 224 at D = 64 on the
-# H200), and from 1k heaviest first was the tuner's pick (`TUNED`).
+# 231); at D = 64, one CTA per tile on the H100, 168 vs 160. Persistent grids keep their order
+# (natural ran 164 against 224 at D = 64 on the H200), and from 1k heaviest first was the
+# tuner's pick (`TUNED`).
 NATURAL_ORDER_ROWS = 512
 
 
@@ -441,7 +442,7 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
   else the 128-key tile, else the 64-key one, whichever first fits in shared memory (a float32
   partial result, or a value head dim ``value_dim`` unlike ``head_dim``, needs O tiles of its
   own); None if none fits (partial results at D = 256). Causal CTAs are launched heaviest
-  first. ``block_table``: the call walks a block table, ``lookups``: its score_mod reads values
+  first, but for short calls on one CTA per tile (`NATURAL_ORDER_ROWS`). ``block_table``: the call walks a block table, ``lookups``: its score_mod reads values
   per diagonal (both `LOADS_BACKWARD`); ``groups``: query heads per K/V head (`GQA_BACKWARD`
   above 1)."""
   # (The Triton backward's tiles for the wider of the two head dims: it serves Dv != H.)

@@ -224,8 +224,8 @@ def _diagonal_tile(window_ref, shape, transposed: bool, interpret: bool):
 
   On the GPU each thread loads the entries it holds itself: its 64 entries of a 64 x 128 tile
   lie on 34 diagonals (rows r and r + 8, columns 2l, 2l + 1 of every 8), so it loads 34 values
-  where a plain tile load read 64, and a warp's load touches two 32-byte sectors of one window
-  where a tile's touched eight of its rows. (A tile of every diagonal's values, one load per
+  where a plain tile load read 64, and a warp's load touches about two 32-byte sectors of one
+  window where a tile's touched eight of its rows. (A tile of every diagonal's values, one load per
   entry, cost as much memory traffic as K and V together.)"""
   rows, cols = shape
   if interpret:  # (Mosaic GPU's interpreter runs a warpgroup as one thread: a gather)
