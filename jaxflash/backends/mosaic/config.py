@@ -417,15 +417,15 @@ def _tuned_from_length(device_kind: str, hp: int, causal: bool) -> int:
   return (_for_kind(TUNED_FROM_LENGTH, device_kind) or {}).get((hp, causal), 0)
 
 
-def _backward_tiles(hp: int, causal: bool, hv: int, block_table: bool,
-                    partial: bool, groups: int = 1, lookups: bool = False) -> Backward:
+def _backward_tiles(hp: int, causal: bool, hv: int, waits_on_loads: bool,
+                    partial: bool, groups: int = 1) -> Backward:
   if hv != hp:
     return BACKWARD_TUNED_VALUE_DIM.get((hp, hv), Backward())
   tiles = dataclasses.replace(BACKWARD_TUNED.get(hp, Backward()),
                               **ATOMIC_TUNED.get((hp, causal), {}))
   if groups > 1:
     tiles = dataclasses.replace(tiles, **GQA_BACKWARD.get((hp, causal), {}))
-  if block_table or lookups:
+  if waits_on_loads:  # (a block table or lookups: `LOADS_BACKWARD`)
     # (Where they fit: a partial call's float32 dQ tile of its own leaves no room for 128-key
     # tiles, and the tuned ones beat the Triton backward that a misfit would get.)
     wider = dataclasses.replace(tiles, **LOADS_BACKWARD.get(hp, {}))
@@ -459,8 +459,8 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
     if tuned.get("persistent_ctas"):
       candidates.insert(0, dict(tuned, persistent_ctas=sm_count(device_kind)))
   mosaic_backward = _backward_tiles(padded_head_dim(head_dim), causal,
-                                    padded_head_dim(value_dim or head_dim), block_table,
-                                    partial, groups, lookups)
+                                    padded_head_dim(value_dim or head_dim),
+                                    block_table or lookups, partial, groups)
   for fields in candidates:
     if causal and q_len <= NATURAL_ORDER_ROWS and not fields.get("persistent_ctas"):
       fields = dict(fields, heavy_first=False)

@@ -197,7 +197,7 @@ def pad_band(values: jax.Array, t: int) -> jax.Array:
 
 
 def band_tiles(ref, batch, head, rows, keys, transposed: bool, dtypes,
-               interpret: bool = False) -> list:
+               interpret: bool) -> list:
   """A score_mod's lookups on one tile, in the wgmma layout and their own dtypes: from
   `pad_band`'s ``ref``, the tile of query rows ``rows`` and keys ``keys`` (`pl.ds`), a [key,
   query] tile where ``transposed``. A tile's values depend on ``q_idx - kv_idx`` alone, so it
