@@ -7,8 +7,8 @@ bandwidth (bytes of K and V read / time) and its fraction of a measured device-t
 of the same bytes. Every row of the cache is full (kv_lengths = S), so every byte is read.
 
 Implementations:
-- ``jaxflash``: `jaxflash.decode_attention` (the backend it picks); ``jaxflash_triton`` and
-  ``jaxflash_mosaic`` name one; ``jaxflash_flash``: `jaxflash.flash_attention` with
+- ``jaxflash``: `jaxflash.decode_attention` (the backend it picks); ``jaxflash_triton``,
+  ``jaxflash_mosaic`` and ``jaxflash_xla`` name one; ``jaxflash_flash``: `jaxflash.flash_attention` with
   ``key_value_seq_lengths`` (T = 1), which routes a call with few query rows to the same kernel;
 - ``cudnn`` and ``xla``: `jax.nn.dot_product_attention` with ``key_value_seq_lengths``
   (T = 1 only: jax.nn has no causal band shifted to the cache positions);
@@ -42,20 +42,21 @@ import jaxflash  # noqa: E402
 from jaxflash.ops.decode import gather_pages  # noqa: E402
 from jaxflash.reference import reference_attention  # noqa: E402
 
-IMPLS = ("jaxflash", "jaxflash_triton", "jaxflash_mosaic", "jaxflash_flash", "cudnn", "xla",
-         "pallas_decode", "fold_mosaic", "fold_triton")
+IMPLS = ("jaxflash", "jaxflash_triton", "jaxflash_mosaic", "jaxflash_xla", "jaxflash_flash",
+         "cudnn", "xla", "pallas_decode", "fold_mosaic", "fold_triton")
 MAX_CACHE_BYTES = 24 * 2**30  # K and V together; larger cells are skipped
 
 
-def cache_bytes(b: int, s: int, k: int, d: int, dtype) -> int:
-  return 2 * b * s * k * d * jnp.dtype(dtype).itemsize
+def cache_bytes(b: int, s: int, k: int, d: int, dtype, dv: int | None = None) -> int:
+  """Bytes of K and V (V's head dim ``dv``, None: ``d``)."""
+  return b * s * k * (d + (d if dv is None else dv)) * jnp.dtype(dtype).itemsize
 
 
-def make_inputs(b, s, t, n, k, d, dtype, seed: int, page_size: int | None):
+def make_inputs(b, s, t, n, k, d, dtype, seed: int, page_size: int | None, dv: int | None = None):
   keys = jax.random.split(jax.random.key(seed), 3)
   q = jax.random.normal(keys[0], (b, t, n, d), dtype)
   kc = jax.random.normal(keys[1], (b, s, k, d), dtype)
-  vc = jax.random.normal(keys[2], (b, s, k, d), dtype)
+  vc = jax.random.normal(keys[2], (b, s, k, d if dv is None else dv), dtype)
   lengths = jnp.full((b,), s, jnp.int32)
   table = None
   if page_size:
@@ -63,15 +64,18 @@ def make_inputs(b, s, t, n, k, d, dtype, seed: int, page_size: int | None):
     per_row = s // page_size
     order = np.random.default_rng(seed).permutation(b * per_row)
     table = jnp.asarray(order.reshape(b, per_row), jnp.int32)
-    pool = jnp.empty_like(kc.reshape(b * per_row, page_size, k, d))
-    kc = pool.at[table.reshape(-1)].set(kc.reshape(b * per_row, page_size, k, d))
-    vc = pool.at[table.reshape(-1)].set(vc.reshape(b * per_row, page_size, k, d))
+    def paged(cache):
+      pool = jnp.empty_like(cache.reshape(b * per_row, page_size, k, cache.shape[-1]))
+      return pool.at[table.reshape(-1)].set(cache.reshape(pool.shape))
+    kc, vc = paged(kc), paged(vc)
   return q, kc, vc, lengths, table
 
 
-def attention_fn(impl: str, t: int, table, interpret: bool):
+def attention_fn(impl: str, t: int, table, interpret: bool, own_value_dim: bool = False):
   """A function (q, k_cache, v_cache, lengths) -> out, or None where ``impl`` cannot run this
-  cell."""
+  cell (``own_value_dim``: V's head dim differs from K's, which only jaxflash takes)."""
+  if own_value_dim and not impl.startswith("jaxflash"):
+    return None
   if impl.startswith("fold_"):
     if table is not None or t != 1:
       return None
@@ -173,11 +177,12 @@ def run(cfg: dict) -> dict:
   grid = itertools.product(cfg["batches"], cfg["seqs"], cfg["tokens"], cfg["heads"],
                            cfg["head_dims"], cfg["layouts"])
   for b, s, t, (n, k), d, layout in grid:
-    nbytes = cache_bytes(b, s, k, d, dtype)
+    dv = cfg.get("value_dim") or d
+    nbytes = cache_bytes(b, s, k, d, dtype, dv)
     if nbytes > MAX_CACHE_BYTES:
       continue
     page_size = cfg["page_size"] if layout == "paged" else None
-    inputs = make_inputs(b, s, t, n, k, d, dtype, seed=len(rows), page_size=page_size)
+    inputs = make_inputs(b, s, t, n, k, d, dtype, seed=len(rows), page_size=page_size, dv=dv)
     q, kc, vc, lengths, table = inputs
     want = reference(q, kc, vc, lengths, table) if cfg["check"] else None
     if nbytes not in copies:
@@ -185,9 +190,11 @@ def run(cfg: dict) -> dict:
     copy_tbs = copies[nbytes]
     base = dict(B=b, S=s, T=t, N=n, K=k, D=d, layout=layout, dtype=dtype.name, bytes=nbytes,
                 copy_tb_s=round(copy_tbs, 3))
+    if dv != d:
+      base["Dv"] = dv
     prepared = []
     for impl in cfg["impls"]:
-      fn = attention_fn(impl, t, table, cfg["interpret"])
+      fn = attention_fn(impl, t, table, cfg["interpret"], own_value_dim=dv != d)
       if fn is not None:
         prepared.append(_prepare(dict(base, impl=impl), fn, (q, kc, vc, lengths), want, cfg))
     if cfg.get("tune") or cfg.get("tune_splits") or cfg.get("candidates"):
@@ -327,8 +334,13 @@ def _tune(base: dict, make_fn, args, want, cfg: dict) -> list:
   return prepared
 
 
+def _dims(r: dict) -> str:
+  """A row's head dims: "D", or "D/Dv" where V's differs."""
+  return f"{r['D']}/{r['Dv']}" if "Dv" in r else f"{r['D']}"
+
+
 def _line(r: dict) -> str:
-  cell = (f"B={r['B']} S={r['S']} T={r['T']} N/K={r['N']}/{r['K']} D={r['D']} {r['layout']:10} "
+  cell = (f"B={r['B']} S={r['S']} T={r['T']} N/K={r['N']}/{r['K']} D={_dims(r)} {r['layout']:10} "
           f"{r['impl']:16}")
   if "failed" in r:
     return f"{cell} FAILED {r['failed']}"
@@ -355,13 +367,15 @@ def table(rows: list[dict]) -> str:
   where both ran, cuDNN's time over jaxflash's (`speedup`: median round, and the range)."""
   impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
   versus = "jaxflash" in impls and "cudnn" in impls
-  cells = sorted({(r["B"], r["S"], r["T"], r["N"], r["K"], r["D"], r["layout"]) for r in rows})
+  def key(r):
+    return r["B"], r["S"], r["T"], r["N"], r["K"], r["D"], r.get("Dv", r["D"]), r["layout"]
+
+  cells = sorted({key(r) for r in rows})
   lines = ["| B | S | T | N/K | D | layout | " + " | ".join(impls) +
            (" | cuDNN ÷ jaxflash |" if versus else " |"),
            "|" + "---|" * (6 + len(impls) + versus)]
   for cell in cells:
-    found = {r["impl"]: r for r in rows
-             if (r["B"], r["S"], r["T"], r["N"], r["K"], r["D"], r["layout"]) == cell}
+    found = {r["impl"]: r for r in rows if key(r) == cell}
     values = []
     for impl in impls:
       r = found.get(impl)
@@ -370,8 +384,9 @@ def table(rows: list[dict]) -> str:
     if versus:
       ratio = speedup(found.get("jaxflash", {}), found.get("cudnn", {}))
       values.append("" if ratio is None else f"{ratio[0]:.3f} ({ratio[1]:.3f}–{ratio[2]:.3f})")
-    b, s, t, n, k, d, layout = cell
-    lines.append(f"| {b} | {s} | {t} | {n}/{k} | {d} | {layout} | " + " | ".join(values) + " |")
+    b, s, t, n, k, d, dv, layout = cell
+    lines.append(f"| {b} | {s} | {t} | {n}/{k} | {d if dv == d else f'{d}/{dv}'} | {layout} | "
+                 + " | ".join(values) + " |")
   return "\n".join(lines)
 
 
@@ -382,6 +397,9 @@ def main(argv=None) -> None:
   parser.add_argument("--tokens", type=int, nargs="+", default=[1], help="new tokens T")
   parser.add_argument("--heads", nargs="+", default=["32/8"], help="N/K pairs, e.g. 32/8 32/32")
   parser.add_argument("--head-dims", type=int, nargs="+", default=[128])
+  parser.add_argument("--value-dim", type=int,
+                      help="V's head dim where it differs from K's (DeepSeek's absorbed MLA: "
+                           "--head-dims 576 --value-dim 512); only jaxflash runs such cells")
   parser.add_argument("--layouts", nargs="+", choices=("contiguous", "paged"),
                       default=["contiguous", "paged"])
   parser.add_argument("--page-size", type=int, default=64)

@@ -409,9 +409,12 @@ def _run(call: _checks.Call, implementation, config, return_residual: bool,
   device = devices.current()
   if config is None:
     config = backend.default_config(call.inputs, call.params, device)
-  path = decode.split_kv_for(backend) if split_kv else None
-  if path is None or path.kernel().unsupported(call.inputs, call.params) is not None:
-    path = pages = None
+  path = None
+  if split_kv:
+    path = decode.split_kv_path(backends.preferences(implementation), backend, call.inputs,
+                                call.params, device)
+  if path is None:
+    pages = None
   if pages is not None and not path.kernel().paged_block(pages[0].shape[1]):
     pages = None
   if path is not None:

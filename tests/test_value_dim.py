@@ -161,6 +161,13 @@ def test_triton_lowers_for_cuda():
       q, kp, vp, lengths, page_table=table, implementation="triton"),
       q, k_pages, v_pages, table, lengths)
   assert "jaxflash_decode_split_kv" in text
+  # DeepSeek's absorbed decoding: 576/512 in column pieces, 128 heads in blocks of 16 rows.
+  q = jax.ShapeDtypeStruct((2, 1, 128, 576), jnp.bfloat16)
+  k_pages = jax.ShapeDtypeStruct((9, 64, 1, 576), jnp.bfloat16)
+  v_pages = jax.ShapeDtypeStruct((9, 64, 1, 512), jnp.bfloat16)
+  text = lower_for_cuda(lambda q, kp, vp, table, lengths: jaxflash.decode_attention(
+      q, kp, vp, lengths, page_table=table), q, k_pages, v_pages, table, lengths)
+  assert "jaxflash_decode_split_kv" in text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,20 +242,109 @@ def test_decode_split_kv_merges(merge, monkeypatch):
   assert rel_err(out, _decode_reference(q, kk, v, lengths)) <= TOLERANCE[F32]
 
 
-def test_decode_absorbed_mla():
+@pytest.mark.parametrize("b,t,s,n,k,h,hv,page_size", [
+    (1, 1, 40, 4, 1, 576, 512, None),  # one row block of 16 rows (4 padded)
+    (2, 2, 100, 32, 1, 576, 512, None),  # 64 rows: 4 blocks of 16, T = 2 across them
+    (2, 1, 128, 16, 1, 576, 512, 32),  # paged, blocks of one 32-key page
+    (2, 3, 70, 8, 2, 320, 288, None),  # two K/V heads; pieces 256 + 64 and 256 + 32
+    (1, 1, 50, 2, 1, 512, 40, None),  # Q and K in one 512-wide piece, V padded to 64
+])
+def test_decode_absorbed_mla(b, t, s, n, k, h, hv, page_size, monkeypatch):
   """DeepSeek's absorbed decoding: H 576 (512 + 64 rope dims), Dv 512, one shared K/V head.
-  Triton's kernels take head dims up to 256, so ``implementation=None`` serves it elsewhere."""
-  b, t, s, n, k, h, hv = 1, 1, 40, 4, 1, 576, 512
-  q, kk, v, _ = _qkv(10, b, t, s, n, k, h, hv)
-  lengths = jnp.array([33], jnp.int32)
-  assert jaxflash.implementation_for(q, kk, v, interpret=True) == "xla"
-  out = jax.jit(lambda q, kk, v: jaxflash.decode_attention(q, kk, v, lengths,
-                                                           interpret=True))(q, kk, v)
+  Wider than the training kernels take: ``implementation=None`` runs Triton's split-KV kernel,
+  which loads and multiplies such heads in column pieces (and cuts a tall group's query rows
+  into blocks), with the XLA backend's backward. Ragged rows, gradients too."""
+  ran = _spy_split_kv(monkeypatch)
+  q, kk, v, d_out = _qkv(10, b, t, s, n, k, h, hv)
+  lengths = jnp.array([s - 7 * i for i in range(b)], jnp.int32)
+  (k_cache, table), (v_cache, _) = ((_pages(x, page_size, 3) for x in (kk, v)) if page_size
+                                    else ((kk, None), (v, None)))
+
+  def ours(q, k_cache, v_cache):
+    return jaxflash.decode_attention(q, k_cache, v_cache, lengths, page_table=table,
+                                     interpret=True)
+
+  out, vjp = jax.vjp(jax.jit(ours), q, k_cache, v_cache)
+  assert ran == [True]
   chex.assert_shape(out, (b, t, n, hv))
-  assert rel_err(out, _decode_reference(q, kk, v, lengths)) <= TOLERANCE[F32]
+  want, want_vjp = jax.vjp(lambda q, kk, v: _decode_reference(q, kk, v, lengths), q, kk, v)
+  assert rel_err(out, want) <= TOLERANCE[F32]
+  dq, dk, dv = vjp(d_out)
+  want_dq, want_dk, want_dv = want_vjp(d_out)
+  if page_size:  # the pages' gradient, as rows again
+    dk, dv = (jnp.take(x, table, axis=0).reshape((b, s) + x.shape[2:]) for x in (dk, dv))
+  for got, wanted in ((dq, want_dq), (dk, want_dk), (dv, want_dv)):
+    assert rel_err(got, wanted) <= TOLERANCE[F32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,n,page_size", [(1, 128, None), (2, 16, 64), (4, 128, 64)])
+def test_decode_absorbed_mla_on_gpu(t, n, page_size, monkeypatch):
+  """The wide-head split-KV kernel compiled for the GPU, bf16, at MLA's 576/512 with 16 and 128
+  query heads, T up to 4, ragged rows of up to 3000 keys, contiguous and paged (64-key pages,
+  DeepSeek's layout): against the float32 reference."""
+  ran = _spy_split_kv(monkeypatch)
+  b, s = 3, 3008
+  q, kk, v, _ = _qkv(12, b, t, s, n, 1, 576, 512, dtype=jnp.bfloat16)
+  lengths = jnp.array([s, 1500, t], jnp.int32)
+  (k_cache, table), (v_cache, _) = ((_pages(x, page_size, 4) for x in (kk, v)) if page_size
+                                    else ((kk, None), (v, None)))
+  out = jax.jit(lambda q, kc, vc: jaxflash.decode_attention(q, kc, vc, lengths,
+                                                            page_table=table))(q, k_cache, v_cache)
+  assert ran == [True]
+  want = _decode_reference(*(x.astype(F32) for x in (q, kk, v)), lengths)
+  assert rel_err(out.astype(F32), want) <= 1e-2
+
+
+def _spy_split_kv(monkeypatch) -> list:
+  """A list that gets True each time the split-KV kernel's forward is traced."""
+  from jaxflash.backends.triton import decode
+  jax.clear_caches()  # (the spy counts traces: none may come from an earlier test's cache)
+  ran, forward = [], decode.forward
+  monkeypatch.setattr(decode, "forward", lambda *a: ran.append(True) or forward(*a))
+  return ran
+
+
+def test_absorbed_mla_routing(monkeypatch):
+  """The split-KV kernel takes wide heads only where Triton is asked for (``implementation``
+  None or naming it) and can run; the backward's backend is the one picked for the call
+  (``implementation_for``). The training kernels still refuse such heads."""
+  q, kk, v, _ = _qkv(11, 1, 1, 40, 4, 1, 576, 512)
+  lengths = jnp.array([33], jnp.int32)
+
+  def split_kv(**options) -> bool:
+    ran = _spy_split_kv(monkeypatch)
+    jax.jit(lambda q, kk, v: jaxflash.decode_attention(q, kk, v, lengths, **options)).trace(
+        q, kk, v)
+    return bool(ran)
+
+  assert jaxflash.implementation_for(q, kk, v, interpret=True) == "xla"
+  assert split_kv(interpret=True)
+  assert split_kv(implementation=("triton", "xla"), interpret=True)
+  assert not split_kv(implementation="xla", interpret=True)
+  assert not split_kv()  # (no GPU here, and not interpreted)
   with pytest.raises(backends.UnsupportedCallError, match="value head dims up to 256"):
     jaxflash.flash_attention(q[..., :256], kk[..., :256], v, implementation="triton",
                              interpret=True)
+
+
+@pytest.mark.parametrize("n,t,want", [(16, 1, None), (128, 1, None), (16, 4, None),
+                                      (24, 1, "G·T = 24 rows"), (4, 3, None)])
+def test_absorbed_mla_row_blocks(n, t, want):
+  """Wide heads cut a group taller than `WIDE_ROWS` into blocks of that many rows, which must
+  divide it; a shorter group is one padded block."""
+  from jaxflash import _core, masking
+  from jaxflash.backends.triton import decode
+  q = jnp.zeros((1, t, n, 576), jnp.bfloat16)
+  kv = jnp.zeros((1, 64, 1, 576), jnp.bfloat16), jnp.zeros((1, 64, 1, 512), jnp.bfloat16)
+  inputs = _core.Inputs(q, *kv, jnp.array([[t, 64]], jnp.int32))
+  reason = decode.unsupported(inputs, _core.Params(scale=1.0, window=masking.Window(None, None)))
+  assert (reason is None) if want is None else (want in reason)
+  if want is None:
+    assert decode.program_rows(inputs) == min(decode.WIDE_ROWS, decode.rows_for(inputs))
+  assert decode.piece_widths(576) == (512, 64)
+  assert decode.piece_widths(512) == (512,)
+  assert decode.piece_widths(200) == (256,)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,13 +90,42 @@ class SplitKV:
                                   want_dbias)
 
 
+TRITON_DECODE = "jaxflash.backends.triton.decode"
+
+
 @functools.cache  # one SplitKV per backend: it is hashed by identity as a static argument
 def split_kv_for(backend: Backend) -> SplitKV | None:
   """The split-KV decoding path of ``backend``, where it has one (Triton today)."""
   from jaxflash.backends import triton
   if backend is triton.BACKEND:
-    return SplitKV(triton.BACKEND, "jaxflash.backends.triton.decode")
+    return SplitKV(triton.BACKEND, TRITON_DECODE)
   return None
+
+
+@functools.cache  # (hashed by identity, as `split_kv_for`'s)
+def _wide_split_kv(training: Backend) -> SplitKV:
+  return SplitKV(training, TRITON_DECODE)
+
+
+def split_kv_path(requested, backend: Backend, inputs: Inputs, params: Params,
+                  device) -> SplitKV | None:
+  """The split-KV forward for a decoding call whose training backend is ``backend`` (the one
+  `jaxflash.backends.select` picked among the ``requested`` backends), or None where none
+  serves it:
+  - the backend's own (Triton's), where its kernel serves the call;
+  - for head dims wider than the training kernels take (DeepSeek's absorbed MLA decoding, H 576
+    and Dv 512, which only the XLA backend trains), Triton's split-KV kernel, which takes them
+    in column pieces, with ``backend``'s backward: where Triton is among the ``requested``
+    backends and can run on ``device``."""
+  from jaxflash.backends import triton
+  path = split_kv_for(backend)
+  if path is None:
+    kernel = importlib.import_module(TRITON_DECODE)
+    if not (triton.BACKEND in requested and kernel.is_wide(inputs)
+            and triton.runs_on(device, params)):
+      return None
+    path = _wide_split_kv(backend)
+  return path if path.kernel().unsupported(inputs, params) is None else None
 
 
 def split_kv_serves(inputs: Inputs, params: Params) -> bool:

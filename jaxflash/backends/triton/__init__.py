@@ -21,7 +21,7 @@ from jaxflash.devices import Device
 # memory; wider heads would need a split over the head dimension.
 MAX_HEAD_DIM = 256
 
-__all__ = ["BACKEND", "Config", "MAX_HEAD_DIM", "Tiles", "default_config"]
+__all__ = ["BACKEND", "Config", "MAX_HEAD_DIM", "Tiles", "default_config", "runs_on"]
 
 
 def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
@@ -35,10 +35,16 @@ def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
   if inputs.value.shape[-1] > MAX_HEAD_DIM:
     return (f"value head dims up to {MAX_HEAD_DIM} only, got value.shape[-1] = "
             f"{inputs.value.shape[-1]}")
-  if not (device.is_nvidia_gpu or params.interpret):
+  if not runs_on(device, params):
     return (f"it needs an NVIDIA GPU (this call is for {device.kind or device.platform!r}); "
             f"pass interpret=True to run its kernels in interpret mode")
   return None
+
+
+def runs_on(device: Device, params: Params) -> bool:
+  """Whether the Triton kernels can run for a call on ``device``: an NVIDIA GPU, or any device
+  in interpret mode."""
+  return device.is_nvidia_gpu or params.interpret
 
 
 def _default_config(inputs: Inputs, params: Params, device: Device) -> Config:

@@ -49,6 +49,13 @@ from jaxflash.backends.triton.config import Config, padded_head_dim
 from jaxflash.devices import Device
 
 MAX_ROWS = 128  # G·T query rows per program: the accumulator is [rows, head dim] in registers
+# Query rows per program where a head dim is wider than `MAX_PIECE` (DeepSeek's absorbed MLA:
+# H 576, Dv 512): the accumulator [rows, Dv] in float32 takes 64 registers a thread of 4 warps
+# at 16 rows and Dv 512. A taller group (MLA's 128 query heads on one latent head) is cut into
+# blocks of these rows, a program each; the blocks of a group read the same keys, launched
+# together (`wide_config`), so the cache comes from DRAM about once.
+WIDE_ROWS = 16
+MAX_WIDE_DIM = 1024  # the widest head dim taken (in pieces of at most 512 columns)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,6 +81,10 @@ class DecodeConfig:
   # vectors (``heads`` x H x itemsize bytes in a row of the cache), each head with its own
   # query tile, dot products and softmax state. The head axis of the grid is K / heads.
   heads: int = 1
+  # Query rows per program (a power of two, at least 16): None takes a group's G·T rows (padded
+  # to a power of two), or `WIDE_ROWS` of them for heads wider than `MAX_PIECE`. A group taller
+  # than this is cut into blocks of these rows, which must divide its G·T rows.
+  row_block: int | None = None
   training: Config = dataclasses.field(default_factory=Config)
 
   def __post_init__(self):
@@ -84,6 +95,9 @@ class DecodeConfig:
       raise ValueError(f"merge must be 'kernel' or 'xla', got {self.merge!r}")
     if self.heads < 1:
       raise ValueError(f"heads must be at least 1, got {self.heads}")
+    if self.row_block is not None and (self.row_block < 16 or self.row_block
+                                       != pl.next_power_of_2(self.row_block)):
+      raise ValueError(f"row_block must be a power of two of at least 16, got {self.row_block}")
 
 
 def rows_for(inputs: Inputs) -> int:
@@ -92,11 +106,33 @@ def rows_for(inputs: Inputs) -> int:
   return max(16, pl.next_power_of_2(t * n // inputs.key.shape[2]))
 
 
+def is_wide(inputs: Inputs) -> bool:
+  """Whether a head dim (query's or value's) is wider than one tile takes (`MAX_PIECE`)."""
+  return max(inputs.query.shape[-1], inputs.value.shape[-1]) > MAX_PIECE
+
+
+def program_rows(inputs: Inputs, config: DecodeConfig | None = None) -> int:
+  """The query rows of one program: the group's G·T padded (`rows_for`), at most the config's
+  ``row_block``, or `WIDE_ROWS` for wide heads."""
+  cap = config.row_block if config is not None else None
+  if cap is None and is_wide(inputs):
+    cap = WIDE_ROWS
+  return rows_for(inputs) if cap is None else min(rows_for(inputs), cap)
+
+
 def unsupported(inputs: Inputs, params: Params) -> str | None:
   """Why this kernel cannot serve a call (None if it can): a decoding call, or any call with
   few query rows."""
-  if rows_for(inputs) > MAX_ROWS:
-    return f"G·T = {inputs.query.shape[1] * inputs.query.shape[2] // inputs.key.shape[2]} rows"
+  group_rows = inputs.query.shape[1] * inputs.query.shape[2] // inputs.key.shape[2]
+  if is_wide(inputs):
+    for dim, name in ((inputs.query.shape[-1], "query"), (inputs.value.shape[-1], "value")):
+      if dim > MAX_WIDE_DIM or (dim > MAX_PIECE and dim % 16):
+        return (f"{name} head dim {dim} (above {MAX_PIECE}: multiples of 16 up to "
+                f"{MAX_WIDE_DIM})")
+    if group_rows > WIDE_ROWS and group_rows % WIDE_ROWS:
+      return f"G·T = {group_rows} rows at wide heads (a multiple of {WIDE_ROWS} above it)"
+  elif rows_for(inputs) > MAX_ROWS:
+    return f"G·T = {group_rows} rows"
   if any(x is not None for x in (inputs.bias, inputs.q_segment_ids, inputs.dropout_seed)):
     return "biases, segments and dropout"
   if params.score_rule is not None:
@@ -172,6 +208,8 @@ def default_config(inputs: Inputs, training: Config, device: Device,
   (`single_config`)."""
   from jaxflash.backends.mosaic.config import sm_count  # (a table of device kinds)
   sms = sm_count(device.kind)
+  if is_wide(inputs):
+    return wide_config(inputs, training, sms, page_size)
   hp = padded_head_dim(inputs.query.shape[-1])
   paired = None
   if (hp * inputs.key.dtype.itemsize <= 128 and inputs.key.shape[2] % 2 == 0
@@ -371,9 +409,32 @@ def all_resident(programs: int, sm_count: int, stages: int, block_k: int, hp: in
   return per_sm * buffer_bytes(stages, block_k, hp, itemsize) <= SMEM_PER_SM
 
 
-def buffer_bytes(stages: int, block_k: int, hp: int, itemsize: int) -> int:
-  """Shared memory of one program's pipeline: ``stages`` K and V blocks of [block_k, hp]."""
-  return stages * 2 * block_k * hp * itemsize
+def buffer_bytes(stages: int, block_k: int, hp: int, itemsize: int,
+                 hvp: int | None = None) -> int:
+  """Shared memory of one program's pipeline: ``stages`` K blocks of [block_k, hp] and V blocks
+  of [block_k, hvp] (None: hp)."""
+  return stages * block_k * (hp + (hp if hvp is None else hvp)) * itemsize
+
+
+WIDE_BLOCK_K = 32  # key blocks at wide heads: 68 KiB of K and V a stage at 576/512 in bf16
+
+
+def wide_config(inputs: Inputs, training: Config, sm_count: int,
+                page_size: int | None) -> DecodeConfig:
+  """Heads wider than `MAX_PIECE` (DeepSeek's absorbed MLA, 576/512): `WIDE_ROWS` query rows
+  and `WIDE_BLOCK_K` keys a program, 2 stages, as many splits as fill the SMs with the
+  programs that fit in shared memory at once (`wave_splits`), the row blocks of a group
+  launched together (`HEADS_FIRST`: the head axis counts them, fastest)."""
+  b, s, k = inputs.key.shape[:3]
+  t, n = inputs.query.shape[1:3]
+  block_k = tiles.fit(WIDE_BLOCK_K, s)
+  stages = 2
+  groups = b * k * pl.cdiv(t * n // k, program_rows(inputs))
+  per_sm = max(1, SMEM_PER_SM // buffer_bytes(
+      stages, block_k, inputs.query.shape[-1], inputs.key.dtype.itemsize, inputs.value.shape[-1]))
+  splits = wave_splits(pl.cdiv(s, block_k), groups, sm_count, per_sm)
+  return DecodeConfig(splits=splits, block_k=block_k, num_stages=stages,
+                      grid_order=HEADS_FIRST, training=training)
 
 
 def wave_splits(blocks: int, rows: int, sm_count: int, per_sm: int = 4) -> int:
@@ -409,27 +470,34 @@ def used_splits(blocks: int, splits: int) -> int:
 
 def _kernel(q_ref, k_ref, v_ref, bounds_ref, offsets_ref, table_ref, mask_ref, o_ref, lse_ref, *,
             params: Params, t: int, rows_used: int, splits: int, block_k: int,
-            page_size: int | None, split_axis: int, whole: bool, st: tiles.Static):
-  """One (split, batch row, group of F K/V heads); the split is grid axis ``split_axis``.
-  ``q_ref`` is the group's query tiles [F, rows, hp]; ``k_ref`` and ``v_ref`` are the row's
-  cache [S, F, hp], or with ``table_ref`` (the row's page table) the group's pages [num_pages,
-  page_size, F, hp] (see `_key_pieces`). ``bounds_ref`` holds the row's query and key lengths
-  and the first key a mask lets it see (`_launch`). ``offsets_ref`` holds the row's (query,
-  key) offsets (a decoding call's put the T tokens at the cache's end), or is None: both 0.
-  Writes ``o_ref`` [F, rows, hp] and ``lse_ref`` [F, rows]: a partial result (float32 O,
-  base-2 LSE, -inf where the split sees no key), or with ``whole`` (one split) the result
-  itself: O in the query dtype and the internal LSE (+inf on empty rows, `jaxflash._core`)."""
+            page_size: int | None, split_axis: int, head_axis: int, row_blocks: int,
+            whole: bool, st: tiles.Static):
+  """One (split, batch row, group of F K/V heads, block of query rows); the split is grid axis
+  ``split_axis``, and the head axis ``head_axis`` counts (head group, row block) pairs, row
+  blocks fastest. ``q_ref`` is the block's query tiles [F, rows, hp]; ``k_ref`` and ``v_ref``
+  are the row's cache [S, F, hp], or with ``table_ref`` (the row's page table) the group's
+  pages [num_pages, page_size, F, hp] (see `_key_pieces`). Head dims wider than `MAX_PIECE`
+  are loaded and multiplied in column pieces (`column_pieces`). ``bounds_ref`` holds the row's
+  query and key lengths and the first key a mask lets it see (`_launch`). ``offsets_ref``
+  holds the row's (query, key) offsets (a decoding call's put the T tokens at the cache's end),
+  or is None: both 0. Writes ``o_ref`` [F, rows, hp] and ``lse_ref`` [F, rows]: a partial
+  result (float32 O, base-2 LSE, -inf where the split sees no key), or with ``whole`` (one
+  split) the result itself: O in the query dtype and the internal LSE (+inf on empty rows,
+  `jaxflash._core`)."""
   heads, rows = q_ref.shape[:2]
   head_ids = [jnp.int32(i) for i in range(heads)]  # (Pallas wants array indices in loads)
+  # Rows are (query head, token) pairs, token fastest; this program holds rows [first_row,
+  # first_row + rows) of its group (several blocks only where they divide the group's rows).
   r = jnp.arange(rows)
-  token = r % t  # rows are (query head, token) pairs, token fastest
-  row_ok = r < rows_used
+  first_row = 0 if row_blocks == 1 else lax.rem(pl.program_id(head_axis), row_blocks) * rows
+  token = (first_row + r) % t
+  row_ok = first_row + r < rows_used
   # The tile's padding rows and columns lie past the arrays' ends: masked, never read or written
   # (padding them in XLA cost a pass over the queries and up to 16x the partial outputs' bytes).
-  row_io = None if rows_used == rows else row_ok
-  io_ok = tiles.tile_ok(row_io, st.dim_ok)
-  out_ok = tiles.tile_ok(row_io, st.value_dim_ok)  # (O has the value's head dim)
-  qs = [tiles.load(q_ref.at[i], mask=io_ok, other=0.0) for i in head_ids]  # [rows, hp]
+  row_io = None if rows_used == rows or row_blocks > 1 else row_ok
+  key_cols, value_cols = column_pieces(st.head_dim), column_pieces(st.value_dim)
+  qs = [[tiles.load(q_ref.at[i, :, cols], mask=tiles.tile_ok(row_io, ok), other=0.0)
+         for cols, ok in key_cols] for i in head_ids]  # [rows, piece] each
   q_len, kv_len = bounds_ref[0], bounds_ref[1]
   diagonal = 0 if offsets_ref is None else offsets_ref[0] - offsets_ref[1]
   # The key blocks this batch row may see: from its mask's first visible key to its length.
@@ -447,42 +515,80 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, offsets_ref, table_ref, mask_ref, o
     # for every head of the group.
     visible = [masking.visible(token[:, None], cols[None, :], params.window, diagonal=diagonal,
                                q_len=q_len, kv_len=kv_len) & row_ok[:, None]
-               for _, cols, _, _ in pieces]
+               for _, cols, _ in pieces]
     new = []
-    for i, q, (acc, m, l) in zip(head_ids, qs, carry):
+    for i, q, (accs, m, l) in zip(head_ids, qs, carry):
       logits = []
-      for (index, cols, kv_ok, _), seen in zip(pieces, visible):
-        k = tiles.load(k_ref.at[index(i)], mask=kv_ok, other=0.0)
-        s2, _ = _core.logits_base2(plgpu.dot(q, k, trans_b=True), params, None)
+      for (index, cols, key_ok), seen in zip(pieces, visible):
+        s = None
+        for q_part, (part, ok) in zip(q, key_cols):  # Q Kᵀ summed over the head dim's pieces
+          k = tiles.load(k_ref.at[index(i, part)], mask=tiles.tile_ok(key_ok, ok), other=0.0)
+          dot = plgpu.dot(q_part, k, trans_b=True)
+          s = dot if s is None else s + dot
+        s2, _ = _core.logits_base2(s, params, None)
         if mask_ref is not None:  # a dense mask's rows (head g, token t) of these keys
           dense = tiles.load(mask_ref.at[head_ids[0] if mask_ref.shape[0] == 1 else i, :,
-                                         index(i)[0]],
+                                         index(i, None)[0]],
                              mask=tiles.tile_ok(row_ok, cols < st.seq_k), other=0)
           seen = jnp.logical_and(seen, dense != 0)
         logits.append(jnp.where(seen, s2, -jnp.inf))
       m_new = functools.reduce(jnp.maximum, [jnp.max(s2, axis=1) for s2 in logits], m)
       m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen nothing yet
       alpha = jnp.exp2(m - m_shift)
-      acc, l = acc * alpha[:, None], l * alpha
-      for (index, _, _, v_ok), s2 in zip(pieces, logits):
+      accs, l = [acc * alpha[:, None] for acc in accs], l * alpha
+      for (index, _, key_ok), s2 in zip(pieces, logits):
         p = jnp.exp2(s2 - m_shift[:, None])
-        v = tiles.load(v_ref.at[index(i)], mask=v_ok, other=0.0)
-        acc, l = acc + plgpu.dot(p.astype(v.dtype), v), l + jnp.sum(p, axis=1)
-      new.append((acc, m_new, l))
+        for c, (part, ok) in enumerate(value_cols):  # P V, a piece of the value's dim each
+          v = tiles.load(v_ref.at[index(i, part)], mask=tiles.tile_ok(key_ok, ok), other=0.0)
+          accs[c] = accs[c] + plgpu.dot(p.astype(v.dtype), v)
+        l = l + jnp.sum(p, axis=1)
+      new.append((tuple(accs), m_new, l))
     return tuple(new)
 
-  init = tuple((jnp.zeros((rows, st.value_dim_p), jnp.float32),
+  init = tuple((tuple(jnp.zeros((rows, piece_width(part, st.value_dim_p)), jnp.float32)
+                      for part, _ in value_cols),
                 jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
                for _ in range(heads))
   results = lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
-  for i, (acc, m, l) in zip(head_ids, results):
+  for i, (accs, m, l) in zip(head_ids, results):
     # NaN logits make l NaN: such rows stay NaN (l != 0), as in the training forward.
     seen = l != 0.0
-    out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
-    plgpu.store(o_ref.at[i], out.astype(o_ref.dtype), mask=out_ok)
+    for acc, (part, ok) in zip(accs, value_cols):
+      out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+      plgpu.store(o_ref.at[i, :, part], out.astype(o_ref.dtype), mask=tiles.tile_ok(row_io, ok))
     plgpu.store(lse_ref.at[i], jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)),
                                          jnp.inf if whole else -jnp.inf),
-                mask=None if rows_used == rows else row_ok)
+                mask=row_io)
+
+
+# The widest head dim the kernel loads and multiplies as one tile (the training kernels' limit:
+# `jaxflash.backends.triton.MAX_HEAD_DIM`). Wider ones go in column pieces (`column_pieces`).
+MAX_PIECE = 256
+
+
+def piece_widths(dim: int) -> tuple[int, ...]:
+  """The column pieces' widths of a head dim: the dim padded to a power of two (at least 16)
+  up to `MAX_PIECE`; a wider one (a multiple of 16) as powers of two, widest first, that add up
+  to it: DeepSeek's absorbed MLA takes 576 = 512 + 64 for Q and K, and 512 for V."""
+  if dim <= MAX_PIECE:
+    return (padded_head_dim(dim),)
+  return tuple(1 << bit for bit in reversed(range(dim.bit_length())) if dim >> bit & 1)
+
+
+def column_pieces(dim: int) -> list:
+  """``(index, col_ok)`` for each column piece of a head dim (`piece_widths`): the index of its
+  columns in a tile padded to the dim's power of two, and its columns' in-bounds flags (None:
+  all in bounds). One piece is the whole padded tile."""
+  widths = piece_widths(dim)
+  if len(widths) == 1:
+    return [(slice(None), None if dim == widths[0] else jnp.arange(widths[0]) < dim)]
+  starts = [sum(widths[:c]) for c in range(len(widths))]
+  return [(pl.ds(start, width), None) for start, width in zip(starts, widths)]
+
+
+def piece_width(index, padded: int) -> int:
+  """The width of a column piece's ``index`` (`column_pieces`) in a tile ``padded`` wide."""
+  return padded if isinstance(index, slice) else index.size
 
 
 def split_range(split, splits: int, first, last):
@@ -497,9 +603,10 @@ def split_range(split, splits: int, first, last):
 
 
 def _key_pieces(j, table_ref, block_k: int, page_size: int | None, st: tiles.Static):
-  """Where key block ``j`` lies: ``(index(head), cols, kv_ok, v_ok)`` for each piece of it,
-  with ``index`` the piece's [keys, hp] tile of a K/V ref, ``cols`` its key positions and
-  ``kv_ok`` and ``v_ok`` the load masks of its K and V tiles (None: all in bounds).
+  """Where key block ``j`` lies: ``(index(head, cols), keys, key_ok)`` for each piece of it,
+  with ``index`` the piece's [keys, cols] tile of a K/V ref (``cols`` a column piece of the head
+  dim, `column_pieces`), ``keys`` its key positions and ``key_ok`` their in-bounds flags (None:
+  all in bounds):
   - a contiguous cache: one piece, the block's rows (masked past the cache's end);
   - pages of at least ``block_k`` keys: one piece, a part of page ``table_ref[j // (page_size /
     block_k)]``;
@@ -509,19 +616,17 @@ def _key_pieces(j, table_ref, block_k: int, page_size: int | None, st: tiles.Sta
   cols_of = lambda start, size: start + jnp.arange(size)  # noqa: E731
   whole = slice(None)
   if table_ref is None:
-    cols, col_ok = st.bounds(j * block_k, block_k, st.seq_k)
-    return [(lambda i: (pl.ds(j * block_k, block_k), i, whole), cols,
-             tiles.tile_ok(col_ok, st.dim_ok), tiles.tile_ok(col_ok, st.value_dim_ok))]
+    keys, key_ok = st.bounds(j * block_k, block_k, st.seq_k)
+    return [(lambda i, cols: (pl.ds(j * block_k, block_k), i, cols), keys, key_ok)]
   # (Whole pages: no key past a page's end.)
-  kv_ok, v_ok = tiles.tile_ok(None, st.dim_ok), tiles.tile_ok(None, st.value_dim_ok)
   if page_size >= block_k:
     per_page = page_size // block_k
     page, part = table_ref[j // per_page], pl.ds((j % per_page) * block_k, block_k)
-    return [(lambda i: (page, part if per_page > 1 else whole, i, whole),
-             cols_of(j * block_k, block_k), kv_ok, v_ok)]
+    return [(lambda i, cols: (page, part if per_page > 1 else whole, i, cols),
+             cols_of(j * block_k, block_k), None)]
   per_block = block_k // page_size
-  return [(lambda i, page=table_ref[j * per_block + c]: (page, whole, i, whole),
-           cols_of(j * block_k + c * page_size, page_size), kv_ok, v_ok)
+  return [(lambda i, cols, page=table_ref[j * per_block + c]: (page, whole, i, cols),
+           cols_of(j * block_k + c * page_size, page_size), None)
           for c in range(per_block)]
 
 
@@ -654,7 +759,10 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
   kv_heads = k.shape[2]
   g = n // kv_heads
   st = tiles.static(inputs)
-  rows = rows_for(inputs)
+  rows = program_rows(inputs, config)
+  row_blocks = pl.cdiv(g * t, rows)
+  if row_blocks > 1 and (g * t) % rows:
+    raise ValueError(f"row_block: {rows} query rows a program must divide G·T = {g * t}")
   hp, hvp = st.head_dim_p, st.value_dim_p  # (V and O are blocked at their own head dim)
   # Query rows (head g, token t) of each K/V head: [B, K, G·T, H] (at T = 1 a free reshape). The
   # tile, [rows, hp], reaches past its ends.
@@ -665,17 +773,25 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
   fold = math.gcd(config.heads, kv_heads)
   table = table_spec = None
   order = config.grid_order
-  named = lambda f: lambda *ids: f(**dict(zip(order, ids)))  # noqa: E731  (index maps by axis)
+  # Index maps by axis name; the head axis counts (group of K/V heads, block of query rows)
+  # pairs, row blocks fastest: a map sees the group as ``head`` and the block as ``row_block``.
+  def named(f):
+    def index_map(*ids):
+      ids = dict(zip(order, ids))
+      return f(split=ids["split"], batch=ids["batch"], head=lax.div(ids["head"], row_blocks),
+               row_block=lax.rem(ids["head"], row_blocks))
+    return index_map
+
   if pages is None:
     kv, v_spec = (pl.BlockSpec((None, k.shape[1], fold, dim), named(
-        lambda split, batch, head: (batch, 0, head, 0))) for dim in (hp, hvp))
+        lambda split, batch, head, row_block: (batch, 0, head, 0))) for dim in (hp, hvp))
   else:
     k, v, table = pages
     page_size = k.shape[1]
     kv, v_spec = (pl.BlockSpec((k.shape[0], page_size, fold, dim), named(
-        lambda split, batch, head: (0, 0, head, 0))) for dim in (hp, hvp))
-    table_spec = pl.BlockSpec((None, table.shape[1]), named(lambda split, batch, head: (
-        batch, 0)))
+        lambda split, batch, head, row_block: (0, 0, head, 0))) for dim in (hp, hvp))
+    table_spec = pl.BlockSpec((None, table.shape[1]), named(
+        lambda split, batch, head, row_block: (batch, 0)))
     if page_size < block_k:  # whole pages a block, as many as divide a row's pages
       block_k = page_size * math.gcd(table.shape[1], block_k // page_size)
   blocks = pl.cdiv(inputs.key.shape[1], block_k)
@@ -684,15 +800,16 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
   kernel = functools.partial(_kernel, params=params, t=t, rows_used=g * t,
                              splits=splits, block_k=block_k,
                              page_size=None if pages is None else page_size,
-                             split_axis=order.index("split"), whole=whole, st=st)
-  row_pair = pl.BlockSpec((None, 2), named(lambda split, batch, head: (batch, 0)))
+                             split_axis=order.index("split"), head_axis=order.index("head"),
+                             row_blocks=row_blocks, whole=whole, st=st)
+  row_pair = pl.BlockSpec((None, 2), named(lambda split, batch, head, row_block: (batch, 0)))
   # Each row's (query length, key length, first key it may see, 0): four, a power of two.
   if first_keys is None:
     first_keys = jnp.zeros((b,), jnp.int32)
   bounds = jnp.concatenate([inputs.lengths, first_keys[:, None], jnp.zeros((b, 1), jnp.int32)],
                            axis=1)
-  bounds_spec = pl.BlockSpec((None, 4), named(lambda split, batch, head: (batch, 0)))
-  sizes = dict(split=splits, batch=b, head=kv_heads // fold)
+  bounds_spec = pl.BlockSpec((None, 4), named(lambda split, batch, head, row_block: (batch, 0)))
+  sizes = dict(split=splits, batch=b, head=kv_heads // fold * row_blocks)
   mask = mask_spec = None
   if inputs.mask is not None:  # [B, N or 1, T, S] -> rows (head g, token t) like the queries'
     mask = inputs.mask.astype(jnp.int8)  # (bytes, nonzero = visible)
@@ -701,19 +818,19 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
       mask = jnp.broadcast_to(mask[:, :, None], (b, 1, g, t, mask.shape[3]))
     mask = mask.reshape(b, 1 if shared else kv_heads, g * t, mask.shape[-1])
     mask_spec = pl.BlockSpec((None, 1 if shared else fold, rows, mask.shape[3]),
-                             named(lambda split, batch, head: (batch, 0 if shared else head, 0,
-                                                               0)))
+                             named(lambda split, batch, head, row_block: (
+                                 batch, 0 if shared else head, row_block, 0)))
   return pl.pallas_call(
       kernel,
       grid=tuple(sizes[axis] for axis in order),
-      in_specs=[pl.BlockSpec((None, fold, rows, hp), named(lambda split, batch, head: (
-                    batch, head, 0, 0))), kv, v_spec,
+      in_specs=[pl.BlockSpec((None, fold, rows, hp), named(
+                    lambda split, batch, head, row_block: (batch, head, row_block, 0))), kv, v_spec,
                 bounds_spec, None if inputs.offsets is None else row_pair, table_spec,
                 mask_spec],
-      out_specs=[pl.BlockSpec((None, fold, None, rows, hvp), named(lambda split, batch, head: (
-                     batch, head, split, 0, 0))),
-                 pl.BlockSpec((None, fold, None, rows), named(lambda split, batch, head: (
-                     batch, head, split, 0)))],
+      out_specs=[pl.BlockSpec((None, fold, None, rows, hvp), named(
+                     lambda split, batch, head, row_block: (batch, head, split, row_block, 0))),
+                 pl.BlockSpec((None, fold, None, rows), named(
+                     lambda split, batch, head, row_block: (batch, head, split, row_block)))],
       out_shape=[_core.out_struct((b, kv_heads, splits, g * t, v.shape[-1]),
                                   q.dtype if whole else jnp.float32, q),
                  _core.out_struct((b, kv_heads, splits, g * t), jnp.float32, q)],
