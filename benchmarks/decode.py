@@ -198,7 +198,10 @@ def run(cfg: dict) -> dict:
       if fn is not None:
         prepared.append(_prepare(dict(base, impl=impl), fn, (q, kc, vc, lengths), want, cfg))
     if cfg.get("tune") or cfg.get("tune_splits") or cfg.get("candidates"):
-      prepared += _tune(base, lambda: attention_fn("jaxflash_triton", t, table, cfg["interpret"]),
+      # (Heads wider than Triton's training kernels take reach the split-KV kernel only with
+      # implementation=None: `jaxflash.ops.decode.split_kv_path`.)
+      tuned = "jaxflash" if max(d, dv) > 256 else "jaxflash_triton"
+      prepared += _tune(base, lambda: attention_fn(tuned, t, table, cfg["interpret"], dv != d),
                         (q, kc, vc, lengths), want, cfg)
     _time_rounds(prepared, (q, kc, vc, lengths), cfg)
     for row, _ in prepared:

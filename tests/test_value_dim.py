@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import _checks, backends
+from jaxflash import _checks, backends, devices
 from jaxflash.backends import mosaic
 from jaxflash.reference import reference_attention
 from checks import (BACKENDS, H100, TOLERANCE, attention, config_for, interpret_for,
@@ -277,6 +277,21 @@ def test_decode_absorbed_mla(b, t, s, n, k, h, hv, page_size, monkeypatch):
     assert rel_err(got, wanted) <= TOLERANCE[F32]
 
 
+@pytest.mark.parametrize("b,s,n,want_splits", [(32, 8192, 16, 8), (8, 32768, 16, 32),
+                                                (64, 8192, 16, 4), (32, 8192, 128, 1)])
+def test_absorbed_mla_launch(b, s, n, want_splits):
+  """Wide heads: 16 query rows and 32 keys a program, 2 stages, about two programs per SM (as
+  measured on an H200: `wide_config`), row blocks launched together."""
+  from jaxflash import _core, devices
+  from jaxflash.backends.triton import Config, decode
+  q = jnp.zeros((b, 1, n, 576), jnp.bfloat16)
+  kv = jnp.zeros((b, s, 1, 576), jnp.bfloat16), jnp.zeros((b, s, 1, 512), jnp.bfloat16)
+  inputs = _core.Inputs(q, *kv, jnp.zeros((b, 2), jnp.int32))
+  config = decode.default_config(inputs, Config(), devices.Device("gpu", "NVIDIA H200", True))
+  assert (config.splits, config.block_k, config.num_stages) == (want_splits, 32, 2)
+  assert config.grid_order == decode.HEADS_FIRST and decode.program_rows(inputs, config) == 16
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,n,page_size", [(1, 128, None), (2, 16, 64), (4, 128, 64)])
 def test_decode_absorbed_mla_on_gpu(t, n, page_size, monkeypatch):
@@ -322,7 +337,7 @@ def test_absorbed_mla_routing(monkeypatch):
   assert split_kv(interpret=True)
   assert split_kv(implementation=("triton", "xla"), interpret=True)
   assert not split_kv(implementation="xla", interpret=True)
-  assert not split_kv()  # (no GPU here, and not interpreted)
+  assert split_kv() == devices.has_nvidia_gpu()  # (the kernel itself where a GPU is here)
   with pytest.raises(backends.UnsupportedCallError, match="value head dims up to 256"):
     jaxflash.flash_attention(q[..., :256], kk[..., :256], v, implementation="triton",
                              interpret=True)

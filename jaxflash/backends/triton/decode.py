@@ -417,24 +417,29 @@ def buffer_bytes(stages: int, block_k: int, hp: int, itemsize: int,
 
 
 WIDE_BLOCK_K = 32  # key blocks at wide heads: 68 KiB of K and V a stage at 576/512 in bf16
+WIDE_PROGRAMS_PER_SM = 2  # (`wide_config`)
 
 
 def wide_config(inputs: Inputs, training: Config, sm_count: int,
                 page_size: int | None) -> DecodeConfig:
   """Heads wider than `MAX_PIECE` (DeepSeek's absorbed MLA, 576/512): `WIDE_ROWS` query rows
-  and `WIDE_BLOCK_K` keys a program, 2 stages, as many splits as fill the SMs with the
-  programs that fit in shared memory at once (`wave_splits`), the row blocks of a group
-  launched together (`HEADS_FIRST`: the head axis counts them, fastest)."""
+  and `WIDE_BLOCK_K` keys a program, 4 warps, 2 stages (139 KiB at 576/512: one program per SM
+  at once), and splits for about `WIDE_PROGRAMS_PER_SM` programs per SM, two waves. The row
+  blocks of a group launch together (`HEADS_FIRST`: the head axis counts them, fastest), so
+  the programs reading the same keys run at once.
+
+  Why (H200, 2026-11-25, bf16, B = 32, 8k, 16 query heads on one latent head, T = 1,
+  `benchmarks/decode.py --candidates`; copy 3.93 TB/s): 8 splits (256 programs) 153 µs, 0.95 of
+  the copy; 4 (one wave, the first rule) 178 µs, 0.82; 16 splits 164 µs; 3 stages 157 µs;
+  16-key blocks with 3 or 4 stages 155 and 158 µs; 8 warps 163 µs."""
   b, s, k = inputs.key.shape[:3]
   t, n = inputs.query.shape[1:3]
   block_k = tiles.fit(WIDE_BLOCK_K, s)
-  stages = 2
   groups = b * k * pl.cdiv(t * n // k, program_rows(inputs))
-  per_sm = max(1, SMEM_PER_SM // buffer_bytes(
-      stages, block_k, inputs.query.shape[-1], inputs.key.dtype.itemsize, inputs.value.shape[-1]))
-  splits = wave_splits(pl.cdiv(s, block_k), groups, sm_count, per_sm)
-  return DecodeConfig(splits=splits, block_k=block_k, num_stages=stages,
-                      grid_order=HEADS_FIRST, training=training)
+  splits = used_splits(pl.cdiv(s, block_k), max(1, round(WIDE_PROGRAMS_PER_SM * sm_count
+                                                          / groups)))
+  return DecodeConfig(splits=splits, block_k=block_k, num_stages=2, grid_order=HEADS_FIRST,
+                      training=training)
 
 
 def wave_splits(blocks: int, rows: int, sm_count: int, per_sm: int = 4) -> int:
@@ -468,7 +473,7 @@ def used_splits(blocks: int, splits: int) -> int:
   return pl.cdiv(blocks, pl.cdiv(blocks, max(1, min(splits, blocks))))
 
 
-def _kernel(q_ref, k_ref, v_ref, bounds_ref, offsets_ref, table_ref, mask_ref, o_ref, lse_ref, *,
+def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, o_ref, lse_ref, *,
             params: Params, t: int, rows_used: int, splits: int, block_k: int,
             page_size: int | None, split_axis: int, head_axis: int, row_blocks: int,
             whole: bool, st: tiles.Static):
@@ -478,9 +483,9 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, offsets_ref, table_ref, mask_ref, o
   are the row's cache [S, F, hp], or with ``table_ref`` (the row's page table) the group's
   pages [num_pages, page_size, F, hp] (see `_key_pieces`). Head dims wider than `MAX_PIECE`
   are loaded and multiplied in column pieces (`column_pieces`). ``bounds_ref`` holds the row's
-  query and key lengths and the first key a mask lets it see (`_launch`). ``offsets_ref``
-  holds the row's (query, key) offsets (a decoding call's put the T tokens at the cache's end),
-  or is None: both 0. Writes ``o_ref`` [F, rows, hp] and ``lse_ref`` [F, rows]: a partial
+  query and key lengths, the first key a mask lets it see and the diagonal of its band, its
+  query offset less its key offset (a decoding call's puts the T tokens at the cache's end;
+  0 without offsets): `_launch`. Writes ``o_ref`` [F, rows, hp] and ``lse_ref`` [F, rows]: a partial
   result (float32 O, base-2 LSE, -inf where the split sees no key), or with ``whole`` (one
   split) the result itself: O in the query dtype and the internal LSE (+inf on empty rows,
   `jaxflash._core`)."""
@@ -498,8 +503,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, offsets_ref, table_ref, mask_ref, o
   key_cols, value_cols = column_pieces(st.head_dim), column_pieces(st.value_dim)
   qs = [[tiles.load(q_ref.at[i, :, cols], mask=tiles.tile_ok(row_io, ok), other=0.0)
          for cols, ok in key_cols] for i in head_ids]  # [rows, piece] each
-  q_len, kv_len = bounds_ref[0], bounds_ref[1]
-  diagonal = 0 if offsets_ref is None else offsets_ref[0] - offsets_ref[1]
+  q_len, kv_len, diagonal = bounds_ref[0], bounds_ref[1], bounds_ref[3]
   # The key blocks this batch row may see: from its mask's first visible key to its length.
   first, last = lax.div(bounds_ref[2], block_k), pl.cdiv(kv_len, block_k)
   left, right = params.window.left, params.window.right
@@ -802,12 +806,14 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
                              page_size=None if pages is None else page_size,
                              split_axis=order.index("split"), head_axis=order.index("head"),
                              row_blocks=row_blocks, whole=whole, st=st)
-  row_pair = pl.BlockSpec((None, 2), named(lambda split, batch, head, row_block: (batch, 0)))
-  # Each row's (query length, key length, first key it may see, 0): four, a power of two.
+  # Each row's (query length, key length, first key it may see, diagonal of its band): one
+  # array, which XLA computes in one small fusion (1 µs; with the offsets as a second array it
+  # took two, at MLA's B = 32, 8k on an H200).
   if first_keys is None:
     first_keys = jnp.zeros((b,), jnp.int32)
-  bounds = jnp.concatenate([inputs.lengths, first_keys[:, None], jnp.zeros((b, 1), jnp.int32)],
-                           axis=1)
+  diagonal = (jnp.zeros((b,), jnp.int32) if inputs.offsets is None
+              else inputs.offsets[:, 0] - inputs.offsets[:, 1])
+  bounds = jnp.concatenate([inputs.lengths, first_keys[:, None], diagonal[:, None]], axis=1)
   bounds_spec = pl.BlockSpec((None, 4), named(lambda split, batch, head, row_block: (batch, 0)))
   sizes = dict(split=splits, batch=b, head=kv_heads // fold * row_blocks)
   mask = mask_spec = None
@@ -825,7 +831,7 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
       grid=tuple(sizes[axis] for axis in order),
       in_specs=[pl.BlockSpec((None, fold, rows, hp), named(
                     lambda split, batch, head, row_block: (batch, head, row_block, 0))), kv, v_spec,
-                bounds_spec, None if inputs.offsets is None else row_pair, table_spec,
+                bounds_spec, table_spec,
                 mask_spec],
       out_specs=[pl.BlockSpec((None, fold, None, rows, hvp), named(
                      lambda split, batch, head, row_block: (batch, head, split, row_block, 0))),
@@ -838,4 +844,4 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
                                            num_stages=config.num_stages),
       interpret=params.interpret,
       name="jaxflash_decode_split_kv",
-  )(qg, k, v, bounds, inputs.offsets, table, mask)
+  )(qg, k, v, bounds, table, mask)
