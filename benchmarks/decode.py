@@ -71,11 +71,19 @@ def make_inputs(b, s, t, n, k, d, dtype, seed: int, page_size: int | None, dv: i
   return q, kc, vc, lengths, table
 
 
-def attention_fn(impl: str, t: int, table, interpret: bool, own_value_dim: bool = False):
+def attention_fn(impl: str, t: int, table, interpret: bool, own_value_dim: bool = False,
+                 values_in_keys: bool = False):
   """A function (q, k_cache, v_cache, lengths) -> out, or None where ``impl`` cannot run this
-  cell (``own_value_dim``: V's head dim differs from K's, which only jaxflash takes)."""
-  if own_value_dim and not impl.startswith("jaxflash"):
+  cell (``own_value_dim``: V's head dim differs from K's, which only jaxflash takes;
+  ``values_in_keys``: jaxflash reads the values from the key cache, ``v_cache`` giving only
+  their head dim: `jaxflash.decode_attention`'s ``value_cache=None``)."""
+  if (own_value_dim or values_in_keys) and not impl.startswith("jaxflash"):
     return None
+  if values_in_keys:
+    name = None if impl == "jaxflash" else impl.split("_", 1)[1]
+    return lambda q, k, v, lengths: jaxflash.decode_attention(
+        q, k, None, lengths, value_head_dim=v.shape[-1], page_table=table,
+        implementation=name, interpret=interpret)
   if impl.startswith("fold_"):
     if table is not None or t != 1:
       return None
@@ -178,12 +186,17 @@ def run(cfg: dict) -> dict:
                            cfg["head_dims"], cfg["layouts"])
   for b, s, t, (n, k), d, layout in grid:
     dv = cfg.get("value_dim") or d
-    nbytes = cache_bytes(b, s, k, d, dtype, dv)
+    latent = bool(cfg.get("values_in_keys"))
+    # (One latent cache: its bytes are the keys'.)
+    nbytes = cache_bytes(b, s, k, d, dtype, dv) - (cache_bytes(b, s, k, 0, dtype, dv)
+                                                    if latent else 0)
     if nbytes > MAX_CACHE_BYTES:
       continue
     page_size = cfg["page_size"] if layout == "paged" else None
     inputs = make_inputs(b, s, t, n, k, d, dtype, seed=len(rows), page_size=page_size, dv=dv)
     q, kc, vc, lengths, table = inputs
+    if latent:  # the values are the keys' first dv features
+      vc = kc[..., :dv]
     want = reference(q, kc, vc, lengths, table) if cfg["check"] else None
     if nbytes not in copies:
       copies[nbytes] = copy_tb_s(nbytes)
@@ -192,16 +205,20 @@ def run(cfg: dict) -> dict:
                 copy_tb_s=round(copy_tbs, 3))
     if dv != d:
       base["Dv"] = dv
+    if latent:
+      base["values_in_keys"] = True
     prepared = []
     for impl in cfg["impls"]:
-      fn = attention_fn(impl, t, table, cfg["interpret"], own_value_dim=dv != d)
+      fn = attention_fn(impl, t, table, cfg["interpret"], own_value_dim=dv != d,
+                        values_in_keys=latent)
       if fn is not None:
         prepared.append(_prepare(dict(base, impl=impl), fn, (q, kc, vc, lengths), want, cfg))
     if cfg.get("tune") or cfg.get("tune_splits") or cfg.get("candidates"):
       # (Heads wider than Triton's training kernels take reach the split-KV kernel only with
       # implementation=None: `jaxflash.ops.decode.split_kv_path`.)
       tuned = "jaxflash" if max(d, dv) > 256 else "jaxflash_triton"
-      prepared += _tune(base, lambda: attention_fn(tuned, t, table, cfg["interpret"], dv != d),
+      prepared += _tune(base, lambda: attention_fn(tuned, t, table, cfg["interpret"], dv != d,
+                                                   latent),
                         (q, kc, vc, lengths), want, cfg)
     _time_rounds(prepared, (q, kc, vc, lengths), cfg)
     for row, _ in prepared:
@@ -338,8 +355,10 @@ def _tune(base: dict, make_fn, args, want, cfg: dict) -> list:
 
 
 def _dims(r: dict) -> str:
-  """A row's head dims: "D", or "D/Dv" where V's differs."""
-  return f"{r['D']}/{r['Dv']}" if "Dv" in r else f"{r['D']}"
+  """A row's head dims: "D", or "D/Dv" where V's differs ("D/Dv latent": the values are the
+  keys' first Dv features, one cache)."""
+  text = f"{r['D']}/{r['Dv']}" if "Dv" in r else f"{r['D']}"
+  return text + (" latent" if r.get("values_in_keys") else "")
 
 
 def _line(r: dict) -> str:
@@ -371,7 +390,7 @@ def table(rows: list[dict]) -> str:
   impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
   versus = "jaxflash" in impls and "cudnn" in impls
   def key(r):
-    return r["B"], r["S"], r["T"], r["N"], r["K"], r["D"], r.get("Dv", r["D"]), r["layout"]
+    return r["B"], r["S"], r["T"], r["N"], r["K"], _dims(r), r["layout"]
 
   cells = sorted({key(r) for r in rows})
   lines = ["| B | S | T | N/K | D | layout | " + " | ".join(impls) +
@@ -387,9 +406,9 @@ def table(rows: list[dict]) -> str:
     if versus:
       ratio = speedup(found.get("jaxflash", {}), found.get("cudnn", {}))
       values.append("" if ratio is None else f"{ratio[0]:.3f} ({ratio[1]:.3f}–{ratio[2]:.3f})")
-    b, s, t, n, k, d, dv, layout = cell
-    lines.append(f"| {b} | {s} | {t} | {n}/{k} | {d if dv == d else f'{d}/{dv}'} | {layout} | "
-                 + " | ".join(values) + " |")
+    b, s, t, n, k, dims, layout = cell
+    lines.append(f"| {b} | {s} | {t} | {n}/{k} | {dims} | {layout} | " + " | ".join(values)
+                 + " |")
   return "\n".join(lines)
 
 
@@ -403,6 +422,9 @@ def main(argv=None) -> None:
   parser.add_argument("--value-dim", type=int,
                       help="V's head dim where it differs from K's (DeepSeek's absorbed MLA: "
                            "--head-dims 576 --value-dim 512); only jaxflash runs such cells")
+  parser.add_argument("--values-in-keys", action="store_true",
+                      help="one latent cache whose first --value-dim features are the values "
+                           "(decode_attention's value_cache=None): its bytes are the keys'")
   parser.add_argument("--layouts", nargs="+", choices=("contiguous", "paged"),
                       default=["contiguous", "paged"])
   parser.add_argument("--page-size", type=int, default=64)

@@ -151,12 +151,14 @@ def plot_decode(result: dict, stem) -> Path:
   rows = [r for r in result["rows"] if "tb_s" in r and r["impl"] != "tune"]
   impls = list(dict.fromkeys(r["impl"] for r in rows))
   colour = colours(impls)
-  panels = sorted({(r["T"], r["N"], r["K"], r["D"], r.get("Dv", r["D"]), r["layout"])
-                   for r in rows})
+  def dims(r):  # (as decode.py's tables show them)
+    text = f"{r['D']}/{r['Dv']}" if "Dv" in r else f"{r['D']}"
+    return text + (" latent" if r.get("values_in_keys") else "")
+  panels = sorted({(r["T"], r["N"], r["K"], dims(r), r["layout"]) for r in rows})
   fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
-  for ax, (t, n, k, d, dv, layout) in zip(axes[:, 0], panels):
-    mine = [r for r in rows if (r["T"], r["N"], r["K"], r["D"], r.get("Dv", r["D"]),
-                                r["layout"]) == (t, n, k, d, dv, layout)]
+  for ax, (t, n, k, d, layout) in zip(axes[:, 0], panels):
+    mine = [r for r in rows if (r["T"], r["N"], r["K"], dims(r), r["layout"]) ==
+            (t, n, k, d, layout)]
     cells = sorted({(r["B"], r["S"]) for r in mine})
     width = 0.8 / len(impls)
     for j, impl in enumerate(impls):
@@ -169,7 +171,7 @@ def plot_decode(result: dict, stem) -> Path:
       ax.plot([x - 0.45, x + 0.45], [copy, copy], color="black", lw=1.5)
     ax.set_xticks(range(len(cells)), [f"B={b} S={_seq_label(s)}" for b, s in cells])
     ax.set_ylabel("TB/s of K, V read")
-    ax.set_title(f"T={t} N/K={n}/{k} D={d if dv == d else f'{d}/{dv}'} {layout}", fontsize=10)
+    ax.set_title(f"T={t} N/K={n}/{k} D={d} {layout}", fontsize=10)
   _legend(fig, colour, impls, [Line2D([], [], color="black", label="copy (read + write)")])
   return _save(fig, f"Decoding, {report.describe(result)}",
                Path(f"{stem}.png"), 0.9 / (3.2 * len(panels)))

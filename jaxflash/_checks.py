@@ -169,12 +169,27 @@ def global_lengths(query_seq_lengths, key_value_seq_lengths, batch: int,
   return _lengths(q_lens, kv_lens, batch, total, total)
 
 
-def check_cache(query, key_cache, value_cache, page_table):
+def check_cache(query, key_cache, value_cache, page_table, value_head_dim=None):
   """Checks `jaxflash.decode_attention`'s query and cache (the rest goes through `normalise`);
-  returns the caches as arrays (pages unchanged: the caller gathers them)."""
+  returns the caches as arrays (pages unchanged: the caller gathers them). With
+  ``value_cache`` None the values are the first ``value_head_dim`` features of the keys (a
+  slice of ``key_cache``)."""
   query = as_array(query, "query")
-  key_cache, value_cache = (as_array(x, name) for x, name in
-                            ((key_cache, "key_cache"), (value_cache, "value_cache")))
+  key_cache = as_array(key_cache, "key_cache")
+  if value_cache is None:
+    if key_cache.ndim != 4:
+      raise ValueError(f"key_cache must be [B, S_max, K, H] (or pages [num_pages, page_size, K, "
+                       f"H] with page_table), got shape {key_cache.shape}")
+    if not _is_int(value_head_dim) or not 0 < value_head_dim <= key_cache.shape[-1]:
+      raise ValueError(f"value_head_dim must be an int in [1, {key_cache.shape[-1]}] (key_cache's "
+                       f"head dim) where value_cache is None, got {value_head_dim!r}")
+    value_cache = key_cache[..., :value_head_dim]
+  else:
+    if value_head_dim is not None:
+      raise ValueError(f"value_head_dim is for value_cache=None (values that are the keys' "
+                       f"first features), got value_head_dim={value_head_dim!r} with a "
+                       f"value_cache")
+    value_cache = as_array(value_cache, "value_cache")
   if query.ndim != 4:
     raise ValueError(f"query must be [B, T, N, H], got shape {query.shape}")
   b, t = query.shape[:2]

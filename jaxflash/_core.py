@@ -126,6 +126,10 @@ class Params:
   # Whether the gradients must be bitwise repeatable; False lets a backend add dQ in any
   # order (float32 atomics), where that measured faster.
   deterministic: bool = True
+  # A decoding call whose values are the first Dv features of its keys (absorbed MLA's latent
+  # cache, `jaxflash.decode_attention` with ``value_cache=None``): ``Inputs.value`` is that
+  # slice of the keys, and a kernel may read the values from its key tiles instead.
+  values_in_keys: bool = False
 
   @property
   def kernel_mask_reason(self) -> str | None:

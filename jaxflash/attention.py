@@ -431,9 +431,10 @@ def _run(call: _checks.Call, implementation, config, return_residual: bool,
 def decode_attention(
     query: jax.Array,
     key_cache: jax.Array,
-    value_cache: jax.Array,
+    value_cache: jax.Array | None,
     kv_lengths: jax.Array,
     *,
+    value_head_dim: int | None = None,
     page_table: jax.Array | None = None,
     scale: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
@@ -461,10 +462,16 @@ def decode_attention(
     query: [B, T, N, H], the new tokens (T small: 1 when generating).
     key_cache: [B, S_max, K, H], or with ``page_table`` pages [num_pages, page_size, K, H].
     value_cache: shaped and typed like ``key_cache`` but for its head dim Dv, which may differ
-      from H (DeepSeek's absorbed MLA decoding: H = 576, Dv = 512).
+      from H (DeepSeek's absorbed MLA decoding: H = 576, Dv = 512); or None, with
+      ``value_head_dim``: the values are then the first Dv features of ``key_cache``.
     kv_lengths: int [B], the tokens in each row of the cache, the new ones included; clipped
       to [0, S_max]. A row holding fewer than T tokens gives zeros for the rows before its
       first token.
+    value_head_dim: Dv where ``value_cache`` is None: absorbed MLA keeps one latent cache whose
+      first 512 features are the values and whose 576 are the keys
+      (``decode_attention(q, latent_cache, None, lengths, value_head_dim=512)``). The split-KV
+      kernel then reads each key block once for both; a ``value_cache`` sliced from the keys
+      would be a second copy of the cache, read again.
     page_table: optional int [B, pages_per_row]: row ``b`` of the cache is pages
       ``page_table[b, 0], page_table[b, 1], ...`` in order (S_max = pages_per_row * page_size).
     scale: multiplier of ``query @ key``; defaults to ``1 / sqrt(H)`` (query's head dim).
@@ -484,7 +491,7 @@ def decode_attention(
   """
   backends.preferences(implementation)
   return_residual = _checks.check_flag(return_residual, "return_residual")
-  key, value = _checks.check_cache(query, key_cache, value_cache, page_table)
+  key, value = _checks.check_cache(query, key_cache, value_cache, page_table, value_head_dim)
   pages = None
   if page_table is not None:
     pages = (key, value, page_table.astype(jnp.int32))
@@ -496,6 +503,8 @@ def decode_attention(
                            logits_soft_cap=logits_soft_cap, sinks=sinks, interpret=interpret)
   _checks.no_fp8(call.inputs, "decode_attention")
   call = call._replace(inputs=decode.decode_inputs(call.inputs))
+  if value_cache is None:
+    call = call._replace(params=dataclasses.replace(call.params, values_in_keys=True))
   if implementation is None:
     # Backends with a split-KV decoding forward first (Triton's): the training forwards give
     # one program per (batch row, query head) and fill one row of a tile per token.

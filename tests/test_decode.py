@@ -474,6 +474,12 @@ def test_decode_under_jit_with_traced_lengths():
     (dict(kv_lengths=jnp.zeros((2,))), "key_value_seq_lengths must be an integer"),
     (dict(key_cache=jnp.zeros((2, 10, 1, 8), BF16), value_cache=jnp.zeros((2, 10, 1, 8), BF16)),
      "dtype"),
+    (dict(value_cache=None), "value_head_dim must be an int in"),
+    (dict(value_cache=None, value_head_dim=9), "value_head_dim must be an int in"),
+    (dict(value_cache=None, value_head_dim=4.0), "value_head_dim must be an int in"),
+    (dict(value_cache=None, value_head_dim=4, key_cache=jnp.zeros((2, 10, 8))),
+     "key_cache must be"),
+    (dict(value_head_dim=4), "value_head_dim is for value_cache=None"),
 ])
 def test_decode_refuses_bad_input(args, match):
   base = dict(query=jnp.zeros((2, 1, 2, 8)), key_cache=jnp.zeros((2, 10, 1, 8)),

@@ -293,22 +293,86 @@ def test_absorbed_mla_launch(b, s, n, want_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,n,page_size", [(1, 128, None), (2, 16, 64), (4, 128, 64)])
-def test_decode_absorbed_mla_on_gpu(t, n, page_size, monkeypatch):
+@pytest.mark.parametrize("t,n,page_size,latent", [(1, 128, None, False), (2, 16, 64, False),
+                                                  (4, 128, 64, False), (1, 16, None, True),
+                                                  (2, 128, 64, True)])
+def test_decode_absorbed_mla_on_gpu(t, n, page_size, latent, monkeypatch):
   """The wide-head split-KV kernel compiled for the GPU, bf16, at MLA's 576/512 with 16 and 128
   query heads, T up to 4, ragged rows of up to 3000 keys, contiguous and paged (64-key pages,
-  DeepSeek's layout): against the float32 reference."""
+  DeepSeek's layout), with a value cache or the values in the latent cache: against the float32
+  reference."""
   ran = _spy_split_kv(monkeypatch)
   b, s = 3, 3008
   q, kk, v, _ = _qkv(12, b, t, s, n, 1, 576, 512, dtype=jnp.bfloat16)
+  if latent:
+    v = kk[..., :512]
   lengths = jnp.array([s, 1500, t], jnp.int32)
   (k_cache, table), (v_cache, _) = ((_pages(x, page_size, 4) for x in (kk, v)) if page_size
                                     else ((kk, None), (v, None)))
-  out = jax.jit(lambda q, kc, vc: jaxflash.decode_attention(q, kc, vc, lengths,
-                                                            page_table=table))(q, k_cache, v_cache)
+  if latent:  # one cache: the values are its first 512 features
+    out = jax.jit(lambda q, kc: jaxflash.decode_attention(
+        q, kc, None, lengths, value_head_dim=512, page_table=table))(q, k_cache)
+  else:
+    out = jax.jit(lambda q, kc, vc: jaxflash.decode_attention(
+        q, kc, vc, lengths, page_table=table))(q, k_cache, v_cache)
   assert ran == [True]
   want = _decode_reference(*(x.astype(F32) for x in (q, kk, v)), lengths)
   assert rel_err(out.astype(F32), want) <= 1e-2
+
+
+@pytest.mark.parametrize("implementation", [None, "xla"])
+@pytest.mark.parametrize("b,t,s,n,h,hv,page_size", [
+    (2, 1, 100, 16, 576, 512, None),  # MLA: V is K's first piece, loaded once for both
+    (2, 2, 128, 32, 576, 512, 32),  # paged, two row blocks
+    (1, 3, 70, 4, 64, 32, None),  # narrow: V a masked range of the key tile
+    (2, 1, 50, 2, 40, 40, None),  # values are the whole keys
+])
+def test_decode_values_in_the_keys(implementation, b, t, s, n, h, hv, page_size, monkeypatch):
+  """``value_cache=None, value_head_dim=Dv``: one latent cache whose first Dv features are the
+  values (absorbed MLA's layout). Equal to passing that slice as the value cache, forward and
+  gradients (the latent cache's gradient sums its key and value parts); on the split-KV
+  kernel (interpreted) and the XLA backend."""
+  ran = _spy_split_kv(monkeypatch)
+  q, latent, _, d_out = _qkv(13, b, t, s, n, 1, h, hv)
+  lengths = jnp.array([s - 9 * i for i in range(b)], jnp.int32)
+  cache, table = _pages(latent, page_size, 5) if page_size else (latent, None)
+
+  def ours(q, cache):
+    return jaxflash.decode_attention(q, cache, None, lengths, value_head_dim=hv,
+                                     page_table=table, implementation=implementation,
+                                     interpret=True)
+
+  out, vjp = jax.vjp(jax.jit(ours), q, cache)
+  assert ran == ([True] if implementation is None else [])
+  chex.assert_shape(out, (b, t, n, hv))
+  want, want_vjp = jax.vjp(lambda q, x: _decode_reference(q, x, x[..., :hv], lengths), q,
+                           latent)
+  assert rel_err(out, want) <= TOLERANCE[F32]
+  dq, d_cache = vjp(d_out)
+  want_dq, want_d_latent = want_vjp(d_out)
+  if page_size:
+    d_cache = jnp.take(d_cache, table, axis=0).reshape(latent.shape)
+  assert rel_err(dq, want_dq) <= TOLERANCE[F32]
+  assert rel_err(d_cache, want_d_latent) <= TOLERANCE[F32]
+
+
+def test_values_in_the_keys_reuse_the_key_tiles():
+  """Which value pieces are key tiles already loaded (`reused_pieces`): MLA's 512 of 576 is
+  K's first piece; a narrower value's masked range is not a key tile; equal dims are."""
+  from jaxflash import _core
+  from jaxflash.backends.triton import decode, tiles
+
+  def reuse(h, hv):
+    q = jnp.zeros((1, 1, 1, h))
+    inputs = _core.Inputs(q, jnp.zeros((1, 8, 1, h)), jnp.zeros((1, 8, 1, hv)), None)
+    st = tiles.static(inputs)
+    return decode.reused_pieces(st, decode.column_pieces(h), decode.column_ranges(hv))
+
+  assert reuse(576, 512) == [0]
+  assert reuse(576, 576) == [0, 1]
+  assert reuse(64, 32) == [None]
+  assert reuse(40, 40) == [0]
+  assert reuse(40, 36) == [None]
 
 
 def _spy_split_kv(monkeypatch) -> list:

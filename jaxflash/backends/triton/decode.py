@@ -500,7 +500,13 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, o_ref, lse_ref
   # The tile's padding rows and columns lie past the arrays' ends: masked, never read or written
   # (padding them in XLA cost a pass over the queries and up to 16x the partial outputs' bytes).
   row_io = None if rows_used == rows or row_blocks > 1 else row_ok
-  key_cols, value_cols = column_pieces(st.head_dim), column_pieces(st.value_dim)
+  key_cols = column_pieces(st.head_dim)
+  # Values in the keys (absorbed MLA's latent cache): V's pieces are column ranges of the key
+  # tiles, and a V piece that is a K piece already loaded is that tile (`reused_pieces`).
+  shared = params.values_in_keys
+  value_cols = column_ranges(st.value_dim) if shared else column_pieces(st.value_dim)
+  reuse = reused_pieces(st, key_cols, value_cols) if shared else [None] * len(value_cols)
+  values_ref = k_ref if shared else v_ref
   qs = [[tiles.load(q_ref.at[i, :, cols], mask=tiles.tile_ok(row_io, ok), other=0.0)
          for cols, ok in key_cols] for i in head_ids]  # [rows, piece] each
   q_len, kv_len, diagonal = bounds_ref[0], bounds_ref[1], bounds_ref[3]
@@ -522,11 +528,13 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, o_ref, lse_ref
                for _, cols, _ in pieces]
     new = []
     for i, q, (accs, m, l) in zip(head_ids, qs, carry):
-      logits = []
+      logits, k_tiles = [], []
       for (index, cols, key_ok), seen in zip(pieces, visible):
         s = None
+        k_tiles.append([])
         for q_part, (part, ok) in zip(q, key_cols):  # Q Kᵀ summed over the head dim's pieces
           k = tiles.load(k_ref.at[index(i, part)], mask=tiles.tile_ok(key_ok, ok), other=0.0)
+          k_tiles[-1].append(k)
           dot = plgpu.dot(q_part, k, trans_b=True)
           s = dot if s is None else s + dot
         s2, _ = _core.logits_base2(s, params, None)
@@ -540,10 +548,11 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, o_ref, lse_ref
       m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen nothing yet
       alpha = jnp.exp2(m - m_shift)
       accs, l = [acc * alpha[:, None] for acc in accs], l * alpha
-      for (index, _, key_ok), s2 in zip(pieces, logits):
+      for (index, _, key_ok), s2, loaded in zip(pieces, logits, k_tiles):
         p = jnp.exp2(s2 - m_shift[:, None])
         for c, (part, ok) in enumerate(value_cols):  # P V, a piece of the value's dim each
-          v = tiles.load(v_ref.at[index(i, part)], mask=tiles.tile_ok(key_ok, ok), other=0.0)
+          v = loaded[reuse[c]] if reuse[c] is not None else tiles.load(
+              values_ref.at[index(i, part)], mask=tiles.tile_ok(key_ok, ok), other=0.0)
           accs[c] = accs[c] + plgpu.dot(p.astype(v.dtype), v)
         l = l + jnp.sum(p, axis=1)
       new.append((tuple(accs), m_new, l))
@@ -588,6 +597,34 @@ def column_pieces(dim: int) -> list:
     return [(slice(None), None if dim == widths[0] else jnp.arange(widths[0]) < dim)]
   starts = [sum(widths[:c]) for c in range(len(widths))]
   return [(pl.ds(start, width), None) for start, width in zip(starts, widths)]
+
+
+def column_ranges(dim: int) -> list:
+  """`column_pieces` of a head dim as explicit column ranges from 0, for values read from the
+  key tiles (whose tile is wider where the keys' head dim is)."""
+  starts = 0
+  pieces = []
+  for width in piece_widths(dim):
+    pieces.append((pl.ds(starts, width), None if starts + width <= dim else
+                   jnp.arange(width) < dim - starts))
+    starts += width
+  return pieces
+
+
+def reused_pieces(st: tiles.Static, key_cols: list, value_cols: list) -> list:
+  """For each value piece read from the key tiles (`column_ranges`), the index of the key piece
+  (`column_pieces`) that is the same tile, or None: at 576/512 V's one piece is K's first
+  (512 + 64), so each key block is loaded once for both products."""
+  def span(index, padded):
+    return (0, padded) if isinstance(index, slice) else (index.start, index.size)
+  keys = [(span(part, st.head_dim_p), ok is None) for part, ok in key_cols]
+  reuse = []
+  for part, ok in value_cols:
+    found = [c for c, (key_span, whole) in enumerate(keys)
+             if key_span == span(part, st.value_dim_p)
+             and ((whole and ok is None) or st.value_dim == st.head_dim)]
+    reuse.append(found[0] if found else None)
+  return reuse
 
 
 def piece_width(index, padded: int) -> int:
@@ -789,6 +826,8 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
   if pages is None:
     kv, v_spec = (pl.BlockSpec((None, k.shape[1], fold, dim), named(
         lambda split, batch, head, row_block: (batch, 0, head, 0))) for dim in (hp, hvp))
+    if params.values_in_keys:  # (the kernel reads the values from the key tiles)
+      v, v_spec = k, kv
   else:
     k, v, table = pages
     page_size = k.shape[1]
@@ -796,6 +835,8 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
         lambda split, batch, head, row_block: (0, 0, head, 0))) for dim in (hp, hvp))
     table_spec = pl.BlockSpec((None, table.shape[1]), named(
         lambda split, batch, head, row_block: (batch, 0)))
+    if params.values_in_keys:
+      v, v_spec = k, kv
     if page_size < block_k:  # whole pages a block, as many as divide a row's pages
       block_k = page_size * math.gcd(table.shape[1], block_k // page_size)
   blocks = pl.cdiv(inputs.key.shape[1], block_k)
@@ -837,7 +878,7 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
                      lambda split, batch, head, row_block: (batch, head, split, row_block, 0))),
                  pl.BlockSpec((None, fold, None, rows), named(
                      lambda split, batch, head, row_block: (batch, head, split, row_block)))],
-      out_shape=[_core.out_struct((b, kv_heads, splits, g * t, v.shape[-1]),
+      out_shape=[_core.out_struct((b, kv_heads, splits, g * t, st.value_dim),
                                   q.dtype if whole else jnp.float32, q),
                  _core.out_struct((b, kv_heads, splits, g * t), jnp.float32, q)],
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
