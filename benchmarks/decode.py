@@ -343,10 +343,10 @@ def _tune(base: dict, make_fn, args, want, cfg: dict) -> list:
                   _split_candidates if cfg.get("tune_splits") else _tune_candidates)
     for fields in candidates(cell, sm_count(devices.current().kind)):
       if cfg.get("candidates"):  # given fields change the shipped config, and nothing else
-        kernel.default_config = lambda inputs, training, device, page_size=None, f=fields: (
-            dataclasses.replace(shipped(inputs, training, device, page_size), **f))
+        kernel.default_config = lambda inputs, training, device, f=fields, **kw: (
+            dataclasses.replace(shipped(inputs, training, device, **kw), **f))
       else:
-        kernel.default_config = lambda inputs, training, device, page_size=None, f=fields: (
+        kernel.default_config = lambda inputs, training, device, f=fields, **kw: (
             kernel.DecodeConfig(training=training, **f))
       prepared.append(_prepare(dict(base, impl="tune", tune=fields), make_fn(), args, want, cfg))
   finally:

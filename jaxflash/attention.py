@@ -419,7 +419,8 @@ def _run(call: _checks.Call, implementation, config, return_residual: bool,
     pages = None
   if path is not None:
     config = path.kernel().default_config(call.inputs, config, device,
-                                          page_size=None if pages is None else pages[0].shape[1])
+                                          page_size=None if pages is None else pages[0].shape[1],
+                                          values_in_keys=call.params.values_in_keys)
     backend = path
   if pages is not None:
     out, lse = decode.paged_attention(path, call.inputs, pages, call.params, config)

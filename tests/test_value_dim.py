@@ -277,19 +277,26 @@ def test_decode_absorbed_mla(b, t, s, n, k, h, hv, page_size, monkeypatch):
     assert rel_err(got, wanted) <= TOLERANCE[F32]
 
 
-@pytest.mark.parametrize("b,s,n,want_splits", [(32, 8192, 16, 8), (8, 32768, 16, 32),
-                                                (64, 8192, 16, 4), (32, 8192, 128, 1)])
-def test_absorbed_mla_launch(b, s, n, want_splits):
-  """Wide heads: 16 query rows and 32 keys a program, 2 stages, about two programs per SM (as
-  measured on an H200: `wide_config`), row blocks launched together."""
+@pytest.mark.parametrize("b,s,t,n,latent,want", [
+    (32, 8192, 1, 16, False, (8, 32, 16)), (8, 32768, 1, 16, False, (32, 32, 16)),
+    (64, 8192, 1, 16, False, (4, 32, 16)), (32, 8192, 1, 128, False, (1, 32, 16)),
+    (32, 8192, 1, 16, True, (8, 64, 16)), (32, 8192, 2, 16, True, (8, 64, 32)),
+    (32, 8192, 1, 128, True, (2, 64, 32)), (32, 8192, 3, 16, True, (3, 64, 16)),
+])
+def test_absorbed_mla_launch(b, s, t, n, latent, want):
+  """Wide heads (as measured on an H200: `wide_config`): 2 stages, about two programs per SM,
+  row blocks launched together; 16 query rows and 32 keys a program with a value cache, 64 keys
+  and 32 rows (where they divide the group: not 48) with the values in the keys. Want (splits,
+  keys, rows)."""
   from jaxflash import _core, devices
   from jaxflash.backends.triton import Config, decode
-  q = jnp.zeros((b, 1, n, 576), jnp.bfloat16)
+  q = jnp.zeros((b, t, n, 576), jnp.bfloat16)
   kv = jnp.zeros((b, s, 1, 576), jnp.bfloat16), jnp.zeros((b, s, 1, 512), jnp.bfloat16)
   inputs = _core.Inputs(q, *kv, jnp.zeros((b, 2), jnp.int32))
-  config = decode.default_config(inputs, Config(), devices.Device("gpu", "NVIDIA H200", True))
-  assert (config.splits, config.block_k, config.num_stages) == (want_splits, 32, 2)
-  assert config.grid_order == decode.HEADS_FIRST and decode.program_rows(inputs, config) == 16
+  config = decode.default_config(inputs, Config(), devices.Device("gpu", "NVIDIA H200", True),
+                                 values_in_keys=latent)
+  got = (config.splits, config.block_k, decode.program_rows(inputs, config))
+  assert got == want and config.num_stages == 2 and config.grid_order == decode.HEADS_FIRST
 
 
 @pytest.mark.gpu

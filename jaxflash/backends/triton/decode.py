@@ -202,14 +202,15 @@ def _block_mask_as_dense(inputs: Inputs, params: Params) -> tuple[Inputs, Params
 
 
 def default_config(inputs: Inputs, training: Config, device: Device,
-                   page_size: int | None = None) -> DecodeConfig:
+                   page_size: int | None = None, values_in_keys: bool = False) -> DecodeConfig:
   """The shipped launch for a call on ``device`` (``page_size``: the pages' keys, for a paged
-  cache): two K/V heads per program where that is faster (`paired_config`), else one
-  (`single_config`)."""
+  cache; ``values_in_keys``: `Params.values_in_keys`): two K/V heads per program where that is
+  faster (`paired_config`), else one (`single_config`); heads wider than `MAX_PIECE` their own
+  (`wide_config`)."""
   from jaxflash.backends.mosaic.config import sm_count  # (a table of device kinds)
   sms = sm_count(device.kind)
   if is_wide(inputs):
-    return wide_config(inputs, training, sms, page_size)
+    return wide_config(inputs, training, sms, page_size, values_in_keys)
   hp = padded_head_dim(inputs.query.shape[-1])
   paired = None
   if (hp * inputs.key.dtype.itemsize <= 128 and inputs.key.shape[2] % 2 == 0
@@ -420,26 +421,45 @@ WIDE_BLOCK_K = 32  # key blocks at wide heads: 68 KiB of K and V a stage at 576/
 WIDE_PROGRAMS_PER_SM = 2  # (`wide_config`)
 
 
-def wide_config(inputs: Inputs, training: Config, sm_count: int,
-                page_size: int | None) -> DecodeConfig:
-  """Heads wider than `MAX_PIECE` (DeepSeek's absorbed MLA, 576/512): `WIDE_ROWS` query rows
-  and `WIDE_BLOCK_K` keys a program, 4 warps, 2 stages (139 KiB at 576/512: one program per SM
-  at once), and splits for about `WIDE_PROGRAMS_PER_SM` programs per SM, two waves. The row
-  blocks of a group launch together (`HEADS_FIRST`: the head axis counts them, fastest), so
+def wide_config(inputs: Inputs, training: Config, sm_count: int, page_size: int | None,
+                values_in_keys: bool = False) -> DecodeConfig:
+  """Heads wider than `MAX_PIECE` (DeepSeek's absorbed MLA, 576/512): 4 warps, 2 stages, splits
+  for about `WIDE_PROGRAMS_PER_SM` programs per SM (two waves at one program per SM), the row
+  blocks of a group launched together (`HEADS_FIRST`: the head axis counts them, fastest), so
   the programs reading the same keys run at once.
+  - Separate K and V caches: `WIDE_ROWS` query rows and `WIDE_BLOCK_K` keys a program (139 KiB
+    of K and V in two stages at 576/512).
+  - Values in the keys (one latent cache, read once for both products): 64-key blocks (72 KiB a
+    stage) and 32 query rows a program where the group has that many and they divide it.
 
-  Why (H200, 2026-11-25, bf16, B = 32, 8k, 16 query heads on one latent head, T = 1,
-  `benchmarks/decode.py --candidates`; copy 3.93 TB/s): 8 splits (256 programs) 153 µs, 0.95 of
-  the copy; 4 (one wave, the first rule) 178 µs, 0.82; 16 splits 164 µs; 3 stages 157 µs;
-  16-key blocks with 3 or 4 stages 155 and 158 µs; 8 warps 163 µs."""
+  Why (H200, 2026-11-25, bf16, B = 32, 8k, T = 1 unless said, `benchmarks/decode.py
+  --candidates`, copy 3.9-4.0 TB/s):
+  - separate caches, 16 query heads: 8 splits (256 programs) 153 µs, 0.95 of the copy; 4
+    splits (one wave, the first rule) 178 µs, 0.82; 16 splits 164 µs; 3 stages 157 µs; 16-key
+    blocks with 3 or 4 stages 155 and 158 µs; 8 warps 163 µs; 32-row programs at T = 2 207 µs
+    against 190 for two 16-row ones;
+  - one latent cache: 16 heads at T = 2 114 µs with 64-key blocks and 32-row programs, 137
+    with 64-key blocks alone, 154 with 32-row programs alone, 164 with neither; 128 heads 329
+    µs against 543 (T = 2: 601 against 1066); at 16 heads, T = 1 (16 rows) 64-key blocks run
+    level with 32 (102 µs), more splits slower (110-120 µs);
+  - products in the other orientation (Sᵀ = K Qᵀ, Oᵀ += Vᵀ Pᵀ, so that keys and value columns
+    are the long side of the tensor-core tiles) were slower in every cell: 116 against 104 µs
+    at T = 1, 436 against 329 at 128 heads."""
   b, s, k = inputs.key.shape[:3]
   t, n = inputs.query.shape[1:3]
-  block_k = tiles.fit(WIDE_BLOCK_K, s)
-  groups = b * k * pl.cdiv(t * n // k, program_rows(inputs))
+  group_rows = t * n // k
+  block_k, row_block = tiles.fit(WIDE_BLOCK_K, s), None
+  if values_in_keys:
+    block_k = tiles.fit(2 * WIDE_BLOCK_K, s)
+    if rows_for(inputs) >= 2 * WIDE_ROWS and (group_rows <= 2 * WIDE_ROWS
+                                              or group_rows % (2 * WIDE_ROWS) == 0):
+      row_block = 2 * WIDE_ROWS
+  rows = program_rows(inputs, DecodeConfig(splits=1, row_block=row_block))
+  groups = b * k * pl.cdiv(group_rows, rows)
   splits = used_splits(pl.cdiv(s, block_k), max(1, round(WIDE_PROGRAMS_PER_SM * sm_count
                                                           / groups)))
   return DecodeConfig(splits=splits, block_k=block_k, num_stages=2, grid_order=HEADS_FIRST,
-                      training=training)
+                      row_block=row_block, training=training)
 
 
 def wave_splits(blocks: int, rows: int, sm_count: int, per_sm: int = 4) -> int:
