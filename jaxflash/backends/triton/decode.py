@@ -23,6 +23,11 @@ past a row's last visible one are skipped like a shorter cache). A block mask or
 (whose rows are few here) is made a dense mask of the call's T rows first
 (`_block_mask_as_dense`); no biases, segments, dropout or score_mod.
 The backward stays the training backward (the residuals, O and the LSE, are the same).
+
+Head dims above 256 (DeepSeek's absorbed MLA, 576/512), which the training kernels refuse, are
+loaded and multiplied in column pieces (`column_pieces`), and a tall group's query rows are cut
+into blocks (`program_rows`); values that are the keys' first features
+(`Params.values_in_keys`, one latent cache) are read from the key tiles (`reused_pieces`).
 """
 
 from __future__ import annotations
