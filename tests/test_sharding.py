@@ -275,3 +275,37 @@ def test_paged_decode_sharded(axis_type):
     assert _collectives(forward_only.lower(*args[:5]).compile().as_text()) == []
   assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, P("b", None, "h")), 4)
   _close(got, want)
+
+
+@pytest.mark.parametrize("paged", (False, True), ids=("contiguous", "paged"))
+def test_absorbed_mla_decode_batch_sharded(paged):
+  """Absorbed MLA's decoding (heads wider than 256: the split-KV kernel in column pieces, the XLA
+  backend's backward) on one latent cache whose first features are the values, batch-sharded
+  under jit (a paged pool whole on every device): no collective in the forward, results and
+  the gradients of the query and the latent cache equal to one device's."""
+  from test_decode import _paged
+  b, s, t, n, h, hv = 4, 64, 1, 16, 576, 512
+  q, latent, _, _ = random_qkv(10, b, t, s, n, 1, h)
+  d_out = random_array(11, (b, t, n, hv), "float")
+  lengths = jnp.array([64, 5, 1, 33], jnp.int32)
+  cache, table = _paged(latent, 16, 2) if paged else (latent, None)
+  options = dict(value_head_dim=hv, interpret=not ON_GPU)
+
+  def fn(q, cache, table, lengths, d_out):
+    out, vjp = jax.vjp(lambda q, c: jaxflash.decode_attention(
+        q, c, None, lengths, page_table=table, **options), q, cache)
+    return (out,) + vjp(d_out)
+
+  fn = jax.jit(fn)
+  want = fn(q, cache, table, lengths, d_out)
+  mesh = _mesh(AxisType.Auto, (DEVICES,), ("b",))
+  with jax.set_mesh(mesh):
+    cache_spec = P() if paged else P("b")
+    args = (*_put(mesh, P("b"), q), *_put(mesh, cache_spec, cache),
+            *(_put(mesh, P("b"), table) if paged else (None,)), *_put(mesh, P("b"), lengths),
+            *_put(mesh, P("b"), d_out))
+    got = fn(*args)
+    forward_only = jax.jit(lambda q, c, table, lengths: jaxflash.decode_attention(
+        q, c, None, lengths, page_table=table, **options))
+    assert _collectives(forward_only.lower(*args[:4]).compile().as_text()) == []
+  _close(got, want)
