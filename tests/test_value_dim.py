@@ -248,6 +248,7 @@ def test_decode_split_kv_merges(merge, monkeypatch):
     (2, 1, 128, 16, 1, 576, 512, 32),  # paged, blocks of one 32-key page
     (2, 3, 70, 8, 2, 320, 288, None),  # two K/V heads; pieces 256 + 64 and 256 + 32
     (1, 1, 50, 2, 1, 512, 40, None),  # Q and K in one 512-wide piece, V padded to 64
+    (1, 2, 24, 4, 1, 1024, 768, None),  # the widest: 512 + 512, and 512 + 256
 ])
 def test_decode_absorbed_mla(b, t, s, n, k, h, hv, page_size, monkeypatch):
   """DeepSeek's absorbed decoding: H 576 (512 + 64 rope dims), Dv 512, one shared K/V head.
@@ -431,6 +432,8 @@ def test_absorbed_mla_row_blocks(n, t, want):
   assert decode.piece_widths(576) == (512, 64)
   assert decode.piece_widths(512) == (512,)
   assert decode.piece_widths(200) == (256,)
+  assert decode.piece_widths(1024) == (512, 512)
+  assert decode.piece_widths(1008) == (512, 256, 128, 64, 32, 16)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,13 +61,15 @@ MAX_ROWS = 128  # G·T query rows per program: the accumulator is [rows, head di
 # blocks of these rows, a program each; the blocks of a group read the same keys, launched
 # together (`wide_config`), so the cache comes from DRAM about once.
 WIDE_ROWS = 16
-MAX_WIDE_DIM = 1024  # the widest head dim taken (in pieces of at most 512 columns)
+MAX_WIDE_DIM = 1024  # the widest head dim taken (in pieces of at most `WIDEST_PIECE` columns)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeConfig:
   """The split-KV forward's launch (``splits`` programs per (batch row, group of ``heads`` K/V
-  heads), key blocks of ``block_k``), and the training kernels' config for the backward."""
+  heads), key blocks of ``block_k``), and the config of the training backend that runs the
+  backward (``training``: Triton's, or another backend's for heads wider than Triton's training
+  kernels take: `jaxflash.ops.decode.split_kv_path`)."""
 
   splits: int
   block_k: int = 64
@@ -90,7 +93,7 @@ class DecodeConfig:
   # to a power of two), or `WIDE_ROWS` of them for heads wider than `MAX_PIECE`. A group taller
   # than this is cut into blocks of these rows, which must divide its G·T rows.
   row_block: int | None = None
-  training: Config = dataclasses.field(default_factory=Config)
+  training: Any = dataclasses.field(default_factory=Config)
 
   def __post_init__(self):
     object.__setattr__(self, "grid_order", tuple(self.grid_order))  # (lists from JSON)
@@ -604,13 +607,21 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, o_ref, lse_ref
 MAX_PIECE = 256
 
 
+WIDEST_PIECE = 512  # (a [16, 512] float32 accumulator: 64 registers a thread of 4 warps)
+
+
 def piece_widths(dim: int) -> tuple[int, ...]:
   """The column pieces' widths of a head dim: the dim padded to a power of two (at least 16)
-  up to `MAX_PIECE`; a wider one (a multiple of 16) as powers of two, widest first, that add up
-  to it: DeepSeek's absorbed MLA takes 576 = 512 + 64 for Q and K, and 512 for V."""
+  up to `MAX_PIECE`; a wider one (a multiple of 16) as powers of two of at most `WIDEST_PIECE`,
+  widest first, that add up to it: DeepSeek's absorbed MLA takes 576 = 512 + 64 for Q and K,
+  and 512 for V; 1024 is 512 + 512."""
   if dim <= MAX_PIECE:
     return (padded_head_dim(dim),)
-  return tuple(1 << bit for bit in reversed(range(dim.bit_length())) if dim >> bit & 1)
+  widths = []
+  while dim:
+    widths.append(min(WIDEST_PIECE, 1 << (dim.bit_length() - 1)))
+    dim -= widths[-1]
+  return tuple(widths)
 
 
 def column_pieces(dim: int) -> list:
