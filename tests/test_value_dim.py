@@ -364,6 +364,33 @@ def test_decode_values_in_the_keys(implementation, b, t, s, n, h, hv, page_size,
   assert rel_err(d_cache, want_d_latent) <= TOLERANCE[F32]
 
 
+def test_decode_values_in_the_keys_with_options(monkeypatch):
+  """The latent cache through the split-KV kernel (interpreted) with sinks, a soft cap and a
+  window, at 576/512 with two row blocks: equal to the XLA backend given the values' slice as a
+  value cache, forward and gradients (the sinks' too)."""
+  ran = _spy_split_kv(monkeypatch)
+  b, t, s, n, h, hv = 2, 2, 90, 16, 576, 512
+  q, latent, _, d_out = _qkv(14, b, t, s, n, 1, h, hv)
+  sinks = jax.random.normal(jax.random.key(15), (n,))
+  lengths = jnp.array([90, 41], jnp.int32)
+  options = dict(logits_soft_cap=3.0, local_window_size=30)
+
+  def ours(q, latent, sinks):
+    return jaxflash.decode_attention(q, latent, None, lengths, value_head_dim=hv, sinks=sinks,
+                                     interpret=True, **options)
+
+  def xla(q, latent, sinks):
+    return jaxflash.decode_attention(q, latent, latent[..., :hv], lengths, sinks=sinks,
+                                     implementation="xla", **options)
+
+  got, got_vjp = jax.vjp(jax.jit(ours), q, latent, sinks)
+  assert ran == [True]
+  want, want_vjp = jax.vjp(jax.jit(xla), q, latent, sinks)
+  assert rel_err(got, want) <= TOLERANCE[F32]
+  for g, w in zip(got_vjp(d_out), want_vjp(d_out)):
+    assert rel_err(g, w) <= TOLERANCE[F32]
+
+
 def test_values_in_the_keys_reuse_the_key_tiles():
   """Which value pieces are key tiles already loaded (`reused_pieces`): MLA's 512 of 576 is
   K's first piece; a narrower value's masked range is not a key tile; equal dims are."""
