@@ -8,8 +8,9 @@ of the same bytes. Every row of the cache is full (kv_lengths = S), so every byt
 
 Implementations:
 - ``jaxflash``: `jaxflash.decode_attention` (the backend it picks); ``jaxflash_triton``,
-  ``jaxflash_mosaic`` and ``jaxflash_xla`` name one; ``jaxflash_flash``: `jaxflash.flash_attention` with
-  ``key_value_seq_lengths`` (T = 1), which routes a call with few query rows to the same kernel;
+  ``jaxflash_mosaic`` and ``jaxflash_xla`` name one; ``jaxflash_flash``:
+  `jaxflash.flash_attention` with ``key_value_seq_lengths`` (T = 1), which routes a call with
+  few query rows to the same kernel;
 - ``cudnn`` and ``xla``: `jax.nn.dot_product_attention` with ``key_value_seq_lengths``
   (T = 1 only: jax.nn has no causal band shifted to the cache positions);
 - ``pallas_decode``: JAX's `jax.experimental.pallas.ops.gpu.decode_attention.gqa` (T = 1).
@@ -187,9 +188,8 @@ def run(cfg: dict) -> dict:
   for b, s, t, (n, k), d, layout in grid:
     dv = cfg.get("value_dim") or d
     latent = bool(cfg.get("values_in_keys"))
-    # (One latent cache: its bytes are the keys'.)
-    nbytes = cache_bytes(b, s, k, d, dtype, dv) - (cache_bytes(b, s, k, 0, dtype, dv)
-                                                    if latent else 0)
+    # (One latent cache: its bytes are the keys' alone.)
+    nbytes = (b * s * k * d * dtype.itemsize if latent else cache_bytes(b, s, k, d, dtype, dv))
     if nbytes > MAX_CACHE_BYTES:
       continue
     page_size = cfg["page_size"] if layout == "paged" else None
