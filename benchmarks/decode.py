@@ -354,16 +354,9 @@ def _tune(base: dict, make_fn, args, want, cfg: dict) -> list:
   return prepared
 
 
-def _dims(r: dict) -> str:
-  """A row's head dims: "D", or "D/Dv" where V's differs ("D/Dv latent": the values are the
-  keys' first Dv features, one cache)."""
-  text = f"{r['D']}/{r['Dv']}" if "Dv" in r else f"{r['D']}"
-  return text + (" latent" if r.get("values_in_keys") else "")
-
-
 def _line(r: dict) -> str:
-  cell = (f"B={r['B']} S={r['S']} T={r['T']} N/K={r['N']}/{r['K']} D={_dims(r)} {r['layout']:10} "
-          f"{r['impl']:16}")
+  cell = (f"B={r['B']} S={r['S']} T={r['T']} N/K={r['N']}/{r['K']} D={report.decode_dims(r)} "
+          f"{r['layout']:10} {r['impl']:16}")
   if "failed" in r:
     return f"{cell} FAILED {r['failed']}"
   kernels = "".join(f"\n    {k['us']:9.1f} us x{k['count']:g} {k['name']}"
@@ -390,7 +383,7 @@ def table(rows: list[dict]) -> str:
   impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
   versus = "jaxflash" in impls and "cudnn" in impls
   def key(r):
-    return r["B"], r["S"], r["T"], r["N"], r["K"], _dims(r), r["layout"]
+    return r["B"], r["S"], r["T"], r["N"], r["K"], report.decode_dims(r), r["layout"]
 
   cells = sorted({key(r) for r in rows})
   lines = ["| B | S | T | N/K | D | layout | " + " | ".join(impls) +

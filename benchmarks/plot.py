@@ -151,9 +151,7 @@ def plot_decode(result: dict, stem) -> Path:
   rows = [r for r in result["rows"] if "tb_s" in r and r["impl"] != "tune"]
   impls = list(dict.fromkeys(r["impl"] for r in rows))
   colour = colours(impls)
-  def dims(r):  # (as decode.py's tables show them)
-    text = f"{r['D']}/{r['Dv']}" if "Dv" in r else f"{r['D']}"
-    return text + (" latent" if r.get("values_in_keys") else "")
+  dims = report.decode_dims
   panels = sorted({(r["T"], r["N"], r["K"], dims(r), r["layout"]) for r in rows})
   fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
   for ax, (t, n, k, d, layout) in zip(axes[:, 0], panels):

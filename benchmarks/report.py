@@ -151,6 +151,13 @@ def join(named: list[tuple[str, dict]]) -> dict:
   return dict(({"kind": kinds[0]} if kinds else {}), runs=joined_runs, rows=rows)
 
 
+def decode_dims(r: dict) -> str:
+  """A decoding row's head dims as tables and plots show them: "D", or "D/Dv" where V's
+  differs ("D/Dv latent": the values are the keys' first Dv features, one cache)."""
+  text = f"{r['D']}/{r['Dv']}" if "Dv" in r else f"{r['D']}"
+  return text + (" latent" if r.get("values_in_keys") else "")
+
+
 def _short_dtype(name: str) -> str:
   return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(name, name)
 

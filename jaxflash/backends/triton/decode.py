@@ -51,6 +51,7 @@ from jaxflash import masking
 from jaxflash import merge
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.triton import tiles
+from jaxflash.backends.triton import MAX_HEAD_DIM
 from jaxflash.backends.triton.config import Config, padded_head_dim
 from jaxflash.devices import Device
 
@@ -418,11 +419,9 @@ def all_resident(programs: int, sm_count: int, stages: int, block_k: int, hp: in
   return per_sm * buffer_bytes(stages, block_k, hp, itemsize) <= SMEM_PER_SM
 
 
-def buffer_bytes(stages: int, block_k: int, hp: int, itemsize: int,
-                 hvp: int | None = None) -> int:
-  """Shared memory of one program's pipeline: ``stages`` K blocks of [block_k, hp] and V blocks
-  of [block_k, hvp] (None: hp)."""
-  return stages * block_k * (hp + (hp if hvp is None else hvp)) * itemsize
+def buffer_bytes(stages: int, block_k: int, hp: int, itemsize: int) -> int:
+  """Shared memory of one program's pipeline: ``stages`` K and V blocks of [block_k, hp]."""
+  return stages * 2 * block_k * hp * itemsize
 
 
 WIDE_BLOCK_K = 32  # key blocks at wide heads: 68 KiB of K and V a stage at 576/512 in bf16
@@ -462,8 +461,7 @@ def wide_config(inputs: Inputs, training: Config, sm_count: int, page_size: int 
     if rows_for(inputs) >= 2 * WIDE_ROWS and (group_rows <= 2 * WIDE_ROWS
                                               or group_rows % (2 * WIDE_ROWS) == 0):
       row_block = 2 * WIDE_ROWS
-  rows = program_rows(inputs, DecodeConfig(splits=1, row_block=row_block))
-  groups = b * k * pl.cdiv(group_rows, rows)
+  groups = b * k * pl.cdiv(group_rows, row_block or program_rows(inputs))
   splits = used_splits(pl.cdiv(s, block_k), max(1, round(WIDE_PROGRAMS_PER_SM * sm_count
                                                           / groups)))
   return DecodeConfig(splits=splits, block_k=block_k, num_stages=2, grid_order=HEADS_FIRST,
@@ -529,12 +527,11 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, o_ref, lse_ref
   # (padding them in XLA cost a pass over the queries and up to 16x the partial outputs' bytes).
   row_io = None if rows_used == rows or row_blocks > 1 else row_ok
   key_cols = column_pieces(st.head_dim)
-  # Values in the keys (absorbed MLA's latent cache): V's pieces are column ranges of the key
-  # tiles, and a V piece that is a K piece already loaded is that tile (`reused_pieces`).
-  shared = params.values_in_keys
-  value_cols = column_ranges(st.value_dim) if shared else column_pieces(st.value_dim)
-  reuse = reused_pieces(st, key_cols, value_cols) if shared else [None] * len(value_cols)
-  values_ref = k_ref if shared else v_ref
+  # Values in the keys (absorbed MLA's latent cache): ``v_ref`` is the key cache, and a V piece
+  # that is a K piece already loaded is that tile (`reused_pieces`).
+  value_cols = column_pieces(st.value_dim)
+  reuse = (reused_pieces(st.head_dim, st.value_dim) if params.values_in_keys
+           else [None] * len(value_cols))
   qs = [[tiles.load(q_ref.at[i, :, cols], mask=tiles.tile_ok(row_io, ok), other=0.0)
          for cols, ok in key_cols] for i in head_ids]  # [rows, piece] each
   q_len, kv_len, diagonal = bounds_ref[0], bounds_ref[1], bounds_ref[3]
@@ -580,14 +577,13 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, o_ref, lse_ref
         p = jnp.exp2(s2 - m_shift[:, None])
         for c, (part, ok) in enumerate(value_cols):  # P V, a piece of the value's dim each
           v = loaded[reuse[c]] if reuse[c] is not None else tiles.load(
-              values_ref.at[index(i, part)], mask=tiles.tile_ok(key_ok, ok), other=0.0)
+              v_ref.at[index(i, part)], mask=tiles.tile_ok(key_ok, ok), other=0.0)
           accs[c] = accs[c] + plgpu.dot(p.astype(v.dtype), v)
         l = l + jnp.sum(p, axis=1)
       new.append((tuple(accs), m_new, l))
     return tuple(new)
 
-  init = tuple((tuple(jnp.zeros((rows, piece_width(part, st.value_dim_p)), jnp.float32)
-                      for part, _ in value_cols),
+  init = tuple((tuple(jnp.zeros((rows, part.size), jnp.float32) for part, _ in value_cols),
                 jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
                for _ in range(heads))
   results = lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
@@ -602,11 +598,9 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, o_ref, lse_ref
                 mask=row_io)
 
 
-# The widest head dim the kernel loads and multiplies as one tile (the training kernels' limit:
-# `jaxflash.backends.triton.MAX_HEAD_DIM`). Wider ones go in column pieces (`column_pieces`).
-MAX_PIECE = 256
-
-
+# The widest head dim the kernel loads and multiplies as one tile: the training kernels' limit.
+# Wider ones go in column pieces (`column_pieces`).
+MAX_PIECE = MAX_HEAD_DIM
 WIDEST_PIECE = 512  # (a [16, 512] float32 accumulator: 64 registers a thread of 4 warps)
 
 
@@ -625,47 +619,30 @@ def piece_widths(dim: int) -> tuple[int, ...]:
 
 
 def column_pieces(dim: int) -> list:
-  """``(index, col_ok)`` for each column piece of a head dim (`piece_widths`): the index of its
-  columns in a tile padded to the dim's power of two, and its columns' in-bounds flags (None:
-  all in bounds). One piece is the whole padded tile."""
-  widths = piece_widths(dim)
-  if len(widths) == 1:
-    return [(slice(None), None if dim == widths[0] else jnp.arange(widths[0]) < dim)]
-  starts = [sum(widths[:c]) for c in range(len(widths))]
-  return [(pl.ds(start, width), None) for start, width in zip(starts, widths)]
-
-
-def column_ranges(dim: int) -> list:
-  """`column_pieces` of a head dim as explicit column ranges from 0, for values read from the
-  key tiles (whose tile is wider where the keys' head dim is)."""
-  starts = 0
-  pieces = []
+  """``(columns, col_ok)`` for each column piece of a head dim (`piece_widths`): its columns
+  from 0 (a `pl.ds`, inside the dim's padded tile and inside any wider one: values read from
+  the key tiles take their columns so) and their in-bounds flags (None: all in bounds; only a
+  dim padded to a power of two has columns out of bounds)."""
+  pieces, start = [], 0
   for width in piece_widths(dim):
-    pieces.append((pl.ds(starts, width), None if starts + width <= dim else
-                   jnp.arange(width) < dim - starts))
-    starts += width
+    pieces.append((pl.ds(start, width),
+                   None if start + width <= dim else jnp.arange(width) < dim - start))
+    start += width
   return pieces
 
 
-def reused_pieces(st: tiles.Static, key_cols: list, value_cols: list) -> list:
-  """For each value piece read from the key tiles (`column_ranges`), the index of the key piece
-  (`column_pieces`) that is the same tile, or None: at 576/512 V's one piece is K's first
-  (512 + 64), so each key block is loaded once for both products."""
-  def span(index, padded):
-    return (0, padded) if isinstance(index, slice) else (index.start, index.size)
-  keys = [(span(part, st.head_dim_p), ok is None) for part, ok in key_cols]
+def reused_pieces(head_dim: int, value_dim: int) -> list:
+  """For each piece of the value's dim read from the key tiles (`column_pieces`), the index of
+  the key piece that is the same tile, or None: the same columns, all in bounds on both sides
+  (or the same dim). At 576/512 V's one piece is K's first (512 + 64), so each key block is
+  loaded once for both products."""
+  keys = [(part.start, part.size) for part, _ in column_pieces(head_dim)]
   reuse = []
-  for part, ok in value_cols:
-    found = [c for c, (key_span, whole) in enumerate(keys)
-             if key_span == span(part, st.value_dim_p)
-             and ((whole and ok is None) or st.value_dim == st.head_dim)]
-    reuse.append(found[0] if found else None)
+  for part, _ in column_pieces(value_dim):
+    span = (part.start, part.size)
+    same = span in keys and (head_dim == value_dim or sum(span) <= min(head_dim, value_dim))
+    reuse.append(keys.index(span) if same else None)
   return reuse
-
-
-def piece_width(index, padded: int) -> int:
-  """The width of a column piece's ``index`` (`column_pieces`) in a tile ``padded`` wide."""
-  return padded if isinstance(index, slice) else index.size
 
 
 def split_range(split, splits: int, first, last):
