@@ -43,6 +43,12 @@ VARIANTS = {
                                         q_buffers=2),
     "kv64_overlap_persistent_q2": dict(block_kv=64, intra_wg_overlap=True, persistent_ctas=132,
                                        q_buffers=2),
+    # O through the Q tiles' memory (`Config.o_in_q`), where V's head dim is below Q's: at
+    # 192/128 the room it frees takes 128-key tiles, or a deeper ring of 64-key ones.
+    "kv128_o_in_q": dict(block_kv=128, o_in_q=True),
+    "kv128_overlap_o_in_q": dict(block_kv=128, intra_wg_overlap=True, o_in_q=True),
+    "kv64_overlap_stages4_o_in_q": dict(block_kv=64, intra_wg_overlap=True, num_stages=4,
+                                        o_in_q=True),
 }
 
 

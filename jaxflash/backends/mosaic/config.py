@@ -156,6 +156,11 @@ class Config:
   # P V and runs block j's softmax while that P V is in flight. It holds two P tiles and S in
   # registers next to O, so it needs smaller key tiles at large head dims.
   intra_wg_overlap: bool = False
+  # Where V's head dim is below Q's (MLA's 192/128), O goes out through the memory of the Q
+  # tiles, seen as O-wide tiles (`o_view_rows`), instead of through O tiles of their own: 32 KiB
+  # less shared memory, which makes room for 128-key tiles at 192/128 (FlashAttention-3 reuses
+  # V's memory for O the same way). Not run on a GPU yet, so no tuned config sets it.
+  o_in_q: bool = False
   # The Mosaic backward's tiles; None runs the Triton backward (with ``triton``'s tiles), as do
   # calls the Mosaic backward does not serve (`backward.unsupported`).
   backward: Backward | None = Backward()
@@ -183,20 +188,36 @@ def padded_head_dim(head_dim: int) -> int:
   return -(-head_dim // 64) * 64
 
 
+def o_view_rows(config: Config, hp: int, hvp: int, partial: bool = False,
+                itemsize: int = 2) -> int | None:
+  """Rows of the view through which a consumer's O [block_q, hvp] leaves by the memory of its
+  Q tile [block_q, hp] (padded head dims): that tile's bytes as whole 8-row tiles of O's width,
+  so that each consumer's view starts where its Q tile does and O is its first ``block_q``
+  rows. ``block_q`` where the two widths are equal. None where O needs tiles of its own: a
+  partial result (float32), a persistent CTA (its Q tile loads the next item meanwhile), an FP8
+  call (its Q tiles are too narrow for a 16-bit O), a V head dim above Q's, or one below it
+  without ``config.o_in_q`` or whose O rows do not tile Q's bytes (256 / 192)."""
+  if partial or itemsize == 1 or config.persistent_ctas is not None or hvp > hp:
+    return None
+  if hvp == hp:
+    return config.block_q
+  rows, rest = divmod(config.block_q * hp, hvp)
+  return rows if config.o_in_q and not rest and rows % 8 == 0 else None
+
+
 def smem_bytes(config: Config, head_dim: int, partial: bool = False,
                value_dim: int | None = None, itemsize: int = 2) -> int:
-  """Shared memory of one CTA: two Q tiles per buffer, the K and V rings, the LSE rows, and two
-  O tiles of their own for a partial result (float32), a persistent CTA (16-bit), an FP8 call
-  (``itemsize`` 1: its Q tiles are too narrow for a 16-bit O) or a value head dim
-  ``value_dim`` (V's and O's; None: ``head_dim``) unlike the query's; otherwise a 16-bit O goes
-  out through the Q tiles."""
+  """Shared memory of one CTA: two Q tiles per buffer, the K and V rings, the LSE rows, and,
+  where O cannot leave through the Q tiles' memory (`o_view_rows`), two O tiles of their own
+  (float32 for a partial result). ``value_dim``: V's and O's head dim (None: ``head_dim``);
+  ``itemsize`` 1: an FP8 call."""
   hp = padded_head_dim(head_dim)
   if itemsize == 1 and hp > 64:  # FP8 rows are whole 128-byte swizzled rows
     hp = -(-head_dim // 128) * 128
   hvp = hp if value_dim is None else padded_head_dim(value_dim)
   tiles = itemsize * (2 * config.q_buffers * config.block_q * hp
                       + config.num_stages * config.block_kv * (hp + hvp))
-  own_o = config.persistent_ctas is not None or hvp != hp or itemsize == 1
+  own_o = o_view_rows(config, hp, hvp, partial, itemsize) is None
   o_bytes = 4 if partial else 2 if own_o else 0
   return tiles + 8 * 64 + o_bytes * 2 * config.block_q * hvp
 
@@ -271,7 +292,9 @@ def fits(config: Config, head_dim: int, partial: bool = False,
 # - D = 192 with a value head dim of 128 (MLA), causal (2026-11-24, benchmarks/dev/
 #   forward_tiles.py): 128-key tiles do not fit in shared memory beside O's own tiles; 64-key
 #   tiles with the overlap ran 547 against 531 TFLOP/s without it at B = 1, 8k, 128 heads (552 at
-#   B = 4, 4k, 16 heads); persistent CTAs 467.
+#   B = 4, 4k, 16 heads); persistent CTAs 467. With O through the Q tiles' memory (`o_in_q`,
+#   2026-11-28) 128-key tiles fit; forward_tiles.py's ``*_o_in_q`` variants are still to be
+#   measured (FlashAttention-3 runs 128 x 128 tiles at 192/128).
 TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(block_kv=256, persistent_ctas=True),
     (64, True): dict(persistent_ctas=True, q_buffers=2),
