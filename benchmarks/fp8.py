@@ -86,6 +86,11 @@ CONFIGS = {
     "kv64": dict(block_kv=64),
     "kv256_persistent": dict(block_kv=256, persistent_ctas=132),
     "kv256_overlap": dict(block_kv=256, intra_wg_overlap=True),
+    # Part of each block's exponentials on the FMA units (`Config.exp2_poly_cols`).
+    "kv256_poly32": dict(block_kv=256, exp2_poly_cols=32),
+    "kv256_poly64": dict(block_kv=256, exp2_poly_cols=64),
+    "kv256_poly96": dict(block_kv=256, exp2_poly_cols=96),
+    "kv128_poly32": dict(block_kv=128, exp2_poly_cols=32),
 }
 
 

@@ -242,17 +242,21 @@ def test_mosaic_fp8_matches_the_reference_on_gpu():
     assert rel_err(out, want) <= 0.05
 
 
-@pytest.mark.parametrize("block_size,overlap", [(None, False), (1, True)])
-def test_mosaic_fp8_kernel(block_size, overlap):
+@pytest.mark.parametrize("block_size,overlap,poly_cols", [(None, False, 0), (1, True, 0),
+                                                        (None, False, 32)])
+def test_mosaic_fp8_kernel(block_size, overlap, poly_cols):
   """The Mosaic FP8 forward (Mosaic GPU's interpreter on a CPU) against the XLA one on the same
   FP8 inputs: only P's rounding to e4m3 differs. Per-head and per-token descales, GQA, odd
-  lengths and a window."""
+  lengths and a window; and half of each block's exponentials by the polynomial
+  (`Config.exp2_poly_cols`)."""
   from jaxflash.attention import attention_with_config
   from jaxflash.backends import mosaic
   q, kk, v, _ = random_qkv(5, 1, 150, 200, 2, 1, 64)
   (q8, k8, v8), descales = _quantized(q, kk, v, block_size=block_size)
   options = dict(is_causal=True, local_window_size=(90, 0), **descales)
   config = None if ON_GPU else mosaic.Config(block_kv=64, intra_wg_overlap=overlap)
+  if poly_cols:  # (on a GPU on the FP8 tuned tiles' width)
+    config = mosaic.Config(block_kv=256 if ON_GPU else 64, exp2_poly_cols=poly_cols)
   out = attention_with_config(q8, k8, v8, config=config, implementation="mosaic",
                               interpret=not ON_GPU, **options)
   assert out.dtype == jnp.bfloat16

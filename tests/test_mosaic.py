@@ -177,6 +177,8 @@ def test_configs_are_checked():
       (lambda: mosaic.Config(persistent_ctas=0), "persistent_ctas"),
       (lambda: mosaic.Config(persistent_ctas=True), "persistent_ctas"),  # (one CTA, silently)
       (lambda: mosaic.Config(q_buffers=2), "q_buffers"),  # only a persistent grid has a next item
+      (lambda: mosaic.Config(exp2_poly_cols=12), "exp2_poly_cols"),  # whole 8-column groups
+      (lambda: mosaic.Config(block_kv=64, exp2_poly_cols=128), "exp2_poly_cols"),
       (lambda: mosaic.Backward(dkv_block_q=96), "dkv_block_q"),
       (lambda: mosaic.Backward(dv_stages=0), "dv_stages"),
       (lambda: mosaic.Backward(registers=236), "registers")]:
@@ -264,6 +266,20 @@ def test_tile_variants_lower(block_kv, stages, heavy_first, ctas, overlap, causa
   config = mosaic.Config(block_kv=block_kv, num_stages=stages, heavy_first=heavy_first,
                          persistent_ctas=ctas, intra_wg_overlap=overlap)
   assert "mosaic_gpu" in _lower(_forward(config, is_causal=causal), q, q, q)
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("h,dtype,fields", [
+    (64, BF16, dict(block_kv=128, exp2_poly_cols=32)),
+    (64, BF16, dict(block_kv=64, exp2_poly_cols=64)),
+    (128, BF16, dict(block_kv=128, intra_wg_overlap=True, exp2_poly_cols=16)),
+    (128, jnp.float8_e4m3fn, dict(block_kv=256, exp2_poly_cols=64))])
+def test_exp2_polynomial_lowers(h, dtype, fields):
+  """The forward with part (or all) of each block's exponentials by the polynomial lowers for
+  CUDA: column slices and a concatenation of the wgmma layout, bitcasts and shifts."""
+  q = jax.ShapeDtypeStruct((2, 300, 8, h), dtype)
+  text = _lower(_forward(mosaic.Config(**fields), is_causal=True), q, q, q)
+  assert text.count("custom_call @mosaic_gpu") == 1
 
 
 @needs_cuda_plugin
@@ -1079,6 +1095,41 @@ OVERLAP = dataclasses.replace(SMALL_CONFIGS["mosaic"], intra_wg_overlap=True)
 def test_intra_warpgroup_overlap(option, config):
   """Forward, LSE and gradients with the overlap, including rows and tiles that see no key."""
   b, t, s, n, k, h = (3, 300, 333, 4, 2, 128) if ON_GPU else (2, 200, 133, 2, 1, 64)
+  make = _short_rows if option == "short_rows" else OPTIONS[option]
+  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config,
+        **make(b, t, s, n, 0))
+
+
+def test_exp2_polynomial():
+  """2**z to a relative 7.5e-5 from -125 to 0 (and past 0, where rounding leaves a logit less
+  its row max), 0 below -125 and at -inf, NaN as NaN; eagerly and jitted as the interpreter
+  runs it (XLA folds (x + c) - c unless the sum goes through a barrier); and a tile whose first
+  columns take it while the rest take exp2."""
+  from jaxflash.backends.mosaic import forward
+  z = jnp.concatenate([jnp.linspace(-125.0, 1e-3, 100_001, dtype=jnp.float32),
+                       jnp.array([-0.5, 0.5, -124.5, -3.5, -2.5], jnp.float32)])
+  want = np.exp2(np.asarray(z, np.float64))
+  jitted = jax.jit(functools.partial(forward.exp2_polynomial, interpret=True))
+  for got in (forward.exp2_polynomial(z), jitted(z)):
+    assert np.max(np.abs(np.asarray(got, np.float64) / want - 1.0)) <= 7.6e-5
+  edges = jnp.array([-125.5, -126.0, -1e4, -jnp.inf, jnp.nan], jnp.float32)
+  got = np.asarray(forward.exp2_polynomial(edges))
+  np.testing.assert_array_equal(got[:4], 0.0)
+  assert np.isnan(got[4])
+  tile = jax.random.uniform(jax.random.key(3), (64, 128), jnp.float32, -30.0, 0.0)
+  mixed = np.asarray(forward.exp2_mixed(tile, 32))
+  np.testing.assert_array_equal(mixed[:, 32:], np.asarray(jnp.exp2(tile[:, 32:])))
+  np.testing.assert_allclose(mixed[:, :32], np.exp2(np.asarray(tile[:, :32], np.float64)),
+                             rtol=7.6e-5)
+
+
+@pytest.mark.parametrize("option,poly_cols", [("causal_window", 32), ("short_rows", 64)])
+def test_exp2_polynomial_forward(option, poly_cols):
+  """Forward, LSE and gradients with half, or all, of each block's exponentials on the FMA
+  units (`Config.exp2_poly_cols`), with masked entries, rows that see no key and tiles of
+  padding rows (which must stay exactly 0 there)."""
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], exp2_poly_cols=poly_cols)
+  b, t, s, n, k, h = (3, 300, 333, 4, 2, 64) if ON_GPU else (2, 200, 133, 2, 1, 64)
   make = _short_rows if option == "short_rows" else OPTIONS[option]
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config,
         **make(b, t, s, n, 0))

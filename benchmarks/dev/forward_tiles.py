@@ -49,6 +49,17 @@ VARIANTS = {
     "kv128_overlap_o_in_q": dict(block_kv=128, intra_wg_overlap=True, o_in_q=True),
     "kv64_overlap_stages4_o_in_q": dict(block_kv=64, intra_wg_overlap=True, num_stages=4,
                                         o_in_q=True),
+    # Part of each block's exponentials by the polynomial on the FMA units
+    # (`Config.exp2_poly_cols`): the D = 64 tiles (`TUNED`'s) and D = 128's with the overlap,
+    # next to the same tiles without it.
+    "kv256_persistent": dict(block_kv=256, persistent_ctas=132),
+    "kv128_persistent_q2": dict(block_kv=128, persistent_ctas=132, q_buffers=2),
+    "kv256_persistent_poly32": dict(block_kv=256, persistent_ctas=132, exp2_poly_cols=32),
+    "kv256_persistent_poly64": dict(block_kv=256, persistent_ctas=132, exp2_poly_cols=64),
+    "kv128_persistent_q2_poly16": dict(block_kv=128, persistent_ctas=132, q_buffers=2,
+                                       exp2_poly_cols=16),
+    "kv128_overlap_poly16": dict(block_kv=128, intra_wg_overlap=True, exp2_poly_cols=16),
+    "kv128_overlap_poly32": dict(block_kv=128, intra_wg_overlap=True, exp2_poly_cols=32),
 }
 
 

@@ -161,6 +161,12 @@ class Config:
   # less shared memory, which makes room for 128-key tiles at 192/128 (FlashAttention-3 reuses
   # V's memory for O the same way). Not run on a GPU yet, so no tuned config sets it.
   o_in_q: bool = False
+  # Key columns of each block (a multiple of 8, from the first) whose exponentials the forward
+  # computes by a polynomial on the FMA units (`forward.exp2_polynomial`) instead of the SM's
+  # 16-a-clock exp units, which the softmax of an FP8 or a D = 64 block keeps as busy as the
+  # tensor cores (FlashAttention-4 shares its exponentials out the same way). 0: all on the
+  # exp units. Not run on a GPU yet, so no tuned config sets it.
+  exp2_poly_cols: int = 0
   # The Mosaic backward's tiles; None runs the Triton backward (with ``triton``'s tiles), as do
   # calls the Mosaic backward does not serve (`backward.unsupported`).
   backward: Backward | None = Backward()
@@ -178,6 +184,9 @@ class Config:
                                              or self.persistent_ctas < 1):
       raise ValueError(f"persistent_ctas must be None or a positive CTA count (e.g. the SM "
                        f"count), got {self.persistent_ctas!r}")
+    if self.exp2_poly_cols % 8 or not 0 <= self.exp2_poly_cols <= self.block_kv:
+      raise ValueError(f"exp2_poly_cols must be a multiple of 8 from 0 to block_kv "
+                       f"({self.block_kv}), got {self.exp2_poly_cols}")
     if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and self.persistent_ctas is None):
       raise ValueError("q_buffers must be 1, or 2 on a persistent grid (persistent_ctas), got "
                        f"{self.q_buffers}")
