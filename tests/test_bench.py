@@ -7,6 +7,8 @@ results' shape."""
 import io
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -612,6 +614,26 @@ def test_fp8_profile_smoke(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["fp8_profile.py", "--s", "64", "--d", "64", "--dtype",
                                       dtype, "--causal"])
     fp8_profile.main()
+
+
+@pytest.mark.usefixtures("cuda_plugin")
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs the CUDA toolkit's ptxas")
+def test_ptxas_probe_compiles_ahead_of_time(tmp_path):
+  """benchmarks/dev/ptxas_probe.py with no GPU: XLA compiles for a compile-only H100 and Mosaic
+  GPU runs ptxas on its PTX. The forward tiles it reports on (the shipped D = 128 causal ones,
+  MLA's 128-key tiles with O through the Q tiles' memory, FP8 with polynomial exponentials)
+  spill nothing: a forward that spilled would lose its speed without failing any other test."""
+  configs = ["d128_overlap", "mla_kv128_overlap_o_in_q", "fp8_d128_kv256_poly64"]
+  run = subprocess.run(
+      [sys.executable, str(BENCHMARKS / "dev" / "ptxas_probe.py"), "--aot", "--out",
+       str(tmp_path / "out"), "--dumps", str(tmp_path / "dumps"), "--configs", *configs],
+      capture_output=True, text=True, timeout=900,
+      env=dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent)))
+  summary = (tmp_path / "out" / "summary.txt").read_text()
+  head = summary.split("\n\n")[0]
+  assert run.returncode == 0 and head.count(": ok") == len(configs), run.stderr[-2000:]
+  assert head.count("jaxflash_mosaic_forward: ") == len(configs), head
+  assert head.count("spills (stores/loads) 0/0") == len(configs), head
 
 
 def test_forward_tiles_smoke():

@@ -1,11 +1,17 @@
-"""What ptxas makes of the Mosaic GPU forward (run on a GPU machine): per config, the registers,
-spills and stack frame, and ptxas's warnings and notes (a serialised wgmma shows there as
-C7513). Each config compiles in its own process with Mosaic GPU's dump variables pointing at
-``--dumps``/<name>; ``--out`` receives ``summary.txt`` (the summary, then each config's ptxas
-report) and a ``<name>.ptx`` for each config named in ``--ptx``: few files, as the device tool
-returns at most eight. (Mosaic GPU wrote no SASS on the H200 machine: it has no disassembler.)
+"""What ptxas makes of the Mosaic GPU kernels: per config, each kernel's registers, spills and
+stack frame, and ptxas's warnings and notes (a serialised wgmma shows there as C7513).
 
-  python3 benchmarks/dev/ptxas_probe.py --out /tmp/probe --ptx d128_overlap
+It runs on any machine with the CUDA plugin and the CUDA toolkit's ``ptxas`` on PATH. Where no
+GPU is attached (``--aot``, the default where ``nvidia-smi`` is missing) each config is compiled
+ahead of time for a compile-only H100 (`aot_mesh`: XLA's deviceless compilation from a target
+config), and Mosaic GPU runs the same pipeline to PTX and the same ptxas as on the GPU machine;
+ptxas targets sm_90a either way, so an H200's numbers are the same. On a GPU machine each config
+is compiled and run once. Each config compiles in its own process with Mosaic GPU's dump
+variables pointing at ``--dumps``/<name>; ``--out`` receives ``summary.txt`` (the summary, then
+each config's ptxas report), a ``<name>.ptx`` for each config named in ``--ptx`` and a
+``<name>.sass`` for each named in ``--sass`` (where ``nvdisasm`` is on PATH):
+
+  python3 benchmarks/dev/ptxas_probe.py --out /tmp/probe --configs mla_kv128_o_in_q --ptx ...
 """
 
 from __future__ import annotations
@@ -13,114 +19,210 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
-# name -> (head dim, causal, Config keyword arguments)
+
+class Probe(NamedTuple):
+  head_dim: int
+  causal: bool
+  fields: dict  # mosaic.Config's (``backward``: mosaic.Backward's, as a dict)
+  value_dim: int | None = None  # V's head dim, where not the query's
+
+
+# name -> Probe. Names starting ``fp8_`` take e4m3 inputs (no descales); names starting ``bwd_``
+# compile the gradient (the forward, dQ and dK/dV kernels), the others the forward alone.
 CONFIGS = {
-    "d128": (128, False, {}),
-    "d128_overlap": (128, False, dict(intra_wg_overlap=True)),
-    "d128_persistent": (128, False, dict(persistent_ctas=132)),
-    "d128_overlap_persistent": (128, False, dict(intra_wg_overlap=True, persistent_ctas=132)),
-    "d256_kv64": (256, False, dict(block_kv=64)),
-    "d256_kv64_overlap": (256, False, dict(block_kv=64, intra_wg_overlap=True)),
-    "d64": (64, False, {}),
-    # The FP8 forward (``fp8_`` names: e4m3 inputs, no descales).
-    "fp8_d128_kv128": (128, False, dict(block_kv=128)),
-    "fp8_d128_kv256": (128, False, dict(block_kv=256)),
-    "fp8_d128_kv128_overlap": (128, False, dict(block_kv=128, intra_wg_overlap=True)),
-    "fp8_d256_kv64_overlap": (256, False, dict(block_kv=64, intra_wg_overlap=True)),
-    "d64_overlap": (64, False, dict(intra_wg_overlap=True)),
-    # The backward (``bwd_`` names compile the gradient: the forward, dQ and dK/dV kernels).
-    "bwd_d64": (64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128))),
-    "bwd_d128": (128, True, {}),
-    "bwd_d128_q128": (128, True, dict(backward=dict(dkv_block_q=128))),
-    "bwd_d128_kv128": (128, True, dict(backward=dict(dq_block_kv=128))),
-    "bwd_d128_r240": (128, True, dict(backward=dict(registers=240))),
-    "bwd_d128_full": (128, False, {}),
-    # dQ from the dK/dV kernel (`Backward.one_pass`, experimental). These compile and then run
-    # once: with one_pass they can hang on the GPU (see backward._DqPart).
-    "bwd_d64_one_pass": (64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128,
-                                                      one_pass=True))),
-    "bwd_d128_one_pass": (128, True, dict(backward=dict(one_pass=True))),
-    "bwd_d128_one_pass_r240": (128, True, dict(backward=dict(one_pass=True, registers=240))),
+    "d128": Probe(128, False, {}),
+    "d128_overlap": Probe(128, False, dict(intra_wg_overlap=True)),
+    "d128_persistent": Probe(128, False, dict(persistent_ctas=132)),
+    "d128_overlap_persistent": Probe(128, False, dict(intra_wg_overlap=True,
+                                                      persistent_ctas=132)),
+    "d256_kv64": Probe(256, False, dict(block_kv=64)),
+    "d256_kv64_overlap": Probe(256, False, dict(block_kv=64, intra_wg_overlap=True)),
+    "d64": Probe(64, False, {}),
+    "d64_overlap": Probe(64, False, dict(intra_wg_overlap=True)),
+    "d64_kv256_persistent": Probe(64, False, dict(block_kv=256, persistent_ctas=132)),
+    # Part of each block's exponentials by the polynomial (`Config.exp2_poly_cols`).
+    "d64_kv256_persistent_poly32": Probe(64, False, dict(block_kv=256, persistent_ctas=132,
+                                                         exp2_poly_cols=32)),
+    "d64_kv256_persistent_poly64": Probe(64, False, dict(block_kv=256, persistent_ctas=132,
+                                                         exp2_poly_cols=64)),
+    "d128_overlap_poly16": Probe(128, True, dict(intra_wg_overlap=True, exp2_poly_cols=16)),
+    # MLA's 192/128 forward: the shipped 64-key tiles, and 128-key ones with O through the Q
+    # tiles' memory (`Config.o_in_q`).
+    "mla_kv64_overlap": Probe(192, True, dict(block_kv=64, intra_wg_overlap=True), 128),
+    "mla_kv128_o_in_q": Probe(192, True, dict(block_kv=128, o_in_q=True), 128),
+    "mla_kv128_overlap_o_in_q": Probe(192, True, dict(block_kv=128, intra_wg_overlap=True,
+                                                      o_in_q=True), 128),
+    # The FP8 forward.
+    "fp8_d128_kv128": Probe(128, False, dict(block_kv=128)),
+    "fp8_d128_kv256": Probe(128, False, dict(block_kv=256)),
+    "fp8_d128_kv128_overlap": Probe(128, False, dict(block_kv=128, intra_wg_overlap=True)),
+    "fp8_d128_kv256_poly32": Probe(128, False, dict(block_kv=256, exp2_poly_cols=32)),
+    "fp8_d128_kv256_poly64": Probe(128, False, dict(block_kv=256, exp2_poly_cols=64)),
+    "fp8_d256_kv64_overlap": Probe(256, False, dict(block_kv=64, intra_wg_overlap=True)),
+    # The backward.
+    "bwd_d64": Probe(64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128))),
+    "bwd_d128": Probe(128, True, {}),
+    "bwd_d128_q128": Probe(128, True, dict(backward=dict(dkv_block_q=128))),
+    "bwd_d128_kv128": Probe(128, True, dict(backward=dict(dq_block_kv=128))),
+    "bwd_d128_r240": Probe(128, True, dict(backward=dict(registers=240))),
+    "bwd_d128_full": Probe(128, False, {}),
+    # dQ from the dK/dV kernel (`Backward.one_pass`): on a GPU these compile and then run once,
+    # and the one pass can hang there (see backward._DqPart).
+    "bwd_d64_one_pass": Probe(64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128,
+                                                           one_pass=True))),
+    "bwd_d128_one_pass": Probe(128, True, dict(backward=dict(one_pass=True))),
+    "bwd_d128_one_pass_r240": Probe(128, True, dict(backward=dict(one_pass=True,
+                                                                  registers=240))),
     # Head dims above 128: dK/dV in two passes; at 256, 32-row streamed tiles, with a 64-row dV
     # pass or 240 consumer registers.
-    "bwd_d192": (192, True, dict(block_kv=64)),
-    "bwd_d256": (256, True, dict(block_kv=64, backward=dict(dkv_block_q=32, dq_block_kv=32))),
-    "bwd_d256_dv64": (256, True, dict(block_kv=64, backward=dict(
+    "bwd_d192": Probe(192, True, dict(block_kv=64)),
+    "bwd_d256": Probe(256, True, dict(block_kv=64, backward=dict(dkv_block_q=32,
+                                                                 dq_block_kv=32))),
+    "bwd_d256_dv64": Probe(256, True, dict(block_kv=64, backward=dict(
         dkv_block_q=32, dq_block_kv=32, dv_block_q=64))),
-    "bwd_d256_r240": (256, True, dict(block_kv=64, backward=dict(
+    "bwd_d256_r240": Probe(256, True, dict(block_kv=64, backward=dict(
         dkv_block_q=32, dq_block_kv=32, registers=240))),
+    # MLA's 192/128 backward: the shipped one pass on 32-row query tiles with 240 registers.
+    "bwd_mla": Probe(192, True, dict(block_kv=64, backward=dict(
+        split_dkv=False, dkv_block_q=32, registers=240)), 128),
 }
 
+# A compile-only H100 for deviceless compilation: XLA's GPU target config (the device's
+# properties as XLA's `GpuTargetConfigProto` holds them, in its text format).
+H100_TARGET = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 84978434048 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 minor: 0 } registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 19 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
 
-def compile_one(name: str) -> None:
+
+def aot_mesh():
+  """A one-device mesh of a compile-only H100 (no GPU needed: the CUDA plugin compiles for it
+  from `H100_TARGET`)."""
+  from jax.experimental import topologies
+  topology = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                          target_config=H100_TARGET)
+  return topologies.make_mesh(topology, (1,), ("x",))
+
+
+def compile_one(name: str, aot: bool) -> None:
   import jax
   import jax.numpy as jnp
   from jaxflash.attention import attention_with_config
   from jaxflash.backends import mosaic
 
-  d, causal, kwargs = CONFIGS[name]
-  if "backward" in kwargs:
-    kwargs = dict(kwargs, backward=mosaic.config.Backward(**kwargs["backward"]))
-  config = mosaic.Config(**kwargs)
-  q = jax.random.normal(jax.random.key(0), (2, 2048, 8, d), jnp.bfloat16)
-  if name.startswith("fp8_"):
-    q = q.astype(jnp.float8_e4m3fn)
+  probe = CONFIGS[name]
+  fields = dict(probe.fields)
+  if "backward" in fields:
+    fields["backward"] = mosaic.config.Backward(**fields["backward"])
+  config = mosaic.Config(**fields)
+  dtype = jnp.float8_e4m3fn if name.startswith("fp8_") else jnp.bfloat16
+  sharding = None
+  if aot:
+    from jax.sharding import NamedSharding, PartitionSpec
+    sharding = NamedSharding(aot_mesh(), PartitionSpec())
+  q = jax.ShapeDtypeStruct((2, 2048, 8, probe.head_dim), dtype, sharding=sharding)
+  v = jax.ShapeDtypeStruct((2, 2048, 8, probe.value_dim or probe.head_dim), dtype,
+                           sharding=sharding)
 
-  def attend(q):
-    return attention_with_config(q, q, q, is_causal=causal, config=config,
+  def attend(q, k, v):
+    return attention_with_config(q, k, v, is_causal=probe.causal, config=config,
                                  implementation="mosaic")
 
+  fn = attend
   if name.startswith("bwd_"):
-    out = jax.jit(jax.grad(lambda q: jnp.sum(attend(q).astype(jnp.float32))))(q)
+    fn = jax.grad(lambda *x: jnp.sum(attend(*x).astype(jnp.float32)), argnums=(0, 1, 2))
+  if aot:
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
+                                         num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (),
+                                                                  abstract_device=device)):
+      lowered = jax.jit(fn).trace(q, q, v).lower(lowering_platforms=("cuda",))
+    lowered.compile()
   else:
-    out = jax.jit(attend)(q)
-  out.block_until_ready()
+    args = [jax.random.normal(jax.random.key(i), x.shape, jnp.float32).astype(x.dtype)
+            for i, x in enumerate((q, q, v))]
+    jax.block_until_ready(jax.jit(fn)(*args))
 
 
 def summarise(report: str) -> str:
-  regs = sorted(set(re.findall(r"Used (\d+) registers", report)))
-  spills = sorted(set(re.findall(r"(\d+ bytes spill stores, \d+ bytes spill loads)", report)))
-  stack = sorted(set(re.findall(r"(\d+) bytes stack frame", report)))
+  """Registers, stack frames and spills per kernel, and ptxas's notes."""
+  kernels = re.split(r"Compiling entry function '", report)[1:]
+  lines = []
+  for kernel in kernels:
+    name = kernel.split("'", 1)[0].replace("_mosaic_gpu_kernel", "")
+    regs = re.findall(r"Used (\d+) registers", kernel)
+    stack = re.findall(r"(\d+) bytes stack frame", kernel)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", kernel)
+    spill = "/".join(spills[0]) if spills else "?"
+    lines.append(f"{name}: {regs[0] if regs else '?'} registers, stack "
+                 f"{stack[0] if stack else '?'}, spills (stores/loads) {spill}")
   notes = sorted(set(re.findall(r"(?i)((?:warning|performance|C75\d\d)[^\n]*)", report)))
-  return (f"registers {regs} stack {stack} spills {spills}\n    "
-          + "\n    ".join(note[:300] for note in notes[:8]))
+  return "\n    ".join(lines + [note[:300] for note in notes[:8]])
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", required=True)
   parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: compile this config
-  parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+  parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
   parser.add_argument("--dumps", default="/tmp/ptxas_probe_dumps")
   parser.add_argument("--ptx", nargs="*", default=[], help="configs whose PTX to keep")
+  parser.add_argument("--sass", nargs="*", default=[],
+                      help="configs whose SASS to keep (needs nvdisasm on PATH)")
+  parser.add_argument("--aot", action=argparse.BooleanOptionalAction,
+                      default=shutil.which("nvidia-smi") is None,
+                      help="compile for a compile-only H100 (default where no GPU is attached)")
   args = parser.parse_args()
   if args.one:
-    compile_one(args.one)
+    compile_one(args.one, args.aot)
     return
   lines, reports = [], []
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   for name in args.configs:
     folder = Path(args.dumps) / name
-    folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
     env = dict(os.environ, MOSAIC_GPU_DUMP_TO=str(folder), MOSAIC_GPU_DUMP_PTXAS="1",
                MOSAIC_GPU_DUMP_PTX="1")
-    run = subprocess.run([sys.executable, __file__, "--out", args.out, "--one", name], env=env,
-                         capture_output=True, text=True, timeout=300)
+    if name in args.sass:
+      env["MOSAIC_GPU_DUMP_SASS"] = "1"
+    if args.aot:
+      env["JAX_PLATFORMS"] = "cpu"  # (the CUDA plugin still compiles for the target)
+    run = subprocess.run([sys.executable, __file__, "--out", args.out, "--one", name,
+                          "--aot" if args.aot else "--no-aot"], env=env,
+                         capture_output=True, text=True, timeout=600)
     log = run.stdout + run.stderr
     errors = [line for line in log.splitlines() if "Error" in line]
     report = "".join(p.read_text(errors="replace") for p in sorted(folder.glob("*.ptxas")))
+    for log_file in folder.glob("*.mlir-passes.log"):  # (Mosaic GPU's pass log: 40-120 MB)
+      log_file.unlink()
     status = "ok" if run.returncode == 0 else f"FAILED ({errors[-1:]})"
     lines.append(f"{name}: {status}\n    {summarise(report)}")
     print(lines[-1], flush=True)
     reports.append(f"==== {name}\n{report}")
-    if name in args.ptx:
-      for p in folder.glob("*.ptx"):
-        (out / f"{name}.ptx").write_text(p.read_text(errors="replace"))
+    for kind, wanted in (("ptx", args.ptx), ("sass", args.sass)):
+      if name in wanted:
+        # (Mosaic GPU writes SASS with its control codes as *.sass_ctrl.)
+        text = "".join(p.read_text(errors="replace")
+                       for p in sorted(folder.glob(f"*.{kind}*")))
+        (out / f"{name}.{kind}").write_text(text)
   summary = "\n".join(["== ptxas summary =="] + lines)
   (out / "summary.txt").write_text(summary + "\n\n" + "\n".join(reports))
   print("\n" + summary)
