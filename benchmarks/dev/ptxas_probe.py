@@ -31,6 +31,7 @@ class Probe(NamedTuple):
   causal: bool
   fields: dict  # mosaic.Config's (``backward``: mosaic.Backward's, as a dict)
   value_dim: int | None = None  # V's head dim, where not the query's
+  deterministic: bool = True  # False: the call allows the atomic backward (`Backward.atomic`)
 
 
 # name -> Probe. Names starting ``fp8_`` take e4m3 inputs (no descales); names starting ``bwd_``
@@ -88,6 +89,14 @@ CONFIGS = {
         dkv_block_q=32, dq_block_kv=32, dv_block_q=64))),
     "bwd_d256_r240": Probe(256, True, dict(block_kv=64, backward=dict(
         dkv_block_q=32, dq_block_kv=32, registers=240))),
+    # The atomic one pass (``deterministic=False``), with the causal band or without.
+    "bwd_d128_atomic": Probe(128, True, dict(backward=dict(atomic=True)), deterministic=False),
+    "bwd_d128_atomic_r240": Probe(128, True, dict(backward=dict(atomic=True, registers=240)),
+                                  deterministic=False),
+    "bwd_d128_atomic_full": Probe(128, False, dict(backward=dict(atomic=True)),
+                                  deterministic=False),
+    "bwd_d64_atomic": Probe(64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128,
+                                                         atomic=True)), deterministic=False),
     # MLA's 192/128 backward: the shipped one pass on 32-row query tiles with 240 registers.
     "bwd_mla": Probe(192, True, dict(block_kv=64, backward=dict(
         split_dkv=False, dkv_block_q=32, registers=240)), 128),
@@ -142,7 +151,7 @@ def compile_one(name: str, aot: bool) -> None:
 
   def attend(q, k, v):
     return attention_with_config(q, k, v, is_causal=probe.causal, config=config,
-                                 implementation="mosaic")
+                                 implementation="mosaic", deterministic=probe.deterministic)
 
   fn = attend
   if name.startswith("bwd_"):

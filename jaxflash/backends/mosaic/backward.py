@@ -145,6 +145,21 @@ def _visible(k_idx, first_key, last_key, q_ids, kv_ids):
   return functools.reduce(jnp.logical_and, conds)
 
 
+def _opaque_zero(zero_ref, wg):
+  """0, read from shared memory (``zero_ref[wg]``, which this warpgroup set to 0 before its
+  loop) at each step of a loop: added to the index of a tile that stays resident through the
+  loop, it keeps that tile's wgmma descriptors inside the loop.
+
+  A wgmma takes one 64-bit descriptor per 16-element step of its contraction. For a tile that
+  stays put (the dK/dV kernel's K and V, the dQ kernel's Q and dO) they are loop-invariant, so
+  LLVM computes all of them before the loop, and ptxas holds them in registers through it beside
+  the accumulators and spills them: 708 bytes in the atomic one pass at D = 128, 216 in MLA's
+  dK/dV, 296 in the dK pass at D = 256 (`benchmarks/dev/ptxas_probe.py`, 2026-11-28). Indexed
+  through a value LLVM cannot see is constant, they are made at each step from one base by a
+  few uniform adds, and those kernels spill nothing."""
+  return zero_ref[wg]
+
+
 def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then):
   """A Bᵀ and C Dᵀ on the tensor cores, back to back: ``then(A Bᵀ)`` runs while C Dᵀ is in
   flight; returns ``(then(A Bᵀ), C Dᵀ)``, or ``(then(A Bᵀ), None)`` when C and D are None."""
@@ -230,6 +245,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     plgpu.barrier_wait(kv_ready.at[wg])
     if want_dk:
       plgpu.barrier_wait(kv_ready.at[_CONSUMERS + wg])
+    smem["zero"][wg] = jnp.int32(0)  # (`_opaque_zero`)
     dq_part = None
     if want_dq:
       dq_part = _DqPart(dq_sum_ref if atomic else out["dq"], smem, sems, params,
@@ -278,6 +294,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       plgpu.barrier_wait(smem["lse_ready"].at[slot])
       plgpu.barrier_wait(smem["do_ready"].at[slot])
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+      # The resident K and V tiles, through an index that keeps their descriptors in the loop.
+      zero = _opaque_zero(smem["zero"], wg)
+      k_here = k_smem.at[wg + zero]
+      v_here = None if v_tile is None else smem["v"].at[wg + zero]
 
       # What makes the score_mod of the transposed [keys, rows] tile (None without one).
       make_score = fwd.score_of(params, extras, batch, head, shape, lambda: _cols(q_cols(), shape),
@@ -292,12 +312,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       ds16 = None
       if want_dk:
         plgpu.barrier_wait(smem["delta_ready"].at[slot])
-        (p, chain), dp = _wgmma_scores(k_tile, q_tile, v_tile, do_tile, shape, probabilities)
+        (p, chain), dp = _wgmma_scores(k_here, q_tile, v_here, do_tile, shape, probabilities)
         delta = _cols(plgpu.load(smem["delta"].at[slot], layout=_COLS), shape)
         ds16 = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
                                     chain).astype(q_tile.dtype)
       else:
-        (p, _), _ = _wgmma_scores(k_tile, q_tile, None, None, shape, probabilities)
+        (p, _), _ = _wgmma_scores(k_here, q_tile, None, None, shape, probabilities)
       p16 = _core.dropped(p, keep, params).astype(q_tile.dtype) if want_dv else None
 
       # dV += Pᵀ dO (in flight while dSᵀ is stored) and dK += dSᵀ Q; then this consumer's part
@@ -318,7 +338,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
             plgpu.wgmma(acc_ref, a, b)
           if want_dq:
             dq_part.share_scores(ds16, ds_slot)
-            dq_part.product(acc_refs[-1], ds_slot, k_smem)
+            dq_part.product(acc_refs[-1], ds_slot, k_smem.at[pl.ds(zero, _CONSUMERS)])
 
         accs = [plgpu.ACC.init(carry[name]) for name in names]
         if want_dq:
@@ -589,6 +609,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   resident = 2 if want_dk else 1  # K, and V for dPᵀ
   tile = functools.partial(fwd._smem_tile, swizzle=_swizzle(block_q))
   smem = dict(
+      zero=plgpu.SMEM((_CONSUMERS,), jnp.int32),  # (`_opaque_zero`)
       k=tile((_CONSUMERS, _KEYS, hp), k.dtype),  # K, then dK (or dV) on the way out
       q=tile((stages, block_q, hp), q.dtype),
       do=tile((stages, block_q, hv), q.dtype),
@@ -744,7 +765,8 @@ def _first_visitors(schedule: Schedule, inputs: Inputs, q_blocks: int):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, offsets_ref,
                extras: fwd._Extras, dq_ref, q_smem, do_smem, k_smem, v_smem, q_ready, k_ready,
-               v_ready, k_free, v_free, dq32_smem, *, params: Params, config: Backward,
+               v_ready, k_free, v_free, dq32_smem, zero_smem, *, params: Params,
+               config: Backward,
                schedule: Schedule, groups: int, q_tiles: int, heavy_first: bool):
   block_kv, stages = config.dq_block_kv, config.dq_stages
   wg = lax.axis_index("wg")
@@ -795,6 +817,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
                           shape)
     plgpu.barrier_wait(q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[_CONSUMERS + wg])
+    zero_smem[wg] = jnp.int32(0)  # (`_opaque_zero`)
 
     def step(n, j, dq, masked: bool):
       slot = slot_of(n)
@@ -831,8 +854,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
           params, extras, batch, head, shape, lambda: fwd._rows(q_rows(), shape), k_idx, rows,
           keys, lambda x: fwd._rows(x, shape), lambda x: _cols(x, shape), _ROWS, _COLS,
           deferred=True)
+      # The resident Q and dO tiles, through an index that keeps their descriptors in the loop.
+      here = wg + _opaque_zero(zero_smem, wg)
       (p, chain), dp = _wgmma_scores(
-          q_tile, k_tile, do_tile, v_smem.at[slot], shape,
+          q_smem.at[here], k_tile, do_smem.at[here], v_smem.at[slot], shape,
           lambda s: _probabilities(s, lse2, params, visible, make_score))
       plgpu.barrier_arrive(v_free.at[slot])
       ds16 = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
@@ -908,6 +933,7 @@ def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Bac
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # v_free
       # dQ on the way out in a partial call (float32, to be summed over the calls)
       plgpu.SMEM((_CONSUMERS, _KEYS, hp), jnp.float32) if params.partial else None,
+      plgpu.SMEM((_CONSUMERS,), jnp.int32),  # (`_opaque_zero`)
   )
   kernel = functools.partial(_dq_kernel, params=params, config=config, schedule=schedule,
                              groups=groups, q_tiles=q_tiles,
