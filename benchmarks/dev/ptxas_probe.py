@@ -100,6 +100,17 @@ CONFIGS = {
     # MLA's 192/128 backward: the shipped one pass on 32-row query tiles with 240 registers.
     "bwd_mla": Probe(192, True, dict(block_kv=64, backward=dict(
         split_dkv=False, dkv_block_q=32, registers=240)), 128),
+    # ... on 64-row query tiles (which spilled before `backward._opaque_zero`), and in two passes.
+    "bwd_mla_q64": Probe(192, True, dict(block_kv=64, backward=dict(
+        split_dkv=False, dkv_block_q=64, registers=240)), 128),
+    "bwd_mla_q64_r232": Probe(192, True, dict(block_kv=64, backward=dict(
+        split_dkv=False, dkv_block_q=64)), 128),
+    "bwd_mla_two_passes": Probe(192, True, dict(block_kv=64, backward=dict(split_dkv=True)),
+                                128),
+    # The atomic one pass for GQA's shape at D = 128 (8 query heads a K/V head) and on 128-row
+    # query tiles.
+    "bwd_d128_atomic_q128": Probe(128, True, dict(backward=dict(atomic=True, dkv_block_q=128)),
+                                  deterministic=False),
 }
 
 # A compile-only H100 for deviceless compilation: XLA's GPU target config (the device's

@@ -410,6 +410,8 @@ GQA_BACKWARD: dict[tuple[int, bool], dict] = {(128, False): dict(registers=240, 
 #   band 502 vs 495 at 4k, 517 vs 503 at 8k, 549 vs 515 and 533 vs 515 at 16k, GQA 64/8 at 16k
 #   491 vs 486; with one 441 vs 471 at 4k, 477 vs 483 at 8k, 519 vs 501 and 509 vs 504 at 16k,
 #   GQA 475 vs 502. So non-causal calls from 8k query rows only.
+# These runs predate `backward._opaque_zero` (2026-11-28), after which ptxas spills nothing in
+# the D = 128 one pass (708 bytes at 232 registers before): to be measured again.
 ATOMIC_TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(atomic=True),
     (64, True): dict(atomic=True),
