@@ -274,7 +274,9 @@ def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False
     dv_pass = backward.dv_pass()
     dv = (tile(hp) + (tile(hv) if hv != hp else 0) + out32
           + dv_pass.dkv_stages * (streamed(dv_pass.dkv_block_q) + dv_pass.dkv_block_q * 4))
-  return max(dkv, dq, dv)
+  # Each kernel's zero for its resident tiles' index (`backward._opaque_zero`): a few bytes
+  # that take a 1 KiB-aligned buffer of their own.
+  return max(dkv, dq, dv) + 1024
 
 
 def fits(config: Config, head_dim: int, partial: bool = False,
