@@ -766,8 +766,8 @@ def _first_visitors(schedule: Schedule, inputs: Inputs, q_blocks: int):
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, offsets_ref,
                extras: fwd._Extras, dq_ref, q_smem, do_smem, k_smem, v_smem, q_ready, k_ready,
                v_ready, k_free, v_free, dq32_smem, zero_smem, *, params: Params,
-               config: Backward,
-               schedule: Schedule, groups: int, q_tiles: int, heavy_first: bool):
+               config: Backward, schedule: Schedule, groups: int, q_tiles: int,
+               heavy_first: bool):
   block_kv, stages = config.dq_block_kv, config.dq_stages
   wg = lax.axis_index("wg")
   head, batch = lax.axis_index("heads"), lax.axis_index("batch")
