@@ -9,7 +9,8 @@ ptxas targets sm_90a either way, so an H200's numbers are the same. On a GPU mac
 is compiled and run once. Each config compiles in its own process with Mosaic GPU's dump
 variables pointing at ``--dumps``/<name>; ``--out`` receives ``summary.txt`` (the summary, then
 each config's ptxas report), a ``<name>.ptx`` for each config named in ``--ptx`` and a
-``<name>.sass`` for each named in ``--sass`` (where ``nvdisasm`` is on PATH):
+``<name>.sass`` for each named in ``--sass`` (Mosaic GPU runs ``nvdisasm`` from its CUDA root,
+``MOSAIC_GPU_CUDA_ROOT``, /usr/local/cuda by default; PyPI's ``nvidia-cuda-nvdisasm`` has it):
 
   python3 benchmarks/dev/ptxas_probe.py --out /tmp/probe --configs mla_kv128_o_in_q --ptx ...
 """
@@ -32,6 +33,7 @@ class Probe(NamedTuple):
   fields: dict  # mosaic.Config's (``backward``: mosaic.Backward's, as a dict)
   value_dim: int | None = None  # V's head dim, where not the query's
   deterministic: bool = True  # False: the call allows the atomic backward (`Backward.atomic`)
+  kv_heads: int = 8  # K/V heads (of 8 query heads: GQA below 8)
 
 
 # name -> Probe. Names starting ``fp8_`` take e4m3 inputs (no descales); names starting ``bwd_``
@@ -95,6 +97,12 @@ CONFIGS = {
                                   deterministic=False),
     "bwd_d128_atomic_full": Probe(128, False, dict(backward=dict(atomic=True)),
                                   deterministic=False),
+    # GQA (8 query heads a K/V head): the shipped tiles (`GQA_BACKWARD`'s 240 registers without a
+    # causal band) and the atomic one pass.
+    "bwd_d128_gqa": Probe(128, True, {}, kv_heads=1),
+    "bwd_d128_gqa_full_r240": Probe(128, False, dict(backward=dict(registers=240)), kv_heads=1),
+    "bwd_d128_gqa_atomic": Probe(128, True, dict(backward=dict(atomic=True)),
+                                 deterministic=False, kv_heads=1),
     "bwd_d64_atomic": Probe(64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128,
                                                          atomic=True)), deterministic=False),
     # MLA's 192/128 backward: the shipped one pass on 32-row query tiles with 240 registers.
@@ -157,7 +165,8 @@ def compile_one(name: str, aot: bool) -> None:
     from jax.sharding import NamedSharding, PartitionSpec
     sharding = NamedSharding(aot_mesh(), PartitionSpec())
   q = jax.ShapeDtypeStruct((2, 2048, 8, probe.head_dim), dtype, sharding=sharding)
-  v = jax.ShapeDtypeStruct((2, 2048, 8, probe.value_dim or probe.head_dim), dtype,
+  k = jax.ShapeDtypeStruct((2, 2048, probe.kv_heads, probe.head_dim), dtype, sharding=sharding)
+  v = jax.ShapeDtypeStruct((2, 2048, probe.kv_heads, probe.value_dim or probe.head_dim), dtype,
                            sharding=sharding)
 
   def attend(q, k, v):
@@ -172,11 +181,11 @@ def compile_one(name: str, aot: bool) -> None:
                                          num_cores=132)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (),
                                                                   abstract_device=device)):
-      lowered = jax.jit(fn).trace(q, q, v).lower(lowering_platforms=("cuda",))
+      lowered = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",))
     lowered.compile()
   else:
     args = [jax.random.normal(jax.random.key(i), x.shape, jnp.float32).astype(x.dtype)
-            for i, x in enumerate((q, q, v))]
+            for i, x in enumerate((q, k, v))]
     jax.block_until_ready(jax.jit(fn)(*args))
 
 
@@ -204,7 +213,7 @@ def main() -> None:
   parser.add_argument("--dumps", default="/tmp/ptxas_probe_dumps")
   parser.add_argument("--ptx", nargs="*", default=[], help="configs whose PTX to keep")
   parser.add_argument("--sass", nargs="*", default=[],
-                      help="configs whose SASS to keep (needs nvdisasm on PATH)")
+                      help="configs whose SASS to keep (needs nvdisasm: see above)")
   parser.add_argument("--aot", action=argparse.BooleanOptionalAction,
                       default=shutil.which("nvidia-smi") is None,
                       help="compile for a compile-only H100 (default where no GPU is attached)")
