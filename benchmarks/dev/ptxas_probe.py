@@ -115,27 +115,25 @@ CONFIGS = {
         split_dkv=False, dkv_block_q=64)), 128),
     "bwd_mla_two_passes": Probe(192, True, dict(block_kv=64, backward=dict(split_dkv=True)),
                                 128),
-    # The atomic one pass for GQA's shape at D = 128 (8 query heads a K/V head) and on 128-row
-    # query tiles.
-    "bwd_d128_atomic_q128": Probe(128, True, dict(backward=dict(atomic=True, dkv_block_q=128)),
-                                  deterministic=False),
 }
 
 # A compile-only H100 for deviceless compilation: XLA's GPU target config (the device's
-# properties as XLA's `GpuTargetConfigProto` holds them, in its text format).
-H100_TARGET = """
-gpu_device_info {
+# properties as XLA's `GpuTargetConfigProto` holds them, in its text format), and the device
+# kind jaxflash then picks its backend and tiles by.
+H100_KIND = "NVIDIA H100 80GB HBM3"
+H100_TARGET = f"""
+gpu_device_info {{
   threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
   shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
   fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
   block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
   clock_rate_ghz: 1.98 device_memory_size: 84978434048 shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 minor: 0 } registers_per_core_limit: 65536
+  cuda_compute_capability {{ major: 9 minor: 0 }} registers_per_core_limit: 65536
   registers_per_block_limit: 65536
-}
+}}
 platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 19 }
-device_description_str: "NVIDIA H100 80GB HBM3"
+dnn_version_info {{ major: 9 minor: 19 }}
+device_description_str: "{H100_KIND}"
 """
 
 
@@ -177,8 +175,7 @@ def compile_one(name: str, aot: bool) -> None:
   if name.startswith("bwd_"):
     fn = jax.grad(lambda *x: jnp.sum(attend(*x).astype(jnp.float32)), argnums=(0, 1, 2))
   if aot:
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
-                                         num_cores=132)
+    device = jax.sharding.AbstractDevice(device_kind=H100_KIND, platform="gpu", num_cores=132)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (),
                                                                   abstract_device=device)):
       lowered = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",))
