@@ -625,7 +625,7 @@ def test_ptxas_probe_compiles_ahead_of_time(tmp_path):
   forward tiles with O through the Q tiles' memory, FP8 with polynomial exponentials, and the
   backward kernels whose resident tiles' descriptors stay in the loop (`backward._opaque_zero`:
   the atomic one pass at D = 128 spilled 708 bytes without it, MLA's dK/dV 216)."""
-  configs = ["d128_overlap", "mla_kv128_overlap_o_in_q", "fp8_d128_kv256_poly64",
+  configs = ["d128_overlap", "mla_kv128_overlap", "fp8_d128_kv256_poly64",
              "bwd_d128_atomic", "bwd_mla"]
   run = subprocess.run(
       [sys.executable, str(BENCHMARKS / "dev" / "ptxas_probe.py"), "--aot", "--out",

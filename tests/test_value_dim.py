@@ -568,22 +568,18 @@ def test_empty_calls_have_the_value_head_dim():
 
 
 @pytest.mark.parametrize("h,hv,tiles", [(96, 40, "small"), (64, 128, "shipped"),
-                                        (192, 128, "shipped"), (192, 128, "two_passes"),
-                                        (192, 128, "o_in_q")])
+                                        (192, 128, "shipped"), (192, 128, "two_passes")])
 def test_mosaic_serves_it(h, hv, tiles):
   """Forward and backward: the small tiles with a narrower V (padded to 64 beside 128); the
   shipped ones with a wider V (128 beside 64: O needs tiles of its own, wider than Q's), and
-  with MLA's dims (dK and dV in one pass on 32-row query tiles); MLA's dims with dK/dV in
-  two passes (dV's tile of its own in the dV pass); and MLA's forward on 128-key tiles with the
-  overlap, O leaving through the Q tiles' memory (`Config.o_in_q`)."""
+  with MLA's dims (the forward on 128-key tiles with the overlap, O leaving through the Q
+  tiles' memory; dK and dV in one pass on 32-row query tiles); MLA's dims with dK/dV in two
+  passes (dV's tile of its own in the dV pass)."""
   from jaxflash.backends.mosaic import backward
   config = config_for("mosaic", True) if tiles == "small" else mosaic.default_config(
       h, jnp.bfloat16, True, 70, "NVIDIA H200", value_dim=hv)
   if tiles == "two_passes":
     config = dataclasses.replace(config, backward=mosaic.Backward(split_dkv=True))
-  if tiles == "o_in_q":
-    config = dataclasses.replace(config, block_kv=128, intra_wg_overlap=True, o_in_q=True)
-    assert mosaic.config.fits(config, h, value_dim=hv)
   call = _checks.normalise(jnp.zeros((1, 70, 2, h), jnp.bfloat16),
                            jnp.zeros((1, 90, 1, h), jnp.bfloat16),
                            jnp.zeros((1, 90, 1, hv), jnp.bfloat16), is_causal=True)
@@ -621,22 +617,24 @@ def test_mosaic_lowers_for_cuda():
 @pytest.mark.parametrize("h,hv,rows", [(192, 128, 96), (128, 64, 128), (256, 128, 128),
                                        (256, 192, None), (128, 128, 64), (64, 128, None)])
 def test_o_through_the_q_tiles(h, hv, rows):
-  """With ``o_in_q`` a consumer's O leaves through an O-wide view of its own Q tile's bytes
-  (whole 8-row tiles: none at 256 / 192, where they would not tile it); where V's head dim is
-  Q's it always does, and never where V's is wider, for a partial result, a persistent CTA or an
-  FP8 call. At MLA's 192/128 that is what fits 128-key tiles in shared memory."""
-  config = mosaic.Config(o_in_q=True)
+  """A consumer's O leaves through an O-wide view of its own Q tile's bytes where V's head
+  dim is at most Q's (whole 8-row tiles: none at 256 / 192, where they would not tile it), and
+  never where V's is wider, for a partial result, a persistent CTA or an FP8 call. At MLA's
+  192/128 that is what fits 128-key tiles in shared memory: O tiles of their own would take
+  32 KiB more."""
+  config = mosaic.Config()
   hp, hvp = mosaic.config.padded_head_dim(h), mosaic.config.padded_head_dim(hv)
   assert mosaic.config.o_view_rows(config, hp, hvp) == rows
-  if hvp != hp:
-    assert mosaic.config.o_view_rows(mosaic.Config(), hp, hvp) is None
   for other in (dict(partial=True), dict(itemsize=1)):
     assert mosaic.config.o_view_rows(config, hp, hvp, **other) is None
   persistent = dataclasses.replace(config, persistent_ctas=132)
   assert mosaic.config.o_view_rows(persistent, hp, hvp) is None
   mla = mosaic.Config(block_kv=128, intra_wg_overlap=True)
-  assert not mosaic.config.fits(mla, 192, value_dim=128)
-  assert mosaic.config.fits(dataclasses.replace(mla, o_in_q=True), 192, value_dim=128)
+  assert mosaic.config.fits(mla, 192, value_dim=128)
+  own_o = dataclasses.replace(mla, persistent_ctas=132)
+  assert (mosaic.config.smem_bytes(own_o, 192, value_dim=128)
+          - mosaic.config.smem_bytes(mla, 192, value_dim=128)) == 2 * 64 * 128 * 2
+  assert not mosaic.config.fits(own_o, 192, value_dim=128)
 
 
 @pytest.mark.gpu
@@ -648,7 +646,7 @@ def test_o_through_the_q_tiles_on_gpu(is_causal):
   tile, its O would overwrite the other consumer's Q while that one still reads it."""
   config = dataclasses.replace(
       mosaic.default_config(192, jnp.bfloat16, is_causal, 1000, "NVIDIA H200", value_dim=128),
-      block_kv=128, intra_wg_overlap=True, o_in_q=True, persistent_ctas=None)
+      block_kv=128, intra_wg_overlap=True, persistent_ctas=None)
   _check("mosaic", h=192, hv=128, b=2, t=1000, s=1100, n=4, k=2, dtype=jnp.bfloat16,
          small=config, is_causal=is_causal)
 
@@ -657,7 +655,7 @@ def test_o_through_the_q_tiles_on_gpu(is_causal):
 def test_o_through_the_q_tiles_lowers():
   """MLA's forward on 128-key tiles lowers for an H100 with O through the Q tiles' memory
   (causal or not, with the overlap or not, and a 128 / 64 pair), and Mosaic GPU refuses the
-  same tiles with O tiles of their own (over its shared memory)."""
+  same tiles with O tiles of their own (a persistent CTA's: over its shared memory)."""
   def lower(h, hv, causal, **fields):
     config = mosaic.Config(block_kv=128, **fields)
     q = jax.ShapeDtypeStruct((2, 300, 8, h), jnp.bfloat16)
@@ -670,10 +668,10 @@ def test_o_through_the_q_tiles_lowers():
 
   for h, hv, causal, overlap in ((192, 128, True, True), (192, 128, False, False),
                                  (128, 64, False, True)):
-    text = lower(h, hv, causal, intra_wg_overlap=overlap, o_in_q=True)
+    text = lower(h, hv, causal, intra_wg_overlap=overlap)
     assert text.count("custom_call @mosaic_gpu") == 1, (h, hv)
   with pytest.raises(ValueError, match="exceeds available shared memory"):
-    lower(192, 128, True, intra_wg_overlap=True)
+    lower(192, 128, True, intra_wg_overlap=True, persistent_ctas=132)
 
 
 def test_mosaic_selection():

@@ -43,12 +43,9 @@ VARIANTS = {
                                         q_buffers=2),
     "kv64_overlap_persistent_q2": dict(block_kv=64, intra_wg_overlap=True, persistent_ctas=132,
                                        q_buffers=2),
-    # O through the Q tiles' memory (`Config.o_in_q`), where V's head dim is below Q's: at
-    # 192/128 the room it frees takes 128-key tiles, or a deeper ring of 64-key ones.
-    "kv128_o_in_q": dict(block_kv=128, o_in_q=True),
-    "kv128_overlap_o_in_q": dict(block_kv=128, intra_wg_overlap=True, o_in_q=True),
-    "kv64_overlap_stages4_o_in_q": dict(block_kv=64, intra_wg_overlap=True, num_stages=4,
-                                        o_in_q=True),
+    # Where V's head dim is below Q's, O leaves through the Q tiles' memory (`o_view_rows`):
+    # at 192/128 the room that frees takes 128-key tiles (above), or a deeper ring of 64-key ones.
+    "kv64_overlap_stages4": dict(block_kv=64, intra_wg_overlap=True, num_stages=4),
     # Part of each block's exponentials by the polynomial on the FMA units
     # (`Config.exp2_poly_cols`): the D = 64 tiles (`TUNED`'s) and D = 128's with the overlap,
     # next to the same tiles without it.

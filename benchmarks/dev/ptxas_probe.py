@@ -12,7 +12,7 @@ each config's ptxas report), a ``<name>.ptx`` for each config named in ``--ptx``
 ``<name>.sass`` for each named in ``--sass`` (Mosaic GPU runs ``nvdisasm`` from its CUDA root,
 ``MOSAIC_GPU_CUDA_ROOT``, /usr/local/cuda by default; PyPI's ``nvidia-cuda-nvdisasm`` has it):
 
-  python3 benchmarks/dev/ptxas_probe.py --out /tmp/probe --configs mla_kv128_o_in_q --ptx ...
+  python3 benchmarks/dev/ptxas_probe.py --out /tmp/probe --configs mla_kv128_overlap --ptx ...
 """
 
 from __future__ import annotations
@@ -55,12 +55,11 @@ CONFIGS = {
     "d64_kv256_persistent_poly64": Probe(64, False, dict(block_kv=256, persistent_ctas=132,
                                                          exp2_poly_cols=64)),
     "d128_overlap_poly16": Probe(128, True, dict(intra_wg_overlap=True, exp2_poly_cols=16)),
-    # MLA's 192/128 forward: the shipped 64-key tiles, and 128-key ones with O through the Q
-    # tiles' memory (`Config.o_in_q`).
+    # MLA's 192/128 forward: 64-key tiles, and the shipped 128-key ones (they fit because O
+    # leaves through the Q tiles' memory, `o_view_rows`).
     "mla_kv64_overlap": Probe(192, True, dict(block_kv=64, intra_wg_overlap=True), 128),
-    "mla_kv128_o_in_q": Probe(192, True, dict(block_kv=128, o_in_q=True), 128),
-    "mla_kv128_overlap_o_in_q": Probe(192, True, dict(block_kv=128, intra_wg_overlap=True,
-                                                      o_in_q=True), 128),
+    "mla_kv128": Probe(192, True, dict(block_kv=128), 128),
+    "mla_kv128_overlap": Probe(192, True, dict(block_kv=128, intra_wg_overlap=True), 128),
     # The FP8 forward.
     "fp8_d128_kv128": Probe(128, False, dict(block_kv=128)),
     "fp8_d128_kv256": Probe(128, False, dict(block_kv=256)),

@@ -156,16 +156,14 @@ class Config:
   # P V and runs block j's softmax while that P V is in flight. It holds two P tiles and S in
   # registers next to O, so it needs smaller key tiles at large head dims.
   intra_wg_overlap: bool = False
-  # Where V's head dim is below Q's (MLA's 192/128), O goes out through the memory of the Q
-  # tiles, seen as O-wide tiles (`o_view_rows`), instead of through O tiles of their own: 32 KiB
-  # less shared memory, which makes room for 128-key tiles at 192/128 (FlashAttention-3 reuses
-  # V's memory for O the same way). Not run on a GPU yet, so no tuned config sets it.
-  o_in_q: bool = False
   # Key columns of each block (a multiple of 8, from the first) whose exponentials the forward
   # computes by a polynomial on the FMA units (`forward.exp2_polynomial`) instead of the SM's
   # 16-a-clock exp units, which the softmax of an FP8 or a D = 64 block keeps as busy as the
   # tensor cores (FlashAttention-4 shares its exponentials out the same way). 0: all on the
-  # exp units. Not run on a GPU yet, so no tuned config sets it.
+  # exp units. No tuned config sets it: on an H200 (2026-11-28, benchmarks/fp8.py, FP8, D =
+  # 128, 16k, 256-key tiles) 32, 64 and 96 columns ran 827, 798 and 743 TFLOP/s against 863
+  # without a causal band, and 779, 748 and 720 against 773 with one: the polynomial's ten
+  # FMA-pipe instructions per entry cost more than the exp units' wait they save there.
   exp2_poly_cols: int = 0
   # The Mosaic backward's tiles; None runs the Triton backward (with ``triton``'s tiles), as do
   # calls the Mosaic backward does not serve (`backward.unsupported`).
@@ -205,13 +203,15 @@ def o_view_rows(config: Config, hp: int, hvp: int, partial: bool = False,
   rows. ``block_q`` where the two widths are equal. None where O needs tiles of its own: a
   partial result (float32), a persistent CTA (its Q tile loads the next item meanwhile), an FP8
   call (its Q tiles are too narrow for a 16-bit O), a V head dim above Q's, or one below it
-  without ``config.o_in_q`` or whose O rows do not tile Q's bytes (256 / 192)."""
+  whose O rows do not tile Q's bytes (256 / 192). Where V's head dim is below Q's (MLA's
+  192/128) this frees 32 KiB, which makes room for 128-key tiles (FlashAttention-3 reuses V's
+  memory for O the same way)."""
   if partial or itemsize == 1 or config.persistent_ctas is not None or hvp > hp:
     return None
   if hvp == hp:
     return config.block_q
   rows, rest = divmod(config.block_q * hp, hvp)
-  return rows if config.o_in_q and not rest and rows % 8 == 0 else None
+  return rows if not rest and rows % 8 == 0 else None
 
 
 def smem_bytes(config: Config, head_dim: int, partial: bool = False,
@@ -303,9 +303,11 @@ def fits(config: Config, head_dim: int, partial: bool = False,
 # - D = 192 with a value head dim of 128 (MLA), causal (2026-11-24, benchmarks/dev/
 #   forward_tiles.py): 128-key tiles do not fit in shared memory beside O's own tiles; 64-key
 #   tiles with the overlap ran 547 against 531 TFLOP/s without it at B = 1, 8k, 128 heads (552 at
-#   B = 4, 4k, 16 heads); persistent CTAs 467. With O through the Q tiles' memory (`o_in_q`,
-#   2026-11-28) 128-key tiles fit; forward_tiles.py's ``*_o_in_q`` variants are still to be
-#   measured (FlashAttention-3 runs 128 x 128 tiles at 192/128).
+#   B = 4, 4k, 16 heads); persistent CTAs 467. Since O leaves through the Q tiles' memory
+#   (`o_view_rows`, 2026-11-28) 128-key tiles fit, as FlashAttention-3 runs them: H200,
+#   2026-11-28, same shape, 621 TFLOP/s with the overlap and 618 without, against 551 for the
+#   64-key tiles with it (all within 2.1e-3 of float32); without a causal band 654 on 128-key
+#   tiles, 648 with the overlap, 553 on 64-key tiles with it.
 TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(block_kv=256, persistent_ctas=True),
     (64, True): dict(persistent_ctas=True, q_buffers=2),
@@ -313,7 +315,8 @@ TUNED: dict[tuple[int, bool], dict] = {
     (128, True): dict(intra_wg_overlap=True),
     (256, False): dict(block_kv=64, intra_wg_overlap=True),
     (256, True): dict(block_kv=64, intra_wg_overlap=True),
-    (192, True): dict(block_kv=64, intra_wg_overlap=True),
+    (192, True): dict(block_kv=128, intra_wg_overlap=True),
+    (192, False): dict(block_kv=128),
 }
 
 
@@ -394,11 +397,11 @@ LOADS_BACKWARD: dict[int, dict] = {128: dict(dq_block_kv=128)}
 # profile): GQA 64/8 at 16k 480 against 442 (the dK/dV kernel 26.8 against 31.4 ms; three dK/dV
 # stages 448, 128-key dQ tiles 444), at 8k 485 against 441; MHA 64/64 at 16k ran 479 with 232
 # and 465 with 240, so only shared K/V heads take them. With a causal band GQA ran the same
-# with either (457 at 16k). The atomic one pass (deterministic=False) is off for them: GQA 64/8
-# ran it at 487 and 490 TFLOP/s forward+backward against the two kernels' 515 and 516 at 8k and
-# 16k (benchmarks/results/h200/grid.json, gqa_2026-11-25), where MHA 64/64 gained (526 vs 510,
-# 531 vs 512); why was not profiled.
-GQA_BACKWARD: dict[tuple[int, bool], dict] = {(128, False): dict(registers=240, atomic=False)}
+# with either (457 at 16k). The atomic one pass (deterministic=False) ran slower than the two
+# kernels for them while it spilled (GQA 64/8: 487 and 490 TFLOP/s forward+backward against 515
+# and 516 at 8k and 16k, grid.json gqa_2026-11-25), and was off for them until it stopped
+# spilling; since then it ran 556 and 557 against 515 and 519 (atomic_zero_d128_2026-11-28).
+GQA_BACKWARD: dict[tuple[int, bool], dict] = {(128, False): dict(registers=240)}
 
 
 # Where calls with deterministic=False take the atomic one pass: (padded head dim, causal) ->
@@ -411,13 +414,20 @@ GQA_BACKWARD: dict[tuple[int, bool], dict] = {(128, False): dict(registers=240, 
 #   the dK/dV kernel and 316 in the one pass at D = 64). With 240 (720 bytes): without a causal
 #   band 502 vs 495 at 4k, 517 vs 503 at 8k, 549 vs 515 and 533 vs 515 at 16k, GQA 64/8 at 16k
 #   491 vs 486; with one 441 vs 471 at 4k, 477 vs 483 at 8k, 519 vs 501 and 509 vs 504 at 16k,
-#   GQA 475 vs 502. So non-causal calls from 8k query rows only.
-# These runs predate `backward._opaque_zero` (2026-11-28), after which ptxas spills nothing in
-# the D = 128 one pass (708 bytes at 232 registers before): to be measured again.
+#   GQA 475 vs 502. So non-causal calls from 8k query rows only, until:
+# - Since `backward._opaque_zero` (2026-11-28; ptxas: the D = 128 one pass spills nothing at 232
+#   registers, D = 64's 16 bytes), H200, 2026-11-28 (grid.json, runs atomic_zero_*): D = 128
+#   1.04-1.12x the two kernels from 4k (4k 525 vs 500, causal 497 vs 444; 16k 552 vs 514, 548
+#   vs 502; GQA 64/8 at 8k and 16k 556 vs 515 and 557 vs 519, causal 462 vs 460 and 503 vs
+#   498), 1.01x causal and 0.97x without a band at 1k (334 vs 332, 452 vs 465); D = 64
+#   1.02-1.12x at every cell (1k 379 vs 370, 273 vs 259; 4k 457 vs 415, 401 vs 361; 16k 483
+#   vs 431, 454 vs 409). 240 registers for the one pass ran within noise of 232 at GQA 64/8 8k
+#   causal (465 vs 457; atomic_check.py). So every cell at D = 64 and 128.
 ATOMIC_TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(atomic=True),
     (64, True): dict(atomic=True),
-    (128, False): dict(atomic=True, atomic_min_rows=8192, atomic_registers=240),
+    (128, False): dict(atomic=True),
+    (128, True): dict(atomic=True),
 }
 
 
