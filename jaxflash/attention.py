@@ -144,7 +144,7 @@ def flash_attention(
       gradient element has one writer, in a fixed order). ``False`` allows a backward that
       adds dQ in whatever order the key blocks finish, with float32 atomics (cuDNN's and
       FlashAttention's default), where that measured faster than the deterministic one (the
-      Mosaic backend: head dims up to 64, and 128 without a causal band from 8k query rows;
+      Mosaic backend at head dims up to 128, causal or not;
       `jaxflash.backends.mosaic.config.ATOMIC_TUNED`); elsewhere the deterministic backward
       runs. The result is as accurate, but its last bits may differ from run to run.
     return_residual: also return the logsumexp of the logits, [B, T, N] in the query's dtype as
