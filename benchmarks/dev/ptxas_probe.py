@@ -102,6 +102,8 @@ CONFIGS = {
     "bwd_d128_gqa_full_r240": Probe(128, False, dict(backward=dict(registers=240)), kv_heads=1),
     "bwd_d128_gqa_atomic": Probe(128, True, dict(backward=dict(atomic=True)),
                                  deterministic=False, kv_heads=1),
+    "bwd_d128_gqa_atomic_r240": Probe(128, True, dict(backward=dict(atomic=True, registers=240)),
+                                      deterministic=False, kv_heads=1),
     "bwd_d64_atomic": Probe(64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128,
                                                          atomic=True)), deterministic=False),
     # MLA's 192/128 backward: the shipped one pass on 32-row query tiles with 240 registers.
