@@ -638,16 +638,17 @@ def test_o_through_the_q_tiles(h, hv, rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_o_through_the_q_tiles_on_gpu(is_causal):
-  """MLA's 192/128 compiled with O through the Q tiles' memory on 128-key tiles, with the
-  overlap: several CTAs (both consumers' rows in each), GQA, odd lengths, forward and
-  gradients against the float32 reference. Where a consumer's O view started off its own Q
-  tile, its O would overwrite the other consumer's Q while that one still reads it."""
+@pytest.mark.parametrize("h,hv,is_causal", [(192, 128, False), (192, 128, True),
+                                            (128, 64, True)])
+def test_o_through_the_q_tiles_on_gpu(h, hv, is_causal):
+  """MLA's 192/128 (and a 128/64 pair) compiled with O through the Q tiles' memory on 128-key
+  tiles, with the overlap: several CTAs (both consumers' rows in each), GQA, odd lengths,
+  forward and gradients against the float32 reference. Where a consumer's O view started off
+  its own Q tile, its O would overwrite the other consumer's Q while that one still reads it."""
   config = dataclasses.replace(
-      mosaic.default_config(192, jnp.bfloat16, is_causal, 1000, "NVIDIA H200", value_dim=128),
+      mosaic.default_config(h, jnp.bfloat16, is_causal, 1000, "NVIDIA H200", value_dim=hv),
       block_kv=128, intra_wg_overlap=True, persistent_ctas=None)
-  _check("mosaic", h=192, hv=128, b=2, t=1000, s=1100, n=4, k=2, dtype=jnp.bfloat16,
+  _check("mosaic", h=h, hv=hv, b=2, t=1000, s=1100, n=4, k=2, dtype=jnp.bfloat16,
          small=config, is_causal=is_causal)
 
 

@@ -55,6 +55,11 @@ VARIANTS = {
     "dq_stages4": dict(dq_stages=4),
     "dkv_q32": dict(dkv_block_q=32, dv_block_q=64),
     "dq_kv32": dict(dq_block_kv=32),
+    # MLA's 192/128 (shipped: one pass on 32-row query tiles, 240 registers): dV, then dK, on
+    # 64-row tiles, which ptxas compiles without spills since `backward._opaque_zero` (the dK
+    # pass spilled 16 bytes before; 363 TFLOP/s against the one pass's 406 on 2026-11-24).
+    "two_passes": dict(split_dkv=True, dkv_block_q=64, registers=232),
+    "two_passes_r240": dict(split_dkv=True, dkv_block_q=64, registers=240),
     "triton": None,
 }
 
