@@ -774,6 +774,30 @@ def test_atomic_backward(h, block_q, band, segments, monkeypatch):
   assert modes == [True]
 
 
+def test_tile_major_launch_order():
+  """`Backward.tile_major`'s recast of the grid: every (batch row, head, tile rank) once, ranks
+  in launch order (Pallas walks the grid row-major, batch fastest), so for each (batch row,
+  head) rank r launches after rank r - 1, and every rank-0 tile before any rank-1 one."""
+  from jaxflash.backends.mosaic import backward
+  heads, tiles, batches = 3, 4, 2
+  launched = [tuple(int(x) for x in backward._tile_major(h, t, b, heads, tiles, batches))
+              for h in range(heads) for t in range(tiles) for b in range(batches)]
+  assert sorted(launched) == [(b, h, r) for b in range(batches) for h in range(heads)
+                              for r in range(tiles)]
+  assert [r for _, _, r in launched] == sorted(r for _, _, r in launched)
+
+
+@pytest.mark.parametrize("deterministic", [True, pytest.param(False, marks=variant)])
+def test_tile_major_backward(deterministic):
+  """The backward with `Backward.tile_major` (a causal band's tiles launched by cost across
+  every batch row and head): several key and query tiles per head, GQA and two batch rows with
+  lengths of their own, against the reference; the two kernels, or the atomic one pass."""
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
+      tile_major=True, atomic=not deterministic))
+  check("mosaic", b=2, t=300, s=300, n=4, k=2, h=64, dtype=BF16, small=config, is_causal=True,
+        deterministic=deterministic, **random_lengths(2, 300, 300, 4, 1))
+
+
 @gpu  # (the interpreter runs each slice's call alike; compiled kernels once lost dQ in a loop)
 def test_atomic_backward_under_vmap():
   """The atomic backward's zeroed float32 array is made inside the backward: under vmap every

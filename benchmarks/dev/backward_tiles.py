@@ -60,6 +60,9 @@ VARIANTS = {
     # pass spilled 16 bytes before; 363 TFLOP/s against the one pass's 406 on 2026-11-24).
     "two_passes": dict(split_dkv=True, dkv_block_q=64, registers=232),
     "two_passes_r240": dict(split_dkv=True, dkv_block_q=64, registers=240),
+    # A causal band's tiles launched by cost across every batch row and head, not head by head
+    # (`Backward.tile_major`): GQA 64/8 at 8k has 512 dK/dV CTAs for 132 SMs.
+    "tile_major": dict(tile_major=True),
     "triton": None,
 }
 

@@ -106,6 +106,11 @@ CONFIGS = {
                                       deterministic=False, kv_heads=1),
     "bwd_d64_atomic": Probe(64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128,
                                                          atomic=True)), deterministic=False),
+    # Tiles launched by cost across every (batch row, head) (`Backward.tile_major`).
+    "bwd_d128_tile_major": Probe(128, True, dict(backward=dict(tile_major=True))),
+    "bwd_d128_gqa_atomic_tile_major": Probe(128, True, dict(backward=dict(atomic=True,
+                                                                          tile_major=True)),
+                                            deterministic=False, kv_heads=1),
     # MLA's 192/128 backward: the shipped one pass on 32-row query tiles with 240 registers.
     "bwd_mla": Probe(192, True, dict(block_kv=64, backward=dict(
         split_dkv=False, dkv_block_q=32, registers=240)), 128),

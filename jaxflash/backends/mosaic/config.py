@@ -45,6 +45,14 @@ class Backward:
   and so do calls with fewer than ``atomic_min_rows`` query rows and the cells where it measured
   slower than them (`ATOMIC_TUNED`). ``atomic_registers`` (None: ``registers``) is its
   consumers' register count.
+
+  With a causal band the tiles of one (batch row, head) cost more the more query rows (dK/dV)
+  or keys (dQ) they see, and each kernel launches a head's tiles heaviest first. The grid runs
+  head by head, so the heaviest tiles of the last heads start late and the kernel ends on them
+  when there are few CTAs per SM (GQA 64/8 at 8k: 512 dK/dV CTAs on 132 SMs; a model of the
+  launch puts the end 1.24x after an even share, 1.01x with the heaviest tiles of every head
+  first). ``tile_major`` launches the tiles by cost across every (batch row, head) instead:
+  each key (or query) tile rank of all of them, heaviest first. Off until measured on a GPU.
   """
 
   dkv_block_q: int = 64
@@ -66,6 +74,7 @@ class Backward:
   atomic: bool = False
   atomic_min_rows: int = 0
   atomic_registers: int | None = None
+  tile_major: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
