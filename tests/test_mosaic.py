@@ -778,10 +778,11 @@ def test_tile_major_launch_order():
   """`Backward.tile_major`'s recast of the grid: every (batch row, head, tile rank) once, ranks
   in launch order (Pallas walks the grid row-major, batch fastest), so for each (batch row,
   head) rank r launches after rank r - 1, and every rank-0 tile before any rank-1 one."""
-  from jaxflash.backends.mosaic import backward
+  from jaxflash.backends.mosaic import backward, forward
   heads, tiles, batches = 3, 4, 2
-  launched = [tuple(int(x) for x in backward._tile_major(h, t, b, heads, tiles, batches))
-              for h in range(heads) for t in range(tiles) for b in range(batches)]
+  launched = [tuple(int(x) for x in backward._tile_major(
+      forward.launch_place(h, t, b, tiles, batches), heads, batches))
+      for h in range(heads) for t in range(tiles) for b in range(batches)]
   assert sorted(launched) == [(b, h, r) for b in range(batches) for h in range(heads)
                               for r in range(tiles)]
   assert [r for _, _, r in launched] == sorted(r for _, _, r in launched)

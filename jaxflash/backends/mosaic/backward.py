@@ -116,13 +116,11 @@ def _cols(x, shape):
   return lax.broadcast_in_dim(x, shape, [1])
 
 
-def _tile_major(head, tile, batch, heads: int, tiles: int, batches: int):
-  """``(batch, head, rank)`` of the CTA at grid place ``(head, tile, batch)`` when CTAs run
-  rank by rank (`Backward.tile_major`): rank 0 of every (batch row, head), then rank 1, and so
-  on. Pallas walks the grid row-major, batch fastest, so this is the place in launch order
-  recast; for any (batch row, head), rank r still launches after rank r - 1 (which the one-pass
-  kernel's ordered dQ adds rely on)."""
-  linear = (head * tiles + tile) * batches + batch
+def _tile_major(linear, heads: int, batches: int):
+  """``(batch, head, rank)`` of the CTA at launch place ``linear`` (`fwd.launch_place`) when
+  CTAs run rank by rank (`Backward.tile_major`): rank 0 of every (batch row, head), then rank
+  1, and so on. For any (batch row, head), rank r still launches after rank r - 1 (which the
+  one-pass kernel's ordered dQ adds rely on)."""
   rank = lax.div(linear, fwd._i32(heads * batches))
   rest = lax.rem(linear, fwd._i32(heads * batches))
   return lax.rem(rest, fwd._i32(batches)), lax.div(rest, fwd._i32(batches)), rank
@@ -218,13 +216,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   # (The grid's sizes from the operands: k_ref's rows are padded to a multiple of 8 only.)
   b_size, _, heads_size, _ = k_ref.shape
   k_tiles = pl.cdiv(k_ref.shape[1], _CONSUMERS * _KEYS)
+  linear = fwd.launch_place(kv_head, k_tile_index, batch, k_tiles, b_size)
   if extras.order is not None:  # a block table's key tiles, heaviest first
-    linear = (kv_head * k_tiles + k_tile_index) * b_size + batch
     batch, kv_head, k_tile_index = fwd.ordered(extras.order, linear, heads_size, k_tiles)
   elif config.tile_major and schedule.window.right is not None:
     # (A causal band's first key tiles see the most query rows: rank r is key tile r.)
-    batch, kv_head, k_tile_index = _tile_major(kv_head, k_tile_index, batch, heads_size,
-                                               k_tiles, b_size)
+    batch, kv_head, k_tile_index = _tile_major(linear, heads_size, b_size)
   keys_per_cta = _CONSUMERS * _KEYS
   cta_start = k_tile_index * keys_per_cta
   pos = _positions(lengths_ref, offsets_ref, batch)
@@ -788,14 +785,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
   wg = lax.axis_index("wg")
   head, batch = lax.axis_index("heads"), lax.axis_index("batch")
   tile = lax.axis_index("q_tiles")
+  linear = fwd.launch_place(head, tile, batch, q_tiles, q_ref.shape[0])
   if extras.order is not None:  # a block table's query tiles, heaviest first
-    linear = (head * q_tiles + tile) * q_ref.shape[0] + batch
     batch, head, tile = fwd.ordered(extras.order, linear, q_ref.shape[2], q_tiles)
-  elif heavy_first and config.tile_major:
-    batch, head, tile = _tile_major(head, tile, batch, q_ref.shape[2], q_tiles,
-                                    q_ref.shape[0])
-    tile = q_tiles - 1 - tile  # (rank r: the r-th heaviest tile of its row and head)
   elif heavy_first:
+    if config.tile_major:  # (then ``tile`` is the rank across every batch row and head)
+      batch, head, tile = _tile_major(linear, q_ref.shape[2], q_ref.shape[0])
     tile = q_tiles - 1 - tile  # the rows that see the most keys first
   cta_start = tile * (_CONSUMERS * _KEYS)
   pos = _positions(lengths_ref, offsets_ref, batch)

@@ -504,6 +504,12 @@ def _by_rank(visits: jax.Array) -> jax.Array:
   return jnp.zeros_like(index).at[rank].set(index, unique_indices=True)
 
 
+def launch_place(head, tile, batch, tiles: int, batches: int):
+  """A CTA's place in launch order: Pallas walks a (heads, tiles, batch) grid row-major, batch
+  fastest."""
+  return (head * tiles + tile) * batches + batch
+
+
 def ordered(order_ref, linear, heads: int, tiles: int):
   """The item at place ``linear`` of ``order_ref`` (`by_cost`) as (batch, head, tile)."""
   code = order_ref[linear]
@@ -529,8 +535,9 @@ def _items(grid: _Grid, heavy_first: bool, order_ref=None):
   """
   if grid.ctas is None:
     if order_ref is not None:
-      linear = (lax.axis_index("heads") * grid.q_tiles + lax.axis_index("q_tiles")) * grid.batch
-      coords = ordered(order_ref, linear + lax.axis_index("batch"), grid.heads, grid.q_tiles)
+      linear = launch_place(lax.axis_index("heads"), lax.axis_index("q_tiles"),
+                            lax.axis_index("batch"), grid.q_tiles, grid.batch)
+      coords = ordered(order_ref, linear, grid.heads, grid.q_tiles)
       return 1, lambda i: coords
     tile = lax.axis_index("q_tiles")
     if heavy_first:
