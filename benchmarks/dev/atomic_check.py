@@ -38,7 +38,11 @@ SMOKE_SHAPES = [(1, 70, 150, 1, 1, 64, False)]  # (2 key tiles: the atomic adds 
 # with deterministic=False).
 BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0),
              "atomic_r240": dict(atomic=True, atomic_min_rows=0, atomic_registers=240),
-             "ordered_one_pass": dict(one_pass=True)}
+             "ordered_one_pass": dict(one_pass=True),
+             # A causal band's tiles launched by cost across every batch row and head
+             # (`Backward.tile_major`), in the two kernels and in the atomic one pass.
+             "tile_major": dict(tile_major=True),
+             "atomic_tile_major": dict(atomic=True, atomic_min_rows=0, tile_major=True)}
 
 
 def inputs(b, t, s, n, k, h, seed=0):
@@ -79,7 +83,8 @@ def relerr(a, b):
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def check(rows, shapes=SHAPES, interpret=False):
+def check(rows, shapes=SHAPES, interpret=False,
+          names=("deterministic", "atomic", "ordered_one_pass")):
   for b, t, s, n, k, h, causal in shapes:
     q, kk, v, do = inputs(b, t, s, n, k, h)
     ref = grads(lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=causal,
@@ -87,7 +92,7 @@ def check(rows, shapes=SHAPES, interpret=False):
     want = ref(q, kk, v)
     bf = [x.astype(jnp.bfloat16) for x in (q, kk, v)]
     # (The one pass runs wherever dq_split has a way for the tiles: D <= 128.)
-    for name in ("deterministic", "atomic", "ordered_one_pass"):
+    for name in names:
       g = grads(variant_fn(name, h, causal, t, interpret), *bf, do, jit=not interpret)
       # (A second call checks the bits repeat: on the GPU; the interpreter runs one order.)
       first = g(*bf)
@@ -134,6 +139,9 @@ def main(argv=None):
                       help="one tiny shape in the interpreter (a CPU), no timing")
   parser.add_argument("--cells", default="128:4096:0,128:4096:1,64:4096:0,64:4096:1,"
                       "128:16384:1,128:16384:0:64:8")
+  parser.add_argument("--check-variants", nargs="+", choices=list(BACKWARDS),
+                      default=["deterministic", "atomic", "ordered_one_pass"],
+                      help="the Mosaic variants checked at the odd shapes")
   parser.add_argument("--variants", nargs="+", default=["deterministic", "atomic", "cudnn",
                                                         "cudnn_det"],
                       choices=[*BACKWARDS, "cudnn", "cudnn_det"])
@@ -144,7 +152,7 @@ def main(argv=None):
     Path(args.out).write_text(json.dumps(dict(environment=environment(), rows=rows), indent=1))
     return rows
   if not args.no_check:
-    check(rows)
+    check(rows, names=args.check_variants)
   cells = []
   for cell in args.cells.split(","):
     parts = [int(x) for x in cell.split(":")]

@@ -410,7 +410,15 @@ LOADS_BACKWARD: dict[int, dict] = {128: dict(dq_block_kv=128)}
 # kernels for them while it spilled (GQA 64/8: 487 and 490 TFLOP/s forward+backward against 515
 # and 516 at 8k and 16k, grid.json gqa_2026-11-25), and was off for them until it stopped
 # spilling; since then it ran 556 and 557 against 515 and 519 (atomic_zero_d128_2026-11-28).
-GQA_BACKWARD: dict[tuple[int, bool], dict] = {(128, False): dict(registers=240)}
+# With a causal band they launch their tiles by cost across every batch row and head
+# (`Backward.tile_major`): the dK/dV kernel's few CTAs per head (512 for GQA 64/8 at 8k, 132
+# SMs) otherwise leave SMs idle at the end of the heaviest-first order. H200, 2026-11-28
+# (benchmarks/dev/atomic_check.py, B = 1, 64/8, forward+backward TFLOP/s, same run as cuDNN's
+# default): at 8k 485 against 458 (deterministic) and 481 against 456 (atomic one pass), cuDNN
+# 493; at 16k 511 against 507 (atomic), cuDNN 529. Not measured for MHA, which has 8x the CTAs
+# per K/V head to balance with.
+GQA_BACKWARD: dict[tuple[int, bool], dict] = {(128, False): dict(registers=240),
+                                              (128, True): dict(tile_major=True)}
 
 
 # Where calls with deterministic=False take the atomic one pass: (padded head dim, causal) ->
@@ -432,11 +440,14 @@ GQA_BACKWARD: dict[tuple[int, bool], dict] = {(128, False): dict(registers=240)}
 #   1.02-1.12x at every cell (1k 379 vs 370, 273 vs 259; 4k 457 vs 415, 401 vs 361; 16k 483
 #   vs 431, 454 vs 409). 240 registers for the one pass ran within noise of 232 at GQA 64/8 8k
 #   causal (465 vs 457; atomic_check.py). So every cell at D = 64 and 128.
+# - 240 registers for the D = 128 one pass, H200, 2026-11-28 (atomic_check.py, same run as
+#   cuDNN's default): 4k 540 vs 525 (cuDNN 527), 16k 557 vs 553 (555), GQA 64/8 16k causal 515
+#   vs 507 (529), and 465 vs 457 at GQA 8k causal above: never slower, so the rule.
 ATOMIC_TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(atomic=True),
     (64, True): dict(atomic=True),
-    (128, False): dict(atomic=True),
-    (128, True): dict(atomic=True),
+    (128, False): dict(atomic=True, atomic_registers=240),
+    (128, True): dict(atomic=True, atomic_registers=240),
 }
 
 
