@@ -624,9 +624,11 @@ def test_ptxas_probe_compiles_ahead_of_time(tmp_path):
   speed without failing any other test): the shipped D = 128 causal forward, MLA's 128-key
   forward tiles with O through the Q tiles' memory, FP8 with polynomial exponentials, and the
   backward kernels whose resident tiles' descriptors stay in the loop (`backward._opaque_zero`:
-  the atomic one pass at D = 128 spilled 708 bytes without it, MLA's dK/dV 216)."""
+  the atomic one pass at D = 128 spilled 708 bytes without it, MLA's dK/dV 216): the shipped
+  atomic one pass at D = 128 (240 registers) and GQA's causal kernels launched tile-major.
+  (GQA's atomic one pass spills 16 bytes: `bwd_d128_gqa_atomic_shipped`, not checked here.)"""
   configs = ["d128_overlap", "mla_kv128_overlap", "fp8_d128_kv256_poly64",
-             "bwd_d128_atomic", "bwd_mla"]
+             "bwd_d128_atomic_r240", "bwd_d128_gqa_tile_major", "bwd_mla"]
   run = subprocess.run(
       [sys.executable, str(BENCHMARKS / "dev" / "ptxas_probe.py"), "--aot", "--out",
        str(tmp_path / "out"), "--dumps", str(tmp_path / "dumps"), "--configs", *configs],
@@ -636,7 +638,7 @@ def test_ptxas_probe_compiles_ahead_of_time(tmp_path):
   head = summary.split("\n\n")[0]
   assert run.returncode == 0 and head.count(": ok") == len(configs), run.stderr[-2000:]
   kernels = head.count(" registers, stack ")
-  assert kernels == len(configs) + 3, head  # (the gradients: 2 and 3 kernels)
+  assert kernels == len(configs) + 5, head  # (the gradients: 2, 3 and 3 kernels)
   assert head.count("spills (stores/loads) 0/0") == kernels, head
 
 

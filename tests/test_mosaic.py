@@ -955,14 +955,17 @@ def test_gqa_calls_take_the_atomic_pass():
 
 
 @needs_cuda_plugin
-def test_gqa_backward_lowers():
-  """The GQA backward at 240 registers: forward, dQ and dK/dV on Mosaic (ptxas's register
-  budget holds: a kernel that cannot lower never lands)."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_backward_lowers(causal):
+  """The GQA backward's tiles (`GQA_BACKWARD`): without a causal band at 240 registers, with
+  one launched tile-major; forward, dQ and dK/dV on Mosaic (ptxas's register budget holds: a
+  kernel that cannot lower never lands)."""
   q = jax.ShapeDtypeStruct((2, 1000, 8, 128), BF16)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), BF16)
-  config = mosaic.default_config(128, BF16, False, 1000, "NVIDIA H200", groups=4)
-  assert config.backward.registers == 240
-  text = _lower(_gradients(config), q, kv, kv)
+  config = mosaic.default_config(128, BF16, causal, 1000, "NVIDIA H200", groups=4)
+  assert (config.backward.registers == 240) != causal
+  assert config.backward.tile_major == causal
+  text = _lower(_gradients(config, is_causal=causal), q, kv, kv)
   assert _mosaic_kernels(text) == 3
 
 

@@ -111,6 +111,13 @@ CONFIGS = {
     "bwd_d128_gqa_atomic_tile_major": Probe(128, True, dict(backward=dict(atomic=True,
                                                                           tile_major=True)),
                                             deterministic=False, kv_heads=1),
+    "bwd_d128_gqa_tile_major": Probe(128, True, dict(backward=dict(tile_major=True)),
+                                     kv_heads=1),
+    # The shipped GQA causal tiles under deterministic=False: the one pass on 240 registers
+    # (`ATOMIC_TUNED`), launched tile-major (`GQA_BACKWARD`). It spills 16 bytes (24 at 232
+    # registers), where the MHA one pass spills nothing.
+    "bwd_d128_gqa_atomic_shipped": Probe(128, True, dict(backward=dict(
+        atomic=True, atomic_registers=240, tile_major=True)), deterministic=False, kv_heads=1),
     # MLA's 192/128 backward: the shipped one pass on 32-row query tiles with 240 registers.
     "bwd_mla": Probe(192, True, dict(block_kv=64, backward=dict(
         split_dkv=False, dkv_block_q=32, registers=240)), 128),

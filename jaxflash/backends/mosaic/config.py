@@ -52,8 +52,8 @@ class Backward:
   when there are few CTAs per SM (GQA 64/8 at 8k: 512 dK/dV CTAs on 132 SMs; a model of the
   launch puts the end 1.24x after an even share, 1.01x with the heaviest tiles of every head
   first). ``tile_major`` launches the tiles by cost across every (batch row, head) instead:
-  each key (or query) tile rank of all of them, heaviest first. Off until measured on a GPU.
-  """
+  each key (or query) tile rank of all of them, heaviest first. GQA calls with a causal band
+  at D = 128 take it (`GQA_BACKWARD`, measured 6% faster at 8k on an H200)."""
 
   dkv_block_q: int = 64
   dkv_stages: int = 2
