@@ -415,8 +415,9 @@ LOADS_BACKWARD: dict[int, dict] = {128: dict(dq_block_kv=128)}
 # SMs) otherwise leave SMs idle at the end of the heaviest-first order. H200, 2026-11-28
 # (benchmarks/dev/atomic_check.py, B = 1, 64/8, forward+backward TFLOP/s, same run as cuDNN's
 # default): at 8k 485 against 458 (deterministic) and 481 against 456 (atomic one pass), cuDNN
-# 493; at 16k 511 against 507 (atomic), cuDNN 529. Not measured for MHA, which has 8x the CTAs
-# per K/V head to balance with.
+# 493; at 16k 511 against 507 (atomic), cuDNN 529. MHA, with 8x the CTAs per K/V head to
+# balance with, does not take it: its atomic one pass ran 496 against 491 at 4k (B = 4, 16
+# heads) and 542 against 555 at 16k (B = 1), causal.
 GQA_BACKWARD: dict[tuple[int, bool], dict] = {(128, False): dict(registers=240),
                                               (128, True): dict(tile_major=True)}
 
