@@ -123,12 +123,13 @@ def main(argv=None):
       row = dict(impl=impl, variant=name, B=b, S=s, N=n, D=d, causal=causal, dtype="bfloat16")
       try:
         row["relerr"] = check(fn, q, k, v, bias, d_out, causal, use_dropout, rng, wrt)
-        fwd = jax.jit(fn)
+        fwd = jax.jit(lambda q, k, v, bias, d_out: fn(q, k, v, bias))
+        # (d_out is an argument, not a closed-over array that XLA would fold in as a constant.)
         fwdbwd = jax.jit(jax.grad(
-            lambda q, k, v, bias: jnp.sum(fn(q, k, v, bias).astype(jnp.float32) * d_out),
+            lambda q, k, v, bias, d_out: jnp.sum(fn(q, k, v, bias).astype(jnp.float32) * d_out),
             argnums=wrt))
         for mode, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
-          ms = time_call(f, (q, k, v, bias))
+          ms = time_call(f, (q, k, v, bias, d_out))
           row[f"{mode}_ms"] = ms
           row[f"{mode}_tflops"] = flops(b, n, s, d, causal, mode) / (ms * 1e-3) / 1e12
       except Exception as e:  # noqa: BLE001 - report and continue

@@ -54,8 +54,11 @@ def inputs(b, t, s, n, k, h, seed=0):
   return q, kk, v, do
 
 
-def grads(fn, q, k, v, do, jit=True):
-  loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * do)
+def grads(fn, jit=True):
+  """dQ, dK, dV of ``sum(fn(q, k, v) * do)`` as a function of (q, k, v, do). (``do`` is an
+  argument, not a closed-over array: XLA would fold a constant of up to half a GB into each
+  executable, which took minutes at GQA 64/8, 16k.)"""
+  loss = lambda q, k, v, do: jnp.sum(fn(q, k, v).astype(jnp.float32) * do)
   grad = jax.grad(loss, argnums=(0, 1, 2))
   # (Mosaic GPU's interpreter runs eagerly: jitted, it could deadlock on 2 cores; see tests.)
   return jax.jit(grad) if jit else grad
@@ -88,15 +91,15 @@ def check(rows, shapes=SHAPES, interpret=False,
   for b, t, s, n, k, h, causal in shapes:
     q, kk, v, do = inputs(b, t, s, n, k, h)
     ref = grads(lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=causal,
-                                                        implementation="xla"), q, kk, v, do)
-    want = ref(q, kk, v)
+                                                        implementation="xla"))
+    want = ref(q, kk, v, do)
     bf = [x.astype(jnp.bfloat16) for x in (q, kk, v)]
     # (The one pass runs wherever dq_split has a way for the tiles: D <= 128.)
     for name in names:
-      g = grads(variant_fn(name, h, causal, t, interpret), *bf, do, jit=not interpret)
+      g = grads(variant_fn(name, h, causal, t, interpret), jit=not interpret)
       # (A second call checks the bits repeat: on the GPU; the interpreter runs one order.)
-      first = g(*bf)
-      second = first if interpret else g(*bf)
+      first = g(*bf, do)
+      second = first if interpret else g(*bf, do)
       same = all(bool(jnp.array_equal(x, y)) for x, y in zip(first, second))
       errs = [relerr(x, w) for x, w in zip(first, want)]
       nan = any(bool(jnp.isnan(x).any()) for x in first)
@@ -122,8 +125,8 @@ def timing(rows, cells, names):
         options = {"xla_gpu_exclude_nondeterministic_ops": True} if name == "cudnn_det" else {}
       else:
         fn, options = variant_fn(name, d, causal, s), {}
-      compiled = grads(fn, q, kk, v, do).lower(q, kk, v).compile(options)
-      ms = time_call(compiled, (q, kk, v), calls=10)
+      compiled = grads(fn).lower(q, kk, v, do).compile(options)
+      ms = time_call(compiled, (q, kk, v, do), calls=10)
       variants[name] = flops / ms / 1e9
     row = dict(kind="time", D=d, S=s, N=n, K=k, B=b, causal=causal, tflops=variants)
     rows.append(row)

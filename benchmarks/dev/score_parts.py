@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
       call = lambda q, k, v, mod=mod: jaxflash.flash_attention(  # noqa: E731
           q, k, v, is_causal=True, score_mod=mod, implementation=implementation)
       fwd = jax.jit(call)
-      fwdbwd = jax.jit(jax.grad(
-          lambda q, k, v: jnp.sum(call(q, k, v).astype(jnp.float32) * d_out), argnums=(0, 1, 2)))
+      # (d_out is an argument: closed over, XLA would fold it in as a constant)
+      fwdbwd = jax.jit(jax.grad(lambda q, k, v, d_out: jnp.sum(
+          call(q, k, v).astype(jnp.float32) * d_out), argnums=(0, 1, 2)))
       out = fwd(q, k, v)
       want, _ = jaxflash.reference_attention(q[:1, :, :1].astype(jnp.float32),
                                              k[:1, :, :1].astype(jnp.float32),
@@ -73,16 +74,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   / jnp.linalg.norm(want))
       timing = dict(warmups=1, calls=1, repeats=1) if args.smoke else {}
       ms_f, _ = time_calls(fwd, (q, k, v), **timing)
-      ms_b, _ = time_calls(fwdbwd, (q, k, v), **timing)
+      ms_b, _ = time_calls(fwdbwd, (q, k, v, d_out), **timing)
       ms_t = None
       if args.table_gradient and name.startswith("relative"):  # the table differentiated too
-        def learned(q, k, v, table):
+        def learned(q, k, v, table, d_out):
           mod = lambda s_, b_, h, q_, kv: s_ + table[h, q_ - kv + S - 1]  # noqa: E731
           out = jaxflash.flash_attention(q, k, v, is_causal=True, score_mod=mod,
                                          implementation=implementation)
           return jnp.sum(out.astype(jnp.float32) * d_out)
         with_table = jax.jit(jax.grad(learned, argnums=(0, 1, 2, 3)))
-        ms_t, _ = time_calls(with_table, (q, k, v, TABLE), **timing)
+        ms_t, _ = time_calls(with_table, (q, k, v, TABLE, d_out), **timing)
     finally:
       mask_mod_lib._separated = separated
     rows.append(dict(name=name, fwd_ms=ms_f, fwdbwd_ms=ms_b, rel_err=err,
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
           + ("" if ms_t is None else f"  fwd+bwd with d table {ms_t:.3f} ms"), flush=True)
     if args.profile:
       from mask_parts import kernel_ms  # (this folder is the script's first path)
-      for kernel, ms in kernel_ms(fwdbwd, q, k, v).most_common(6):
+      for kernel, ms in kernel_ms(fwdbwd, q, k, v, d_out).most_common(6):
         print(f"    {ms:7.3f} ms  {kernel}", flush=True)
   return rows
 
