@@ -906,16 +906,21 @@ def test_lookup_calls_take_wider_dq_tiles():
   assert tiles(alibi) == mosaic_config.BACKWARD_TUNED[128].dq_block_kv == 64
 
 
+def _shipped_backward(n: int, k: int, causal: bool, h: int = 128) -> mosaic.Backward:
+  """The backward tiles an H200 call with ``n`` query and ``k`` K/V heads gets."""
+  device = devices.Device("gpu", "NVIDIA H200", True)
+  q, kv = jnp.zeros((1, 256, n, h), BF16), jnp.zeros((1, 256, k, h), BF16)
+  call = _checks.normalise(q, kv, kv, is_causal=causal)
+  return mosaic.BACKEND.default_config(call.inputs, call.params, device).backward
+
+
 def test_gqa_calls_take_their_backward_registers():
   """GQA and MQA calls at D = 128 without a causal band take `GQA_BACKWARD`'s 240 registers;
   MHA, and GQA with a causal band, keep `BACKWARD_TUNED`'s."""
   from jaxflash.backends.mosaic import config as mosaic_config
-  device = devices.Device("gpu", "NVIDIA H200", True)
 
   def registers(n, k, causal, h=128):
-    q, kv = jnp.zeros((1, 256, n, h), BF16), jnp.zeros((1, 256, k, h), BF16)
-    call = _checks.normalise(q, kv, kv, is_causal=causal)
-    return mosaic.BACKEND.default_config(call.inputs, call.params, device).backward.registers
+    return _shipped_backward(n, k, causal, h).registers
 
   default = mosaic_config.BACKWARD_TUNED[128].registers
   assert registers(8, 1, False) == registers(8, 2, False) == 240 != default
@@ -927,12 +932,8 @@ def test_gqa_causal_calls_launch_tile_major():
   """GQA with a causal band at D = 128 launches its backward tiles by cost across every batch
   row and head (`GQA_BACKWARD`, measured faster); MHA and calls without a band keep the
   head-by-head order."""
-  device = devices.Device("gpu", "NVIDIA H200", True)
-
   def tile_major(n, k, causal):
-    q, kv = jnp.zeros((1, 256, n, 128), BF16), jnp.zeros((1, 256, k, 128), BF16)
-    call = _checks.normalise(q, kv, kv, is_causal=causal)
-    return mosaic.BACKEND.default_config(call.inputs, call.params, device).backward.tile_major
+    return _shipped_backward(n, k, causal).tile_major
 
   assert tile_major(8, 2, True) and tile_major(8, 1, True)
   assert not tile_major(8, 8, True) and not tile_major(8, 2, False)

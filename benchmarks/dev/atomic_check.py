@@ -24,7 +24,7 @@ from jaxflash.attention import attention_with_config
 from jaxflash.backends import mosaic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cases import time_call  # noqa: E402
+from cases import grad_fn, time_call  # noqa: E402
 from report import environment  # noqa: E402
 
 # (B, T, S, N, K, H, causal): lengths off the tiles, T != S, GQA, head dims 40/64/96/128.
@@ -55,11 +55,8 @@ def inputs(b, t, s, n, k, h, seed=0):
 
 
 def grads(fn, jit=True):
-  """dQ, dK, dV of ``sum(fn(q, k, v) * do)`` as a function of (q, k, v, do). (``do`` is an
-  argument, not a closed-over array: XLA would fold a constant of up to half a GB into each
-  executable, which took minutes at GQA 64/8, 16k.)"""
-  loss = lambda q, k, v, do: jnp.sum(fn(q, k, v).astype(jnp.float32) * do)
-  grad = jax.grad(loss, argnums=(0, 1, 2))
+  """`cases.grad_fn` of ``fn``: (q, k, v, do) -> (dq, dk, dv)."""
+  grad = grad_fn(fn)
   # (Mosaic GPU's interpreter runs eagerly: jitted, it could deadlock on 2 cores; see tests.)
   return jax.jit(grad) if jit else grad
 

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cases import time_calls  # noqa: E402
+from cases import grad_fn, time_calls  # noqa: E402
 from forward_tiles import (block_pattern, emit, parse_args, random_qkv,  # noqa: E402
                            write_rows)
 from mask_parts import kernel_ms  # noqa: E402
@@ -67,14 +67,6 @@ VARIANTS = {
 }
 
 
-def _grads(fn):
-  """dQ, dK, dV of ``sum(fn(q, k, v) * d_out)`` as a function of (q, k, v, d_out): ``d_out``
-  is an argument, so that XLA does not fold a large constant into each executable."""
-  def loss(q, k, v, d_out):
-    return jnp.sum(fn(q, k, v).astype(jnp.float32) * d_out)
-  return jax.grad(loss, argnums=(0, 1, 2))
-
-
 def _relerr(got, want) -> float:
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   return float(np.linalg.norm(got - want) / np.linalg.norm(want))
@@ -90,7 +82,7 @@ def main(argv=None) -> list[dict]:
   # on those heads alone.
   group = n // (args.kv_heads or n)
   heads = lambda x: x[:1, :, :group if x.shape[2] == n else 1].astype(jnp.float32)  # noqa: E731
-  want = jax.jit(_grads(lambda q, k, v: reference_attention(q, k, v, **reference)[0]))(
+  want = jax.jit(grad_fn(lambda q, k, v: reference_attention(q, k, v, **reference)[0]))(
       heads(q), heads(k), heads(v), heads(d_out))
   entries = b * n * visible
   bwd_flops = 2.0 * (3 * args.h + 2 * args.dv) * entries
@@ -107,7 +99,7 @@ def main(argv=None) -> list[dict]:
       config = dataclasses.replace(shipped, backward=backward)
       fn = lambda q, k, v, config=config: attention_with_config(  # noqa: E731
           q, k, v, config=config, implementation="mosaic", interpret=args.smoke, **pattern)
-      grads = _grads(fn)
+      grads = grad_fn(fn)
       grads = grads if args.smoke else jax.jit(grads)  # (the interpreter runs eagerly)
       got = grads(q, k, v, d_out)
       row["relerr"] = {g: _relerr(heads(x), w) for g, x, w in zip(("dq", "dk", "dv"), got, want)}

@@ -16,7 +16,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from cases import time_calls
+from cases import grad_fn, time_calls
 import jaxflash
 from jaxflash import mask_mod as mask_mod_lib
 
@@ -62,9 +62,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
       call = lambda q, k, v, mod=mod: jaxflash.flash_attention(  # noqa: E731
           q, k, v, is_causal=True, score_mod=mod, implementation=implementation)
       fwd = jax.jit(call)
-      # (d_out is an argument: closed over, XLA would fold it in as a constant)
-      fwdbwd = jax.jit(jax.grad(lambda q, k, v, d_out: jnp.sum(
-          call(q, k, v).astype(jnp.float32) * d_out), argnums=(0, 1, 2)))
+      fwdbwd = jax.jit(grad_fn(call))
       out = fwd(q, k, v)
       want, _ = jaxflash.reference_attention(q[:1, :, :1].astype(jnp.float32),
                                              k[:1, :, :1].astype(jnp.float32),
