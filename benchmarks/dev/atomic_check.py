@@ -42,7 +42,14 @@ BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0)
              # A causal band's tiles launched by cost across every batch row and head
              # (`Backward.tile_major`), in the two kernels and in the atomic one pass.
              "tile_major": dict(tile_major=True),
-             "atomic_tile_major": dict(atomic=True, atomic_min_rows=0, tile_major=True)}
+             "atomic_tile_major": dict(atomic=True, atomic_min_rows=0, tile_major=True),
+             # The dK/dV kernel's query blocks walked from the last one down, and each block
+             # for every head of a GQA group in turn (`Backward.walk_down`, `heads_inner`).
+             "walk_down": dict(walk_down=True),
+             "walk_down_heads_inner": dict(walk_down=True, heads_inner=True),
+             "atomic_walk_down": dict(atomic=True, atomic_min_rows=0, walk_down=True),
+             "atomic_walk_down_heads_inner": dict(atomic=True, atomic_min_rows=0,
+                                                  walk_down=True, heads_inner=True)}
 
 
 def inputs(b, t, s, n, k, h, seed=0):
@@ -68,11 +75,12 @@ def mosaic_fn(causal, deterministic=True, config=None, interpret=False):
                                                interpret=interpret)
 
 
-def variant_fn(name, h, causal, q_len, interpret=False):
-  """The Mosaic backend with `BACKWARDS`'s ``name`` over the call's default tiles (the atomic
-  variants with deterministic=False); the interpreter takes the H200's tiles."""
+def variant_fn(name, h, causal, q_len, groups=1, interpret=False):
+  """The Mosaic backend with `BACKWARDS`'s ``name`` over the call's default tiles for
+  ``groups`` query heads per K/V head (the atomic variants with deterministic=False); the
+  interpreter takes the H200's tiles."""
   kind = "NVIDIA H200" if interpret else jax.devices()[0].device_kind
-  config = mosaic.default_config(h, jnp.bfloat16, causal, q_len, kind)
+  config = mosaic.default_config(h, jnp.bfloat16, causal, q_len, kind, groups=groups)
   config = dataclasses.replace(config, backward=dataclasses.replace(config.backward,
                                                                     **BACKWARDS[name]))
   return mosaic_fn(causal, not name.startswith("atomic"), config, interpret)
@@ -93,7 +101,7 @@ def check(rows, shapes=SHAPES, interpret=False,
     bf = [x.astype(jnp.bfloat16) for x in (q, kk, v)]
     # (The one pass runs wherever dq_split has a way for the tiles: D <= 128.)
     for name in names:
-      g = grads(variant_fn(name, h, causal, t, interpret), jit=not interpret)
+      g = grads(variant_fn(name, h, causal, t, n // k, interpret), jit=not interpret)
       # (A second call checks the bits repeat: on the GPU; the interpreter runs one order.)
       first = g(*bf, do)
       second = first if interpret else g(*bf, do)
@@ -121,7 +129,7 @@ def timing(rows, cells, names):
                                                           implementation="cudnn")
         options = {"xla_gpu_exclude_nondeterministic_ops": True} if name == "cudnn_det" else {}
       else:
-        fn, options = variant_fn(name, d, causal, s), {}
+        fn, options = variant_fn(name, d, causal, s, n // k), {}
       compiled = grads(fn).lower(q, kk, v, do).compile(options)
       ms = time_call(compiled, (q, kk, v, do), calls=10)
       variants[name] = flops / ms / 1e9
