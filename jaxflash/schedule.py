@@ -337,30 +337,22 @@ class Schedule:
             Span(True, hi - full_hi, lambda m: full_hi + m))
 
   def visit_q_split(self, k_start, pos: Positions, body: Body, carry, repeat: int = 1,
-                    reverse: bool = False, spans_of: Callable | None = None,
-                    heads_inner: bool = False):
+                    reverse: bool = False, spans_of: Callable | None = None):
     """Runs ``carry = body(n, g, i, carry, masked)`` for ``g < repeat`` (the query heads sharing
     a K/V head) and each query block ``i`` that the key block at ``k_start`` visits
-    (`q_spans`, or ``spans_of(g)`` from a block table's lists), head after head, or with
-    ``heads_inner`` block after block, each block for every head in turn (contiguous ranges
-    only); ``n`` counts the visits from 0 over all heads (a ring slot). Blocks go in increasing
-    ``i``, or in decreasing ``i`` with ``reverse`` (contiguous ranges only); ``masked=False``
-    only on full blocks."""
+    (`q_spans`, or ``spans_of(g)`` from a block table's lists), head after head; ``n`` counts
+    the visits from 0 over all heads (a ring slot). Blocks go in increasing ``i`` per head, or in
+    decreasing ``i`` with ``reverse`` (contiguous ranges only); ``masked=False`` only on full
+    blocks."""
     if spans_of is None:
       spans = self.q_spans(k_start, pos)
       if reverse:  # i = hi - 1 ... lo: the runs in reverse order, each walked backwards
         spans = tuple(Span(s.masked, s.count,
                            lambda m, s=s: s.block(jnp.maximum(s.count, 0) - 1 - m))
                       for s in reversed(spans))
-      if heads_inner:  # visit m of a run: block m // repeat of it, for head m % repeat
-        r = _i32(repeat)
-        spans = tuple(Span(s.masked, jnp.maximum(s.count, 0) * r,
-                           lambda m, s=s: (s.block(lax.div(m, r)), lax.rem(m, r)))
-                      for s in spans)
-        return walk(spans, lambda n, ig, c, masked: body(n, ig[1], ig[0], c, masked), carry)
       spans_of = lambda g: spans  # noqa: E731
     else:
-      assert not (reverse or heads_inner), "a block table's lists are walked forwards, by head"
+      assert not reverse, "a block table's lists are walked forwards"
 
     def one_head(g, state):
       carry, n0 = state

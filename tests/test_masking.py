@@ -470,13 +470,11 @@ def test_visit_kv_runs_body_over_the_schedule():
   np.testing.assert_array_equal(counts, [[0, 0, 1, 1, 1]] * 3)
 
 
-@pytest.mark.parametrize("heads_inner", [False, True])
 @pytest.mark.parametrize("reverse", [False, True])
-def test_visit_q_split_walks_each_head_in_order(reverse, heads_inner):
+def test_visit_q_split_walks_each_head_in_order(reverse):
   """`Schedule.visit_q_split` visits each query head's blocks in increasing order (decreasing with
   ``reverse``, the one-pass backward's walk), the masked ones exactly where `visit_q_split`'s
-  ranges say, heads one after another (or, ``heads_inner``, each block for every head in
-  turn)."""
+  ranges say, heads one after another."""
   sched = Schedule(make_window(True, None), 8, 8)  # causal: the diagonal block is masked
   pos = Positions(jnp.int32(40), jnp.int32(40))
   lo, full_lo, full_hi, hi = (int(x) for x in sched.q_block_ranges(jnp.int32(8), pos))
@@ -489,10 +487,8 @@ def test_visit_q_split_walks_each_head_in_order(reverse, heads_inner):
 
   n, rows = sched.visit_q_split(jnp.int32(8), pos, body, (jnp.int32(0), jnp.zeros((12, 3),
                                                                                   jnp.int32)),
-                                repeat=2, reverse=reverse, heads_inner=heads_inner)
+                                repeat=2, reverse=reverse)
   blocks = list(range(lo, hi))[::-1] if reverse else list(range(lo, hi))
-  order = ([(g, i) for i in blocks for g in range(2)] if heads_inner
-           else [(g, i) for g in range(2) for i in blocks])
-  want = [(g, i, int(not full_lo <= i < full_hi)) for g, i in order]
+  want = [(g, i, int(not full_lo <= i < full_hi)) for g in range(2) for i in blocks]
   assert int(n) == len(want)
   assert [tuple(int(x) for x in row) for row in rows[:len(want)]] == want

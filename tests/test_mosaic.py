@@ -799,21 +799,6 @@ def test_tile_major_backward(deterministic):
         deterministic=deterministic, **random_lengths(2, 300, 300, 4, 1))
 
 
-@pytest.mark.parametrize("deterministic,walk", [
-    (True, dict(walk_down=True, heads_inner=True)),
-    pytest.param(True, dict(heads_inner=True), marks=variant),
-    pytest.param(False, dict(walk_down=True, heads_inner=True), marks=variant)])
-def test_backward_walks(deterministic, walk):
-  """The dK/dV kernel's other walks (`Backward.walk_down`, `Backward.heads_inner`: the query
-  blocks from the last one down, and each block for every head of a GQA group in turn), in the
-  two kernels or the atomic one pass: a causal band over several key and query tiles, GQA and
-  two batch rows with lengths of their own, against the reference."""
-  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
-      atomic=not deterministic, **walk))
-  check("mosaic", b=2, t=300, s=300, n=4, k=2, h=64, dtype=BF16, small=config, is_causal=True,
-        deterministic=deterministic, **random_lengths(2, 300, 300, 4, 2))
-
-
 @gpu  # (the interpreter runs each slice's call alike; compiled kernels once lost dQ in a loop)
 def test_atomic_backward_under_vmap():
   """The atomic backward's zeroed float32 array is made inside the backward: under vmap every

@@ -42,14 +42,7 @@ BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0)
              # A causal band's tiles launched by cost across every batch row and head
              # (`Backward.tile_major`), in the two kernels and in the atomic one pass.
              "tile_major": dict(tile_major=True),
-             "atomic_tile_major": dict(atomic=True, atomic_min_rows=0, tile_major=True),
-             # The dK/dV kernel's query blocks walked from the last one down, and each block
-             # for every head of a GQA group in turn (`Backward.walk_down`, `heads_inner`).
-             "walk_down": dict(walk_down=True),
-             "walk_down_heads_inner": dict(walk_down=True, heads_inner=True),
-             "atomic_walk_down": dict(atomic=True, atomic_min_rows=0, walk_down=True),
-             "atomic_walk_down_heads_inner": dict(atomic=True, atomic_min_rows=0,
-                                                  walk_down=True, heads_inner=True)}
+             "atomic_tile_major": dict(atomic=True, atomic_min_rows=0, tile_major=True)}
 
 
 def inputs(b, t, s, n, k, h, seed=0):

@@ -226,15 +226,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   cta_start = k_tile_index * keys_per_cta
   pos = _positions(lengths_ref, offsets_ref, batch)
   atomic = want_dq and dq_sum_ref is not None
-  # (The ordered one pass walks down to order its adds; elsewhere `Backward.walk_down` and
-  # `Backward.heads_inner` choose the walk, over contiguous ranges.)
-  reverse = want_dq and _WALK_DOWN and not atomic or config.walk_down
-  heads_inner = config.heads_inner and groups > 1
+  # (Unordered adds need no common start: each key tile of a causal band starts at its own
+  # diagonal block, so the tiles do not add to one block at the same time.)
+  reverse = want_dq and _WALK_DOWN and not atomic
   spans_of = None  # the schedule's ranges, or a block table's lists per head of the group
   if extras.lists is not None:
     lists = BlockLists(extras.lists)
     spans_of = lambda g: lists.spans(batch, kv_head * groups + g, k_tile_index)  # noqa: E731
-    reverse = heads_inner = False
 
   def slot_of(n):  # the ring slot of the n-th visit (over all heads of the group)
     return lax.rem(n, jnp.asarray(stages, n.dtype))
@@ -372,7 +370,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     if want_dq:
       carry["pending"] = _DqPart.nothing_pending()
     sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=groups, reverse=reverse,
-                                  spans_of=spans_of, heads_inner=heads_inner)
+                                  spans_of=spans_of)
     if want_dq:  # the other consumer's dQ products read this one's K tile until its last one
       plgpu.barrier_arrive(smem["k_done"])
       plgpu.barrier_wait(smem["k_done"])
@@ -445,11 +443,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
 
       @pl.loop(fwd._i32(0), visits)
       def _(n):
-        if heads_inner:
-          g, place = lax.rem(n, fwd._i32(groups)), lax.div(n, fwd._i32(groups))
-        else:
-          g = lax.div(n, jnp.maximum(count, 1))
-          place = lax.rem(n, jnp.maximum(count, 1))
+        g = lax.div(n, jnp.maximum(count, 1))
+        place = lax.rem(n, jnp.maximum(count, 1))
         load(n, g, hi - 1 - place if reverse else lo + place, None)
 
     fwd.observe_last_releases(visits, stages, q_free, do_free)
