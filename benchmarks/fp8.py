@@ -291,10 +291,19 @@ def _accuracy_backend(method, q, k, v, shape, implementation) -> str:
 def markdown(result: dict) -> str:
   lines = [f"# FP8 attention: {report.describe(result)}", "",
            "Forward TFLOP/s (4 B N S^2 D, half when causal); jaxflash_fp8: e4m3 with one descale "
-           "per (batch row, K/V head); _token: one per token.", "",
-           "| D | heads | causal | impl | config | ms | TFLOP/s | relerr |",
-           "|---|---|---|---|---|---|---|---|"]
-  for r in result["rows"]:
+           "per (batch row, K/V head); _token: one per token."]
+  names = list(report.runs(result))
+  if len(names) > 1:
+    lines += ["", f"Rows from several runs ({', '.join(names)}: the JSON's `runs`); where two "
+              "measured a cell, the later."]
+  lines += ["",
+            "| D | heads | causal | impl | config | ms | TFLOP/s | relerr |",
+            "|---|---|---|---|---|---|---|---|"]
+  # (In a file of several runs, each cell's latest: `report.current_rows`.)
+  cell = lambda r: (r["case"], r.get("D"), r.get("N"), r.get("causal"), r.get("impl"),  # noqa: E731
+                    r.get("config"), r.get("inputs"), r.get("method"))
+  rows = report.current_rows(result, key=cell)
+  for r in rows:
     if r["case"] != "speed":
       continue
     head = f"| {r['D']} | {r['N']} | {r['causal']} | {r['impl']} | {r.get('config') or ''} |"
@@ -305,7 +314,7 @@ def markdown(result: dict) -> str:
       lines.append(f"{head} {r['ms']:.3f} | {r['tflops']:.0f} | {r['relerr']:.1e}{wrong} |")
   lines += ["", "Accuracy: RMSE of the output against a float64 reference.", "",
             "| inputs | method | RMSE |", "|---|---|---|"]
-  for r in result["rows"]:
+  for r in rows:
     if r["case"] == "accuracy":
       lines.append(f"| {r['inputs']} | {r['method']} | "
                    f"{r['rmse']:.2e} |" if "rmse" in r else

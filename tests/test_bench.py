@@ -607,13 +607,18 @@ def test_fp8_smoke(tmp_path):
   assert rmse[("outliers", "fp8_rotated")] <= 0.5 * rmse[("outliers", "fp8")]
 
 
-def test_fp8_profile_smoke(monkeypatch):
-  """benchmarks/dev/fp8_profile.py (the call Nsight Compute profiles) on a tiny shape."""
-  import fp8_profile
+def test_profile_call_smoke():
+  """benchmarks/dev/profile_call.py (the call Nsight Compute profiles) on tiny shapes: the FP8
+  and bf16 forwards, and a GQA forward+backward that allows atomics."""
+  import profile_call
   for dtype in ("float8_e4m3fn", "bfloat16"):
-    monkeypatch.setattr(sys, "argv", ["fp8_profile.py", "--s", "64", "--d", "64", "--dtype",
-                                      dtype, "--causal"])
-    fp8_profile.main()
+    profile_call.main(["--s", "64", "--d", "64", "--dtype", dtype, "--causal"])
+  profile_call.main(["--s", "64", "--d", "64", "--dtype", "bfloat16", "--heads", "4",
+                     "--kv-heads", "2", "--grad", "--no-deterministic", "--causal"])
+  profile_call.main(["--s", "64", "--d", "64", "--dtype", "bfloat16", "--heads", "4",
+                     "--kv-heads", "2", "--grad", "--causal", "--backward", "tile_major=True"])
+  with pytest.raises(SystemExit):
+    profile_call.main(["--s", "64", "--d", "64", "--grad"])
 
 
 @pytest.mark.usefixtures("cuda_plugin")

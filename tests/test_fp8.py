@@ -265,6 +265,25 @@ def test_mosaic_fp8_kernel(block_size, overlap, poly_cols):
   assert rel_err(out, want) <= 0.03  # P in e4m3 (measured 1.7e-2)
 
 
+def test_transposed_values_take_the_operand_key_order():
+  """The compiled FP8 kernel's V ([B, K, Dv padded, keys padded to 128]) has each 16 keys in
+  `_FP8_KEY_ORDER`, the order of P's columns in its 8-bit operand; the launcher builds it by one
+  transpose (the interpreter, whose P V is a plain dot, keeps the keys in order), and padding
+  keys and features are zero. Only the compiled kernel reads this layout, so the CPU checks it
+  here against the order indexed directly."""
+  from jaxflash.backends.mosaic import forward
+  v = jax.random.normal(jax.random.key(0), (2, 150, 3, 80), jnp.float32)
+  got = forward._transposed_values(v, 128)
+  plain = forward._transposed_values(v, 128, permuted=False)
+  assert got.shape == plain.shape == (2, 3, 128, 256)
+  order = np.asarray(forward._FP8_KEY_ORDER)
+  want = np.asarray(plain).reshape(2, 3, 128, 16, 16)[..., order].reshape(plain.shape)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  np.testing.assert_array_equal(np.asarray(plain)[:, :, :80, :150],
+                                np.transpose(np.asarray(v), (0, 2, 3, 1)))
+  assert not np.asarray(plain)[:, :, 80:].any() and not np.asarray(plain)[..., 150:].any()
+
+
 def test_mosaic_declines_what_it_cannot_serve():
   from jaxflash.attention import attention_with_config
   from jaxflash.backends import mosaic
