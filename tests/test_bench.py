@@ -650,18 +650,15 @@ def test_ptxas_probe_compiles_ahead_of_time(tmp_path):
 @pytest.mark.usefixtures("cuda_plugin")
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs the CUDA toolkit's ptxas")
 def test_glue_audit_finds_no_gather_in_the_fp8_forward():
-  """benchmarks/dev/glue_audit.py compiles an FP8 forward and a padded head dim's training step
-  for a compile-only H100: the FP8 call is its kernel and one transpose of V (it was a gather,
-  195 us of a 2.4 ms call on an H200), and at D = 96 the pads and slices show."""
+  """benchmarks/dev/glue_audit.py compiles an FP8 forward for a compile-only H100: the call is
+  its kernel and one pass over V beside it, no gather (V's re-layout once was one, 195 us of a
+  2.4 ms call on an H200)."""
   import glue_audit
-  rows = glue_audit.main(["--cases", "fp8", "d96"])
-  fp8 = [r for r in rows if r["case"] == "fp8"]
-  assert [r["kind"] for r in fp8 if r["kernel"]] == ["jaxflash_mosaic_forward"]
-  assert not any("gather" in r["kind"] for r in fp8)
-  moved = sum(r["read"] + r["written"] for r in fp8 if not r["kernel"])
+  rows = glue_audit.main(["--cases", "fp8"])
+  assert [r["kind"] for r in rows if r["kernel"]] == ["jaxflash_mosaic_forward"]
+  assert not any("gather" in r["kind"] for r in rows)
+  moved = sum(r["read"] + r["written"] for r in rows if not r["kernel"])
   assert moved <= 2 * 16384 * 16 * 128 + 4096, moved  # V read and written once
-  d96 = [r["kind"] for r in rows if r["case"] == "d96" and not r["kernel"]]
-  assert sum("pad" in k for k in d96) == 4 and sum("slice" in k for k in d96) == 3, d96
 
 
 def test_forward_tiles_smoke():
