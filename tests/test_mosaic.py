@@ -799,6 +799,31 @@ def test_tile_major_backward(deterministic):
         deterministic=deterministic, **random_lengths(2, 300, 300, 4, 1))
 
 
+@pytest.mark.parametrize("deterministic,tile_major", [
+    (True, False), pytest.param(False, False, marks=variant),
+    pytest.param(False, True, marks=variant)])
+def test_backward_with_group_parts(deterministic, tile_major):
+  """`Backward.group_parts`: a K/V head's query heads split over two CTAs per key tile, whose
+  dK and dV sums are added after the kernel; the two kernels or the atomic one pass, launched
+  head by head or tile-major, GQA 4/1 and two batch rows with lengths of their own, a causal
+  band, against the reference."""
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
+      group_parts=2, tile_major=tile_major, atomic=not deterministic))
+  check("mosaic", b=2, t=300, s=300, n=4, k=1, h=64, dtype=BF16, small=config, is_causal=True,
+        deterministic=deterministic, **random_lengths(2, 300, 300, 4, 3))
+
+
+def test_group_parts_divide_the_group():
+  """`Backward.parts_of`: ``group_parts`` where it divides the group, else one CTA per key tile;
+  and it must be a positive int."""
+  parts = mosaic.Backward(group_parts=2)
+  assert (parts.parts_of(8), parts.parts_of(2), parts.parts_of(3), parts.parts_of(1)) == (
+      2, 2, 1, 1)
+  for bad in (0, -1, True):
+    with pytest.raises(ValueError, match="group_parts"):
+      mosaic.Backward(group_parts=bad)
+
+
 @gpu  # (the interpreter runs each slice's call alike; compiled kernels once lost dQ in a loop)
 def test_atomic_backward_under_vmap():
   """The atomic backward's zeroed float32 array is made inside the backward: under vmap every
@@ -968,6 +993,20 @@ def test_gqa_backward_lowers(causal):
   assert config.backward.tile_major == causal
   text = _lower(_gradients(config, is_causal=causal), q, kv, kv)
   assert _mosaic_kernels(text) == 3
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_group_parts_lower(deterministic):
+  """GQA's dK/dV split over two CTAs per key tile (`Backward.group_parts`) lowers for CUDA on
+  the shipped D = 128 causal tiles, in the two kernels and the atomic one pass."""
+  q = jax.ShapeDtypeStruct((2, 1000, 8, 128), BF16)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), BF16)
+  config = mosaic.default_config(128, BF16, True, 1000, "NVIDIA H200", groups=4)
+  config = dataclasses.replace(config, backward=dataclasses.replace(config.backward,
+                                                                    group_parts=2))
+  text = _lower(_gradients(config, is_causal=True, deterministic=deterministic), q, kv, kv)
+  assert _mosaic_kernels(text) == (3 if deterministic else 2)
 
 
 @needs_cuda_plugin

@@ -42,7 +42,14 @@ BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0)
              # A causal band's tiles launched by cost across every batch row and head
              # (`Backward.tile_major`), in the two kernels and in the atomic one pass.
              "tile_major": dict(tile_major=True),
-             "atomic_tile_major": dict(atomic=True, atomic_min_rows=0, tile_major=True)}
+             "atomic_tile_major": dict(atomic=True, atomic_min_rows=0, tile_major=True),
+             # A GQA group's query heads over two CTAs per key tile (`Backward.group_parts`),
+             # launched head by head (fewer query heads' dQ sums live at once) or tile-major.
+             "parts2": dict(group_parts=2, tile_major=False),
+             "atomic_parts2": dict(atomic=True, atomic_min_rows=0, group_parts=2,
+                                   tile_major=False),
+             "atomic_parts2_tile_major": dict(atomic=True, atomic_min_rows=0, group_parts=2,
+                                              tile_major=True)}
 
 
 def inputs(b, t, s, n, k, h, seed=0):

@@ -118,6 +118,11 @@ CONFIGS = {
     # registers), where the MHA one pass spills nothing.
     "bwd_d128_gqa_atomic_shipped": Probe(128, True, dict(backward=dict(
         atomic=True, atomic_registers=240, tile_major=True)), deterministic=False, kv_heads=1),
+    # A group's query heads over two CTAs per key tile (`Backward.group_parts`), launched head
+    # by head, in the two kernels and the shipped atomic one pass's registers.
+    "bwd_d128_gqa_parts2": Probe(128, True, dict(backward=dict(group_parts=2)), kv_heads=1),
+    "bwd_d128_gqa_atomic_parts2": Probe(128, True, dict(backward=dict(
+        atomic=True, atomic_registers=240, group_parts=2)), deterministic=False, kv_heads=1),
     # MLA's 192/128 backward: the shipped one pass on 32-row query tiles with 240 registers.
     "bwd_mla": Probe(192, True, dict(block_kv=64, backward=dict(
         split_dkv=False, dkv_block_q=32, registers=240)), 128),

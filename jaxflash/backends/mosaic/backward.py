@@ -193,14 +193,16 @@ def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then):
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, offsets_ref,
                 first_ref, extras: fwd._Extras, dq_sum_ref, out: dict, smem: dict, *,
                 params: Params, config: Backward, schedule: Schedule, groups: int,
-                grads: tuple[str, ...], sem_shape: tuple[int, ...] | None):
+                grads: tuple[str, ...], sem_shape: tuple[int, ...] | None, parts: int = 1):
   """``grads`` names what this pass accumulates: ``("dk", "dv")``, one of them (head dims above
   128, where one accumulator of 64 x D float32 is all a warpgroup's registers hold next to the
   scores; a dV-only pass needs neither V nor delta, and skips dPᵀ), or ``("dk", "dv", "dq")``,
   the one-pass kernel. Its ordered form writes ``out["dq"]``, with ``sem_shape`` counters
   (batch, head, query block, consumer) and ``first_ref``, the first key tile to visit each
   (batch row, query block) (`_first_visitors`); its atomic form adds into ``dq_sum_ref``, a
-  zeroed float32 array it updates in place (and ``first_ref`` is None)."""
+  zeroed float32 array it updates in place (and ``first_ref`` is None). With ``parts`` above 1
+  (`Backward.group_parts`) a CTA takes one of ``parts`` equal shares of its K/V head's query
+  heads, and writes its dK and dV sums to ``out[name][part]`` for the caller to add up."""
   sems = None
   if sem_shape is not None:
     # Shared by every CTA (scratch semaphores would be each CTA's own), zero at each call.
@@ -211,17 +213,20 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   kv_ready, q_free, do_free = smem["kv_ready"], smem["q_free"], smem["do_free"]
   hp, hv = k_smem.shape[-1], do_smem.shape[-1]
   wg = lax.axis_index("wg")
-  kv_head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+  cta_head, batch = lax.axis_index("heads"), lax.axis_index("batch")  # (K/V head, part)
   k_tile_index = lax.axis_index("k_tiles")
   # (The grid's sizes from the operands: k_ref's rows are padded to a multiple of 8 only.)
   b_size, _, heads_size, _ = k_ref.shape
   k_tiles = pl.cdiv(k_ref.shape[1], _CONSUMERS * _KEYS)
-  linear = fwd.launch_place(kv_head, k_tile_index, batch, k_tiles, b_size)
-  if extras.order is not None:  # a block table's key tiles, heaviest first
-    batch, kv_head, k_tile_index = fwd.ordered(extras.order, linear, heads_size, k_tiles)
+  linear = fwd.launch_place(cta_head, k_tile_index, batch, k_tiles, b_size)
+  if extras.order is not None:  # a block table's key tiles, heaviest first (one part)
+    batch, cta_head, k_tile_index = fwd.ordered(extras.order, linear, heads_size, k_tiles)
   elif config.tile_major and schedule.window.right is not None:
     # (A causal band's first key tiles see the most query rows: rank r is key tile r.)
-    batch, kv_head, k_tile_index = _tile_major(linear, heads_size, b_size)
+    batch, cta_head, k_tile_index = _tile_major(linear, heads_size * parts, b_size)
+  kv_head, part = lax.div(cta_head, fwd._i32(parts)), lax.rem(cta_head, fwd._i32(parts))
+  heads_here = groups // parts  # the query heads this CTA visits, from first_head on
+  first_head = kv_head * groups + part * heads_here
   keys_per_cta = _CONSUMERS * _KEYS
   cta_start = k_tile_index * keys_per_cta
   pos = _positions(lengths_ref, offsets_ref, batch)
@@ -232,7 +237,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   spans_of = None  # the schedule's ranges, or a block table's lists per head of the group
   if extras.lists is not None:
     lists = BlockLists(extras.lists)
-    spans_of = lambda g: lists.spans(batch, kv_head * groups + g, k_tile_index)  # noqa: E731
+    spans_of = lambda g: lists.spans(batch, first_head + g, k_tile_index)  # noqa: E731
 
   def slot_of(n):  # the ring slot of the n-th visit (over all heads of the group)
     return lax.rem(n, jnp.asarray(stages, n.dtype))
@@ -267,7 +272,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
 
     def step(n, g, i, carry, masked: bool):
       slot = slot_of(n)
-      head = kv_head * groups + g
+      head = first_head + g
       q_start = i * block_q
       # (Index vectors are built only where they are used: Mosaic GPU's layout inference
       # fails on a vector that nothing reads.)
@@ -369,12 +374,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
                                      plgpu.Layout.WGMMA) for name in grads if name != "dq"}
     if want_dq:
       carry["pending"] = _DqPart.nothing_pending()
-    sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=groups, reverse=reverse,
-                                  spans_of=spans_of)
+    sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=heads_here,
+                                  reverse=reverse, spans_of=spans_of)
     if want_dq:  # the other consumer's dQ products read this one's K tile until its last one
       plgpu.barrier_arrive(smem["k_done"])
       plgpu.barrier_wait(smem["k_done"])
     results = {"dk": sums["dk"] * params.scale} if want_dk else {}
+    # (Where this CTA's sums go: its part's slice of the outputs when the group is split.)
+    place = ((lambda ref: ref.at[part, batch, keys, kv_head]) if parts > 1
+             else (lambda ref: ref.at[batch, keys, kv_head]))
     if want_dv:
       results["dv"] = sums["dv"]
     if params.partial:
@@ -390,7 +398,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
             fwd._emit(mgpu.utils.warpgroup_barrier)
         stage[...] = results[name]
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage, out[name].at[batch, keys, kv_head])
+        plgpu.copy_smem_to_gmem(stage, place(out[name]))
     else:
       # K and V are read no more: dK and dV go out through their tiles (dV through K's when the
       # pass has no V, or a tile of its own where V's head dim is not K's).
@@ -401,7 +409,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       plgpu.commit_smem()
       for name in ("dk", "dv"):
         if name in results:
-          plgpu.copy_smem_to_gmem(out_tiles[name], out[name].at[batch, keys, kv_head])
+          plgpu.copy_smem_to_gmem(out_tiles[name], place(out[name]))
     plgpu.wait_smem_to_gmem(0)
     if want_dq:
       dq_part.release(sums["pending"])
@@ -413,7 +421,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     def load(n, g, i, carry, masked=None):
       del masked
       slot = slot_of(n)
-      head = kv_head * groups + g
+      head = first_head + g
       rows = pl.ds(i * block_q, block_q)
       refill = n >= stages  # the first pass round the ring finds it free
       pl.when(refill)(lambda: plgpu.barrier_wait(q_free.at[slot]))
@@ -431,15 +439,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
 
     if spans_of is not None:  # a block table's lists: the consumers' walk, visit by visit
       visits = schedule.visit_q_split(cta_start, pos, lambda n, g, i, c, masked: c + 1,
-                                      fwd._i32(0), repeat=groups, spans_of=spans_of)
-      schedule.visit_q_split(cta_start, pos, load, None, repeat=groups, spans_of=spans_of)
+                                      fwd._i32(0), repeat=heads_here, spans_of=spans_of)
+      schedule.visit_q_split(cta_start, pos, load, None, repeat=heads_here, spans_of=spans_of)
     else:
       # One flat loop over the visits (the consumers' masked and unmasked spans walk the same
       # tiles). Against the consumers' three loops, ptxas spilled 76 bytes instead of 92 at
       # head dim 128, and the kernel's time did not change beyond the noise (H200, 2026-11-22).
       lo, _, _, hi = schedule.q_block_ranges(cta_start, pos)
       count = jnp.maximum(hi - lo, 0)  # query blocks per head of the group
-      visits = groups * count
+      visits = heads_here * count
 
       @pl.loop(fwd._i32(0), visits)
       def _(n):
@@ -609,6 +617,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   # kernel's tiles are [keys, queries].
   extras = fwd.with_lists(extras, inputs, params, block_q, keys_per_cta, transpose=True)
   extras = fwd.with_order(extras, inputs, groups)
+  parts = config.parts_of(groups) if extras.order is None else 1
   if inputs.score_bands is not None:
     extras = extras._replace(score_band=fwd.pad_band(inputs.score_bands, inputs.query.shape[1]))
   if extras.mask is not None:
@@ -643,8 +652,9 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   elif hv != hp:  # dV on the way out of a dV-only pass, where K's tile has another width
     smem["dv"] = tile((_CONSUMERS, _KEYS, hv), v.dtype)
   grad_dtype = jnp.float32 if params.partial else k.dtype
-  out_type = {"dk": _core.out_struct(k.shape, grad_dtype, q),
-              "dv": _core.out_struct(v.shape, grad_dtype, q)}
+  part_axis = (parts,) if parts > 1 else ()  # (each part's sums, added up below)
+  out_type = {"dk": _core.out_struct(part_axis + k.shape, grad_dtype, q),
+              "dv": _core.out_struct(part_axis + v.shape, grad_dtype, q)}
   if params.partial:  # each consumer's float32 dK and dV on the way out (`unsupported`: hv == hp)
     smem["out32"] = plgpu.SMEM((_CONSUMERS, _KEYS, hp), jnp.float32)
   sem_shape = first = None
@@ -669,7 +679,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
         sem_shape = (b, q.shape[2], t_pad // block_q, _CONSUMERS)
       first = _first_visitors(schedule, inputs, t_pad // block_q)
   kernel = functools.partial(_dkv_kernel, params=params, config=config, schedule=schedule,
-                             groups=groups, grads=grads, sem_shape=sem_shape)
+                             groups=groups, grads=grads, sem_shape=sem_shape, parts=parts)
   # Pallas walks the grid row-major, batch fastest: with a causal band the first key tiles,
   # which see the most query rows, launch first, and each key tile launches after the one
   # before it of the same batch row and head (the one-pass kernel's dQ adds rely on it).
@@ -678,7 +688,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
       kernel,
       out_type=out_type,
       scratch_types=(smem,),
-      grid=(kv_heads, k_tiles, b),
+      grid=(kv_heads * parts, k_tiles, b),
       grid_names=("heads", "k_tiles", "batch"),
       num_threads=_CONSUMERS + 1,
       thread_name="wg",
@@ -690,14 +700,23 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   if atomic:
     grads_out = _with_zeroed_sum(run, operands, dq_shape, out_type)
     grads_out["dq"] = (grads_out["dq"] * params.scale).astype(q.dtype)
-    return grads_out
-  grads_out = run(*operands, None)
+    return _added_parts(grads_out, parts)
+  grads_out = _added_parts(run(*operands, None), parts)
   if want_dq:
     # Scaled, and zero in the query blocks that no key tile visits: their rows see no key, and
     # the kernel never writes them.
     visited = jnp.repeat(first < k_tiles, block_q, axis=1)[:, :, None, None]
     grads_out["dq"] = (jnp.where(visited, grads_out["dq"], 0.0) * params.scale).astype(q.dtype)
   return grads_out
+
+
+def _added_parts(grads: dict, parts: int) -> dict:
+  """``grads`` with dK and dV summed over their leading axis of ``parts`` (`Backward.
+  group_parts`), in float32 and in a fixed order."""
+  if parts == 1:
+    return grads
+  return {name: x.astype(jnp.float32).sum(0).astype(x.dtype) if name in ("dk", "dv") else x
+          for name, x in grads.items()}
 
 
 def _dkv_name(grads, atomic: bool) -> str:

@@ -53,7 +53,18 @@ class Backward:
   launch puts the end 1.24x after an even share, 1.01x with the heaviest tiles of every head
   first). ``tile_major`` launches the tiles by cost across every (batch row, head) instead:
   each key (or query) tile rank of all of them, heaviest first. GQA calls with a causal band
-  at D = 128 take it (`GQA_BACKWARD`, measured 6% faster at 8k on an H200)."""
+  at D = 128 take it (`GQA_BACKWARD`, measured 6% faster at 8k on an H200).
+
+  Under GQA each dK/dV CTA visits every query head of its K/V head's group, so the CTAs at work
+  add into the dQ sums of many query heads at once (tile-major: all of them), more than the L2
+  holds: the atomic one pass for Llama's 64/8 at 8k reads 2 TB/s from DRAM with a 62% L2 hit
+  rate, MHA's 0.28 TB/s and 95% (ncu, H200, 2026-11-28). ``group_parts`` splits a group's query
+  heads over that many CTAs per key tile (it must divide the group; otherwise, and with a block
+  table, one), each summing dK and dV over its share into an output of its own that XLA adds
+  up in float32 in a fixed order (K and V are the group's size smaller than Q, so this is
+  cheap): twice the CTAs at half the work each, so a head-by-head launch keeps fewer query
+  heads' sums live while its tail stays short. Built 2026-11-28 without a GPU; no tuned cell
+  sets it until it is measured."""
 
   dkv_block_q: int = 64
   dkv_stages: int = 2
@@ -75,6 +86,7 @@ class Backward:
   atomic_min_rows: int = 0
   atomic_registers: int | None = None
   tile_major: bool = False
+  group_parts: int = 1
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -89,6 +101,13 @@ class Backward:
       value = getattr(self, name)
       if value is not None and value not in (232, 240):
         raise ValueError(f"{name} must be 232 or 240, got {value}")
+    if isinstance(self.group_parts, bool) or self.group_parts < 1:
+      raise ValueError(f"group_parts must be a positive int, got {self.group_parts!r}")
+
+  def parts_of(self, groups: int) -> int:
+    """CTAs per key tile that share a K/V head's ``groups`` query heads (`group_parts` where it
+    divides them, else 1)."""
+    return self.group_parts if groups % self.group_parts == 0 else 1
 
   def atomic_pass(self) -> Backward:
     """The tiles of the atomic one pass (its own register count)."""
