@@ -124,6 +124,20 @@ def attention_fn(impl: str, causal: bool, interpret: bool = False, config=None) 
   raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
 
 
+def mosaic_config(head_dim: int, causal: bool, q_len: int, *, groups: int = 1,
+                  value_dim: int | None = None, interpret: bool = False, backward=()):
+  """The Mosaic backend's shipped config for a bf16 call (``groups`` query heads per K/V head,
+  which `GQA_BACKWARD` reads) on this GPU, or the H200's in the interpreter, with
+  ``backward``'s `mosaic.Backward` fields over its backward's (None: the Triton backward)."""
+  from jaxflash.backends import mosaic
+  kind = "NVIDIA H200" if interpret else jax.devices()[0].device_kind
+  config = mosaic.default_config(head_dim, jnp.bfloat16, causal, q_len, kind, groups=groups,
+                                 value_dim=value_dim)
+  fields = dict(backward) if backward is not None else None
+  return dataclasses.replace(config, backward=None if fields is None else dataclasses.replace(
+      config.backward, **fields))
+
+
 def skip_reason(impl: str, case: Case) -> str | None:
   """Why ``impl`` does not apply to ``case`` (nothing is compiled then), or None."""
   if impl == "pallas_mha" and case.k != case.n:

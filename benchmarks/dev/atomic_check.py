@@ -10,7 +10,6 @@ timing of backward variants (`BACKWARDS`) next to cuDNN's default and determinis
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -21,10 +20,9 @@ import numpy as np
 
 import jaxflash
 from jaxflash.attention import attention_with_config
-from jaxflash.backends import mosaic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cases import grad_fn, time_call  # noqa: E402
+from cases import grad_fn, mosaic_config, time_call  # noqa: E402
 from report import environment  # noqa: E402
 
 # (B, T, S, N, K, H, causal): lengths off the tiles, T != S, GQA, head dims 40/64/96/128.
@@ -79,10 +77,8 @@ def variant_fn(name, h, causal, q_len, groups=1, interpret=False):
   """The Mosaic backend with `BACKWARDS`'s ``name`` over the call's default tiles for
   ``groups`` query heads per K/V head (the atomic variants with deterministic=False); the
   interpreter takes the H200's tiles."""
-  kind = "NVIDIA H200" if interpret else jax.devices()[0].device_kind
-  config = mosaic.default_config(h, jnp.bfloat16, causal, q_len, kind, groups=groups)
-  config = dataclasses.replace(config, backward=dataclasses.replace(config.backward,
-                                                                    **BACKWARDS[name]))
+  config = mosaic_config(h, causal, q_len, groups=groups, interpret=interpret,
+                         backward=BACKWARDS[name])
   return mosaic_fn(causal, not name.startswith("atomic"), config, interpret)
 
 

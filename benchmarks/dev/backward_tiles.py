@@ -20,7 +20,6 @@ kernels are named in a profile):
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -30,13 +29,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cases import grad_fn, time_calls  # noqa: E402
+from cases import grad_fn, mosaic_config, time_calls  # noqa: E402
 from forward_tiles import (block_pattern, emit, parse_args, random_qkv,  # noqa: E402
                            write_rows)
 from mask_parts import kernel_ms  # noqa: E402
 
 from jaxflash.attention import attention_with_config  # noqa: E402
-from jaxflash.backends import mosaic  # noqa: E402
 from jaxflash.reference import reference_attention  # noqa: E402
 
 # `mosaic.Backward` fields over the shipped config's; "triton" runs the Triton backward.
@@ -86,17 +84,13 @@ def main(argv=None) -> list[dict]:
       heads(q), heads(k), heads(v), heads(d_out))
   entries = b * n * visible
   bwd_flops = 2.0 * (3 * args.h + 2 * args.dv) * entries
-  kind = "NVIDIA H200" if args.smoke else jax.devices()[0].device_kind
-  shipped = mosaic.default_config(args.h, jnp.bfloat16, causal, s, kind,
-                                  value_dim=args.dv)
   rows = []
   for name in args.variants:
     row = dict(variant=name, H=args.h, Dv=args.dv, N=n, K=args.kv_heads or n, S=s, B=b,
                causal=args.causal)
     try:
-      fields = VARIANTS[name]
-      backward = None if fields is None else dataclasses.replace(shipped.backward, **fields)
-      config = dataclasses.replace(shipped, backward=backward)
+      config = mosaic_config(args.h, causal, s, groups=group, value_dim=args.dv,
+                             interpret=args.smoke, backward=VARIANTS[name])
       fn = lambda q, k, v, config=config: attention_with_config(  # noqa: E731
           q, k, v, config=config, implementation="mosaic", interpret=args.smoke, **pattern)
       grads = grad_fn(fn)

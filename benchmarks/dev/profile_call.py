@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 import jaxflash
 from jaxflash.attention import attention_with_config
-from jaxflash.backends import mosaic
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cases import mosaic_config  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,15 +64,13 @@ def main(argv: list[str] | None = None) -> None:
     operands, options = (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
 
   config = None
+  # (Without a GPU, the H200's tiles in Mosaic GPU's interpreter: the CPU smoke test.)
+  interpret = jax.default_backend() != "gpu"
   if args.backward:
     fields = {key: ast.literal_eval(value)
               for key, value in (field.split("=", 1) for field in args.backward)}
-    # (Without a GPU, the H200's tiles in Mosaic GPU's interpreter: the CPU smoke test.)
-    interpret = jax.default_backend() != "gpu"
-    kind = "NVIDIA H200" if interpret else jax.devices()[0].device_kind
-    config = mosaic.default_config(args.d, jnp.bfloat16, args.causal, args.s, kind,
-                                   groups=n // kv)
-    config = dataclasses.replace(config, backward=dataclasses.replace(config.backward, **fields))
+    config = mosaic_config(args.d, args.causal, args.s, groups=n // kv, interpret=interpret,
+                           backward=fields)
 
   def call(q, k, v, options):
     if config is not None:

@@ -224,7 +224,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   elif config.tile_major and schedule.window.right is not None:
     # (A causal band's first key tiles see the most query rows: rank r is key tile r.)
     batch, cta_head, k_tile_index = _tile_major(linear, heads_size * parts, b_size)
-  kv_head, part = lax.div(cta_head, fwd._i32(parts)), lax.rem(cta_head, fwd._i32(parts))
+  kv_head, part = cta_head, 0  # (one part: the kernel as without `Backward.group_parts`)
+  if parts > 1:
+    kv_head, part = lax.div(cta_head, fwd._i32(parts)), lax.rem(cta_head, fwd._i32(parts))
   heads_here = groups // parts  # the query heads this CTA visits, from first_head on
   first_head = kv_head * groups + part * heads_here
   keys_per_cta = _CONSUMERS * _KEYS
