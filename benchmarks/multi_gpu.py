@@ -377,8 +377,8 @@ def main(argv=None) -> dict:
                       default=["Auto", "Explicit"])
   parser.add_argument("--ring-chunks", type=int, nargs="*", default=[16384],
                       help="ring attention: tokens per device (none: skip the ring)")
-  parser.add_argument("--ring-causal", type=lambda x: x == "causal", nargs="+",
-                      default=[False, True], metavar="{causal,full}",
+  parser.add_argument("--ring-causal", nargs="+", choices=("causal", "full"),
+                      default=["full", "causal"],
                       help="ring attention: causal (--ring-causal-layouts) and/or full "
                            "(contiguous)")
   parser.add_argument("--ring-causal-layouts", nargs="+", choices=("zigzag", "striped"),
@@ -398,6 +398,7 @@ def main(argv=None) -> dict:
                       "for n devices); a .md table is written next to it")
   args = parser.parse_args(argv)
   cfg = dict(vars(args))
+  cfg["ring_causal"] = [word == "causal" for word in args.ring_causal]
   if args.smoke:
     cfg.update(per_device_batch=1, seq=64, heads=2, head_dim=16, dtype="float32", calls=1,
                repeats=1, tolerance=1e-4, impls=["jaxflash_xla", "xla"], ring_chunks=[32])

@@ -47,6 +47,12 @@ BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0)
              "atomic_parts2": dict(atomic=True, atomic_min_rows=0, group_parts=2,
                                    tile_major=False),
              "atomic_parts2_tile_major": dict(atomic=True, atomic_min_rows=0, group_parts=2,
+                                              tile_major=True),
+             "parts2_tile_major": dict(group_parts=2, tile_major=True),
+             "parts4_tile_major": dict(group_parts=4, tile_major=True),
+             "atomic_parts4": dict(atomic=True, atomic_min_rows=0, group_parts=4,
+                                   tile_major=False),
+             "atomic_parts4_tile_major": dict(atomic=True, atomic_min_rows=0, group_parts=4,
                                               tile_major=True)}
 
 
