@@ -799,16 +799,17 @@ def test_tile_major_backward(deterministic):
         deterministic=deterministic, **random_lengths(2, 300, 300, 4, 1))
 
 
-@pytest.mark.parametrize("deterministic,tile_major", [
-    (True, False), pytest.param(False, False, marks=variant),
-    pytest.param(False, True, marks=variant)])
-def test_backward_with_group_parts(deterministic, tile_major):
-  """`Backward.group_parts`: a K/V head's query heads split over two CTAs per key tile, whose
+@pytest.mark.parametrize("deterministic,tile_major,parts", [
+    (True, False, 2), (False, False, 4), pytest.param(False, False, 2, marks=variant),
+    pytest.param(False, True, 2, marks=variant)])
+def test_backward_with_group_parts(deterministic, tile_major, parts):
+  """`Backward.group_parts`: a K/V head's query heads split over two or four CTAs per key tile
+  (four: one query head each, as the shipped atomic one pass for GQA with a causal band), whose
   dK and dV sums are added after the kernel; the two kernels or the atomic one pass, launched
   head by head or tile-major, GQA 4/1 and two batch rows with lengths of their own, a causal
   band, against the reference."""
   config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
-      group_parts=2, tile_major=tile_major, atomic=not deterministic))
+      group_parts=parts, tile_major=tile_major, atomic=not deterministic))
   check("mosaic", b=2, t=300, s=300, n=4, k=1, h=64, dtype=BF16, small=config, is_causal=True,
         deterministic=deterministic, **random_lengths(2, 300, 300, 4, 3))
 
@@ -819,9 +820,22 @@ def test_group_parts_divide_the_group():
   parts = mosaic.Backward(group_parts=2)
   assert (parts.parts_of(8), parts.parts_of(2), parts.parts_of(3), parts.parts_of(1)) == (
       2, 2, 1, 1)
-  for bad in (0, -1, True):
+  for bad in (0, -1, True, None, 2.0):
     with pytest.raises(ValueError, match="group_parts"):
       mosaic.Backward(group_parts=bad)
+  for bad in (0, True):
+    with pytest.raises(ValueError, match="atomic_group_parts"):
+      mosaic.Backward(atomic_group_parts=bad)
+
+
+def test_atomic_pass_takes_its_own_fields():
+  """`Backward.atomic_pass`: the atomic one pass's own register count, launch order and parts
+  where set, the shared ones where None."""
+  shared = mosaic.Backward(registers=232, tile_major=True, group_parts=2)
+  assert shared.atomic_pass() == shared
+  own = dataclasses.replace(shared, atomic_registers=240, atomic_tile_major=False,
+                            atomic_group_parts=4).atomic_pass()
+  assert (own.registers, own.tile_major, own.group_parts) == (240, False, 4)
 
 
 @gpu  # (the interpreter runs each slice's call alike; compiled kernels once lost dQ in a loop)
@@ -954,14 +968,20 @@ def test_gqa_calls_take_their_backward_registers():
 
 
 def test_gqa_causal_calls_launch_tile_major():
-  """GQA with a causal band at D = 128 launches its backward tiles by cost across every batch
-  row and head (`GQA_BACKWARD`, measured faster); MHA and calls without a band keep the
-  head-by-head order."""
-  def tile_major(n, k, causal):
-    return _shipped_backward(n, k, causal).tile_major
+  """GQA with a causal band at D = 128 launches its deterministic backward tiles by cost across
+  every batch row and head, and its atomic one pass head by head with each group over four
+  CTAs per key tile (`GQA_BACKWARD`, both measured faster); MHA and calls without a band keep
+  the head-by-head order on one CTA per key tile."""
+  def launch(n, k, causal):
+    tiles = _shipped_backward(n, k, causal)
+    atomic = tiles.atomic_pass()
+    return (tiles.tile_major, tiles.parts_of(n // k), atomic.tile_major,
+            atomic.parts_of(n // k))
 
-  assert tile_major(8, 2, True) and tile_major(8, 1, True)
-  assert not tile_major(8, 8, True) and not tile_major(8, 2, False)
+  assert launch(8, 2, True) == launch(8, 1, True) == (True, 1, False, 4)
+  assert launch(64, 8, True) == (True, 1, False, 4)
+  assert launch(8, 4, True) == (True, 1, False, 1)  # (four parts do not divide a group of 2)
+  assert launch(8, 8, True) == launch(8, 2, False) == (False, 1, False, 1)
 
 
 def test_gqa_calls_take_the_atomic_pass():
@@ -998,8 +1018,9 @@ def test_gqa_backward_lowers(causal):
 @needs_cuda_plugin
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_group_parts_lower(deterministic):
-  """GQA's dK/dV split over two CTAs per key tile (`Backward.group_parts`) lowers for CUDA on
-  the shipped D = 128 causal tiles, in the two kernels and the atomic one pass."""
+  """GQA's dK/dV split over several CTAs per key tile (`Backward.group_parts`) lowers for CUDA
+  on the shipped D = 128 causal tiles: two parts in the two kernels, and the shipped atomic
+  one pass (its own four parts, `atomic_group_parts`, win over the two)."""
   q = jax.ShapeDtypeStruct((2, 1000, 8, 128), BF16)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), BF16)
   config = mosaic.default_config(128, BF16, True, 1000, "NVIDIA H200", groups=4)

@@ -38,22 +38,21 @@ BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0)
              "atomic_r240": dict(atomic=True, atomic_min_rows=0, atomic_registers=240),
              "ordered_one_pass": dict(one_pass=True),
              # A causal band's tiles launched by cost across every batch row and head
-             # (`Backward.tile_major`), in the two kernels and in the atomic one pass.
+             # (`Backward.tile_major`), in the two kernels and in the atomic one pass (whose
+             # own fields, `atomic_tile_major` and `atomic_group_parts`, win over the shipped
+             # ones).
              "tile_major": dict(tile_major=True),
-             "atomic_tile_major": dict(atomic=True, atomic_min_rows=0, tile_major=True),
-             # A GQA group's query heads over two CTAs per key tile (`Backward.group_parts`),
-             # launched head by head (fewer query heads' dQ sums live at once) or tile-major.
+             "atomic_tile_major": dict(atomic=True, atomic_min_rows=0, atomic_tile_major=True,
+                                       atomic_group_parts=1),
+             # A GQA group's query heads over two or four CTAs per key tile
+             # (`Backward.group_parts`), launched head by head (fewer query heads' dQ sums live
+             # at once) or tile-major.
              "parts2": dict(group_parts=2, tile_major=False),
-             "atomic_parts2": dict(atomic=True, atomic_min_rows=0, group_parts=2,
-                                   tile_major=False),
-             "atomic_parts2_tile_major": dict(atomic=True, atomic_min_rows=0, group_parts=2,
-                                              tile_major=True),
              "parts2_tile_major": dict(group_parts=2, tile_major=True),
              "parts4_tile_major": dict(group_parts=4, tile_major=True),
-             "atomic_parts4": dict(atomic=True, atomic_min_rows=0, group_parts=4,
-                                   tile_major=False),
-             "atomic_parts4_tile_major": dict(atomic=True, atomic_min_rows=0, group_parts=4,
-                                              tile_major=True)}
+             **{f"atomic_parts{n}{suffix}": dict(atomic=True, atomic_min_rows=0,
+                                                 atomic_group_parts=n, atomic_tile_major=major)
+                for n in (2, 4) for suffix, major in (("", False), ("_tile_major", True))}}
 
 
 def inputs(b, t, s, n, k, h, seed=0):

@@ -114,9 +114,13 @@ CONFIGS = {
     "bwd_d128_gqa_tile_major": Probe(128, True, dict(backward=dict(tile_major=True)),
                                      kv_heads=1),
     # The shipped GQA causal tiles under deterministic=False: the one pass on 240 registers
-    # (`ATOMIC_TUNED`), launched tile-major (`GQA_BACKWARD`). It spills 16 bytes (24 at 232
-    # registers), where the MHA one pass spills nothing.
+    # (`ATOMIC_TUNED`), each group over four CTAs per key tile launched head by head
+    # (`GQA_BACKWARD`, since 2026-11-28; tile-major with one part before, which spilled 16
+    # bytes, 24 at 232 registers, where the MHA one pass spills nothing).
     "bwd_d128_gqa_atomic_shipped": Probe(128, True, dict(backward=dict(
+        atomic=True, atomic_registers=240, tile_major=True, atomic_tile_major=False,
+        atomic_group_parts=4)), deterministic=False, kv_heads=1),
+    "bwd_d128_gqa_atomic_tile_major_r240": Probe(128, True, dict(backward=dict(
         atomic=True, atomic_registers=240, tile_major=True)), deterministic=False, kv_heads=1),
     # A group's query heads over two CTAs per key tile (`Backward.group_parts`), launched head
     # by head, in the two kernels and the shipped atomic one pass's registers.

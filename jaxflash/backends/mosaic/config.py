@@ -63,8 +63,11 @@ class Backward:
   table, one), each summing dK and dV over its share into an output of its own that XLA adds
   up in float32 in a fixed order (K and V are the group's size smaller than Q, so this is
   cheap): twice the CTAs at half the work each, so a head-by-head launch keeps fewer query
-  heads' sums live while its tail stays short. Built 2026-11-28 without a GPU; no tuned cell
-  sets it until it is measured."""
+  heads' sums live while its tail stays short. ``atomic_group_parts`` and ``atomic_tile_major``
+  (None: ``group_parts``, ``tile_major``) are the atomic one pass's own: GQA with a causal band
+  at D = 128 takes four parts head by head there and keeps one part tile-major in the
+  deterministic kernels (`GQA_BACKWARD`; measured, H200 2026-11-28: the atomic one pass's L2
+  hit rate 95% against 63%, 4-6% faster; the two kernels level)."""
 
   dkv_block_q: int = 64
   dkv_stages: int = 2
@@ -87,6 +90,8 @@ class Backward:
   atomic_registers: int | None = None
   tile_major: bool = False
   group_parts: int = 1
+  atomic_tile_major: bool | None = None
+  atomic_group_parts: int | None = None
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -101,8 +106,12 @@ class Backward:
       value = getattr(self, name)
       if value is not None and value not in (232, 240):
         raise ValueError(f"{name} must be 232 or 240, got {value}")
-    if isinstance(self.group_parts, bool) or self.group_parts < 1:
-      raise ValueError(f"group_parts must be a positive int, got {self.group_parts!r}")
+    for name in ("group_parts", "atomic_group_parts"):
+      value = getattr(self, name)
+      if name == "atomic_group_parts" and value is None:
+        continue
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
   def parts_of(self, groups: int) -> int:
     """CTAs per key tile that share a K/V head's ``groups`` query heads (`group_parts` where it
@@ -110,8 +119,12 @@ class Backward:
     return self.group_parts if groups % self.group_parts == 0 else 1
 
   def atomic_pass(self) -> Backward:
-    """The tiles of the atomic one pass (its own register count)."""
-    return dataclasses.replace(self, registers=self.atomic_registers or self.registers)
+    """The tiles of the atomic one pass (its own register count, launch order and parts)."""
+    def own(field):
+      value = getattr(self, f"atomic_{field}")
+      return getattr(self, field) if value is None else value
+    return dataclasses.replace(self, registers=own("registers"), tile_major=own("tile_major"),
+                               group_parts=own("group_parts"))
 
   def dv_pass(self) -> Backward:
     """The tiles of the dV pass (as ``dkv_block_q`` and ``dkv_stages``)."""
@@ -437,8 +450,19 @@ LOADS_BACKWARD: dict[int, dict] = {128: dict(dq_block_kv=128)}
 # 493; at 16k 511 against 507 (atomic), cuDNN 529. MHA, with 8x the CTAs per K/V head to
 # balance with, does not take it: its atomic one pass ran 496 against 491 at 4k (B = 4, 16
 # heads) and 542 against 555 at 16k (B = 1), causal.
-GQA_BACKWARD: dict[tuple[int, bool], dict] = {(128, False): dict(registers=240),
-                                              (128, True): dict(tile_major=True)}
+# The atomic one pass with a causal band splits each group over four CTAs per key tile, head by
+# head (`Backward.group_parts`): fewer query heads' float32 dQ sums are live at once. H200,
+# 2026-11-28 (benchmarks/dev/atomic_check.py, B = 1, 64/8, forward+backward TFLOP/s, two runs,
+# same process as cuDNN's default): at 8k 511 (four parts) and 501-502 (two) against 490-493
+# tile-major with one, cuDNN 494-497; at 16k 550 and 540-545 against 519-520, cuDNN 526-532.
+# Tile-major with parts ran 508-510 and 531-536. ncu at 8k (the one-pass kernel alone): L2
+# hit rate 94.9% and 0.25 TB/s from DRAM with two parts head by head, against 62.8% and 2.1
+# TB/s. Without a causal band parts changed nothing (559-565 against 562-563), and the
+# deterministic kernels with parts ran level or slower (tile-major: 493-496 against 492 at 8k,
+# 503-516 against 515 at 16k; two parts head by head 476 against 490), so neither takes them.
+GQA_BACKWARD: dict[tuple[int, bool], dict] = {
+    (128, False): dict(registers=240),
+    (128, True): dict(tile_major=True, atomic_tile_major=False, atomic_group_parts=4)}
 
 
 # Where calls with deterministic=False take the atomic one pass: (padded head dim, causal) ->
