@@ -115,8 +115,8 @@ CONFIGS = {
                                      kv_heads=1),
     # The shipped GQA causal tiles under deterministic=False: the one pass on 240 registers
     # (`ATOMIC_TUNED`), each group over four CTAs per key tile launched head by head
-    # (`GQA_BACKWARD`, since 2026-11-28; tile-major with one part before, which spilled 16
-    # bytes, 24 at 232 registers, where the MHA one pass spills nothing).
+    # (`GQA_BACKWARD`, since 2026-11-28; tile-major with one part before). Both spill 16 bytes
+    # (24 at 232 registers), where the MHA one pass spills nothing.
     "bwd_d128_gqa_atomic_shipped": Probe(128, True, dict(backward=dict(
         atomic=True, atomic_registers=240, tile_major=True, atomic_tile_major=False,
         atomic_group_parts=4)), deterministic=False, kv_heads=1),
