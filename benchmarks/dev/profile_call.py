@@ -44,10 +44,15 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--grad", action="store_true",
                       help="forward+backward (bf16 only: an FP8 call has no gradient)")
   parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True)
+  parser.add_argument("--impl", choices=("jaxflash", "cudnn"), default="jaxflash",
+                      help="cudnn: jax.nn.dot_product_attention's cuDNN call (bf16), to profile "
+                           "next to ours")
   parser.add_argument("--backward", nargs="+", default=(), metavar="FIELD=VALUE",
                       help="`mosaic.Backward` fields over the call's default tiles (runs the "
                            "Mosaic backend), e.g. tile_major=False registers=240")
   args = parser.parse_args(argv)
+  if args.impl == "cudnn" and (args.dtype != "bfloat16" or args.backward):
+    raise SystemExit("--impl cudnn needs --dtype bfloat16 and no --backward")
   n = args.heads or 2048 // args.d
   kv = args.kv_heads or n
   keys = jax.random.split(jax.random.key(0), 4)
@@ -73,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
                            backward=fields)
 
   def call(q, k, v, options):
+    if args.impl == "cudnn":  # (its default backward; deterministic only through XLA's flag)
+      return jax.nn.dot_product_attention(q, k, v, is_causal=args.causal, implementation="cudnn")
     if config is not None:
       return attention_with_config(q, k, v, is_causal=args.causal, config=config,
                                    implementation="mosaic", deterministic=args.deterministic,
