@@ -814,6 +814,17 @@ def test_backward_with_group_parts(deterministic, tile_major, parts):
         deterministic=deterministic, **random_lengths(2, 300, 300, 4, 3))
 
 
+@pytest.mark.parametrize("deterministic", [False, pytest.param(True, marks=variant)])
+def test_backward_reading_lse_rows_early(deterministic):
+  """`Backward.early_rows`: the dK/dV kernel reads a query block's LSE rows before waiting on
+  its wgmmas; the atomic one pass or the two kernels, GQA, a causal band and lengths of their
+  own, against the reference."""
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
+      early_rows=True, atomic=not deterministic))
+  check("mosaic", b=2, t=300, s=300, n=4, k=2, h=64, dtype=BF16, small=config, is_causal=True,
+        deterministic=deterministic, **random_lengths(2, 300, 300, 4, 5))
+
+
 def test_group_parts_divide_the_group():
   """`Backward.parts_of`: ``group_parts`` where it divides the group, else one CTA per key tile;
   and it must be a positive int."""

@@ -37,6 +37,9 @@ SMOKE_SHAPES = [(1, 70, 150, 1, 1, 64, False)]  # (2 key tiles: the atomic adds 
 BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0),
              "atomic_r240": dict(atomic=True, atomic_min_rows=0, atomic_registers=240),
              "ordered_one_pass": dict(one_pass=True),
+             # The LSE rows read while the wgmmas run (`Backward.early_rows`).
+             "early": dict(early_rows=True),
+             "atomic_early": dict(atomic=True, atomic_min_rows=0, early_rows=True),
              # A causal band's tiles launched by cost across every batch row and head
              # (`Backward.tile_major`), in the two kernels and in the atomic one pass (whose
              # own fields, `atomic_tile_major` and `atomic_group_parts`, win over the shipped

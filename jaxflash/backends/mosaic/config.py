@@ -92,6 +92,9 @@ class Backward:
   group_parts: int = 1
   atomic_tile_major: bool | None = None
   atomic_group_parts: int | None = None
+  # Whether the dK/dV kernel reads a query block's LSE rows from shared memory once its two
+  # wgmmas are issued, not after waiting on them (registers: ptxas spills at D = 64 with it).
+  early_rows: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
