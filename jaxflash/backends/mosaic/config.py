@@ -93,7 +93,10 @@ class Backward:
   atomic_tile_major: bool | None = None
   atomic_group_parts: int | None = None
   # Whether the dK/dV kernel reads a query block's LSE rows from shared memory once its two
-  # wgmmas are issued, not after waiting on them (registers: ptxas spills at D = 64 with it).
+  # wgmmas are issued, not after waiting on them. Off: on an H200 (2026-11-28, D = 128 MHA) the
+  # atomic one pass ran 1-4% slower with it, the two kernels level without a causal band and
+  # 2-4% faster with one (one run); ptxas spills with it at D = 64 and in GQA's atomic pass
+  # (docs/mosaic_backward.md, "The atomic one pass against cuDNN's backward kernel").
   early_rows: bool = False
 
   def __post_init__(self):
