@@ -36,12 +36,30 @@ every token of q and k: `accuracy_inputs`). Methods:
 ``bf16`` (the inputs rounded to bf16), ``fp8`` (plain per-tensor e4m3), ``fp8_block`` (one scale
 per token and head, no rotation) and ``fp8_rotated`` (the same after `jaxflash.random_rotation`,
 FlashAttention-3's incoherent processing). Rows ``{case: "accuracy", inputs, method, rmse}``.
+
+**Gradient accuracy** (``--parts gradients``): which backward an FP8 forward should have. The
+same shape and inputs, a random cotangent; each method's dQ, dK and dV against the float64
+gradients of the unquantised inputs, as relative errors ‖g − g₆₄‖ / ‖g₆₄‖. Methods: ``bf16``
+(jaxflash's 16-bit forward and backward on bf16 inputs); `jaxflash.fp8_attention`'s two 16-bit
+backwards after its FP8 forward, ``straight_through`` (the default) and ``mixed``, each also
+``_rotated`` (per-token scales after a rotation); and two FP8 backwards emulated exactly on the
+host (float64
+arithmetic on e4m3-rounded operands, which is what a tensor core's FP8 products are, up to its
+accumulation): after the FP8 forward of per-head e4m3 q, k, v, each backward matmul (dP = dO Vᵀ,
+dV = Pᵀ dO, dQ = dS K, dK = dSᵀ Q) takes e4m3 operands. ``fp8_backward`` quantises as a
+streaming kernel can: P with the fixed scale its bound 1 allows, dO with scales per token or per
+channel known before the pass, and dS per query row with a scale from a bound known before the
+pass (|dS| ≤ ‖dO_t‖ max_s ‖V_s‖ + |delta_t|; for dK the row scales move onto Q's rows).
+``fp8_backward_ideal`` takes each operand's exact amax along the contraction instead (not
+streamable: a lower bound on an FP8 backward's error). Rows ``{case: "gradients", inputs,
+method, dq, dk, dv}`` (None, and the name in ``not_finite``, where a gradient overflowed).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
@@ -273,6 +291,116 @@ def run_accuracy(shape: Shape, implementation, out: Path, result: dict) -> None:
       write(result, out)
 
 
+E4M3_MAX = 448.0
+
+
+def _e4m3(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+  """``x`` rounded to e4m3 after division by ``scale`` (broadcast), and scaled back."""
+  import ml_dtypes
+  scale = np.where(scale > 0, scale, 1.0)
+  return (np.clip(x / scale, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+          .astype(np.float64) * scale)
+
+
+def _amax_scale(x: np.ndarray, axis: int) -> np.ndarray:
+  """Scales that map the largest magnitude along ``axis`` (the contraction) to e4m3's largest."""
+  return np.max(np.abs(x), axis=axis, keepdims=True) / E4M3_MAX
+
+
+def gradients64(q, k, v, d_out, causal: bool, backward: str | None = None) -> list[np.ndarray]:
+  """[dq, dk, dv] of dense attention in float64 on the host, one head at a time. ``backward``
+  None: exact. ``"fp8_backward"`` or ``"fp8_backward_ideal"``: the FP8 forward's per-head e4m3
+  q, k, v, and e4m3 operands in the backward's matmuls (module docstring)."""
+  q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
+  if backward is not None:  # (the FP8 forward's inputs: one scale per batch row and head)
+    q, k, v = (_e4m3(x, np.max(np.abs(x), axis=(1, 3), keepdims=True) / E4M3_MAX)
+               for x in (q, k, v))
+  c = 1.0 / np.sqrt(q.shape[-1])
+  grads = [np.zeros_like(x) for x in (q, k, v)]
+  for b in range(q.shape[0]):
+    for n in range(q.shape[2]):
+      qh, kh, vh, doh = q[b, :, n], k[b, :, n], v[b, :, n], d_out[b, :, n]
+      s = qh @ kh.T * c
+      if causal:
+        s = np.where(np.tril(np.ones(s.shape, bool)), s, -np.inf)
+      p = np.exp(s - s.max(-1, keepdims=True))
+      p /= p.sum(-1, keepdims=True)
+      delta = np.sum(doh * (p @ vh), axis=-1, keepdims=True)
+      if backward is None:
+        dp = doh @ vh.T
+        ds = p * (dp - delta)
+        dq, dk, dv = ds @ kh * c, ds.T @ qh * c, p.T @ doh
+      elif backward == "fp8_backward_ideal":
+        dp = _e4m3(doh, _amax_scale(doh, 1)) @ vh.T
+        dv = _e4m3(p, _amax_scale(p, 0)).T @ _e4m3(doh, _amax_scale(doh, 0))
+        ds = p * (dp - delta)
+        dq = _e4m3(ds, _amax_scale(ds, 1)) @ kh * c
+        dk = _e4m3(ds, _amax_scale(ds, 0)).T @ qh * c
+      elif backward == "fp8_backward":
+        dp = _e4m3(doh, _amax_scale(doh, 1)) @ vh.T
+        dv = _e4m3(p, np.array(1.0 / E4M3_MAX)).T @ _e4m3(doh, _amax_scale(doh, 0))
+        ds = p * (dp - delta)
+        # |dS_ts| <= P_ts (|dP_ts| + |delta_t|) <= |dO_t| max_s |V_s| + |delta_t|, known before
+        # the pass; dK = Σ_t dS_ts Q_t = Σ_t (dS_ts / b_t) (b_t Q_t) takes the same e4m3 dS.
+        bound = (np.linalg.norm(doh, axis=1, keepdims=True)
+                 * np.linalg.norm(vh, axis=1).max() + np.abs(delta)) / E4M3_MAX
+        ds8 = _e4m3(ds, bound) / np.where(bound > 0, bound, 1.0)
+        dq = ds8 @ kh * bound * c
+        q_rows = qh * bound
+        dk = ds8.T @ _e4m3(q_rows, _amax_scale(q_rows, 0)) * c
+      else:
+        raise ValueError(f"backward must be None, 'fp8_backward' or 'fp8_backward_ideal', got "
+                         f"{backward!r}")
+      grads[0][b, :, n], grads[1][b, :, n], grads[2][b, :, n] = dq, dk, dv
+  return grads
+
+
+def run_gradients(shape: Shape, implementation, out: Path, result: dict) -> None:
+  rotation = jaxflash.random_rotation(jax.random.key(7), shape.d)
+  for kind in ("normal", "outliers"):
+    q, k, v = accuracy_inputs(kind, shape)
+    d_out = jax.random.normal(jax.random.key(11), q.shape, jnp.float32)
+    want = gradients64(q, k, v, d_out, shape.causal)
+
+    def jaxflash_grads(fn):
+      def loss(q, k, v):
+        return jnp.sum(fn(q, k, v).astype(jnp.float32) * d_out)
+      bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+      return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*bf16)
+
+    calls = {
+        "bf16": lambda: jaxflash_grads(lambda q, k, v: jaxflash.flash_attention(
+            q, k, v, is_causal=shape.causal, implementation=implementation)),
+        **{f"{backward}{suffix}": functools.partial(
+            lambda backward, form: jaxflash_grads(lambda q, k, v: jaxflash.fp8_attention(
+                q, k, v, is_causal=shape.causal, implementation=implementation,
+                backward=backward, **form)), backward, form)
+           for backward in ("straight_through", "mixed")
+           for suffix, form in (("", {}), ("_rotated", dict(rotation=rotation, block_size=1)))},
+        "fp8_backward": lambda: gradients64(q, k, v, d_out, shape.causal, "fp8_backward"),
+        "fp8_backward_ideal": lambda: gradients64(q, k, v, d_out, shape.causal,
+                                                  "fp8_backward_ideal"),
+    }
+    for method, call in calls.items():
+      row = dict(case="gradients", inputs=kind, method=method, B=shape.b, S=shape.s, N=shape.n,
+                 D=shape.d, causal=shape.causal)
+      try:
+        for name, got, ref in zip(("dq", "dk", "dv"), call(), want):
+          got = np.asarray(got, np.float64)
+          error = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+          # (JSON has no infinity: a gradient with an inf or NaN is listed instead.)
+          row[name] = error if np.isfinite(error) else None
+          if not np.isfinite(error):
+            row.setdefault("not_finite", []).append(name)
+        row["backend"] = ("host (float64 emulation)" if method.startswith("fp8")
+                          else _accuracy_backend("bf16", q, k, v, shape, implementation))
+      except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      result["rows"].append(row)
+      print(json.dumps(row), flush=True)
+      write(result, out)
+
+
 def _fp8(quant, shape: Shape, implementation):
   (q8, k8, v8), descales = quant
   return jaxflash.flash_attention(q8, k8, v8, is_causal=shape.causal, out_dtype=jnp.float32,
@@ -319,6 +447,15 @@ def markdown(result: dict) -> str:
       lines.append(f"| {r['inputs']} | {r['method']} | "
                    f"{r['rmse']:.2e} |" if "rmse" in r else
                    f"| {r['inputs']} | {r['method']} | error: {r['error'][:80]} |")
+  gradients = [r for r in rows if r["case"] == "gradients"]
+  if gradients:
+    lines += ["", "Gradients: relative error against float64 (‖g − g64‖ / ‖g64‖).", "",
+              "| inputs | method | dQ | dK | dV |", "|---|---|---|---|---|"]
+    for r in gradients:
+      cell = lambda g: "not finite" if r[g] is None else f"{r[g]:.2e}"  # noqa: E731
+      lines.append(f"| {r['inputs']} | {r['method']} | "
+                   + (" | ".join(cell(g) for g in ("dq", "dk", "dv")) if "dq" in r else
+                      f"error: {r['error'][:80]} | | ") + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -328,8 +465,8 @@ def write(result: dict, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--parts", nargs="+", default=["speed", "accuracy"],
-                      choices=["speed", "accuracy"])
+  parser.add_argument("--parts", nargs="+", default=["speed", "accuracy", "gradients"],
+                      choices=["speed", "accuracy", "gradients"])
   parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
   parser.add_argument("--configs", nargs="*", default=[], choices=list(CONFIGS))
   parser.add_argument("--shapes", type=int, nargs="*", default=None,
@@ -351,6 +488,9 @@ def main(argv: list[str] | None = None) -> None:
   if "accuracy" in args.parts:
     shape = Shape(1, 96, 2, 64, True) if args.smoke else Shape(1, 2048, 8, 128, True)
     run_accuracy(shape, implementation, out, result)
+  if "gradients" in args.parts:
+    shape = Shape(1, 96, 2, 64, True) if args.smoke else Shape(1, 2048, 8, 128, True)
+    run_gradients(shape, implementation, out, result)
   print(markdown(result))
   if any(r.get("wrong") or "error" in r for r in result["rows"]
          if r.get("impl", "jaxflash").startswith("jaxflash")):

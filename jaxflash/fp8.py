@@ -67,7 +67,8 @@ def random_rotation(key: jax.Array, head_dim: int, dtype=jnp.float32) -> jax.Arr
 
 def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
                  rotation: jax.Array | None = None,
-                 dtype=jnp.float8_e4m3fn) -> tuple[jax.Array, jax.Array]:
+                 dtype=jnp.float8_e4m3fn,
+                 power_of_two: bool = False) -> tuple[jax.Array, jax.Array]:
   """Quantises a query, key or value to FP8 with its descale factors.
 
   Args:
@@ -80,6 +81,10 @@ def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
       ``x @ rotation``. Give the query and the key the same one, and never the value (it would
       rotate the output).
     dtype: ``jnp.float8_e4m3fn`` (default) or ``jnp.float8_e5m2``.
+    power_of_two: round each descale up to a power of two (the block's largest magnitude then
+      maps to between half the format's largest value and it, as with MX formats' scales), so
+      that ``float(x8) * descale`` is exact in bfloat16: `jaxflash.fp8_attention`'s backward
+      recomputes the forward's logits from such values.
 
   Returns:
     ``(x8, descale)``: the FP8 values and float32 factors with ``x ~ float(x8) * descale``
@@ -114,6 +119,8 @@ def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
     amax = padded.reshape(b, blocks, block_size, heads).max(axis=2)
     amax = jnp.repeat(amax, block_size, axis=1)[:, :length]
   descale = jnp.where(amax > 0, amax / largest(dtype), 1.0)
+  if power_of_two:
+    descale = jnp.exp2(jnp.ceil(jnp.log2(descale)))
   # NaN stays NaN (a NaN input is visible in the output); the clip keeps rounding from
   # overflowing to NaN in e4m3fn, which has no infinity.
   scaled = x / (descale[:, None] if block_size is None else descale)[..., None]

@@ -588,7 +588,9 @@ def test_model_features_smoke(tmp_path):
 
 def test_fp8_smoke(tmp_path):
   """benchmarks/fp8.py on tiny shapes (XLA backend): speed rows checked and timed, accuracy rows
-  with an RMSE; the committed H200 table has the rows and the accuracy claim the issue names."""
+  with an RMSE, gradient rows with relative errors; the committed H200 table has the rows and
+  the accuracy claim the issue names, and its gradient rows the reason for the default
+  backward (finite where the mixed one overflows)."""
   import fp8
   out = tmp_path / "fp8.json"
   fp8.main(["--smoke", "--shapes", "0", "--impls", "jaxflash_fp8", "jaxflash", "--out", str(out)])
@@ -598,6 +600,9 @@ def test_fp8_smoke(tmp_path):
   assert all(not r["wrong"] and r["ms"] > 0 for r in speed)
   accuracy = {(r["inputs"], r["method"]): r["rmse"] for r in rows if r["case"] == "accuracy"}
   assert len(accuracy) == 8 and all(v > 0 for v in accuracy.values())
+  gradients = {(r["inputs"], r["method"]): r for r in rows if r["case"] == "gradients"}
+  assert len(gradients) == 14 and all(gradients[("normal", m)]["dq"] > 0 for m in (
+      "bf16", "straight_through", "mixed", "fp8_backward", "fp8_backward_ideal"))
   committed = json.loads((BENCHMARKS / "results" / "h200" / "fp8.json").read_text())["rows"]
   cells = {(r["D"], r["causal"], r["impl"]) for r in committed
            if r["case"] == "speed" and "tflops" in r and not r.get("config")}
@@ -605,6 +610,11 @@ def test_fp8_smoke(tmp_path):
           for i in ("jaxflash_fp8", "jaxflash", "cudnn_fp8")} <= cells
   rmse = {(r["inputs"], r["method"]): r["rmse"] for r in committed if r["case"] == "accuracy"}
   assert rmse[("outliers", "fp8_rotated")] <= 0.5 * rmse[("outliers", "fp8")]
+  grads = {(r["inputs"], r["method"]): r for r in committed if r["case"] == "gradients"}
+  for method in ("straight_through", "straight_through_rotated"):
+    assert all(grads[(kind, method)][g] is not None for kind in ("normal", "outliers")
+               for g in ("dq", "dk", "dv"))
+  assert grads[("outliers", "mixed")]["not_finite"] == ["dq", "dk", "dv"]
 
 
 def test_profile_call_smoke():

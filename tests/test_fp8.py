@@ -150,11 +150,13 @@ def test_fp8_call_accuracy_against_the_16_bit_one():
   assert rel_err(rotated, want) <= 0.5 * rel_err(plain.astype(jnp.float32), want)
 
 
-@pytest.mark.parametrize("sinks", [False, True])
-def test_fp8_attention_gradients(sinks):
-  """The mixed backward: 16-bit gradients against the FP8 forward's LSE stay within FP8's
-  error of the float32 reference gradients (measured about 2.5%; the forward's own error is
-  about 4%)."""
+@pytest.mark.parametrize("sinks,backward,tolerance", [
+    (False, "straight_through", 0.07), (True, "straight_through", 0.07),
+    (False, "mixed", 0.05), (True, "mixed", 0.05)])
+def test_fp8_attention_gradients(sinks, backward, tolerance):
+  """Both 16-bit backwards after the FP8 forward stay within FP8's error of the float32
+  reference gradients on normal inputs (measured about 4.6% straight through, 3.9% mixed; the
+  forward's own error is about 4%)."""
   b, t, s, n, k, h = 2, 45, 61, 4, 2, 64
   q, kk, v, d_out = random_qkv(1, b, t, s, n, k, h)
   extra = dict(sinks=jnp.linspace(-1.0, 1.0, n)) if sinks else {}
@@ -166,12 +168,54 @@ def test_fp8_attention_gradients(sinks):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, kk, v)
 
   got = run(lambda *a: jaxflash.fp8_attention(*a, rotation=r, block_size=1, is_causal=True,
-                                              implementation="xla", **extra))
+                                              implementation="xla", backward=backward,
+                                              **extra))
   ref_sinks = extra.get("sinks")
   want = run(lambda *a: _reference_with_sinks(*a, ref_sinks))
   for g, w in zip(got[1], want[1]):
-    assert rel_err(g, w) <= 0.05
+    assert rel_err(g, w) <= tolerance
   chex.assert_trees_all_equal_shapes_and_dtypes(got[1], want[1])
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+def test_fp8_attention_gradients_on_outlier_features(rotated):
+  """One key/query channel 40x the others puts the logits in the hundreds, where the FP8
+  forward's logsumexp is off by units. The default backward recomputes the forward's own
+  logits (power-of-two scales make the round trip exact in 16 bits), so its gradients stay
+  finite and within the forward's error (measured 12-16% for dQ and dV); the mixed one pairs
+  the 16-bit logits with that logsumexp and diverges (above 1e23 per head, 30x rotated)."""
+  b, t, s, n, k, h = 2, 45, 61, 4, 2, 64
+  q, kk, v, d_out = random_qkv(1, b, t, s, n, k, h)
+  outlier = jnp.ones(h).at[3].set(40.0)
+  q, kk = q * outlier, kk * outlier
+  form = dict(rotation=fp8.random_rotation(jax.random.key(4), h), block_size=1) if rotated else {}
+
+  def grads(fn):
+    loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * d_out)  # noqa: E731
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kk, v)
+
+  want = grads(lambda *a: reference_attention(*a, is_causal=True)[0])
+  errors = {backward: [float(rel_err(g, w)) for g, w in zip(grads(
+      lambda *a: jaxflash.fp8_attention(*a, is_causal=True, implementation="xla",
+                                        backward=backward, **form)), want)]
+            for backward in ("straight_through", "mixed")}
+  straight = errors["straight_through"]
+  assert np.isfinite(straight).all() and straight[0] <= 0.3 and straight[2] <= 0.3, errors
+  assert min(errors["mixed"]) >= 10 * max(straight), errors
+
+
+def test_power_of_two_scales_round_trip_exactly_in_bfloat16():
+  """`quantize_fp8(..., power_of_two=True)`: every descale is a power of two at or above the
+  exact one (no value clips), and the dequantised values are exact in bfloat16."""
+  q, _, _, _ = random_qkv(3, 2, 33, 33, 2, 2, 48)
+  for block_size in (None, 1, 8):
+    exact = fp8.quantize_fp8(q, block_size=block_size)[1]
+    q8, descale = fp8.quantize_fp8(q, block_size=block_size, power_of_two=True)
+    np.testing.assert_array_equal(np.exp2(np.round(np.log2(descale))), descale)
+    assert bool(jnp.all(descale >= exact)) and bool(jnp.all(descale < 2 * exact))
+    canonical = descale[:, None] if descale.ndim == 2 else descale
+    values = fp8.dequantize(q8, canonical)
+    np.testing.assert_array_equal(values.astype(jnp.bfloat16).astype(jnp.float32), values)
 
 
 def _reference_with_sinks(q, k, v, sinks):
@@ -213,6 +257,8 @@ def test_errors_name_the_argument():
     jaxflash.fp8_attention(q, kk, v, rotation=jnp.eye(3))
   with pytest.raises(ValueError, match="fp8_dtype"):
     jaxflash.fp8_attention(q, kk, v, fp8_dtype=jnp.float16)
+  with pytest.raises(ValueError, match="backward"):
+    jaxflash.fp8_attention(q, kk, v, backward="fp8")
   with pytest.raises(ValueError, match="implementation 'triton'|triton"):
     jaxflash.flash_attention(q8, k8, v8, implementation="triton")
   # Per-tensor factors as plain Python floats, and every call with no descale at all.
