@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import sys
 from pathlib import Path
@@ -368,15 +367,19 @@ def run_gradients(shape: Shape, implementation, out: Path, result: dict) -> None
       bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
       return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*bf16)
 
+    def fp8_attention_grads(backward, **form):
+      return jaxflash_grads(lambda q, k, v: jaxflash.fp8_attention(
+          q, k, v, is_causal=shape.causal, implementation=implementation, backward=backward,
+          **form))
+
+    rotated = dict(rotation=rotation, block_size=1)
     calls = {
         "bf16": lambda: jaxflash_grads(lambda q, k, v: jaxflash.flash_attention(
             q, k, v, is_causal=shape.causal, implementation=implementation)),
-        **{f"{backward}{suffix}": functools.partial(
-            lambda backward, form: jaxflash_grads(lambda q, k, v: jaxflash.fp8_attention(
-                q, k, v, is_causal=shape.causal, implementation=implementation,
-                backward=backward, **form)), backward, form)
-           for backward in ("straight_through", "mixed")
-           for suffix, form in (("", {}), ("_rotated", dict(rotation=rotation, block_size=1)))},
+        "straight_through": lambda: fp8_attention_grads("straight_through"),
+        "straight_through_rotated": lambda: fp8_attention_grads("straight_through", **rotated),
+        "mixed": lambda: fp8_attention_grads("mixed"),
+        "mixed_rotated": lambda: fp8_attention_grads("mixed", **rotated),
         "fp8_backward": lambda: gradients64(q, k, v, d_out, shape.causal, "fp8_backward"),
         "fp8_backward_ideal": lambda: gradients64(q, k, v, d_out, shape.causal,
                                                   "fp8_backward_ideal"),
