@@ -250,16 +250,20 @@ def accuracy_inputs(kind: str, shape: Shape, seed: int = 1):
   return xs
 
 
+def _probabilities64(s: np.ndarray, causal: bool) -> np.ndarray:
+  """Softmax over the last axis of float64 logits [..., T, S], the causal band's top-left
+  triangle kept where ``causal``."""
+  if causal:
+    s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  return p / p.sum(-1, keepdims=True)
+
+
 def reference64(q, k, v, causal: bool) -> np.ndarray:
   """The float64 output on the host."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
-  if causal:
-    s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
-  s = s - s.max(-1, keepdims=True)
-  p = np.exp(s)
-  p /= p.sum(-1, keepdims=True)
-  return np.einsum("bnts,bsnh->btnh", p, v)
+  return np.einsum("bnts,bsnh->btnh", _probabilities64(s, causal), v)
 
 
 def run_accuracy(shape: Shape, implementation, out: Path, result: dict) -> None:
@@ -319,11 +323,7 @@ def gradients64(q, k, v, d_out, causal: bool, backward: str | None = None) -> li
   for b in range(q.shape[0]):
     for n in range(q.shape[2]):
       qh, kh, vh, doh = q[b, :, n], k[b, :, n], v[b, :, n], d_out[b, :, n]
-      s = qh @ kh.T * c
-      if causal:
-        s = np.where(np.tril(np.ones(s.shape, bool)), s, -np.inf)
-      p = np.exp(s - s.max(-1, keepdims=True))
-      p /= p.sum(-1, keepdims=True)
+      p = _probabilities64(qh @ kh.T * c, causal)
       delta = np.sum(doh * (p @ vh), axis=-1, keepdims=True)
       if backward is None:
         dp = doh @ vh.T

@@ -331,12 +331,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       def lse_rows():
         return _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape)
 
-      def delta_rows():
-        return _cols(plgpu.load(smem["delta"].at[slot], layout=_COLS), shape)
-
       def probabilities(s, lse2=None):  # Pᵀ (while dPᵀ is in flight)
         lse2 = lse_rows() if lse2 is None else lse2
-        return _probabilities(s, lse2, params, visible, make_score), None
+        return _probabilities(s, lse2, params, visible, make_score)
 
       # The LSE rows read once the wgmmas are issued (`Backward.early_rows`): read after the
       # wait, their latency stalled the consumers on 7% of their samples (ncu, H200, atomic one
@@ -345,13 +342,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       ds16 = None
       if want_dk:
         plgpu.barrier_wait(smem["delta_ready"].at[slot])
-        ((p, chain), delta), dp = _wgmma_scores(k_here, q_tile, v_here, do_tile, shape,
-                                                probabilities, early)
-        delta = delta_rows() if delta is None else delta
+        (p, chain), dp = _wgmma_scores(k_here, q_tile, v_here, do_tile, shape, probabilities,
+                                       early)
+        delta = _cols(plgpu.load(smem["delta"].at[slot], layout=_COLS), shape)
         ds16 = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
                                     chain).astype(q_tile.dtype)
       else:
-        ((p, _), _), _ = _wgmma_scores(k_here, q_tile, None, None, shape, probabilities, early)
+        (p, _), _ = _wgmma_scores(k_here, q_tile, None, None, shape, probabilities, early)
       p16 = _core.dropped(p, keep, params).astype(q_tile.dtype) if want_dv else None
 
       # dV += Pᵀ dO (in flight while dSᵀ is stored) and dK += dSᵀ Q; then this consumer's part

@@ -112,10 +112,10 @@ class Backward:
       value = getattr(self, name)
       if value is not None and value not in (232, 240):
         raise ValueError(f"{name} must be 232 or 240, got {value}")
-    for name in ("group_parts", "atomic_group_parts"):
-      value = getattr(self, name)
-      if name == "atomic_group_parts" and value is None:
-        continue
+    parts = {"group_parts": self.group_parts}
+    if self.atomic_group_parts is not None:  # (None: the atomic pass takes ``group_parts``)
+      parts["atomic_group_parts"] = self.atomic_group_parts
+    for name, value in parts.items():
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
