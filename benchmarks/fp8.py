@@ -108,6 +108,11 @@ CONFIGS = {
     "kv256_poly64": dict(block_kv=256, exp2_poly_cols=64),
     "kv256_poly96": dict(block_kv=256, exp2_poly_cols=96),
     "kv128_poly32": dict(block_kv=128, exp2_poly_cols=32),
+    # D = 256 on 128-key tiles (O leaves through the Q tiles in column pieces, `o_view`), with
+    # 240 consumer registers (the overlap spills without them).
+    "kv128_r240": dict(block_kv=128, registers=240),
+    "kv128_overlap_r240": dict(block_kv=128, intra_wg_overlap=True, registers=240),
+    "kv256_stages3": dict(block_kv=256, num_stages=3),
 }
 
 

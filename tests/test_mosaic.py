@@ -1292,10 +1292,15 @@ def test_nan_rows_and_determinism():
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("h,causal,per_token", [(64, False, False), (128, True, True),
-                                                (256, True, False)])
-def test_fp8_forward_lowers(h, causal, per_token):
-  """The FP8 forward at its shipped tiles (FP8_TUNED), with per-head or per-token descales."""
+@pytest.mark.parametrize("h,causal,per_token,config,out_dtype", [
+    (64, False, False, None, None), (128, True, True, None, None),
+    (256, True, False, None, None), (128, False, False, None, jnp.float32),
+    (256, False, True, mosaic.Config(block_kv=128, intra_wg_overlap=True, registers=240),
+     None)])
+def test_fp8_forward_lowers(h, causal, per_token, config, out_dtype):
+  """The FP8 forward at its shipped tiles (FP8_TUNED) and at 128-key tiles at D = 256 (O in
+  column pieces through the Q tiles), with per-head or per-token descales and a 16-bit or
+  float32 output."""
   f8 = jnp.float8_e4m3fn
   q = jax.ShapeDtypeStruct((2, 300, 8, h), f8)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, h), f8)
@@ -1304,5 +1309,6 @@ def test_fp8_forward_lowers(h, causal, per_token):
 
   def fn(q, k, v, q_descale, k_descale):
     return attention_with_config(q, k, v, implementation="mosaic", is_causal=causal,
-                                 q_descale=q_descale, k_descale=k_descale)
+                                 q_descale=q_descale, k_descale=k_descale, config=config,
+                                 out_dtype=out_dtype)
   assert "mosaic_gpu" in _lower(fn, q, kv, kv, q_d, k_d)

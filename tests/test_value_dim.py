@@ -619,16 +619,14 @@ def test_mosaic_lowers_for_cuda():
 def test_o_through_the_q_tiles(h, hv, rows):
   """A consumer's O leaves through an O-wide view of its own Q tile's bytes where V's head
   dim is at most Q's (whole 8-row tiles: none at 256 / 192, where they would not tile it), and
-  never where V's is wider, for a partial result, a persistent CTA or an FP8 call. At MLA's
-  192/128 that is what fits 128-key tiles in shared memory: O tiles of their own would take
-  32 KiB more."""
+  never where V's is wider, for a partial result or a persistent CTA. At MLA's 192/128 that is
+  what fits 128-key tiles in shared memory: O tiles of their own would take 32 KiB more."""
   config = mosaic.Config()
   hp, hvp = mosaic.config.padded_head_dim(h), mosaic.config.padded_head_dim(hv)
-  assert mosaic.config.o_view_rows(config, hp, hvp) == rows
-  for other in (dict(partial=True), dict(itemsize=1)):
-    assert mosaic.config.o_view_rows(config, hp, hvp, **other) is None
+  assert mosaic.config.o_view(config, hp, hvp) == (None if rows is None else (rows, hvp))
+  assert mosaic.config.o_view(config, hp, hvp, partial=True) is None
   persistent = dataclasses.replace(config, persistent_ctas=132)
-  assert mosaic.config.o_view_rows(persistent, hp, hvp) is None
+  assert mosaic.config.o_view(persistent, hp, hvp) is None
   mla = mosaic.Config(block_kv=128, intra_wg_overlap=True)
   assert mosaic.config.fits(mla, 192, value_dim=128)
   own_o = dataclasses.replace(mla, persistent_ctas=132)

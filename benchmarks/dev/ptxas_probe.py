@@ -67,6 +67,16 @@ CONFIGS = {
     "fp8_d128_kv256_poly32": Probe(128, False, dict(block_kv=256, exp2_poly_cols=32)),
     "fp8_d128_kv256_poly64": Probe(128, False, dict(block_kv=256, exp2_poly_cols=64)),
     "fp8_d256_kv64_overlap": Probe(256, False, dict(block_kv=64, intra_wg_overlap=True)),
+    # 128-key tiles at D = 256 fit since an FP8 call's O leaves through the Q tiles in two
+    # column pieces (`o_view`); FlashAttention-3's FP8 tile there, with the overlap.
+    "fp8_d256_kv128": Probe(256, False, dict(block_kv=128)),
+    "fp8_d256_kv128_overlap": Probe(256, False, dict(block_kv=128, intra_wg_overlap=True)),
+    "fp8_d256_kv128_overlap_r240": Probe(256, False, dict(block_kv=128, intra_wg_overlap=True,
+                                                          registers=240)),
+    "fp8_d256_kv128_r240": Probe(256, False, dict(block_kv=128, registers=240)),
+    "fp8_d256_kv128_overlap_r240_causal": Probe(256, True, dict(
+        block_kv=128, intra_wg_overlap=True, registers=240)),
+    "fp8_d128_kv256_stages3": Probe(128, False, dict(block_kv=256, num_stages=3)),
     # The backward.
     "bwd_d64": Probe(64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128))),
     "bwd_d128": Probe(128, True, {}),

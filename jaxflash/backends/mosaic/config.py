@@ -212,6 +212,9 @@ class Config:
   # without a causal band, and 779, 748 and 720 against 773 with one: the polynomial's ten
   # FMA-pipe instructions per entry cost more than the exp units' wait they save there.
   exp2_poly_cols: int = 0
+  # Registers per thread of each consumer warpgroup (the producer gets what is left of 504:
+  # 40 at 232, 24 at 240). FlashAttention-3 gives its FP8 D = 256 consumers 240.
+  registers: int = 232
   # The Mosaic backward's tiles; None runs the Triton backward (with ``triton``'s tiles), as do
   # calls the Mosaic backward does not serve (`backward.unsupported`).
   backward: Backward | None = Backward()
@@ -232,9 +235,16 @@ class Config:
     if self.exp2_poly_cols % 8 or not 0 <= self.exp2_poly_cols <= self.block_kv:
       raise ValueError(f"exp2_poly_cols must be a multiple of 8 from 0 to block_kv "
                        f"({self.block_kv}), got {self.exp2_poly_cols}")
+    if self.registers not in (232, 240):
+      raise ValueError(f"registers must be 232 or 240, got {self.registers}")
     if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and self.persistent_ctas is None):
       raise ValueError("q_buffers must be 1, or 2 on a persistent grid (persistent_ctas), got "
                        f"{self.q_buffers}")
+
+
+  @property
+  def producer_registers(self) -> int:
+    return 504 - 2 * self.registers
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -242,29 +252,34 @@ def padded_head_dim(head_dim: int) -> int:
   return -(-head_dim // 64) * 64
 
 
-def o_view_rows(config: Config, hp: int, hvp: int, partial: bool = False,
-                itemsize: int = 2) -> int | None:
-  """Rows of the view through which a consumer's O [block_q, hvp] leaves by the memory of its
-  Q tile [block_q, hp] (padded head dims): that tile's bytes as whole 8-row tiles of O's width,
-  so that each consumer's view starts where its Q tile does and O is its first ``block_q``
-  rows. ``block_q`` where the two widths are equal. None where O needs tiles of its own: a
-  partial result (float32), a persistent CTA (its Q tile loads the next item meanwhile), an FP8
-  call (its Q tiles are too narrow for a 16-bit O), a V head dim above Q's, or one below it
-  whose O rows do not tile Q's bytes (256 / 192). Where V's head dim is below Q's (MLA's
-  192/128) this frees 32 KiB, which makes room for 128-key tiles (FlashAttention-3 reuses V's
-  memory for O the same way)."""
-  if partial or itemsize == 1 or config.persistent_ctas is not None or hvp > hp:
+def o_view(config: Config, hp: int, hvp: int, partial: bool = False,
+           itemsize: int = 2, out_itemsize: int = 2) -> tuple[int, int] | None:
+  """``(rows, cols)`` of the view through which a consumer's O [block_q, hvp] leaves by the
+  memory of its Q tile [block_q, hp] (padded head dims): that tile's bytes as whole 8-row tiles
+  of O's dtype, so that each consumer's view starts where its Q tile does. ``(block_q, hp)``
+  where O is Q's width and dtype (the tile itself). Where V's head dim is below Q's (MLA's
+  192/128) O is the first ``block_q`` rows of a ``(rows, hvp)`` view: this frees 32 KiB, which
+  makes room for 128-key tiles (FlashAttention-3 reuses V's memory for O the same way). An FP8
+  call's Q tile holds half (a float32 O: a quarter) of a row of O: its O leaves in
+  ``hvp // cols`` pieces of ``cols`` columns, one after the other through a ``(block_q, cols)``
+  view; at D = 256 this frees the 64 KiB that 128-key tiles need. None where O needs tiles of
+  its own: a partial result (float32), a persistent CTA (its Q tile loads the next item
+  meanwhile), a V head dim above Q's, or one whose O rows or columns do not tile Q's bytes."""
+  if partial or config.persistent_ctas is not None or hvp > hp:
     return None
+  if itemsize != out_itemsize:  # (an FP8 call: O in column pieces)
+    cols, rest = divmod(hp * itemsize, out_itemsize)
+    return (config.block_q, cols) if not rest and cols % 16 == 0 and hvp % cols == 0 else None
   if hvp == hp:
-    return config.block_q
+    return config.block_q, hp
   rows, rest = divmod(config.block_q * hp, hvp)
-  return rows if not rest and rows % 8 == 0 else None
+  return (rows, hvp) if not rest and rows % 8 == 0 else None
 
 
 def smem_bytes(config: Config, head_dim: int, partial: bool = False,
                value_dim: int | None = None, itemsize: int = 2) -> int:
   """Shared memory of one CTA: two Q tiles per buffer, the K and V rings, the LSE rows, and,
-  where O cannot leave through the Q tiles' memory (`o_view_rows`), two O tiles of their own
+  where O cannot leave through the Q tiles' memory (`o_view`), two O tiles of their own
   (float32 for a partial result). ``value_dim``: V's and O's head dim (None: ``head_dim``);
   ``itemsize`` 1: an FP8 call."""
   hp = padded_head_dim(head_dim)
@@ -273,7 +288,7 @@ def smem_bytes(config: Config, head_dim: int, partial: bool = False,
   hvp = hp if value_dim is None else padded_head_dim(value_dim)
   tiles = itemsize * (2 * config.q_buffers * config.block_q * hp
                       + config.num_stages * config.block_kv * (hp + hvp))
-  own_o = o_view_rows(config, hp, hvp, partial, itemsize) is None
+  own_o = o_view(config, hp, hvp, partial, itemsize) is None
   o_bytes = 4 if partial else 2 if own_o else 0
   return tiles + 8 * 64 + o_bytes * 2 * config.block_q * hvp
 
@@ -351,7 +366,7 @@ def fits(config: Config, head_dim: int, partial: bool = False,
 #   forward_tiles.py): 128-key tiles do not fit in shared memory beside O's own tiles; 64-key
 #   tiles with the overlap ran 547 against 531 TFLOP/s without it at B = 1, 8k, 128 heads (552 at
 #   B = 4, 4k, 16 heads); persistent CTAs 467. Since O leaves through the Q tiles' memory
-#   (`o_view_rows`, 2026-11-28) 128-key tiles fit, as FlashAttention-3 runs them: H200,
+#   (`o_view`, 2026-11-28) 128-key tiles fit, as FlashAttention-3 runs them: H200,
 #   2026-11-28, same shape, 621 TFLOP/s with the overlap and 618 without, against 551 for the
 #   64-key tiles with it (all within 2.1e-3 of float32); without a causal band 654 on 128-key
 #   tiles, 648 with the overlap, 553 on 64-key tiles with it.

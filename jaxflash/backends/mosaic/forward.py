@@ -71,7 +71,7 @@ from jaxflash import fp8
 from jaxflash import mask_mod as mask_mod_lib
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
-from jaxflash.backends.mosaic.config import Config, o_view_rows, padded_head_dim
+from jaxflash.backends.mosaic.config import Config, o_view, padded_head_dim
 from jaxflash.masking import Positions
 from jaxflash.schedule import BlockLists, Schedule, Span, block_lists, total, walk
 
@@ -598,9 +598,9 @@ def _for_items(count, run_item):
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref, lse_ref,
             q_smems, k_smem, v_smem, lse_smem, o_smems, q_ready, k_ready, v_ready, k_free, v_free,
             turns, *, params: Params, config: Config, schedule: Schedule, groups: int,
-            grid: _Grid, o_view: bool):
+            grid: _Grid, o_union: bool):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
-  if o_view:  # one memory, two views: the Q tiles, and O-wide tiles over the same bytes
+  if o_union:  # one memory, two views: the Q tiles, and O-wide tiles over the same bytes
     q_smems, o_smems = q_smems
   # An FP8 call's V tiles are stored transposed, [Dv, keys] (`_transposed_values`), and its P
   # is rounded to e4m3 (`_fp8_operand`).
@@ -643,7 +643,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(config.registers, action="increase")
     q_buffers = config.q_buffers
 
     def q_buffer(i):
@@ -652,13 +652,14 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       index = wg if q_buffers == 1 else lax.rem(i, jnp.asarray(2, i.dtype)) * _CONSUMERS + wg
       return q_smems.at[index], q_ready.at[index]
 
-    # A 16-bit O of a one-item CTA goes out through its Q tile's memory (`o_view_rows`): the
-    # tile itself where V's head dim is Q's, the first rows of an O-wide view of it where V's is
-    # narrower; otherwise through a tile of its own.
-    if o_view:
+    # A 16-bit O of a one-item CTA goes out through its Q tile's memory (`o_view`): the tile
+    # itself where V's head dim is Q's, the first rows of an O-wide view of it where V's is
+    # narrower, an FP8 call's O a piece of columns at a time; otherwise through a tile of its own.
+    if o_union:
       o_smem = o_smems.at[wg].at[pl.ds(0, block_q)]
     else:
       o_smem = q_smems.at[wg] if o_smems is None else o_smems.at[wg]
+    o_cols = o_smem.shape[-1]  # (O's columns per piece: all of them but in an FP8 call)
 
     def load_q(i):
       i = _i32(i)  # (a literal 0 is int64 under jax_enable_x64)
@@ -970,11 +971,21 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if not params.interpret:  # the interpreter runs a warpgroup as one thread
           _emit(mgpu.utils.warpgroup_barrier)  # bar.sync of this warpgroup's 128 threads
-      o_smem[...] = out.astype(o_smem.dtype)
       lse_smem.at[wg][...] = lse2
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, block_q)])
+      o_rows = out_ref.at[batch, pl.ds(q_start, block_q), head]
+      for piece in range(value_dim // o_cols):
+        if piece:  # the last piece has left the tile (see above)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          if not params.interpret:
+            _emit(mgpu.utils.warpgroup_barrier)
+        first = piece * o_cols
+        whole = o_cols == value_dim
+        o_smem[...] = (out if whole else out[:, first:first + o_cols]).astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_rows if whole else o_rows.at[:, pl.ds(first, o_cols)])
+        if not piece:
+          plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                  lse_ref.at[batch, head, pl.ds(q_start, block_q)])
       return first_block + visits
 
     _for_items(count, run_item)
@@ -983,7 +994,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(config.producer_registers, action="decrease")
 
     def run_item(i, first_block):
       batch, head, cta_start, pos, spans = where(i)
@@ -1209,7 +1220,8 @@ def forward(inputs: Inputs, params: Params, config: Config):
   schedule = Schedule(params.window, rows_per_cta, config.block_kv, elementwise)
   stages = config.num_stages
   out_dtype = jnp.float32 if params.partial else params.output_dtype(inputs)
-  o_rows = o_view_rows(config, hp, hvp, params.partial, q.dtype.itemsize)
+  out_bytes = jnp.dtype(out_dtype).itemsize
+  view = o_view(config, hp, hvp, params.partial, q.dtype.itemsize, out_bytes)
   # One swizzle per product: Q and K rows of hp elements, P and V rows of block_kv FP8 ones.
   qk_swizzle = min(128, hp * q.dtype.itemsize)
   pv_swizzle = min(128, config.block_kv)
@@ -1217,23 +1229,26 @@ def forward(inputs: Inputs, params: Params, config: Config):
       (stages, config.block_kv, hvp), 128)
   # Q (in one of ``q_buffers`` buffers per item), then O on the way out where it fits there.
   q_smem = _smem_tile((config.q_buffers * _CONSUMERS, config.block_q, hp), q.dtype, qk_swizzle)
-  o_view = o_rows is not None and o_rows != config.block_q
-  if o_view:
-    # O-wide tiles over the Q tiles' bytes: each group of a union starts at its base, and a
-    # consumer's view [o_rows, hvp] spans exactly its Q tile [block_q, hp], so consumer 1's O
+  union = view is not None and (view, jnp.dtype(out_dtype)) != ((config.block_q, hp), q.dtype)
+  if union:
+    # O's tiles over the Q tiles' bytes: each group of a union starts at its base, and a
+    # consumer's view [rows, cols] spans exactly its Q tile [block_q, hp], so consumer 1's O
     # never lands on consumer 0's Q, which may still be in use. (The last Q Kᵀ has completed
     # before O is written: its S was waited for.)
-    assert o_rows * hvp == config.block_q * hp and config.q_buffers == 1, (o_rows, hvp, hp)
-    q_smem = plgpu.RefUnion(q_smem, _smem_tile((_CONSUMERS, o_rows, hvp), q.dtype))
+    rows, cols = view
+    assert rows * cols * out_bytes == config.block_q * hp * q.dtype.itemsize, (view, hp)
+    assert config.q_buffers == 1, config
+    q_smem = plgpu.RefUnion(q_smem, _smem_tile((_CONSUMERS, rows, cols), out_dtype,
+                                               min(128, cols * out_bytes)))
   scratch = (
       q_smem,
       _smem_tile((stages, config.block_kv, hp), k.dtype, qk_swizzle),
       _smem_tile(v_tile[0], v.dtype, v_tile[1]),
       plgpu.SMEM((_CONSUMERS, config.block_q), jnp.float32),  # LSE rows on the way out
-      # O on the way out where it cannot leave through the Q tiles' memory (`o_view_rows`): a
-      # partial result's (float32), an FP8 call's, or a persistent CTA's (Q's tile is then
-      # loading the next item).
-      _smem_tile((_CONSUMERS, config.block_q, hvp), out_dtype) if o_rows is None else None,
+      # O on the way out where it cannot leave through the Q tiles' memory (`o_view`): a
+      # partial result's (float32), or a persistent CTA's (Q's tile is then loading the next
+      # item).
+      _smem_tile((_CONSUMERS, config.block_q, hvp), out_dtype) if view is None else None,
       plgpu.Barrier(num_barriers=config.q_buffers * _CONSUMERS),  # q_ready
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_barriers=stages),  # v_ready
@@ -1250,7 +1265,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
     items = _Grid(b, n, q_tiles, min(config.persistent_ctas, b * n * q_tiles))
     grid, names = (items.ctas,), ("ctas",)
   kernel = functools.partial(_kernel, params=params, config=config, schedule=schedule,
-                             groups=groups, grid=items, o_view=o_view)
+                             groups=groups, grid=items, o_union=union)
   # The LSE rows are written a whole tile at a time, so its buffer is padded to whole tiles.
   out, lse2 = plgpu.kernel(
       kernel,
