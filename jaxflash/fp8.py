@@ -21,6 +21,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 # The FP8 formats the kernels take (Hopper's tensor cores read both).
@@ -132,8 +133,15 @@ def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
 
 def dequantize(x8: jax.Array, descale: jax.Array | None) -> jax.Array:
   """float32 values of an FP8 array [B, L, heads, D] and its canonical descale [B, L or 1,
-  heads] (None: 1; see `jaxflash._core.Inputs`)."""
-  x = x8.astype(jnp.float32)
+  heads] (None: 1; see `jaxflash._core.Inputs`).
+
+  The FP8 values pass an optimization barrier first. On GPUs XLA (with its default
+  ``xla_allow_excess_precision``) folds a chain of float conversions that ends in the type it
+  began with, f32 -> e4m3 -> f32 included, so a quantisation and this upcast in one program
+  would cancel: `fp8_attention`'s straight-through backward then ran on the unquantised inputs
+  (the mixed backward, whose gradients overflow on outliers), and the XLA backend's FP8 forward
+  on the unquantised values (H200, 2026-11-28)."""
+  x = lax.optimization_barrier(x8).astype(jnp.float32)
   return x if descale is None else x * descale[..., None]
 
 

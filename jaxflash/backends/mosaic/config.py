@@ -387,13 +387,20 @@ TUNED: dict[tuple[int, bool], dict] = {
 # descale per head; the committed table is benchmarks/results/h200/fp8.json):
 # - D = 128: 256-key tiles, 851 TFLOP/s (causal 796) where 128 ran 814 (757), 64 ran 691 (651);
 #   the intra-warpgroup overlap and persistent CTAs measured within 2% of 128 or slower.
-# - D = 256: 64-key tiles with the overlap, 884 (causal 879) where without it 877 (834); 128-key
-#   tiles do not fit next to a 16-bit O tile of their own (232.5 KB).
+# - D = 256: 128-key tiles with the overlap and 240 consumer registers (FlashAttention-3's FP8
+#   tile), since O leaves through the Q tiles in two column pieces (`o_view`) instead of a
+#   64 KiB tile of its own, which left no room for them: H200, 2026-11-28, 1166 TFLOP/s (causal
+#   1181) where 64-key tiles with the overlap ran 957 (1058), 128-key tiles without it 1145
+#   (1130), and with it at 232 registers 836 (1026; ptxas spills 112 bytes and serialises the
+#   wgmmas), against cuDNN's FP8 999 (919) in the same run. (2026-11-24: 64-key tiles with the
+#   overlap 884, causal 879, without it 877 and 834.)
+# - D = 128 gained nothing from the room: 256-key tiles in three stages 912 (866) against two
+#   903 (873), 128-key ones with 240 registers 849 (866).
 FP8_TUNED: dict[tuple[int, bool], dict] = {
     (128, False): dict(block_kv=256),
     (128, True): dict(block_kv=256),
-    (256, False): dict(block_kv=64, intra_wg_overlap=True),
-    (256, True): dict(block_kv=64, intra_wg_overlap=True),
+    (256, False): dict(block_kv=128, intra_wg_overlap=True, registers=240),
+    (256, True): dict(block_kv=128, intra_wg_overlap=True, registers=240),
 }
 
 
