@@ -34,6 +34,7 @@ class Probe(NamedTuple):
   value_dim: int | None = None  # V's head dim, where not the query's
   deterministic: bool = True  # False: the call allows the atomic backward (`Backward.atomic`)
   kv_heads: int = 8  # K/V heads (of 8 query heads: GQA below 8)
+  per_token: bool = False  # an FP8 call with one query and key descale per token
 
 
 # name -> Probe. Names starting ``fp8_`` take e4m3 inputs (no descales); names starting ``bwd_``
@@ -76,6 +77,10 @@ CONFIGS = {
     "fp8_d256_kv128_r240": Probe(256, False, dict(block_kv=128, registers=240)),
     "fp8_d256_kv128_overlap_r240_causal": Probe(256, True, dict(
         block_kv=128, intra_wg_overlap=True, registers=240)),
+    "fp8_d128_kv256_token": Probe(128, False, dict(block_kv=256), per_token=True),
+    "fp8_d128_kv128_token": Probe(128, False, dict(block_kv=128), per_token=True),
+    "fp8_d256_kv128_overlap_r240_token": Probe(256, False, dict(
+        block_kv=128, intra_wg_overlap=True, registers=240), per_token=True),
     "fp8_d128_kv256_stages3": Probe(128, False, dict(block_kv=256, num_stages=3)),
     # The backward.
     "bwd_d64": Probe(64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128))),
@@ -199,9 +204,15 @@ def compile_one(name: str, aot: bool) -> None:
   v = jax.ShapeDtypeStruct((2, 2048, probe.kv_heads, probe.value_dim or probe.head_dim), dtype,
                            sharding=sharding)
 
+  descales = {}
+  if probe.per_token:
+    descales = dict(q_descale=jnp.ones(q.shape[:3], jnp.float32),
+                    k_descale=jnp.ones(k.shape[:3], jnp.float32))
+
   def attend(q, k, v):
     return attention_with_config(q, k, v, is_causal=probe.causal, config=config,
-                                 implementation="mosaic", deterministic=probe.deterministic)
+                                 implementation="mosaic", deterministic=probe.deterministic,
+                                 **descales)
 
   fn = attend
   if name.startswith("bwd_"):

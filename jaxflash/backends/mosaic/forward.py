@@ -766,33 +766,36 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         return s, inputs
 
       def block_inputs(j, masked: bool):
-        """What block j's softmax reads besides S: ``(bias tile, per-key factors, score_mod
-        inputs, element mask)``, None where the call has none. Loaded (and the element mask
-        evaluated) while Q K_jᵀ is on the tensor cores, so that global memory's latency hides
-        behind the matmul instead of following it."""
+        """What block j's softmax reads besides S: ``(bias tile, score_mod inputs, element
+        mask)``, None where the call has none. Loaded (and the element mask evaluated) while
+        Q K_jᵀ is on the tensor cores, so that global memory's latency hides behind the matmul
+        instead of following it. (Not an FP8 call's per-key factors: `softmax` loads them.)"""
         rows, keys = pl.ds(q_start, block_q), pl.ds(j * block_kv, block_kv)
         shape = (block_q, block_kv)
-        bias, key_factors = None, None
+        bias = None
         if extras.bias is not None:
           bias = _entry_tile(extras.bias, batch, head, rows, keys)
-        if quantized and extras.k_descale.ndim == 3:  # a factor per key
-          key_factors = plgpu.load(extras.k_descale.at[batch, kv_head, keys], layout=_COLS,
-                                   optimized=False)
         score = score_inputs(params, extras, batch, head, lambda: _rows(q_rows, shape),
                              lambda: j * block_kv + _iota(shape, 1), rows, keys,
                              lambda x: _rows(x, shape),
                              lambda x: lax.broadcast_in_dim(x, shape, [1]), _ROWS, _COLS)
         mask = visible(j, rows, keys, shape) if masked else None
-        return bias, key_factors, score, mask
+        return bias, score, mask
 
       def softmax(j, s, m, l, masked: bool, inputs):
         """One block of the online softmax: ``(p, m_new, l_new, alpha)``, P in float32
         (dropped entries zeroed) and alpha the rescale of everything before; ``inputs`` are
         the block's `block_inputs`."""
-        bias, key_factors, score, mask = inputs
+        bias, score, mask = inputs
         shape = (block_q, block_kv)
-        if key_factors is not None:
-          s = s * lax.broadcast_in_dim(key_factors, shape, [1])
+        if quantized and extras.k_descale.ndim == 3:  # a factor per key
+          # Loaded once S is done, not with the block's other inputs while its matmul runs: a
+          # 256-key tile's factors take 64 registers of each thread, which made ptxas spill 628
+          # bytes across the wait at D = 128, and the per-token FP8 forward ran 407 TFLOP/s
+          # instead of 633 (H200, 2026-11-28).
+          factors = plgpu.load(extras.k_descale.at[batch, kv_head, pl.ds(j * block_kv, block_kv)],
+                               layout=_COLS, optimized=False)
+          s = s * lax.broadcast_in_dim(factors, shape, [1])
         score = score_fn(params, shape, score)
         # The row max is taken of unscaled values and scaled once (max(c x) = c max(x) for
         # c > 0), so that c x - m is one fused multiply-add per entry, a multiply per entry
