@@ -43,7 +43,7 @@ VARIANTS = {
                                         q_buffers=2),
     "kv64_overlap_persistent_q2": dict(block_kv=64, intra_wg_overlap=True, persistent_ctas=132,
                                        q_buffers=2),
-    # Where V's head dim is below Q's, O leaves through the Q tiles' memory (`o_view_rows`):
+    # Where V's head dim is below Q's, O leaves through the Q tiles' memory (`o_view`):
     # at 192/128 the room that frees takes 128-key tiles (above), or a deeper ring of 64-key ones.
     "kv64_overlap_stages4": dict(block_kv=64, intra_wg_overlap=True, num_stages=4),
     # Part of each block's exponentials by the polynomial on the FMA units

@@ -57,7 +57,7 @@ CONFIGS = {
                                                          exp2_poly_cols=64)),
     "d128_overlap_poly16": Probe(128, True, dict(intra_wg_overlap=True, exp2_poly_cols=16)),
     # MLA's 192/128 forward: 64-key tiles, and the shipped 128-key ones (they fit because O
-    # leaves through the Q tiles' memory, `o_view_rows`).
+    # leaves through the Q tiles' memory, `o_view`).
     "mla_kv64_overlap": Probe(192, True, dict(block_kv=64, intra_wg_overlap=True), 128),
     "mla_kv128": Probe(192, True, dict(block_kv=128), 128),
     "mla_kv128_overlap": Probe(192, True, dict(block_kv=128, intra_wg_overlap=True), 128),
