@@ -825,6 +825,22 @@ def test_backward_reading_lse_rows_early(deterministic):
         deterministic=deterministic, **random_lengths(2, 300, 300, 4, 5))
 
 
+@pytest.mark.parametrize("h,parts", [(128, 1), pytest.param(64, 2, marks=variant)])
+def test_atomic_pass_with_deferred_dq(h, parts):
+  """`Backward.deferred_dq`: the atomic one pass sends each query block's dQ part during the
+  next visit's wgmmas, and the last one after its loop; several query blocks per key tile,
+  GQA (over a group's heads, and with two parts of it), two batch rows with lengths of their
+  own, a causal band, against the reference. (A part lost or sent twice fails: the loop's first
+  visit has none pending, its last one leaves one.) D = 64 runs the one pass on 128-row query
+  tiles, as shipped (`dq_split`)."""
+  tiles = dict(dkv_block_q=128) if h == 64 else {}
+  backward = mosaic.Backward(atomic=True, deferred_dq=True, group_parts=parts, **tiles)
+  assert backward.one_pass_mode(h, deterministic=False, q_len=300) == "atomic"
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=backward)
+  check("mosaic", b=2, t=300, s=300, n=4, k=2, h=h, dtype=BF16, small=config, is_causal=True,
+        deterministic=False, **random_lengths(2, 300, 300, 4, 7))
+
+
 def test_group_parts_divide_the_group():
   """`Backward.parts_of`: ``group_parts`` where it divides the group, else one CTA per key tile;
   and it must be a positive int."""

@@ -40,6 +40,9 @@ BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0)
              # The LSE rows read while the wgmmas run (`Backward.early_rows`).
              "early": dict(early_rows=True),
              "atomic_early": dict(atomic=True, atomic_min_rows=0, early_rows=True),
+             # Each dQ part's barrier and reduce-add during the next visit's wgmmas
+             # (`Backward.deferred_dq`).
+             "atomic_deferred": dict(atomic=True, atomic_min_rows=0, deferred_dq=True),
              # A causal band's tiles launched by cost across every batch row and head
              # (`Backward.tile_major`), in the two kernels and in the atomic one pass (whose
              # own fields, `atomic_tile_major` and `atomic_group_parts`, win over the shipped

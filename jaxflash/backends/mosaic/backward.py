@@ -60,6 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
+from jaxlib.mlir.dialects import nvvm
 
 from jaxflash import _core
 from jaxflash import dense_mask
@@ -170,17 +171,20 @@ def _opaque_zero(zero_ref, wg):
   return zero_ref[wg]
 
 
-def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then, early=None):
+def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then, early=None, meanwhile=None):
   """A Bᵀ and C Dᵀ on the tensor cores, back to back: ``then(A Bᵀ)`` runs while C Dᵀ is in
   flight; returns ``(then(A Bᵀ), C Dᵀ)``, or ``(then(A Bᵀ), None)`` when C and D are None.
   With ``early``, ``then(A Bᵀ, early())``, where ``early()`` runs once both are issued, before
-  waiting on either (loads whose latency the wgmmas hide)."""
+  waiting on either (loads whose latency the wgmmas hide); ``meanwhile()`` runs there too, for
+  its effects."""
   second = c_smem is not None
 
   def run(s_ref, *dp_ref):
     plgpu.wgmma(s_ref, a_smem, b_smem.T)
     if second:
       plgpu.wgmma(dp_ref[0], c_smem, d_smem.T)
+    if meanwhile is not None:
+      meanwhile()
     ahead = () if early is None else (early(),)
     # Each wgmma is its own commit group: the first is done once at most one is pending.
     first = then(plgpu.wgmma_accumulator_load(s_ref, wait_n=int(second)), *ahead)
@@ -236,6 +240,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   cta_start = k_tile_index * keys_per_cta
   pos = _positions(lengths_ref, offsets_ref, batch)
   atomic = want_dq and dq_sum_ref is not None
+  deferred = atomic and config.deferred_dq  # (`Backward.deferred_dq`)
   # (Unordered adds need no common start: each key tile of a causal band starts at its own
   # diagonal block, so the tiles do not add to one block at the same time.)
   reverse = want_dq and _WALK_DOWN and not atomic
@@ -339,16 +344,21 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       # wait, their latency stalled the consumers on 7% of their samples (ncu, H200, atomic one
       # pass, D = 128, 16k).
       early = lse_rows if config.early_rows else None
+      # The last visit's dQ part goes out while this visit's wgmmas run (`deferred_dq`).
+      meanwhile = None
+      if deferred:
+        meanwhile = lambda: dq_part.send_pending(carry["pending"])  # noqa: E731
       ds16 = None
       if want_dk:
         plgpu.barrier_wait(smem["delta_ready"].at[slot])
         (p, chain), dp = _wgmma_scores(k_here, q_tile, v_here, do_tile, shape, probabilities,
-                                       early)
+                                       early, meanwhile)
         delta = _cols(plgpu.load(smem["delta"].at[slot], layout=_COLS), shape)
         ds16 = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
                                     chain).astype(q_tile.dtype)
       else:
-        (p, _), _ = _wgmma_scores(k_here, q_tile, None, None, shape, probabilities, early)
+        (p, _), _ = _wgmma_scores(k_here, q_tile, None, None, shape, probabilities, early,
+                                  meanwhile)
       p16 = _core.dropped(p, keep, params).astype(q_tile.dtype) if want_dv else None
 
       # dV += Pᵀ dO (in flight while dSᵀ is stored) and dK += dSᵀ Q; then this consumer's part
@@ -378,17 +388,24 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       plgpu.barrier_arrive(q_free.at[slot])
       plgpu.barrier_arrive(do_free.at[slot])
       new_carry = dict(zip(names, sums))
-      if want_dq:
+      if deferred:
+        dq_part.stage_deferred(sums[-1])
+        new_carry["pending"] = (head, i, fwd._i32(1))
+      elif want_dq:
         new_carry["pending"] = dq_part.send(sums[-1], head, i, carry["pending"])
       return new_carry
 
     width = {"dk": hp, "dv": hv}
     carry = {name: plgpu.layout_cast(jnp.zeros((_KEYS, width[name]), jnp.float32),
                                      plgpu.Layout.WGMMA) for name in grads if name != "dq"}
-    if want_dq:
+    if deferred:  # (the last visit's head and query block, and whether there was one)
+      carry["pending"] = (fwd._i32(0), fwd._i32(0), fwd._i32(0))
+    elif want_dq:
       carry["pending"] = _DqPart.nothing_pending()
     sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=heads_here,
                                   reverse=reverse, spans_of=spans_of)
+    if deferred:
+      dq_part.send_pending(sums["pending"])
     if want_dq:  # the other consumer's dQ products read this one's K tile until its last one
       plgpu.barrier_arrive(smem["k_done"])
       plgpu.barrier_wait(smem["k_done"])
@@ -424,7 +441,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         if name in results:
           plgpu.copy_smem_to_gmem(out_tiles[name], place(out[name]))
     plgpu.wait_smem_to_gmem(0)
-    if want_dq:
+    if want_dq and not deferred:
       dq_part.release(sums["pending"])
 
   @pl.when(wg == _CONSUMERS)
@@ -599,6 +616,34 @@ class _DqPart:
     plgpu.copy_smem_to_gmem(stage, target, predicate=~first, reduction_op="add")
     return (head, i, fwd._i32(1))
 
+  def stage_deferred(self, part):
+    """Stores ``part`` in this consumer's staging tile, for `send_pending` to add one visit
+    later (`Backward.deferred_dq`): each thread's stores are fenced for TMA, but the warpgroup
+    does not meet until then."""
+    stage = self.smem["dq"].at[self.wg]
+    if self.params.interpret:
+      stage[...] = part
+      return
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (as in `_stage`)
+    fwd._emit(mgpu.utils.warpgroup_barrier)
+    stage[...] = part
+    fwd._emit(_fence_for_tma)
+
+  def send_pending(self, pending):
+    """Adds the staged part of the last visit, if there was one: ``pending`` is (head, query
+    block, whether there was one), the deferred atomic form's loop carry."""
+    head, i, is_pending = pending
+    stage = self.smem["dq"].at[self.wg]
+
+    @pl.when(is_pending > 0)
+    def _():
+      target = self._target(head, i)
+      if self.params.interpret:
+        target[...] = target[...] + stage[...]
+        return
+      fwd._emit(mgpu.utils.warpgroup_barrier)  # every thread's part of it stored and fenced
+      plgpu.copy_smem_to_gmem(stage, target, reduction_op="add")
+
   def release(self, pending):
     """Counts the pending part as landed, for the later key tiles (after a wait for it)."""
     if self.params.interpret or self.atomic:
@@ -606,6 +651,12 @@ class _DqPart:
     head, i, is_pending = pending
     pl.when(is_pending > 0)(
         lambda: plgpu.semaphore_signal(self._sem(head, i), memory_scope="gpu"))
+
+
+def _fence_for_tma():
+  """This thread's shared-memory stores made visible to TMA (`plgpu.commit_smem` without its
+  warpgroup barrier)."""
+  nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
 
 
 def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Backward,

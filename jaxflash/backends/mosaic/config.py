@@ -98,6 +98,12 @@ class Backward:
   # 2-4% faster with one (one run); ptxas spills with it at D = 64 and in GQA's atomic pass
   # (docs/mosaic_backward.md, "The atomic one pass against cuDNN's backward kernel").
   early_rows: bool = False
+  # Whether the atomic one pass sends each query block's dQ part one step late: the part is
+  # stored to its staging tile at the end of its own visit, as without, but the warpgroup
+  # barrier after the stores and the TMA reduce-add go out while the next visit's two wgmmas (S
+  # and dPᵀ) run. The consumers waited on that way out for 10-13% of their samples (ncu, H200,
+  # D = 128, 16k). (Keeping the part in registers until then instead spilled about 1 KB.)
+  deferred_dq: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
