@@ -102,7 +102,11 @@ class Backward:
   # stored to its staging tile at the end of its own visit, as without, but the warpgroup
   # barrier after the stores and the TMA reduce-add go out while the next visit's two wgmmas (S
   # and dPᵀ) run. The consumers waited on that way out for 10-13% of their samples (ncu, H200,
-  # D = 128, 16k). (Keeping the part in registers until then instead spilled about 1 KB.)
+  # D = 128, 16k). (Keeping the part in registers until then instead spilled about 1 KB.) Off:
+  # on an H200 (2026-11-28, benchmarks/dev/atomic_check.py, one process) it ran level with the
+  # shipped pass, 558/528/551/551/448 against 558/530/547/552/446 TFLOP/s (D = 128 16k and 4k
+  # without a band, 16k with one, GQA 64/8 16k; D = 64 4k), so the barrier and the reduce-add's
+  # issue are not where the consumers lose that time.
   deferred_dq: bool = False
 
   def __post_init__(self):
