@@ -788,13 +788,24 @@ def test_tile_major_launch_order():
   assert [r for _, _, r in launched] == sorted(r for _, _, r in launched)
 
 
+def _atomic_or_two_kernels(deterministic: bool, h: int = 64, **fields) -> mosaic.Backward:
+  """Backward tiles with ``fields`` that run the two kernels (``deterministic``) or the atomic
+  one pass; the latter at D = 64 on 128-row query tiles, as shipped (`dq_split` has no way for
+  64-row ones there, which would quietly run the two kernels)."""
+  if deterministic:
+    return mosaic.Backward(**fields)
+  backward = mosaic.Backward(atomic=True, **(dict(dkv_block_q=128) if h == 64 else {}), **fields)
+  assert backward.one_pass_mode(h, deterministic=False, q_len=300) == "atomic"
+  return backward
+
+
 @pytest.mark.parametrize("deterministic", [True, pytest.param(False, marks=variant)])
 def test_tile_major_backward(deterministic):
   """The backward with `Backward.tile_major` (a causal band's tiles launched by cost across
   every batch row and head): several key and query tiles per head, GQA and two batch rows with
   lengths of their own, against the reference; the two kernels, or the atomic one pass."""
-  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
-      tile_major=True, atomic=not deterministic))
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=_atomic_or_two_kernels(
+      deterministic, tile_major=True))
   check("mosaic", b=2, t=300, s=300, n=4, k=2, h=64, dtype=BF16, small=config, is_causal=True,
         deterministic=deterministic, **random_lengths(2, 300, 300, 4, 1))
 
@@ -808,8 +819,8 @@ def test_backward_with_group_parts(deterministic, tile_major, parts):
   dK and dV sums are added after the kernel; the two kernels or the atomic one pass, launched
   head by head or tile-major, GQA 4/1 and two batch rows with lengths of their own, a causal
   band, against the reference."""
-  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
-      group_parts=parts, tile_major=tile_major, atomic=not deterministic))
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=_atomic_or_two_kernels(
+      deterministic, group_parts=parts, tile_major=tile_major))
   check("mosaic", b=2, t=300, s=300, n=4, k=1, h=64, dtype=BF16, small=config, is_causal=True,
         deterministic=deterministic, **random_lengths(2, 300, 300, 4, 3))
 
@@ -819,8 +830,8 @@ def test_backward_reading_lse_rows_early(deterministic):
   """`Backward.early_rows`: the dK/dV kernel reads a query block's LSE rows before waiting on
   its wgmmas; the atomic one pass or the two kernels, GQA, a causal band and lengths of their
   own, against the reference."""
-  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
-      early_rows=True, atomic=not deterministic))
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=_atomic_or_two_kernels(
+      deterministic, early_rows=True))
   check("mosaic", b=2, t=300, s=300, n=4, k=2, h=64, dtype=BF16, small=config, is_causal=True,
         deterministic=deterministic, **random_lengths(2, 300, 300, 4, 5))
 
@@ -833,9 +844,7 @@ def test_atomic_pass_with_deferred_dq(h, parts):
   own, a causal band, against the reference. (A part lost or sent twice fails: the loop's first
   visit has none pending, its last one leaves one.) D = 64 runs the one pass on 128-row query
   tiles, as shipped (`dq_split`)."""
-  tiles = dict(dkv_block_q=128) if h == 64 else {}
-  backward = mosaic.Backward(atomic=True, deferred_dq=True, group_parts=parts, **tiles)
-  assert backward.one_pass_mode(h, deterministic=False, q_len=300) == "atomic"
+  backward = _atomic_or_two_kernels(False, h, deferred_dq=True, group_parts=parts)
   config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=backward)
   check("mosaic", b=2, t=300, s=300, n=4, k=2, h=h, dtype=BF16, small=config, is_causal=True,
         deterministic=False, **random_lengths(2, 300, 300, 4, 7))
