@@ -251,9 +251,9 @@ class Config:
       raise ValueError("q_buffers must be 1, or 2 on a persistent grid (persistent_ctas), got "
                        f"{self.q_buffers}")
 
-
   @property
   def producer_registers(self) -> int:
+    """The producer warpgroup's registers per thread: what the consumers leave of 504."""
     return 504 - 2 * self.registers
 
 

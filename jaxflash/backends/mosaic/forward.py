@@ -600,7 +600,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
             turns, *, params: Params, config: Config, schedule: Schedule, groups: int,
             grid: _Grid, o_union: bool):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
-  if o_union:  # one memory, two views: the Q tiles, and O-wide tiles over the same bytes
+  if o_union:  # one memory, two views: the Q tiles, and O's tiles over the same bytes
     q_smems, o_smems = q_smems
   # An FP8 call's V tiles are stored transposed, [Dv, keys] (`_transposed_values`), and its P
   # is rounded to e4m3 (`_fp8_operand`).
