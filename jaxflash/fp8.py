@@ -145,10 +145,12 @@ def dequantize(x8: jax.Array, descale: jax.Array | None) -> jax.Array:
   return x if descale is None else x * descale[..., None]
 
 
-def dequantized(inputs):
-  """The `jaxflash._core.Inputs` of an FP8 call with float32 query, key and value and no
-  descales: the same attention, computed upcast (the XLA backend's FP8 path)."""
-  return inputs._replace(query=dequantize(inputs.query, inputs.q_descale),
-                         key=dequantize(inputs.key, inputs.k_descale),
-                         value=dequantize(inputs.value, inputs.v_descale),
+def dequantized(inputs, dtype=jnp.float32):
+  """The `jaxflash._core.Inputs` of an FP8 call with query, key and value scaled back to
+  ``dtype`` and no descales: the same attention, computed upcast (the XLA backend's FP8 path
+  in float32; `fp8_attention`'s straight-through backward in the caller's dtype)."""
+  back = lambda x8, descale: dequantize(x8, descale).astype(dtype)  # noqa: E731
+  return inputs._replace(query=back(inputs.query, inputs.q_descale),
+                         key=back(inputs.key, inputs.k_descale),
+                         value=back(inputs.value, inputs.v_descale),
                          q_descale=None, k_descale=None, v_descale=None)

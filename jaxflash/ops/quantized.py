@@ -46,7 +46,8 @@ def quantized(inputs: Inputs, rotation, block_size: int | None, dtype: str) -> I
   """``inputs`` quantised to FP8 ``dtype``: query and key after ``rotation`` (None: none) with
   one scale per ``block_size`` tokens and head, the value with one per batch row and K/V head."""
   dtype = jnp.dtype(dtype)
-  # (Power-of-two scales: `dequantized`'s values are then exact in 16 bits.)
+  # (Power-of-two scales: their values scaled back are then exact in 16 bits, so a 16-bit
+  # backward on them recomputes the forward's own logits, up to the order of float32 sums.)
   quantize = functools.partial(fp8.quantize_fp8, dtype=dtype, power_of_two=True)
   q8, q_descale = quantize(inputs.query, block_size=block_size, rotation=rotation)
   k8, k_descale = quantize(inputs.key, block_size=block_size, rotation=rotation)
@@ -54,17 +55,6 @@ def quantized(inputs: Inputs, rotation, block_size: int | None, dtype: str) -> I
   per_head = lambda d: d[:, None] if d.ndim == 2 else d  # noqa: E731  (canonical [B, L or 1, h])
   return inputs._replace(query=q8, key=k8, value=v8, q_descale=per_head(q_descale),
                          k_descale=per_head(k_descale), v_descale=v_descale[:, None])
-
-
-def dequantized(x8s: Inputs, dtype) -> Inputs:
-  """`quantized`'s inputs with query, key and value scaled back to ``dtype`` (no descales):
-  the FP8 forward's values, query and key left rotated. Power-of-two scales make them exact
-  in 16 bits, so a 16-bit backward on them recomputes the forward's own logits (up to the order
-  of the float32 sums)."""
-  back = lambda x8, descale: fp8.dequantize(x8, descale).astype(dtype)  # noqa: E731
-  return x8s._replace(query=back(x8s.query, x8s.q_descale), key=back(x8s.key, x8s.k_descale),
-                      value=back(x8s.value, x8s.v_descale), q_descale=None, k_descale=None,
-                      v_descale=None)
 
 
 def _rotated_back(grad, rotation):
@@ -111,7 +101,7 @@ def _backward(params, plan, residuals, cotangents):
   kept, rotation, out, lse2, want_dbias = residuals
   d_out, delta = flash.output_cotangents(out, cotangents)
   if plan.backward == "straight_through":
-    operands = dequantized(kept, out.dtype)
+    operands = fp8.dequantized(kept, out.dtype)  # (query and key left rotated)
     dq, dk, dv, dbias = flash.backward(plan.backward_backend, flash.without_sinks(operands),
                                        params, plan.backward_config, lse2, d_out, delta,
                                        want_dbias)
