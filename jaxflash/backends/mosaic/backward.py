@@ -575,15 +575,19 @@ class _DqPart:
   def _sem(self, head, i):
     return self.sems.at[self.batch, head, i, self.wg]
 
-  def _stage(self, part):
-    """``part`` in this consumer's staging tile, once the last part has left it."""
+  def _stage(self, part, meet: bool = True):
+    """``part`` in this consumer's staging tile, once the last part has left it, its stores
+    fenced for TMA; ``meet``: the warpgroup meets after them (else the caller meets later)."""
     # Only the thread that issued the last store waits for it: the warpgroup meets before
     # anyone overwrites the tile.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     fwd._emit(mgpu.utils.warpgroup_barrier)
     stage = self.smem["dq"].at[self.wg]
     stage[...] = part
-    plgpu.commit_smem()
+    if meet:
+      plgpu.commit_smem()  # (the fence, then a warpgroup barrier)
+    else:
+      fwd._emit(_fence_for_tma)
     return stage
 
   def send(self, part, head, i, pending):
@@ -620,14 +624,10 @@ class _DqPart:
     """Stores ``part`` in this consumer's staging tile, for `send_pending` to add one visit
     later (`Backward.deferred_dq`): each thread's stores are fenced for TMA, but the warpgroup
     does not meet until then."""
-    stage = self.smem["dq"].at[self.wg]
     if self.params.interpret:
-      stage[...] = part
+      self.smem["dq"].at[self.wg][...] = part
       return
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (as in `_stage`)
-    fwd._emit(mgpu.utils.warpgroup_barrier)
-    stage[...] = part
-    fwd._emit(_fence_for_tma)
+    self._stage(part, meet=False)
 
   def send_pending(self, pending):
     """Adds the staged part of the last visit, if there was one: ``pending`` is (head, query

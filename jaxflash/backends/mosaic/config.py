@@ -20,6 +20,16 @@ from jaxflash.devices import kind_is
 SMEM_BUDGET = 227 * 1024 - 4096
 
 
+# Registers per thread that a consumer warpgroup of either kernel may ask for (two consumers and a
+# producer share 504 of them; at 248 the producer would have fewer than the 24 it needs).
+REGISTER_COUNTS = (232, 240)
+
+
+def producer_registers(consumer_registers: int) -> int:
+  """The producer warpgroup's registers per thread: what two consumers leave of 504."""
+  return 504 - 2 * consumer_registers
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Backward:
   """Tiles of the Mosaic GPU backward (`backward.py`).
@@ -120,7 +130,7 @@ class Backward:
         raise ValueError(f"{name} must be at least 1, got {value}")
     for name in ("registers", "atomic_registers"):
       value = getattr(self, name)
-      if value is not None and value not in (232, 240):
+      if value is not None and value not in REGISTER_COUNTS:
         raise ValueError(f"{name} must be 232 or 240, got {value}")
     parts = {"group_parts": self.group_parts}
     if self.atomic_group_parts is not None:  # (None: the atomic pass takes ``group_parts``)
@@ -150,7 +160,7 @@ class Backward:
 
   @property
   def producer_registers(self) -> int:
-    return 504 - 2 * self.registers
+    return producer_registers(self.registers)
 
   def splits_dkv(self, hp: int, hv: int | None = None) -> bool:
     """Whether dK/dV runs as two passes at padded head dims ``hp`` (Q and K) and ``hv`` (V;
@@ -245,7 +255,7 @@ class Config:
     if self.exp2_poly_cols % 8 or not 0 <= self.exp2_poly_cols <= self.block_kv:
       raise ValueError(f"exp2_poly_cols must be a multiple of 8 from 0 to block_kv "
                        f"({self.block_kv}), got {self.exp2_poly_cols}")
-    if self.registers not in (232, 240):
+    if self.registers not in REGISTER_COUNTS:
       raise ValueError(f"registers must be 232 or 240, got {self.registers}")
     if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and self.persistent_ctas is None):
       raise ValueError("q_buffers must be 1, or 2 on a persistent grid (persistent_ctas), got "
@@ -253,8 +263,7 @@ class Config:
 
   @property
   def producer_registers(self) -> int:
-    """The producer warpgroup's registers per thread: what the consumers leave of 504."""
-    return 504 - 2 * self.registers
+    return producer_registers(self.registers)
 
 
 def padded_head_dim(head_dim: int) -> int:

@@ -976,13 +976,13 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           _emit(mgpu.utils.warpgroup_barrier)  # bar.sync of this warpgroup's 128 threads
       lse_smem.at[wg][...] = lse2
       o_rows = out_ref.at[batch, pl.ds(q_start, block_q), head]
+      whole = o_cols == value_dim
       for piece in range(value_dim // o_cols):
         if piece:  # the last piece has left the tile (see above)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           if not params.interpret:
             _emit(mgpu.utils.warpgroup_barrier)
         first = piece * o_cols
-        whole = o_cols == value_dim
         o_smem[...] = (out if whole else out[:, first:first + o_cols]).astype(o_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_rows if whole else o_rows.at[:, pl.ds(first, o_cols)])
