@@ -136,24 +136,30 @@ def test_device_kinds_match_whole_words():
 
 @pytest.mark.parametrize("batch,heads,q_tiles,ctas",
                          [(16, 32, 4, 132), (2, 2, 2, 3), (1, 5, 1, 3), (4, 16, 16, 132),
-                          (1, 1, 3, 3)])
-@pytest.mark.parametrize("heavy_first", [False, True])
-def test_persistent_ctas_share_out_every_tile_once(batch, heads, q_tiles, ctas, heavy_first):
+                          (1, 1, 3, 3), (1, 128, 64, 132), (2, 3, 7, 5), (1, 2, 9, 132)])
+@pytest.mark.parametrize("heavy_first,paired", [(False, False), (True, False), (True, True)])
+def test_persistent_ctas_share_out_every_tile_once(batch, heads, q_tiles, ctas, heavy_first,
+                                                   paired):
   """Every (batch row, head, tile) runs on exactly one persistent CTA; heaviest first with a
   causal band, the CTAs' causal work (tile t sees t + 1 key blocks) ends within one item's
-  worth of each other. The tile-fastest order at (16, 32, 4, 132) spread it 4.3x (15 to 64)."""
+  worth of each other (paired: one pair's, q_tiles + 1). The tile-fastest order at (16, 32,
+  4, 132) spread it 4.3x (15 to 64). Paired, the CTAs of a round read few heads: at 128 heads
+  of 64 tiles, the first round's 132 CTAs five, where the heaviest-first rounds read all 128."""
   from jaxflash.backends.mosaic import forward
   grid = forward._Grid(batch, heads, q_tiles, ctas)
-  runs, work = [], []
+  runs, work, first_round = [], [], set()
   for cta in range(ctas):
-    count, item = forward._persistent_items(grid, heavy_first, jnp.int32(cta))
+    count, item = forward._persistent_items(grid, heavy_first, jnp.int32(cta), paired=paired)
     mine = [tuple(int(x) for x in item(jnp.int32(i))) for i in range(int(count))]
     runs += mine
     work.append(sum(tile + 1 for _, _, tile in mine))
+    first_round |= {mine[0][:2]} if mine else set()
   everything = [(b, h, t) for b in range(batch) for h in range(heads) for t in range(q_tiles)]
   assert sorted(runs) == everything
   if heavy_first:
-    assert max(work) - min(work) <= q_tiles, work
+    assert max(work) - min(work) <= q_tiles + paired, work
+  if (batch, heads, q_tiles) == (1, 128, 64) and heavy_first:
+    assert len(first_round) == (5 if paired else 128), first_round
 
 
 def test_none_takes_it_only_where_it_measured_faster(monkeypatch):
@@ -177,6 +183,7 @@ def test_configs_are_checked():
       (lambda: mosaic.Config(persistent_ctas=0), "persistent_ctas"),
       (lambda: mosaic.Config(persistent_ctas=True), "persistent_ctas"),  # (one CTA, silently)
       (lambda: mosaic.Config(q_buffers=2), "q_buffers"),  # only a persistent grid has a next item
+      (lambda: mosaic.Config(persistent_ctas=132, q_buffers=2, o_through_q=True), "o_through_q"),
       (lambda: mosaic.Config(exp2_poly_cols=12), "exp2_poly_cols"),  # whole 8-column groups
       (lambda: mosaic.Config(block_kv=64, exp2_poly_cols=128), "exp2_poly_cols"),
       (lambda: mosaic.Config(registers=248), "registers"),  # (the producer needs its 24)
@@ -548,12 +555,14 @@ def _bad_cells(got, want, tol=2e-2):
 def test_forward_cells_on_gpu(t, s, n, k, causal):
   """Forward only, every batch row, head and 64-row block against the float32 reference, with
   the shipped and the smallest tiles, the natural launch order and persistent grids of one CTA
-  per SM and of 7 CTAs, and of 7 CTAs with two Q buffers (the message lists the wrong
-  cells)."""
+  per SM and of 7 CTAs, of 7 CTAs with two Q buffers, and of 7 taking paired tiles with O
+  through the Q tiles (the message lists the wrong cells)."""
   q, kk, v, _ = random_qkv(3, 3, t, s, n, k, 128, BF16)
   for config in (None, SMALL_CONFIGS["mosaic"], mosaic.Config(heavy_first=False),
                  mosaic.Config(persistent_ctas=132), mosaic.Config(persistent_ctas=7),
-                 mosaic.Config(block_kv=64, persistent_ctas=7, q_buffers=2)):
+                 mosaic.Config(block_kv=64, persistent_ctas=7, q_buffers=2),
+                 mosaic.Config(persistent_ctas=7, paired_tiles=True, o_through_q=True,
+                               intra_wg_overlap=True)):
     got = _run(q, kk, v, config, is_causal=causal)
     want, _ = reference_attention(q, kk, v, is_causal=causal)
     bad = _bad_cells(np.asarray(got, np.float32), np.asarray(want))
@@ -705,16 +714,22 @@ WIDE_BACKWARD = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Bac
     dkv_block_q=128, dq_block_kv=128))
 ONE_SLOT_BACKWARD = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
     dkv_stages=1, dq_stages=1))
+SERIAL_BACKWARD = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
+    serial_scores=True))
 
 
 @pytest.mark.parametrize("option,config", [
     ("everything_but_dense", SMALL_CONFIGS["mosaic"]),
+    ("everything_but_dense", SERIAL_BACKWARD),
     pytest.param("causal", WIDE_BACKWARD, marks=variant),
     pytest.param("everything_but_dense", WIDE_BACKWARD, marks=variant),
-    pytest.param("lengths", ONE_SLOT_BACKWARD, marks=variant)])
+    pytest.param("lengths", ONE_SLOT_BACKWARD, marks=variant),
+    pytest.param("causal", SERIAL_BACKWARD, marks=variant)])
 def test_mosaic_backward(option, config):
   """The Mosaic backward with every option it serves at once (causal window, soft cap, scale,
-  segments, lengths, dropout; GQA), and with other tiles: gradients against the reference."""
+  segments, lengths, dropout; GQA), and with other tiles: gradients against the reference.
+  (`Backward.serial_scores` forms dSᵀ from the 16-bit Pᵀ, and from the undropped one under
+  dropout.)"""
   b, t, s, n, k, h = OPTION_SHAPE
   make = _everything_but_dense if option == "everything_but_dense" else OPTIONS[option]
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config,
@@ -1212,17 +1227,27 @@ def _short_rows(b, t, s, n, seed):
                   jnp.array([s, 0])))
 
 
-@pytest.mark.parametrize("option,q_buffers", [
-    ("everything", 1), ("short_rows", 2)]
-    + [pytest.param(*case, marks=variant) for case in [("causal", 1), ("causal", 2)]]
-    + [pytest.param(*case, marks=(variant, gpu)) for case in [("none", 1), ("short_rows", 1)]])
-def test_persistent_grid(option, q_buffers):
+PAIRED = dict(paired_tiles=True, o_through_q=True)
+
+
+@pytest.mark.parametrize("option,fields", [
+    ("everything", {}), ("short_rows", dict(q_buffers=2)), ("causal_short_rows", PAIRED)]
+    + [pytest.param(*case, marks=variant) for case in [
+        ("causal", {}), ("causal", dict(q_buffers=2)), ("causal", PAIRED),
+        ("causal", dict(PAIRED, intra_wg_overlap=True)), ("everything", PAIRED)]]
+    + [pytest.param(*case, marks=(variant, gpu)) for case in [("none", {}), ("short_rows", {})]])
+def test_persistent_grid(option, fields):
   """Forward, LSE and gradients through a persistent grid, with tiles that visit no key
-  block between tiles that do; with two Q buffers, the next item's Q loads during this one."""
+  block between tiles that do; with two Q buffers, the next item's Q loads during this one;
+  paired (`Config.paired_tiles`), a head's tiles two by two with O leaving through the Q tile,
+  the next item's Q loading after it (`Config.o_through_q`)."""
   b, t, s, n, k, h = (3, 300, 333, 4, 2, 128) if ON_GPU else (2, 200, 133, 2, 1, 64)
-  make = _short_rows if option == "short_rows" else OPTIONS[option]
+  if option == "causal_short_rows":
+    make = lambda *shape: dict(_short_rows(*shape), is_causal=True)
+  else:
+    make = _short_rows if option == "short_rows" else OPTIONS[option]
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16,
-        small=dataclasses.replace(PERSISTENT, q_buffers=q_buffers), **make(b, t, s, n, 0))
+        small=dataclasses.replace(PERSISTENT, **fields), **make(b, t, s, n, 0))
 
 
 # The intra-warpgroup overlap: the first block peeled off, P V one block behind the scores, the

@@ -568,18 +568,25 @@ def test_empty_calls_have_the_value_head_dim():
 
 
 @pytest.mark.parametrize("h,hv,tiles", [(96, 40, "small"), (64, 128, "shipped"),
-                                        (192, 128, "shipped"), (192, 128, "two_passes")])
+                                        (192, 128, "shipped"), (192, 128, "two_passes"),
+                                        (192, 128, "q32")])
 def test_mosaic_serves_it(h, hv, tiles):
   """Forward and backward: the small tiles with a narrower V (padded to 64 beside 128); the
   shipped ones with a wider V (128 beside 64: O needs tiles of its own, wider than Q's), and
   with MLA's dims (the forward on 128-key tiles with the overlap, O leaving through the Q
-  tiles' memory; dK and dV in one pass on 32-row query tiles); MLA's dims with dK/dV in two
-  passes (dV's tile of its own in the dV pass)."""
+  tiles' memory; dK and dV in one pass on 64-row query tiles with dPᵀ after Pᵀ,
+  `Backward.serial_scores`); MLA's dims with dK/dV in two passes (dV's tile of its own in the
+  dV pass), and in one on 32-row tiles with the scores back to back."""
   from jaxflash.backends.mosaic import backward
   config = config_for("mosaic", True) if tiles == "small" else mosaic.default_config(
       h, jnp.bfloat16, True, 70, "NVIDIA H200", value_dim=hv)
   if tiles == "two_passes":
     config = dataclasses.replace(config, backward=mosaic.Backward(split_dkv=True))
+  if tiles == "shipped" and h == 192:
+    assert config.backward.serial_scores and config.backward.dkv_block_q == 64
+  if tiles == "q32":
+    config = dataclasses.replace(config, backward=mosaic.Backward(
+        split_dkv=False, dkv_block_q=32, registers=240))
   call = _checks.normalise(jnp.zeros((1, 70, 2, h), jnp.bfloat16),
                            jnp.zeros((1, 90, 1, h), jnp.bfloat16),
                            jnp.zeros((1, 90, 1, hv), jnp.bfloat16), is_causal=True)
@@ -595,7 +602,7 @@ def test_mosaic_lowers_for_cuda():
   """Forward (the shipped configs: persistent grids, the intra-warpgroup overlap) and the
   Mosaic backward lower for an H100 with MLA's and other pairs of head dims: dK/dV in one
   pass where both accumulators fit (64 + 128 columns, 128 + 64) or the tuned tiles make them
-  (MLA's 192 + 128, on 32-row query tiles), in two (dV, then dK) elsewhere (256 + 128), and no
+  (MLA's 192 + 128, on 64-row query tiles with dPᵀ after Pᵀ), in two (dV, then dK) elsewhere (256 + 128), and no
   Triton kernel."""
   def fwd_bwd(is_causal):
     return lambda q, kk, v: jax.grad(lambda *x: jnp.sum(jaxflash.flash_attention(
@@ -627,25 +634,32 @@ def test_o_through_the_q_tiles(h, hv, rows):
   assert mosaic.config.o_view(config, hp, hvp, partial=True) is None
   persistent = dataclasses.replace(config, persistent_ctas=132)
   assert mosaic.config.o_view(persistent, hp, hvp) is None
+  through_q = dataclasses.replace(persistent, o_through_q=True)
+  assert mosaic.config.o_view(through_q, hp, hvp) == mosaic.config.o_view(config, hp, hvp)
   mla = mosaic.Config(block_kv=128, intra_wg_overlap=True)
   assert mosaic.config.fits(mla, 192, value_dim=128)
   own_o = dataclasses.replace(mla, persistent_ctas=132)
   assert (mosaic.config.smem_bytes(own_o, 192, value_dim=128)
           - mosaic.config.smem_bytes(mla, 192, value_dim=128)) == 2 * 64 * 128 * 2
   assert not mosaic.config.fits(own_o, 192, value_dim=128)
+  assert mosaic.config.fits(dataclasses.replace(own_o, o_through_q=True), 192, value_dim=128)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h,hv,is_causal", [(192, 128, False), (192, 128, True),
-                                            (128, 64, True)])
-def test_o_through_the_q_tiles_on_gpu(h, hv, is_causal):
+@pytest.mark.parametrize("h,hv,is_causal,ctas", [(192, 128, False, None), (192, 128, True, None),
+                                                 (128, 64, True, None), (192, 128, True, 7),
+                                                 (192, 128, False, 7)])
+def test_o_through_the_q_tiles_on_gpu(h, hv, is_causal, ctas):
   """MLA's 192/128 (and a 128/64 pair) compiled with O through the Q tiles' memory on 128-key
   tiles, with the overlap: several CTAs (both consumers' rows in each), GQA, odd lengths,
   forward and gradients against the float32 reference. Where a consumer's O view started off
-  its own Q tile, its O would overwrite the other consumer's Q while that one still reads it."""
+  its own Q tile, its O would overwrite the other consumer's Q while that one still reads it.
+  On a persistent grid of 7 CTAs (`o_through_q`, paired tiles with a band) the next item's Q
+  would overwrite O before its stores read it."""
+  persistent = dict(paired_tiles=True, o_through_q=True) if ctas else {}
   config = dataclasses.replace(
       mosaic.default_config(h, jnp.bfloat16, is_causal, 1000, "NVIDIA H200", value_dim=hv),
-      block_kv=128, intra_wg_overlap=True, persistent_ctas=None)
+      block_kv=128, intra_wg_overlap=True, persistent_ctas=ctas, **persistent)
   _check("mosaic", h=h, hv=hv, b=2, t=1000, s=1100, n=4, k=2, dtype=jnp.bfloat16,
          small=config, is_causal=is_causal)
 
@@ -669,6 +683,10 @@ def test_o_through_the_q_tiles_lowers():
                                  (128, 64, False, True)):
     text = lower(h, hv, causal, intra_wg_overlap=overlap)
     assert text.count("custom_call @mosaic_gpu") == 1, (h, hv)
+  # A persistent grid's too, where its O leaves through the Q tiles (`Config.o_through_q`).
+  text = lower(192, 128, True, intra_wg_overlap=True, persistent_ctas=132, paired_tiles=True,
+               o_through_q=True)
+  assert text.count("custom_call @mosaic_gpu") == 1
   with pytest.raises(ValueError, match="exceeds available shared memory"):
     lower(192, 128, True, intra_wg_overlap=True, persistent_ctas=132)
 

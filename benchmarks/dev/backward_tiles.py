@@ -61,6 +61,14 @@ VARIANTS = {
     # A causal band's tiles launched by cost across every batch row and head, not head by head
     # (`Backward.tile_major`): GQA 64/8 at 8k has 512 dK/dV CTAs for 132 SMs.
     "tile_major": dict(tile_major=True),
+    # dPᵀ issued once Pᵀ is formed, dSᵀ from the 16-bit Pᵀ (`Backward.serial_scores`): MLA's
+    # one pass on 64-row query tiles (it spills 220 bytes, against 264 without, and no longer
+    # serialises its wgmmas) or on the shipped 32-row ones; D = 128's dK/dV kernel.
+    "joint_q64_serial": dict(split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True),
+    "joint_q32_serial": dict(split_dkv=False, dkv_block_q=32, registers=240, serial_scores=True),
+    "joint_q64_serial_stages3": dict(split_dkv=False, dkv_block_q=64, registers=240,
+                                     serial_scores=True, dkv_stages=3),
+    "serial": dict(serial_scores=True),
     "triton": None,
 }
 

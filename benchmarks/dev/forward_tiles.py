@@ -6,8 +6,9 @@ For shapes the tuner's grid does not hold (a value head dim of its own, as MLA's
     PYTHONPATH=. python benchmarks/dev/forward_tiles.py --h 192 --dv 128 --heads 128 --seq 8192
 
 Prints one line per config (ms, TFLOP/s on visible entries with 2·(H + Dv) FLOPs per entry,
-relative error of batch row 0 and head 0 against the float32 reference) and writes them as JSON
-with --out. ``--smoke`` runs a tiny shape in Mosaic GPU's interpreter (CI keeps it working).
+relative error of the first and last (batch row, head) against the float32 reference) and
+writes them as JSON with --out. ``--smoke`` runs a tiny shape in Mosaic GPU's interpreter
+(CI keeps it working).
 """
 
 from __future__ import annotations
@@ -57,6 +58,20 @@ VARIANTS = {
                                        exp2_poly_cols=16),
     "kv128_overlap_poly16": dict(block_kv=128, intra_wg_overlap=True, exp2_poly_cols=16),
     "kv128_overlap_poly32": dict(block_kv=128, intra_wg_overlap=True, exp2_poly_cols=32),
+    # Persistent grids whose CTAs take a head's query tiles in pairs of equal causal work
+    # (`Config.paired_tiles`), and whose O leaves through the Q tile (`Config.o_through_q`:
+    # what MLA's 128-key tiles need to fit on one).
+    "kv128_overlap_persistent_oq": dict(block_kv=128, intra_wg_overlap=True, persistent_ctas=132,
+                                        o_through_q=True),
+    "kv128_overlap_persistent_paired": dict(block_kv=128, intra_wg_overlap=True,
+                                            persistent_ctas=132, paired_tiles=True,
+                                            o_through_q=True),
+    "kv128_overlap_persistent_paired_own_o": dict(block_kv=128, intra_wg_overlap=True,
+                                                  persistent_ctas=132, paired_tiles=True),
+    "kv128_persistent_paired": dict(block_kv=128, persistent_ctas=132, paired_tiles=True,
+                                    o_through_q=True),
+    "kv128_persistent_q2_paired": dict(block_kv=128, persistent_ctas=132, q_buffers=2,
+                                       paired_tiles=True),
 }
 
 
@@ -147,8 +162,10 @@ def main(argv=None) -> list[dict]:
   b, s, n = args.batch, args.seq, args.heads
   q, k, v, _ = random_qkv(args)
   pattern, reference, visible = block_pattern(args)
-  want, _ = reference_attention(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], **reference)
-  # (Query head 0 reads K/V head 0 under GQA too.)
+  # The first and the last (batch row, head): a CTA that ran the wrong tiles shows in either.
+  # (Query head 0 reads K/V head 0 under GQA too, the last query head the last K/V head.)
+  ends = lambda x: jnp.concatenate([x[:1, :, :1], x[-1:, :, -1:]], axis=2)
+  want, _ = reference_attention(ends(q), ends(k), ends(v), **reference)
   entries = b * n * visible
   flops = 2.0 * (args.h + args.dv) * entries
   rows = []
@@ -159,7 +176,7 @@ def main(argv=None) -> list[dict]:
       config = dataclasses.replace(mosaic.Config(), **VARIANTS[name])
       fn = jax.jit(lambda q, k, v, config=config: attention_with_config(
           q, k, v, config=config, implementation="mosaic", interpret=args.smoke, **pattern))
-      got = np.asarray(fn(q, k, v)[:1, :, :1], np.float64)
+      got = np.asarray(ends(fn(q, k, v)), np.float64)
       err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
       ms = time_calls(fn, (q, k, v))[0] if not args.smoke else 0.0
       row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1) if ms else None,

@@ -163,6 +163,15 @@ CONFIGS = {
         split_dkv=False, dkv_block_q=64)), 128),
     "bwd_mla_two_passes": Probe(192, True, dict(block_kv=64, backward=dict(split_dkv=True)),
                                 128),
+    # ... on 64-row query tiles with dPᵀ issued after Pᵀ (`Backward.serial_scores`), and the
+    # same order in D = 128's dK/dV kernel.
+    "bwd_mla_q64_serial": Probe(192, True, dict(block_kv=64, backward=dict(
+        split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True)), 128),
+    "bwd_mla_q64_serial_r232": Probe(192, True, dict(block_kv=64, backward=dict(
+        split_dkv=False, dkv_block_q=64, serial_scores=True)), 128),
+    "bwd_mla_q64_serial_full": Probe(192, False, dict(block_kv=64, backward=dict(
+        split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True)), 128),
+    "bwd_d128_serial": Probe(128, True, dict(backward=dict(serial_scores=True))),
 }
 
 # A compile-only H100 for deviceless compilation: XLA's GPU target config (the device's

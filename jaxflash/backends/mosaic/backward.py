@@ -193,6 +193,49 @@ def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then, early=None, meanw
   return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32)] * (1 + second))
 
 
+def _serial_step(carry, params: Params, shape, k_tile, v_tile, q_tile, do_tile, keep,
+                 probabilities, early, smem, slot, q_free, do_free) -> dict:
+  """A dK/dV step with ``Backward.serial_scores``: Sᵀ alone, Pᵀ in 16 bits, then dPᵀ and
+  dV += Pᵀ dO, dSᵀ from the 16-bit Pᵀ (without dropout; with it from Pᵀ itself, which dropout
+  does not scale), and dK += dSᵀ Q."""
+  (p, chain), _ = _wgmma_scores(k_tile, q_tile, None, None, shape, probabilities, early)
+  p16 = _core.dropped(p, keep, params).astype(q_tile.dtype)
+  p_for_ds = p16 if keep is None else p.astype(q_tile.dtype)
+  plgpu.barrier_wait(smem["delta_ready"].at[slot])
+
+  def dlogits(dp):
+    delta = _cols(plgpu.load(smem["delta"].at[slot], layout=_COLS), shape)
+    return _core.dlogits_to_dqk(
+        p_for_ds.astype(jnp.float32) * (_core.dropped(dp, keep, params) - delta),
+        chain).astype(q_tile.dtype)
+
+  if params.interpret:  # no register operands in the interpreter: plain dots
+    (dp, _), _ = _wgmma_scores(v_tile, do_tile, None, None, shape, lambda x: (x, None))
+    ds16 = dlogits(dp)
+    sums = [carry["dv"] + jnp.dot(p16, do_tile[...], preferred_element_type=jnp.float32),
+            carry["dk"] + jnp.dot(ds16, q_tile[...], preferred_element_type=jnp.float32)]
+  else:
+    def accumulate(acc_refs):
+      dv_ref, dk_ref = acc_refs
+
+      def scores(dp_ref):
+        plgpu.wgmma(dp_ref, v_tile, do_tile.T)
+        plgpu.wgmma(dv_ref, p16, do_tile)
+        # Both done: dSᵀ may then take the registers of the Pᵀ that dV read (waiting for dPᵀ
+        # alone left dV's Pᵀ live beside dSᵀ: ptxas spilled 220 bytes at MLA's 64-row tiles
+        # against 196; both ran level on an H200).
+        return plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+
+      dp = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+      plgpu.wgmma(dk_ref, dlogits(dp), q_tile)
+
+    sums = pl.run_state(accumulate)((plgpu.ACC.init(carry["dv"]),
+                                      plgpu.ACC.init(carry["dk"])))
+  plgpu.barrier_arrive(q_free.at[slot])
+  plgpu.barrier_arrive(do_free.at[slot])
+  return dict(dv=sums[0], dk=sums[1])
+
+
 # ----------------------------------------------------------------------------------------------
 # dK / dV, and dQ in the same pass
 
@@ -349,6 +392,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       if deferred:
         meanwhile = lambda: dq_part.send_pending(carry["pending"])  # noqa: E731
       ds16 = None
+      serial = want_dk and want_dv and not want_dq and config.serial_scores
+      if serial:
+        return _serial_step(carry, params, shape, k_here, v_here, q_tile, do_tile, keep,
+                            probabilities, early, smem, slot, q_free, do_free)
       if want_dk:
         plgpu.barrier_wait(smem["delta_ready"].at[slot])
         (p, chain), dp = _wgmma_scores(k_here, q_tile, v_here, do_tile, shape, probabilities,

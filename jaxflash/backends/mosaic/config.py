@@ -118,6 +118,12 @@ class Backward:
   # without a band, 16k with one, GQA 64/8 16k; D = 64 4k), so the barrier and the reduce-add's
   # issue are not where the consumers lose that time.
   deferred_dq: bool = False
+  # Whether the dK/dV kernel (the two-kernel backward's, not the one pass's) issues dPᵀ = V dOᵀ
+  # only once Pᵀ is formed, with dV += Pᵀ dO, and forms dSᵀ from the 16-bit Pᵀ: Sᵀ and dPᵀ are
+  # then never both live in float32, nor Pᵀ beside its 16-bit copy (64 registers a thread
+  # fewer at 64 x 64 score tiles), for wide accumulators that spill otherwise (MLA's 64 x 320
+  # on 64-row query tiles). The consumer's softmax no longer runs under its own dPᵀ.
+  serial_scores: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -219,6 +225,15 @@ class Config:
   # buffer while this item runs (with 1 it loads after this item's last block, so short items
   # wait for it).
   q_buffers: int = 1
+  # With a causal band on a persistent grid: CTAs take a head's query tiles in pairs (t,
+  # q_tiles - 1 - t), whose key blocks add up alike, one pair after another along a head, so
+  # that the CTAs running at once share a few heads' K and V in L2. (The heaviest-first rounds
+  # run one tile of every head side by side: at 128 heads each CTA reads its own K and V.)
+  paired_tiles: bool = False
+  # A persistent CTA's O leaves through its Q tile's memory (`o_view`), as a one-item CTA's
+  # does: the next item's Q then loads once O's stores have read the tile instead of during
+  # them, and O needs no tiles of its own (32 KiB at MLA's 192/128 on 128-key tiles).
+  o_through_q: bool = False
   # FlashAttention-3's intra-warpgroup overlap: step j issues block j's Q Kᵀ with block j-1's
   # P V and runs block j's softmax while that P V is in flight. It holds two P tiles and S in
   # registers next to O, so it needs smaller key tiles at large head dims.
@@ -260,6 +275,9 @@ class Config:
     if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and self.persistent_ctas is None):
       raise ValueError("q_buffers must be 1, or 2 on a persistent grid (persistent_ctas), got "
                        f"{self.q_buffers}")
+    if self.o_through_q and self.q_buffers != 1:
+      raise ValueError("o_through_q needs q_buffers=1 (O leaves through the one Q tile before "
+                       f"the next item's Q loads there), got q_buffers={self.q_buffers}")
 
   @property
   def producer_registers(self) -> int:
@@ -283,8 +301,10 @@ def o_view(config: Config, hp: int, hvp: int, partial: bool = False,
   ``hvp // cols`` pieces of ``cols`` columns, one after the other through a ``(block_q, cols)``
   view; at D = 256 this frees the 64 KiB that 128-key tiles need. None where O needs tiles of
   its own: a partial result (float32), a persistent CTA (its Q tile loads the next item
-  meanwhile), a V head dim above Q's, or one whose O rows or columns do not tile Q's bytes."""
-  if partial or config.persistent_ctas is not None or hvp > hp:
+  meanwhile) unless ``config.o_through_q``, a V head dim above Q's, or one whose O rows or
+  columns do not tile Q's bytes."""
+  persistent = config.persistent_ctas is not None and not config.o_through_q
+  if partial or persistent or hvp > hp:
     return None
   if itemsize != out_itemsize:  # (an FP8 call: O in column pieces)
     cols, rest = divmod(hp * itemsize, out_itemsize)
@@ -389,9 +409,17 @@ def fits(config: Config, head_dim: int, partial: bool = False,
 #   2026-11-28, same shape, 621 TFLOP/s with the overlap and 618 without, against 551 for the
 #   64-key tiles with it (all within 2.1e-3 of float32); without a causal band 654 on 128-key
 #   tiles, 648 with the overlap, 553 on 64-key tiles with it.
+# - Paired tiles (`Config.paired_tiles`, H200, 2026-11-28 seventh session, forward_tiles.py,
+#   each pair of variants interleaved twice in one process): at D = 64 causal on TUNED's
+#   persistent grid 1k 326/329 against 313/311 (B = 16, 32 heads), 4k 431/433 against 424/406,
+#   16k 452/457 against 434/435. The heaviest-first rounds put one tile of every (batch row,
+#   head) side by side, and the CTAs at work read K and V of that many heads: at MLA's 128
+#   heads on a persistent grid (with `o_through_q`) 515 against 632 paired. Paired, MLA's
+#   192/128 ran 628-632 against 622-625 on one CTA per tile (within noise: not taken); D = 128
+#   causal 593-601 against 622-625 at 16k, 596-610 against 591 at 4k (not taken).
 TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(block_kv=256, persistent_ctas=True),
-    (64, True): dict(persistent_ctas=True, q_buffers=2),
+    (64, True): dict(persistent_ctas=True, q_buffers=2, paired_tiles=True),
     (128, False): dict(intra_wg_overlap=True, persistent_ctas=True),
     (128, True): dict(intra_wg_overlap=True),
     (256, False): dict(block_kv=64, intra_wg_overlap=True),
@@ -452,9 +480,13 @@ BACKWARD_TUNED: dict[int, Backward] = {
 # dK and dV in one pass on 32-row query tiles, 240 registers: 406 (232 registers: 403), where two
 # passes (dV, then dK) on 64-row tiles ran 363 (240 registers 359, three dQ or dK/dV stages 358
 # and 347, 32-row tiles 332), one pass on 64-row tiles 352 (its two 64 x 64 score tiles beside
-# 64 x 320 float32 accumulators spill), and the Triton backward 97.
+# 64 x 320 float32 accumulators spill), and the Triton backward 97. Since 2026-11-28 (seventh
+# session) the one pass runs on 64-row tiles with dPᵀ issued after Pᵀ (`serial_scores`; ptxas
+# spills 196 bytes, no longer serialising the wgmmas): 430, 433 and 428 against 416, 412 and
+# 411 for the 32-row tiles in two processes (32-row tiles with `serial_scores` 401, 64-row
+# ones with three dK/dV stages 410). D = 128's dK/dV kernel lost with it (438 against 462).
 BACKWARD_TUNED_VALUE_DIM: dict[tuple[int, int], Backward] = {
-    (192, 128): Backward(split_dkv=False, dkv_block_q=32, registers=240),
+    (192, 128): Backward(split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True),
 }
 
 

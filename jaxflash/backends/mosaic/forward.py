@@ -518,7 +518,7 @@ def ordered(order_ref, linear, heads: int, tiles: int):
   return lax.div(rest, _i32(heads)), lax.rem(rest, _i32(heads)), tile
 
 
-def _items(grid: _Grid, heavy_first: bool, order_ref=None):
+def _items(grid: _Grid, heavy_first: bool, order_ref=None, paired: bool = False):
   """``(count, item)``: how many items this CTA runs and ``item(i) -> (batch, head, tile)``.
 
   Persistent CTAs share out the items in rounds of ``ctas`` consecutive ones, CTA ``c`` taking
@@ -532,6 +532,7 @@ def _items(grid: _Grid, heavy_first: bool, order_ref=None):
 
   With a block table (``order_ref``, `by_cost`) items go by their number of visits instead:
   the grid's CTAs in launch order (batch fastest), or persistent CTAs in rounds as above.
+  ``paired`` (a band, no table, persistent CTAs): `_paired_items`.
   """
   if grid.ctas is None:
     if order_ref is not None:
@@ -544,11 +545,14 @@ def _items(grid: _Grid, heavy_first: bool, order_ref=None):
       tile = grid.q_tiles - 1 - tile  # the rows that see the most keys first
     coords = lax.axis_index("batch"), lax.axis_index("heads"), tile
     return 1, lambda i: coords
-  return _persistent_items(grid, heavy_first, lax.axis_index("ctas"), order_ref)
+  return _persistent_items(grid, heavy_first, lax.axis_index("ctas"), order_ref, paired)
 
 
-def _persistent_items(grid: _Grid, heavy_first: bool, cta, order_ref=None):
+def _persistent_items(grid: _Grid, heavy_first: bool, cta, order_ref=None,
+                      paired: bool = False):
   """`_items` for persistent CTA ``cta`` (a pure function of it, for tests)."""
+  if paired and heavy_first and order_ref is None:
+    return _paired_items(grid, cta)
   ctas = _i32(grid.ctas)
   total = grid.batch * grid.heads * grid.q_tiles
   if order_ref is not None:  # rounds over the items by cost, alternate rounds backwards
@@ -583,6 +587,35 @@ def _persistent_items(grid: _Grid, heavy_first: bool, cta, order_ref=None):
   return _i32(rounds) + tail, item
 
 
+def _paired_items(grid: _Grid, cta):
+  """`_persistent_items` in pairs of query tiles (``Config.paired_tiles``): unit ``u`` is
+  tiles ``q_tiles - 1 - p`` and ``p`` of (batch row, head) ``u // pairs`` with ``p = u % pairs``,
+  and CTA ``c`` takes units ``c, c + ctas, ...``. Along a causal band a tile's key blocks grow
+  by one a tile, so every pair costs the same and the rounds need no alternating order to end
+  together; consecutive units are one head's, so the CTAs running at once share K and V. With
+  an odd tile count each (batch row, head) has its middle tile left, a unit of one tile: those
+  come after all the pairs, continuing the rounds (the CTAs one pair short take them first)."""
+  ctas, pairs = grid.ctas, grid.q_tiles // 2
+  rows = grid.batch * grid.heads
+  units = rows * pairs
+  singles = rows * (grid.q_tiles % 2)
+  my_pairs = lax.div(_i32(units + ctas - 1) - cta, _i32(ctas))
+  first_single = lax.rem(cta + _i32(ctas - units % ctas), _i32(ctas))  # (cta - units) mod ctas
+  my_singles = lax.div(jnp.maximum(_i32(singles + ctas - 1) - first_single, 0), _i32(ctas))
+
+  def item(i):
+    in_pair = i < 2 * my_pairs
+    unit = cta + lax.div(i, _i32(2)) * ctas
+    pair_row, p = lax.div(unit, _i32(max(pairs, 1))), lax.rem(unit, _i32(max(pairs, 1)))
+    pair_tile = jnp.where(lax.rem(i, _i32(2)) == 0, grid.q_tiles - 1 - p, p)
+    single_row = first_single + (i - 2 * my_pairs) * ctas
+    row = jnp.where(in_pair, pair_row, single_row)
+    tile = jnp.where(in_pair, pair_tile, _i32(pairs))
+    return lax.div(row, _i32(grid.heads)), lax.rem(row, _i32(grid.heads)), tile
+
+  return 2 * my_pairs + my_singles, item
+
+
 def _i32(x: int):
   return jnp.asarray(x, jnp.int32)
 
@@ -608,7 +641,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   value_dim = v_smem.shape[-2 if quantized else -1]  # (O's head dim: V's, maybe not Q's)
   wg = lax.axis_index("wg")
   heavy_first = config.heavy_first and schedule.window.right is not None
-  count, item = _items(grid, heavy_first, extras.order)
+  count, item = _items(grid, heavy_first, extras.order, config.paired_tiles)
   rows_per_cta = _CONSUMERS * block_q
 
   def where(i):
@@ -659,6 +692,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       o_smem = o_smems.at[wg].at[pl.ds(0, block_q)]
     else:
       o_smem = q_smems.at[wg] if o_smems is None else o_smems.at[wg]
+    o_in_q = o_union or o_smems is None
     o_cols = o_smem.shape[-1]  # (O's columns per piece: all of them but in an FP8 call)
 
     def load_q(i):
@@ -947,7 +981,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         acc, m, l, _ = lax.fori_loop(jnp.maximum(visits - 1, 0), visits, last, carry)
       else:
         acc, m, l = walk(spans, step, init)
-      if grid.ctas is not None and q_buffers == 1:
+      if grid.ctas is not None and q_buffers == 1 and not o_in_q:
         # Q is no longer read: the next item's loads while O goes out.
         pl.when(i + 1 < count)(lambda: load_q(i + 1))
 
@@ -989,6 +1023,14 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         if not piece:
           plgpu.copy_smem_to_gmem(lse_smem.at[wg],
                                   lse_ref.at[batch, head, pl.ds(q_start, block_q)])
+      if grid.ctas is not None and o_in_q:
+        # O left through the Q tile: the next item's Q loads there once the stores read it.
+        @pl.when(i + 1 < count)
+        def _():
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          if not params.interpret:
+            _emit(mgpu.utils.warpgroup_barrier)
+          load_q(i + 1)
       return first_block + visits
 
     _for_items(count, run_item)
