@@ -188,7 +188,6 @@ def test_configs_are_checked():
       (lambda: mosaic.Config(block_kv=64, exp2_poly_cols=128), "exp2_poly_cols"),
       (lambda: mosaic.Config(registers=248), "registers"),  # (the producer needs its 24)
       (lambda: mosaic.Backward(dkv_block_q=96), "dkv_block_q"),
-      (lambda: mosaic.Backward(held_accumulators=True), "held_accumulators"),
       (lambda: mosaic.Backward(dv_stages=0), "dv_stages"),
       (lambda: mosaic.Backward(registers=236), "registers")]:
     with pytest.raises(ValueError, match=field):

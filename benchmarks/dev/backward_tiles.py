@@ -66,9 +66,6 @@ VARIANTS = {
     # serialises its wgmmas) or on the shipped 32-row ones; D = 128's dK/dV kernel.
     "joint_q64_serial": dict(split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True),
     "joint_q32_serial": dict(split_dkv=False, dkv_block_q=32, registers=240, serial_scores=True),
-    # ... with dV's and dK's accumulators open across the steps (`Backward.held_accumulators`).
-    "joint_q64_held": dict(split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True,
-                           held_accumulators=True),
     "joint_q64_serial_stages3": dict(split_dkv=False, dkv_block_q=64, registers=240,
                                      serial_scores=True, dkv_stages=3),
     "serial": dict(serial_scores=True),

@@ -171,9 +171,6 @@ CONFIGS = {
         split_dkv=False, dkv_block_q=64, serial_scores=True)), 128),
     "bwd_mla_q64_serial_full": Probe(192, False, dict(block_kv=64, backward=dict(
         split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True)), 128),
-    "bwd_mla_q64_held": Probe(192, True, dict(block_kv=64, backward=dict(
-        split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True,
-        held_accumulators=True)), 128),
     "bwd_d128_serial": Probe(128, True, dict(backward=dict(serial_scores=True))),
 }
 

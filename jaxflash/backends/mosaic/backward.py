@@ -194,16 +194,11 @@ def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then, early=None, meanw
 
 
 def _serial_step(carry, params: Params, shape, k_tile, v_tile, q_tile, do_tile, keep,
-                 probabilities, early, smem, slot, q_free, do_free, held_refs=None):
+                 probabilities, early, smem, slot, q_free, do_free) -> dict:
   """A dK/dV step with ``Backward.serial_scores``: Sᵀ alone, Pᵀ in 16 bits, then dPᵀ and
   dV += Pᵀ dO, dSᵀ from the 16-bit Pᵀ (without dropout; with it from Pᵀ itself, which dropout
-  does not scale), and dK += dSᵀ Q. The carry is the dV and dK sums, or with ``held_refs``
-  (`Backward.held_accumulators`: their wgmma accumulators, open across the steps) the ring
-  slot whose Q tile the last step's dK product may still read (-1: none), released once this
-  step's Sᵀ is done, which is after that product."""
+  does not scale), and dK += dSᵀ Q."""
   (p, chain), _ = _wgmma_scores(k_tile, q_tile, None, None, shape, probabilities, early)
-  if held_refs is not None:
-    pl.when(carry >= 0)(lambda: plgpu.barrier_arrive(q_free.at[jnp.maximum(carry, 0)]))
   p16 = _core.dropped(p, keep, params).astype(q_tile.dtype)
   p_for_ds = p16 if keep is None else p.astype(q_tile.dtype)
   plgpu.barrier_wait(smem["delta_ready"].at[slot])
@@ -219,18 +214,6 @@ def _serial_step(carry, params: Params, shape, k_tile, v_tile, q_tile, do_tile, 
     ds16 = dlogits(dp)
     sums = [carry["dv"] + jnp.dot(p16, do_tile[...], preferred_element_type=jnp.float32),
             carry["dk"] + jnp.dot(ds16, q_tile[...], preferred_element_type=jnp.float32)]
-  elif held_refs is not None:
-    dv_ref, dk_ref = held_refs
-
-    def scores(dp_ref):
-      plgpu.wgmma(dp_ref, v_tile, do_tile.T)
-      plgpu.wgmma(dv_ref, p16, do_tile)
-      return plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
-
-    dp = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
-    plgpu.wgmma(dk_ref, dlogits(dp), q_tile)  # (waited for by the next step's Sᵀ)
-    plgpu.barrier_arrive(do_free.at[slot])
-    return slot
   else:
     def accumulate(acc_refs):
       dv_ref, dk_ref = acc_refs
@@ -340,11 +323,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
                         split=dq_split(block_q, hp), block_q=block_q, hp=hp, wg=wg,
                         batch=batch, k_tile=k_tile_index, first_ref=first_ref)
 
-    serial = want_dk and want_dv and not want_dq and config.serial_scores
-    # (`Backward.held_accumulators`: dV's and dK's wgmma accumulators, once `walk_held` opens
-    # them.)
-    held_refs = [] if serial and config.held_accumulators and not params.interpret else None
-
     def step(n, g, i, carry, masked: bool):
       slot = slot_of(n)
       head = first_head + g
@@ -414,9 +392,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       if deferred:
         meanwhile = lambda: dq_part.send_pending(carry["pending"])  # noqa: E731
       ds16 = None
+      serial = want_dk and want_dv and not want_dq and config.serial_scores
       if serial:
         return _serial_step(carry, params, shape, k_here, v_here, q_tile, do_tile, keep,
-                            probabilities, early, smem, slot, q_free, do_free, held_refs)
+                            probabilities, early, smem, slot, q_free, do_free)
       if want_dk:
         plgpu.barrier_wait(smem["delta_ready"].at[slot])
         (p, chain), dp = _wgmma_scores(k_here, q_tile, v_here, do_tile, shape, probabilities,
@@ -470,20 +449,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       carry["pending"] = (fwd._i32(0), fwd._i32(0), fwd._i32(0))
     elif want_dq:
       carry["pending"] = _DqPart.nothing_pending()
-    if held_refs is None:
-      sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=heads_here,
-                                    reverse=reverse, spans_of=spans_of)
-    else:
-      def walk_held(refs):
-        held_refs.extend(refs)
-        last = schedule.visit_q_split(cta_start, pos, step, fwd._i32(-1), repeat=heads_here,
-                                      reverse=reverse, spans_of=spans_of)
-        plgpu.wgmma_wait(0)  # the last dK += dSᵀ Q has read its Q tile
-        pl.when(last >= 0)(lambda: plgpu.barrier_arrive(q_free.at[jnp.maximum(last, 0)]))
-
-      dv, dk = pl.run_state(walk_held)((plgpu.ACC.init(carry["dv"]),
-                                        plgpu.ACC.init(carry["dk"])))
-      sums = dict(dv=dv, dk=dk)
+    sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=heads_here,
+                                  reverse=reverse, spans_of=spans_of)
     if deferred:
       dq_part.send_pending(sums["pending"])
     if want_dq:  # the other consumer's dQ products read this one's K tile until its last one

@@ -124,11 +124,6 @@ class Backward:
   # fewer at 64 x 64 score tiles), for wide accumulators that spill otherwise (MLA's 64 x 320
   # on 64-row query tiles). The consumer's softmax no longer runs under its own dPᵀ.
   serial_scores: bool = False
-  # With ``serial_scores``: dV's and dK's wgmma accumulators stay open across the steps, so that
-  # a step's dK += dSᵀ Q runs on while the next step issues its Sᵀ (without, each step waits
-  # for its products before the next one starts); the Q tile it reads is released one step
-  # later.
-  held_accumulators: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -143,9 +138,6 @@ class Backward:
       value = getattr(self, name)
       if value is not None and value not in REGISTER_COUNTS:
         raise ValueError(f"{name} must be 232 or 240, got {value}")
-    if self.held_accumulators and not self.serial_scores:
-      raise ValueError("held_accumulators needs serial_scores=True (it holds that step's "
-                       "products open), got serial_scores=False")
     parts = {"group_parts": self.group_parts}
     if self.atomic_group_parts is not None:  # (None: the atomic pass takes ``group_parts``)
       parts["atomic_group_parts"] = self.atomic_group_parts
