@@ -597,6 +597,21 @@ def test_mosaic_serves_it(h, hv, tiles):
          is_causal=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fields", [dict(dkv_block_q=32), dict(serial_scores=True)])
+def test_mla_backward_tiles_on_gpu(fields):
+  """MLA's one-pass dK/dV on 32-row tiles with the scores back to back, and on 64-row ones
+  with dPᵀ after Pᵀ (`Backward.serial_scores`, shipped), compiled: GQA, odd lengths, a causal
+  band, several query heads per K/V head, against the float32 reference."""
+  backward = mosaic.Backward(**dict(dict(split_dkv=False, dkv_block_q=64, registers=240),
+                                    **fields))
+  config = dataclasses.replace(
+      mosaic.default_config(192, jnp.bfloat16, True, 1000, "NVIDIA H200", value_dim=128),
+      backward=backward)
+  _check("mosaic", h=192, hv=128, b=2, t=1000, s=1100, n=4, k=2, dtype=jnp.bfloat16,
+         small=config, is_causal=True)
+
+
 @pytest.mark.usefixtures("cuda_plugin")
 def test_mosaic_lowers_for_cuda():
   """Forward (the shipped configs: persistent grids, the intra-warpgroup overlap) and the
