@@ -617,8 +617,8 @@ def test_mosaic_lowers_for_cuda():
   """Forward (the shipped configs: persistent grids, the intra-warpgroup overlap) and the
   Mosaic backward lower for an H100 with MLA's and other pairs of head dims: dK/dV in one
   pass where both accumulators fit (64 + 128 columns, 128 + 64) or the tuned tiles make them
-  (MLA's 192 + 128, on 64-row query tiles with dPᵀ after Pᵀ), in two (dV, then dK) elsewhere (256 + 128), and no
-  Triton kernel."""
+  (MLA's 192 + 128, on 64-row query tiles with dPᵀ after Pᵀ), in two (dV, then dK) elsewhere
+  (256 + 128), and no Triton kernel."""
   def fwd_bwd(is_causal):
     return lambda q, kk, v: jax.grad(lambda *x: jnp.sum(jaxflash.flash_attention(
         *x, implementation="mosaic", is_causal=is_causal).astype(F32)), argnums=(0, 1, 2))(

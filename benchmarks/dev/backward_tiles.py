@@ -62,8 +62,8 @@ VARIANTS = {
     # (`Backward.tile_major`): GQA 64/8 at 8k has 512 dK/dV CTAs for 132 SMs.
     "tile_major": dict(tile_major=True),
     # dPᵀ issued once Pᵀ is formed, dSᵀ from the 16-bit Pᵀ (`Backward.serial_scores`): MLA's
-    # one pass on 64-row query tiles (it spills 220 bytes, against 264 without, and no longer
-    # serialises its wgmmas) or on the shipped 32-row ones; D = 128's dK/dV kernel.
+    # one pass on 64-row query tiles (shipped since 2026-11-28: it spills 196 bytes, against
+    # 264 without, and no longer serialises its wgmmas) or on 32-row ones; D = 128's dK/dV.
     "joint_q64_serial": dict(split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True),
     "joint_q32_serial": dict(split_dkv=False, dkv_block_q=32, registers=240, serial_scores=True),
     "joint_q64_serial_stages3": dict(split_dkv=False, dkv_block_q=64, registers=240,

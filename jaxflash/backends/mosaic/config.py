@@ -118,11 +118,11 @@ class Backward:
   # without a band, 16k with one, GQA 64/8 16k; D = 64 4k), so the barrier and the reduce-add's
   # issue are not where the consumers lose that time.
   deferred_dq: bool = False
-  # Whether the dK/dV kernel (the two-kernel backward's, not the one pass's) issues dPᵀ = V dOᵀ
-  # only once Pᵀ is formed, with dV += Pᵀ dO, and forms dSᵀ from the 16-bit Pᵀ: Sᵀ and dPᵀ are
-  # then never both live in float32, nor Pᵀ beside its 16-bit copy (64 registers a thread
-  # fewer at 64 x 64 score tiles), for wide accumulators that spill otherwise (MLA's 64 x 320
-  # on 64-row query tiles). The consumer's softmax no longer runs under its own dPᵀ.
+  # Whether the dK/dV kernel, where it forms both dK and dV and no dQ (not in a split pass nor
+  # the one pass with dQ), issues dPᵀ = V dOᵀ only once Pᵀ is formed, with dV += Pᵀ dO, and
+  # forms dSᵀ from the 16-bit Pᵀ: Sᵀ and dPᵀ are then never both live in float32, nor Pᵀ
+  # beside its 16-bit copy, which leaves room for wide accumulators (MLA's 64 x 320 on 64-row
+  # query tiles). The consumer's softmax no longer runs under its own dPᵀ: D = 128 loses.
   serial_scores: bool = False
 
   def __post_init__(self):
@@ -482,9 +482,10 @@ BACKWARD_TUNED: dict[int, Backward] = {
 # and 347, 32-row tiles 332), one pass on 64-row tiles 352 (its two 64 x 64 score tiles beside
 # 64 x 320 float32 accumulators spill), and the Triton backward 97. Since 2026-11-28 (seventh
 # session) the one pass runs on 64-row tiles with dPᵀ issued after Pᵀ (`serial_scores`; ptxas
-# spills 196 bytes, no longer serialising the wgmmas): 430, 433 and 428 against 416, 412 and
-# 411 for the 32-row tiles in two processes (32-row tiles with `serial_scores` 401, 64-row
-# ones with three dK/dV stages 410). D = 128's dK/dV kernel lost with it (438 against 462).
+# spills 196 bytes, no longer serialising the wgmmas): 430, 433, 428, 433 and 431 in three
+# processes against 416, 412 and 411 for the 32-row tiles in two of them (32-row tiles with
+# `serial_scores` 401, 64-row ones with three dK/dV stages 410, with the accumulators held
+# across the steps 426 and 425). D = 128's dK/dV kernel lost with it (438 against 462).
 BACKWARD_TUNED_VALUE_DIM: dict[tuple[int, int], Backward] = {
     (192, 128): Backward(split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True),
 }
