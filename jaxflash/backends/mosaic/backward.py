@@ -144,6 +144,13 @@ def _probabilities(s, lse2, params: Params, visible, make_score=None):
   return jnp.exp2(s2 - lse2), chain
 
 
+def _dscores(p, dp, delta, keep, chain, params: Params, dtype):
+  """dS = P ∘ (dP − delta) (dP after dropout), through the soft cap's and score_mod's chain
+  factor, in ``dtype`` for the next wgmma (transposed tiles give dSᵀ the same way)."""
+  return _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
+                              chain).astype(dtype)
+
+
 def _visible(k_idx, first_key, last_key, q_ids, kv_ids):
   """The element mask of a tile from its key indices (broadcast to the tile), the per-query key
   bounds of `masking.key_range` (broadcast, or scalars, or None) and segment ids
@@ -205,9 +212,7 @@ def _serial_step(carry, params: Params, shape, k_tile, v_tile, q_tile, do_tile, 
 
   def dlogits(dp):
     delta = _cols(plgpu.load(smem["delta"].at[slot], layout=_COLS), shape)
-    return _core.dlogits_to_dqk(
-        p_for_ds.astype(jnp.float32) * (_core.dropped(dp, keep, params) - delta),
-        chain).astype(q_tile.dtype)
+    return _dscores(p_for_ds.astype(jnp.float32), dp, delta, keep, chain, params, q_tile.dtype)
 
   if params.interpret:  # no register operands in the interpreter: plain dots
     (dp, _), _ = _wgmma_scores(v_tile, do_tile, None, None, shape, lambda x: (x, None))
@@ -401,8 +406,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         (p, chain), dp = _wgmma_scores(k_here, q_tile, v_here, do_tile, shape, probabilities,
                                        early, meanwhile)
         delta = _cols(plgpu.load(smem["delta"].at[slot], layout=_COLS), shape)
-        ds16 = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
-                                    chain).astype(q_tile.dtype)
+        ds16 = _dscores(p, dp, delta, keep, chain, params, q_tile.dtype)
       else:
         (p, _), _ = _wgmma_scores(k_here, q_tile, None, None, shape, probabilities, early,
                                   meanwhile)
@@ -1005,8 +1009,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
           q_smem.at[here], k_tile, do_smem.at[here], v_smem.at[slot], shape,
           lambda s: _probabilities(s, lse2, params, visible, make_score))
       plgpu.barrier_arrive(v_free.at[slot])
-      ds16 = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
-                                  chain).astype(k_tile.dtype)
+      ds16 = _dscores(p, dp, delta, keep, chain, params, k_tile.dtype)
       if params.interpret:
         dq = dq + jnp.dot(ds16, k_tile[...], preferred_element_type=jnp.float32)
       else:

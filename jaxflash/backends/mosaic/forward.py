@@ -601,7 +601,7 @@ def _paired_items(grid: _Grid, cta):
   singles = rows * (grid.q_tiles % 2)
   my_pairs = lax.div(_i32(units + ctas - 1) - cta, _i32(ctas))
   first_single = lax.rem(cta + _i32(ctas - units % ctas), _i32(ctas))  # (cta - units) mod ctas
-  my_singles = lax.div(jnp.maximum(_i32(singles + ctas - 1) - first_single, 0), _i32(ctas))
+  my_singles = lax.div(_i32(singles + ctas - 1) - first_single, _i32(ctas))  # (first < ctas)
 
   def item(i):
     in_pair = i < 2 * my_pairs
