@@ -866,6 +866,22 @@ def test_atomic_pass_with_deferred_dq(h, parts):
         deterministic=False, **random_lengths(2, 300, 300, 4, 7))
 
 
+@pytest.mark.parametrize("h,causal", [(256, True), pytest.param(200, False, marks=variant)])
+def test_atomic_dk_pass_forms_dq_above_head_dim_128(h, causal):
+  """Above head dim 128 the atomic backward runs the dV pass, then a dK pass that forms dQ too:
+  each consumer's transposed parts (dQᵀ = Kᵀ dSᵀ, 64 head-dim columns at a time, the last one
+  sent during the next visit) added into a transposed dQ (`mosaic.config.dq_split`'s
+  ``"transposed"``). Several key tiles and query blocks, T != S, GQA, two batch rows with
+  lengths of their own, against the reference. (A part lost, sent twice or to the wrong columns
+  fails: a broken last part gave dQ a relative error of 0.6.)"""
+  backward = dataclasses.replace(mosaic.config.BACKWARD_TUNED[256], atomic=True)
+  assert backward.one_pass_mode(256, deterministic=False, q_len=300) == "atomic"
+  assert mosaic.config.dq_split(backward.dkv_block_q, 256) == "transposed"
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=backward)
+  check("mosaic", b=2, t=300, s=200, n=4, k=2, h=h, dtype=BF16, small=config,
+        is_causal=causal, deterministic=False, **random_lengths(2, 300, 200, 4, 9))
+
+
 def test_group_parts_divide_the_group():
   """`Backward.parts_of`: ``group_parts`` where it divides the group, else one CTA per key tile;
   and it must be a positive int."""
@@ -940,13 +956,15 @@ def test_short_causal_calls_launch_in_natural_order(kind):
     (40, 256, False, False, False, "atomic"), (64, 256, False, False, True, None),
     (128, 1024, False, False, False, "atomic"), (128, 8192, True, False, False, "atomic"),
     (128, 8192, False, True, False, None), (128, 256, True, False, True, None),
-    (256, 16384, False, False, False, None)])
+    (256, 16384, False, False, False, "atomic"), (256, 1024, False, False, False, "atomic"),
+    (256, 2048, True, False, False, "atomic"), (256, 1024, True, False, False, None),
+    (256, 4096, False, True, False, None)])
 def test_atomic_backward_where_it_measured_faster(h, t, causal, deterministic, partial_call,
                                                   want):
   """The shipped tiles (`ATOMIC_TUNED`) take the atomic one pass for calls that allow it where
-  it measured faster than the two kernels: head dims up to 128, causal or not; above them (no
-  one-pass kernel), in partial calls (float32 gradients) and by default, the deterministic
-  kernels run."""
+  it measured faster than the deterministic kernels: head dims up to 128, causal or not, and
+  at D = 256 (the dK pass forming dQ too) but for causal calls below 2048 rows; in partial
+  calls (float32 gradients) and by default, the deterministic kernels run."""
   from jaxflash.backends.mosaic import backward
   q = jnp.zeros((1, t, 2, h), BF16)
   call = _checks.normalise(q, q, q, deterministic=deterministic, is_causal=causal)
@@ -1083,17 +1101,18 @@ def test_group_parts_lower(deterministic):
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("h,kernels", [(64, 2), (128, 2), (256, 4)])
-def test_atomic_backward_lowers(h, kernels):
+@pytest.mark.parametrize("h,t,kernels,aliased", [(64, 1000, 2, True), (128, 1000, 2, True),
+                                                 (256, 2100, 3, True), (256, 1000, 4, False)])
+def test_atomic_backward_lowers(h, t, kernels, aliased):
   """deterministic=False lowers as two Mosaic kernels at D = 64 and 128 (the forward, and
-  dK/dV with dQ's unordered adds into a zeroed array, aliased in place) and as the
-  deterministic ones at D = 256 (the forward, dV, dK and dQ: no one-pass kernel there); no
-  ordering semaphores either way."""
-  q = jax.ShapeDtypeStruct((2, 1000, 4, h), BF16)
+  dK/dV with dQ's unordered adds into a zeroed array, aliased in place) and as three at D =
+  256 (the forward, dV, and dK with dQ's adds); a causal call at D = 256 below 2048 rows runs
+  the deterministic ones (the forward, dV, dK and dQ); no ordering semaphores either way."""
+  q = jax.ShapeDtypeStruct((2, t, 4, h), BF16)
   kv = jax.ShapeDtypeStruct((2, 777, 2, h), BF16)
   text = _lower(_gradients(None, is_causal=True, deterministic=False), q, kv, kv)
   assert _mosaic_kernels(text) == kernels
-  assert ("output_operand_alias" in text) == (kernels == 2)
+  assert ("output_operand_alias" in text) == aliased
 
 
 @pytest.mark.parametrize("band,offsets", [

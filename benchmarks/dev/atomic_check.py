@@ -29,6 +29,9 @@ from report import environment  # noqa: E402
 SHAPES = [(2, 1000, 777, 4, 2, 128, True), (2, 1000, 1000, 8, 8, 64, False),
           (1, 300, 2048, 8, 2, 128, False), (2, 1000, 777, 4, 2, 40, True),
           (2, 513, 513, 4, 4, 96, True), (1, 4096, 4096, 8, 1, 128, True)]
+# Head dims above 128 (`--check-shapes wide`): the dV pass, then a dK pass that forms dQ too.
+WIDE_SHAPES = [(2, 1000, 777, 4, 2, 256, True), (1, 300, 2048, 4, 4, 200, False),
+               (2, 2100, 2100, 8, 8, 256, False)]
 SMOKE_SHAPES = [(1, 70, 150, 1, 1, 64, False)]  # (2 key tiles: the atomic adds meet)
 
 
@@ -106,7 +109,8 @@ def check(rows, shapes=SHAPES, interpret=False,
                                                         implementation="xla"))
     want = ref(q, kk, v, do)
     bf = [x.astype(jnp.bfloat16) for x in (q, kk, v)]
-    # (The one pass runs wherever dq_split has a way for the tiles: D <= 128.)
+    # (The one pass runs wherever dq_split has a way for the tiles: D <= 128, and D = 256's
+    # atomic dK pass.)
     for name in names:
       g = grads(variant_fn(name, h, causal, t, n // k, interpret), jit=not interpret)
       # (A second call checks the bits repeat: on the GPU; the interpreter runs one order.)
@@ -154,6 +158,8 @@ def main(argv=None):
                       help="one tiny shape in the interpreter (a CPU), no timing")
   parser.add_argument("--cells", default="128:4096:0,128:4096:1,64:4096:0,64:4096:1,"
                       "128:16384:1,128:16384:0:64:8")
+  parser.add_argument("--check-shapes", choices=["odd", "wide", "both"], default="odd",
+                      help="the odd shapes (head dims up to 128), the wide ones, or both")
   parser.add_argument("--check-variants", nargs="+", choices=list(BACKWARDS),
                       default=["deterministic", "atomic", "ordered_one_pass"],
                       help="the Mosaic variants checked at the odd shapes")
@@ -167,7 +173,8 @@ def main(argv=None):
     Path(args.out).write_text(json.dumps(dict(environment=environment(), rows=rows), indent=1))
     return rows
   if not args.no_check:
-    check(rows, names=args.check_variants)
+    shapes = {"odd": SHAPES, "wide": WIDE_SHAPES, "both": SHAPES + WIDE_SHAPES}
+    check(rows, shapes[args.check_shapes], names=args.check_variants)
   cells = []
   for cell in args.cells.split(","):
     parts = [int(x) for x in cell.split(":")]

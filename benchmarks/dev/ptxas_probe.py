@@ -105,6 +105,13 @@ CONFIGS = {
         dkv_block_q=32, dq_block_kv=32, dv_block_q=64))),
     "bwd_d256_r240": Probe(256, True, dict(block_kv=64, backward=dict(
         dkv_block_q=32, dq_block_kv=32, registers=240))),
+    # D = 256's atomic backward: the dV pass, then a dK pass that forms dQ too (transposed
+    # parts, `mosaic.config.dq_split`), as shipped (240 registers) and at 232.
+    "bwd_d256_atomic": Probe(256, True, dict(block_kv=64, backward=dict(
+        dkv_block_q=32, dq_block_kv=32, dv_block_q=64, registers=240, atomic=True)),
+        deterministic=False),
+    "bwd_d256_atomic_r232": Probe(256, True, dict(block_kv=64, backward=dict(
+        dkv_block_q=32, dq_block_kv=32, dv_block_q=64, atomic=True)), deterministic=False),
     # The atomic one pass (``deterministic=False``), with the causal band or without.
     "bwd_d128_atomic": Probe(128, True, dict(backward=dict(atomic=True)), deterministic=False),
     "bwd_d128_atomic_r240": Probe(128, True, dict(backward=dict(atomic=True, registers=240)),

@@ -288,7 +288,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   cta_start = k_tile_index * keys_per_cta
   pos = _positions(lengths_ref, offsets_ref, batch)
   atomic = want_dq and dq_sum_ref is not None
-  deferred = atomic and config.deferred_dq  # (`Backward.deferred_dq`)
+  split = dq_split(block_q, hp) if want_dq else None
+  # (`Backward.deferred_dq`; not with transposed parts, which go out a column block at a time.)
+  deferred = atomic and config.deferred_dq and split != "transposed"
   # (Unordered adds need no common start: each key tile of a causal band starts at its own
   # diagonal block, so the tiles do not add to one block at the same time.)
   reverse = want_dq and _WALK_DOWN and not atomic
@@ -325,7 +327,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     dq_part = None
     if want_dq:
       dq_part = _DqPart(dq_sum_ref if atomic else out["dq"], smem, sems, params,
-                        split=dq_split(block_q, hp), block_q=block_q, hp=hp, wg=wg,
+                        split=split, block_q=block_q, hp=hp, wg=wg,
                         batch=batch, k_tile=k_tile_index, first_ref=first_ref)
 
     def step(n, g, i, carry, masked: bool):
@@ -405,6 +407,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         plgpu.barrier_wait(smem["delta_ready"].at[slot])
         (p, chain), dp = _wgmma_scores(k_here, q_tile, v_here, do_tile, shape, probabilities,
                                        early, meanwhile)
+        if "held" in carry:
+          # The last visit's last transposed part, once these wgmmas are done (sent while they
+          # run, ptxas waited for them before its stores: the part's registers came from a
+          # wgmma).
+          dq_part.send_held(carry["held"])
         delta = _cols(plgpu.load(smem["delta"].at[slot], layout=_COLS), shape)
         ds16 = _dscores(p, dp, delta, keep, chain, params, q_tile.dtype)
       else:
@@ -416,34 +423,45 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       # of the query block's dQ from both consumers' dSᵀ.
       operands = {"dv": (p16, do_tile), "dk": (ds16, q_tile)}
       names = [name for name in ("dv", "dk") if name in grads]
-      ds_slot = lax.rem(n, 2) if want_dq else None
+      ds_slot = dq_part.ds_slot(n) if want_dq else None
       if params.interpret:  # no register operands in the interpreter: plain dots
         sums = [carry[name] + jnp.dot(operands[name][0], operands[name][1][...],
                                       preferred_element_type=jnp.float32) for name in names]
         if want_dq:
-          dq_part.share_scores(ds16, ds_slot)
-          sums.append(dq_part.product_interpreted(ds_slot, k_smem))
+          dq_part.share_scores(ds16, ds_slot, n)
+          sums.extend(dq_part.product_interpreted(ds_slot, k_smem))
       else:
         def accumulate(acc_refs):
           for acc_ref, name in zip(acc_refs, names):
             a, b = operands[name]
             plgpu.wgmma(acc_ref, a, b)
           if want_dq:
-            dq_part.share_scores(ds16, ds_slot)
-            dq_part.product(acc_refs[-1], ds_slot, k_smem.at[pl.ds(zero, _CONSUMERS)])
+            dq_part.share_scores(ds16, ds_slot, n)
+            dq_part.product(acc_refs[len(names):], ds_slot,
+                            k_smem.at[pl.ds(zero, _CONSUMERS)])
 
         accs = [plgpu.ACC.init(carry[name]) for name in names]
         if want_dq:
-          accs.append(plgpu.ACC.init(dq_part.zeros()))
+          accs.extend(plgpu.ACC.init(z) for z in dq_part.zeros())
         sums = list(pl.run_state(accumulate)(tuple(accs)))
       plgpu.barrier_arrive(q_free.at[slot])
       plgpu.barrier_arrive(do_free.at[slot])
       new_carry = dict(zip(names, sums))
+      dq_parts = sums[len(names):]
+      if want_dq:
+        dq_part.scores_read()
+        if dq_part.slots == 1:
+          new_carry["read"] = fwd._i32(1)
       if deferred:
-        dq_part.stage_deferred(sums[-1])
+        dq_part.stage_deferred(dq_parts[0])
         new_carry["pending"] = (head, i, fwd._i32(1))
+      elif "held" in carry:
+        # The last part waits in registers for the next visit's wgmmas: sent now, it would
+        # wait for the part before it to leave the one staging tile.
+        new_carry["pending"] = dq_part.send(dq_parts[:-1], head, i, carry["pending"])
+        new_carry["held"] = (dq_parts[-1], head, i, fwd._i32(1))
       elif want_dq:
-        new_carry["pending"] = dq_part.send(sums[-1], head, i, carry["pending"])
+        new_carry["pending"] = dq_part.send(dq_parts, head, i, carry["pending"])
       return new_carry
 
     width = {"dk": hp, "dv": hv}
@@ -453,8 +471,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       carry["pending"] = (fwd._i32(0), fwd._i32(0), fwd._i32(0))
     elif want_dq:
       carry["pending"] = _DqPart.nothing_pending()
+    if want_dq and dq_part.slots == 1:  # (whether any visit read the dSᵀ tiles)
+      carry["read"] = fwd._i32(0)
+    if want_dq and dq_part.transposed:  # (`_DqPart.send_held`)
+      carry["held"] = (dq_part.zeros()[0], fwd._i32(0), fwd._i32(0), fwd._i32(0))
     sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=heads_here,
                                   reverse=reverse, spans_of=spans_of)
+    if "read" in sums:
+      dq_part.observe_last_read(sums["read"])
+    if "held" in sums:
+      dq_part.send_held(sums["held"])
     if deferred:
       dq_part.send_pending(sums["pending"])
     if want_dq:  # the other consumer's dQ products read this one's K tile until its last one
@@ -564,6 +590,12 @@ class _DqPart:
   Without ``first_ref`` (the atomic form) every visitor adds, in no particular order, into a
   dQ that starts at zero; nothing waits but for the staging tile to be free.
 
+  With ``"transposed"`` parts (`dq_split`: 32-row query tiles, the dK pass at D = 256) each
+  consumer forms dQᵀ = Kᵀ dSᵀ for its half of the head dim, in wgmmas of 64 head-dim rows (the
+  K tiles transposed as A, the dSᵀ tiles as B), and adds each into a transposed float32 dQ
+  [B, N, head dim, T]. There the dSᵀ tiles have one slot, not two (shared memory is full), so
+  a consumer stores its next dSᵀ only once both have read the last (``ds_free``).
+
   In Mosaic GPU's interpreter, which has neither semaphores nor reduce-adds but runs the CTAs
   one at a time in grid order, the part is added in place.
   """
@@ -577,46 +609,103 @@ class _DqPart:
                k_tile, first_ref):
     self.dq_ref, self.smem, self.sems, self.params = dq_ref, smem, sems, params
     self.split, self.block_q, self.wg, self.batch = split, block_q, wg, batch
+    self.transposed = split == "transposed"
+    # Each part's shape, and how many parts a consumer forms per visit (``chunks``).
     self.rows = block_q if split == "cols" else _KEYS
-    self.cols = hp // 2 if split == "cols" else hp
+    self.cols = {"cols": hp // 2, "rows": hp, "transposed": block_q}[split]
+    self.chunks = hp // 2 // _KEYS if self.transposed else 1
+    self.slots = 1 if self.transposed else 2  # (of the dSᵀ tiles)
     self.k_tile, self.first_ref = k_tile, first_ref
     self.atomic = first_ref is None
+    assert self.atomic or not self.transposed, "transposed dQ parts are added unordered only"
 
-  def zeros(self):
-    return plgpu.layout_cast(jnp.zeros((self.rows, self.cols), jnp.float32),
-                             plgpu.Layout.WGMMA)
+  def zeros(self) -> list:
+    """A zero accumulator per part of a visit."""
+    return [plgpu.layout_cast(jnp.zeros((self.rows, self.cols), jnp.float32),
+                              plgpu.Layout.WGMMA) for _ in range(self.chunks)]
 
-  def share_scores(self, ds16, ds_slot):
-    """Stores this consumer's dSᵀ and waits until the other consumer has stored its own."""
+  def ds_slot(self, n):
+    """The dSᵀ tiles' slot of the ``n``-th visit."""
+    return lax.rem(n, jnp.asarray(self.slots, n.dtype))
+
+  def share_scores(self, ds16, ds_slot, n):
+    """Stores this consumer's dSᵀ of the ``n``-th visit (with one slot, once both consumers
+    have read the last visit's: `scores_read`) and waits until the other consumer has stored
+    its own."""
+    if self.slots == 1:
+      pl.when(n > 0)(lambda: plgpu.barrier_wait(self.smem["ds_free"]))
     self.smem["ds"].at[ds_slot, self.wg][...] = ds16
     plgpu.commit_smem()
     plgpu.barrier_arrive(self.smem["ds_ready"].at[ds_slot])
     plgpu.barrier_wait(self.smem["ds_ready"].at[ds_slot])
 
-  def _operands(self, ds_slot, k_smem, c):
-    """(A, B) of consumer ``c``'s 64 keys in this consumer's part: dS over them, their K."""
+  def scores_read(self):
+    """This consumer's products have read both dSᵀ tiles (with one slot, they may be
+    overwritten once both consumers say so)."""
+    if self.slots == 1:
+      plgpu.barrier_arrive(self.smem["ds_free"])
+
+  def send_held(self, held):
+    """Adds a visit's last transposed part, held in registers until the next visit's wgmmas
+    are issued (or the loop ends): ``held`` is (part, head, query block, whether there is
+    one)."""
+    part, head, i, is_held = held
+    chunk = self.chunks - 1
+
+    @pl.when(is_held > 0)
+    def _():
+      target = self._target(head, i, chunk)
+      if self.params.interpret:
+        target[...] = target[...] + part
+      else:
+        plgpu.copy_smem_to_gmem(self._stage(part), target, reduction_op="add")
+
+  def observe_last_read(self, any_visit):
+    """After the loop: waits for the last `scores_read` of both consumers (with one slot), so
+    that no barrier phase goes unwaited (`fwd.observe_last_releases`)."""
+    pl.when(any_visit > 0)(lambda: plgpu.barrier_wait(self.smem["ds_free"]))
+
+  def _d_cols(self, chunk):
+    """The head-dim columns of a transposed part: 64 of this consumer's half."""
+    return pl.ds((self.wg * self.chunks + chunk) * _KEYS, _KEYS)
+
+  def _operands(self, ds_slot, k_smem, c, chunk):
+    """(A, B) of consumer ``c``'s 64 keys in this consumer's part ``chunk``: dS over them, their
+    K (transposed: Kᵀ over them, their dSᵀ)."""
     ds_t, k_c = self.smem["ds"].at[ds_slot, c], k_smem.at[c]
+    if self.transposed:
+      return k_c.at[:, self._d_cols(chunk)].T, ds_t
     if self.split == "cols":
       return ds_t.T, k_c.at[:, pl.ds(self.wg * self.cols, self.cols)]
     return ds_t.at[:, pl.ds(self.wg * _KEYS, _KEYS)].T, k_c
 
-  def product(self, acc_ref, ds_slot, k_smem):
-    for c in range(_CONSUMERS):
-      plgpu.wgmma(acc_ref, *self._operands(ds_slot, k_smem, c))
+  def product(self, acc_refs, ds_slot, k_smem):
+    for chunk, acc_ref in enumerate(acc_refs):
+      for c in range(_CONSUMERS):
+        plgpu.wgmma(acc_ref, *self._operands(ds_slot, k_smem, c, chunk))
 
-  def product_interpreted(self, ds_slot, k_smem):
-    part = jnp.zeros((self.rows, self.cols), jnp.float32)
-    for c in range(_CONSUMERS):
-      ds_t, k_c = self.smem["ds"].at[ds_slot, c][...], k_smem.at[c][...]
-      if self.split == "cols":
-        a, b = ds_t.T, lax.dynamic_slice_in_dim(k_c, self.wg * self.cols, self.cols, axis=1)
-      else:
-        a, b = lax.dynamic_slice_in_dim(ds_t, self.wg * _KEYS, _KEYS, axis=1).T, k_c
-      part += jnp.dot(a, b, preferred_element_type=jnp.float32)
-    return part
+  def product_interpreted(self, ds_slot, k_smem) -> list:
+    parts = []
+    for chunk in range(self.chunks):
+      part = jnp.zeros((self.rows, self.cols), jnp.float32)
+      for c in range(_CONSUMERS):
+        ds_t, k_c = self.smem["ds"].at[ds_slot, c][...], k_smem.at[c][...]
+        if self.transposed:
+          start = (self.wg * self.chunks + chunk) * _KEYS
+          a, b = lax.dynamic_slice_in_dim(k_c, start, _KEYS, axis=1).T, ds_t
+        elif self.split == "cols":
+          a, b = ds_t.T, lax.dynamic_slice_in_dim(k_c, self.wg * self.cols, self.cols, axis=1)
+        else:
+          a, b = lax.dynamic_slice_in_dim(ds_t, self.wg * _KEYS, _KEYS, axis=1).T, k_c
+        part += jnp.dot(a, b, preferred_element_type=jnp.float32)
+      parts.append(part)
+    return parts
 
-  def _target(self, head, i):
-    """Where this consumer's part of query block ``i`` goes."""
+  def _target(self, head, i, chunk=0):
+    """Where this consumer's part ``chunk`` of query block ``i`` goes."""
+    if self.transposed:
+      return self.dq_ref.at[self.batch, head, self._d_cols(chunk),
+                            pl.ds(i * self.block_q, self.block_q)]
     if self.split == "cols":
       return self.dq_ref.at[self.batch, pl.ds(i * self.block_q, self.rows), head,
                             pl.ds(self.wg * self.cols, self.cols)]
@@ -641,15 +730,19 @@ class _DqPart:
       fwd._emit(_fence_for_tma)
     return stage
 
-  def send(self, part, head, i, pending):
-    """Stores or adds ``part`` for query block ``i`` of ``head``; returns what is now pending."""
-    target = self._target(head, i)
+  def send(self, parts, head, i, pending):
+    """Stores or adds ``parts`` for query block ``i`` of ``head``; returns what is now
+    pending."""
     if self.atomic:
-      if self.params.interpret:
-        target[...] = target[...] + part
-      else:
-        plgpu.copy_smem_to_gmem(self._stage(part), target, reduction_op="add")
+      for chunk, part in enumerate(parts):  # (each waits for the last to leave the staging tile)
+        target = self._target(head, i, chunk)
+        if self.params.interpret:
+          target[...] = target[...] + part
+        else:
+          plgpu.copy_smem_to_gmem(self._stage(part), target, reduction_op="add")
       return pending
+    (part,) = parts
+    target = self._target(head, i)
     earlier = self.k_tile - self.first_ref[self.batch, i]  # visitors of the block before this
     first = earlier == 0
     if self.params.interpret:
@@ -773,21 +866,27 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   if params.partial:  # each consumer's float32 dK and dV on the way out (`unsupported`: hv == hp)
     smem["out32"] = plgpu.SMEM((_CONSUMERS, _KEYS, hp), jnp.float32)
   sem_shape = first = None
+  transposed = False
   if want_dq:
     split = dq_split(block_q, hp)
-    part = (block_q, hp // 2) if split == "cols" else (_KEYS, hp)
+    transposed = split == "transposed"
+    part = {"cols": (block_q, hp // 2), "rows": (_KEYS, hp), "transposed": (_KEYS, block_q)}
+    slots = 1 if transposed else 2  # (`_DqPart`)
     smem.update(
-        ds=tile((2, _CONSUMERS, _KEYS, block_q), q.dtype),  # dSᵀ of both consumers, 2 visits
-        ds_ready=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2),
+        ds=tile((slots, _CONSUMERS, _KEYS, block_q), q.dtype),  # dSᵀ of both consumers
+        ds_ready=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=slots),
         # Each consumer's dQ part, staged. (A part is a wgmma accumulator: in a row-major tile
         # the 8 rows that a warp stores at once would share banks. The atomic kernel measured
         # the same with either, H200 2026-11-24.)
-        dq=fwd._smem_tile((_CONSUMERS, *part), jnp.float32),
+        dq=fwd._smem_tile((_CONSUMERS, *part[split]), jnp.float32),
         k_done=plgpu.Barrier(num_arrivals=_CONSUMERS),
     )
+    if slots == 1:
+      smem["ds_free"] = plgpu.Barrier(num_arrivals=_CONSUMERS)
     # Rows padded to whole query blocks, like the LSE's: the interpreter's stores do not clip.
+    # (Transposed parts add into dQᵀ, [B, N, head dim, rows].)
     t_pad = lse2.shape[-1]
-    dq_shape = (b, t_pad, q.shape[2], hp)
+    dq_shape = (b, q.shape[2], hp, t_pad) if transposed else (b, t_pad, q.shape[2], hp)
     if not atomic:
       out_type["dq"] = _core.out_struct(dq_shape, jnp.float32, q)
       if not params.interpret:  # (the interpreter has no semaphores; it needs none)
@@ -814,7 +913,8 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   operands = (q, k, v, d_out, lse2, delta, inputs.lengths, inputs.offsets, first, extras)
   if atomic:
     grads_out = _with_zeroed_sum(run, operands, dq_shape, out_type)
-    grads_out["dq"] = (grads_out["dq"] * params.scale).astype(q.dtype)
+    dq = grads_out["dq"].transpose(0, 3, 1, 2) if transposed else grads_out["dq"]
+    grads_out["dq"] = (dq * params.scale).astype(q.dtype)
     return _added_parts(grads_out, parts)
   grads_out = _added_parts(run(*operands, None), parts)
   if want_dq:
@@ -1158,8 +1258,13 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
   args = kernel_args(inputs, params, config, lse2, d_out, delta)
   mode = _one_pass_mode(inputs, params, config.backward)
   if config.backward.splits_dkv(*_padded_dims(inputs)):  # dV, then dK: one accumulator each
-    grads = {**_dkv(*args, grads=("dv",)), **_dkv(*args, grads=("dk",))}
-    dq = _dq(*args)[:, :t, :, :h]
+    grads = _dkv(*args, grads=("dv",))
+    if mode == "atomic":  # (the dK pass forms dQ too: `Backward.runs_one_pass`)
+      grads.update(_dkv(*args, grads=("dk", "dq"), atomic=True))
+      dq = grads["dq"][:, :t, :, :h]
+    else:
+      grads.update(_dkv(*args, grads=("dk",)))
+      dq = _dq(*args)[:, :t, :, :h]
   elif mode is not None:
     grads = _dkv(*args, grads=("dk", "dv", "dq"), atomic=mode == "atomic")
     dq = grads["dq"][:, :t, :, :h]

@@ -178,10 +178,15 @@ class Backward:
   def runs_one_pass(self, hp: int, deterministic: bool = True, hv: int | None = None) -> bool:
     """Whether dQ comes from the dK/dV kernel at padded head dims ``hp`` and ``hv`` (None:
     ``hp``), in a fixed order of key tiles (``deterministic``) or with unordered adds (a call
-    that allows them)."""
+    that allows them). Where dK/dV runs as two passes (`splits_dkv`), the dK pass forms dQ
+    too, with unordered adds only and on 32-row query tiles (`dq_split`'s ``"transposed"``)."""
     wanted = self.one_pass if deterministic else self.atomic or self.one_pass
-    return (wanted and hp <= SPLIT_HEAD_DIM and not self.splits_dkv(hp, hv)
-            and dq_split(self.dkv_block_q, hp) is not None)
+    split = dq_split(self.dkv_block_q, hp)
+    if not wanted or split is None:
+      return False
+    if self.splits_dkv(hp, hv):
+      return not deterministic and split == "transposed"
+    return hp <= SPLIT_HEAD_DIM
 
   def one_pass_mode(self, hp: int, deterministic: bool, q_len: int,
                     hv: int | None = None) -> str | None:
@@ -198,12 +203,25 @@ def dq_split(block_q: int, hp: int) -> str | None:
   """How the two consumers of the one-pass dK/dV kernel share a query block's dQ part (dS K over
   the CTA's 128 keys, ``block_q`` rows by ``hp`` columns): ``"cols"``, each all the rows and half
   the head dim (a wgmma's B is whole 64-column swizzled rows); ``"rows"``, each 64 of the 128 rows
-  and every column. None where neither fits."""
+  and every column; ``"transposed"``, for 32-row query tiles (below a wgmma's 64 rows), each
+  consumer forms dQᵀ = Kᵀ dSᵀ for half the head dim, 64 of its columns at a time, and adds it
+  into a transposed float32 dQ (the D = 256 dK pass, `Backward.runs_one_pass`). None where none
+  fits."""
   if block_q == 64 and hp == 128:
     return "cols"
   if block_q == 128 and hp <= 128:
     return "rows"
+  if block_q == 32 and hp % 128 == 0:
+    return "transposed"
   return None
+
+
+def dq_part_smem_bytes(block_q: int, hp: int) -> int:
+  """Shared memory of the one-pass kernel's dQ parts: both consumers' 16-bit dSᵀ tiles (for
+  two visits; one with ``"transposed"`` parts) and their float32 staging tiles."""
+  if dq_split(block_q, hp) == "transposed":
+    return 2 * 64 * block_q * 2 + 2 * 64 * block_q * 4
+  return 2 * 2 * 64 * block_q * 2 + block_q * hp * 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -367,8 +385,8 @@ def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False
   streamed = lambda block: block * 2 * (hp + hv)  # noqa: E731  (a Q and a dO, or K and V)
   dkv = tile(hp) + tile(hv) + out32 + backward.dkv_stages * (streamed(backward.dkv_block_q)
                                                              + backward.dkv_block_q * 2 * 4)
-  if backward.runs_one_pass(hp, deterministic, hv):  # both consumers' dSᵀ for 2 visits, dQ parts
-    dkv += 2 * 2 * 64 * backward.dkv_block_q * 2 + backward.dkv_block_q * hp * 4
+  if backward.runs_one_pass(hp, deterministic, hv):  # both consumers' dSᵀ, staged dQ parts
+    dkv += dq_part_smem_bytes(backward.dkv_block_q, hp)
   dq = tile(hp) + tile(hv) + out32 + backward.dq_stages * streamed(backward.dq_block_kv)
   dv = 0
   if backward.splits_dkv(hp, hv):
@@ -572,6 +590,8 @@ ATOMIC_TUNED: dict[tuple[int, bool], dict] = {
     (64, True): dict(atomic=True),
     (128, False): dict(atomic=True, atomic_registers=240),
     (128, True): dict(atomic=True, atomic_registers=240),
+    (256, False): dict(atomic=True),
+    (256, True): dict(atomic=True, atomic_min_rows=2048),
 }
 
 
