@@ -144,7 +144,7 @@ def flash_attention(
       gradient element has one writer, in a fixed order). ``False`` allows a backward that
       adds dQ in whatever order the key blocks finish, with float32 atomics (cuDNN's and
       FlashAttention's default), where that measured faster than the deterministic one (the
-      Mosaic backend at head dims up to 128, causal or not;
+      Mosaic backend at head dims up to 128, causal or not, and at 256;
       `jaxflash.backends.mosaic.config.ATOMIC_TUNED`); elsewhere the deterministic backward
       runs. The result is as accurate, but its last bits may differ from run to run.
     return_residual: also return the logsumexp of the logits, [B, T, N] in the query's dtype as

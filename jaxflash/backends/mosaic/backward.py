@@ -26,7 +26,8 @@ warpgroups, two consumers and a producer, as in the forward (`forward.py`):
   accumulators (64 x D float32 each) do not fit its registers together, so dK/dV runs twice, dV
   alone (no V, no delta, no dPᵀ; its own tiles, `Backward.dv_pass`) and then dK alone. At
   D = 256 the resident tiles take 128 KiB, so the streamed tiles are 32 rows, with the 64-byte
-  swizzle (`_swizzle`).
+  swizzle (`_swizzle`). In the atomic form the dK pass forms dQ too, from transposed parts
+  (dQᵀ = Kᵀ dSᵀ: 32 rows are below a wgmma's 64; `_DqPart`), and no dQ kernel runs.
 - **A value head dim of its own** (MLA): V, dO and dV have tiles of their own width; dPᵀ
   contracts it, dV += Pᵀ dO produces it. MLA's 192/128 runs dK and dV in one pass on 32-row
   query tiles, whose smaller score tiles leave room for both accumulators (64 x 320 float32).

@@ -51,9 +51,10 @@ class Backward:
   With ``atomic`` the same one-pass kernel serves calls that allow nondeterministic gradients
   (``flash_attention(..., deterministic=False)``, `Params.deterministic`): its dQ parts are
   added in whatever order the key tiles reach them, into a float32 dQ that starts at zero.
-  Calls it cannot serve (partial calls, head dims above 128) take the deterministic kernels,
-  and so do calls with fewer than ``atomic_min_rows`` query rows and the cells where it measured
-  slower than them (`ATOMIC_TUNED`). ``atomic_registers`` (None: ``registers``) is its
+  Where dK/dV runs as two passes (head dims above 128) the dK pass forms dQ the same way, from
+  transposed parts (`dq_split`). Calls it cannot serve (partial calls) take the deterministic
+  kernels, and so do calls with fewer than ``atomic_min_rows`` query rows and the cells where it
+  measured slower than them (`ATOMIC_TUNED`). ``atomic_registers`` (None: ``registers``) is its
   consumers' register count.
 
   With a causal band the tiles of one (batch row, head) cost more the more query rows (dK/dV)
@@ -585,6 +586,11 @@ GQA_BACKWARD: dict[tuple[int, bool], dict] = {
 # - 240 registers for the D = 128 one pass, H200, 2026-11-28 (atomic_check.py, same run as
 #   cuDNN's default): 4k 540 vs 525 (cuDNN 527), 16k 557 vs 553 (555), GQA 64/8 16k causal 515
 #   vs 507 (529), and 465 vs 457 at GQA 8k causal above: never slower, so the rule.
+# - D = 256, once the dK pass formed dQ too (transposed parts, `dq_split`), H200, 2026-11-28
+#   (grid.json run atomic_d256_2026-11-28, B = 16384 / S, 8 heads, same process as cuDNN's
+#   default): 1k 371 vs 343 (cuDNN 317), 4k 430 vs 400 (411), causal 408 vs 381 (369), 16k 453
+#   vs 417 (409), causal 452 vs 415 (415). At 1k with a causal band `atomic_check.py` ran it
+#   at 270 against the deterministic kernels' 276: causal calls from 2048 rows.
 ATOMIC_TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(atomic=True),
     (64, True): dict(atomic=True),
