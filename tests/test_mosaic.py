@@ -877,6 +877,10 @@ def test_atomic_dk_pass_forms_dq_above_head_dim_128(h, causal):
   backward = dataclasses.replace(mosaic.config.BACKWARD_TUNED[256], atomic=True)
   assert backward.one_pass_mode(256, deterministic=False, q_len=300) == "atomic"
   assert mosaic.config.dq_split(backward.dkv_block_q, 256) == "transposed"
+  # (Transposed parts are added in no fixed order: never the ordered one pass.)
+  ordered = dataclasses.replace(backward, one_pass=True)
+  assert ordered.one_pass_mode(256, deterministic=True, q_len=300) is None
+  assert dataclasses.replace(ordered, dkv_block_q=32).one_pass_mode(128, True, 300) is None
   config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=backward)
   check("mosaic", b=2, t=300, s=200, n=4, k=2, h=h, dtype=BF16, small=config,
         is_causal=causal, deterministic=False, **random_lengths(2, 300, 200, 4, 9))
@@ -907,13 +911,15 @@ def test_atomic_pass_takes_its_own_fields():
 
 
 @gpu  # (the interpreter runs each slice's call alike; compiled kernels once lost dQ in a loop)
-def test_atomic_backward_under_vmap():
+@pytest.mark.parametrize("h", [64, 256])
+def test_atomic_backward_under_vmap(h):
   """The atomic backward's zeroed float32 array is made inside the backward: under vmap every
   slice gets its own (one shared array would sum the slices' dQ), and the kernels' additions
-  reach it (inside a `lax.map` on a GPU they did not)."""
-  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=mosaic.Backward(
-      dkv_block_q=128, dq_block_kv=128, atomic=True))
-  q, kk, v, _ = random_qkv(4, 2, 70, 150, 2, 1, 64, BF16)
+  reach it (inside a `lax.map` on a GPU they did not); at D = 256 a transposed one."""
+  backward = (mosaic.Backward(dkv_block_q=128, dq_block_kv=128, atomic=True) if h == 64 else
+              dataclasses.replace(mosaic.config.BACKWARD_TUNED[256], atomic=True))
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=backward)
+  q, kk, v, _ = random_qkv(4, 2, 70, 150, 2, 1, h, BF16)
   fn = lambda q, k, v: _run(q[None], k[None], v[None], config=config,  # noqa: E731
                             deterministic=False)[0]
   loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731

@@ -183,8 +183,8 @@ class Backward:
     too, with unordered adds only and on 32-row query tiles (`dq_split`'s ``"transposed"``)."""
     wanted = self.one_pass if deterministic else self.atomic or self.one_pass
     split = dq_split(self.dkv_block_q, hp)
-    if not wanted or split is None:
-      return False
+    if not wanted or split is None or (deterministic and split == "transposed"):
+      return False  # (transposed parts are added in no fixed order)
     if self.splits_dkv(hp, hv):
       return not deterministic and split == "transposed"
     return hp <= SPLIT_HEAD_DIM
