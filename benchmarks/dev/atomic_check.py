@@ -46,6 +46,9 @@ BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0)
              # Each dQ part's barrier and reduce-add during the next visit's wgmmas
              # (`Backward.deferred_dq`).
              "atomic_deferred": dict(atomic=True, atomic_min_rows=0, deferred_dq=True),
+             # The one pass on 32-row query tiles, its dQ in transposed parts
+             # (`mosaic.config.dq_split`, as D = 256's atomic dK pass).
+             "atomic_q32": dict(atomic=True, atomic_min_rows=0, dkv_block_q=32),
              # A causal band's tiles launched by cost across every batch row and head
              # (`Backward.tile_major`), in the two kernels and in the atomic one pass (whose
              # own fields, `atomic_tile_major` and `atomic_group_parts`, win over the shipped

@@ -112,6 +112,9 @@ CONFIGS = {
         deterministic=False),
     "bwd_d256_atomic_r232": Probe(256, True, dict(block_kv=64, backward=dict(
         dkv_block_q=32, dq_block_kv=32, dv_block_q=64, atomic=True)), deterministic=False),
+    # D = 128's atomic one pass on 32-row query tiles (transposed dQ parts), untimed.
+    "bwd_d128_atomic_q32": Probe(128, True, dict(backward=dict(
+        dkv_block_q=32, atomic=True, registers=240)), deterministic=False),
     # The atomic one pass (``deterministic=False``), with the causal band or without.
     "bwd_d128_atomic": Probe(128, True, dict(backward=dict(atomic=True)), deterministic=False),
     "bwd_d128_atomic_r240": Probe(128, True, dict(backward=dict(atomic=True, registers=240)),
