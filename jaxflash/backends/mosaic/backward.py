@@ -70,7 +70,8 @@ from jaxflash import masking
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.mosaic import forward as fwd
 from jaxflash.backends.mosaic.config import (SMEM_BUDGET, Backward, Config,
-                                             backward_smem_bytes, dq_split, padded_head_dim)
+                                             backward_smem_bytes, dq_part_tiles, dq_split,
+                                             padded_head_dim)
 from jaxflash.backends.triton import backward as triton_backward
 from jaxflash.masking import Positions
 from jaxflash.schedule import BlockLists, Schedule, Span, total, walk
@@ -451,8 +452,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       dq_parts = sums[len(names):]
       if want_dq:
         dq_part.scores_read()
-        if dq_part.slots == 1:
-          new_carry["read"] = fwd._i32(1)
       if deferred:
         dq_part.stage_deferred(dq_parts[0])
         new_carry["pending"] = (head, i, fwd._i32(1))
@@ -472,15 +471,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       carry["pending"] = (fwd._i32(0), fwd._i32(0), fwd._i32(0))
     elif want_dq:
       carry["pending"] = _DqPart.nothing_pending()
-    if want_dq and dq_part.slots == 1:  # (whether any visit read the dSᵀ tiles)
-      carry["read"] = fwd._i32(0)
     if want_dq and dq_part.transposed:  # (`_DqPart.send_held`)
       carry["held"] = (dq_part.zeros()[0], fwd._i32(0), fwd._i32(0), fwd._i32(0))
     sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=heads_here,
                                   reverse=reverse, spans_of=spans_of)
-    if "read" in sums:
-      dq_part.observe_last_read(sums["read"])
-    if "held" in sums:
+    if "held" in sums:  # (a part is held after any visit: the last one's goes out now)
+      dq_part.observe_last_read(sums["held"][-1])
       dq_part.send_held(sums["held"])
     if deferred:
       dq_part.send_pending(sums["pending"])
@@ -612,10 +608,8 @@ class _DqPart:
     self.split, self.block_q, self.wg, self.batch = split, block_q, wg, batch
     self.transposed = split == "transposed"
     # Each part's shape, and how many parts a consumer forms per visit (``chunks``).
-    self.rows = block_q if split == "cols" else _KEYS
-    self.cols = {"cols": hp // 2, "rows": hp, "transposed": block_q}[split]
+    self.slots, (self.rows, self.cols) = dq_part_tiles(block_q, hp)
     self.chunks = hp // 2 // _KEYS if self.transposed else 1
-    self.slots = 1 if self.transposed else 2  # (of the dSᵀ tiles)
     self.k_tile, self.first_ref = k_tile, first_ref
     self.atomic = first_ref is None
     assert self.atomic or not self.transposed, "transposed dQ parts are added unordered only"
@@ -653,13 +647,14 @@ class _DqPart:
     part, head, i, is_held = held
     chunk = self.chunks - 1
 
-    @pl.when(is_held > 0)
-    def _():
-      target = self._target(head, i, chunk)
-      if self.params.interpret:
-        target[...] = target[...] + part
-      else:
-        plgpu.copy_smem_to_gmem(self._stage(part), target, reduction_op="add")
+    pl.when(is_held > 0)(lambda: self._add(part, self._target(head, i, chunk)))
+
+  def _add(self, part, target):
+    """Adds ``part`` into ``target`` (unordered: the atomic form) through the staging tile."""
+    if self.params.interpret:
+      target[...] = target[...] + part
+    else:
+      plgpu.copy_smem_to_gmem(self._stage(part), target, reduction_op="add")
 
   def observe_last_read(self, any_visit):
     """After the loop: waits for the last `scores_read` of both consumers (with one slot), so
@@ -736,11 +731,7 @@ class _DqPart:
     pending."""
     if self.atomic:
       for chunk, part in enumerate(parts):  # (each waits for the last to leave the staging tile)
-        target = self._target(head, i, chunk)
-        if self.params.interpret:
-          target[...] = target[...] + part
-        else:
-          plgpu.copy_smem_to_gmem(self._stage(part), target, reduction_op="add")
+        self._add(part, self._target(head, i, chunk))
       return pending
     (part,) = parts
     target = self._target(head, i)
@@ -869,17 +860,15 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   sem_shape = first = None
   transposed = False
   if want_dq:
-    split = dq_split(block_q, hp)
-    transposed = split == "transposed"
-    part = {"cols": (block_q, hp // 2), "rows": (_KEYS, hp), "transposed": (_KEYS, block_q)}
-    slots = 1 if transposed else 2  # (`_DqPart`)
+    transposed = dq_split(block_q, hp) == "transposed"
+    slots, part = dq_part_tiles(block_q, hp)
     smem.update(
         ds=tile((slots, _CONSUMERS, _KEYS, block_q), q.dtype),  # dSᵀ of both consumers
         ds_ready=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=slots),
         # Each consumer's dQ part, staged. (A part is a wgmma accumulator: in a row-major tile
         # the 8 rows that a warp stores at once would share banks. The atomic kernel measured
         # the same with either, H200 2026-11-24.)
-        dq=fwd._smem_tile((_CONSUMERS, *part[split]), jnp.float32),
+        dq=fwd._smem_tile((_CONSUMERS, *part), jnp.float32),
         k_done=plgpu.Barrier(num_arrivals=_CONSUMERS),
     )
     if slots == 1:

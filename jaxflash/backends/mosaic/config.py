@@ -217,12 +217,21 @@ def dq_split(block_q: int, hp: int) -> str | None:
   return None
 
 
+def dq_part_tiles(block_q: int, hp: int) -> tuple[int, tuple[int, int]]:
+  """``(slots, shape)`` of the one-pass kernel's dQ parts (`dq_split`'s way): the visits whose
+  dSᵀ tiles shared memory holds (two; one with ``"transposed"`` parts, where it is full), and
+  the shape of one part of one consumer (a wgmma accumulator, staged in float32)."""
+  split = dq_split(block_q, hp)
+  if split == "transposed":  # (64 head-dim columns of dQᵀ by the block's rows)
+    return 1, (64, block_q)
+  return 2, (block_q, hp // 2) if split == "cols" else (64, hp)
+
+
 def dq_part_smem_bytes(block_q: int, hp: int) -> int:
-  """Shared memory of the one-pass kernel's dQ parts: both consumers' 16-bit dSᵀ tiles (for
-  two visits; one with ``"transposed"`` parts) and their float32 staging tiles."""
-  if dq_split(block_q, hp) == "transposed":
-    return 2 * 64 * block_q * 2 + 2 * 64 * block_q * 4
-  return 2 * 2 * 64 * block_q * 2 + block_q * hp * 4
+  """Shared memory of the one-pass kernel's dQ parts: both consumers' 16-bit dSᵀ tiles (of 64
+  keys) for `dq_part_tiles`'s slots, and their float32 staging tiles."""
+  slots, (rows, cols) = dq_part_tiles(block_q, hp)
+  return slots * 2 * 64 * block_q * 2 + 2 * rows * cols * 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
