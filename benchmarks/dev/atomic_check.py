@@ -46,6 +46,9 @@ BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0)
              # Each dQ part's barrier and reduce-add during the next visit's wgmmas
              # (`Backward.deferred_dq`).
              "atomic_deferred": dict(atomic=True, atomic_min_rows=0, deferred_dq=True),
+             # dV's product, then dQ's, then dK's, the dQ part sent while dK's runs
+             # (`Backward.dq_before_dk`).
+             "atomic_dq_first": dict(atomic=True, atomic_min_rows=0, dq_before_dk=True),
              # The one pass on 32-row query tiles, its dQ in transposed parts
              # (`mosaic.config.dq_split`, as D = 256's atomic dK pass).
              "atomic_q32": dict(atomic=True, atomic_min_rows=0, dkv_block_q=32),

@@ -147,6 +147,17 @@ CONFIGS = {
         atomic_group_parts=4)), deterministic=False, kv_heads=1),
     "bwd_d128_gqa_atomic_tile_major_r240": Probe(128, True, dict(backward=dict(
         atomic=True, atomic_registers=240, tile_major=True)), deterministic=False, kv_heads=1),
+    # dV's, dQ's, then dK's product, the dQ part sent while dK's runs (`Backward.dq_before_dk`).
+    "bwd_d128_atomic_dq_first": Probe(128, True, dict(backward=dict(
+        atomic=True, atomic_registers=240, dq_before_dk=True)), deterministic=False),
+    "bwd_d128_atomic_full_dq_first": Probe(128, False, dict(backward=dict(
+        atomic=True, atomic_registers=240, dq_before_dk=True)), deterministic=False),
+    "bwd_d128_gqa_atomic_shipped_dq_first": Probe(128, True, dict(backward=dict(
+        atomic=True, atomic_registers=240, tile_major=True, atomic_tile_major=False,
+        atomic_group_parts=4, dq_before_dk=True)), deterministic=False, kv_heads=1),
+    "bwd_d64_atomic_dq_first": Probe(64, True, dict(backward=dict(
+        dkv_block_q=128, dq_block_kv=128, atomic=True, dq_before_dk=True)),
+        deterministic=False),
     # Each dQ part sent during the next visit's wgmmas (`Backward.deferred_dq`), on the shipped
     # atomic tiles: MHA with and without a causal band, GQA causal, and D = 64.
     "bwd_d128_atomic_deferred": Probe(128, True, dict(backward=dict(

@@ -293,6 +293,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   split = dq_split(block_q, hp) if want_dq else None
   # (`Backward.deferred_dq`; not with transposed parts, which go out a column block at a time.)
   deferred = atomic and config.deferred_dq and split != "transposed"
+  # (`Backward.dq_before_dk`: the part goes out while dK's product runs.)
+  dq_early = (atomic and config.dq_before_dk and split in ("cols", "rows") and not deferred
+              and want_dk and want_dv and not params.interpret)
   # (Unordered adds need no common start: each key tile of a causal band starts at its own
   # diagonal block, so the tiles do not add to one block at the same time.)
   reverse = want_dq and _WALK_DOWN and not atomic
@@ -434,6 +437,19 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
           sums.extend(dq_part.product_interpreted(ds_slot, k_smem))
       else:
         def accumulate(acc_refs):
+          if dq_early:  # dV's product, dQ's, then dK's, the dQ part sent while dK's runs
+            dv_ref, dk_ref = acc_refs
+            plgpu.wgmma(dv_ref, p16, do_tile)
+            dq_part.share_scores(ds16, ds_slot, n)
+
+            def dq_then_dk(dq_ref):
+              dq_part.product([dq_ref], ds_slot, k_smem.at[pl.ds(zero, _CONSUMERS)])
+              plgpu.wgmma(dk_ref, ds16, q_tile)
+              dq_part.send([plgpu.wgmma_accumulator_load(dq_ref, wait_n=1)], head, i,
+                           carry["pending"])
+
+            pl.run_scoped(dq_then_dk, plgpu.ACC((dq_part.rows, dq_part.cols), jnp.float32))
+            return
           for acc_ref, name in zip(acc_refs, names):
             a, b = operands[name]
             plgpu.wgmma(acc_ref, a, b)
@@ -443,7 +459,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
                             k_smem.at[pl.ds(zero, _CONSUMERS)])
 
         accs = [plgpu.ACC.init(carry[name]) for name in names]
-        if want_dq:
+        if want_dq and not dq_early:
           accs.extend(plgpu.ACC.init(z) for z in dq_part.zeros())
         sums = list(pl.run_state(accumulate)(tuple(accs)))
       plgpu.barrier_arrive(q_free.at[slot])
@@ -460,8 +476,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         # wait for the part before it to leave the one staging tile.
         new_carry["pending"] = dq_part.send(dq_parts[:-1], head, i, carry["pending"])
         new_carry["held"] = (dq_parts[-1], head, i, fwd._i32(1))
-      elif want_dq:
-        new_carry["pending"] = dq_part.send(dq_parts, head, i, carry["pending"])
+      elif want_dq:  # (with ``dq_early`` the part went out already: nothing pending)
+        new_carry["pending"] = (carry["pending"] if dq_early
+                                else dq_part.send(dq_parts, head, i, carry["pending"]))
       return new_carry
 
     width = {"dk": hp, "dv": hv}

@@ -125,6 +125,12 @@ class Backward:
   # beside its 16-bit copy, which leaves room for wide accumulators (MLA's 64 x 320 on 64-row
   # query tiles). The consumer's softmax no longer runs under its own dPᵀ: D = 128 loses.
   serial_scores: bool = False
+  # Whether the atomic one pass (parts of whole query rows: `dq_split`'s "cols" and "rows")
+  # issues dV += Pᵀ dO, then, once both consumers' dSᵀ are stored, dQ's product, then dK += dSᵀ
+  # Q, and sends the dQ part while dK's product runs, where it otherwise waits for all three
+  # before the part's stores, fence, barrier and reduce-add (10-13% of the consumers' samples,
+  # ncu, H200, D = 128, 16k).
+  dq_before_dk: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -600,11 +606,19 @@ GQA_BACKWARD: dict[tuple[int, bool], dict] = {
 #   default): 1k 371 vs 343 (cuDNN 317), 4k 430 vs 400 (411), causal 408 vs 381 (369), 16k 453
 #   vs 417 (409), causal 452 vs 415 (415). At 1k with a causal band `atomic_check.py` ran it
 #   at 270 against the deterministic kernels' 276: causal calls from 2048 rows.
+# - `Backward.dq_before_dk` (dQ's part sent while dK's product runs), H200, 2026-11-28
+#   (atomic_check.py, two processes, each beside cuDNN's default; the six odd shapes matched
+#   the reference): D = 128 at 16k 571 and 562 against 558 and 553 (cuDNN 555, 548), causal 560
+#   and 553 against 558 and 548 (530, 520); 4k 538 and 531 against 539 and 529 (520, 511),
+#   causal 533 and 506 against 501 and 482 (440, 453); GQA 64/8 at 8k 566 and 562 against 562
+#   and 557 (540, 534), 8k causal 515 against 507 (490), 16k causal 564 and 559 against 547 and
+#   542 (533, 526). D = 64 level (4k 450 and 439 against 456 and 442; 16k causal 459 and 451
+#   against 460 and 450), so D = 128 only. ptxas: no spills at D = 128 MHA, GQA's 16 bytes 20.
 ATOMIC_TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(atomic=True),
     (64, True): dict(atomic=True),
-    (128, False): dict(atomic=True, atomic_registers=240),
-    (128, True): dict(atomic=True, atomic_registers=240),
+    (128, False): dict(atomic=True, atomic_registers=240, dq_before_dk=True),
+    (128, True): dict(atomic=True, atomic_registers=240, dq_before_dk=True),
     (256, False): dict(atomic=True),
     (256, True): dict(atomic=True, atomic_min_rows=2048),
 }
