@@ -49,6 +49,8 @@ BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0)
              # dV's product, then dQ's, then dK's, the dQ part sent while dK's runs
              # (`Backward.dq_before_dk`).
              "atomic_dq_first": dict(atomic=True, atomic_min_rows=0, dq_before_dk=True),
+             "atomic_dk_first": dict(atomic=True, atomic_min_rows=0, dq_before_dk=False),
+             "atomic_r232": dict(atomic=True, atomic_min_rows=0, atomic_registers=232),
              # The one pass on 32-row query tiles, its dQ in transposed parts
              # (`mosaic.config.dq_split`, as D = 256's atomic dK pass).
              "atomic_q32": dict(atomic=True, atomic_min_rows=0, dkv_block_q=32),

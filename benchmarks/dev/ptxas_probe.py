@@ -155,6 +155,11 @@ CONFIGS = {
     "bwd_d128_gqa_atomic_shipped_dq_first": Probe(128, True, dict(backward=dict(
         atomic=True, atomic_registers=240, tile_major=True, atomic_tile_major=False,
         atomic_group_parts=4, dq_before_dk=True)), deterministic=False, kv_heads=1),
+    "bwd_d128_atomic_dq_first_r232": Probe(128, True, dict(backward=dict(
+        atomic=True, dq_before_dk=True)), deterministic=False),
+    "bwd_d128_atomic_dq_first_early": Probe(128, True, dict(backward=dict(
+        atomic=True, atomic_registers=240, dq_before_dk=True, early_rows=True)),
+        deterministic=False),
     "bwd_d64_atomic_dq_first": Probe(64, True, dict(backward=dict(
         dkv_block_q=128, dq_block_kv=128, atomic=True, dq_before_dk=True)),
         deterministic=False),
