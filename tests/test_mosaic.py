@@ -776,7 +776,9 @@ def test_atomic_backward(h, block_q, band, segments, monkeypatch):
   the dK pass after the dV pass, in transposed parts), its parts added in any order into a
   float32 array that starts at zero (no dQ kernel, no ordering semaphores; a block table from
   segment ids too), against the reference with the options the backward serves. Batch row 1
-  has no keys: no key tile visits its query blocks, whose dQ stays zero."""
+  has no keys: no key tile visits its query blocks, whose dQ stays zero. D = 128 issues dQ's
+  product before dK's, as shipped (`Backward.dq_before_dk`; on a GPU: the interpreter has no
+  product order)."""
   from jaxflash.backends.mosaic import backward
   modes = []
   dkv = backward._dkv
@@ -786,7 +788,7 @@ def test_atomic_backward(h, block_q, band, segments, monkeypatch):
     return dkv(*args, **kwargs)
 
   monkeypatch.setattr(backward, "_dkv", spy)
-  _check_one_pass(monkeypatch, h, block_q, band, dict(atomic=True),
+  _check_one_pass(monkeypatch, h, block_q, band, dict(atomic=True, dq_before_dk=h == 128),
                  drop=() if segments else ("segment_ids",), deterministic=False)
   assert modes == ([False, True] if h > 128 else [True])  # (the dV pass, then dK with dQ)
 
@@ -851,20 +853,6 @@ def test_backward_reading_lse_rows_early(deterministic):
       deterministic, early_rows=True))
   check("mosaic", b=2, t=300, s=300, n=4, k=2, h=64, dtype=BF16, small=config, is_causal=True,
         deterministic=deterministic, **random_lengths(2, 300, 300, 4, 5))
-
-
-@pytest.mark.parametrize("h,parts", [(128, 1), pytest.param(64, 2, marks=variant)])
-def test_atomic_pass_with_deferred_dq(h, parts):
-  """`Backward.deferred_dq`: the atomic one pass sends each query block's dQ part during the
-  next visit's wgmmas, and the last one after its loop; several query blocks per key tile,
-  GQA (over a group's heads, and with two parts of it), two batch rows with lengths of their
-  own, a causal band, against the reference. (A part lost or sent twice fails: the loop's first
-  visit has none pending, its last one leaves one.) D = 64 runs the one pass on 128-row query
-  tiles, as shipped (`dq_split`)."""
-  backward = _atomic_or_two_kernels(False, h, deferred_dq=True, group_parts=parts)
-  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=backward)
-  check("mosaic", b=2, t=300, s=300, n=4, k=2, h=h, dtype=BF16, small=config, is_causal=True,
-        deterministic=False, **random_lengths(2, 300, 300, 4, 7))
 
 
 @pytest.mark.parametrize("h,causal", [(256, True), pytest.param(200, False, marks=variant)])

@@ -43,9 +43,6 @@ BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0)
              # The LSE rows read while the wgmmas run (`Backward.early_rows`).
              "early": dict(early_rows=True),
              "atomic_early": dict(atomic=True, atomic_min_rows=0, early_rows=True),
-             # Each dQ part's barrier and reduce-add during the next visit's wgmmas
-             # (`Backward.deferred_dq`).
-             "atomic_deferred": dict(atomic=True, atomic_min_rows=0, deferred_dq=True),
              # dV's product, then dQ's, then dK's, the dQ part sent while dK's runs
              # (`Backward.dq_before_dk`).
              "atomic_dq_first": dict(atomic=True, atomic_min_rows=0, dq_before_dk=True),

@@ -163,17 +163,6 @@ CONFIGS = {
     "bwd_d64_atomic_dq_first": Probe(64, True, dict(backward=dict(
         dkv_block_q=128, dq_block_kv=128, atomic=True, dq_before_dk=True)),
         deterministic=False),
-    # Each dQ part sent during the next visit's wgmmas (`Backward.deferred_dq`), on the shipped
-    # atomic tiles: MHA with and without a causal band, GQA causal, and D = 64.
-    "bwd_d128_atomic_deferred": Probe(128, True, dict(backward=dict(
-        atomic=True, atomic_registers=240, deferred_dq=True)), deterministic=False),
-    "bwd_d128_atomic_full_deferred": Probe(128, False, dict(backward=dict(
-        atomic=True, atomic_registers=240, deferred_dq=True)), deterministic=False),
-    "bwd_d128_gqa_atomic_shipped_deferred": Probe(128, True, dict(backward=dict(
-        atomic=True, atomic_registers=240, tile_major=True, atomic_tile_major=False,
-        atomic_group_parts=4, deferred_dq=True)), deterministic=False, kv_heads=1),
-    "bwd_d64_atomic_deferred": Probe(64, True, dict(backward=dict(
-        dkv_block_q=128, dq_block_kv=128, atomic=True, deferred_dq=True)), deterministic=False),
     # A group's query heads over two CTAs per key tile (`Backward.group_parts`), launched head
     # by head, in the two kernels and the shipped atomic one pass's registers.
     "bwd_d128_gqa_parts2": Probe(128, True, dict(backward=dict(group_parts=2)), kv_heads=1),

@@ -61,7 +61,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
-from jaxlib.mlir.dialects import nvvm
 
 from jaxflash import _core
 from jaxflash import dense_mask
@@ -180,20 +179,17 @@ def _opaque_zero(zero_ref, wg):
   return zero_ref[wg]
 
 
-def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then, early=None, meanwhile=None):
+def _wgmma_scores(a_smem, b_smem, c_smem, d_smem, shape, then, early=None):
   """A Bᵀ and C Dᵀ on the tensor cores, back to back: ``then(A Bᵀ)`` runs while C Dᵀ is in
   flight; returns ``(then(A Bᵀ), C Dᵀ)``, or ``(then(A Bᵀ), None)`` when C and D are None.
   With ``early``, ``then(A Bᵀ, early())``, where ``early()`` runs once both are issued, before
-  waiting on either (loads whose latency the wgmmas hide); ``meanwhile()`` runs there too, for
-  its effects."""
+  waiting on either (loads whose latency the wgmmas hide)."""
   second = c_smem is not None
 
   def run(s_ref, *dp_ref):
     plgpu.wgmma(s_ref, a_smem, b_smem.T)
     if second:
       plgpu.wgmma(dp_ref[0], c_smem, d_smem.T)
-    if meanwhile is not None:
-      meanwhile()
     ahead = () if early is None else (early(),)
     # Each wgmma is its own commit group: the first is done once at most one is pending.
     first = then(plgpu.wgmma_accumulator_load(s_ref, wait_n=int(second)), *ahead)
@@ -291,11 +287,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   pos = _positions(lengths_ref, offsets_ref, batch)
   atomic = want_dq and dq_sum_ref is not None
   split = dq_split(block_q, hp) if want_dq else None
-  # (`Backward.deferred_dq`; not with transposed parts, which go out a column block at a time.)
-  deferred = atomic and config.deferred_dq and split != "transposed"
   # (`Backward.dq_before_dk`: the part goes out while dK's product runs.)
-  dq_early = (atomic and config.dq_before_dk and split in ("cols", "rows") and not deferred
-              and want_dk and want_dv and not params.interpret)
+  dq_early = (atomic and config.dq_before_dk and split in ("cols", "rows") and want_dk
+              and want_dv and not params.interpret)
   # (Unordered adds need no common start: each key tile of a causal band starts at its own
   # diagonal block, so the tiles do not add to one block at the same time.)
   reverse = want_dq and _WALK_DOWN and not atomic
@@ -399,10 +393,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       # wait, their latency stalled the consumers on 7% of their samples (ncu, H200, atomic one
       # pass, D = 128, 16k).
       early = lse_rows if config.early_rows else None
-      # The last visit's dQ part goes out while this visit's wgmmas run (`deferred_dq`).
-      meanwhile = None
-      if deferred:
-        meanwhile = lambda: dq_part.send_pending(carry["pending"])  # noqa: E731
       ds16 = None
       serial = want_dk and want_dv and not want_dq and config.serial_scores
       if serial:
@@ -411,7 +401,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       if want_dk:
         plgpu.barrier_wait(smem["delta_ready"].at[slot])
         (p, chain), dp = _wgmma_scores(k_here, q_tile, v_here, do_tile, shape, probabilities,
-                                       early, meanwhile)
+                                       early)
         if "held" in carry:
           # The last visit's last transposed part, once these wgmmas are done (sent while they
           # run, ptxas waited for them before its stores: the part's registers came from a
@@ -420,8 +410,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         delta = _cols(plgpu.load(smem["delta"].at[slot], layout=_COLS), shape)
         ds16 = _dscores(p, dp, delta, keep, chain, params, q_tile.dtype)
       else:
-        (p, _), _ = _wgmma_scores(k_here, q_tile, None, None, shape, probabilities, early,
-                                  meanwhile)
+        (p, _), _ = _wgmma_scores(k_here, q_tile, None, None, shape, probabilities, early)
       p16 = _core.dropped(p, keep, params).astype(q_tile.dtype) if want_dv else None
 
       # dV += Pᵀ dO (in flight while dSᵀ is stored) and dK += dSᵀ Q; then this consumer's part
@@ -468,10 +457,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       dq_parts = sums[len(names):]
       if want_dq:
         dq_part.scores_read()
-      if deferred:
-        dq_part.stage_deferred(dq_parts[0])
-        new_carry["pending"] = (head, i, fwd._i32(1))
-      elif "held" in carry:
+      if "held" in carry:
         # The last part waits in registers for the next visit's wgmmas: sent now, it would
         # wait for the part before it to leave the one staging tile.
         new_carry["pending"] = dq_part.send(dq_parts[:-1], head, i, carry["pending"])
@@ -484,9 +470,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     width = {"dk": hp, "dv": hv}
     carry = {name: plgpu.layout_cast(jnp.zeros((_KEYS, width[name]), jnp.float32),
                                      plgpu.Layout.WGMMA) for name in grads if name != "dq"}
-    if deferred:  # (the last visit's head and query block, and whether there was one)
-      carry["pending"] = (fwd._i32(0), fwd._i32(0), fwd._i32(0))
-    elif want_dq:
+    if want_dq:
       carry["pending"] = _DqPart.nothing_pending()
     if want_dq and dq_part.transposed:  # (`_DqPart.send_held`)
       carry["held"] = (dq_part.zeros()[0], fwd._i32(0), fwd._i32(0), fwd._i32(0))
@@ -495,8 +479,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     if "held" in sums:  # (a part is held after any visit: the last one's goes out now)
       dq_part.observe_last_read(sums["held"][-1])
       dq_part.send_held(sums["held"])
-    if deferred:
-      dq_part.send_pending(sums["pending"])
     if want_dq:  # the other consumer's dQ products read this one's K tile until its last one
       plgpu.barrier_arrive(smem["k_done"])
       plgpu.barrier_wait(smem["k_done"])
@@ -532,7 +514,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         if name in results:
           plgpu.copy_smem_to_gmem(out_tiles[name], place(out[name]))
     plgpu.wait_smem_to_gmem(0)
-    if want_dq and not deferred:
+    if want_dq:
       dq_part.release(sums["pending"])
 
   @pl.when(wg == _CONSUMERS)
@@ -728,19 +710,16 @@ class _DqPart:
   def _sem(self, head, i):
     return self.sems.at[self.batch, head, i, self.wg]
 
-  def _stage(self, part, meet: bool = True):
+  def _stage(self, part):
     """``part`` in this consumer's staging tile, once the last part has left it, its stores
-    fenced for TMA; ``meet``: the warpgroup meets after them (else the caller meets later)."""
+    fenced for TMA and the warpgroup met after them."""
     # Only the thread that issued the last store waits for it: the warpgroup meets before
     # anyone overwrites the tile.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     fwd._emit(mgpu.utils.warpgroup_barrier)
     stage = self.smem["dq"].at[self.wg]
     stage[...] = part
-    if meet:
-      plgpu.commit_smem()  # (the fence, then a warpgroup barrier)
-    else:
-      fwd._emit(_fence_for_tma)
+    plgpu.commit_smem()  # (the fence, then a warpgroup barrier)
     return stage
 
   def send(self, parts, head, i, pending):
@@ -773,30 +752,6 @@ class _DqPart:
     plgpu.copy_smem_to_gmem(stage, target, predicate=~first, reduction_op="add")
     return (head, i, fwd._i32(1))
 
-  def stage_deferred(self, part):
-    """Stores ``part`` in this consumer's staging tile, for `send_pending` to add one visit
-    later (`Backward.deferred_dq`): each thread's stores are fenced for TMA, but the warpgroup
-    does not meet until then."""
-    if self.params.interpret:
-      self.smem["dq"].at[self.wg][...] = part
-      return
-    self._stage(part, meet=False)
-
-  def send_pending(self, pending):
-    """Adds the staged part of the last visit, if there was one: ``pending`` is (head, query
-    block, whether there was one), the deferred atomic form's loop carry."""
-    head, i, is_pending = pending
-    stage = self.smem["dq"].at[self.wg]
-
-    @pl.when(is_pending > 0)
-    def _():
-      target = self._target(head, i)
-      if self.params.interpret:
-        target[...] = target[...] + stage[...]
-        return
-      fwd._emit(mgpu.utils.warpgroup_barrier)  # every thread's part of it stored and fenced
-      plgpu.copy_smem_to_gmem(stage, target, reduction_op="add")
-
   def release(self, pending):
     """Counts the pending part as landed, for the later key tiles (after a wait for it)."""
     if self.params.interpret or self.atomic:
@@ -804,12 +759,6 @@ class _DqPart:
     head, i, is_pending = pending
     pl.when(is_pending > 0)(
         lambda: plgpu.semaphore_signal(self._sem(head, i), memory_scope="gpu"))
-
-
-def _fence_for_tma():
-  """This thread's shared-memory stores made visible to TMA (`plgpu.commit_smem` without its
-  warpgroup barrier)."""
-  nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
 
 
 def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Backward,

@@ -109,16 +109,6 @@ class Backward:
   # 2-4% faster with one (one run); ptxas spills with it at D = 64 and in GQA's atomic pass
   # (docs/mosaic_backward.md, "The atomic one pass against cuDNN's backward kernel").
   early_rows: bool = False
-  # Whether the atomic one pass sends each query block's dQ part one step late: the part is
-  # stored to its staging tile at the end of its own visit, as without, but the warpgroup
-  # barrier after the stores and the TMA reduce-add go out while the next visit's two wgmmas (S
-  # and dPᵀ) run. The consumers waited on that way out for 10-13% of their samples (ncu, H200,
-  # D = 128, 16k). (Keeping the part in registers until then instead spilled about 1 KB.) Off:
-  # on an H200 (2026-11-28, benchmarks/dev/atomic_check.py, one process) it ran level with the
-  # shipped pass, 558/528/551/551/448 against 558/530/547/552/446 TFLOP/s (D = 128 16k and 4k
-  # without a band, 16k with one, GQA 64/8 16k; D = 64 4k), so the barrier and the reduce-add's
-  # issue are not where the consumers lose that time.
-  deferred_dq: bool = False
   # Whether the dK/dV kernel, where it forms both dK and dV and no dQ (not in a split pass nor
   # the one pass with dQ), issues dPᵀ = V dOᵀ only once Pᵀ is formed, with dV += Pᵀ dO, and
   # forms dSᵀ from the 16-bit Pᵀ: Sᵀ and dPᵀ are then never both live in float32, nor Pᵀ
@@ -129,7 +119,9 @@ class Backward:
   # issues dV += Pᵀ dO, then, once both consumers' dSᵀ are stored, dQ's product, then dK += dSᵀ
   # Q, and sends the dQ part while dK's product runs, where it otherwise waits for all three
   # before the part's stores, fence, barrier and reduce-add (10-13% of the consumers' samples,
-  # ncu, H200, D = 128, 16k).
+  # ncu, H200, D = 128, 16k). (Sending each part one visit late instead, its barrier and
+  # reduce-add during the next visit's S and dPᵀ, ran level with the order before: the
+  # `deferred_dq` of git 9db7d85, docs/mosaic_backward.md.)
   dq_before_dk: bool = False
 
   def __post_init__(self):
