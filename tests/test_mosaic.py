@@ -810,10 +810,15 @@ def test_tile_major_launch_order():
 def _atomic_or_two_kernels(deterministic: bool, h: int = 64, **fields) -> mosaic.Backward:
   """Backward tiles with ``fields`` that run the two kernels (``deterministic``) or the atomic
   one pass; the latter at D = 64 on 128-row query tiles, as shipped (`dq_split` has no way for
-  64-row ones there, which would quietly run the two kernels)."""
+  64-row ones there, which would quietly run the two kernels), and above D = 128 on the shipped
+  D = 256 tiles (the dV pass, then a dK pass that forms dQ too)."""
   if deterministic:
     return mosaic.Backward(**fields)
-  backward = mosaic.Backward(atomic=True, **(dict(dkv_block_q=128) if h == 64 else {}), **fields)
+  if h > 128:
+    backward = dataclasses.replace(mosaic.config.BACKWARD_TUNED[256], atomic=True, **fields)
+  else:
+    backward = mosaic.Backward(atomic=True, **(dict(dkv_block_q=128) if h == 64 else {}),
+                               **fields)
   assert backward.one_pass_mode(h, deterministic=False, q_len=300) == "atomic"
   return backward
 
@@ -863,8 +868,7 @@ def test_atomic_dk_pass_forms_dq_above_head_dim_128(h, causal):
   ``"transposed"``). Several key tiles and query blocks, T != S, GQA, two batch rows with
   lengths of their own, against the reference. (A part lost, sent twice or to the wrong columns
   fails: a broken last part gave dQ a relative error of 0.6.)"""
-  backward = dataclasses.replace(mosaic.config.BACKWARD_TUNED[256], atomic=True)
-  assert backward.one_pass_mode(256, deterministic=False, q_len=300) == "atomic"
+  backward = _atomic_or_two_kernels(False, 256)
   assert mosaic.config.dq_split(backward.dkv_block_q, 256) == "transposed"
   # (Transposed parts are added in no fixed order: never the ordered one pass.)
   ordered = dataclasses.replace(backward, one_pass=True)
@@ -905,8 +909,7 @@ def test_atomic_backward_under_vmap(h):
   """The atomic backward's zeroed float32 array is made inside the backward: under vmap every
   slice gets its own (one shared array would sum the slices' dQ), and the kernels' additions
   reach it (inside a `lax.map` on a GPU they did not); at D = 256 a transposed one."""
-  backward = (mosaic.Backward(dkv_block_q=128, dq_block_kv=128, atomic=True) if h == 64 else
-              dataclasses.replace(mosaic.config.BACKWARD_TUNED[256], atomic=True))
+  backward = _atomic_or_two_kernels(False, h, **(dict(dq_block_kv=128) if h == 64 else {}))
   config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=backward)
   q, kk, v, _ = random_qkv(4, 2, 70, 150, 2, 1, h, BF16)
   fn = lambda q, k, v: _run(q[None], k[None], v[None], config=config,  # noqa: E731
