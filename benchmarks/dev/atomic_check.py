@@ -132,13 +132,17 @@ def check(rows, shapes=SHAPES, interpret=False,
             f"{'OK' if row['ok'] else 'WRONG'}", flush=True)
 
 
-def timing(rows, cells, names):
+def timing(rows, cells, names, rounds=1):
+  """Forward+backward TFLOP/s of each variant per cell. With ``rounds`` above 1 the variants are
+  timed that many times in turn, each round starting one variant later (so that none always
+  runs first or last as the card warms), and each gets the median of its rounds: the cells left
+  to gain are within a few percent, about what separate timings of one variant vary by."""
   for d, s, causal, n, k in cells:
     b = max(1, 16384 // s) if n == k else 1
     q, kk, v, do = (x.astype(jnp.bfloat16) if i < 3 else x
                     for i, x in enumerate(inputs(b, s, s, n, k, d, seed=1)))
     flops = 3.5 * 4 * b * n * s * s * d * (0.5 if causal else 1.0)
-    variants = {}
+    compiled = {}
     for name in names:
       if name.startswith("cudnn"):
         fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
@@ -146,13 +150,21 @@ def timing(rows, cells, names):
         options = {"xla_gpu_exclude_nondeterministic_ops": True} if name == "cudnn_det" else {}
       else:
         fn, options = variant_fn(name, d, causal, s, n // k), {}
-      compiled = grads(fn).lower(q, kk, v, do).compile(options)
-      ms = time_call(compiled, (q, kk, v, do), calls=10)
-      variants[name] = flops / ms / 1e9
-    row = dict(kind="time", D=d, S=s, N=n, K=k, B=b, causal=causal, tflops=variants)
+      compiled[name] = grads(fn).lower(q, kk, v, do).compile(options)
+    timed = {name: [] for name in names}
+    for r in range(rounds):
+      for name in names[r % len(names):] + names[:r % len(names)]:
+        ms = time_call(compiled[name], (q, kk, v, do), calls=10)
+        timed[name].append(flops / ms / 1e9)
+    variants = {name: float(np.median(values)) for name, values in timed.items()}
+    row = dict(kind="time", D=d, S=s, N=n, K=k, B=b, causal=causal, tflops=variants,
+               rounds=timed)
     rows.append(row)
     print(f"time D={d} S={s} {n}/{k} causal={causal}: " + " ".join(
-        f"{name} {value:.0f}" for name, value in variants.items()), flush=True)
+        f"{name} {value:.0f}" for name, value in variants.items())
+        + ("" if rounds == 1 else "  (rounds: " + "; ".join(
+            f"{name} {' '.join(f'{x:.0f}' for x in values)}" for name, values in timed.items())
+            + ")"), flush=True)
 
 
 def main(argv=None):
@@ -171,6 +183,8 @@ def main(argv=None):
   parser.add_argument("--variants", nargs="+", default=["deterministic", "atomic", "cudnn",
                                                         "cudnn_det"],
                       choices=[*BACKWARDS, "cudnn", "cudnn_det"])
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="time the variants this many times in turn (each gets the median)")
   args = parser.parse_args(argv)
   rows = []
   if args.smoke:
@@ -186,7 +200,7 @@ def main(argv=None):
     d, s, causal = parts[:3]
     n, k = parts[3:5] if len(parts) > 3 else (2048 // d, 2048 // d)
     cells.append((d, s, bool(causal), n, k))
-  timing(rows, cells, args.variants)
+  timing(rows, cells, args.variants, args.rounds)
   Path(args.out).write_text(json.dumps(dict(environment=environment(), rows=rows), indent=1))
   return rows
 
