@@ -434,8 +434,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
             def dq_then_dk(dq_ref):
               dq_part.product([dq_ref], ds_slot, k_smem.at[pl.ds(zero, _CONSUMERS)])
               plgpu.wgmma(dk_ref, ds16, q_tile)
-              dq_part.send([plgpu.wgmma_accumulator_load(dq_ref, wait_n=1)], head, i,
-                           carry["pending"])
+              dq_part.send([plgpu.wgmma_accumulator_load(dq_ref, wait_n=1)], head, i)
 
             pl.run_scoped(dq_then_dk, plgpu.ACC((dq_part.rows, dq_part.cols), jnp.float32))
             return
@@ -460,17 +459,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       if "held" in carry:
         # The last part waits in registers for the next visit's wgmmas: sent now, it would
         # wait for the part before it to leave the one staging tile.
-        new_carry["pending"] = dq_part.send(dq_parts[:-1], head, i, carry["pending"])
+        dq_part.send(dq_parts[:-1], head, i)
         new_carry["held"] = (dq_parts[-1], head, i, fwd._i32(1))
-      elif want_dq:  # (with ``dq_early`` the part went out already: nothing pending)
-        new_carry["pending"] = (carry["pending"] if dq_early
-                                else dq_part.send(dq_parts, head, i, carry["pending"]))
+      elif "pending" in carry:  # (the ordered form's signal, one visit late)
+        new_carry["pending"] = dq_part.send(dq_parts, head, i, carry["pending"])
+      elif want_dq and not dq_early:  # (with ``dq_early`` the part went out already)
+        dq_part.send(dq_parts, head, i)
       return new_carry
 
     width = {"dk": hp, "dv": hv}
     carry = {name: plgpu.layout_cast(jnp.zeros((_KEYS, width[name]), jnp.float32),
                                      plgpu.Layout.WGMMA) for name in grads if name != "dq"}
-    if want_dq:
+    if want_dq and not atomic:  # (unordered adds signal no one)
       carry["pending"] = _DqPart.nothing_pending()
     if want_dq and dq_part.transposed:  # (`_DqPart.send_held`)
       carry["held"] = (dq_part.zeros()[0], fwd._i32(0), fwd._i32(0), fwd._i32(0))
@@ -514,7 +514,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         if name in results:
           plgpu.copy_smem_to_gmem(out_tiles[name], place(out[name]))
     plgpu.wait_smem_to_gmem(0)
-    if want_dq:
+    if "pending" in sums:
       dq_part.release(sums["pending"])
 
   @pl.when(wg == _CONSUMERS)
@@ -598,7 +598,8 @@ class _DqPart:
 
   @staticmethod
   def nothing_pending():
-    """The loop carry of `send`: (head, query block, whether its signal is pending)."""
+    """The ordered form's loop carry of `send`: (head, query block, whether its signal is
+    pending)."""
     return fwd._i32(0), fwd._i32(0), fwd._i32(0)
 
   def __init__(self, dq_ref, smem, sems, params: Params, *, split, block_q, hp, wg, batch,
@@ -722,13 +723,14 @@ class _DqPart:
     plgpu.commit_smem()  # (the fence, then a warpgroup barrier)
     return stage
 
-  def send(self, parts, head, i, pending):
-    """Stores or adds ``parts`` for query block ``i`` of ``head``; returns what is now
-    pending."""
+  def send(self, parts, head, i, pending=None):
+    """Stores or adds ``parts`` for query block ``i`` of ``head``; in the ordered form returns
+    what is now pending (``pending``: the last visit's, `nothing_pending` at first), in the
+    atomic form nothing."""
     if self.atomic:
       for chunk, part in enumerate(parts):  # (each waits for the last to leave the staging tile)
         self._add(part, self._target(head, i, chunk))
-      return pending
+      return None
     (part,) = parts
     target = self._target(head, i)
     earlier = self.k_tile - self.first_ref[self.batch, i]  # visitors of the block before this
@@ -754,7 +756,7 @@ class _DqPart:
 
   def release(self, pending):
     """Counts the pending part as landed, for the later key tiles (after a wait for it)."""
-    if self.params.interpret or self.atomic:
+    if self.params.interpret:
       return
     head, i, is_pending = pending
     pl.when(is_pending > 0)(
