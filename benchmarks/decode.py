@@ -82,6 +82,8 @@ def attention_fn(impl: str, t: int, table, interpret: bool, own_value_dim: bool 
     return None
   if values_in_keys:
     name = None if impl == "jaxflash" else impl.split("_", 1)[1]
+    if name in ("triton", "mosaic"):  # that split-KV kernel, the XLA backend's backward
+      name = (name, "xla")
     return lambda q, k, v, lengths: jaxflash.decode_attention(
         q, k, None, lengths, value_head_dim=v.shape[-1], page_table=table,
         implementation=name, interpret=interpret)
@@ -334,8 +336,9 @@ def _tune(base: dict, make_fn, args, want, cfg: dict) -> list:
   time: jit would reuse the trace of one it has seen."""
   from jaxflash import devices
   from jaxflash.backends.mosaic.config import sm_count
+  from jaxflash.backends.mosaic import decode as mosaic_kernel
   from jaxflash.backends.triton import decode as kernel
-  shipped = kernel.default_config
+  shipped, mosaic_shipped = kernel.default_config, mosaic_kernel.default_config
   prepared = []
   cell = dict(base, page_size=cfg["page_size"])
   try:
@@ -345,12 +348,17 @@ def _tune(base: dict, make_fn, args, want, cfg: dict) -> list:
       if cfg.get("candidates"):  # given fields change the shipped config, and nothing else
         kernel.default_config = lambda inputs, training, device, f=fields, **kw: (
             dataclasses.replace(shipped(inputs, training, device, **kw), **f))
+        # (and the Mosaic GPU kernel's, where the call routes there and the fields are its)
+        own = {k: v for k, v in fields.items()
+               if k in {f.name for f in dataclasses.fields(mosaic_kernel.MlaDecodeConfig)}}
+        mosaic_kernel.default_config = lambda inputs, training, device, f=own, **kw: (
+            dataclasses.replace(mosaic_shipped(inputs, training, device, **kw), **f))
       else:
         kernel.default_config = lambda inputs, training, device, f=fields, **kw: (
             kernel.DecodeConfig(training=training, **f))
       prepared.append(_prepare(dict(base, impl="tune", tune=fields), make_fn(), args, want, cfg))
   finally:
-    kernel.default_config = shipped
+    kernel.default_config, mosaic_kernel.default_config = shipped, mosaic_shipped
   return prepared
 
 

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxflash import _core
+
 
 def merge(outs: Sequence[jax.Array] | jax.Array,
           lses: Sequence[jax.Array] | jax.Array, axis: int = 0) -> tuple[jax.Array, jax.Array]:
@@ -103,3 +105,30 @@ def _finite(top: jax.Array) -> jax.Array:
 # GPU time per call: 2 to 8 splits ran as one kernel of 1.4-1.9 µs instead of two or three of
 # 2.9-4.4 µs in all; 12 and 33 splits as two kernels, 3.2-5.1 µs instead of three, 4.1-5.2.)
 MERGE_UNROLLED = 64
+
+
+def merge_splits(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A split-KV kernel's partial results ``[B, K, splits, rows, H]`` (float32) and base-2
+  LSEs ``[B, K, splits, rows]`` (-inf where a split sees nothing) merged over the splits by
+  `merge` (range by range up to `MERGE_UNROLLED` splits, so XLA fuses it into one or two
+  kernels), in their own layout: ``(out [B, K, rows, H] float32, lse2 [B, K, rows], +inf on
+  rows no split saw)`` (`jaxflash._core`'s base-2 convention)."""
+  out, lse = merge(outs, lse2 * (1.0 / _core.LOG2_E), axis=2)
+  return out, _core.base2_lse(lse)
+
+
+def group_rows_as_heads(out: jax.Array, lse2: jax.Array, t: int,
+                        sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """A split-KV result over each K/V head's query rows (head ``g``, token ``t``; ``out`` [B,
+  K, G·T, Dv], base-2 ``lse2`` [B, K, G·T]) as the training forward gives it: ``(out [B, T,
+  N, Dv], lse2 [B, N, T])``, each head's sink (if any) joined to its denominator after the
+  merge (`with_sinks`)."""
+  b, kv_heads, rows, hv = out.shape
+  n = kv_heads * rows // t
+  out = out.reshape(b, kv_heads, n // kv_heads, t, hv).transpose(0, 3, 1, 2, 4).reshape(
+      b, t, n, hv)
+  lse2 = lse2.reshape(b, n, t)
+  if sinks is not None:
+    out, lse = with_sinks(out, jnp.swapaxes(_core.user_lse(lse2), 1, 2), sinks)
+    lse2 = _core.base2_lse(jnp.swapaxes(lse, 1, 2))
+  return out, lse2

@@ -12,6 +12,7 @@ Mosaic forward in its interpreter and lowered for CUDA.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import chex
 import jax
@@ -304,13 +305,14 @@ def test_absorbed_mla_launch(b, s, t, n, latent, want):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,n,page_size,latent", [(1, 128, None, False), (2, 16, 64, False),
                                                   (4, 128, 64, False), (1, 16, None, True),
-                                                  (2, 128, 64, True)])
+                                                  (2, 128, 64, True), (3, 16, 64, True),
+                                                  (4, 16, None, True), (1, 128, None, True)])
 def test_decode_absorbed_mla_on_gpu(t, n, page_size, latent, monkeypatch):
-  """The wide-head split-KV kernel compiled for the GPU, bf16, at MLA's 576/512 with 16 and 128
-  query heads, T up to 4, ragged rows of up to 3000 keys, contiguous and paged (64-key pages,
-  DeepSeek's layout), with a value cache or the values in the latent cache: against the float32
-  reference."""
-  ran = _spy_split_kv(monkeypatch)
+  """The wide-head split-KV kernels compiled for the GPU, bf16, at MLA's 576/512 with 16 and
+  128 query heads, T up to 4, ragged rows of up to 3000 keys, contiguous and paged (64-key
+  pages, DeepSeek's layout), with a value cache (Triton's kernel) or the values in the
+  latent cache (the Mosaic GPU kernel on a Hopper GPU): against the float32 reference."""
+  ran = _spy_split_kv(monkeypatch, "mosaic" if latent else "triton")
   b, s = 3, 3008
   q, kk, v, _ = _qkv(12, b, t, s, n, 1, 576, 512, dtype=jnp.bfloat16)
   if latent:
@@ -405,9 +407,10 @@ def test_values_in_the_keys_reuse_the_key_tiles():
   assert reuse(40, 36) == [None]
 
 
-def _spy_split_kv(monkeypatch) -> list:
-  """A list that gets True each time the split-KV kernel's forward is traced."""
-  from jaxflash.backends.triton import decode
+def _spy_split_kv(monkeypatch, kernel: str = "triton") -> list:
+  """A list that gets True each time a split-KV kernel's forward is traced: Triton's, or with
+  ``kernel="mosaic"`` the Mosaic GPU kernel of absorbed MLA's latent cache."""
+  decode = importlib.import_module(f"jaxflash.backends.{kernel}.decode")
   jax.clear_caches()  # (the spy counts traces: none may come from an earlier test's cache)
   ran, forward = [], decode.forward
   monkeypatch.setattr(decode, "forward", lambda *a: ran.append(True) or forward(*a))

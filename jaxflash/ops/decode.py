@@ -91,6 +91,7 @@ class SplitKV:
 
 
 TRITON_DECODE = "jaxflash.backends.triton.decode"
+MOSAIC_DECODE = "jaxflash.backends.mosaic.decode"  # absorbed MLA's latent cache on sm90
 
 
 @functools.cache  # one SplitKV per backend: it is hashed by identity as a static argument
@@ -103,8 +104,17 @@ def split_kv_for(backend: Backend) -> SplitKV | None:
 
 
 @functools.cache  # (hashed by identity, as `split_kv_for`'s)
-def _wide_split_kv(training: Backend) -> SplitKV:
-  return SplitKV(training, TRITON_DECODE)
+def _wide_split_kv(training: Backend, module: str = TRITON_DECODE) -> SplitKV:
+  return SplitKV(training, module)
+
+
+def mosaic_decode_runs(requested, device, params: Params) -> bool:
+  """Whether the Mosaic GPU decoding kernel may take a call: Mosaic is among the ``requested``
+  backends and the call is compiled for a Hopper GPU. (In interpret mode, on a CPU, wide heads
+  keep Triton's kernel, as on GPUs before Hopper; the tests run the Mosaic kernel's
+  interpreter on purpose.)"""
+  from jaxflash.backends import mosaic
+  return mosaic.BACKEND in requested and mosaic.is_hopper(device) and not params.interpret
 
 
 def split_kv_path(requested, backend: Backend, inputs: Inputs, params: Params,
@@ -114,11 +124,16 @@ def split_kv_path(requested, backend: Backend, inputs: Inputs, params: Params,
   serves it:
   - the backend's own (Triton's), where its kernel serves the call;
   - for head dims wider than the training kernels take (DeepSeek's absorbed MLA decoding, H 576
-    and Dv 512, which only the XLA backend trains), Triton's split-KV kernel, which takes them
-    in column pieces, with ``backend``'s backward: where Triton is among the ``requested``
-    backends and can run on ``device``."""
+    and Dv 512, which only the XLA backend trains), with ``backend``'s backward: on a latent
+    cache on a Hopper GPU, the Mosaic GPU kernel (`jaxflash.backends.mosaic.decode`, where
+    `mosaic_decode_runs`); else Triton's split-KV kernel, which takes them in column pieces,
+    where Triton is among the ``requested`` backends and can run on ``device``."""
   from jaxflash.backends import triton
   path = split_kv_for(backend)
+  if path is None and mosaic_decode_runs(requested, device, params):
+    mla = importlib.import_module(MOSAIC_DECODE)
+    if mla.unsupported(inputs, params) is None:
+      return _wide_split_kv(backend, MOSAIC_DECODE)
   if path is None:
     kernel = importlib.import_module(TRITON_DECODE)
     if not (triton.BACKEND in requested and kernel.is_wide(inputs)

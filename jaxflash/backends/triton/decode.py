@@ -702,7 +702,7 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   `jaxflash.ops.decode.gather_pages`: under jit nothing computes them unless a backward needs
   them)."""
   inputs, params = _block_mask_as_dense(inputs, params)
-  b, t, n, _ = inputs.query.shape
+  t = inputs.query.shape[1]
   first_keys = None
   if inputs.mask is not None:
     # Keys past a row's last visible one are skipped like a shorter cache (a decoding mask,
@@ -718,13 +718,7 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
     out, lse2 = _merge_in_kernel(outs, lse2, inputs.query.dtype, params.interpret)
   else:
     out, lse2 = _merge_splits(outs, lse2)
-  kv_heads, hv = outs.shape[1], outs.shape[-1]  # (O has the value's head dim)
-  out = out.reshape(b, kv_heads, n // kv_heads, t, hv).transpose(0, 3, 1, 2, 4).reshape(
-      b, t, n, hv)
-  lse2 = lse2.reshape(b, n, t)
-  if inputs.sinks is not None:  # joined after the splits' merge
-    out, lse = merge.with_sinks(out, jnp.swapaxes(_core.user_lse(lse2), 1, 2), inputs.sinks)
-    lse2 = _core.base2_lse(jnp.swapaxes(lse, 1, 2))
+  out, lse2 = merge.group_rows_as_heads(out, lse2, t, inputs.sinks)
   return out.astype(inputs.query.dtype), lse2
 
 
@@ -738,14 +732,8 @@ def visible_keys(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
           jnp.max(jnp.where(visible, key + 1, 0), axis=1))
 
 
-def _merge_splits(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Partial results ``[B, K, splits, rows, H]`` (float32) and base-2 LSEs ``[B, K, splits,
-  rows]`` (-inf where a split sees nothing) merged over the splits by
-  `jaxflash.merge.merge` (range by range up to `merge.MERGE_UNROLLED` splits, so XLA
-  fuses it into one or two kernels), in their own layout: ``(out [B, K, rows, H] float32,
-  lse2 [B, K, rows], +inf on rows no split saw)``."""
-  out, lse = merge.merge(outs, lse2 * (1.0 / _core.LOG2_E), axis=2)
-  return out, _core.base2_lse(lse)
+# The splits' merge in XLA (a module name of its own here, so that tests can watch it run).
+_merge_splits = merge.merge_splits
 
 
 MERGE_CHUNK = 32  # splits merged per step of `_merge_kernel`: a [32, hp] float32 tile

@@ -1,0 +1,397 @@
+"""The Mosaic GPU split-KV decoding forward for absorbed MLA (FlashMLA's design, on sm90).
+
+DeepSeek's MLA decodes as MQA over one latent cache of 576 features a token (512 latent + 64
+RoPE), whose first 512 are the values: ``decode_attention(q, latent, None, lengths,
+value_head_dim=512)``. A group's G·T query rows (16 or 128 heads, T = 1 or 2) are few for the
+width of its heads, so Triton's split-KV kernel (`jaxflash.backends.triton.decode`) runs them
+on 16- or 32-row ``mma.sync`` tiles, which leaves it bound by its products: 0.75-0.81 of a
+device copy at 16 heads and 235 TFLOP/s at 128 (H200, 2026-11-25). This kernel gives them
+64-row wgmma tiles.
+
+Grid (batch row x K/V head, split of the keys, block of 64 query rows), one CTA each, the row
+blocks fastest (those reading the same keys run together). A CTA is three warpgroups:
+
+- ``wg`` 2, the producer, streams the CTA's key blocks ([64 keys, H], one TMA copy each from
+  the cache or its page) into a ring of ``num_stages`` slots.
+- ``wg`` 0 holds Q ([64, H] in shared memory) and, per key block, computes S = Q Kᵀ, runs the
+  online softmax (base 2, the scale folded into one multiply-add), hands P (16-bit) and the
+  rows' rescale factor to ``wg`` 1 through shared memory, and accumulates the first half of
+  O's columns, O[:, :Dv/2] += P V[:, :Dv/2], with P from registers.
+- ``wg`` 1 accumulates the other half, O[:, Dv/2:] += P V[:, Dv/2:], with P from shared
+  memory. Its product of block j runs while ``wg`` 0 computes block j + 1's scores.
+
+The values are the first Dv columns of the key tile already in shared memory: each token's
+bytes are read once for both products. No consumer holds more than a [64, Dv/2] float32
+accumulator (128 registers a thread at Dv = 512). O leaves as float32 partial results (and
+base-2 LSEs, -inf where a split sees no key) through the Q tile's memory, and the splits are
+merged through the LSE (`jaxflash.merge.split_kv_result`), as Triton's kernel's are.
+
+Query row ``r`` of a group is (head ``r // T``, token ``r % T``); token t sits at position ``t
++ diagonal`` and sees keys below ``kv_len`` and (with a causal band, ``right`` its offset) up
+to ``t + diagonal + right``. Blocks every row sees in full skip the element mask.
+
+With ``params.interpret`` the kernel runs in Mosaic GPU's interpreter (tests on a CPU), which
+has no wgmma operand in registers and no ``run_state``: there the P V products are plain dots
+of the same tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
+
+from jaxflash import _core
+from jaxflash import fp8
+from jaxflash import merge
+from jaxflash._core import Inputs, Params
+from jaxflash.backends.mosaic import forward as fwd
+from jaxflash.backends.mosaic.config import producer_registers, sm_count
+from jaxflash.devices import Device
+
+ROWS = 64  # query rows of a CTA: the M of a wgmma tile (a group's G·T rows, padded)
+BLOCK_K = 64  # keys a block: P is [64, 64], one 128-byte swizzled row of 16-bit keys each
+MIN_HEAD_DIM = 257  # narrower heads run Triton's split-KV kernel, tuned for them
+MAX_HEAD_DIM = 576  # Q and two stages of [64, H] key tiles fill the 227 KiB of shared memory
+REGISTERS = 240  # each consumer's; the producer keeps what is left (`producer_registers`)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MlaDecodeConfig:
+  """The launch: ``splits`` CTAs per (batch row, K/V head, row block), ``num_stages`` key
+  blocks in flight, and the config of the training backend that runs the backward
+  (``training``)."""
+
+  splits: int
+  num_stages: int = 2
+  training: Any = None
+
+  def __post_init__(self):
+    if self.splits < 1:
+      raise ValueError(f"splits must be at least 1, got {self.splits}")
+    if self.num_stages < 2:
+      raise ValueError(f"num_stages must be at least 2, got {self.num_stages}")
+
+
+def group_rows(inputs: Inputs) -> int:
+  """G·T: the query rows that share a K/V head."""
+  t, n = inputs.query.shape[1:3]
+  return t * n // inputs.key.shape[2]
+
+
+def unsupported(inputs: Inputs, params: Params) -> str | None:
+  """Why this kernel cannot serve a decoding call (None if it can): it takes absorbed MLA's
+  latent cache (the values in the keys) at heads from `MIN_HEAD_DIM` to `MAX_HEAD_DIM`, a
+  plain or causal band, an optional soft cap and sinks."""
+  q = inputs.query
+  h, hv = q.shape[-1], inputs.value.shape[-1]
+  if not params.values_in_keys:
+    return "a value cache of its own (it reads the values from a latent cache's key tiles)"
+  if q.dtype not in (jnp.bfloat16, jnp.float16) or fp8.is_fp8(q.dtype):
+    return f"bfloat16 and float16 only, got {q.dtype}"
+  if not MIN_HEAD_DIM <= h <= MAX_HEAD_DIM or h % 64:
+    return f"head dims {MIN_HEAD_DIM} to {MAX_HEAD_DIM} in multiples of 64, got {h}"
+  if hv % 128 or hv > h:
+    return f"value head dims in multiples of 128 up to the query's, got {hv}"
+  rows = group_rows(inputs)
+  if rows % 8 or (rows > ROWS and rows % ROWS):
+    return f"G·T = {rows} rows (a multiple of 8, and of {ROWS} above it)"
+  if inputs.key.shape[1] % 8:
+    return f"a cache of {inputs.key.shape[1]} rows (TMA copies whole 8-row tiles)"
+  if params.window.left is not None:
+    return "a window's left side"
+  if any(x is not None for x in (inputs.bias, inputs.mask, inputs.q_segment_ids,
+                                 inputs.dropout_seed, inputs.block_table)):
+    return "biases, masks, segments and dropout"
+  if params.score_rule is not None or params.mask_rule is not None:
+    return "score_mod and mask_mod"
+  if params.partial:
+    return "partial results (ring attention)"
+  return None
+
+
+def paged_block(page_size: int) -> bool:
+  """Whether the kernel reads pages of ``page_size`` keys where they lie: each key block is
+  one TMA copy from one page."""
+  return page_size % BLOCK_K == 0
+
+
+def default_config(inputs: Inputs, training, device: Device, page_size: int | None = None,
+                   values_in_keys: bool = True) -> MlaDecodeConfig:
+  """One wave of CTAs (one fits an SM: its tiles take 225 KiB of shared memory): the splits
+  that bring the (batch row, K/V head, row block) groups closest to the SM count."""
+  del page_size, values_in_keys
+  b, s, kv_heads = inputs.key.shape[:3]
+  groups = b * kv_heads * pl.cdiv(group_rows(inputs), ROWS)
+  blocks = pl.cdiv(s, BLOCK_K)
+  splits = max(1, round(sm_count(device.kind) / groups))
+  return MlaDecodeConfig(splits=used_splits(blocks, splits), training=training)
+
+
+def used_splits(blocks: int, splits: int) -> int:
+  """The splits a row of ``blocks`` key blocks really has when asked for ``splits``: each
+  takes ceil(blocks / splits), so none is left without one."""
+  return pl.cdiv(blocks, pl.cdiv(blocks, max(1, min(splits, blocks))))
+
+
+def _row_stops(rb, bounds, t: int, right):
+  """Per query row of row block ``rb`` (in the wgmma layout's rows): whether it is a row of the
+  call (a row of the group, a token before the query length) and the key it sees up to
+  (exclusive)."""
+  q_len, kv_len, diagonal = bounds
+  rows = rb * ROWS + plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=fwd._ROWS)
+  token = lax.rem(rows, jnp.int32(t))
+  stop = jnp.broadcast_to(kv_len, token.shape)
+  if right is not None:
+    stop = jnp.clip(token + diagonal + (right + 1), 0, kv_len)
+  return rows, token < q_len, stop
+
+
+def _key_range(bounds, t: int, right):
+  """``(first key no row sees in full, key past the last any row sees)`` of a group."""
+  q_len, kv_len, diagonal = bounds
+  if right is None:
+    return kv_len, kv_len
+  last_token = jnp.minimum(q_len, t) - 1
+  return (jnp.clip(diagonal + (right + 1), 0, kv_len),
+          jnp.clip(last_token + diagonal + (right + 1), 0, kv_len))
+
+
+def _kernel(q_ref, k_ref, bounds_ref, table_ref, out_ref, lse_ref, q_union, k_smem, p_smem,
+            row_smem, q_ready, k_ready, k_free, p_ready, p_free, *, params: Params, t: int,
+            rows_used: int, kv_heads: int, splits: int, page_size: int | None,
+            value_dim: int, stages: int):
+  q_smem, o_stages = q_union
+  wg = lax.axis_index("wg")
+  bk, split, rb = lax.axis_index("bk"), lax.axis_index("split"), lax.axis_index("rb")
+  batch, kv_head = lax.div(bk, jnp.int32(kv_heads)), lax.rem(bk, jnp.int32(kv_heads))
+  bounds = tuple(bounds_ref[batch, i] for i in range(3))
+  right = params.window.right
+  full_key, end_key = _key_range(bounds, t, right)
+  blocks, full_blocks = pl.cdiv(end_key, BLOCK_K), lax.div(full_key, jnp.int32(BLOCK_K))
+  per = pl.cdiv(blocks, jnp.int32(splits))
+  lo = split * per
+  hi = jnp.maximum(jnp.minimum(lo + per, blocks), lo)
+  count = hi - lo
+  # Blocks [lo, mid) every row sees in full; [mid, hi) take the element mask.
+  mid = jnp.clip(full_blocks, lo, hi)
+  q_rows = min(ROWS, rows_used)  # (fewer than a tile: the rest of Q's tile is never read out)
+  half = value_dim // 2
+  piece = min(128, half)  # O's columns per store through a staging tile
+
+  def slot_of(n):
+    return lax.rem(n, jnp.int32(stages))
+
+  def values(slot, w):
+    """Consumer ``w``'s half of the values: columns of the key tile."""
+    return k_smem.at[slot].at[:, pl.ds(w * half, half)]
+
+  def store_out(out, w):
+    """This consumer's float32 half of O, through its staging tile over Q's memory."""
+    stage = o_stages.at[w]
+    target = out_ref.at[batch, kv_head, split, pl.ds(rb * ROWS, q_rows)]
+    for c in range(half // piece):
+      if c:  # the last piece has left the tile; the warpgroup meets before it is overwritten
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if not params.interpret:
+          fwd._emit(mgpu.utils.warpgroup_barrier)
+      stage[...] = out[:, c * piece:(c + 1) * piece]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, q_rows)],
+                              target.at[:, pl.ds(w * half + c * piece, piece)])
+
+  @pl.when(wg == 0)
+  def _scores():
+    plgpu.set_max_registers(REGISTERS, action="increase")
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, kv_head, pl.ds(rb * q_rows, q_rows)],
+                            q_smem.at[pl.ds(0, q_rows)], q_ready)
+    rows, row_ok, stop = _row_stops(rb, bounds, t, right)
+    soft_cap = params.logits_soft_cap
+    # The row max is taken of unscaled values and scaled once: x c - m is one multiply-add.
+    c = (_core.LOG2_E if soft_cap is not None else params.scale * _core.LOG2_E)
+    shape = (ROWS, BLOCK_K)
+    plgpu.barrier_wait(q_ready)
+    rescale, lse_rows = row_smem.at[0], row_smem.at[1]
+
+    def step(n, j, carry, masked: bool):
+      acc, m, l = carry
+      slot = slot_of(n)
+      plgpu.barrier_wait(k_ready.at[slot])
+
+      def qk(s_ref):
+        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+        return plgpu.wgmma_accumulator_load(s_ref)
+
+      x = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+      if soft_cap is not None:
+        x = soft_cap * jnp.tanh(x * (params.scale / soft_cap))
+      if masked:  # keys at or past a row's stop are hidden
+        x = jnp.where(fwd._iota(shape, 1) < fwd._rows(stop - j * BLOCK_K, shape), x, -jnp.inf)
+      m_new = jnp.maximum(m, x.max(axis=1) * c)
+      # A row that has seen no visible key keeps m = -inf and is shifted by 0, so that it stays
+      # at l = 0 and acc = 0; NaN logits make the row NaN, as in jax.nn.
+      m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+      alpha = jnp.exp2(m - m_shift)
+      p = jnp.exp2(x * c - fwd._rows(m_shift, shape))
+      l = l * alpha + p.sum(axis=1)
+      p16 = p.astype(q_smem.dtype)
+      # P and the rescale go to the other consumer once it has read the last ones.
+      pl.when(n > 0)(lambda: plgpu.barrier_wait(p_free))
+      p_smem[...] = p16
+      rescale[...] = alpha
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_ready)
+      acc = acc * fwd._rows(alpha, acc.shape)
+      if params.interpret:  # (no wgmma operand in registers, nor run_state, there)
+        acc = acc + jnp.dot(p16, values(slot, 0)[...], preferred_element_type=jnp.float32)
+      else:
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, values(slot, 0))
+
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # (waits for the product at its end)
+      plgpu.barrier_arrive(k_free.at[slot])
+      return acc, m_new, l
+
+    def run(start, stop_block, first_n, carry, masked: bool):
+      return lax.fori_loop(start, stop_block, lambda j, c: step(first_n + j - start, j, c,
+                                                                masked), carry)
+
+    carry = (plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA),
+             plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), fwd._ROWS),
+             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), fwd._ROWS))
+    carry = run(lo, mid, jnp.int32(0), carry, masked=False)
+    acc, m, l = run(mid, hi, mid - lo, carry, masked=True)
+
+    seen = jnp.logical_and(jnp.logical_and(rows < rows_used, row_ok), l != 0.0)
+    safe_l = jnp.where(seen, l, 1.0)
+    factor = jnp.where(seen, 1.0 / safe_l, 0.0)
+    lse2 = jnp.where(seen, m + jnp.log2(safe_l), -jnp.inf)
+    pl.when(count > 0)(lambda: plgpu.barrier_wait(p_free))
+    rescale[...] = factor  # the other consumer's factor too
+    lse_rows[...] = lse2
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(p_ready)
+    plgpu.copy_smem_to_gmem(lse_rows.at[pl.ds(0, q_rows)],
+                            lse_ref.at[batch, kv_head, split, pl.ds(rb * ROWS, q_rows)])
+    out = jnp.where(fwd._rows(seen, acc.shape), acc * fwd._rows(factor, acc.shape), 0.0)
+    store_out(out, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 1)
+  def _values():
+    plgpu.set_max_registers(REGISTERS, action="increase")
+
+    def step(n, acc):
+      slot = slot_of(n)
+      plgpu.barrier_wait(k_ready.at[slot])  # (its bytes are visible to this warpgroup too)
+      plgpu.barrier_wait(p_ready)
+      alpha = plgpu.load(row_smem.at[0], (), layout=fwd._ROWS, optimized=False)
+      acc = acc * fwd._rows(alpha, acc.shape)
+
+      if params.interpret:  # (no run_state there)
+        acc = acc + jnp.dot(p_smem[...], values(slot, 1)[...],
+                            preferred_element_type=jnp.float32)
+      else:
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p_smem, values(slot, 1))
+
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(p_free)
+      plgpu.barrier_arrive(k_free.at[slot])
+      return acc
+
+    acc = lax.fori_loop(0, count, step, plgpu.layout_cast(
+        jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA))
+    plgpu.barrier_wait(p_ready)
+    factor = plgpu.load(row_smem.at[0], (), layout=fwd._ROWS, optimized=False)
+    store_out(acc * fwd._rows(factor, acc.shape), 1)
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(producer_registers(REGISTERS), action="decrease")
+
+    @pl.loop(0, count)
+    def _(n):
+      slot, j = slot_of(n), lo + n
+      pl.when(n >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+      first = j * BLOCK_K
+      if table_ref is None:
+        tile = k_ref.at[batch, pl.ds(first, BLOCK_K), kv_head]
+      else:
+        page = table_ref[batch, lax.div(first, jnp.int32(page_size))]
+        tile = k_ref.at[page, pl.ds(lax.rem(first, jnp.int32(page_size)), BLOCK_K), kv_head]
+      plgpu.copy_gmem_to_smem(tile, k_smem.at[slot], k_ready.at[slot])
+
+    fwd.observe_last_releases(count, stages, k_free)
+
+
+def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None):
+  """The training forward's ``(out [B, T, N, Dv] in the query dtype, lse2 [B, N, T])`` of a
+  decoding call on a latent cache: the kernel's partial results over the splits, merged
+  through the LSE. With ``pages`` = (key pages, value pages, page table) the kernel reads the
+  key pages where they lie (`jaxflash.ops.decode.paged_attention`; the value pages are the
+  same latent pages)."""
+  q = inputs.query
+  b, t, n, h = q.shape
+  kv_heads, hv = inputs.key.shape[2], inputs.value.shape[-1]
+  g = n // kv_heads
+  rows_used = g * t
+  # Query rows (head g, token t) of each K/V head: [B, K, G·T, H] (at T = 1 a free reshape).
+  qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)
+  diagonal = (jnp.zeros((b,), jnp.int32) if inputs.offsets is None
+              else inputs.offsets[:, 0] - inputs.offsets[:, 1])
+  # (query length, key length, diagonal) per batch row: one small array, one XLA fusion.
+  bounds = jnp.concatenate([inputs.lengths.astype(jnp.int32), diagonal[:, None]], axis=1)
+  if pages is None:
+    cache, table, page_size = inputs.key, None, None
+  else:
+    cache, _, table = pages
+    page_size = cache.shape[1]
+  splits = used_splits(pl.cdiv(inputs.key.shape[1], BLOCK_K), config.splits)
+  stages = config.num_stages
+  row_blocks = pl.cdiv(rows_used, ROWS)
+  q_tile = fwd._smem_tile((ROWS, h), q.dtype)
+  # O leaves through Q's memory, a [ROWS, 128] float32 staging tile per consumer.
+  piece = min(128, hv // 2)
+  o_stages = fwd._smem_tile((2, ROWS, piece), jnp.float32, min(128, piece * 4))
+  scratch = (
+      plgpu.RefUnion(q_tile, o_stages),
+      fwd._smem_tile((stages, BLOCK_K, h), cache.dtype),
+      fwd._smem_tile((ROWS, BLOCK_K), q.dtype),  # P
+      plgpu.SMEM((2, ROWS), jnp.float32),  # the rows' rescale (then factor), and their LSE
+      plgpu.Barrier(num_barriers=1),  # q_ready
+      plgpu.Barrier(num_barriers=stages),  # k_ready
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # k_free: both consumers read a slot
+      plgpu.Barrier(num_barriers=1),  # p_ready
+      plgpu.Barrier(num_barriers=1),  # p_free
+  )
+  kernel = functools.partial(_kernel, params=params, t=t, rows_used=rows_used,
+                             kv_heads=kv_heads, splits=splits, page_size=page_size,
+                             value_dim=hv, stages=stages)
+  outs, lse2 = plgpu.kernel(
+      kernel,
+      out_type=(_core.out_struct((b, kv_heads, splits, rows_used, hv), jnp.float32, q),
+                _core.out_struct((b, kv_heads, splits, rows_used), jnp.float32, q)),
+      scratch_types=scratch,
+      # Row blocks fastest, then splits: the CTAs running together read neighbouring keys.
+      grid=(b * kv_heads, splits, row_blocks),
+      grid_names=("bk", "split", "rb"),
+      num_threads=3,
+      thread_name="wg",
+      kernel_name="jaxflash_mosaic_decode_mla",
+      # The row reductions stay within a warp's quads (the wgmma layout), so no scratch is set
+      # aside for cross-warp ones: the tiles above leave less than its default 2 KiB.
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
+                                           reduction_scratch_bytes=0),
+      interpret=plgpu.InterpretGPUParams() if params.interpret else None,
+  )(qg, cache, bounds, table)
+  out, lse2 = merge.group_rows_as_heads(*merge.merge_splits(outs, lse2), t, inputs.sinks)
+  return out.astype(q.dtype), lse2
