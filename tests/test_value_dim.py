@@ -735,3 +735,131 @@ def test_mosaic_selection():
       assert jaxflash.implementation_for(*short, is_causal=causal) == "mosaic"
     other = jax.ShapeDtypeStruct((1, 8192, 16, 64), jnp.bfloat16)  # (192 / 64: not measured)
     assert jaxflash.implementation_for(q, kk, other, is_causal=True) == "triton"
+
+
+# ---------------------------------------------------------------------------------------------
+# Absorbed MLA's latent cache on the Mosaic GPU kernel (`jaxflash.backends.mosaic.decode`).
+
+
+def _mosaic_mla(monkeypatch) -> list:
+  """Routes latent-cache calls to the Mosaic GPU decoding kernel in interpret mode too (on a
+  GPU it takes them compiled, `jaxflash.ops.decode.mosaic_decode_runs`); returns its spy."""
+  from jaxflash.ops import decode as ops_decode
+  monkeypatch.setattr(ops_decode, "mosaic_decode_runs", lambda *a: True)
+  return _spy_split_kv(monkeypatch, "mosaic")
+
+
+@pytest.mark.parametrize("b,t,s,n,h,hv,page_size,options", [
+    (2, 1, 200, 16, 576, 512, None, {}),  # 16 of 64 rows, 4 splits, a partial last block
+    (2, 2, 128, 128, 576, 512, 64, {}),  # two row blocks of 64, 64-key pages
+    (3, 3, 512, 16, 320, 256, 128, {}),  # 48 rows, two blocks a page, a row shorter than T
+    (2, 2, 96, 16, 576, 512, None, dict(logits_soft_cap=3.0, sinks=True)),
+])
+def test_mosaic_decode_mla(b, t, s, n, h, hv, page_size, options, monkeypatch):
+  """The Mosaic GPU kernel of absorbed MLA's latent cache (interpreted), bf16, against the
+  float32 reference: ragged rows (one holding fewer tokens than T), pages, a soft cap and
+  sinks; gradients through the XLA backend's backward, the sinks' too. A test of the
+  kernel's masking: rows past a length or a token's own position must see nothing there."""
+  ran = _mosaic_mla(monkeypatch)
+  q, latent, _, d_out = _qkv(16, b, t, s, n, 1, h, hv, dtype=jnp.bfloat16)
+  lengths = jnp.array([s, s // 2 + 3, t - 1][:b], jnp.int32)
+  cache, table = _pages(latent, page_size, 6) if page_size else (latent, None)
+  sinks = jax.random.normal(jax.random.key(17), (n,)) if options.pop("sinks", False) else None
+
+  def ours(q, cache, sinks):
+    return jaxflash.decode_attention(q, cache, None, lengths, value_head_dim=hv, sinks=sinks,
+                                     page_table=table, interpret=True, **options)
+
+  def xla(q, latent, sinks):
+    return jaxflash.decode_attention(q, latent, latent[..., :hv], lengths, sinks=sinks,
+                                     implementation="xla", **options)
+
+  f32 = [x.astype(F32) for x in (q, latent)]
+  out, vjp = jax.vjp(jax.jit(ours), q, cache, sinks)
+  assert ran  # (traced once or more: the interpreter runs the whole call unjitted)
+  chex.assert_shape(out, (b, t, n, hv))
+  want, want_vjp = jax.vjp(jax.jit(xla), *f32, sinks)
+  assert rel_err(out.astype(F32), want) <= 1e-2
+  if b > 2:  # the row with T - 1 tokens: its first query row sees no key and gives zeros
+    assert not np.asarray(out[2, 0], np.float32).any()
+  got_grads, want_grads = vjp(d_out.astype(out.dtype)), want_vjp(d_out)
+  dq, d_cache = got_grads[:2]
+  if page_size:
+    d_cache = jnp.take(d_cache, table, axis=0).reshape(latent.shape)
+  assert rel_err(dq.astype(F32), want_grads[0]) <= 2e-2
+  assert rel_err(d_cache.astype(F32), want_grads[1]) <= 2e-2
+  if sinks is not None:
+    assert rel_err(got_grads[2], want_grads[2]) <= 2e-2
+
+
+def test_mosaic_decode_mla_nan_and_empty_rows(monkeypatch):
+  """NaN in one query head's vector gives NaN in that head's rows only; a batch row with an
+  empty cache gives zeros."""
+  ran = _mosaic_mla(monkeypatch)
+  q, latent, _, _ = _qkv(18, 2, 1, 136, 16, 1, 576, 512, dtype=jnp.bfloat16)
+  q = q.at[0, 0, 5, 7].set(jnp.nan)
+  out = jaxflash.decode_attention(q, latent, None, jnp.array([130, 0], jnp.int32),
+                                  value_head_dim=512, interpret=True)
+  assert ran  # (traced once or more: the interpreter runs the whole call unjitted)
+  nan = np.isnan(np.asarray(out, np.float32)).any(axis=-1)
+  assert nan[0, 0, 5] and nan.sum() == 1
+  assert not np.asarray(out[1], np.float32).any()
+
+
+@pytest.mark.parametrize("n,t,latent,dtype,want", [
+    (16, 1, True, jnp.bfloat16, None), (128, 2, True, jnp.float16, None),
+    (16, 3, True, jnp.bfloat16, None), (16, 1, False, jnp.bfloat16, "a value cache"),
+    (4, 1, True, jnp.bfloat16, "G·T = 4 rows"), (96, 1, True, jnp.bfloat16, "G·T = 96 rows"),
+    (16, 1, True, jnp.float32, "bfloat16 and float16 only"),
+])
+def test_mosaic_decode_mla_declines(n, t, latent, dtype, want):
+  """What the Mosaic GPU kernel declines (the call then runs Triton's kernel): a value cache of
+  its own, groups of rows that are not whole 8-row tiles or whole 64-row blocks, float32."""
+  from jaxflash import _core, masking
+  from jaxflash.backends.mosaic import decode
+  q = jnp.zeros((1, t, n, 576), dtype)
+  latent_cache = jnp.zeros((1, 64, 1, 576), dtype)
+  inputs = _core.Inputs(q, latent_cache, latent_cache[..., :512], jnp.array([[t, 64]], jnp.int32))
+  params = _core.Params(scale=1.0, window=masking.Window(None, 0), values_in_keys=latent)
+  reason = decode.unsupported(inputs, params)
+  assert (reason is None) if want is None else (want in reason)
+  assert decode.paged_block(64) and decode.paged_block(128) and not decode.paged_block(32)
+
+
+@pytest.mark.parametrize("b,s,n,want", [(32, 8192, 16, 4), (8, 32768, 16, 16),
+                                        (64, 8192, 16, 2), (32, 8192, 128, 2), (1, 256, 16, 4)])
+def test_mosaic_decode_mla_launch(b, s, n, want):
+  """One wave: splits that bring (batch row, K/V head, row block) CTAs closest to an H200's
+  132 SMs, none without a key block."""
+  from jaxflash import _core
+  from jaxflash.backends.mosaic import decode
+  q = jnp.zeros((b, 1, n, 576), jnp.bfloat16)
+  latent_cache = jnp.zeros((b, s, 1, 576), jnp.bfloat16)
+  inputs = _core.Inputs(q, latent_cache, latent_cache[..., :512], jnp.zeros((b, 2), jnp.int32))
+  config = decode.default_config(inputs, None, devices.Device("gpu", "NVIDIA H200", True))
+  assert config.splits == want and config.num_stages == 2
+
+
+def test_mosaic_decode_mla_lowers_for_cuda(cuda_plugin):
+  """On a Hopper GPU latent-cache calls take the Mosaic GPU kernel, which lowers for CUDA
+  (contiguous and on 64-key pages, 16 and 128 heads); a value cache of its own, or
+  ``implementation`` without Mosaic, keeps Triton's kernel."""
+  del cuda_plugin
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  table = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+  for n, t, paged in ((16, 1, False), (128, 2, True)):
+    q = jax.ShapeDtypeStruct((2, t, n, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((9, 64, 1, 576) if paged else (2, 4096, 1, 576), jnp.bfloat16)
+    text = lower_for_cuda(lambda q, c, tb, ln: jaxflash.decode_attention(
+        q, c, None, ln, value_head_dim=512, page_table=tb if paged else None),
+        q, cache, table, lengths)
+    assert "jaxflash_mosaic_decode_mla" in text and "jaxflash_decode_split_kv" not in text
+  q = jax.ShapeDtypeStruct((2, 1, 16, 576), jnp.bfloat16)
+  cache = jax.ShapeDtypeStruct((2, 4096, 1, 576), jnp.bfloat16)
+  text = lower_for_cuda(lambda q, c, ln: jaxflash.decode_attention(
+      q, c, None, ln, value_head_dim=512, implementation=("triton", "xla")), q, cache, lengths)
+  assert "jaxflash_decode_split_kv" in text and "jaxflash_mosaic_decode_mla" not in text
+  values = jax.ShapeDtypeStruct((2, 4096, 1, 512), jnp.bfloat16)
+  text = lower_for_cuda(lambda q, c, v, ln: jaxflash.decode_attention(q, c, v, ln),
+                        q, cache, values, lengths)
+  assert "jaxflash_decode_split_kv" in text and "jaxflash_mosaic_decode_mla" not in text

@@ -75,7 +75,9 @@ class SplitKV:
 
   @property
   def interpreter_partitions(self) -> bool:
-    return self.training.interpreter_partitions
+    # (Mosaic GPU's interpreter runs only on the whole call: `jaxflash.backends.base.Backend`.)
+    return (self.training.interpreter_partitions
+            and getattr(self.kernel(), "INTERPRETER_PARTITIONS", True))
 
   def kernel(self):
     return importlib.import_module(self.module)

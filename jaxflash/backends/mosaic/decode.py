@@ -61,6 +61,7 @@ BLOCK_K = 64  # keys a block: P is [64, 64], one 128-byte swizzled row of 16-bit
 MIN_HEAD_DIM = 257  # narrower heads run Triton's split-KV kernel, tuned for them
 MAX_HEAD_DIM = 576  # Q and two stages of [64, H] key tiles fill the 227 KiB of shared memory
 REGISTERS = 240  # each consumer's; the producer keeps what is left (`producer_registers`)
+INTERPRETER_PARTITIONS = False  # (as the Mosaic backend's: `jaxflash.backends.base.Backend`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -164,15 +165,17 @@ def _key_range(bounds, t: int, right):
           jnp.clip(last_token + diagonal + (right + 1), 0, kv_len))
 
 
-def _kernel(q_ref, k_ref, bounds_ref, table_ref, out_ref, lse_ref, q_union, k_smem, p_smem,
-            row_smem, q_ready, k_ready, k_free, p_ready, p_free, *, params: Params, t: int,
-            rows_used: int, kv_heads: int, splits: int, page_size: int | None,
-            value_dim: int, stages: int):
+def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref, q_union,
+            k_smem, p_smem, row_smem, q_ready, k_ready, k_free, p_ready, p_free, *,
+            params: Params, t: int, rows_used: int, kv_heads: int, splits: int,
+            page_size: int | None, value_dim: int, stages: int):
   q_smem, o_stages = q_union
   wg = lax.axis_index("wg")
   bk, split, rb = lax.axis_index("bk"), lax.axis_index("split"), lax.axis_index("rb")
   batch, kv_head = lax.div(bk, jnp.int32(kv_heads)), lax.rem(bk, jnp.int32(kv_heads))
-  bounds = tuple(bounds_ref[batch, i] for i in range(3))
+  diagonal = (jnp.int32(0) if offsets_ref is None
+              else offsets_ref[batch, 0] - offsets_ref[batch, 1])
+  bounds = (lengths_ref[batch, 0], lengths_ref[batch, 1], diagonal)
   right = params.window.right
   full_key, end_key = _key_range(bounds, t, right)
   blocks, full_blocks = pl.cdiv(end_key, BLOCK_K), lax.div(full_key, jnp.int32(BLOCK_K))
@@ -292,7 +295,7 @@ def _kernel(q_ref, k_ref, bounds_ref, table_ref, out_ref, lse_ref, q_union, k_sm
       slot = slot_of(n)
       plgpu.barrier_wait(k_ready.at[slot])  # (its bytes are visible to this warpgroup too)
       plgpu.barrier_wait(p_ready)
-      alpha = plgpu.load(row_smem.at[0], (), layout=fwd._ROWS, optimized=False)
+      alpha = plgpu.load(row_smem.at[0], layout=fwd._ROWS, optimized=False)
       acc = acc * fwd._rows(alpha, acc.shape)
 
       if params.interpret:  # (no run_state there)
@@ -310,7 +313,7 @@ def _kernel(q_ref, k_ref, bounds_ref, table_ref, out_ref, lse_ref, q_union, k_sm
     acc = lax.fori_loop(0, count, step, plgpu.layout_cast(
         jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA))
     plgpu.barrier_wait(p_ready)
-    factor = plgpu.load(row_smem.at[0], (), layout=fwd._ROWS, optimized=False)
+    factor = plgpu.load(row_smem.at[0], layout=fwd._ROWS, optimized=False)
     store_out(acc * fwd._rows(factor, acc.shape), 1)
     plgpu.wait_smem_to_gmem(0)
 
@@ -346,10 +349,6 @@ def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None)
   rows_used = g * t
   # Query rows (head g, token t) of each K/V head: [B, K, G·T, H] (at T = 1 a free reshape).
   qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)
-  diagonal = (jnp.zeros((b,), jnp.int32) if inputs.offsets is None
-              else inputs.offsets[:, 0] - inputs.offsets[:, 1])
-  # (query length, key length, diagonal) per batch row: one small array, one XLA fusion.
-  bounds = jnp.concatenate([inputs.lengths.astype(jnp.int32), diagonal[:, None]], axis=1)
   if pages is None:
     cache, table, page_size = inputs.key, None, None
   else:
@@ -392,6 +391,6 @@ def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None)
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
                                            reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if params.interpret else None,
-  )(qg, cache, bounds, table)
+  )(qg, cache, inputs.lengths, inputs.offsets, table)
   out, lse2 = merge.group_rows_as_heads(*merge.merge_splits(outs, lse2), t, inputs.sinks)
   return out.astype(q.dtype), lse2
