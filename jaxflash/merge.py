@@ -117,17 +117,22 @@ def merge_splits(outs: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array
   return out, _core.base2_lse(lse)
 
 
-def group_rows_as_heads(out: jax.Array, lse2: jax.Array, t: int,
-                        sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-  """A split-KV result over each K/V head's query rows (head ``g``, token ``t``; ``out`` [B,
-  K, G·T, Dv], base-2 ``lse2`` [B, K, G·T]) as the training forward gives it: ``(out [B, T,
-  N, Dv], lse2 [B, N, T])``, each head's sink (if any) joined to its denominator after the
-  merge (`with_sinks`)."""
+def group_rows_as_heads(out: jax.Array, lse2: jax.Array, t: int, sinks: jax.Array | None,
+                        token_major: bool = False) -> tuple[jax.Array, jax.Array]:
+  """A split-KV result over each K/V head's query rows (head ``g``, token ``t``, the token
+  fastest, or with ``token_major`` the head fastest; ``out`` [B, K, G·T, Dv], base-2 ``lse2``
+  [B, K, G·T]) as the training forward gives it: ``(out [B, T, N, Dv], lse2 [B, N, T])``, each
+  head's sink (if any) joined to its denominator after the merge (`with_sinks`)."""
   b, kv_heads, rows, hv = out.shape
-  n = kv_heads * rows // t
-  out = out.reshape(b, kv_heads, n // kv_heads, t, hv).transpose(0, 3, 1, 2, 4).reshape(
-      b, t, n, hv)
-  lse2 = lse2.reshape(b, n, t)
+  g = rows // t
+  if token_major:
+    out = out.reshape(b, kv_heads, t, g, hv).transpose(0, 2, 1, 3, 4).reshape(
+        b, t, kv_heads * g, hv)
+    lse2 = lse2.reshape(b, kv_heads, t, g).transpose(0, 1, 3, 2).reshape(b, kv_heads * g, t)
+  else:
+    out = out.reshape(b, kv_heads, g, t, hv).transpose(0, 3, 1, 2, 4).reshape(
+        b, t, kv_heads * g, hv)
+    lse2 = lse2.reshape(b, kv_heads * g, t)
   if sinks is not None:
     out, lse = with_sinks(out, jnp.swapaxes(_core.user_lse(lse2), 1, 2), sinks)
     lse2 = _core.base2_lse(jnp.swapaxes(lse, 1, 2))

@@ -809,12 +809,13 @@ def test_mosaic_decode_mla_nan_and_empty_rows(monkeypatch):
 @pytest.mark.parametrize("n,t,latent,dtype,want", [
     (16, 1, True, jnp.bfloat16, None), (128, 2, True, jnp.float16, None),
     (16, 3, True, jnp.bfloat16, None), (16, 1, False, jnp.bfloat16, "a value cache"),
-    (4, 1, True, jnp.bfloat16, "G·T = 4 rows"), (96, 1, True, jnp.bfloat16, "G·T = 96 rows"),
+    (4, 1, True, jnp.bfloat16, "G = 4 query heads"), (96, 1, True, jnp.bfloat16, "G = 96"),
     (16, 1, True, jnp.float32, "bfloat16 and float16 only"),
 ])
 def test_mosaic_decode_mla_declines(n, t, latent, dtype, want):
   """What the Mosaic GPU kernel declines (the call then runs Triton's kernel): a value cache of
-  its own, groups of rows that are not whole 8-row tiles or whole 64-row blocks, float32."""
+  its own, groups of heads that are not whole 8-row tiles of Q or, where a group's rows take
+  several blocks, whole 64-row blocks, float32."""
   from jaxflash import _core, masking
   from jaxflash.backends.mosaic import decode
   q = jnp.zeros((1, t, n, 576), dtype)

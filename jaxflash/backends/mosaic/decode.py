@@ -26,7 +26,9 @@ accumulator (128 registers a thread at Dv = 512). O leaves as float32 partial re
 base-2 LSEs, -inf where a split sees no key) through the Q tile's memory, and the splits are
 merged through the LSE (`jaxflash.merge.split_kv_result`), as Triton's kernel's are.
 
-Query row ``r`` of a group is (head ``r // T``, token ``r % T``); token t sits at position ``t
+Query row ``r`` of a group is (token ``r // G``, head ``r % G``), as the query lies in memory:
+Q's tile is loaded from the caller's [B, T, N, H] (a copy per token, at 16 heads) and the
+result is [B, T, N, Dv] with no transpose on either side at MQA. Token t sits at position ``t
 + diagonal`` and sees keys below ``kv_len`` and (with a causal band, ``right`` its offset) up
 to ``t + diagonal + right``. Blocks every row sees in full skip the element mask.
 
@@ -101,9 +103,10 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
     return f"head dims {MIN_HEAD_DIM} to {MAX_HEAD_DIM} in multiples of 64, got {h}"
   if hv % 128 or hv > h:
     return f"value head dims in multiples of 128 up to the query's, got {hv}"
-  rows = group_rows(inputs)
-  if rows % 8 or (rows > ROWS and rows % ROWS):
-    return f"G·T = {rows} rows (a multiple of 8, and of {ROWS} above it)"
+  group = q.shape[2] // inputs.key.shape[2]
+  if group % 8 or (group * q.shape[1] > ROWS and group % ROWS):
+    return (f"G = {group} query heads a K/V head (a multiple of 8, and of {ROWS} where G·T is "
+            f"above {ROWS})")
   if inputs.key.shape[1] % 8:
     return f"a cache of {inputs.key.shape[1]} rows (TMA copies whole 8-row tiles)"
   if params.window.left is not None:
@@ -142,13 +145,13 @@ def used_splits(blocks: int, splits: int) -> int:
   return pl.cdiv(blocks, pl.cdiv(blocks, max(1, min(splits, blocks))))
 
 
-def _row_stops(rb, bounds, t: int, right):
-  """Per query row of row block ``rb`` (in the wgmma layout's rows): whether it is a row of the
-  call (a row of the group, a token before the query length) and the key it sees up to
-  (exclusive)."""
+def _row_stops(rb, bounds, group: int, right):
+  """Per query row of row block ``rb`` (in the wgmma layout's rows; ``group`` query heads a
+  token): whether it is a row of the call (a row of the group, a token before the query
+  length) and the key it sees up to (exclusive)."""
   q_len, kv_len, diagonal = bounds
   rows = rb * ROWS + plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=fwd._ROWS)
-  token = lax.rem(rows, jnp.int32(t))
+  token = lax.div(rows, jnp.int32(group))
   stop = jnp.broadcast_to(kv_len, token.shape)
   if right is not None:
     stop = jnp.clip(token + diagonal + (right + 1), 0, kv_len)
@@ -167,7 +170,7 @@ def _key_range(bounds, t: int, right):
 
 def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref, q_union,
             k_smem, p_smem, row_smem, q_ready, k_ready, k_free, p_ready, p_free, *,
-            params: Params, t: int, rows_used: int, kv_heads: int, splits: int,
+            params: Params, t: int, group: int, kv_heads: int, splits: int,
             page_size: int | None, value_dim: int, stages: int):
   q_smem, o_stages = q_union
   wg = lax.axis_index("wg")
@@ -185,6 +188,7 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
   count = hi - lo
   # Blocks [lo, mid) every row sees in full; [mid, hi) take the element mask.
   mid = jnp.clip(full_blocks, lo, hi)
+  rows_used = group * t
   q_rows = min(ROWS, rows_used)  # (fewer than a tile: the rest of Q's tile is never read out)
   half = value_dim // 2
   piece = min(128, half)  # O's columns per store through a staging tile
@@ -213,9 +217,16 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
   @pl.when(wg == 0)
   def _scores():
     plgpu.set_max_registers(REGISTERS, action="increase")
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, kv_head, pl.ds(rb * q_rows, q_rows)],
-                            q_smem.at[pl.ds(0, q_rows)], q_ready)
-    rows, row_ok, stop = _row_stops(rb, bounds, t, right)
+    if group >= ROWS:  # one token's heads: a run of them
+      token, first_head = lax.div(rb * ROWS, jnp.int32(group)), lax.rem(rb * ROWS,
+                                                                         jnp.int32(group))
+      plgpu.copy_gmem_to_smem(
+          q_ref.at[batch, token, pl.ds(kv_head * group + first_head, ROWS)], q_smem, q_ready)
+    else:  # every token's heads, a copy each, all on the one barrier
+      for token in range(t):
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, token, pl.ds(kv_head * group, group)],
+                                q_smem.at[pl.ds(token * group, group)], q_ready)
+    rows, row_ok, stop = _row_stops(rb, bounds, group, right)
     soft_cap = params.logits_soft_cap
     # The row max is taken of unscaled values and scaled once: x c - m is one multiply-add.
     c = (_core.LOG2_E if soft_cap is not None else params.scale * _core.LOG2_E)
@@ -347,8 +358,6 @@ def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None)
   kv_heads, hv = inputs.key.shape[2], inputs.value.shape[-1]
   g = n // kv_heads
   rows_used = g * t
-  # Query rows (head g, token t) of each K/V head: [B, K, G·T, H] (at T = 1 a free reshape).
-  qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)
   if pages is None:
     cache, table, page_size = inputs.key, None, None
   else:
@@ -366,13 +375,14 @@ def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None)
       fwd._smem_tile((stages, BLOCK_K, h), cache.dtype),
       fwd._smem_tile((ROWS, BLOCK_K), q.dtype),  # P
       plgpu.SMEM((2, ROWS), jnp.float32),  # the rows' rescale (then factor), and their LSE
-      plgpu.Barrier(num_barriers=1),  # q_ready
+      # q_ready: each of Q's copies (one per token below 64 rows) arrives on it
+      plgpu.Barrier(num_arrivals=1 if g >= ROWS else t, num_barriers=1),
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # k_free: both consumers read a slot
       plgpu.Barrier(num_barriers=1),  # p_ready
       plgpu.Barrier(num_barriers=1),  # p_free
   )
-  kernel = functools.partial(_kernel, params=params, t=t, rows_used=rows_used,
+  kernel = functools.partial(_kernel, params=params, t=t, group=g,
                              kv_heads=kv_heads, splits=splits, page_size=page_size,
                              value_dim=hv, stages=stages)
   outs, lse2 = plgpu.kernel(
@@ -391,6 +401,7 @@ def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None)
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
                                            reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if params.interpret else None,
-  )(qg, cache, inputs.lengths, inputs.offsets, table)
-  out, lse2 = merge.group_rows_as_heads(*merge.merge_splits(outs, lse2), t, inputs.sinks)
+  )(q, cache, inputs.lengths, inputs.offsets, table)
+  out, lse2 = merge.group_rows_as_heads(*merge.merge_splits(outs, lse2), t, inputs.sinks,
+                                        token_major=True)
   return out.astype(q.dtype), lse2
