@@ -162,10 +162,10 @@ def plot_decode(result: dict, stem) -> Path:
     for j, impl in enumerate(impls):
       for x, cell in enumerate(cells):
         found = [r for r in mine if r["impl"] == impl and (r["B"], r["S"]) == cell]
-        if found:
-          ax.bar(x - 0.4 + (j + 0.5) * width, found[0]["tb_s"], width, color=colour[impl])
+        if found:  # (a joined file's rows run oldest first: its latest run's)
+          ax.bar(x - 0.4 + (j + 0.5) * width, found[-1]["tb_s"], width, color=colour[impl])
     for x, cell in enumerate(cells):
-      copy = [r["copy_tb_s"] for r in mine if (r["B"], r["S"]) == cell][0]
+      copy = [r["copy_tb_s"] for r in mine if (r["B"], r["S"]) == cell][-1]
       ax.plot([x - 0.45, x + 0.45], [copy, copy], color="black", lw=1.5)
     ax.set_xticks(range(len(cells)), [f"B={b} S={_seq_label(s)}" for b, s in cells])
     ax.set_ylabel("TB/s of K, V read")
