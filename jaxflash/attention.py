@@ -464,8 +464,11 @@ def decode_attention(
   On the Triton backend (taken first when ``implementation`` is None and an NVIDIA GPU is
   there) the forward is a split-KV kernel: programs over (split of the cache, batch row, K/V
   head), each reading its K/V bytes once for all the query heads of the group, merged through
-  the LSE (`jaxflash.backends.triton.decode`). The other backends run their training forward on
-  the band, on a paged cache gathered into rows. The backward is always the training backward.
+  the LSE (`jaxflash.backends.triton.decode`). Absorbed MLA's latent cache (``value_cache=None``,
+  heads of 576/512) runs on a Hopper GPU in a Mosaic GPU kernel of FlashMLA's design when Mosaic
+  is among the backends asked for (`jaxflash.backends.mosaic.decode`). The other backends run
+  their training forward on the band, on a paged cache gathered into rows. The backward is
+  always the training backward.
 
   Args:
     query: [B, T, N, H], the new tokens (T small: 1 when generating).

@@ -4,7 +4,10 @@
 - `forward.py`: the warp-specialised forward (TMA producer, two ping-ponging wgmma consumers);
 - `backward.py`: the warp-specialised dK/dV and dQ kernels (deterministic by default); calls
   they do not serve (biases, partial results above head dim 128 or with a value head dim of
-  their own) run the Triton backward on the Mosaic forward's LSE.
+  their own) run the Triton backward on the Mosaic forward's LSE;
+- `decode.py`: the split-KV decoding forward of absorbed MLA's latent cache (heads of 576/512,
+  FlashMLA's design), which `jaxflash.ops.decode.split_kv_path` pairs with the XLA backend's
+  backward; not a backend of its own.
 
 What the forward does not do (float32; partial results at D = 256) is declared here, so
 ``implementation=None`` moves on to the next backend for such calls and
