@@ -346,13 +346,14 @@ def _tune(base: dict, make_fn, args, want, cfg: dict) -> list:
                   _split_candidates if cfg.get("tune_splits") else _tune_candidates)
     for fields in candidates(cell, sm_count(devices.current().kind)):
       if cfg.get("candidates"):  # given fields change the shipped config, and nothing else
-        kernel.default_config = lambda inputs, training, device, f=fields, **kw: (
+        # (of the kernel the call routes to: each takes the fields that are its own)
+        own = lambda config_type, f=fields: {  # noqa: E731
+            k: v for k, v in f.items() if k in {x.name for x in dataclasses.fields(config_type)}}
+        kernel.default_config = lambda inputs, training, device, f=own(kernel.DecodeConfig), **kw: (
             dataclasses.replace(shipped(inputs, training, device, **kw), **f))
-        # (and the Mosaic GPU kernel's, where the call routes there and the fields are its)
-        own = {k: v for k, v in fields.items()
-               if k in {f.name for f in dataclasses.fields(mosaic_kernel.MlaDecodeConfig)}}
-        mosaic_kernel.default_config = lambda inputs, training, device, f=own, **kw: (
-            dataclasses.replace(mosaic_shipped(inputs, training, device, **kw), **f))
+        mosaic_kernel.default_config = lambda inputs, training, device, f=own(
+            mosaic_kernel.MlaDecodeConfig), **kw: dataclasses.replace(
+                mosaic_shipped(inputs, training, device, **kw), **f)
       else:
         kernel.default_config = lambda inputs, training, device, f=fields, **kw: (
             kernel.DecodeConfig(training=training, **f))
