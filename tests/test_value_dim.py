@@ -755,17 +755,11 @@ def _mosaic_mla(monkeypatch) -> list:
     (3, 3, 512, 16, 320, 256, 128, {}),  # 48 rows, two blocks a page, a row shorter than T
     (2, 2, 96, 16, 576, 512, None, dict(logits_soft_cap=3.0, sinks=True)),
 ])
-@pytest.mark.parametrize("overlap", [False, True])
-def test_mosaic_decode_mla(b, t, s, n, h, hv, page_size, options, overlap, monkeypatch):
+def test_mosaic_decode_mla(b, t, s, n, h, hv, page_size, options, monkeypatch):
   """The Mosaic GPU kernel of absorbed MLA's latent cache (interpreted), bf16, against the
   float32 reference: ragged rows (one holding fewer tokens than T), pages, a soft cap and
-  sinks; gradients through the XLA backend's backward, the sinks' too; the scores' consumer
-  in series and with the overlap (`MlaDecodeConfig.overlap`). A test of the kernel's masking:
-  rows past a length or a token's own position must see nothing there."""
-  from jaxflash.backends.mosaic import decode
-  shipped = decode.default_config
-  monkeypatch.setattr(decode, "default_config", lambda *a, **kw: dataclasses.replace(
-      shipped(*a, **kw), overlap=overlap))
+  sinks; gradients through the XLA backend's backward, the sinks' too. A test of the
+  kernel's masking: rows past a length or a token's own position must see nothing there."""
   ran = _mosaic_mla(monkeypatch)
   q, latent, _, d_out = _qkv(16, b, t, s, n, 1, h, hv, dtype=jnp.bfloat16)
   lengths = jnp.array([s, s // 2 + 3, t - 1][:b], jnp.int32)
@@ -847,19 +841,14 @@ def test_mosaic_decode_mla_launch(b, s, n, want):
   assert config.splits == want and config.num_stages == 2
 
 
-def test_mosaic_decode_mla_lowers_for_cuda(cuda_plugin, monkeypatch):
+def test_mosaic_decode_mla_lowers_for_cuda(cuda_plugin):
   """On a Hopper GPU latent-cache calls take the Mosaic GPU kernel, which lowers for CUDA
-  (contiguous and on 64-key pages, 16 and 128 heads, with and without the overlap); a value
-  cache of its own, or ``implementation`` without Mosaic, keeps Triton's kernel."""
+  (contiguous and on 64-key pages, 16 and 128 heads); a value cache of its own, or
+  ``implementation`` without Mosaic, keeps Triton's kernel."""
   del cuda_plugin
-  from jaxflash.backends.mosaic import decode
-  shipped = decode.default_config
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
   table = jax.ShapeDtypeStruct((2, 4), jnp.int32)
-  for n, t, paged, overlap in ((16, 1, False, False), (128, 2, True, False),
-                               (16, 2, True, True)):
-    monkeypatch.setattr(decode, "default_config", lambda *a, overlap=overlap, **kw: (
-        dataclasses.replace(shipped(*a, **kw), overlap=overlap)))
+  for n, t, paged in ((16, 1, False), (128, 2, True), (16, 2, True)):
     q = jax.ShapeDtypeStruct((2, t, n, 576), jnp.bfloat16)
     cache = jax.ShapeDtypeStruct((9, 64, 1, 576) if paged else (2, 4096, 1, 576), jnp.bfloat16)
     text = lower_for_cuda(lambda q, c, tb, ln: jaxflash.decode_attention(

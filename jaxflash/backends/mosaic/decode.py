@@ -75,9 +75,6 @@ class MlaDecodeConfig:
 
   splits: int
   num_stages: int = 2
-  # FlashAttention-3's intra-warpgroup overlap in the consumer that forms the scores: the next
-  # block's S issued before this block's P V is done (see `_kernel`).
-  overlap: bool = False
   training: Any = None
 
   def __post_init__(self):
@@ -175,7 +172,7 @@ def _key_range(bounds, t: int, right):
 def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref, q_union,
             k_smem, p_smem, row_smem, q_ready, k_ready, k_free, p_ready, p_free, *,
             params: Params, t: int, group: int, kv_heads: int, splits: int,
-            page_size: int | None, value_dim: int, stages: int, overlap: bool):
+            page_size: int | None, value_dim: int, stages: int):
   q_smem, o_stages = q_union
   wg = lax.axis_index("wg")
   bk, split, rb = lax.axis_index("bk"), lax.axis_index("split"), lax.axis_index("rb")
@@ -238,13 +235,11 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
     plgpu.barrier_wait(q_ready)
     rescale, lse_rows = row_smem.at[0], row_smem.at[1]
 
-    def scores(slot, also=None):
-      """S = Q K_slotᵀ; with ``also`` (another product issued behind it) waits for S alone."""
+    def scores(slot):
+      """S = Q K_slotᵀ, waited for."""
       def qk(s_ref):
         plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
-        if also is not None:
-          also()
-        return plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if also is None else 1)
+        return plgpu.wgmma_accumulator_load(s_ref)
 
       return pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
 
@@ -292,58 +287,12 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
       plgpu.barrier_arrive(k_free.at[slot])
       return acc, m, l
 
-    # With `MlaDecodeConfig.overlap` (FlashAttention-3's intra-warpgroup overlap): visit n issues
-    # S_n and then P_{n-1} V_{n-1}, and runs block n's softmax while that product is in flight;
-    # O is rescaled, and P_n rounded, once it is done (writing either earlier would serialise
-    # the wgmmas). The first visit only computes scores; the last P V follows the loop.
-    def first(n, j, carry, masked: bool):
-      acc, m, l, _ = carry
-      slot = slot_of(n)
-      plgpu.barrier_wait(k_ready.at[slot])
-      p, m, l, alpha = softmax(j, scores(slot), m, l, masked)
-      p16 = p.astype(q_smem.dtype)
-      hand_off(n, p16, alpha)
-      return acc, m, l, p16
-
-    def overlapped(n, j, carry, masked: bool):
-      acc, m, l, p_prev = carry
-      slot, prev = slot_of(n), slot_of(n - 1)
-      plgpu.barrier_wait(k_ready.at[slot])
-      if params.interpret:
-        acc = add_pv(acc, p_prev, prev)
-        p, m, l, alpha = softmax(j, scores(slot), m, l, masked)
-      else:
-        def block(refs):
-          acc_ref, p_ref, m_ref, l_ref, alpha_ref = refs
-          x = scores(slot, also=lambda: plgpu.wgmma(acc_ref, p_prev, values(prev, 0)))
-          p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(j, x, m, l, masked)
-
-        acc, p, m, l, alpha = pl.run_state(block)(
-            (plgpu.ACC.init(acc), jnp.zeros_like(p_prev, jnp.float32), m, l, m))
-      plgpu.barrier_arrive(k_free.at[prev])
-      p16 = p.astype(q_smem.dtype)
-      hand_off(n, p16, alpha)
-      return acc * fwd._rows(alpha, acc.shape), m, l, p16
-
     # The visits: blocks [lo, mid) every row sees in full, then [mid, hi) with the mask.
     spans = (Span(False, mid - lo, lambda i: lo + i), Span(True, hi - mid, lambda i: mid + i))
     init = (plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA),
             plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), fwd._ROWS),
             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), fwd._ROWS))
-    if overlap:
-      p_init = plgpu.layout_cast(jnp.zeros(shape, q_smem.dtype), plgpu.Layout.WGMMA)
-      carry = walk(spans, first, init + (p_init,), count=1)
-      carry = walk(spans, overlapped, carry, skip=1)
-
-      def last(n, carry):  # (a loop of one visit, or none)
-        acc, m, l, p_last = carry
-        acc = add_pv(acc, p_last, slot_of(n))
-        plgpu.barrier_arrive(k_free.at[slot_of(n)])
-        return acc, m, l, p_last
-
-      acc, m, l, _ = lax.fori_loop(jnp.maximum(count - 1, 0), count, last, carry)
-    else:
-      acc, m, l = walk(spans, step, init)
+    acc, m, l = walk(spans, step, init)
 
     seen = jnp.logical_and(jnp.logical_and(rows < rows_used, row_ok), l != 0.0)
     safe_l = jnp.where(seen, l, 1.0)
@@ -446,7 +395,7 @@ def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None)
   )
   kernel = functools.partial(_kernel, params=params, t=t, group=g,
                              kv_heads=kv_heads, splits=splits, page_size=page_size,
-                             value_dim=hv, stages=stages, overlap=config.overlap)
+                             value_dim=hv, stages=stages)
   outs, lse2 = plgpu.kernel(
       kernel,
       out_type=(_core.out_struct((b, kv_heads, splits, rows_used, hv), jnp.float32, q),
