@@ -209,6 +209,11 @@ device_description_str: "{H100_KIND}"
 """
 
 
+# Absorbed MLA's decoding on the latent cache (the Mosaic GPU kernel of
+# `jaxflash.backends.mosaic.decode`): name -> (query heads, new tokens), B = 32, 8k, 576/512.
+DECODE_CONFIGS = {"decode_mla_16": (16, 1), "decode_mla_128": (128, 1)}
+
+
 def aot_mesh():
   """A one-device mesh of a compile-only H100 (no GPU needed: the CUDA plugin compiles for it
   from `H100_TARGET`)."""
@@ -224,6 +229,8 @@ def compile_one(name: str, aot: bool) -> None:
   from jaxflash.attention import attention_with_config
   from jaxflash.backends import mosaic
 
+  if name in DECODE_CONFIGS:
+    return compile_decode(name, aot)
   probe = CONFIGS[name]
   fields = dict(probe.fields)
   if "backward" in fields:
@@ -264,6 +271,35 @@ def compile_one(name: str, aot: bool) -> None:
     jax.block_until_ready(jax.jit(fn)(*args))
 
 
+def compile_decode(name: str, aot: bool) -> None:
+  """A `DECODE_CONFIGS` call: ``decode_attention`` on a latent cache."""
+  import jax
+  import jax.numpy as jnp
+  import jaxflash
+
+  heads, tokens = DECODE_CONFIGS[name]
+  sharding = None
+  if aot:
+    from jax.sharding import NamedSharding, PartitionSpec
+    sharding = NamedSharding(aot_mesh(), PartitionSpec())
+  q = jax.ShapeDtypeStruct((32, tokens, heads, 576), jnp.bfloat16, sharding=sharding)
+  latent = jax.ShapeDtypeStruct((32, 8192, 1, 576), jnp.bfloat16, sharding=sharding)
+  lengths = jax.ShapeDtypeStruct((32,), jnp.int32)
+
+  def attend(q, latent, lengths):
+    return jaxflash.decode_attention(q, latent, None, lengths, value_head_dim=512)
+
+  if aot:
+    device = jax.sharding.AbstractDevice(device_kind=H100_KIND, platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (),
+                                                                  abstract_device=device)):
+      jax.jit(attend).trace(q, latent, lengths).lower(lowering_platforms=("cuda",)).compile()
+  else:
+    args = [jax.random.normal(jax.random.key(i), x.shape, jnp.float32).astype(x.dtype)
+            for i, x in enumerate((q, latent))]
+    jax.block_until_ready(jax.jit(attend)(*args, jnp.full((32,), 8192, jnp.int32)))
+
+
 def summarise(report: str) -> str:
   """Registers, stack frames and spills per kernel, and ptxas's notes."""
   kernels = re.split(r"Compiling entry function '", report)[1:]
@@ -284,7 +320,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", required=True)
   parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: compile this config
-  parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+  parser.add_argument("--configs", nargs="+", default=list(CONFIGS),
+                      choices=list(CONFIGS) + list(DECODE_CONFIGS))
   parser.add_argument("--dumps", default="/tmp/ptxas_probe_dumps")
   parser.add_argument("--ptx", nargs="*", default=[], help="configs whose PTX to keep")
   parser.add_argument("--sass", nargs="*", default=[],
