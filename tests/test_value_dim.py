@@ -864,3 +864,34 @@ def test_mosaic_decode_mla_lowers_for_cuda(cuda_plugin):
   text = lower_for_cuda(lambda q, c, v, ln: jaxflash.decode_attention(q, c, v, ln),
                         q, cache, values, lengths)
   assert "jaxflash_decode_split_kv" in text and "jaxflash_mosaic_decode_mla" not in text
+
+
+def test_mosaic_decode_mla_lowers_with_x64_and_strict_rank_promotion(cuda_plugin):
+  """int64 lengths and a page table under jax_enable_x64, no implicit rank promotion: the
+  Mosaic GPU kernel of the latent cache mixes no int32 and int64 and broadcasts no ranks (it
+  lowers for CUDA; Mosaic GPU's interpreter cannot run under x64, `test_x64_numerics`)."""
+  del cuda_plugin
+  with jax.enable_x64(True), jax.numpy_rank_promotion("raise"):
+    q = jax.ShapeDtypeStruct((2, 2, 16, 576), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((9, 64, 1, 576), jnp.bfloat16)
+    text = lower_for_cuda(lambda q, p, tb, ln: jaxflash.decode_attention(
+        q, p, None, ln, value_head_dim=512, page_table=tb, logits_soft_cap=30.0), q, pages,
+        jax.ShapeDtypeStruct((2, 4), jnp.int64), jax.ShapeDtypeStruct((2,), jnp.int64))
+  assert "jaxflash_mosaic_decode_mla" in text
+
+
+@pytest.mark.gpu
+def test_mosaic_decode_mla_x64_on_gpu(monkeypatch):
+  """The same compiled on a Hopper GPU under jax_enable_x64: as without it."""
+  if not mosaic.is_hopper(devices.current()):
+    pytest.skip("needs a Hopper GPU")
+  ran = _spy_split_kv(monkeypatch, "mosaic")
+  q, latent, _, _ = _qkv(19, 2, 2, 128, 16, 1, 576, 512, dtype=jnp.bfloat16)
+  cache, table = _pages(latent, 64, 8)
+  want = _decode_reference(*(x.astype(F32) for x in (q, latent, latent[..., :512])),
+                           jnp.array([128, 70], jnp.int32))
+  with jax.enable_x64(True), jax.numpy_rank_promotion("raise"):
+    got = jaxflash.decode_attention(q, cache, None, jnp.array([128, 70], jnp.int64),
+                                    value_head_dim=512, page_table=table.astype(jnp.int64))
+  assert ran
+  assert rel_err(got.astype(F32), want) <= 1e-2

@@ -183,7 +183,8 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
   bounds = (lengths_ref[batch, 0], lengths_ref[batch, 1], diagonal)
   right = params.window.right
   full_key, end_key = _key_range(bounds, t, right)
-  blocks, full_blocks = pl.cdiv(end_key, BLOCK_K), lax.div(full_key, jnp.int32(BLOCK_K))
+  block_k = jnp.int32(BLOCK_K)  # (int32 under jax_enable_x64 too)
+  blocks, full_blocks = pl.cdiv(end_key, block_k), lax.div(full_key, block_k)
   per = pl.cdiv(blocks, jnp.int32(splits))
   lo = split * per
   hi = jnp.maximum(jnp.minimum(lo + per, blocks), lo)
