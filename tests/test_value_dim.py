@@ -753,6 +753,7 @@ def _mosaic_mla(monkeypatch) -> list:
     (2, 1, 200, 16, 576, 512, None, {}),  # 16 of 64 rows, 4 splits, a partial last block
     (2, 2, 128, 128, 576, 512, 64, {}),  # two row blocks of 64, 64-key pages
     (3, 3, 512, 16, 320, 256, 128, {}),  # 48 rows, two blocks a page, a row shorter than T
+    (2, 1, 128, 8, 448, 384, None, {}),  # O's halves in three pieces of 64 columns
     (2, 2, 96, 16, 576, 512, None, dict(logits_soft_cap=3.0, sinks=True)),
 ])
 def test_mosaic_decode_mla(b, t, s, n, h, hv, page_size, options, monkeypatch):

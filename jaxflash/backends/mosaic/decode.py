@@ -24,7 +24,7 @@ The values are the first Dv columns of the key tile already in shared memory: ea
 bytes are read once for both products. No consumer holds more than a [64, Dv/2] float32
 accumulator (128 registers a thread at Dv = 512). O leaves as float32 partial results (and
 base-2 LSEs, -inf where a split sees no key) through the Q tile's memory, and the splits are
-merged through the LSE (`jaxflash.merge.split_kv_result`), as Triton's kernel's are.
+merged through the LSE (`jaxflash.merge.merge_splits`), as Triton's kernel's are.
 
 Query row ``r`` of a group is (token ``r // G``, head ``r % G``), as the query lies in memory:
 Q's tile is loaded from the caller's [B, T, N, H] (a copy per token, at 16 heads) and the
@@ -51,7 +51,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 
 from jaxflash import _core
-from jaxflash import fp8
 from jaxflash import merge
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.mosaic import backward as bwd
@@ -99,7 +98,7 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
   h, hv = q.shape[-1], inputs.value.shape[-1]
   if not params.values_in_keys:
     return "a value cache of its own (it reads the values from a latent cache's key tiles)"
-  if q.dtype not in (jnp.bfloat16, jnp.float16) or fp8.is_fp8(q.dtype):
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
     return f"bfloat16 and float16 only, got {q.dtype}"
   if not MIN_HEAD_DIM <= h <= MAX_HEAD_DIM or h % 64:
     return f"head dims {MIN_HEAD_DIM} to {MAX_HEAD_DIM} in multiples of 64, got {h}"
@@ -145,6 +144,12 @@ def used_splits(blocks: int, splits: int) -> int:
   """The splits a row of ``blocks`` key blocks really has when asked for ``splits``: each
   takes ceil(blocks / splits), so none is left without one."""
   return pl.cdiv(blocks, pl.cdiv(blocks, max(1, min(splits, blocks))))
+
+
+def _store_piece(value_dim: int) -> int:
+  """O's columns per store through a consumer's staging tile: 128, or 64 where a consumer's
+  half of Dv is not a multiple of 128 (Dv 128 and 384)."""
+  return 128 if (value_dim // 2) % 128 == 0 else 64
 
 
 def _row_stops(rb, bounds, group: int, right):
@@ -194,7 +199,7 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
   rows_used = group * t
   q_rows = min(ROWS, rows_used)  # (fewer than a tile: the rest of Q's tile is never read out)
   half = value_dim // 2
-  piece = min(128, half)  # O's columns per store through a staging tile
+  piece = _store_piece(value_dim)
 
   def slot_of(n):
     return lax.rem(n, jnp.int32(stages))
@@ -386,8 +391,8 @@ def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None)
   stages = config.num_stages
   row_blocks = pl.cdiv(rows_used, ROWS)
   q_tile = fwd._smem_tile((1, ROWS, h), q.dtype)
-  # O leaves through Q's memory, a [ROWS, 128] float32 staging tile per consumer.
-  piece = min(128, hv // 2)
+  # O leaves through Q's memory, a [ROWS, piece] float32 staging tile per consumer.
+  piece = _store_piece(hv)
   o_stages = fwd._smem_tile((2, ROWS, piece), jnp.float32, min(128, piece * 4))
   scratch = (
       plgpu.RefUnion(q_tile, o_stages),
