@@ -347,10 +347,13 @@ def _tune(base: dict, make_fn, args, want, cfg: dict) -> list:
     for fields in candidates(cell, sm_count(devices.current().kind)):
       if cfg.get("candidates"):  # given fields change the shipped config, and nothing else
         # (of the kernel the call routes to: each takes the fields that are its own)
-        own = lambda config_type, f=fields: {  # noqa: E731
-            k: v for k, v in f.items() if k in {x.name for x in dataclasses.fields(config_type)}}
-        kernel.default_config = lambda inputs, training, device, f=own(kernel.DecodeConfig), **kw: (
-            dataclasses.replace(shipped(inputs, training, device, **kw), **f))
+        def own(config_type, f=fields) -> dict:
+          names = {x.name for x in dataclasses.fields(config_type)}
+          return {k: v for k, v in f.items() if k in names}
+
+        kernel.default_config = lambda inputs, training, device, f=own(
+            kernel.DecodeConfig), **kw: dataclasses.replace(
+                shipped(inputs, training, device, **kw), **f)
         mosaic_kernel.default_config = lambda inputs, training, device, f=own(
             mosaic_kernel.MlaDecodeConfig), **kw: dataclasses.replace(
                 mosaic_shipped(inputs, training, device, **kw), **f)

@@ -762,6 +762,7 @@ def test_mosaic_decode_mla(b, t, s, n, h, hv, page_size, options, monkeypatch):
   sinks; gradients through the XLA backend's backward, the sinks' too. A test of the
   kernel's masking: rows past a length or a token's own position must see nothing there."""
   ran = _mosaic_mla(monkeypatch)
+  options = dict(options)  # (the parameter's own dict stays as it is)
   q, latent, _, d_out = _qkv(16, b, t, s, n, 1, h, hv, dtype=jnp.bfloat16)
   lengths = jnp.array([s, s // 2 + 3, t - 1][:b], jnp.int32)
   cache, table = _pages(latent, page_size, 6) if page_size else (latent, None)
