@@ -283,7 +283,7 @@ def _split_candidates(row: dict, sm_count: int):
   counts for 0.5 to 8 programs per SM (`SPLIT_SWEEP_PER_SM`): how the split count's wave
   quantization moves a cell, with nothing else changed."""
   from jax.experimental import pallas as pl
-  from jaxflash.backends.triton.decode import used_splits
+  from jaxflash.schedule import used_splits
   blocks = pl.cdiv(row["S"], 64)  # (on either layout: a paged cache's blocks are 64 keys too)
   seen = set()
   for per_sm in SPLIT_SWEEP_PER_SM:  # (2: the rule shipped before `wave_splits`)

@@ -16,7 +16,8 @@ the lengths at the kernel's block sizes and lists, per query block, the partial 
 blocks to visit (or, transposed, per key block its query blocks); the same visit methods then
 walk the lists. Either way a walk is a few `Span`s, each a run of visits that are all masked or
 all unmasked: kernels pass a body and a carry and never see how the blocks were chosen, and
-kernels that stream tiles through a ring count visits with `walk`'s ordinal.
+kernels that stream tiles through a ring count visits with `walk`'s ordinal. Split-KV decoding
+shares a row's key blocks out over several programs (`used_splits`, `split_range`).
 
 The range helpers below take query rows already shifted into the keys' frame (``row + q_offset -
 kv_offset``, see `masking.Positions.diagonal`); they accept Python ints (and then return Python
@@ -415,3 +416,27 @@ class Schedule:
       return body(lax.div(n, count), lo + lax.rem(n, count), c)
 
     return lax.fori_loop(0, repeat * count, step, carry)
+
+
+# Split-KV decoding (`jaxflash.backends.triton.decode`, `jaxflash.backends.mosaic.decode`): a
+# row's key blocks shared out over ``splits`` programs.
+
+
+def used_splits(blocks: int, splits: int) -> int:
+  """The splits a grid of ``blocks`` key blocks really has when asked for ``splits``: each takes
+  ceil(blocks / splits) blocks, so none is left without one."""
+  per = -(-blocks // max(1, min(splits, blocks)))
+  return -(-blocks // per)
+
+
+def split_range(split, splits: int, first, last):
+  """Key blocks ``[lo, hi)`` of split ``split`` of ``splits``: the row's blocks ``[first,
+  last)`` (those its lengths and window leave), shared out in runs of equal length (the last
+  run shorter, runs past the end empty). Sharing out the row's own blocks, not the cache's,
+  keeps every split busy when the cache is partly filled or a window sees a part of it: cut
+  by the cache's length, a cache a tenth full left one split of ten all the work."""
+  span = jnp.maximum(last - first, 0)
+  count = jnp.asarray(splits, span.dtype)  # (the row's int32 under jax_enable_x64 too)
+  per = lax.div(span + (count - 1), count)
+  lo = first + split * per
+  return lo, jnp.maximum(jnp.minimum(lo + per, last), lo)

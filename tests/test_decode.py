@@ -598,7 +598,7 @@ def test_splits_share_out_the_rows_own_blocks(first, last, splits):
   """`split_range` gives the splits runs that tile the row's blocks [first, last) exactly, in
   order, none longer than ceil(blocks / splits): a cache a tenth full (51 of 512 blocks) keeps
   every split busy instead of leaving the work to the first."""
-  from jaxflash.backends.triton.decode import split_range
+  from jaxflash.schedule import split_range
   ranges = [tuple(int(x) for x in split_range(jnp.int32(i), splits, jnp.int32(first),
                                               jnp.int32(last))) for i in range(splits)]
   covered = [j for lo, hi in ranges for j in range(lo, hi)]
@@ -656,7 +656,8 @@ def test_wave_splits(blocks, rows, want):
   """The split count spreads programs evenly over an H200's 132 SMs (2 to 4 per SM), leaves no
   split without a key block, and spreads them at least as evenly as two per SM rounded up."""
   from jax.experimental import pallas as pl
-  from jaxflash.backends.triton.decode import used_splits, wave_splits
+  from jaxflash.backends.triton.decode import wave_splits
+  from jaxflash.schedule import used_splits
   splits = wave_splits(blocks, rows, 132)
   assert splits == want
   assert pl.cdiv(blocks, pl.cdiv(blocks, splits)) == splits <= blocks

@@ -75,9 +75,9 @@ class SplitKV:
 
   @property
   def interpreter_partitions(self) -> bool:
-    # (Mosaic GPU's interpreter runs only on the whole call: `jaxflash.backends.base.Backend`.)
-    return (self.training.interpreter_partitions
-            and getattr(self.kernel(), "INTERPRETER_PARTITIONS", True))
+    # (Each kernel module says whether its interpreter runs per device: Mosaic GPU's runs only
+    # on the whole call, `jaxflash.backends.base.Backend`.)
+    return self.training.interpreter_partitions and self.kernel().INTERPRETER_PARTITIONS
 
   def kernel(self):
     return importlib.import_module(self.module)

@@ -51,13 +51,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 
 from jaxflash import _core
+from jaxflash import masking
 from jaxflash import merge
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.mosaic import backward as bwd
 from jaxflash.backends.mosaic import forward as fwd
 from jaxflash.backends.mosaic.config import producer_registers, sm_count
 from jaxflash.devices import Device
-from jaxflash.schedule import Span, walk
+from jaxflash.schedule import Span, split_range, used_splits, walk
 
 ROWS = 64  # query rows of a CTA: the M of a wgmma tile (a group's G·T rows, padded)
 BLOCK_K = 64  # keys a block: P is [64, 64], one 128-byte swizzled row of 16-bit keys each
@@ -82,12 +83,6 @@ class MlaDecodeConfig:
       raise ValueError(f"splits must be at least 1, got {self.splits}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be at least 2, got {self.num_stages}")
-
-
-def group_rows(inputs: Inputs) -> int:
-  """G·T: the query rows that share a K/V head."""
-  t, n = inputs.query.shape[1:3]
-  return t * n // inputs.key.shape[2]
 
 
 def unsupported(inputs: Inputs, params: Params) -> str | None:
@@ -134,16 +129,11 @@ def default_config(inputs: Inputs, training, device: Device, page_size: int | No
   that bring the (batch row, K/V head, row block) groups closest to the SM count."""
   del page_size, values_in_keys
   b, s, kv_heads = inputs.key.shape[:3]
-  groups = b * kv_heads * pl.cdiv(group_rows(inputs), ROWS)
+  t, n = inputs.query.shape[1:3]
+  groups = b * kv_heads * pl.cdiv(t * n // kv_heads, ROWS)  # (row blocks of G·T rows each)
   blocks = pl.cdiv(s, BLOCK_K)
   splits = max(1, round(sm_count(device.kind) / groups))
   return MlaDecodeConfig(splits=used_splits(blocks, splits), training=training)
-
-
-def used_splits(blocks: int, splits: int) -> int:
-  """The splits a row of ``blocks`` key blocks really has when asked for ``splits``: each
-  takes ceil(blocks / splits), so none is left without one."""
-  return pl.cdiv(blocks, pl.cdiv(blocks, max(1, min(splits, blocks))))
 
 
 def _store_piece(value_dim: int) -> int:
@@ -152,27 +142,28 @@ def _store_piece(value_dim: int) -> int:
   return 128 if (value_dim // 2) % 128 == 0 else 64
 
 
-def _row_stops(rb, bounds, group: int, right):
+def _key_stop(token, bounds, window):
+  """The key past the last that query token ``token`` sees (the band's right side and the key
+  length, `masking.key_range`; the left side is unbounded here), at least 0."""
+  _, kv_len, diagonal = bounds
+  _, last = masking.key_range(token, window, diagonal=diagonal, kv_len=kv_len)
+  return jnp.maximum(last + 1, 0)
+
+
+def _row_stops(rb, bounds, group: int, window):
   """Per query row of row block ``rb`` (in the wgmma layout's rows; ``group`` query heads a
   token): whether it is a row of the call (a row of the group, a token before the query
   length) and the key it sees up to (exclusive)."""
-  q_len, kv_len, diagonal = bounds
   rows = rb * ROWS + plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=fwd._ROWS)
   token = lax.div(rows, jnp.int32(group))
-  stop = jnp.broadcast_to(kv_len, token.shape)
-  if right is not None:
-    stop = jnp.clip(token + diagonal + (right + 1), 0, kv_len)
-  return rows, token < q_len, stop
+  return rows, token < bounds[0], jnp.broadcast_to(_key_stop(token, bounds, window), rows.shape)
 
 
-def _key_range(bounds, t: int, right):
-  """``(first key no row sees in full, key past the last any row sees)`` of a group."""
-  q_len, kv_len, diagonal = bounds
-  if right is None:
-    return kv_len, kv_len
-  last_token = jnp.minimum(q_len, t) - 1
-  return (jnp.clip(diagonal + (right + 1), 0, kv_len),
-          jnp.clip(last_token + diagonal + (right + 1), 0, kv_len))
+def _key_range(bounds, t: int, window):
+  """``(first key no row sees in full, key past the last any row sees)`` of a group: the
+  stops of its first token and of its last (before the query length)."""
+  last_token = jnp.minimum(bounds[0], t) - 1
+  return _key_stop(jnp.int32(0), bounds, window), _key_stop(last_token, bounds, window)
 
 
 def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref, q_union,
@@ -186,13 +177,10 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
   diagonal = (jnp.int32(0) if offsets_ref is None
               else offsets_ref[batch, 0] - offsets_ref[batch, 1])
   bounds = (lengths_ref[batch, 0], lengths_ref[batch, 1], diagonal)
-  right = params.window.right
-  full_key, end_key = _key_range(bounds, t, right)
+  full_key, end_key = _key_range(bounds, t, params.window)
   block_k = jnp.int32(BLOCK_K)  # (int32 under jax_enable_x64 too)
   blocks, full_blocks = pl.cdiv(end_key, block_k), lax.div(full_key, block_k)
-  per = pl.cdiv(blocks, jnp.int32(splits))
-  lo = split * per
-  hi = jnp.maximum(jnp.minimum(lo + per, blocks), lo)
+  lo, hi = split_range(split, splits, jnp.int32(0), blocks)
   count = hi - lo
   # Blocks [lo, mid) every row sees in full; [mid, hi) take the element mask.
   mid = jnp.clip(full_blocks, lo, hi)
@@ -236,7 +224,7 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
         plgpu.copy_gmem_to_smem(q_ref.at[batch, token, pl.ds(kv_head * group, group)],
                                 q_tiles.at[0].at[pl.ds(token * group, group)], q_ready)
     zero_smem[0] = jnp.int32(0)
-    rows, row_ok, stop = _row_stops(rb, bounds, group, right)
+    rows, row_ok, stop = _row_stops(rb, bounds, group, params.window)
     soft_cap = params.logits_soft_cap
     # The row max is taken of unscaled values and scaled once: x c - m is one multiply-add.
     c = (_core.LOG2_E if soft_cap is not None else params.scale * _core.LOG2_E)

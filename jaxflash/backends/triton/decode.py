@@ -53,6 +53,7 @@ from jaxflash._core import Inputs, Params
 from jaxflash.backends.triton import tiles
 from jaxflash.backends.triton import MAX_HEAD_DIM
 from jaxflash.backends.triton.config import Config, padded_head_dim
+from jaxflash.schedule import split_range, used_splits
 from jaxflash.devices import Device
 
 MAX_ROWS = 128  # G·T query rows per program: the accumulator is [rows, head dim] in registers
@@ -426,6 +427,7 @@ def buffer_bytes(stages: int, block_k: int, hp: int, itemsize: int) -> int:
 
 WIDE_BLOCK_K = 32  # key blocks at wide heads: 68 KiB of K and V a stage at 576/512 in bf16
 WIDE_PROGRAMS_PER_SM = 2  # (`wide_config`)
+INTERPRETER_PARTITIONS = True  # (its interpreter runs per device: `jaxflash.ops.decode.SplitKV`)
 
 
 def wide_config(inputs: Inputs, training: Config, sm_count: int, page_size: int | None,
@@ -491,12 +493,6 @@ def wave_splits(blocks: int, rows: int, sm_count: int, per_sm: int = 4) -> int:
     if fill > best_fill:
       best_fill, best = fill, splits
   return best
-
-
-def used_splits(blocks: int, splits: int) -> int:
-  """The splits a grid of ``blocks`` key blocks really has when asked for ``splits``: each takes
-  ceil(blocks / splits) blocks, so none is left without one."""
-  return pl.cdiv(blocks, pl.cdiv(blocks, max(1, min(splits, blocks))))
 
 
 def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, o_ref, lse_ref, *,
@@ -643,17 +639,6 @@ def reused_pieces(head_dim: int, value_dim: int) -> list:
     same = span in keys and (head_dim == value_dim or sum(span) <= min(head_dim, value_dim))
     reuse.append(keys.index(span) if same else None)
   return reuse
-
-
-def split_range(split, splits: int, first, last):
-  """Key blocks ``[lo, hi)`` of split ``split`` of ``splits``: the row's blocks ``[first,
-  last)`` (those its lengths and window leave), shared out in runs of equal length (the last
-  run shorter, runs past the end empty). Sharing out the row's own blocks, not the cache's,
-  keeps every split busy when the cache is partly filled or a window sees a part of it: cut
-  by the cache's length, a cache a tenth full left one split of ten all the work."""
-  per = lax.div(jnp.maximum(last - first, 0) + (splits - 1), splits)
-  lo = first + split * per
-  return lo, jnp.maximum(jnp.minimum(lo + per, last), lo)
 
 
 def _key_pieces(j, table_ref, block_k: int, page_size: int | None, st: tiles.Static):
