@@ -273,6 +273,12 @@ def _time_rounds(prepared, args, cfg: dict) -> None:
         # the kernels' sum by the GPU's idle gaps between them
         row["gpu_span_us"] = round((max(e[1] for e in events) - min(e[0] for e in events))
                                    / calls / 1e3, 2)
+        # Two calls' kernels and copies in order: start after the first's start, and length
+        # (µs), so the idle gaps show where they fall.
+        first = events[0][0]
+        row["timeline"] = [(name[:48], round((start - first) / 1e3, 2),
+                            round((end - start) / 1e3, 2))
+                           for start, end, name in events[:2 * len(events) // calls]]
 
 
 SPLIT_SWEEP_PER_SM = (0.5, 1, 1.5, 2, 2.5, 3, 4, 6, 8)
@@ -375,6 +381,8 @@ def _line(r: dict) -> str:
                     for k in r.get("kernels", []))
   if "gpu_span_us" in r:
     kernels += f"\n    {r['gpu_span_us']:9.1f} us GPU span per traced call"
+  kernels += "".join(f"\n      at {at:8.2f} for {us:7.2f} us {name}"
+                     for name, at, us in r.get("timeline", []))
 
   return (f"{cell} {r['us']:9.1f} us {r['tb_s']:6.2f} TB/s ({r['of_copy']:.2f} of copy, "
           f"{r['copy_tb_s']:.2f} TB/s){kernels}")

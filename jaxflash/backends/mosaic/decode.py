@@ -365,6 +365,15 @@ def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None)
   through the LSE. With ``pages`` = (key pages, value pages, page table) the kernel reads the
   key pages where they lie (`jaxflash.ops.decode.paged_attention`; the value pages are the
   same latent pages)."""
+  outs, lse2 = partial_results(inputs, params, config, pages)
+  out, lse2 = merge.group_rows_as_heads(*merge.merge_splits(outs, lse2), inputs.query.shape[1],
+                                        inputs.sinks, token_major=True)
+  return out.astype(inputs.query.dtype), lse2
+
+
+def partial_results(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None):
+  """The kernel's results before the merge: float32 ``(out [B, K, splits, G·T, Dv], lse2 [B,
+  K, splits, G·T])`` per split of the keys, query rows token-major (`forward`)."""
   q = inputs.query
   b, t, n, h = q.shape
   kv_heads, hv = inputs.key.shape[2], inputs.value.shape[-1]
@@ -415,6 +424,4 @@ def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None)
                                            reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if params.interpret else None,
   )(q, cache, inputs.lengths, inputs.offsets, table)
-  out, lse2 = merge.group_rows_as_heads(*merge.merge_splits(outs, lse2), t, inputs.sinks,
-                                        token_major=True)
-  return out.astype(q.dtype), lse2
+  return outs, lse2

@@ -1,0 +1,167 @@
+"""Where an absorbed-MLA decoding call's time goes on the GPU (run on the GPU machine): the
+whole `jaxflash.decode_attention` call, the Mosaic GPU kernel alone (its lengths and offsets
+made before the timed call) and the kernel with the splits' merge, timed in interleaved rounds
+next to the copy that `benchmarks/decode.py` compares with; variants of the kernel compiled
+with a module setting patched (`VARIANTS`), and with ``--long-calls`` the call and the copy
+timed over more back-to-back calls (less of the loop's start and end in each).
+
+  python3 benchmarks/dev/decode_parts.py --cells 32x8192x1 8x32768x1 32x8192x2 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxflash
+from jaxflash.backends.mosaic import decode as mla
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cases import gpu_events, kernel_totals, time_call  # noqa: E402
+
+HEAD_DIM, VALUE_DIM = 576, 512
+# name: (object, attribute, value) patched while the call is traced and compiled
+VARIANTS = {
+    "hoisted_q": (mla.bwd, "_opaque_zero", lambda ref, i: 0),  # Q's descriptors before the loop
+}
+
+
+@contextlib.contextmanager
+def patched(obj, attr, value):
+  old = getattr(obj, attr)
+  setattr(obj, attr, value)
+  try:
+    yield
+  finally:
+    setattr(obj, attr, old)
+
+
+def compile_with(fn, args, patch=None):
+  with patched(*patch) if patch else contextlib.nullcontext():
+    return jax.jit(fn).lower(*args).compile()
+
+
+def captured_call(q, cache, kv_lengths):
+  """The (inputs, params, config) that ``decode_attention`` hands the Mosaic kernel, traced
+  once: the inputs' arrays are replaced by the caller."""
+  seen = {}
+  forward = mla.forward
+
+  def spy(inputs, params, config, pages=None):
+    seen.update(inputs=inputs, params=params, config=config)
+    return forward(inputs, params, config, pages)
+
+  mla.forward = spy
+  try:
+    jax.jit(lambda q, c, ln: jaxflash.decode_attention(
+        q, c, None, ln, value_head_dim=VALUE_DIM)).lower(q, cache, kv_lengths)
+  finally:
+    mla.forward = forward
+  if not seen:
+    raise SystemExit("the call did not reach the Mosaic GPU kernel (not a Hopper GPU?)")
+  return seen["inputs"], seen["params"], seen["config"]
+
+
+def parts(b: int, s: int, t: int, heads: int, variants=(), seed: int = 0):
+  """``{name: (compiled fn, args)}`` for one cell, and the cache's bytes."""
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (b, t, heads, HEAD_DIM), jnp.bfloat16)
+  cache = jax.random.normal(keys[1], (b, s, 1, HEAD_DIM), jnp.bfloat16)
+  kv_lengths = jax.random.randint(keys[2], (b,), s - 64, s + 1, jnp.int32)
+  inputs, params, config = captured_call(q, cache, kv_lengths)
+  others = {k: v for k, v in inputs._asdict().items()
+            if k not in ("query", "key", "value", "lengths", "offsets") and v is not None}
+  if others:
+    raise SystemExit(f"inputs this script does not make: {sorted(others)}")
+  kv = jnp.clip(kv_lengths, 0, s)
+  lengths = jnp.stack([jnp.full_like(kv, t), kv], axis=1)
+  offsets = jnp.stack([kv - t, jnp.zeros_like(kv)], axis=1)
+
+  def made(q, cache, lengths, offsets):
+    return inputs._replace(query=q, key=cache, value=cache[..., :VALUE_DIM], lengths=lengths,
+                           offsets=offsets)
+
+  fns = {
+      "call": (lambda q, c, ln: jaxflash.decode_attention(q, c, None, ln,
+                                                          value_head_dim=VALUE_DIM),
+               (q, cache, kv_lengths)),
+      "kernel": (lambda *a: mla.partial_results(made(*a), params, config),
+                 (q, cache, lengths, offsets)),
+      "kernel+merge": (lambda *a: mla.forward(made(*a), params, config),
+                       (q, cache, lengths, offsets)),
+  }
+  want = np.asarray(jax.jit(fns["call"][0])(*fns["call"][1]), np.float32)
+  got = np.asarray(jax.jit(fns["kernel+merge"][0])(*fns["kernel+merge"][1])[0], np.float32)
+  if not np.allclose(got, want, atol=1e-2, rtol=1e-2):
+    raise SystemExit("the kernel and merge differ from the call")
+  compiled = {name: (compile_with(fn, args), args) for name, (fn, args) in fns.items()}
+  for variant in variants:
+    for name in ("call", "kernel"):
+      fn, fn_args = fns[name]
+      compiled[f"{name}_{variant}"] = (compile_with(fn, fn_args, VARIANTS[variant]), fn_args)
+  nbytes = b * s * HEAD_DIM * 2
+  x = jnp.arange(nbytes // 4, dtype=jnp.uint32)
+  compiled["copy"] = (jax.jit(lambda x: x ^ 1).lower(x).compile(), (x,))
+  return compiled, nbytes
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--cells", nargs="+", default=["32x8192x1", "8x32768x1", "32x8192x2"],
+                      help="BxSxT")
+  parser.add_argument("--heads", type=int, default=16)
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS))
+  parser.add_argument("--long-calls", type=int, default=0,
+                      help="also time the call and the copy over this many calls a repeat")
+  parser.add_argument("--dispatch", action="store_true",
+                      help="the host's time to enqueue a call, for the call, kernel and copy")
+  parser.add_argument("--profile", action="store_true",
+                      help="the call's GPU kernels (a jax.profiler trace)")
+  args = parser.parse_args(argv)
+  for cell in args.cells:
+    b, s, t = map(int, cell.split("x"))
+    compiled, nbytes = parts(b, s, t, args.heads, args.variants)
+    timed = [(name, fn, fn_args, 20) for name, (fn, fn_args) in compiled.items()]
+    if args.long_calls:
+      timed += [(f"{name}@{args.long_calls}", *compiled[name], args.long_calls)
+                for name in ("call", "copy")]
+    rounds = {name: [] for name, *_ in timed}
+    for _ in range(args.rounds):
+      for name, fn, fn_args, calls in timed:
+        rounds[name].append(time_call(fn, fn_args, calls=calls) * 1e3)
+    us = {name: float(np.median(v)) for name, v in rounds.items()}
+    lines = []
+    for name, v in us.items():
+      if name.startswith("copy"):
+        continue
+      copy = us["copy" + name[len(name.split("@")[0]):]]  # (the copy timed the same way)
+      lines.append(f"{name} {v:6.1f} us ({nbytes * copy / (2 * nbytes) / v:.3f})")
+    print(f"B={b} S={s} T={t} N={args.heads}: copy {us['copy']:.1f} us "
+          f"({2 * nbytes / us['copy'] / 1e6:.2f} TB/s)\n  " + "\n  ".join(lines), flush=True)
+    if args.dispatch:  # host time to enqueue a call (the GPU's queue never fills at 200 calls)
+      for name in ("call", "kernel", "copy"):
+        fn, fn_args = compiled[name]
+        jax.block_until_ready(fn(*fn_args))
+        start = time.perf_counter()
+        outs = [fn(*fn_args) for _ in range(200)]
+        enqueue_us = (time.perf_counter() - start) / 200 * 1e6
+        jax.block_until_ready(outs)
+        print(f"  {name} host enqueue {enqueue_us:.1f} us a call", flush=True)
+    if args.profile:
+      for name in ("call", "copy"):
+        fn, fn_args = compiled[name]
+        events = [e for plane in gpu_events(fn, fn_args, 5).values() for e in plane]
+        print(f"  {name} GPU: " + ", ".join(f"{k['name'][:40]} {k['us']:.1f} us"
+                                            for k in kernel_totals(events, 5)), flush=True)
+
+
+if __name__ == "__main__":
+  main()
