@@ -298,7 +298,8 @@ def test_bwd_parts_smoke(tmp_path):
 def test_decode_bench_smoke(tmp_path, monkeypatch):
   """benchmarks/decode.py on its tiny grid: every cell checked against the reference, then
   timed, for contiguous and paged caches and T = 1 and 3 (jax.nn only at T = 1, contiguous);
-  with --profile, each row's kernels per call from a (here made-up) trace of 5 calls."""
+  with --profile, each row's kernels per call and two calls' timeline from a (here made-up)
+  trace of 5 calls."""
   import decode
   trace = [(0, 4000, "fusion"), (4000, 24000, "jaxflash_decode_split_kv"), (24000, 26000,
                                                                             "fusion")] * 5
@@ -315,6 +316,9 @@ def test_decode_bench_smoke(tmp_path, monkeypatch):
     assert "failed" not in row and row["error"] < 1e-3 and row["us"] > 0 and row["of_copy"] > 0
     assert row["kernels"] == [dict(name="jaxflash_decode_split_kv", us=20.0, count=1),
                               dict(name="fusion", us=6.0, count=2)]
+    assert row["timeline"] == [["fusion", 0.0, 4.0], ["jaxflash_decode_split_kv", 4.0, 20.0],
+                               ["fusion", 24.0, 2.0]] * 2  # (two calls: the made-up trace
+    # repeats one call's times)
     assert len(row["us_rounds"]) == 2 and row["us"] == round(sum(row["us_rounds"]) / 2, 2)
   assert "| B | S | T |" in out.with_suffix(".md").read_text()
   import plot

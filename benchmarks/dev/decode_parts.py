@@ -27,9 +27,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cases import gpu_events, kernel_totals, time_call  # noqa: E402
 
 HEAD_DIM, VALUE_DIM = 576, 512
+def _with_semaphores(kernel):
+  """``kernel`` that also takes a `pl.get_global` semaphore per CTA and signals it once: what a
+  merge of the splits in the kernel would cost around the call (Pallas zeroes such semaphores
+  with an XLA op of their own at each call)."""
+  from jax import lax
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def probed(*refs, **kwargs):
+    sems = pl.get_global(plgpu.SemaphoreType.REGULAR((1,)))
+    kernel(*refs, **kwargs)
+    pl.when(lax.axis_index("wg") == 0)(
+        lambda: plgpu.semaphore_signal(sems.at[0], memory_scope="gpu"))
+
+  return probed
+
+
 # name: (object, attribute, value) patched while the call is traced and compiled
 VARIANTS = {
     "hoisted_q": (mla.bwd, "_opaque_zero", lambda ref, i: 0),  # Q's descriptors before the loop
+    "semaphores": (mla, "_kernel", _with_semaphores(mla._kernel)),
 }
 
 
@@ -121,8 +139,11 @@ def main(argv=None) -> None:
   parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS))
   parser.add_argument("--long-calls", type=int, default=0,
                       help="also time the call and the copy over this many calls a repeat")
+  parser.add_argument("--ops", action="store_true",
+                      help="the ops XLA launches for each (from the compiled HLO)")
   parser.add_argument("--dispatch", action="store_true",
-                      help="the host's time to enqueue a call, for the call, kernel and copy")
+                      help="the host's time to enqueue a call: the call, the kernel, the copy, "
+                           "x + 1 on 256 floats and Triton's split-KV call")
   parser.add_argument("--profile", action="store_true",
                       help="the call's GPU kernels (a jax.profiler trace)")
   args = parser.parse_args(argv)
@@ -146,9 +167,22 @@ def main(argv=None) -> None:
       lines.append(f"{name} {v:6.1f} us ({nbytes * copy / (2 * nbytes) / v:.3f})")
     print(f"B={b} S={s} T={t} N={args.heads}: copy {us['copy']:.1f} us "
           f"({2 * nbytes / us['copy'] / 1e6:.2f} TB/s)\n  " + "\n  ".join(lines), flush=True)
+    if args.ops:  # what XLA launches for each: its fusions, custom calls and copies
+      for name, (fn, _) in compiled.items():
+        entry = fn.as_text().split("ENTRY", 1)[1].split("\n}", 1)[0]
+        ops = [line.split(" = ", 1)[0].strip() for line in entry.splitlines()
+               if any(f" {op}(" in line for op in ("fusion", "custom-call", "copy", "memset"))]
+        print(f"  {name} launches: {', '.join(ops)}", flush=True)
     if args.dispatch:  # host time to enqueue a call (the GPU's queue never fills at 200 calls)
-      for name in ("call", "kernel", "copy"):
-        fn, fn_args = compiled[name]
+      q, cache, kv_lengths = compiled["call"][1]
+      x = jnp.ones((256,), jnp.float32)
+      others = {  # a call that does nothing much, and Triton's split-KV kernel's call
+          "x + 1": (compile_with(lambda x: x + 1, (x,)), (x,)),
+          "call_triton": (compile_with(lambda q, c, ln: jaxflash.decode_attention(
+              q, c, None, ln, value_head_dim=VALUE_DIM, implementation=("triton", "xla")),
+              (q, cache, kv_lengths)), (q, cache, kv_lengths))}
+      for name in ("call", "kernel", "copy", *others):
+        fn, fn_args = compiled.get(name) or others[name]
         jax.block_until_ready(fn(*fn_args))
         start = time.perf_counter()
         outs = [fn(*fn_args) for _ in range(200)]
