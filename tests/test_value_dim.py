@@ -868,6 +868,22 @@ def test_mosaic_decode_mla_lowers_for_cuda(cuda_plugin):
   assert "jaxflash_decode_split_kv" in text and "jaxflash_mosaic_decode_mla" not in text
 
 
+def test_mosaic_decode_mla_kernel_merge_lowers_for_cuda(cuda_plugin, monkeypatch):
+  """With ``merge_in_kernel`` (opt-in) the kernel's last CTA of each group merges the splits:
+  it lowers for CUDA, here with 64 splits (the merge's loop not unrolled) and two tokens'
+  stores a piece."""
+  del cuda_plugin
+  from jaxflash.backends.mosaic import decode
+  shipped = decode.default_config
+  monkeypatch.setattr(decode, "default_config", lambda *a, **kw: dataclasses.replace(
+      shipped(*a, **kw), merge_in_kernel=True))
+  q = jax.ShapeDtypeStruct((1, 2, 16, 576), jnp.bfloat16)
+  cache = jax.ShapeDtypeStruct((1, 4096, 1, 576), jnp.bfloat16)
+  text = lower_for_cuda(lambda q, c, ln: jaxflash.decode_attention(
+      q, c, None, ln, value_head_dim=512), q, cache, jax.ShapeDtypeStruct((1,), jnp.int32))
+  assert "jaxflash_mosaic_decode_mla" in text
+
+
 def test_mosaic_decode_mla_lowers_with_x64_and_strict_rank_promotion(cuda_plugin):
   """int64 lengths and a page table under jax_enable_x64, no implicit rank promotion: the
   Mosaic GPU kernel of the latent cache mixes no int32 and int64 and broadcasts no ranks (it
@@ -897,3 +913,70 @@ def test_mosaic_decode_mla_x64_on_gpu(monkeypatch):
                                     value_head_dim=512, page_table=table.astype(jnp.int64))
   assert ran
   assert rel_err(got.astype(F32), want) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,t,n,s,page_size", [
+    (1, 1, 16, 3000, None),  # 47 splits: the merge's loop over them not unrolled
+    (3, 2, 128, 1024, 64),  # two row blocks a token (G ≥ 64), 11 splits, paged
+    (2, 3, 16, 704, None),  # 48 rows of 64, three tokens' stores a piece
+])
+def test_mosaic_decode_mla_merge_on_gpu(b, t, n, s, page_size, monkeypatch):
+  """The splits merged by the kernel's last CTA of each group (``merge_in_kernel=True``)
+  against the same kernel's partial results merged by XLA (the shipped launch): output and
+  query gradient (which reads the merged LSE) equal within float32 rounding, and both near
+  the float32 reference. NaN in one head's query stays in that head's rows; a batch row with
+  an empty cache gives zeros."""
+  if not mosaic.is_hopper(devices.current()):
+    pytest.skip("needs a Hopper GPU")
+  from jaxflash.backends.mosaic import decode
+  ran, merges, merges_in_kernel = _spy_split_kv(monkeypatch, "mosaic"), [], decode.merges_in_kernel
+  monkeypatch.setattr(decode, "merges_in_kernel",
+                      lambda *a: merges.append(merges_in_kernel(*a)) or merges[-1])
+  q, latent, _, d_out = _qkv(20, b, t, s, n, 1, 576, 512, dtype=jnp.bfloat16)
+  lengths = jnp.array([s, s // 3, 0][:b], jnp.int32)
+  cache, table = _pages(latent, page_size, 5) if page_size else (latent, None)
+
+  def call(q):
+    return jaxflash.decode_attention(q, cache, None, lengths, value_head_dim=512,
+                                     page_table=table)
+
+  def out_and_dq():  # (a new function each time: jit would reuse its trace of the last one)
+    out, vjp = jax.vjp(jax.jit(lambda q: call(q)), q)
+    return out, vjp(d_out.astype(out.dtype))[0]
+
+  by_xla = out_and_dq()
+  shipped = decode.default_config
+  monkeypatch.setattr(decode, "default_config", lambda *a, **kw: dataclasses.replace(
+      shipped(*a, **kw), merge_in_kernel=True))
+  merged = out_and_dq()
+  assert ran and merges[0] is False and merges[-1] is True
+  for got, want in zip(merged, by_xla):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-2, atol=1e-2)
+  want = _decode_reference(*(x.astype(F32) for x in (q, latent, latent[..., :512])), lengths)
+  assert rel_err(merged[0].astype(F32), want) <= 1e-2
+  if b > 2:
+    assert not np.asarray(merged[0][2], np.float32).any()
+
+  q = q.at[0, 0, 5, 7].set(jnp.nan)
+  nan = np.isnan(np.asarray(jax.jit(lambda q: call(q))(q), np.float32)).any(axis=-1)
+  assert nan[0, 0, 5] and nan.sum() == 1 and merges[-1] is True
+
+
+def test_mosaic_decode_mla_merges_in_kernel():
+  """Where the Mosaic GPU kernel merges its splits itself (one kernel a call): where its config
+  asks (not by default: it is slower today), but not with sinks (XLA joins them to the merged
+  denominator) nor in the interpreter (it has no semaphores)."""
+  from jaxflash import _core, masking
+  from jaxflash.backends.mosaic import decode
+  q = jnp.zeros((2, 1, 16, 576), jnp.bfloat16)
+  cache = jnp.zeros((2, 256, 1, 576), jnp.bfloat16)
+  inputs = _core.Inputs(q, cache, cache[..., :512], jnp.zeros((2, 2), jnp.int32))
+  params = _core.Params(scale=1.0, window=masking.Window(None, 0), values_in_keys=True)
+  shipped = decode.default_config(inputs, None, devices.Device("gpu", "NVIDIA H200", True))
+  assert not decode.merges_in_kernel(inputs, params, shipped)
+  config = dataclasses.replace(shipped, merge_in_kernel=True)
+  assert decode.merges_in_kernel(inputs, params, config)
+  assert not decode.merges_in_kernel(inputs._replace(sinks=jnp.zeros((16,))), params, config)
+  assert not decode.merges_in_kernel(inputs, dataclasses.replace(params, interpret=True), config)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -30,27 +31,13 @@ from cases import gpu_events, kernel_totals, time_call  # noqa: E402
 HEAD_DIM, VALUE_DIM = 576, 512
 
 
-def _with_semaphores(kernel):
-  """``kernel`` that also takes a `pl.get_global` semaphore and signals it once a CTA: what a
-  merge of the splits in the kernel would cost around the call, where Pallas zeroes such
-  semaphores at each call (on an H200, 2026-11-29, XLA launched no op of its own for it)."""
-  from jax import lax
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  def probed(*refs, **kwargs):
-    sems = pl.get_global(plgpu.SemaphoreType.REGULAR((1,)))
-    kernel(*refs, **kwargs)
-    pl.when(lax.axis_index("wg") == 0)(
-        lambda: plgpu.semaphore_signal(sems.at[0], memory_scope="gpu"))
-
-  return probed
-
-
 # name: (object, attribute, value) patched while the call is traced and compiled
 VARIANTS = {
     "hoisted_q": (mla.bwd, "_opaque_zero", lambda ref, i: 0),  # Q's descriptors before the loop
-    "semaphores": (mla, "_kernel", _with_semaphores(mla._kernel)),
+    # The splits merged by the kernel's last CTA of each group. (A config field: the call's
+    # trace is cached on its config, so a function patched under it is not traced again.)
+    "kernel_merge": (mla, "default_config", lambda *a, _shipped=mla.default_config, **kw: (
+        dataclasses.replace(_shipped(*a, **kw), merge_in_kernel=True))),
 }
 
 
@@ -65,8 +52,10 @@ def patched(obj, attr, value):
 
 
 def compile_with(fn, args, patch=None):
+  """``fn`` traced and compiled for ``args``, with ``patch`` applied meanwhile: traced anew
+  (a wrapper of its own: jit would reuse a trace of ``fn`` made without the patch)."""
   with patched(*patch) if patch else contextlib.nullcontext():
-    return jax.jit(fn).lower(*args).compile()
+    return jax.jit(lambda *a: fn(*a)).lower(*args).compile()
 
 
 def captured_call(q, cache, kv_lengths):
@@ -196,7 +185,7 @@ def main(argv=None) -> None:
         jax.block_until_ready(outs)
         print(f"  {name} host enqueue {enqueue_us:.1f} us a call", flush=True)
     if args.profile:
-      for name in ("call", "copy"):
+      for name in [n for n in compiled if n.startswith("call")] + ["copy"]:
         fn, fn_args = compiled[name]
         events = [e for plane in gpu_events(fn, fn_args, 5).values() for e in plane]
         print(f"  {name} GPU: " + ", ".join(f"{k['name'][:40]} {k['us']:.1f} us"

@@ -65,17 +65,22 @@ BLOCK_K = 64  # keys a block: P is [64, 64], one 128-byte swizzled row of 16-bit
 MIN_HEAD_DIM = 257  # narrower heads run Triton's split-KV kernel, tuned for them
 MAX_HEAD_DIM = 576  # Q and two stages of [64, H] key tiles fill the 227 KiB of shared memory
 REGISTERS = 240  # each consumer's; the producer keeps what is left (`producer_registers`)
+MERGE_PIECE = 64  # O's columns a consumer merges at a time (a [64, 64] float32 tile)
+MERGE_UNROLLED = 16  # up to this many splits, the merge's loop over them is unrolled
 INTERPRETER_PARTITIONS = False  # (as the Mosaic backend's: `jaxflash.backends.base.Backend`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MlaDecodeConfig:
   """The launch: ``splits`` CTAs per (batch row, K/V head, row block), ``num_stages`` key
-  blocks in flight, and the config of the training backend that runs the backward
-  (``training``)."""
+  blocks in flight, whether the last split of each group merges the splits' results in the
+  kernel (``merge_in_kernel``, opt-in: one kernel a call, but slower today, see `forward`;
+  else XLA merges them after it), and the config of the training backend that runs the
+  backward (``training``)."""
 
   splits: int
   num_stages: int = 2
+  merge_in_kernel: bool = False
   training: Any = None
 
   def __post_init__(self):
@@ -166,11 +171,20 @@ def _key_range(bounds, t: int, window):
   return _key_stop(jnp.int32(0), bounds, window), _key_stop(last_token, bounds, window)
 
 
-def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref, q_union,
-            k_smem, p_smem, row_smem, zero_smem, q_ready, k_ready, k_free, p_ready, p_free, *,
-            params: Params, t: int, group: int, kv_heads: int, splits: int,
-            page_size: int | None, value_dim: int, stages: int):
-  q_tiles, o_stages = q_union  # (one Q tile: indexed through `backward._opaque_zero`)
+def _proxy_fence():
+  """Orders this thread's TMA (async proxy) writes, already complete, before its later
+  generic-proxy accesses: here the release that tells another CTA they have landed."""
+  mgpu.utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+
+def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref, final_out_ref,
+            final_lse_ref, q_union, k_smem, p_smem, row_smem, zero_smem, q_ready, k_ready, k_free,
+            p_ready, p_free, merge_go, *, params: Params, t: int, group: int, kv_heads: int,
+            splits: int, page_size: int | None, value_dim: int, stages: int, merge: bool,
+            row_blocks: int, batch_heads: int):
+  """One CTA: ``final_out_ref``, ``final_lse_ref`` and ``merge_go`` are None unless ``merge``
+  (the group's last split merges the splits, `partial_results`)."""
+  q_tiles, o_stages, *final_stages = q_union  # (one Q tile: see `backward._opaque_zero`)
   wg = lax.axis_index("wg")
   bk, split, rb = lax.axis_index("bk"), lax.axis_index("split"), lax.axis_index("rb")
   batch, kv_head = lax.div(bk, jnp.int32(kv_heads)), lax.rem(bk, jnp.int32(kv_heads))
@@ -195,6 +209,73 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
   def values(slot, w):
     """Consumer ``w``'s half of the values: columns of the key tile."""
     return k_smem.at[slot].at[:, pl.ds(w * half, half)]
+
+  if merge:
+    # One counter a group (batch row, K/V head, row block): each consumer of each split adds 1
+    # once its results have landed; the last split's consumer 0 waits for all 2·splits (and
+    # takes them off again: the counters are back at 0 for the next call).
+    counters = pl.get_global(plgpu.SemaphoreType.REGULAR((batch_heads * row_blocks,)))
+    counter = counters.at[bk * row_blocks + rb]
+  merging = split == splits - 1  # (read only where merge)
+
+  def landed():
+    """This consumer's results (O's half and, for consumer 0, the LSE) are in global memory,
+    their stores waited for: count them on the group's counter."""
+    if merge:
+      fwd._emit(_proxy_fence)
+      plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
+
+  def merge_splits_here(w):
+    """In the group's last CTA, once every split's results have landed: consumer ``w``'s half
+    of O's columns merged over the splits through their LSEs, in the splits' order (the same
+    bits whichever CTA ends last), stored in the query's dtype as the call's output. Returns
+    the rows' ``(m, l)``: the largest base-2 LSE and the sum of the splits' weights."""
+    rows_at = pl.ds(rb * ROWS, ROWS)
+    copies = 1 if group >= ROWS else t  # the output's stores a piece
+    shape = (ROWS, MERGE_PIECE)
+    for c in range(half // MERGE_PIECE):
+      col = w * half + c * MERGE_PIECE
+
+      def add_split(s, carry, col=col):
+        """The online merge's step: split s's rows, weighted by 2^(lse - m)."""
+        acc, m, l = carry
+        lse = plgpu.load(lse_ref.at[batch, kv_head, s, rows_at], layout=fwd._ROWS,
+                         optimized=False)
+        part = plgpu.load(out_ref.at[batch, kv_head, s, rows_at, pl.ds(col, MERGE_PIECE)],
+                          layout=plgpu.Layout.WGMMA, optimized=False)
+        m_new = jnp.maximum(m, lse)  # (NaN stays NaN)
+        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows no split has seen yet
+        alpha, weight = jnp.exp2(m - m_shift), jnp.exp2(lse - m_shift)
+        acc = acc * fwd._rows(alpha, shape) + part * fwd._rows(weight, shape)
+        return acc, m_new, l * alpha + weight
+
+      carry = (plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA),
+               plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), fwd._ROWS),
+               plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), fwd._ROWS))
+      if splits <= MERGE_UNROLLED:  # (the loads of every split issued together)
+        for s in range(splits):
+          carry = add_split(jnp.int32(s), carry)
+      else:
+        carry = lax.fori_loop(jnp.int32(0), jnp.int32(splits), add_split, carry)
+      acc, m, l = carry
+      seen = l != 0.0  # (a NaN row stays NaN)
+      out = acc * fwd._rows(jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0), shape)
+      stage = final_stages[0].at[2 * w + c % 2]
+      if c >= 2:  # the stores of piece c - 2 have read this tile
+        plgpu.wait_smem_to_gmem(copies, wait_read_only=True)
+        fwd._emit(mgpu.utils.warpgroup_barrier)
+      stage[...] = out.astype(stage.dtype)
+      plgpu.commit_smem()
+      if group >= ROWS:
+        token, first_head = lax.div(rb * ROWS, jnp.int32(group)), lax.rem(rb * ROWS,
+                                                                           jnp.int32(group))
+        plgpu.copy_smem_to_gmem(stage, final_out_ref.at[
+            batch, token, pl.ds(kv_head * group + first_head, ROWS), pl.ds(col, MERGE_PIECE)])
+      else:
+        for token in range(t):
+          plgpu.copy_smem_to_gmem(stage.at[pl.ds(token * group, group)], final_out_ref.at[
+              batch, token, pl.ds(kv_head * group, group), pl.ds(col, MERGE_PIECE)])
+    return m, l
 
   def store_out(out, w):
     """This consumer's float32 half of O, through its staging tile over Q's memory."""
@@ -309,6 +390,20 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
     out = jnp.where(fwd._rows(seen, acc.shape), acc * fwd._rows(factor, acc.shape), 0.0)
     store_out(out, 0)
     plgpu.wait_smem_to_gmem(0)
+    landed()
+
+    if merge:
+      @pl.when(merging)
+      def _merge():
+        plgpu.semaphore_wait(counter, 2 * splits, memory_scope="gpu")
+        plgpu.barrier_arrive(merge_go)
+        m, l = merge_splits_here(0)
+        seen = l != 0.0
+        lse_rows[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(lse_rows.at[pl.ds(0, q_rows)],
+                                final_lse_ref.at[batch, kv_head, pl.ds(rb * ROWS, q_rows)])
+        plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 1)
   def _values():
@@ -339,6 +434,14 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
     factor = plgpu.load(row_smem.at[0], layout=fwd._ROWS, optimized=False)
     store_out(acc * fwd._rows(factor, acc.shape), 1)
     plgpu.wait_smem_to_gmem(0)
+    landed()
+
+    if merge:
+      @pl.when(merging)
+      def _merge():
+        plgpu.barrier_wait(merge_go)  # (after consumer 0's wait, which acquired the results)
+        merge_splits_here(1)
+        plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
   def _producer():
@@ -359,21 +462,48 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
     fwd.observe_last_releases(count, stages, k_free)
 
 
+def merges_in_kernel(inputs: Inputs, params: Params, config: MlaDecodeConfig) -> bool:
+  """Whether the kernel merges the splits itself (`forward`): as configured, where no sinks
+  join the merge and not in the interpreter, which has no semaphores."""
+  return config.merge_in_kernel and inputs.sinks is None and not params.interpret
+
+
 def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None):
   """The training forward's ``(out [B, T, N, Dv] in the query dtype, lse2 [B, N, T])`` of a
   decoding call on a latent cache: the kernel's partial results over the splits, merged
-  through the LSE. With ``pages`` = (key pages, value pages, page table) the kernel reads the
-  key pages where they lie (`jaxflash.ops.decode.paged_attention`; the value pages are the
-  same latent pages)."""
+  through the LSE by XLA after the kernel, or (`merges_in_kernel`) by the kernel's last CTA of
+  each group. With ``pages`` = (key pages, value pages, page table) the kernel reads the key
+  pages where they lie (`jaxflash.ops.decode.paged_attention`; the value pages are the same
+  latent pages).
+
+  The merge in the kernel is opt-in because it is slower (H200, 2026-11-29, B = 32 at 8k
+  tokens, 16 heads: the kernel 92.9 µs against 77.2 µs plus XLA's merge of 2.5 µs; 135.8
+  against 77.1 at B = 8, 32k, 16 splits). One CTA reads every split's [64, Dv] rows back
+  (three quarters of them padding at 16 heads), about 3.7 µs a split, in series; and its
+  counters cost a launch of their own (XLA zeroes `pl.get_global` memory at each call, 0.7
+  µs). docs/decoding.md says what would make it pay."""
+  t = inputs.query.shape[1]
+  if merges_in_kernel(inputs, params, config):
+    out, lse2 = _launch(inputs, params, config, pages, merge=True)[2:]
+    b, kv_heads, rows = lse2.shape  # (token-major rows, as in `merge.group_rows_as_heads`)
+    lse2 = lse2.reshape(b, kv_heads, t, rows // t).transpose(0, 1, 3, 2).reshape(b, -1, t)
+    return out, lse2
   outs, lse2 = partial_results(inputs, params, config, pages)
-  out, lse2 = merge.group_rows_as_heads(*merge.merge_splits(outs, lse2), inputs.query.shape[1],
-                                        inputs.sinks, token_major=True)
+  out, lse2 = merge.group_rows_as_heads(*merge.merge_splits(outs, lse2), t, inputs.sinks,
+                                        token_major=True)
   return out.astype(inputs.query.dtype), lse2
 
 
 def partial_results(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None):
   """The kernel's results before the merge: float32 ``(out [B, K, splits, G·T, Dv], lse2 [B,
   K, splits, G·T])`` per split of the keys, query rows token-major (`forward`)."""
+  return _launch(inputs, params, config, pages, merge=False)
+
+
+def _launch(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages, merge: bool):
+  """The kernel: `partial_results`'s two arrays, and with ``merge`` (where their rows are
+  padded to whole row blocks) also the merged ``out`` [B, T, N, Dv] in the query dtype and
+  base-2 ``lse2`` [B, K, G·T] (+inf on rows no key is seen by)."""
   q = inputs.query
   b, t, n, h = q.shape
   kv_heads, hv = inputs.key.shape[2], inputs.value.shape[-1]
@@ -391,8 +521,11 @@ def partial_results(inputs: Inputs, params: Params, config: MlaDecodeConfig, pag
   # O leaves through Q's memory, a [ROWS, piece] float32 staging tile per consumer.
   piece = _store_piece(hv)
   o_stages = fwd._smem_tile((2, ROWS, piece), jnp.float32, min(128, piece * 4))
+  # With the merge, the output leaves through two [ROWS, MERGE_PIECE] tiles a consumer, in
+  # memory that no partial result is in any longer once the merge starts.
+  final_stages = (fwd._smem_tile((4, ROWS, MERGE_PIECE), q.dtype),) if merge else ()
   scratch = (
-      plgpu.RefUnion(q_tile, o_stages),
+      plgpu.RefUnion(q_tile, o_stages, *final_stages),
       fwd._smem_tile((stages, BLOCK_K, h), cache.dtype),
       fwd._smem_tile((ROWS, BLOCK_K), q.dtype),  # P
       plgpu.SMEM((2, ROWS), jnp.float32),  # the rows' rescale (then factor), and their LSE
@@ -403,14 +536,27 @@ def partial_results(inputs: Inputs, params: Params, config: MlaDecodeConfig, pag
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # k_free: both consumers read a slot
       plgpu.Barrier(num_barriers=1),  # p_ready
       plgpu.Barrier(num_barriers=1),  # p_free
+      *((plgpu.Barrier(num_barriers=1),) if merge else ()),  # merge_go: the results are in
   )
   kernel = functools.partial(_kernel, params=params, t=t, group=g,
                              kv_heads=kv_heads, splits=splits, page_size=page_size,
-                             value_dim=hv, stages=stages)
-  outs, lse2 = plgpu.kernel(
-      kernel,
-      out_type=(_core.out_struct((b, kv_heads, splits, rows_used, hv), jnp.float32, q),
-                _core.out_struct((b, kv_heads, splits, rows_used), jnp.float32, q)),
+                             value_dim=hv, stages=stages, merge=merge, row_blocks=row_blocks,
+                             batch_heads=b * kv_heads)
+  if merge:
+    body = kernel
+    # (the merge reads whole row blocks of the partial results back, so their rows are padded)
+    rows_out = row_blocks * ROWS
+    finals = (_core.out_struct((b, t, n, hv), q.dtype, q),
+              _core.out_struct((b, kv_heads, rows_used), jnp.float32, q))
+  else:
+    def body(*refs):  # (five inputs and two outputs, then the scratch)
+      return kernel(*refs[:7], None, None, *refs[7:], None)
+
+    rows_out, finals = rows_used, ()
+  results = plgpu.kernel(
+      body,
+      out_type=(_core.out_struct((b, kv_heads, splits, rows_out, hv), jnp.float32, q),
+                _core.out_struct((b, kv_heads, splits, rows_out), jnp.float32, q), *finals),
       scratch_types=scratch,
       # Row blocks fastest, then splits: the CTAs running together read neighbouring keys.
       grid=(b * kv_heads, splits, row_blocks),
@@ -424,4 +570,4 @@ def partial_results(inputs: Inputs, params: Params, config: MlaDecodeConfig, pag
                                            reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if params.interpret else None,
   )(q, cache, inputs.lengths, inputs.offsets, table)
-  return outs, lse2
+  return results
