@@ -5,6 +5,7 @@ GPU kernels for CUDA on a CPU-only machine."""
 import importlib.util
 import os
 import shutil
+import tempfile
 
 # On a CPU-only machine compiling dominates the suite (interpret-mode kernels are large XLA
 # programs) and run times are tiny: LLVM at -O0 compiles them in about 60% of the time. Set
@@ -27,6 +28,30 @@ if shutil.which("nvidia-smi") is None:
 import pytest  # noqa: E402
 
 from jaxflash import devices  # noqa: E402
+
+
+def pytest_configure(config):
+  # On a CPU-only machine, XLA's compilation cache on disk, one folder for the run and shared by
+  # its xdist workers (they inherit the variable: the controller configures before it starts
+  # them): many tests compile the same interpret-mode programs, which then compile once (the
+  # suite about 7% faster on two cores). Removed when the run ends.
+  if shutil.which("nvidia-smi") is not None:
+    return
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxflash-xla-cache-")
+    config.stash[_OWN_CACHE] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+  import jax
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+  if _OWN_CACHE in config.stash:
+    shutil.rmtree(config.stash[_OWN_CACHE], ignore_errors=True)
+
+
+_OWN_CACHE = pytest.StashKey[str]()
 
 
 def pytest_collection_modifyitems(config, items):
