@@ -478,10 +478,11 @@ def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None)
 
   The merge in the kernel is opt-in because it is slower (H200, 2026-11-29, B = 32 at 8k
   tokens, 16 heads: the kernel 92.9 µs against 77.2 µs plus XLA's merge of 2.5 µs; 135.8
-  against 77.1 at B = 8, 32k, 16 splits). One CTA reads every split's [64, Dv] rows back
-  (three quarters of them padding at 16 heads), about 3.7 µs a split, in series; and its
-  counters cost a launch of their own (XLA zeroes `pl.get_global` memory at each call, 0.7
-  µs). docs/decoding.md says what would make it pay."""
+  against 77.1 at B = 8, 32k, 16 splits). The cost is the merging CTA's loads of every
+  split's [64, Dv] rows from global memory into registers (three quarters of them padding at
+  16 heads), about 3.5 µs a split; its wait, counters and stores cost 1.4 µs. The counters
+  also cost a launch of their own (XLA zeroes `pl.get_global` memory at each call, 0.7 µs).
+  docs/decoding.md says what would make it pay."""
   t = inputs.query.shape[1]
   if merges_in_kernel(inputs, params, config):
     out, lse2 = _launch(inputs, params, config, pages, merge=True)[2:]
