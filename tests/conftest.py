@@ -1,6 +1,7 @@
-"""Shared test setup: a faster CPU compiler setting, the `gpu` marker's skip rule (the same
-device check jaxflash itself uses), and the `cuda_plugin` fixture of the tests that lower Mosaic
-GPU kernels for CUDA on a CPU-only machine."""
+"""Shared test setup: a faster CPU compiler setting and an on-disk compilation cache for the
+run, the `gpu` marker's skip rule (the same device check jaxflash itself uses), and the
+`cuda_plugin` fixture of the tests that lower Mosaic GPU kernels for CUDA on a CPU-only
+machine."""
 
 import importlib.util
 import os
@@ -62,7 +63,7 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.cuda_lowering)
   # More tiles and schedules of the Mosaic interpreter tests (whose base cases always run): CI's
   # pinned suite and the GPU run them (JAXFLASH_ALL_VARIANTS=1); a plain run skips them, which
-  # keeps the README's test command to about ten minutes on two cores.
+  # keeps the README's test command shorter (about 20 minutes on two cores, 2026-11-29).
   if os.environ.get("JAXFLASH_ALL_VARIANTS") != "1" and not devices.has_nvidia_gpu():
     skip_variant = pytest.mark.skip(reason="a tile variant: set JAXFLASH_ALL_VARIANTS=1 to run")
     for item in items:

@@ -31,23 +31,6 @@ from cases import gpu_events, kernel_totals, time_call  # noqa: E402
 HEAD_DIM, VALUE_DIM = 576, 512
 
 
-def _without_merge_loads(merging_config):
-  """The in-kernel merge without its reads of the splits' results (each load of global memory
-  gives zeros): what the merging CTA's wait, stores and the rest cost. (Its results are wrong:
-  a timing probe only; no variant's results are checked.)"""
-  import types
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  def load(ref, *args, layout=None, **kwargs):
-    target = ref.ref if hasattr(ref, "ref") else ref
-    if "gmem" in str(jax.typeof(target)):
-      return plgpu.layout_cast(jnp.zeros(ref.shape, ref.dtype), layout)
-    return plgpu.load(ref, *args, layout=layout, **kwargs)
-
-  return [(mla, "plgpu", types.SimpleNamespace(**{**vars(plgpu), "load": load})),
-          merging_config]
-
-
 # name: (object, attribute, value) patched while the call is traced and compiled
 VARIANTS = {
     "hoisted_q": (mla.bwd, "_opaque_zero", lambda ref, i: 0),  # Q's descriptors before the loop
@@ -56,8 +39,6 @@ VARIANTS = {
     "kernel_merge": (mla, "default_config", lambda *a, _shipped=mla.default_config, **kw: (
         dataclasses.replace(_shipped(*a, **kw), merge_in_kernel=True))),
 }
-# Several patches at once.
-VARIANTS["merge_no_loads"] = _without_merge_loads(VARIANTS["kernel_merge"])
 
 
 @contextlib.contextmanager

@@ -24,7 +24,8 @@ The values are the first Dv columns of the key tile already in shared memory: ea
 bytes are read once for both products. No consumer holds more than a [64, Dv/2] float32
 accumulator (128 registers a thread at Dv = 512). O leaves as float32 partial results (and
 base-2 LSEs, -inf where a split sees no key) through the Q tile's memory, and the splits are
-merged through the LSE (`jaxflash.merge.merge_splits`), as Triton's kernel's are.
+merged through the LSE (`jaxflash.merge.merge_splits`), as Triton's kernel's are; or, opt-in
+(`MlaDecodeConfig.merge_in_kernel`, slower today: `forward`), by the last split of each group.
 
 Query row ``r`` of a group is (token ``r // G``, head ``r % G``), as the query lies in memory:
 Q's tile is loaded from the caller's [B, T, N, H] (a copy per token, at 16 heads) and the
@@ -67,6 +68,7 @@ MAX_HEAD_DIM = 576  # Q and two stages of [64, H] key tiles fill the 227 KiB of 
 REGISTERS = 240  # each consumer's; the producer keeps what is left (`producer_registers`)
 MERGE_PIECE = 64  # O's columns a consumer merges at a time (a [64, 64] float32 tile)
 MERGE_UNROLLED = 16  # up to this many splits, the merge's loop over them is unrolled
+MERGE_BUFFERS = 4  # a consumer's split-and-piece tiles in flight in the merge (16 KiB each)
 INTERPRETER_PARTITIONS = False  # (as the Mosaic backend's: `jaxflash.backends.base.Backend`)
 
 
@@ -178,13 +180,16 @@ def _proxy_fence():
 
 
 def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref, final_out_ref,
-            final_lse_ref, q_union, k_smem, p_smem, row_smem, zero_smem, q_ready, k_ready, k_free,
-            p_ready, p_free, merge_go, *, params: Params, t: int, group: int, kv_heads: int,
+            final_lse_ref, q_union, k_union, p_smem, row_smem, zero_smem, q_ready, k_ready,
+            k_free, p_ready, p_free, merge_go, merge_ready, *, params: Params, t: int,
+            group: int, kv_heads: int,
             splits: int, page_size: int | None, value_dim: int, stages: int, merge: bool,
             row_blocks: int, batch_heads: int):
-  """One CTA: ``final_out_ref``, ``final_lse_ref`` and ``merge_go`` are None unless ``merge``
-  (the group's last split merges the splits, `partial_results`)."""
+  """One CTA: ``final_out_ref``, ``final_lse_ref``, ``merge_go`` and ``merge_ready`` are None
+  unless ``merge`` (the group's last split merges the splits, `partial_results`)."""
   q_tiles, o_stages, *final_stages = q_union  # (one Q tile: see `backward._opaque_zero`)
+  # With the merge, the key ring's memory holds the splits' tiles and LSE rows once it is free.
+  k_smem, *merge_buffers = k_union if merge else (k_union,)
   wg = lax.axis_index("wg")
   bk, split, rb = lax.axis_index("bk"), lax.axis_index("split"), lax.axis_index("rb")
   batch, kv_head = lax.div(bk, jnp.int32(kv_heads)), lax.rem(bk, jnp.int32(kv_heads))
@@ -228,21 +233,44 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
   def merge_splits_here(w):
     """In the group's last CTA, once every split's results have landed: consumer ``w``'s half
     of O's columns merged over the splits through their LSEs, in the splits' order (the same
-    bits whichever CTA ends last), stored in the query's dtype as the call's output. Returns
-    the rows' ``(m, l)``: the largest base-2 LSE and the sum of the splits' weights."""
-    rows_at = pl.ds(rb * ROWS, ROWS)
+    bits whichever CTA ends last), stored in the query's dtype as the call's output. The
+    splits' rows come in by TMA, a [q_rows, 64] tile and its LSE rows an item (split, piece),
+    `MERGE_BUFFERS` items in flight. Returns the rows' ``(m, l)``: the largest base-2 LSE and
+    the sum of the splits' weights."""
+    tiles, lses = (x.at[w] for x in merge_buffers[0])
+    ready = merge_ready.at[pl.ds(w * MERGE_BUFFERS, MERGE_BUFFERS)]
+    rows_at = pl.ds(rb * ROWS, q_rows)
     copies = 1 if group >= ROWS else t  # the output's stores a piece
     shape = (ROWS, MERGE_PIECE)
-    for c in range(half // MERGE_PIECE):
-      col = w * half + c * MERGE_PIECE
+    pieces = half // MERGE_PIECE
+    items = pieces * splits
 
-      def add_split(s, carry, col=col):
+    def fetch(n):
+      """Item n's tile and LSE rows (split n % splits, piece n // splits) into its buffer."""
+      s, c = lax.rem(n, jnp.int32(splits)), lax.div(n, jnp.int32(splits))
+      buf = lax.rem(n, jnp.int32(MERGE_BUFFERS))
+      col = w * half + c * MERGE_PIECE
+      plgpu.copy_gmem_to_smem(out_ref.at[batch, kv_head, s, rows_at, pl.ds(col, MERGE_PIECE)],
+                              tiles.at[buf].at[pl.ds(0, q_rows)], ready.at[buf])
+      plgpu.copy_gmem_to_smem(lse_ref.at[batch, kv_head, s, rows_at],
+                              lses.at[buf].at[pl.ds(0, q_rows)], ready.at[buf])
+
+    for n in range(min(MERGE_BUFFERS, items)):
+      fetch(jnp.int32(n))
+
+    for c in range(pieces):
+
+      def add_split(s, carry, c=c):
         """The online merge's step: split s's rows, weighted by 2^(lse - m)."""
         acc, m, l = carry
-        lse = plgpu.load(lse_ref.at[batch, kv_head, s, rows_at], layout=fwd._ROWS,
-                         optimized=False)
-        part = plgpu.load(out_ref.at[batch, kv_head, s, rows_at, pl.ds(col, MERGE_PIECE)],
-                          layout=plgpu.Layout.WGMMA, optimized=False)
+        n = c * splits + s
+        buf = lax.rem(n, jnp.int32(MERGE_BUFFERS))
+        plgpu.barrier_wait(ready.at[buf])
+        lse = plgpu.load(lses.at[buf], layout=fwd._ROWS, optimized=False)
+        part = tiles.at[buf][...]
+        # Every thread has read the buffer before it is filled again.
+        fwd._emit(mgpu.utils.warpgroup_barrier)
+        pl.when(n + MERGE_BUFFERS < items)(lambda: fetch(n + MERGE_BUFFERS))
         m_new = jnp.maximum(m, lse)  # (NaN stays NaN)
         m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows no split has seen yet
         alpha, weight = jnp.exp2(m - m_shift), jnp.exp2(lse - m_shift)
@@ -252,14 +280,15 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
       carry = (plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA),
                plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), fwd._ROWS),
                plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), fwd._ROWS))
-      if splits <= MERGE_UNROLLED:  # (the loads of every split issued together)
-        for s in range(splits):
-          carry = add_split(jnp.int32(s), carry)
+      if splits <= MERGE_UNROLLED:
+        for s_ in range(splits):
+          carry = add_split(jnp.int32(s_), carry)
       else:
         carry = lax.fori_loop(jnp.int32(0), jnp.int32(splits), add_split, carry)
       acc, m, l = carry
       seen = l != 0.0  # (a NaN row stays NaN)
       out = acc * fwd._rows(jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0), shape)
+      col = w * half + c * MERGE_PIECE
       stage = final_stages[0].at[2 * w + c % 2]
       if c >= 2:  # the stores of piece c - 2 have read this tile
         plgpu.wait_smem_to_gmem(copies, wait_read_only=True)
@@ -476,13 +505,12 @@ def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None)
   pages where they lie (`jaxflash.ops.decode.paged_attention`; the value pages are the same
   latent pages).
 
-  The merge in the kernel is opt-in because it is slower (H200, 2026-11-29, B = 32 at 8k
-  tokens, 16 heads: the kernel 92.9 µs against 77.2 µs plus XLA's merge of 2.5 µs; 135.8
-  against 77.1 at B = 8, 32k, 16 splits). The cost is the merging CTA's loads of every
-  split's [64, Dv] rows from global memory into registers (three quarters of them padding at
-  16 heads), about 3.5 µs a split; its wait, counters and stores cost 1.4 µs. The counters
-  also cost a launch of their own (XLA zeroes `pl.get_global` memory at each call, 0.7 µs).
-  docs/decoding.md says what would make it pay."""
+  The merge in the kernel is opt-in because it is slower (H200, 2026-11-29, 16 heads: the
+  kernel 90.4 µs against 77.7 plus XLA's merge of 2.6 µs at B = 32, 8k tokens; 151.5 against
+  77.1 at B = 8, 32k, 16 splits). Its counters, wait and stores cost 1.4 µs; the merging
+  CTA's loop about 1 µs an item (a split's 64-column piece), as if in series, cause not known
+  yet. The counters also cost a launch of their own (XLA zeroes `pl.get_global` memory at
+  each call, 0.7 µs). docs/decoding.md has the measurements."""
   t = inputs.query.shape[1]
   if merges_in_kernel(inputs, params, config):
     out, lse2 = _launch(inputs, params, config, pages, merge=True)[2:]
@@ -502,9 +530,9 @@ def partial_results(inputs: Inputs, params: Params, config: MlaDecodeConfig, pag
 
 
 def _launch(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages, merge: bool):
-  """The kernel: `partial_results`'s two arrays, and with ``merge`` (where their rows are
-  padded to whole row blocks) also the merged ``out`` [B, T, N, Dv] in the query dtype and
-  base-2 ``lse2`` [B, K, G·T] (+inf on rows no key is seen by)."""
+  """The kernel: `partial_results`'s two arrays, and with ``merge`` also the merged ``out`` [B,
+  T, N, Dv] in the query dtype and base-2 ``lse2`` [B, K, G·T] (+inf on rows no key is seen
+  by)."""
   q = inputs.query
   b, t, n, h = q.shape
   kv_heads, hv = inputs.key.shape[2], inputs.value.shape[-1]
@@ -525,9 +553,14 @@ def _launch(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages, merg
   # With the merge, the output leaves through two [ROWS, MERGE_PIECE] tiles a consumer, in
   # memory that no partial result is in any longer once the merge starts.
   final_stages = (fwd._smem_tile((4, ROWS, MERGE_PIECE), q.dtype),) if merge else ()
+  k_ring = fwd._smem_tile((stages, BLOCK_K, h), cache.dtype)
+  if merge:  # the splits' tiles and LSE rows, a consumer's, over the free key ring
+    k_ring = plgpu.RefUnion(k_ring, (
+        fwd._smem_tile((2, MERGE_BUFFERS, ROWS, MERGE_PIECE), jnp.float32),
+        plgpu.SMEM((2, MERGE_BUFFERS, ROWS), jnp.float32)))
   scratch = (
       plgpu.RefUnion(q_tile, o_stages, *final_stages),
-      fwd._smem_tile((stages, BLOCK_K, h), cache.dtype),
+      k_ring,
       fwd._smem_tile((ROWS, BLOCK_K), q.dtype),  # P
       plgpu.SMEM((2, ROWS), jnp.float32),  # the rows' rescale (then factor), and their LSE
       plgpu.SMEM((1,), jnp.int32),  # 0 (`backward._opaque_zero`)
@@ -537,7 +570,9 @@ def _launch(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages, merg
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # k_free: both consumers read a slot
       plgpu.Barrier(num_barriers=1),  # p_ready
       plgpu.Barrier(num_barriers=1),  # p_free
-      *((plgpu.Barrier(num_barriers=1),) if merge else ()),  # merge_go: the results are in
+      *((plgpu.Barrier(num_barriers=1),  # merge_go: the results are in
+         # merge_ready: a buffer's tile and LSE rows have come, two copies
+         plgpu.Barrier(num_arrivals=2, num_barriers=2 * MERGE_BUFFERS)) if merge else ()),
   )
   kernel = functools.partial(_kernel, params=params, t=t, group=g,
                              kv_heads=kv_heads, splits=splits, page_size=page_size,
@@ -545,19 +580,17 @@ def _launch(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages, merg
                              batch_heads=b * kv_heads)
   if merge:
     body = kernel
-    # (the merge reads whole row blocks of the partial results back, so their rows are padded)
-    rows_out = row_blocks * ROWS
     finals = (_core.out_struct((b, t, n, hv), q.dtype, q),
               _core.out_struct((b, kv_heads, rows_used), jnp.float32, q))
   else:
     def body(*refs):  # (five inputs and two outputs, then the scratch)
-      return kernel(*refs[:7], None, None, *refs[7:], None)
+      return kernel(*refs[:7], None, None, *refs[7:], None, None)
 
-    rows_out, finals = rows_used, ()
+    finals = ()
   results = plgpu.kernel(
       body,
-      out_type=(_core.out_struct((b, kv_heads, splits, rows_out, hv), jnp.float32, q),
-                _core.out_struct((b, kv_heads, splits, rows_out), jnp.float32, q), *finals),
+      out_type=(_core.out_struct((b, kv_heads, splits, rows_used, hv), jnp.float32, q),
+                _core.out_struct((b, kv_heads, splits, rows_used), jnp.float32, q), *finals),
       scratch_types=scratch,
       # Row blocks fastest, then splits: the CTAs running together read neighbouring keys.
       grid=(b * kv_heads, splits, row_blocks),
