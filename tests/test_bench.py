@@ -623,14 +623,15 @@ def test_fp8_smoke(tmp_path):
 
 def test_profile_call_smoke():
   """benchmarks/dev/profile_call.py (the call Nsight Compute profiles) on tiny shapes: the FP8
-  and bf16 forwards, and a GQA forward+backward that allows atomics."""
+  and bf16 forwards, and a GQA forward+backward that allows atomics. (The Mosaic interpreter's
+  call, most of the test's time, has one group of two query heads: its time grows with heads.)"""
   import profile_call
   for dtype in ("float8_e4m3fn", "bfloat16"):
     profile_call.main(["--s", "64", "--d", "64", "--dtype", dtype, "--causal"])
   profile_call.main(["--s", "64", "--d", "64", "--dtype", "bfloat16", "--heads", "4",
                      "--kv-heads", "2", "--grad", "--no-deterministic", "--causal"])
-  profile_call.main(["--s", "64", "--d", "64", "--dtype", "bfloat16", "--heads", "4",
-                     "--kv-heads", "2", "--grad", "--causal", "--backward", "tile_major=True"])
+  profile_call.main(["--s", "64", "--d", "64", "--dtype", "bfloat16", "--heads", "2",
+                     "--kv-heads", "1", "--grad", "--causal", "--backward", "tile_major=True"])
   with pytest.raises(SystemExit):
     profile_call.main(["--s", "64", "--d", "64", "--grad"])
   with pytest.raises(SystemExit):  # (cuDNN's call is bf16 only, with no Mosaic fields)
