@@ -39,6 +39,8 @@ VARIANTS = {
     "kernel_merge": (mla, "default_config", lambda *a, _shipped=mla.default_config, **kw: (
         dataclasses.replace(_shipped(*a, **kw), merge_in_kernel=True))),
 }
+# That merge with one item in flight a consumer (each waited for before the next is asked for).
+VARIANTS["kernel_merge_1_buffer"] = [(mla, "MERGE_BUFFERS", 1), VARIANTS["kernel_merge"]]
 
 
 @contextlib.contextmanager

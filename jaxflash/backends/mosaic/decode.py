@@ -182,9 +182,8 @@ def _proxy_fence():
 def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref, final_out_ref,
             final_lse_ref, q_union, k_union, p_smem, row_smem, zero_smem, q_ready, k_ready,
             k_free, p_ready, p_free, merge_go, merge_ready, *, params: Params, t: int,
-            group: int, kv_heads: int,
-            splits: int, page_size: int | None, value_dim: int, stages: int, merge: bool,
-            row_blocks: int, batch_heads: int):
+            group: int, kv_heads: int, splits: int, page_size: int | None, value_dim: int,
+            stages: int, merge: bool, row_blocks: int, batch_heads: int):
   """One CTA: ``final_out_ref``, ``final_lse_ref``, ``merge_go`` and ``merge_ready`` are None
   unless ``merge`` (the group's last split merges the splits, `partial_results`)."""
   q_tiles, o_stages, *final_stages = q_union  # (one Q tile: see `backward._opaque_zero`)
@@ -508,9 +507,10 @@ def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None)
   The merge in the kernel is opt-in because it is slower (H200, 2026-11-29, 16 heads: the
   kernel 90.4 µs against 77.7 plus XLA's merge of 2.6 µs at B = 32, 8k tokens; 151.5 against
   77.1 at B = 8, 32k, 16 splits). Its counters, wait and stores cost 1.4 µs; the merging
-  CTA's loop about 1 µs an item (a split's 64-column piece), as if in series, cause not known
-  yet. The counters also cost a launch of their own (XLA zeroes `pl.get_global` memory at
-  each call, 0.7 µs). docs/decoding.md has the measurements."""
+  CTA's loop about 1 µs an item (a split's 64-column piece), with one item in flight as with
+  four: not the loads' latency; the cause is not known yet. The counters also cost a launch
+  of their own (XLA zeroes `pl.get_global` memory at each call, 0.7 µs). docs/decoding.md has
+  the measurements."""
   t = inputs.query.shape[1]
   if merges_in_kernel(inputs, params, config):
     out, lse2 = _launch(inputs, params, config, pages, merge=True)[2:]
