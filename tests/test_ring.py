@@ -152,9 +152,11 @@ def _ring_mask_mods(length: int) -> dict:
   }
 
 
-@pytest.mark.parametrize("layout", ("contiguous", "zigzag"))
-@pytest.mark.parametrize("name", ("documents", "prefix_lm", "pattern"))
-def test_ring_with_a_mask_mod(layout, name):
+# Each mask_mod once and each layout (zigzag, whose shards hold permuted positions, twice):
+# the other three pairs added 37 s of CPU time to CI and no path these do not take.
+@pytest.mark.parametrize("name,layout", [("documents", "zigzag"), ("pattern", "zigzag"),
+                                         ("prefix_lm", "contiguous")])
+def test_ring_with_a_mask_mod(name, layout):
   """A mask_mod of whole-sequence positions (closing over whole-sequence arrays) gives what the
   dense reference gives with the same mask: output, LSE and gradients, GQA."""
   length = 512 * RING

@@ -870,8 +870,7 @@ def test_mosaic_decode_mla_lowers_for_cuda(cuda_plugin):
 
 def test_mosaic_decode_mla_kernel_merge_lowers_for_cuda(cuda_plugin, monkeypatch):
   """With ``merge_in_kernel`` (opt-in) the kernel's last CTA of each group merges the splits:
-  it lowers for CUDA, here with 64 splits (the merge's loop not unrolled) and two tokens'
-  stores a piece."""
+  it lowers for CUDA, here with 64 splits and two tokens' stores a piece."""
   del cuda_plugin
   from jaxflash.backends.mosaic import decode
   shipped = decode.default_config
@@ -917,7 +916,7 @@ def test_mosaic_decode_mla_x64_on_gpu(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,t,n,s,page_size", [
-    (1, 1, 16, 3000, None),  # 47 splits: the merge's loop over them not unrolled
+    (1, 1, 16, 3000, None),  # 47 splits
     (3, 2, 128, 1024, 64),  # two row blocks a token (G ≥ 64), 11 splits, paged
     (2, 3, 16, 704, None),  # 48 rows of 64, three tokens' stores a piece
 ])

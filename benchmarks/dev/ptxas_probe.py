@@ -210,8 +210,10 @@ device_description_str: "{H100_KIND}"
 
 
 # Absorbed MLA's decoding on the latent cache (the Mosaic GPU kernel of
-# `jaxflash.backends.mosaic.decode`): name -> (query heads, new tokens), B = 32, 8k, 576/512.
-DECODE_CONFIGS = {"decode_mla_16": (16, 1), "decode_mla_128": (128, 1)}
+# `jaxflash.backends.mosaic.decode`): name -> (query heads, new tokens, splits merged in the
+# kernel), B = 32, 8k, 576/512.
+DECODE_CONFIGS = {"decode_mla_16": (16, 1, False), "decode_mla_128": (128, 1, False),
+                  "decode_mla_16_merge": (16, 1, True)}
 
 
 def aot_mesh():
@@ -277,7 +279,13 @@ def compile_decode(name: str, aot: bool) -> None:
   import jax.numpy as jnp
   import jaxflash
 
-  heads, tokens = DECODE_CONFIGS[name]
+  import dataclasses
+  from jaxflash.backends.mosaic import decode
+
+  heads, tokens, merge = DECODE_CONFIGS[name]
+  shipped = decode.default_config
+  decode.default_config = lambda *a, **kw: dataclasses.replace(shipped(*a, **kw),
+                                                               merge_in_kernel=merge)
   sharding = None
   if aot:
     from jax.sharding import NamedSharding, PartitionSpec

@@ -67,7 +67,6 @@ MIN_HEAD_DIM = 257  # narrower heads run Triton's split-KV kernel, tuned for the
 MAX_HEAD_DIM = 576  # Q and two stages of [64, H] key tiles fill the 227 KiB of shared memory
 REGISTERS = 240  # each consumer's; the producer keeps what is left (`producer_registers`)
 MERGE_PIECE = 64  # O's columns a consumer merges at a time (a [64, 64] float32 tile)
-MERGE_UNROLLED = 16  # up to this many splits, the merge's loop over them is unrolled
 MERGE_BUFFERS = 4  # a consumer's split-and-piece tiles in flight in the merge (16 KiB each)
 INTERPRETER_PARTITIONS = False  # (as the Mosaic backend's: `jaxflash.backends.base.Backend`)
 
@@ -220,7 +219,7 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
     # takes them off again: the counters are back at 0 for the next call).
     counters = pl.get_global(plgpu.SemaphoreType.REGULAR((batch_heads * row_blocks,)))
     counter = counters.at[bk * row_blocks + rb]
-  merging = split == splits - 1  # (read only where merge)
+    merging = split == splits - 1
 
   def landed():
     """This consumer's results (O's half and, for consumer 0, the LSE) are in global memory,
@@ -234,8 +233,9 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
     of O's columns merged over the splits through their LSEs, in the splits' order (the same
     bits whichever CTA ends last), stored in the query's dtype as the call's output. The
     splits' rows come in by TMA, a [q_rows, 64] tile and its LSE rows an item (split, piece),
-    `MERGE_BUFFERS` items in flight. Returns the rows' ``(m, l)``: the largest base-2 LSE and
-    the sum of the splits' weights."""
+    `MERGE_BUFFERS` items in flight. Both loops stay loops: unrolled, this code ran at a
+    fraction of its speed (instruction fetch; docs/decoding.md). Returns the rows' ``(m, l)``:
+    the largest base-2 LSE and the sum of the splits' weights."""
     tiles, lses = (x.at[w] for x in merge_buffers[0])
     ready = merge_ready.at[pl.ds(w * MERGE_BUFFERS, MERGE_BUFFERS)]
     rows_at = pl.ds(rb * ROWS, q_rows)
@@ -257,43 +257,47 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
     for n in range(min(MERGE_BUFFERS, items)):
       fetch(jnp.int32(n))
 
-    for c in range(pieces):
+    def merge_piece(c, _):
+      """Piece c: its splits merged online, stored, and the rows' ``(m, l)``."""
 
-      def add_split(s, carry, c=c):
+      def add_split(s, carry):
         """The online merge's step: split s's rows, weighted by 2^(lse - m)."""
         acc, m, l = carry
         n = c * splits + s
         buf = lax.rem(n, jnp.int32(MERGE_BUFFERS))
-        plgpu.barrier_wait(ready.at[buf])
-        lse = plgpu.load(lses.at[buf], layout=fwd._ROWS, optimized=False)
-        part = tiles.at[buf][...]
-        # Every thread has read the buffer before it is filled again.
-        fwd._emit(mgpu.utils.warpgroup_barrier)
-        pl.when(n + MERGE_BUFFERS < items)(lambda: fetch(n + MERGE_BUFFERS))
-        m_new = jnp.maximum(m, lse)  # (NaN stays NaN)
-        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows no split has seen yet
-        alpha, weight = jnp.exp2(m - m_shift), jnp.exp2(lse - m_shift)
-        acc = acc * fwd._rows(alpha, shape) + part * fwd._rows(weight, shape)
+        # (The named scopes are regions of Mosaic GPU's in-kernel profiler, which
+        # benchmarks/dev/merge_trace.py turns on; without it they emit nothing.)
+        with jax.named_scope("merge_wait"):
+          plgpu.barrier_wait(ready.at[buf])
+        with jax.named_scope("merge_read"):
+          lse = plgpu.load(lses.at[buf], layout=fwd._ROWS, optimized=False)
+          part = tiles.at[buf][...]
+          # Every thread has read the buffer before it is filled again.
+          fwd._emit(mgpu.utils.warpgroup_barrier)
+        with jax.named_scope("merge_fetch"):
+          pl.when(n + MERGE_BUFFERS < items)(lambda: fetch(n + MERGE_BUFFERS))
+        with jax.named_scope("merge_math"):
+          m_new = jnp.maximum(m, lse)  # (NaN stays NaN)
+          m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows no split has seen yet
+          alpha, weight = jnp.exp2(m - m_shift), jnp.exp2(lse - m_shift)
+          acc = acc * fwd._rows(alpha, shape) + part * fwd._rows(weight, shape)
         return acc, m_new, l * alpha + weight
 
-      carry = (plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA),
-               plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), fwd._ROWS),
-               plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), fwd._ROWS))
-      if splits <= MERGE_UNROLLED:
-        for s_ in range(splits):
-          carry = add_split(jnp.int32(s_), carry)
-      else:
-        carry = lax.fori_loop(jnp.int32(0), jnp.int32(splits), add_split, carry)
-      acc, m, l = carry
+      acc, m, l = lax.fori_loop(
+          jnp.int32(0), jnp.int32(splits), add_split,
+          (plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA),
+           plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), fwd._ROWS),
+           plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), fwd._ROWS)))
       seen = l != 0.0  # (a NaN row stays NaN)
       out = acc * fwd._rows(jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0), shape)
       col = w * half + c * MERGE_PIECE
-      stage = final_stages[0].at[2 * w + c % 2]
-      if c >= 2:  # the stores of piece c - 2 have read this tile
+      stage = final_stages[0].at[2 * w + lax.rem(c, jnp.int32(2))]
+      with jax.named_scope("merge_stage"):
+        # The stores of piece c - 2 have read this tile (a no-op before piece 2).
         plgpu.wait_smem_to_gmem(copies, wait_read_only=True)
         fwd._emit(mgpu.utils.warpgroup_barrier)
-      stage[...] = out.astype(stage.dtype)
-      plgpu.commit_smem()
+        stage[...] = out.astype(stage.dtype)
+        plgpu.commit_smem()
       if group >= ROWS:
         token, first_head = lax.div(rb * ROWS, jnp.int32(group)), lax.rem(rb * ROWS,
                                                                            jnp.int32(group))
@@ -303,7 +307,10 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
         for token in range(t):
           plgpu.copy_smem_to_gmem(stage.at[pl.ds(token * group, group)], final_out_ref.at[
               batch, token, pl.ds(kv_head * group, group), pl.ds(col, MERGE_PIECE)])
-    return m, l
+      return m, l
+
+    rows_init = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), fwd._ROWS)
+    return lax.fori_loop(jnp.int32(0), jnp.int32(pieces), merge_piece, (rows_init, rows_init))
 
   def store_out(out, w):
     """This consumer's float32 half of O, through its staging tile over Q's memory."""
@@ -423,9 +430,11 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
     if merge:
       @pl.when(merging)
       def _merge():
-        plgpu.semaphore_wait(counter, 2 * splits, memory_scope="gpu")
+        with jax.named_scope("merge_counter_wait"):
+          plgpu.semaphore_wait(counter, 2 * splits, memory_scope="gpu")
         plgpu.barrier_arrive(merge_go)
-        m, l = merge_splits_here(0)
+        with jax.named_scope("merge"):
+          m, l = merge_splits_here(0)
         seen = l != 0.0
         lse_rows[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
         plgpu.commit_smem()
@@ -467,8 +476,10 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
     if merge:
       @pl.when(merging)
       def _merge():
-        plgpu.barrier_wait(merge_go)  # (after consumer 0's wait, which acquired the results)
-        merge_splits_here(1)
+        with jax.named_scope("merge_counter_wait"):
+          plgpu.barrier_wait(merge_go)  # (after consumer 0's wait, which acquired the results)
+        with jax.named_scope("merge"):
+          merge_splits_here(1)
         plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
@@ -505,12 +516,11 @@ def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None)
   latent pages).
 
   The merge in the kernel is opt-in because it is slower (H200, 2026-11-29, 16 heads: the
-  kernel 90.4 µs against 77.7 plus XLA's merge of 2.6 µs at B = 32, 8k tokens; 151.5 against
-  77.1 at B = 8, 32k, 16 splits). Its counters, wait and stores cost 1.4 µs; the merging
-  CTA's loop about 1 µs an item (a split's 64-column piece), with one item in flight as with
-  four: not the loads' latency; the cause is not known yet. The counters also cost a launch
-  of their own (XLA zeroes `pl.get_global` memory at each call, 0.7 µs). docs/decoding.md has
-  the measurements."""
+  kernel 83.9 µs against 77.2 plus XLA's merge of 2.6 µs at B = 32, 8k tokens; 102.1 against
+  77.0 + 2.7 at B = 8, 32k, 16 splits). The merging CTA waits 1.1 µs for its counter and takes
+  0.3 µs an item (a split's 64-column piece); unrolled, its loops had taken about 1 µs an
+  item (instruction fetch). The counters also cost a launch of their own (XLA zeroes
+  `pl.get_global` memory at each call, 0.7 µs). docs/decoding.md has the measurements."""
   t = inputs.query.shape[1]
   if merges_in_kernel(inputs, params, config):
     out, lse2 = _launch(inputs, params, config, pages, merge=True)[2:]
