@@ -142,6 +142,18 @@ def default_config(inputs: Inputs, training, device: Device, page_size: int | No
   return MlaDecodeConfig(splits=used_splits(blocks, splits), training=training)
 
 
+def merge_packing(q_rows: int, half: int) -> tuple[int, int]:
+  """The merge's ``(slot_rows, pack)``: a [64, 64] tile holds ``pack`` 64-column pieces of a
+  consumer's ``half`` of O's columns, one in each slot of ``slot_rows`` rows (32 or 64, the
+  first that holds the group's ``q_rows``; not 16: TMA writes shared memory at 128-byte
+  boundaries, and the slots' LSE rows would start at 64 bytes)."""
+  slot_rows = next(r for r in (32, ROWS) if q_rows <= r)
+  pack = ROWS // slot_rows
+  while (half // MERGE_PIECE) % pack:
+    pack //= 2
+  return slot_rows, pack
+
+
 def _store_piece(value_dim: int) -> int:
   """O's columns per store through a consumer's staging tile: 128, or 64 where a consumer's
   half of Dv is not a multiple of 128 (Dv 128 and 384)."""
@@ -232,33 +244,41 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
     """In the group's last CTA, once every split's results have landed: consumer ``w``'s half
     of O's columns merged over the splits through their LSEs, in the splits' order (the same
     bits whichever CTA ends last), stored in the query's dtype as the call's output. The
-    splits' rows come in by TMA, a [q_rows, 64] tile and its LSE rows an item (split, piece),
-    `MERGE_BUFFERS` items in flight. Both loops stay loops: unrolled, this code ran at a
-    fraction of its speed (instruction fetch; docs/decoding.md). Returns the rows' ``(m, l)``:
-    the largest base-2 LSE and the sum of the splits' weights."""
+    splits' rows come in by TMA, an item a split's `merge_packing` pieces ([q_rows, 64] each)
+    and their LSE rows, `MERGE_BUFFERS` items in flight. Both loops stay loops: unrolled, this
+    code ran at a fraction of its speed (instruction fetch; docs/decoding.md). Returns the
+    rows' ``(m, l)`` (in the first slot's rows): the largest base-2 LSE and the sum of the
+    splits' weights."""
     tiles, lses = (x.at[w] for x in merge_buffers[0])
     ready = merge_ready.at[pl.ds(w * MERGE_BUFFERS, MERGE_BUFFERS)]
     rows_at = pl.ds(rb * ROWS, q_rows)
-    copies = 1 if group >= ROWS else t  # the output's stores a piece
     shape = (ROWS, MERGE_PIECE)
-    pieces = half // MERGE_PIECE
-    items = pieces * splits
+    # A tile stacks `pack` pieces in its rows, each in a slot of `slot_rows` (the LSE rows
+    # copied into each slot), so that few rows do not leave most of the warps merging padding.
+    slot_rows, pack = merge_packing(q_rows, half)
+    copies = pack * (1 if group >= ROWS else t)  # the output's stores a tile
+    items = half // MERGE_PIECE // pack * splits
 
     def fetch(n):
-      """Item n's tile and LSE rows (split n % splits, piece n // splits) into its buffer."""
-      s, c = lax.rem(n, jnp.int32(splits)), lax.div(n, jnp.int32(splits))
+      """Item n's tiles and LSE rows (split n % splits, pieces (n // splits)·pack + k) into its
+      buffer."""
+      s, g = lax.rem(n, jnp.int32(splits)), lax.div(n, jnp.int32(splits))
       buf = lax.rem(n, jnp.int32(MERGE_BUFFERS))
-      col = w * half + c * MERGE_PIECE
-      plgpu.copy_gmem_to_smem(out_ref.at[batch, kv_head, s, rows_at, pl.ds(col, MERGE_PIECE)],
-                              tiles.at[buf].at[pl.ds(0, q_rows)], ready.at[buf])
-      plgpu.copy_gmem_to_smem(lse_ref.at[batch, kv_head, s, rows_at],
-                              lses.at[buf].at[pl.ds(0, q_rows)], ready.at[buf])
+      for k in range(pack):
+        col = w * half + (g * pack + k) * MERGE_PIECE
+        slot = pl.ds(k * slot_rows, q_rows)
+        plgpu.copy_gmem_to_smem(
+            out_ref.at[batch, kv_head, s, rows_at, pl.ds(col, MERGE_PIECE)],
+            tiles.at[buf].at[slot], ready.at[buf])
+        plgpu.copy_gmem_to_smem(lse_ref.at[batch, kv_head, s, rows_at], lses.at[buf].at[slot],
+                                ready.at[buf])
 
     for n in range(min(MERGE_BUFFERS, items)):
       fetch(jnp.int32(n))
 
     def merge_piece(c, _):
-      """Piece c: its splits merged online, stored, and the rows' ``(m, l)``."""
+      """Tile c (pieces c·pack to c·pack + pack - 1): its splits merged online, stored, and
+      the rows' ``(m, l)``."""
 
       def add_split(s, carry):
         """The online merge's step: split s's rows, weighted by 2^(lse - m)."""
@@ -290,27 +310,30 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), fwd._ROWS)))
       seen = l != 0.0  # (a NaN row stays NaN)
       out = acc * fwd._rows(jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0), shape)
-      col = w * half + c * MERGE_PIECE
       stage = final_stages[0].at[2 * w + lax.rem(c, jnp.int32(2))]
       with jax.named_scope("merge_stage"):
-        # The stores of piece c - 2 have read this tile (a no-op before piece 2).
+        # The stores of tile c - 2 have read this one (a no-op before tile 2).
         plgpu.wait_smem_to_gmem(copies, wait_read_only=True)
         fwd._emit(mgpu.utils.warpgroup_barrier)
         stage[...] = out.astype(stage.dtype)
         plgpu.commit_smem()
-      if group >= ROWS:
-        token, first_head = lax.div(rb * ROWS, jnp.int32(group)), lax.rem(rb * ROWS,
-                                                                           jnp.int32(group))
-        plgpu.copy_smem_to_gmem(stage, final_out_ref.at[
-            batch, token, pl.ds(kv_head * group + first_head, ROWS), pl.ds(col, MERGE_PIECE)])
-      else:
-        for token in range(t):
-          plgpu.copy_smem_to_gmem(stage.at[pl.ds(token * group, group)], final_out_ref.at[
-              batch, token, pl.ds(kv_head * group, group), pl.ds(col, MERGE_PIECE)])
+      for k in range(pack):
+        col = w * half + (c * pack + k) * MERGE_PIECE
+        if group >= ROWS:
+          token, first_head = lax.div(rb * ROWS, jnp.int32(group)), lax.rem(
+              rb * ROWS, jnp.int32(group))
+          plgpu.copy_smem_to_gmem(stage, final_out_ref.at[
+              batch, token, pl.ds(kv_head * group + first_head, ROWS), pl.ds(col, MERGE_PIECE)])
+        else:
+          for token in range(t):
+            plgpu.copy_smem_to_gmem(
+                stage.at[pl.ds(k * slot_rows + token * group, group)], final_out_ref.at[
+                    batch, token, pl.ds(kv_head * group, group), pl.ds(col, MERGE_PIECE)])
       return m, l
 
     rows_init = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), fwd._ROWS)
-    return lax.fori_loop(jnp.int32(0), jnp.int32(pieces), merge_piece, (rows_init, rows_init))
+    return lax.fori_loop(jnp.int32(0), jnp.int32(half // MERGE_PIECE // pack), merge_piece,
+                         (rows_init, rows_init))
 
   def store_out(out, w):
     """This consumer's float32 half of O, through its staging tile over Q's memory."""
@@ -515,12 +538,13 @@ def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None)
   pages where they lie (`jaxflash.ops.decode.paged_attention`; the value pages are the same
   latent pages).
 
-  The merge in the kernel is opt-in because it is slower (H200, 2026-11-29, 16 heads: the
-  kernel 83.9 µs against 77.2 plus XLA's merge of 2.6 µs at B = 32, 8k tokens; 102.1 against
-  77.0 + 2.7 at B = 8, 32k, 16 splits). The merging CTA waits 1.1 µs for its counter and takes
-  0.3 µs an item (a split's 64-column piece); unrolled, its loops had taken about 1 µs an
-  item (instruction fetch). The counters also cost a launch of their own (XLA zeroes
-  `pl.get_global` memory at each call, 0.7 µs). docs/decoding.md has the measurements."""
+  The merge in the kernel is opt-in because a call is slower (H200, 2026-11-29, 16 heads: the
+  kernel 80.5 µs against 78.2 plus XLA's merge of 2.6 µs at B = 32, 8k tokens, but the call
+  97.4 against 94.7; 91.1 against 77.2 + 2.7 at B = 8, 32k, 16 splits). The merging CTA waits
+  1 µs for its counter and takes 0.3 µs an item (a split's `merge_packing` pieces); unrolled,
+  its loops had taken about 1 µs an item (instruction fetch). The counters also cost a launch
+  of their own (XLA zeroes `pl.get_global` memory at each call, 0.7 µs). docs/decoding.md
+  has the measurements."""
   t = inputs.query.shape[1]
   if merges_in_kernel(inputs, params, config):
     out, lse2 = _launch(inputs, params, config, pages, merge=True)[2:]
@@ -581,8 +605,9 @@ def _launch(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages, merg
       plgpu.Barrier(num_barriers=1),  # p_ready
       plgpu.Barrier(num_barriers=1),  # p_free
       *((plgpu.Barrier(num_barriers=1),  # merge_go: the results are in
-         # merge_ready: a buffer's tile and LSE rows have come, two copies
-         plgpu.Barrier(num_arrivals=2, num_barriers=2 * MERGE_BUFFERS)) if merge else ()),
+         # merge_ready: a buffer's tile and LSE rows have come, two copies a piece
+         plgpu.Barrier(num_arrivals=2 * merge_packing(min(ROWS, rows_used), hv // 2)[1],
+                       num_barriers=2 * MERGE_BUFFERS)) if merge else ()),
   )
   kernel = functools.partial(_kernel, params=params, t=t, group=g,
                              kv_heads=kv_heads, splits=splits, page_size=page_size,
