@@ -286,7 +286,7 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
         n = c * splits + s
         buf = lax.rem(n, jnp.int32(MERGE_BUFFERS))
         # (The named scopes are regions of Mosaic GPU's in-kernel profiler, which
-        # benchmarks/dev/merge_trace.py turns on; without it they emit nothing.)
+        # benchmarks/dev/decode_trace.py turns on; without it they emit nothing.)
         with jax.named_scope("merge_wait"):
           plgpu.barrier_wait(ready.at[buf])
         with jax.named_scope("merge_read"):
@@ -368,7 +368,8 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
     # The row max is taken of unscaled values and scaled once: x c - m is one multiply-add.
     c = (_core.LOG2_E if soft_cap is not None else params.scale * _core.LOG2_E)
     shape = (ROWS, BLOCK_K)
-    plgpu.barrier_wait(q_ready)
+    with jax.named_scope("decode_q_wait"):
+      plgpu.barrier_wait(q_ready)
     rescale, lse_rows = row_smem.at[0], row_smem.at[1]
 
     def scores(slot):
@@ -432,23 +433,25 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
     init = (plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA),
             plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), fwd._ROWS),
             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), fwd._ROWS))
-    acc, m, l = walk(spans, step, init)
+    with jax.named_scope("decode_loop"):
+      acc, m, l = walk(spans, step, init)
 
-    seen = jnp.logical_and(jnp.logical_and(rows < rows_used, row_ok), l != 0.0)
-    safe_l = jnp.where(seen, l, 1.0)
-    factor = jnp.where(seen, 1.0 / safe_l, 0.0)
-    lse2 = jnp.where(seen, m + jnp.log2(safe_l), -jnp.inf)
-    pl.when(count > 0)(lambda: plgpu.barrier_wait(p_free))
-    rescale[...] = factor  # the other consumer's factor too
-    lse_rows[...] = lse2
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(p_ready)
-    plgpu.copy_smem_to_gmem(lse_rows.at[pl.ds(0, q_rows)],
-                            lse_ref.at[batch, kv_head, split, pl.ds(rb * ROWS, q_rows)])
-    out = jnp.where(fwd._rows(seen, acc.shape), acc * fwd._rows(factor, acc.shape), 0.0)
-    store_out(out, 0)
-    plgpu.wait_smem_to_gmem(0)
-    landed()
+    with jax.named_scope("decode_epilogue"):
+      seen = jnp.logical_and(jnp.logical_and(rows < rows_used, row_ok), l != 0.0)
+      safe_l = jnp.where(seen, l, 1.0)
+      factor = jnp.where(seen, 1.0 / safe_l, 0.0)
+      lse2 = jnp.where(seen, m + jnp.log2(safe_l), -jnp.inf)
+      pl.when(count > 0)(lambda: plgpu.barrier_wait(p_free))
+      rescale[...] = factor  # the other consumer's factor too
+      lse_rows[...] = lse2
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_ready)
+      plgpu.copy_smem_to_gmem(lse_rows.at[pl.ds(0, q_rows)],
+                              lse_ref.at[batch, kv_head, split, pl.ds(rb * ROWS, q_rows)])
+      out = jnp.where(fwd._rows(seen, acc.shape), acc * fwd._rows(factor, acc.shape), 0.0)
+      store_out(out, 0)
+      plgpu.wait_smem_to_gmem(0)
+      landed()
 
     if merge:
       @pl.when(merging)
@@ -488,13 +491,15 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
       plgpu.barrier_arrive(k_free.at[slot])
       return acc
 
-    acc = lax.fori_loop(0, count, step, plgpu.layout_cast(
-        jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA))
-    plgpu.barrier_wait(p_ready)
-    factor = plgpu.load(row_smem.at[0], layout=fwd._ROWS, optimized=False)
-    store_out(acc * fwd._rows(factor, acc.shape), 1)
-    plgpu.wait_smem_to_gmem(0)
-    landed()
+    with jax.named_scope("decode_loop"):
+      acc = lax.fori_loop(0, count, step, plgpu.layout_cast(
+          jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA))
+    with jax.named_scope("decode_epilogue"):
+      plgpu.barrier_wait(p_ready)
+      factor = plgpu.load(row_smem.at[0], layout=fwd._ROWS, optimized=False)
+      store_out(acc * fwd._rows(factor, acc.shape), 1)
+      plgpu.wait_smem_to_gmem(0)
+      landed()
 
     if merge:
       @pl.when(merging)

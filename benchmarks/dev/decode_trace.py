@@ -1,0 +1,200 @@
+"""Where the absorbed-MLA decoding kernel's CTAs spend their time (run on the GPU machine): the
+kernel compiled with Mosaic GPU's in-kernel profiler on, which records the named scopes of
+`jaxflash/backends/mosaic/decode.py` (``decode_*``: a consumer's wait for Q, its loop over the
+key blocks and its epilogue; ``merge_*``: the splits' merge of `MlaDecodeConfig.merge_in_kernel`)
+per warpgroup of every CTA, and the trace of one call summarised:
+
+- per warpgroup and scope, the median time an occurrence and in all (over the CTAs that merged
+  with ``--merge``, over every CTA without);
+- without ``--merge``, the CTAs' spread: when they start (µs after the first) and how long each
+  runs, and the span from the first start to the last end.
+
+  python3 benchmarks/dev/decode_trace.py --cells 32x8192x1 --out /tmp/trace
+  python3 benchmarks/dev/decode_trace.py --merge --splits 2 4 --out /tmp/trace
+
+Times are thousands of cycles (kcycles): the profiler stamps events with the SM's ``%clock``
+after a ``%globaltimer`` start, and writes both as if nanoseconds (`scope_times`); µs below
+assume ``--clock-ghz``. The profiler keeps its events in shared memory, which the kernel nearly
+fills: ``--space`` (the scopes a warpgroup keeps; later ones are dropped) must stay small, so
+a merging run records two of the four per-item ``merge_*`` scopes (``--scopes``), the first
+items' only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import functools
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import jaxflash
+from jaxflash.backends.mosaic import decode as mla
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_parts import HEAD_DIM, VALUE_DIM, compile_with  # noqa: E402
+
+WARPGROUPS = 3  # the kernel's two consumers and its producer
+
+
+def threads_of(trace: dict) -> dict[tuple[int, int], list[dict]]:
+  """A Perfetto trace's events per (SM, thread), in time order."""
+  by_thread = collections.defaultdict(list)
+  for event in trace["traceEvents"]:
+    by_thread[(event["pid"], event["tid"])].append(event)
+  return {k: sorted(v, key=lambda e: e["ts"]) for k, v in by_thread.items()}
+
+
+def scope_times(trace: dict, merging_only: bool) -> dict[int, dict[str, list[float]]]:
+  """``{warpgroup: {scope: [kcycles an occurrence]}}`` over a trace's begin/end pairs, each
+  thread's events nested, and ``"threads"`` one entry a thread counted; with
+  ``merging_only``, the threads that merged (a ``merge`` scope) only. (Mosaic GPU's profiler
+  stamps events with the SM's ``%clock`` from a ``%globaltimer`` start and writes them as if
+  nanoseconds: a trace's "µs" are thousands of cycles.)"""
+  times = collections.defaultdict(lambda: collections.defaultdict(list))
+  for (_, tid), events in threads_of(trace).items():
+    if merging_only and not any(e["name"] == "merge" for e in events):
+      continue
+    warpgroup = (tid - 1) % WARPGROUPS  # (tid: 1 + the trace's index)
+    open_scopes = []
+    for event in events:
+      if event["ph"] == "B":
+        open_scopes.append(event)
+      elif open_scopes:
+        begin = open_scopes.pop()
+        times[warpgroup][begin["name"]].append(event["ts"] - begin["ts"])
+    times[warpgroup]["threads"].append(1.0)
+  return times
+
+
+def cta_spread(trace: dict, clock_ghz: float) -> dict[str, float]:
+  """The CTAs' starts (µs after the first, from ``%globaltimer``), their run times (kcycles,
+  first event to last of any of their warpgroups) and the span from the first start to the last
+  end (µs, the run times at ``clock_ghz``)."""
+  by_cta = collections.defaultdict(list)
+  for (sm, tid), events in threads_of(trace).items():
+    by_cta[(sm, (tid - 1) // WARPGROUPS)].extend(events)
+  starts, runs = [], []
+  for events in by_cta.values():
+    first = min(e["ts"] for e in events)  # (the first event's ts is its start time exactly)
+    starts.append(first)
+    runs.append(max(e["ts"] for e in events) - first)
+  starts, runs = np.asarray(starts) - min(starts), np.asarray(runs)
+  ends = starts + runs / clock_ghz
+  return dict(ctas=len(runs), start_p50_us=float(np.median(starts)),
+              start_max_us=float(starts.max()), run_min_kcycles=float(runs.min()),
+              run_p50_kcycles=float(np.median(runs)), run_max_kcycles=float(runs.max()),
+              span_us=float(ends.max()), run_max_us=float(runs.max() / clock_ghz))
+
+
+def only_scopes(names):
+  """`jax.named_scope` that opens the ``merge*`` scopes in ``names`` (and every other scope) and
+  skips the other ``merge*`` ones: the profiler's room holds few events."""
+  named_scope = jax.named_scope
+
+  def scope(name):
+    if name.startswith("merge") and name not in names:
+      return contextlib.nullcontext()
+    return named_scope(name)
+
+  return scope
+
+
+def traced(b: int, s: int, t: int, heads: int, splits: int | None, merge: bool, space: int,
+           scopes, out: Path) -> Path:
+  """Runs the kernel once with the profiler on (the ``merge*`` scopes in ``scopes`` recorded;
+  ``splits`` None: the shipped count), checked against the shipped call; returns the trace
+  file."""
+  out.mkdir(parents=True, exist_ok=True)
+  before = set(out.glob("*-trace.json"))
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (b, t, heads, HEAD_DIM), jnp.bfloat16)
+  cache = jax.random.normal(keys[1], (b, s, 1, HEAD_DIM), jnp.bfloat16)
+  kv_lengths = jax.random.randint(keys[2], (b,), s - 64, s + 1, jnp.int32)
+  args = (q, cache, kv_lengths)
+
+  def call(q, c, ln):
+    return jaxflash.decode_attention(q, c, None, ln, value_head_dim=VALUE_DIM)
+
+  shipped = mla.default_config
+
+  def config(*a, **kw):
+    made = shipped(*a, **kw)
+    return dataclasses.replace(made, merge_in_kernel=merge, splits=splits or made.splits)
+
+  params = functools.partial(plgpu.CompilerParams, profile_space=space, profile_dir=str(out),
+                             profile_bounds_check=True)
+  want = np.asarray(compile_with(call, args)(*args), np.float32)
+  profiled = compile_with(call, args, [(mla, "default_config", config),
+                                       (mla.plgpu, "CompilerParams", params),
+                                       (jax, "named_scope", only_scopes(scopes))])
+  got = np.asarray(profiled(*args), np.float32)
+  jax.effects_barrier()
+  if not np.allclose(got, want, atol=1e-2, rtol=1e-2):
+    raise SystemExit(f"the profiled kernel differs from the call: {np.abs(got - want).max()}")
+  made = sorted(set(out.glob("*-trace.json")) - before)
+  if not made:
+    raise SystemExit("the profiler wrote no trace")
+  return made[-1]
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--cells", nargs="+", default=["32x8192x1"], help="BxSxT")
+  parser.add_argument("--heads", type=int, default=16)
+  parser.add_argument("--merge", action="store_true",
+                      help="the splits merged in the kernel, its merging CTAs summarised")
+  parser.add_argument("--splits", nargs="+", type=int, default=[0],
+                      help="splits a group (0: the shipped count)")
+  # A warpgroup's events (4 bytes x 4 a scope, 3 warpgroups): 18 fill the kernel's last 896
+  # bytes of shared memory at B = 32, 16 heads, T = 1.
+  parser.add_argument("--space", type=int, default=18)
+  parser.add_argument("--scopes", nargs="+", default=None,
+                      help="comma-separated merge_* scopes a run records (with merge and "
+                      "merge_counter_wait); default: the four, two a run")
+  parser.add_argument("--clock-ghz", type=float, default=1.98)
+  parser.add_argument("--out", type=Path, default=Path("/tmp/decode_trace"))
+  args = parser.parse_args(argv)
+  groups = args.scopes or (["merge_wait,merge_read", "merge_fetch,merge_math"] if args.merge
+                           else [""])
+  rows = []
+  for cell in args.cells:
+    b, s, t = (int(x) for x in cell.split("x"))
+    for splits, group in itertools.product(args.splits, groups):
+      scopes = {"merge", "merge_counter_wait", *group.split(",")}
+      path = traced(b, s, t, args.heads, splits or None, args.merge, args.space, scopes,
+                    args.out / f"{cell}_{splits}_{group.replace(',', '_') or 'stages'}")
+      trace = json.loads(path.read_text())
+      head = dict(cell=cell, splits=splits, scopes=group)
+      if not args.merge:
+        spread = cta_spread(trace, args.clock_ghz)
+        rows.append(dict(head, **spread))
+        print(f"{cell} splits {splits or 'shipped'}: " + ", ".join(
+            f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in spread.items()),
+            flush=True)
+      for wg, times in sorted(scope_times(trace, merging_only=args.merge).items()):
+        threads = len(times.pop("threads", []))
+        for name, values in sorted(times.items()):
+          rows.append(dict(head, warpgroup=wg, scope=name, count=len(values) / threads,
+                           median_kcycles=float(np.median(values)),
+                           total_kcycles=float(np.sum(values)) / threads))
+  print(f"{'cell':>10} {'splits':>6} {'wg':>3} {'scope':>20} {'n':>5} {'median kcyc':>11} "
+        f"{'kcyc a thread':>13}")
+  for r in rows:
+    if "scope" in r:
+      print(f"{r['cell']:>10} {r['splits']:>6} {r['warpgroup']:>3} {r['scope']:>20} "
+            f"{r['count']:>5.1f} {r['median_kcycles']:>11.3f} {r['total_kcycles']:>13.3f}")
+  (args.out / "scopes.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+  main()
