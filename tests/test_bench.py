@@ -662,6 +662,7 @@ def test_ptxas_probe_compiles_ahead_of_time(tmp_path):
   kernels = head.count(" registers, stack ")
   assert kernels == len(configs) + 5, head  # (the gradients: 2, 3 and 3 kernels)
   assert head.count("spills (stores/loads) 0/0") == kernels, head
+  assert head.count(" KiB") == kernels, head  # each kernel's code size (`code_bytes`)
 
 
 @pytest.mark.usefixtures("cuda_plugin")

@@ -1,5 +1,6 @@
 """What ptxas makes of the Mosaic GPU kernels: per config, each kernel's registers, spills and
-stack frame, and ptxas's warnings and notes (a serialised wgmma shows there as C7513).
+stack frame, its machine code's size (`code_bytes`), and ptxas's warnings and notes (a
+serialised wgmma shows there as C7513).
 
 It runs on any machine with the CUDA plugin and the CUDA toolkit's ``ptxas`` on PATH. Where no
 GPU is attached (``--aot``, the default where ``nvidia-smi`` is missing) each config is compiled
@@ -21,6 +22,7 @@ import argparse
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -324,6 +326,31 @@ def summarise(report: str) -> str:
   return "\n    ".join(lines + [note[:300] for note in notes[:8]])
 
 
+def code_bytes(ptx: Path) -> dict[str, int]:
+  """Each kernel's machine code in bytes (its cubin's ``.text.<kernel>`` section), from
+  ``ptx`` compiled again by ptxas for sm_90a; empty where no ptxas is on PATH. Large code runs
+  slowly where it runs once: the MLA decoding kernel's unrolled merge (150 KB, against 47 KB
+  without the merge) ran its arithmetic 6-8x slower than the same code rolled (72 KB), which
+  docs/decoding.md puts down to instruction fetch."""
+  if shutil.which("ptxas") is None:
+    return {}
+  cubin = ptx.with_suffix(".cubin")
+  subprocess.run(["ptxas", "-arch=sm_90a", str(ptx), "-o", str(cubin)], check=True,
+                 capture_output=True)
+  elf = cubin.read_bytes()
+  # ELF64: the section header table's offset, entry size and count, and the names' section.
+  shoff, = struct.unpack_from("<Q", elf, 0x28)
+  shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+  headers = [struct.unpack_from("<IIQQQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+  names_at = headers[shstrndx][4]
+
+  def name(header):
+    start = names_at + header[0]
+    return elf[start:elf.index(b"\0", start)].decode()
+
+  return {name(h)[len(".text."):]: h[5] for h in headers if name(h).startswith(".text.")}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", required=True)
@@ -363,7 +390,12 @@ def main() -> None:
     for log_file in folder.glob("*.mlir-passes.log"):  # (Mosaic GPU's pass log: 40-120 MB)
       log_file.unlink()
     status = "ok" if run.returncode == 0 else f"FAILED ({errors[-1:]})"
-    lines.append(f"{name}: {status}\n    {summarise(report)}")
+    sizes = {kernel: size for ptx in sorted(folder.glob("*.ptx"))
+             for kernel, size in code_bytes(ptx).items()}
+    code = ", ".join(f"{kernel.removesuffix('_mosaic_gpu_kernel')} {size / 1024:.1f} KiB"
+                     for kernel, size in sizes.items())
+    lines.append(f"{name}: {status}\n    {summarise(report)}"
+                 + (f"\n    code: {code}" if code else ""))
     print(lines[-1], flush=True)
     reports.append(f"==== {name}\n{report}")
     for kind, wanted in (("ptx", args.ptx), ("sass", args.sass)):
