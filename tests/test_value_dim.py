@@ -916,7 +916,8 @@ def test_mosaic_decode_mla_x64_on_gpu(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,t,n,s,page_size", [
-    (1, 1, 16, 3000, None),  # 47 splits
+    (1, 1, 16, 3000, None),  # 47 splits; 16 rows: two 64-column pieces an item (32-row slots)
+    (2, 2, 16, 1504, None),  # 32 rows, two tokens: two pieces an item, four stores a tile
     (3, 2, 128, 1024, 64),  # two row blocks a token (G ≥ 64), 11 splits, paged
     (2, 3, 16, 704, None),  # 48 rows of 64, three tokens' stores a piece
 ])
