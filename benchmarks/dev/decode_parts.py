@@ -77,8 +77,7 @@ def captured_call(q, cache, kv_lengths):
 
   mla.forward = spy
   try:
-    jax.jit(lambda q, c, ln: jaxflash.decode_attention(
-        q, c, None, ln, value_head_dim=VALUE_DIM)).lower(q, cache, kv_lengths)
+    jax.jit(lambda *a: call(*a)).lower(q, cache, kv_lengths)  # (a new trace: the spy sees it)
   finally:
     mla.forward = forward
   if not seen:
@@ -86,12 +85,23 @@ def captured_call(q, cache, kv_lengths):
   return seen["inputs"], seen["params"], seen["config"]
 
 
-def parts(b: int, s: int, t: int, heads: int, variants=(), seed: int = 0):
-  """``{name: (compiled fn, args)}`` for one cell, and the cache's bytes."""
+def random_call_args(b: int, s: int, t: int, heads: int, seed: int = 0):
+  """A cell's ``(q, latent cache, kv_lengths)``: random, every row within a block of full."""
   keys = jax.random.split(jax.random.key(seed), 3)
   q = jax.random.normal(keys[0], (b, t, heads, HEAD_DIM), jnp.bfloat16)
   cache = jax.random.normal(keys[1], (b, s, 1, HEAD_DIM), jnp.bfloat16)
   kv_lengths = jax.random.randint(keys[2], (b,), s - 64, s + 1, jnp.int32)
+  return q, cache, kv_lengths
+
+
+def call(q, cache, kv_lengths):
+  """The decoding call on the latent cache that the scripts here take apart."""
+  return jaxflash.decode_attention(q, cache, None, kv_lengths, value_head_dim=VALUE_DIM)
+
+
+def parts(b: int, s: int, t: int, heads: int, variants=(), seed: int = 0):
+  """``{name: (compiled fn, args)}`` for one cell, and the cache's bytes."""
+  q, cache, kv_lengths = random_call_args(b, s, t, heads, seed)
   inputs, params, config = captured_call(q, cache, kv_lengths)
   others = {k: v for k, v in inputs._asdict().items()
             if k not in ("query", "key", "value", "lengths", "offsets") and v is not None}
@@ -106,9 +116,7 @@ def parts(b: int, s: int, t: int, heads: int, variants=(), seed: int = 0):
                            offsets=offsets)
 
   fns = {
-      "call": (lambda q, c, ln: jaxflash.decode_attention(q, c, None, ln,
-                                                          value_head_dim=VALUE_DIM),
-               (q, cache, kv_lengths)),
+      "call": (call, (q, cache, kv_lengths)),
       "kernel": (lambda *a: mla.partial_results(made(*a), params, config),
                  (q, cache, lengths, offsets)),
       "kernel+merge": (lambda *a: mla.forward(made(*a), params, config),

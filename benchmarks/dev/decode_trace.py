@@ -33,15 +33,13 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-import jaxflash
 from jaxflash.backends.mosaic import decode as mla
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_parts import HEAD_DIM, VALUE_DIM, compile_with  # noqa: E402
+from decode_parts import call, compile_with, random_call_args  # noqa: E402
 
 WARPGROUPS = 3  # the kernel's two consumers and its producer
 
@@ -116,15 +114,7 @@ def traced(b: int, s: int, t: int, heads: int, splits: int | None, merge: bool, 
   file."""
   out.mkdir(parents=True, exist_ok=True)
   before = set(out.glob("*-trace.json"))
-  keys = jax.random.split(jax.random.key(0), 3)
-  q = jax.random.normal(keys[0], (b, t, heads, HEAD_DIM), jnp.bfloat16)
-  cache = jax.random.normal(keys[1], (b, s, 1, HEAD_DIM), jnp.bfloat16)
-  kv_lengths = jax.random.randint(keys[2], (b,), s - 64, s + 1, jnp.int32)
-  args = (q, cache, kv_lengths)
-
-  def call(q, c, ln):
-    return jaxflash.decode_attention(q, c, None, ln, value_head_dim=VALUE_DIM)
-
+  args = random_call_args(b, s, t, heads)
   shipped = mla.default_config
 
   def config(*a, **kw):

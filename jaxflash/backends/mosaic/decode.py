@@ -194,7 +194,8 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
             final_lse_ref, q_union, k_union, p_smem, row_smem, zero_smem, q_ready, k_ready,
             k_free, p_ready, p_free, merge_go, merge_ready, *, params: Params, t: int,
             group: int, kv_heads: int, splits: int, page_size: int | None, value_dim: int,
-            stages: int, merge: bool, row_blocks: int, batch_heads: int):
+            stages: int, merge: bool, row_blocks: int, batch_heads: int,
+            packing: tuple[int, int]):
   """One CTA: ``final_out_ref``, ``final_lse_ref``, ``merge_go`` and ``merge_ready`` are None
   unless ``merge`` (the group's last split merges the splits, `partial_results`)."""
   q_tiles, o_stages, *final_stages = q_union  # (one Q tile: see `backward._opaque_zero`)
@@ -255,7 +256,7 @@ def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref,
     shape = (ROWS, MERGE_PIECE)
     # A tile stacks `pack` pieces in its rows, each in a slot of `slot_rows` (the LSE rows
     # copied into each slot), so that few rows do not leave most of the warps merging padding.
-    slot_rows, pack = merge_packing(q_rows, half)
+    slot_rows, pack = packing
     copies = pack * (1 if group >= ROWS else t)  # the output's stores a tile
     items = half // MERGE_PIECE // pack * splits
 
@@ -585,6 +586,7 @@ def _launch(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages, merg
   splits = used_splits(pl.cdiv(inputs.key.shape[1], BLOCK_K), config.splits)
   stages = config.num_stages
   row_blocks = pl.cdiv(rows_used, ROWS)
+  packing = merge_packing(min(ROWS, rows_used), hv // 2)  # (the merge's `(slot_rows, pack)`)
   q_tile = fwd._smem_tile((1, ROWS, h), q.dtype)
   # O leaves through Q's memory, a [ROWS, piece] float32 staging tile per consumer.
   piece = _store_piece(hv)
@@ -611,13 +613,13 @@ def _launch(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages, merg
       plgpu.Barrier(num_barriers=1),  # p_free
       *((plgpu.Barrier(num_barriers=1),  # merge_go: the results are in
          # merge_ready: a buffer's tile and LSE rows have come, two copies a piece
-         plgpu.Barrier(num_arrivals=2 * merge_packing(min(ROWS, rows_used), hv // 2)[1],
-                       num_barriers=2 * MERGE_BUFFERS)) if merge else ()),
+         plgpu.Barrier(num_arrivals=2 * packing[1], num_barriers=2 * MERGE_BUFFERS))
+        if merge else ()),
   )
   kernel = functools.partial(_kernel, params=params, t=t, group=g,
                              kv_heads=kv_heads, splits=splits, page_size=page_size,
                              value_dim=hv, stages=stages, merge=merge, row_blocks=row_blocks,
-                             batch_heads=b * kv_heads)
+                             batch_heads=b * kv_heads, packing=packing)
   if merge:
     body = kernel
     finals = (_core.out_struct((b, t, n, hv), q.dtype, q),
