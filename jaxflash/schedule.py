@@ -182,6 +182,26 @@ def total(spans: Sequence[Span]):
                           _i32(0))
 
 
+def rotated(span: Span, by) -> Span:
+  """``span`` started ``by`` visits in, wrapping round: visit ``m`` is to block
+  ``block((m + by) mod count)`` (``by`` >= 0)."""
+  count = jnp.maximum(span.count, 1)
+  shift = lax.rem(_i32(by), count)
+  return Span(span.masked, span.count, lambda m: span.block(lax.rem(m + shift, count)))
+
+
+def block_at(spans: Sequence[Span], place):
+  """The block of visit ``place`` of a walk over ``spans`` (`walk`'s ``j`` at ``n = place``),
+  for loops that go over the visits without the spans (a producer's)."""
+  block, offset = None, _i32(0)
+  for span in spans:
+    count = jnp.maximum(span.count, 0)
+    here = span.block(jnp.clip(place - offset, 0, jnp.maximum(count - 1, 0)))
+    block = here if block is None else _select(place >= offset, here, block)
+    offset = offset + count
+  return block
+
+
 class BlockLists(NamedTuple):
   """The blocks each row of blocks visits: for every (batch row, head, row of blocks), the
   partial blocks (element mask) and the full ones, each ascending, packed in one int32 row
@@ -337,16 +357,26 @@ class Schedule:
             Span(False, full_hi - full_lo, lambda m: full_lo + m),
             Span(True, hi - full_hi, lambda m: full_hi + m))
 
+  def q_spans_from(self, k_start, pos: Positions, stagger=None) -> tuple[Span, ...]:
+    """`q_spans`, the full blocks' run started ``stagger`` blocks in (None: at its first) and
+    wrapping round: key blocks that add into the same query blocks in no fixed order (the
+    atomic dQ) then do not all start on one of them."""
+    spans = self.q_spans(k_start, pos)
+    if stagger is None:
+      return spans
+    return tuple(rotated(s, stagger) if not s.masked else s for s in spans)
+
   def visit_q_split(self, k_start, pos: Positions, body: Body, carry, repeat: int = 1,
-                    reverse: bool = False, spans_of: Callable | None = None):
+                    reverse: bool = False, spans_of: Callable | None = None, stagger=None):
     """Runs ``carry = body(n, g, i, carry, masked)`` for ``g < repeat`` (the query heads sharing
     a K/V head) and each query block ``i`` that the key block at ``k_start`` visits
     (`q_spans`, or ``spans_of(g)`` from a block table's lists), head after head; ``n`` counts
     the visits from 0 over all heads (a ring slot). Blocks go in increasing ``i`` per head, or in
-    decreasing ``i`` with ``reverse`` (contiguous ranges only); ``masked=False`` only on full
-    blocks."""
+    decreasing ``i`` with ``reverse`` (contiguous ranges only), or with the full blocks started
+    ``stagger`` blocks in (`q_spans_from`); ``masked=False`` only on full blocks."""
     if spans_of is None:
-      spans = self.q_spans(k_start, pos)
+      spans = self.q_spans_from(k_start, pos, stagger)
+      assert not (reverse and stagger is not None), "a staggered walk goes forwards"
       if reverse:  # i = hi - 1 ... lo: the runs in reverse order, each walked backwards
         spans = tuple(Span(s.masked, s.count,
                            lambda m, s=s: s.block(jnp.maximum(s.count, 0) - 1 - m))

@@ -15,7 +15,7 @@ import pytest
 from jaxflash import masking
 from jaxflash import schedule
 from jaxflash.masking import Positions, Window, make_window
-from jaxflash.schedule import Schedule
+from jaxflash.schedule import Schedule, block_at, walk
 
 BLOCKS = (1, 3, 8, 16)
 NUM_CASES = 200
@@ -492,3 +492,18 @@ def test_visit_q_split_walks_each_head_in_order(reverse):
   want = [(g, i, int(not full_lo <= i < full_hi)) for g in range(2) for i in blocks]
   assert int(n) == len(want)
   assert [tuple(int(x) for x in row) for row in rows[:len(want)]] == want
+
+
+@pytest.mark.parametrize("stagger", [0, 2, 7])
+def test_staggered_q_walk_and_its_producer_order(stagger):
+  """`Schedule.q_spans_from` (the atomic backward's `Backward.stagger`): the full query blocks'
+  run starts ``stagger`` blocks in (mod its length) and wraps round, the masked blocks keep
+  their places, and `block_at` gives the producer the same block for each visit."""
+  sched = Schedule(make_window(True, None), 8, 8)  # causal: the diagonal block is masked
+  pos = Positions(jnp.int32(40), jnp.int32(40))  # (key block 1: blocks 1 masked, 2-4 full)
+  spans = sched.q_spans_from(jnp.int32(8), pos, jnp.int32(stagger))
+  log = walk(spans, lambda n, i, c, masked: c.at[n].set(jnp.stack([i, jnp.int32(masked)])),
+             jnp.zeros((4, 2), jnp.int32))
+  want = [(1, 1)] + [(2 + (m + stagger) % 3, 0) for m in range(3)]
+  assert [tuple(int(x) for x in row) for row in log] == want
+  assert [int(block_at(spans, jnp.int32(p))) for p in range(4)] == [i for i, _ in want]

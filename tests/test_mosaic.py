@@ -866,6 +866,21 @@ def test_backward_with_group_parts(deterministic, tile_major, parts):
         deterministic=deterministic, **random_lengths(2, t, t, 4, seed))
 
 
+def test_staggered_atomic_backward():
+  """`Backward.stagger`: each key tile of the atomic one pass starts its full query blocks at
+  its own place and wraps round (its producer loads them in that order too); no causal band,
+  GQA, lengths of their own (masked blocks before and after the full ones' run), against the
+  reference. (On a CPU 3 key tiles and 3 query blocks of 128 rows: tiles 1 and 2 start
+  inside the run.)"""
+  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=_atomic_or_two_kernels(
+      False, stagger=True))
+  b, t, s, n, k = (2, 700, 600, 4, 2) if ON_GPU else (1, 300, 300, 2, 1)
+  lengths = dict(query_seq_lengths=jnp.array([t - 37, t][:b]),
+                 key_value_seq_lengths=jnp.array([s - 5, s][:b]))
+  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=64, dtype=BF16, small=config,
+        deterministic=False, **lengths)
+
+
 @pytest.mark.parametrize("deterministic", [False, pytest.param(True, marks=variant)])
 def test_backward_reading_lse_rows_early(deterministic):
   """`Backward.early_rows`: the dK/dV kernel reads a query block's LSE rows before waiting on
@@ -996,6 +1011,8 @@ def test_atomic_backward_where_it_measured_faster(h, t, causal, deterministic, p
     assert config.backward.atomic_pass().registers == (240 if h == 128 else
                                                        config.backward.registers)
     assert config.backward.dq_before_dk == (h == 128)
+    # (and without a causal band each key tile starts its query blocks at its own place)
+    assert config.backward.stagger == (h == 128 and not causal)
 
 
 @pytest.mark.parametrize("h,want", [(64, 128), (128, 128), (256, 32)])

@@ -46,6 +46,8 @@ BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0)
              # dV's product, then dQ's, then dK's, the dQ part sent while dK's runs
              # (`Backward.dq_before_dk`).
              "atomic_dq_first": dict(atomic=True, atomic_min_rows=0, dq_before_dk=True),
+             # Each key tile's full query blocks started at its own place (`Backward.stagger`).
+             "atomic_stagger": dict(atomic=True, atomic_min_rows=0, stagger=True),
              "atomic_dk_first": dict(atomic=True, atomic_min_rows=0, dq_before_dk=False),
              "atomic_r232": dict(atomic=True, atomic_min_rows=0, atomic_registers=232),
              # The one pass on 32-row query tiles, its dQ in transposed parts

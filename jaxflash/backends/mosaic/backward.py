@@ -73,7 +73,7 @@ from jaxflash.backends.mosaic.config import (SMEM_BUDGET, Backward, Config,
                                              padded_head_dim)
 from jaxflash.backends.triton import backward as triton_backward
 from jaxflash.masking import Positions
-from jaxflash.schedule import BlockLists, Schedule, Span, total, walk
+from jaxflash.schedule import BlockLists, Schedule, Span, block_at, total, walk
 
 _CONSUMERS = fwd._CONSUMERS
 _ROWS, _COLS = fwd._ROWS, fwd._COLS
@@ -297,6 +297,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   if extras.lists is not None:
     lists = BlockLists(extras.lists)
     spans_of = lambda g: lists.spans(batch, first_head + g, k_tile_index)  # noqa: E731
+  # (`Backward.stagger`: unordered adds, and without a band every key tile would start on query
+  # block 0 at once.)
+  stagger = k_tile_index if atomic and config.stagger and spans_of is None else None
 
   def slot_of(n):  # the ring slot of the n-th visit (over all heads of the group)
     return lax.rem(n, jnp.asarray(stages, n.dtype))
@@ -475,7 +478,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     if want_dq and dq_part.transposed:  # (`_DqPart.send_held`)
       carry["held"] = (dq_part.zeros()[0], fwd._i32(0), fwd._i32(0), fwd._i32(0))
     sums = schedule.visit_q_split(cta_start, pos, step, carry, repeat=heads_here,
-                                  reverse=reverse, spans_of=spans_of)
+                                  reverse=reverse, spans_of=spans_of, stagger=stagger)
     if "held" in sums:  # (a part is held after any visit: the last one's goes out now)
       dq_part.observe_last_read(sums["held"][-1])
       dq_part.send_held(sums["held"])
@@ -551,12 +554,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       lo, _, _, hi = schedule.q_block_ranges(cta_start, pos)
       count = jnp.maximum(hi - lo, 0)  # query blocks per head of the group
       visits = heads_here * count
+      staggered = (None if stagger is None
+                   else schedule.q_spans_from(cta_start, pos, stagger))
 
       @pl.loop(fwd._i32(0), visits)
       def _(n):
         g = lax.div(n, jnp.maximum(count, 1))
         place = lax.rem(n, jnp.maximum(count, 1))
-        load(n, g, hi - 1 - place if reverse else lo + place, None)
+        if staggered is not None:
+          block = block_at(staggered, place)
+        else:
+          block = hi - 1 - place if reverse else lo + place
+        load(n, g, block, None)
 
     fwd.observe_last_releases(visits, stages, q_free, do_free)
 

@@ -123,6 +123,11 @@ class Backward:
   # reduce-add during the next visit's S and dPᵀ, ran level with the order before: the
   # `deferred_dq` of git 9db7d85, docs/mosaic_backward.md.)
   dq_before_dk: bool = False
+  # Whether each key tile of the atomic one pass starts its run of full query blocks at its own
+  # place in it (block ``k_tile mod blocks``, wrapping round) instead of the first: without a
+  # causal band the key tiles at work on one head would otherwise reduce-add into the same dQ
+  # block at the same time (a band staggers them already: each starts at its diagonal).
+  stagger: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -606,10 +611,17 @@ GQA_BACKWARD: dict[tuple[int, bool], dict] = {
 #   and 557 (540, 534), 8k causal 515 against 507 (490), 16k causal 564 and 559 against 547 and
 #   542 (533, 526). D = 64 level (4k 450 and 439 against 456 and 442; 16k causal 459 and 451
 #   against 460 and 450), so D = 128 only. ptxas: no spills at D = 128 MHA, GQA's 16 bytes 20.
+# - `Backward.stagger` (each key tile's full query blocks started at its own place; only calls
+#   without a causal band have a common start), H200, 2026-11-29 (atomic_check.py, two
+#   processes, 3 and 5 rounds, same process as cuDNN's default): D = 128 without a band 1k 431
+#   against 423 (cuDNN 382), 4k 530 and 527 and 530 against 520, 519 and 514 (503, 495, 499),
+#   8k 548 against 540 (528), 16k 553 against 552 (537); GQA 64/8 8k 547 against 548 (521),
+#   16k 557 against 560 (545). D = 64 slower (4k 435 against 442, 16k 464 against 472). So
+#   D = 128 without a band. ptxas: no spills for MHA; GQA 64/8 8 bytes stored, 16 loaded.
 ATOMIC_TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(atomic=True),
     (64, True): dict(atomic=True),
-    (128, False): dict(atomic=True, atomic_registers=240, dq_before_dk=True),
+    (128, False): dict(atomic=True, atomic_registers=240, dq_before_dk=True, stagger=True),
     (128, True): dict(atomic=True, atomic_registers=240, dq_before_dk=True),
     (256, False): dict(atomic=True),
     (256, True): dict(atomic=True, atomic_min_rows=2048),
