@@ -571,8 +571,12 @@ LOADS_BACKWARD: dict[int, dict] = {128: dict(dq_block_kv=128)}
 # TB/s. Without a causal band parts changed nothing (559-565 against 562-563), and the
 # deterministic kernels with parts ran level or slower (tile-major: 493-496 against 492 at 8k,
 # 503-516 against 515 at 16k; two parts head by head 476 against 490), so neither takes them.
+# `Backward.stagger` (ATOMIC_TUNED's at D = 128 without a band) ran level or slower for GQA
+# 64/8 (H200, 2026-11-29, atomic_check.py: 547 against 548 at 8k, 557 against 560 at 16k; the
+# grid's run stagger_d128_2026-11-29 563 and 563 against 570 and 566 the day before), so GQA
+# keeps the common start.
 GQA_BACKWARD: dict[tuple[int, bool], dict] = {
-    (128, False): dict(registers=240),
+    (128, False): dict(registers=240, stagger=False),
     (128, True): dict(tile_major=True, atomic_tile_major=False, atomic_group_parts=4)}
 
 
