@@ -869,9 +869,9 @@ def test_backward_with_group_parts(deterministic, tile_major, parts):
 def test_staggered_atomic_backward():
   """`Backward.stagger`: each key tile of the atomic one pass starts its full query blocks at
   its own place and wraps round (its producer loads them in that order too); no causal band,
-  GQA, lengths of their own (masked blocks before and after the full ones' run), against the
-  reference. (On a CPU 3 key tiles and 3 query blocks of 128 rows: tiles 1 and 2 start
-  inside the run.)"""
+  GQA, lengths of their own, against the reference. (On a CPU GQA 2/1, 3 key tiles and 3 query
+  blocks of 128 rows: tile 1 walks blocks 1, 2, 0; tile 2 reaches past the key length, so all
+  its blocks are masked and keep their order.)"""
   config = dataclasses.replace(SMALL_CONFIGS["mosaic"], backward=_atomic_or_two_kernels(
       False, stagger=True))
   b, t, s, n, k = (2, 700, 600, 4, 2) if ON_GPU else (1, 300, 300, 2, 1)

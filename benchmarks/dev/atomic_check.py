@@ -48,6 +48,8 @@ BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0)
              "atomic_dq_first": dict(atomic=True, atomic_min_rows=0, dq_before_dk=True),
              # Each key tile's full query blocks started at its own place (`Backward.stagger`).
              "atomic_stagger": dict(atomic=True, atomic_min_rows=0, stagger=True),
+             # Three stages of query and dO tiles in the one pass.
+             "atomic_stages3": dict(atomic=True, atomic_min_rows=0, dkv_stages=3),
              "atomic_dk_first": dict(atomic=True, atomic_min_rows=0, dq_before_dk=False),
              "atomic_r232": dict(atomic=True, atomic_min_rows=0, atomic_registers=232),
              # The one pass on 32-row query tiles, its dQ in transposed parts

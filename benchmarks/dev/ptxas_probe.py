@@ -161,6 +161,9 @@ CONFIGS = {
     "bwd_d128_gqa_atomic_full_stagger": Probe(128, False, dict(backward=dict(
         atomic=True, atomic_registers=240, dq_before_dk=True, stagger=True)),
         deterministic=False, kv_heads=1),
+    "bwd_d128_atomic_full_stagger_early": Probe(128, False, dict(backward=dict(
+        atomic=True, atomic_registers=240, dq_before_dk=True, stagger=True, early_rows=True)),
+        deterministic=False),
     "bwd_d128_gqa_atomic_shipped_dq_first": Probe(128, True, dict(backward=dict(
         atomic=True, atomic_registers=240, tile_major=True, atomic_tile_major=False,
         atomic_group_parts=4, dq_before_dk=True)), deterministic=False, kv_heads=1),
