@@ -67,6 +67,13 @@ def _decode(q, k, v):
   return jaxflash.decode_attention(q, k, v, lengths)
 
 
+def _mla_decode(q, latent):
+  """Absorbed MLA decoding on a latent cache (the Mosaic GPU kernel on Hopper): rows nearly
+  full."""
+  lengths = jnp.full((q.shape[0],), latent.shape[1] - 5, jnp.int32)
+  return jaxflash.decode_attention(q, latent, None, lengths, value_head_dim=512)
+
+
 CASES = {
     "mha_fwd": Case(((1, 16384, 16, 128),) * 3,
                     lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=True)),
@@ -88,6 +95,8 @@ CASES = {
                       sinks=jnp.zeros((64,), jnp.float32))), grad=True),
     "fp8": Case(((1, 16384, 16, 128),) * 3, _fp8_call, jnp.float8_e4m3fn),
     "dense_mask": Case(((2, 4096, 16, 128),) * 3, _dense_mask, grad=True),
+    "mla_decode": Case(((32, 1, 16, 576), (32, 8192, 1, 576)), _mla_decode),
+    "mla_decode_t2": Case(((32, 2, 16, 576), (32, 8192, 1, 576)), _mla_decode),
     "decode": Case(((32, 1, 32, 128), (32, 8192, 8, 128), (32, 8192, 8, 128)), _decode),
 }
 
