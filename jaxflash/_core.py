@@ -100,6 +100,11 @@ class Inputs(NamedTuple):
   q_descale: jax.Array | None = None
   k_descale: jax.Array | None = None
   v_descale: jax.Array | None = None
+  # int32 [B]: a decoding call's key lengths as the caller gave them, neither clipped nor
+  # stacked (``lengths`` and ``offsets`` hold the same positions, made from them by XLA). The
+  # Mosaic GPU decoding kernel of the latent cache reads these and clips them itself, so that
+  # no XLA op runs before it (`jaxflash.backends.mosaic.decode`). None on every other call.
+  kv_lengths: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

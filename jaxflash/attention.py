@@ -514,7 +514,7 @@ def decode_attention(
                            key_value_seq_lengths=kv_lengths, local_window_size=local_window_size,
                            logits_soft_cap=logits_soft_cap, sinks=sinks, interpret=interpret)
   _checks.no_fp8(call.inputs, "decode_attention")
-  call = call._replace(inputs=decode.decode_inputs(call.inputs))
+  call = call._replace(inputs=decode.decode_inputs(call.inputs, kv_lengths))
   if value_cache is None:
     call = call._replace(params=dataclasses.replace(call.params, values_in_keys=True))
   if implementation is None:

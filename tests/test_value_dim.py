@@ -753,18 +753,23 @@ def _mosaic_mla(monkeypatch) -> list:
     (2, 1, 200, 16, 576, 512, None, {}),  # 16 of 64 rows, 4 splits, a partial last block
     (2, 2, 128, 128, 576, 512, 64, {}),  # two row blocks of 64, 64-key pages
     (3, 3, 512, 16, 320, 256, 128, {}),  # 48 rows, two blocks a page, a row shorter than T
-    (2, 1, 128, 8, 448, 384, None, {}),  # O's halves in three pieces of 64 columns
+    # O's halves in three pieces of 64 columns; lengths past the cache and below 0 (the
+    # kernel clips the caller's lengths itself)
+    (2, 1, 128, 8, 448, 384, None, dict(out_of_range=True)),
     (2, 2, 96, 16, 576, 512, None, dict(logits_soft_cap=3.0, sinks=True)),
 ])
 def test_mosaic_decode_mla(b, t, s, n, h, hv, page_size, options, monkeypatch):
   """The Mosaic GPU kernel of absorbed MLA's latent cache (interpreted), bf16, against the
-  float32 reference: ragged rows (one holding fewer tokens than T), pages, a soft cap and
-  sinks; gradients through the XLA backend's backward, the sinks' too. A test of the
-  kernel's masking: rows past a length or a token's own position must see nothing there."""
+  float32 reference: ragged rows (one holding fewer tokens than T), lengths past the cache or
+  below zero, pages, a soft cap and sinks; gradients through the XLA backend's backward, the
+  sinks' too. A test of the kernel's masking: rows past a length or a token's own position
+  must see nothing there."""
   ran = _mosaic_mla(monkeypatch)
   options = dict(options)  # (the parameter's own dict stays as it is)
   q, latent, _, d_out = _qkv(16, b, t, s, n, 1, h, hv, dtype=jnp.bfloat16)
   lengths = jnp.array([s, s // 2 + 3, t - 1][:b], jnp.int32)
+  if options.pop("out_of_range", False):
+    lengths = jnp.array([s + 9, -4], jnp.int32)
   cache, table = _pages(latent, page_size, 6) if page_size else (latent, None)
   sinks = jax.random.normal(jax.random.key(17), (n,)) if options.pop("sinks", False) else None
 
@@ -822,10 +827,13 @@ def test_mosaic_decode_mla_declines(n, t, latent, dtype, want):
   from jaxflash.backends.mosaic import decode
   q = jnp.zeros((1, t, n, 576), dtype)
   latent_cache = jnp.zeros((1, 64, 1, 576), dtype)
-  inputs = _core.Inputs(q, latent_cache, latent_cache[..., :512], jnp.array([[t, 64]], jnp.int32))
+  inputs = _core.Inputs(q, latent_cache, latent_cache[..., :512], jnp.array([[t, 64]], jnp.int32),
+                        kv_lengths=jnp.array([64], jnp.int32))
   params = _core.Params(scale=1.0, window=masking.Window(None, 0), values_in_keys=latent)
   reason = decode.unsupported(inputs, params)
   assert (reason is None) if want is None else (want in reason)
+  if want is None:  # (it reads the caller's lengths as given: decode_attention's inputs)
+    assert "key lengths" in decode.unsupported(inputs._replace(kv_lengths=None), params)
   assert decode.paged_block(64) and decode.paged_block(128) and not decode.paged_block(32)
 
 

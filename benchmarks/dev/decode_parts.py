@@ -1,6 +1,6 @@
 """Where an absorbed-MLA decoding call's time goes on the GPU (run on the GPU machine): the
-whole `jaxflash.decode_attention` call, the Mosaic GPU kernel alone (its lengths and offsets
-made before the timed call) and the kernel with the splits' merge, timed in interleaved rounds
+whole `jaxflash.decode_attention` call, the Mosaic GPU kernel alone (its partial results over
+the splits) and the kernel with the splits' merge, timed in interleaved rounds
 next to the copy that `benchmarks/decode.py` compares with; variants of the kernel compiled
 with a module setting patched (`VARIANTS`), and with ``--long-calls`` the call and the copy
 timed over more back-to-back calls (less of the loop's start and end in each).
@@ -104,23 +104,25 @@ def parts(b: int, s: int, t: int, heads: int, variants=(), seed: int = 0):
   q, cache, kv_lengths = random_call_args(b, s, t, heads, seed)
   inputs, params, config = captured_call(q, cache, kv_lengths)
   others = {k: v for k, v in inputs._asdict().items()
-            if k not in ("query", "key", "value", "lengths", "offsets") and v is not None}
+            if k not in ("query", "key", "value", "lengths", "offsets", "kv_lengths")
+            and v is not None}
   if others:
     raise SystemExit(f"inputs this script does not make: {sorted(others)}")
-  kv = jnp.clip(kv_lengths, 0, s)
-  lengths = jnp.stack([jnp.full_like(kv, t), kv], axis=1)  # (T, kv_length) a row
-  offsets = decode_inputs(inputs._replace(query=q, lengths=lengths)).offsets
 
-  def made(q, cache, lengths, offsets):
-    return inputs._replace(query=q, key=cache, value=cache[..., :VALUE_DIM], lengths=lengths,
-                           offsets=offsets)
+  def made(q, cache, kv_lengths):
+    """The kernel's inputs: it reads the caller's lengths as given (`Inputs.kv_lengths`); the
+    training op's ``lengths`` and ``offsets`` are made too, and left unused (no XLA op)."""
+    kv = jnp.clip(kv_lengths, 0, s)
+    lengths = jnp.stack([jnp.full_like(kv, t), kv], axis=1)  # (T, kv_length) a row
+    return decode_inputs(inputs._replace(query=q, key=cache, value=cache[..., :VALUE_DIM],
+                                         lengths=lengths), kv_lengths)
 
   fns = {
       "call": (call, (q, cache, kv_lengths)),
       "kernel": (lambda *a: mla.partial_results(made(*a), params, config),
-                 (q, cache, lengths, offsets)),
+                 (q, cache, kv_lengths)),
       "kernel+merge": (lambda *a: mla.forward(made(*a), params, config),
-                       (q, cache, lengths, offsets)),
+                       (q, cache, kv_lengths)),
   }
   compiled = {name: (compile_with(fn, args), args) for name, (fn, args) in fns.items()}
   want, got = (np.asarray(fn(*args), np.float32) for fn, args in (

@@ -50,14 +50,19 @@ def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
   return rows.reshape(b, per_row * page_size, *pages.shape[2:])
 
 
-def decode_inputs(inputs: Inputs) -> Inputs:
+def decode_inputs(inputs: Inputs, kv_lengths=None) -> Inputs:
   """The training op's inputs for a decoding call whose ``inputs.lengths`` hold (T, kv_length)
   per batch row: query row ``r`` sits at absolute position ``kv_length - T + r``, keys at their
   cache positions. Rows whose position is negative (a row holding fewer tokens than T) see no
-  key, and give zeros."""
+  key, and give zeros. ``kv_lengths`` (the caller's, validated) are kept as given too, int32
+  (`Inputs.kv_lengths`)."""
   t = inputs.query.shape[1]
   kv_len = inputs.lengths[:, 1]
-  return inputs._replace(offsets=jnp.stack([kv_len - t, jnp.zeros_like(kv_len)], axis=1))
+  raw = None
+  if kv_lengths is not None:
+    raw = jnp.reshape(jnp.asarray(kv_lengths), kv_len.shape).astype(jnp.int32)
+  return inputs._replace(offsets=jnp.stack([kv_len - t, jnp.zeros_like(kv_len)], axis=1),
+                         kv_lengths=raw)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a static argument of the VJP

@@ -433,7 +433,7 @@ def _operands(inputs: Inputs):
            "offsets": (BATCH, None), "q_segment_ids": (BATCH, None),
            "kv_segment_ids": (BATCH, None), "dropout_seed": (None,), "sinks": (HEADS,),
            "q_descale": (BATCH, None, HEADS), "k_descale": (BATCH, None, KV_HEADS),
-           "v_descale": (BATCH, None, KV_HEADS)}
+           "v_descale": (BATCH, None, KV_HEADS), "kv_lengths": (BATCH,)}
   names, operands, roles = [], [], []
   for name in Inputs._fields:
     x = getattr(inputs, name)

@@ -120,6 +120,8 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
     return "score_mod and mask_mod"
   if params.partial:
     return "partial results (ring attention)"
+  if inputs.kv_lengths is None:
+    return "a call without the caller's key lengths (`Inputs.kv_lengths`: decode_attention's)"
   return None
 
 
@@ -190,23 +192,26 @@ def _proxy_fence():
   mgpu.utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
 
-def _kernel(q_ref, k_ref, lengths_ref, offsets_ref, table_ref, out_ref, lse_ref, final_out_ref,
+def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, out_ref, lse_ref, final_out_ref,
             final_lse_ref, q_union, k_union, p_smem, row_smem, zero_smem, q_ready, k_ready,
             k_free, p_ready, p_free, merge_go, merge_ready, *, params: Params, t: int,
             group: int, kv_heads: int, splits: int, page_size: int | None, value_dim: int,
             stages: int, merge: bool, row_blocks: int, batch_heads: int,
-            packing: tuple[int, int]):
+            packing: tuple[int, int], kv_rows: int):
   """One CTA: ``final_out_ref``, ``final_lse_ref``, ``merge_go`` and ``merge_ready`` are None
-  unless ``merge`` (the group's last split merges the splits, `partial_results`)."""
+  unless ``merge`` (the group's last split merges the splits, `partial_results`).
+  ``kv_lengths_ref`` holds the caller's key lengths as given (`Inputs.kv_lengths`), clipped
+  here to the cache's ``kv_rows``."""
   q_tiles, o_stages, *final_stages = q_union  # (one Q tile: see `backward._opaque_zero`)
   # With the merge, the key ring's memory holds the splits' tiles and LSE rows once it is free.
   k_smem, *merge_buffers = k_union if merge else (k_union,)
   wg = lax.axis_index("wg")
   bk, split, rb = lax.axis_index("bk"), lax.axis_index("split"), lax.axis_index("rb")
   batch, kv_head = lax.div(bk, jnp.int32(kv_heads)), lax.rem(bk, jnp.int32(kv_heads))
-  diagonal = (jnp.int32(0) if offsets_ref is None
-              else offsets_ref[batch, 0] - offsets_ref[batch, 1])
-  bounds = (lengths_ref[batch, 0], lengths_ref[batch, 1], diagonal)
+  # (The positions `jaxflash.ops.decode.decode_inputs` gives: T query rows, the last at the
+  # row's last key.)
+  kv_len = jnp.clip(kv_lengths_ref[batch], 0, kv_rows)
+  bounds = (jnp.int32(t), kv_len, kv_len - t)
   full_key, end_key = _key_range(bounds, t, params.window)
   block_k = jnp.int32(BLOCK_K)  # (int32 under jax_enable_x64 too)
   blocks, full_blocks = pl.cdiv(end_key, block_k), lax.div(full_key, block_k)
@@ -619,14 +624,15 @@ def _launch(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages, merg
   kernel = functools.partial(_kernel, params=params, t=t, group=g,
                              kv_heads=kv_heads, splits=splits, page_size=page_size,
                              value_dim=hv, stages=stages, merge=merge, row_blocks=row_blocks,
-                             batch_heads=b * kv_heads, packing=packing)
+                             batch_heads=b * kv_heads, packing=packing,
+                             kv_rows=inputs.key.shape[1])
   if merge:
     body = kernel
     finals = (_core.out_struct((b, t, n, hv), q.dtype, q),
               _core.out_struct((b, kv_heads, rows_used), jnp.float32, q))
   else:
-    def body(*refs):  # (five inputs and two outputs, then the scratch)
-      return kernel(*refs[:7], None, None, *refs[7:], None, None)
+    def body(*refs):  # (four inputs and two outputs, then the scratch)
+      return kernel(*refs[:6], None, None, *refs[6:], None, None)
 
     finals = ()
   results = plgpu.kernel(
@@ -645,5 +651,5 @@ def _launch(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages, merg
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
                                            reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if params.interpret else None,
-  )(q, cache, inputs.lengths, inputs.offsets, table)
+  )(q, cache, inputs.kv_lengths, table)
   return results
