@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxflash
+from jaxflash import _checks
 from jaxflash.backends.mosaic import decode as mla
 from jaxflash.ops.decode import decode_inputs
 
@@ -112,8 +113,7 @@ def parts(b: int, s: int, t: int, heads: int, variants=(), seed: int = 0):
   def made(q, cache, kv_lengths):
     """The kernel's inputs: it reads the caller's lengths as given (`Inputs.kv_lengths`); the
     training op's ``lengths`` and ``offsets`` are made too, and left unused (no XLA op)."""
-    kv = jnp.clip(kv_lengths, 0, s)
-    lengths = jnp.stack([jnp.full_like(kv, t), kv], axis=1)  # (T, kv_length) a row
+    lengths = _checks._lengths(None, kv_lengths, b, t, s)  # (T, kv_length) a row, clipped
     return decode_inputs(inputs._replace(query=q, key=cache, value=cache[..., :VALUE_DIM],
                                          lengths=lengths), kv_lengths)
 
