@@ -34,6 +34,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402
@@ -172,13 +173,34 @@ def reference(q, kc, vc, lengths, table) -> np.ndarray:
                          for i in range(0, b, rows)])
 
 
-def copy_tb_s(nbytes: int) -> float:
+def copy_tb_s(nbytes: int, calls: int = 20, steps: int = 1) -> float:
   """Bandwidth of a device-to-device copy of ``nbytes``: an elementwise op on 32-bit words (one
   read and one write of each byte), both counted, as a copy's bandwidth is quoted. A decoding
-  kernel only reads, so it can come above 1.0 of it."""
+  kernel only reads, so it can come above 1.0 of it. Timed like the decoding calls: ``calls``
+  back-to-back calls a repeat, each of ``steps`` copies in one executable (`in_graph`)."""
   x = jnp.arange(nbytes // 4, dtype=jnp.uint32)
-  ms = time_call(jax.jit(lambda x: x ^ 1), (x,))
+  ms = time_call(jax.jit(in_graph(lambda x: x ^ 1, steps)), (x,), calls=calls) / steps
   return 2 * nbytes / ms / 1e9
+
+
+def in_graph(fn, steps: int):
+  """``steps`` calls of ``fn`` in one executable, one after another, as a model's decoding step
+  makes them (a call a layer): timed, a call's GPU time without a host dispatch of its own
+  (in a call a repeat of 20 or 200, the host's 70-90 µs to enqueue a Mosaic GPU call is close to
+  the 80 µs of GPU work it asks for at 256k cached tokens, and bounds it). Each call's first
+  argument goes through an optimization barrier with the last call's output, so XLA can
+  neither merge the calls (they read the same arrays) nor run or fuse two at once. ``steps``
+  1 is ``fn``."""
+  if steps == 1:
+    return fn
+
+  def calls(first, *rest):
+    outs = []
+    for _ in range(steps):
+      arg = first if not outs else lax.optimization_barrier((first, outs[-1]))[0]
+      outs.append(fn(arg, *rest))
+    return outs
+  return calls
 
 
 def run(cfg: dict) -> dict:
@@ -201,7 +223,7 @@ def run(cfg: dict) -> dict:
       vc = kc[..., :dv]
     want = reference(q, kc, vc, lengths, table) if cfg["check"] else None
     if nbytes not in copies:
-      copies[nbytes] = copy_tb_s(nbytes)
+      copies[nbytes] = copy_tb_s(nbytes, cfg["calls"], cfg.get("steps") or 1)
     copy_tbs = copies[nbytes]
     base = dict(B=b, S=s, T=t, N=n, K=k, D=d, layout=layout, dtype=dtype.name, bytes=nbytes,
                 copy_tb_s=round(copy_tbs, 3))
@@ -244,6 +266,9 @@ def _prepare(row: dict, fn, args, want, cfg: dict):
       row["error"] = float(np.linalg.norm(out - want) / np.linalg.norm(want))
       if not row["error"] < cfg["tolerance"]:
         row["failed"] = f"relative error {row['error']:.3g}"
+    if (cfg.get("steps") or 1) > 1:  # timed as calls of a step (`in_graph`)
+      row["steps"] = cfg["steps"]
+      compiled = jax.jit(in_graph(fn, cfg["steps"])).lower(*args).compile()
   except Exception as e:  # noqa: BLE001 - one failing implementation must not end the run
     row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
   return row, (None if "failed" in row else compiled)
@@ -259,14 +284,15 @@ def _time_rounds(prepared, args, cfg: dict) -> None:
   for _ in range(cfg.get("rounds") or 1):
     for row, compiled in timed:
       ms = time_call(compiled, args, calls=cfg["calls"], repeats=cfg["repeats"])
+      ms /= row.get("steps", 1)
       row.setdefault("us_rounds", []).append(round(ms * 1e3, 2))
   for row, compiled in timed:
     us = float(np.median(row["us_rounds"]))
     tb_s = row["bytes"] / us / 1e6
     row.update(us=round(us, 2), tb_s=round(tb_s, 3), of_copy=round(tb_s / row["copy_tb_s"], 3))
     if cfg.get("profile"):  # where a call's GPU time goes: the attention kernel and the rest
-      calls = 5
-      events = [e for plane in gpu_events(compiled, args, calls).values() for e in plane]
+      events = [e for plane in gpu_events(compiled, args, 5).values() for e in plane]
+      calls = 5 * row.get("steps", 1)  # (of `fn`: the executable's 5 calls, `steps` each)
       row["kernels"] = [dict(k, us=round(k["us"], 2))
                         for k in kernel_totals(events, calls, width=60)]
       if events:  # the traced calls' GPU time from first start to last end, per call: above
@@ -444,7 +470,11 @@ def main(argv=None) -> None:
   parser.add_argument("--impls", nargs="+", choices=IMPLS,
                       default=["jaxflash", "cudnn", "xla", "pallas_decode"])
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-  parser.add_argument("--calls", type=int, default=20)
+  parser.add_argument("--calls", type=int, default=20,
+                      help="back-to-back calls a timing repeat (the copy's too)")
+  parser.add_argument("--steps", type=int, default=1,
+                      help="calls in one executable (`in_graph`: a model's decoding step, no "
+                           "host dispatch a call), the copy's too; 1: each call its own")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--rounds", type=int, default=1,
                       help="interleaved rounds per cell: each implementation timed once per "
