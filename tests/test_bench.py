@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -702,3 +703,25 @@ def test_ring_masks_smoke(tmp_path):
   assert {r["call"] for r in rows} == {"flash_segments", "flash_block_mask", "ring_segments",
                                        "ring_mask_mod", "create_block_mask"}
   assert all(r["reldiff"] < 1e-5 for r in rows if "reldiff" in r)
+
+
+def test_decode_steps_time_calls_inside_one_executable(tmp_path, monkeypatch):
+  """decode.py's ``--steps``: ``in_graph`` makes that many calls in one executable, none merged
+  into another although they read the same arrays, and a row's time and kernels are per call
+  of the function, not of the executable."""
+  import decode
+  outs = jax.jit(decode.in_graph(lambda x, y: x * y, 3))(jnp.ones(4), jnp.full(4, 2.0))
+  assert len(outs) == 3 and all(np.all(np.asarray(o) == 2.0) for o in outs)
+  hlo = jax.jit(decode.in_graph(jnp.sin, 3)).lower(jnp.ones(4)).compile().as_text()
+  assert hlo.count(" sine(") == 3
+  assert decode.in_graph(jnp.sin, 1) is jnp.sin
+  one_executable = [(0, 20000, "kernel"), (20000, 22000, "fusion"),
+                    (22000, 42000, "kernel"), (42000, 44000, "fusion")]
+  monkeypatch.setattr(decode, "gpu_events",
+                      lambda fn, args, calls: {"/device:GPU:0": one_executable * calls})
+  out = tmp_path / "decode.json"
+  decode.main(["--smoke", "--profile", "--steps", "2", "--impls", "jaxflash", "--out", str(out)])
+  for row in json.loads(out.read_text())["rows"]:
+    assert "failed" not in row and row["steps"] == 2 and row["us"] > 0
+    assert row["kernels"] == [dict(name="kernel", us=20.0, count=1),
+                              dict(name="fusion", us=2.0, count=1)]
