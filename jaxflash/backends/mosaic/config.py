@@ -622,6 +622,9 @@ GQA_BACKWARD: dict[tuple[int, bool], dict] = {
 #   8k 548 against 540 (528), 16k 553 against 552 (537); GQA 64/8 8k 547 against 548 (521),
 #   16k 557 against 560 (545). D = 64 slower (4k 435 against 442, 16k 464 against 472). So
 #   D = 128 without a band. ptxas: no spills for MHA; GQA 64/8 8 bytes stored, 16 loaded.
+#   At D = 256 (its dK pass forms dQ; H200, 2026-11-29, fifteenth session, atomic_check.py,
+#   3 rounds, the wide shapes matched the reference) it ran slower: 4k 404 against 415, 16k
+#   436 against 439 (cuDNN 400, 401), so not there either.
 ATOMIC_TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(atomic=True),
     (64, True): dict(atomic=True),
