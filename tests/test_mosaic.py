@@ -1424,34 +1424,3 @@ def test_fp8_forward_lowers(h, causal, per_token, config, out_dtype):
                                  q_descale=q_descale, k_descale=k_descale, config=config,
                                  out_dtype=out_dtype)
   assert "mosaic_gpu" in _lower(fn, q, kv, kv, q_d, k_d)
-
-
-@pytest.mark.parametrize("option,overlap", [("causal_window", False), ("short_rows", True),
-                                            ("dropout", False)])
-def test_row_sums_on_the_tensor_cores(option, overlap):
-  """Forward, LSE and gradients with each row's softmax denominator summed by a wgmma of P and
-  a ones column (`Config.mma_row_sums`), one step at a time and with the intra-warpgroup
-  overlap (whose sums lag a block, like O's): masked entries, rows that see no key and padding
-  rows. With dropout the kernel sums as before (P V reads the dropped P)."""
-  config = dataclasses.replace(SMALL_CONFIGS["mosaic"], mma_row_sums=True,
-                               intra_wg_overlap=overlap)
-  b, t, s, n, k, h = (3, 300, 333, 4, 2, 64) if ON_GPU else (2, 200, 133, 2, 1, 64)
-  make = _short_rows if option == "short_rows" else OPTIONS[option]
-  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config,
-        **make(b, t, s, n, 0))
-
-
-@needs_cuda_plugin
-@pytest.mark.parametrize("dtype,h,causal,fields", [
-    (BF16, 64, False, dict(block_kv=256, persistent_ctas=132)),
-    (BF16, 64, True, dict(persistent_ctas=132, q_buffers=2, paired_tiles=True)),
-    (BF16, 128, True, dict(intra_wg_overlap=True)),
-    (jnp.float8_e4m3fn, 128, False, dict(block_kv=256)),
-    (jnp.float8_e4m3fn, 128, True, dict(block_kv=128, intra_wg_overlap=True))])
-def test_row_sums_on_the_tensor_cores_lower(dtype, h, causal, fields):
-  """`Config.mma_row_sums` lowers for CUDA: its N = 8 wgmma of P (16-bit, or e4m3 from
-  registers) and the ones tile, one step at a time, with the overlap and on persistent grids."""
-  config = mosaic.Config(mma_row_sums=True, **fields)
-  q = jax.ShapeDtypeStruct((2, 300, 4, h), dtype)
-  kv = jax.ShapeDtypeStruct((2, 1000, 2, h), dtype)
-  assert "mosaic_gpu" in _lower(_forward(config, is_causal=causal), q, kv, kv)

@@ -72,14 +72,6 @@ VARIANTS = {
                                     o_through_q=True),
     "kv128_persistent_q2_paired": dict(block_kv=128, persistent_ctas=132, q_buffers=2,
                                        paired_tiles=True),
-    # Each row's softmax denominator summed on the tensor cores (`Config.mma_row_sums`), on
-    # `TUNED`'s tiles for D = 64 and 128.
-    "kv256_persistent_sums": dict(block_kv=256, persistent_ctas=132, mma_row_sums=True),
-    "kv128_persistent_q2_paired_sums": dict(block_kv=128, persistent_ctas=132, q_buffers=2,
-                                            paired_tiles=True, mma_row_sums=True),
-    "kv128_overlap_persistent_sums": dict(block_kv=128, intra_wg_overlap=True,
-                                          persistent_ctas=132, mma_row_sums=True),
-    "kv128_overlap_sums": dict(block_kv=128, intra_wg_overlap=True, mma_row_sums=True),
 }
 
 

@@ -278,11 +278,6 @@ class Config:
   # without a causal band, and 779, 748 and 720 against 773 with one: the polynomial's ten
   # FMA-pipe instructions per entry cost more than the exp units' wait they save there.
   exp2_poly_cols: int = 0
-  # Each row's softmax denominator summed on the tensor cores: P times a ones column (one more
-  # wgmma an step, N = 8, into a [block_q, 8] accumulator that O's rescales scale too) instead
-  # of a float32 add per entry, so that the sum is of the 16-bit (or e4m3) P that P V reads.
-  # Calls with dropout (whose P V reads the dropped P, the sum the undropped one) sum as before.
-  mma_row_sums: bool = False
   # Registers per thread of each consumer warpgroup (the producer gets what is left of 504:
   # 40 at 232, 24 at 240). FlashAttention-3 gives its FP8 D = 256 consumers 240.
   registers: int = 232
@@ -365,8 +360,7 @@ def smem_bytes(config: Config, head_dim: int, partial: bool = False,
                       + config.num_stages * config.block_kv * (hp + hvp))
   own_o = o_view(config, hp, hvp, partial, itemsize) is None
   o_bytes = 4 if partial else 2 if own_o else 0
-  ones = 8 * config.block_kv * itemsize if config.mma_row_sums else 0  # (`mma_row_sums`)
-  return tiles + 8 * 64 + o_bytes * 2 * config.block_q * hvp + ones
+  return tiles + 8 * 64 + o_bytes * 2 * config.block_q * hvp
 
 
 # Streaming multiprocessors of the Hopper parts (SXM and GH200: 132), for persistent grids.

@@ -158,9 +158,6 @@ class _Extras(NamedTuple):
   q_descale: jax.Array | None = None
   k_descale: jax.Array | None = None
   v_descale: jax.Array | None = None
-  # With `Config.mma_row_sums`: a [8, block_kv] tile in V's dtype, ones in row 0 and zeros
-  # below, the B of the wgmma that sums each row of P.
-  row_sum_ones: jax.Array | None = None
 
 
 def _iota(shape, dim: int):
@@ -633,8 +630,8 @@ def _for_items(count, run_item):
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref, lse_ref,
             q_smems, k_smem, v_smem, lse_smem, o_smems, q_ready, k_ready, v_ready, k_free, v_free,
-            turns, ones_smem, ones_ready, *, params: Params, config: Config, schedule: Schedule,
-            groups: int, grid: _Grid, o_union: bool):
+            turns, *, params: Params, config: Config, schedule: Schedule, groups: int,
+            grid: _Grid, o_union: bool):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
   if o_union:  # one memory, two views: the Q tiles, and O's tiles over the same bytes
     q_smems, o_smems = q_smems
@@ -706,11 +703,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem, ready)
 
     load_q(0)
-    # (`Config.mma_row_sums`: the ones tile, loaded once by the producer.)
-    row_sums = ones_smem is not None
-    if row_sums:
-      plgpu.barrier_wait(ones_ready.at[0])
-      ones = ones_smem.T  # [keys, 8]: row sums of P in column 0
     # The turns alternate over the blocks of all the CTA's items as one sequence, consumer 0
     # first. A turn starts where a consumer awaits it and ends where it passes it on: without
     # the overlap a turn runs from before a P V to after the next Q Kᵀ, so consumer 1 waits
@@ -864,8 +856,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         scaled = x * (_rows(c, x.shape) if jnp.ndim(c) else c)
         p = exp2_mixed(scaled - _rows(m_shift, x.shape), config.exp2_poly_cols,
                        params.interpret)
-        if not row_sums:  # (else the P V step sums P on the tensor cores, into ``l``)
-          l = l * alpha + p.sum(axis=1)  # the undropped sum: dropout leaves the LSE alone
+        l = l * alpha + p.sum(axis=1)  # the undropped sum: dropout leaves the LSE alone
         if row_key is not None:  # dropped entries leave P V only; 1 / P(keep) is applied once
           cols = masking.shifted(j * block_kv + _iota(p.shape, 1), pos.kv_offset)
           p = jnp.where(dropout.keep_entries(_rows(row_key, p.shape), cols,
@@ -881,17 +872,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         v = v_smem[slot].T if quantized else v_smem[slot]
         return jnp.dot(p16, v, preferred_element_type=jnp.float32)
 
-      def plain_sums(l, p16):
-        """``l`` plus P's row sums as a plain dot (the interpreter), with `mma_row_sums`."""
-        if not row_sums:
-          return l
-        return l + jnp.dot(p16, ones_smem[...].T, preferred_element_type=jnp.float32)
-
-      def scaled_sums(l, alpha):
-        """The tensor cores' row sums (`mma_row_sums`) rescaled with O; else ``l``, which the
-        softmax rescaled."""
-        return l * _rows(alpha, l.shape) if row_sums else l
-
       def rounded(p):
         """P as the next P V takes it from registers: 16-bit, or an FP8 call's e4m3."""
         if not quantized:
@@ -899,25 +879,16 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         p8 = p.astype(jnp.float8_e4m3fn)
         return p8 if params.interpret else _fp8_operand(p8)
 
-      def pv_turn(acc, l, p16, slot, meanwhile):
-        """In this consumer's next turn: O += P V (V from ``slot``), and with `mma_row_sums`
-        l += P's row sums, running ``meanwhile()`` while the matmuls are in flight; then frees
-        the V slot. Returns ``(acc, l)``."""
+      def pv_turn(acc, p16, slot, meanwhile):
+        """In this consumer's next turn: O += P V (V from ``slot``), running ``meanwhile()``
+        while the matmul is in flight; then frees the V slot."""
         plgpu.barrier_wait(v_ready.at[slot])
         await_turn()  # the tensor cores are ours again
         if params.interpret:
           # Mosaic GPU's interpreter (tests on a CPU) has neither run_state nor a wgmma operand
           # in registers: there P V is a plain dot of the same tiles.
-          acc, l = acc + plain_pv(p16, slot), plain_sums(l, p16)
+          acc = acc + plain_pv(p16, slot)
           meanwhile()
-        elif row_sums:
-          def pv_and_sums(refs):
-            acc_ref, l_ref = refs
-            plgpu.wgmma(acc_ref, p16, v_operand(slot))
-            plgpu.wgmma(l_ref, p16, ones)
-            meanwhile()
-
-          acc, l = pl.run_state(pv_and_sums)((plgpu.ACC.init(acc), plgpu.ACC.init(l)))
         else:
           def pv(acc_ref):
             plgpu.wgmma(acc_ref, p16, v_operand(slot))
@@ -925,7 +896,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
           acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulates in place
         plgpu.barrier_arrive(v_free.at[slot])
-        return acc, l
+        return acc
 
       def step(n, j, carry, masked: bool):
         """Visit n (block j), one step at a time: S, softmax, then P V (the ping-pong turn
@@ -935,7 +906,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         s, inputs = scores(j, slot, masked)
         p, m_new, l, alpha = softmax(j, s, m, l, masked, inputs)
         p16 = rounded(p)
-        acc, l = acc * _rows(alpha, acc.shape), scaled_sums(l, alpha)
+        acc = acc * _rows(alpha, acc.shape)
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
 
         # Computed outside `pv_turn`'s run_state, which must not close over constants.
@@ -944,8 +915,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         def wait_next_k():  # while the P V matmul runs
           pl.when(has_next)(lambda: plgpu.barrier_wait(k_ready.at[next_slot]))
 
-        acc, l = pv_turn(acc, l, p16, slot, wait_next_k)
-        return acc, m_new, l
+        return pv_turn(acc, p16, slot, wait_next_k), m_new, l
 
       # Intra-warpgroup overlap (`Config.intra_wg_overlap`): step j issues Q K_jᵀ and then
       # P_{j-1} V_{j-1} in one turn, and runs block j's softmax while the P V matmul is still
@@ -967,32 +937,25 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         plgpu.barrier_wait(v_ready.at[prev])
         await_turn()
         if params.interpret:  # the interpreter's P V is a plain dot (see `pv_turn`)
-          acc, l = acc + plain_pv(p_prev, prev), plain_sums(l, p_prev)
+          acc = acc + plain_pv(p_prev, prev)
           s, inputs = scores(j, slot, masked)
           p, m, l, alpha = softmax(j, s, m, l, masked, inputs)
         else:
           def block(refs):
             acc_ref, p_ref, m_ref, l_ref, alpha_ref = refs
-
-            def also():  # P_{j-1} V_{j-1}, and its row sums into l (`mma_row_sums`)
-              plgpu.wgmma(acc_ref, p_prev, v_operand(prev))
-              if row_sums:
-                plgpu.wgmma(l_ref, p_prev, ones)
-
-            s, inputs = scores(j, slot, masked, also=also)
-            p_ref[...], m_ref[...], l_new, alpha_ref[...] = softmax(j, s, m, l, masked, inputs)
-            if not row_sums:  # (else l_ref is the sums' accumulator, in flight)
-              l_ref[...] = l_new
+            s, inputs = scores(j, slot, masked,
+                               also=lambda: plgpu.wgmma(acc_ref, p_prev, v_operand(prev)))
+            p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(j, s, m, l, masked,
+                                                                         inputs)
 
           # run_state waits for every wgmma when it ends: P_{j-1} V_{j-1} is then in acc. O and
           # P_{j-1} are the in-flight matmul's operands, so nothing may write their registers
           # before then: O is rescaled, and P_j rounded to 16 bits, only afterwards (else ptxas
           # serialises every wgmma, warning C7513).
           acc, p, m, l, alpha = pl.run_state(block)(
-              (plgpu.ACC.init(acc), p_scratch(p_prev), m,
-               plgpu.ACC.init(l) if row_sums else l, m))
+              (plgpu.ACC.init(acc), p_scratch(p_prev), m, l, m))
         plgpu.barrier_arrive(v_free.at[prev])
-        return acc * _rows(alpha, acc.shape), m, scaled_sums(l, alpha), rounded(p)
+        return acc * _rows(alpha, acc.shape), m, l, rounded(p)
 
       def p_scratch(p_prev):
         """A float32 tile in the accumulator's layout for the next P (an FP8 P operand has the
@@ -1003,16 +966,12 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
       def last(n, carry):
         acc, m, l, p16 = carry
-        acc, l = pv_turn(acc, l, p16, slot_at(n), pass_turn)
-        return acc, m, l, p16
+        return pv_turn(acc, p16, slot_at(n), pass_turn), m, l, p16
 
-      # (`mma_row_sums`: l is the [block_q, 8] accumulator of P's row sums, in column 0.)
-      l_init = (plgpu.layout_cast(jnp.zeros((block_q, 8), jnp.float32), plgpu.Layout.WGMMA)
-                if row_sums else plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROWS))
       init = (plgpu.layout_cast(jnp.zeros((block_q, value_dim), jnp.float32),
                                 plgpu.Layout.WGMMA),
               plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _ROWS),
-              l_init)
+              plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROWS))
       if config.intra_wg_overlap:
         p_init = plgpu.layout_cast(
             jnp.zeros((block_q, block_kv), jnp.float8_e4m3fn if quantized else q_smem.dtype),
@@ -1022,8 +981,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         acc, m, l, _ = lax.fori_loop(jnp.maximum(visits - 1, 0), visits, last, carry)
       else:
         acc, m, l = walk(spans, step, init)
-      if row_sums:  # (columns 1-7 hold zeros: the sum is column 0's, exactly)
-        l = l.sum(axis=1)
       if grid.ctas is not None and q_buffers == 1 and not o_in_q:
         # Q is no longer read: the next item's loads while O goes out.
         pl.when(i + 1 < count)(lambda: load_q(i + 1))
@@ -1083,8 +1040,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   @pl.when(wg == _CONSUMERS)
   def _producer():
     plgpu.set_max_registers(config.producer_registers, action="decrease")
-    if ones_smem is not None:  # (`Config.mma_row_sums`)
-      plgpu.copy_gmem_to_smem(extras.row_sum_ones, ones_smem, ones_ready.at[0])
 
     def run_item(i, first_block):
       batch, head, cta_start, pos, spans = where(i)
@@ -1309,10 +1264,6 @@ def forward(inputs: Inputs, params: Params, config: Config):
   elementwise = extras.mask is not None or extras.q_segment_ids is not None
   schedule = Schedule(params.window, rows_per_cta, config.block_kv, elementwise)
   stages = config.num_stages
-  # Row sums on the tensor cores (`Config.mma_row_sums`), but where P V reads the dropped P.
-  row_sums = config.mma_row_sums and inputs.dropout_seed is None
-  if row_sums:
-    extras = extras._replace(row_sum_ones=jnp.zeros((8, config.block_kv), v.dtype).at[0].set(1))
   out_dtype = jnp.float32 if params.partial else params.output_dtype(inputs)
   out_bytes = jnp.dtype(out_dtype).itemsize
   view = o_view(config, hp, hvp, params.partial, q.dtype.itemsize, out_bytes)
@@ -1350,10 +1301,6 @@ def forward(inputs: Inputs, params: Params, config: Config):
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # v_free
       # The consumers' turns in the interpreter (named barriers on the GPU need no memory).
       plgpu.Barrier(num_barriers=_CONSUMERS) if params.interpret else None,
-      # `mma_row_sums`: the ones tile (keys along its rows, like V's FP8 tiles) and its load.
-      _smem_tile((8, config.block_kv), v.dtype, min(128, config.block_kv * v.dtype.itemsize))
-      if row_sums else None,
-      plgpu.Barrier(num_barriers=1) if row_sums else None,
   )
   items = _Grid(b, n, q_tiles, None)
   # Pallas walks its grid row-major (batch fastest here): the CTAs running at once share a
