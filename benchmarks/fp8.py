@@ -100,6 +100,10 @@ CONFIGS = {
     "kv128_persistent": dict(block_kv=128, persistent_ctas=132),
     "kv128_overlap_persistent": dict(block_kv=128, intra_wg_overlap=True, persistent_ctas=132),
     "kv256": dict(block_kv=256),
+    # The row sums in the P V product (`Config.mma_row_sums`).
+    "kv256_sums": dict(block_kv=256, mma_row_sums=True),
+    "kv128_overlap_r240_sums": dict(block_kv=128, intra_wg_overlap=True, registers=240,
+                                    mma_row_sums=True),
     "kv64": dict(block_kv=64),
     "kv256_persistent": dict(block_kv=256, persistent_ctas=132),
     "kv256_overlap": dict(block_kv=256, intra_wg_overlap=True),

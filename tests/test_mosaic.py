@@ -1424,3 +1424,48 @@ def test_fp8_forward_lowers(h, causal, per_token, config, out_dtype):
                                  q_descale=q_descale, k_descale=k_descale, config=config,
                                  out_dtype=out_dtype)
   assert "mosaic_gpu" in _lower(fn, q, kv, kv, q_d, k_d)
+
+
+@pytest.mark.parametrize("fields", [dict(block_kv=128), dict(block_kv=128, intra_wg_overlap=True)])
+def test_fp8_row_sums_in_the_value_tiles(fields):
+  """`Config.mma_row_sums`: an FP8 forward whose V tiles carry a ones row, so that the P V
+  product sums each row of P, matches the same forward summing in float32 within FP8's
+  rounding (and both the reference), one step at a time and with the overlap, causal with
+  rows that see no key; a 16-bit call ignores it."""
+  b, t, s, n, k, h = (2, 300, 333, 4, 2, 128) if ON_GPU else (1, 130, 200, 2, 1, 128)
+  keys = jax.random.split(jax.random.key(3), 3)
+  q, kk, v = (jax.random.normal(key, (b, x, heads, h), jnp.float32)
+              for key, x, heads in zip(keys, (t, s, s), (n, k, k)))
+  lengths = dict(query_seq_lengths=jnp.array([t, 7][:b] if b > 1 else [t]),
+                 key_value_seq_lengths=jnp.array([s, 0][:b] if b > 1 else [s - 50]))
+  q8, k8, v8 = (x.astype(jnp.float8_e4m3fn) for x in (q, kk, v))
+
+  def run(sums):
+    config = mosaic.Config(mma_row_sums=sums, **fields)
+    return np.asarray(attention_with_config(q8, k8, v8, implementation="mosaic", is_causal=True,
+                                            config=config, interpret=not ON_GPU, **lengths),
+                      np.float32)
+
+  want = np.asarray(attention_with_config(q8, k8, v8, implementation="xla", is_causal=True,
+                                          **lengths), np.float32)
+  summed, plain = run(True), run(False)
+  assert np.isfinite(summed).all()
+  err = lambda x: np.linalg.norm(x - want) / np.linalg.norm(want)  # noqa: E731
+  assert err(summed) < 4e-2 and err(summed) < 1.5 * err(plain), (err(summed), err(plain))
+  if b > 1:  # the row with no key gives zeros
+    np.testing.assert_array_equal(summed[1], 0.0)
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("fields", [dict(block_kv=256), dict(block_kv=128, intra_wg_overlap=True),
+                                    dict(block_kv=128, intra_wg_overlap=True, registers=240)])
+def test_fp8_row_sums_in_the_value_tiles_lower(fields):
+  """`Config.mma_row_sums` lowers for CUDA: FP8 V tiles of Dv + 8 rows, the ones rows loaded
+  once, P V with N = Dv + 8 (D = 128; at D = 256, where N would pass 256, the kernel sums as
+  before)."""
+  f8 = jnp.float8_e4m3fn
+  for h in (128, 256) if fields["block_kv"] == 128 else (128,):
+    q = jax.ShapeDtypeStruct((2, 300, 4, h), f8)
+    kv = jax.ShapeDtypeStruct((2, 1000, 2, h), f8)
+    config = mosaic.Config(mma_row_sums=True, **fields)
+    assert "mosaic_gpu" in _lower(_forward(config, is_causal=True), q, kv, kv)

@@ -158,6 +158,9 @@ class _Extras(NamedTuple):
   q_descale: jax.Array | None = None
   k_descale: jax.Array | None = None
   v_descale: jax.Array | None = None
+  # `Config.mma_row_sums`: [8, keys of a block] in V's FP8 dtype, ones in row 0 and zeros
+  # below, loaded once under each stage's V tile.
+  row_sum_ones: jax.Array | None = None
 
 
 def _iota(shape, dim: int):
@@ -630,8 +633,8 @@ def _for_items(count, run_item):
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref, lse_ref,
             q_smems, k_smem, v_smem, lse_smem, o_smems, q_ready, k_ready, v_ready, k_free, v_free,
-            turns, *, params: Params, config: Config, schedule: Schedule, groups: int,
-            grid: _Grid, o_union: bool):
+            turns, ones_ready, *, params: Params, config: Config, schedule: Schedule,
+            groups: int, grid: _Grid, o_union: bool):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
   if o_union:  # one memory, two views: the Q tiles, and O's tiles over the same bytes
     q_smems, o_smems = q_smems
@@ -639,6 +642,11 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   # is rounded to e4m3 (`_fp8_operand`).
   quantized = fp8.is_fp8(q_smems.dtype)
   value_dim = v_smem.shape[-2 if quantized else -1]  # (O's head dim: V's, maybe not Q's)
+  # (`Config.mma_row_sums`: an FP8 V tile's last 8 rows are the ones row and zeros, and the
+  # P V product's last 8 columns the rows' sums of P, in its first.)
+  row_sums = ones_ready is not None
+  if row_sums:
+    value_dim -= 8
   wg = lax.axis_index("wg")
   heavy_first = config.heavy_first and schedule.window.right is not None
   count, item = _items(grid, heavy_first, extras.order, config.paired_tiles)
@@ -703,6 +711,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem, ready)
 
     load_q(0)
+    if row_sums:  # (the V tiles' ones rows are in: see the producer)
+      plgpu.barrier_wait(ones_ready.at[0])
     # The turns alternate over the blocks of all the CTA's items as one sequence, consumer 0
     # first. A turn starts where a consumer awaits it and ends where it passes it on: without
     # the overlap a turn runs from before a P V to after the next Q Kᵀ, so consumer 1 waits
@@ -856,7 +866,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         scaled = x * (_rows(c, x.shape) if jnp.ndim(c) else c)
         p = exp2_mixed(scaled - _rows(m_shift, x.shape), config.exp2_poly_cols,
                        params.interpret)
-        l = l * alpha + p.sum(axis=1)  # the undropped sum: dropout leaves the LSE alone
+        if not row_sums:  # (else P V sums P on the tensor cores, in O's last columns)
+          l = l * alpha + p.sum(axis=1)  # the undropped sum: dropout leaves the LSE alone
         if row_key is not None:  # dropped entries leave P V only; 1 / P(keep) is applied once
           cols = masking.shifted(j * block_kv + _iota(p.shape, 1), pos.kv_offset)
           p = jnp.where(dropout.keep_entries(_rows(row_key, p.shape), cols,
@@ -968,7 +979,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         acc, m, l, p16 = carry
         return pv_turn(acc, p16, slot_at(n), pass_turn), m, l, p16
 
-      init = (plgpu.layout_cast(jnp.zeros((block_q, value_dim), jnp.float32),
+      init = (plgpu.layout_cast(jnp.zeros((block_q, value_dim + 8 * row_sums), jnp.float32),
                                 plgpu.Layout.WGMMA),
               plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _ROWS),
               plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROWS))
@@ -981,6 +992,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         acc, m, l, _ = lax.fori_loop(jnp.maximum(visits - 1, 0), visits, last, carry)
       else:
         acc, m, l = walk(spans, step, init)
+      if row_sums:  # (the sums' columns hold P's sums in the first, zeros in the rest)
+        acc, l = acc[:, :value_dim], acc[:, value_dim:].sum(axis=1)
       if grid.ctas is not None and q_buffers == 1 and not o_in_q:
         # Q is no longer read: the next item's loads while O goes out.
         pl.when(i + 1 < count)(lambda: load_q(i + 1))
@@ -1040,6 +1053,11 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   @pl.when(wg == _CONSUMERS)
   def _producer():
     plgpu.set_max_registers(config.producer_registers, action="decrease")
+    if row_sums:  # the ones rows under every stage's V tile, once (`Config.mma_row_sums`)
+      for slot in range(stages):
+        plgpu.copy_gmem_to_smem(extras.row_sum_ones, v_smem.at[slot].at[pl.ds(value_dim, 8)],
+                                ones_ready.at[0])
+      plgpu.barrier_wait(ones_ready.at[0])  # (before any V load lands in a stage)
 
     def run_item(i, first_block):
       batch, head, cta_start, pos, spans = where(i)
@@ -1056,7 +1074,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         if not quantized:
           return load(v_ref, v_smem, v_ready, j, slot)
         tile = v_ref.at[batch, kv_head, pl.ds(0, value_dim), pl.ds(j * block_kv, block_kv)]
-        plgpu.copy_gmem_to_smem(tile, v_smem.at[slot], v_ready.at[slot])
+        target = v_smem.at[slot].at[pl.ds(0, value_dim)] if row_sums else v_smem.at[slot]
+        plgpu.copy_gmem_to_smem(tile, target, v_ready.at[slot])
 
       def visit(n, j, carry, masked):
         del masked
@@ -1264,13 +1283,19 @@ def forward(inputs: Inputs, params: Params, config: Config):
   elementwise = extras.mask is not None or extras.q_segment_ids is not None
   schedule = Schedule(params.window, rows_per_cta, config.block_kv, elementwise)
   stages = config.num_stages
+  # An FP8 call's row sums in its P V product (`Config.mma_row_sums`), but where P V reads the
+  # dropped P, or where Dv + 8 is past a wgmma's widest N (256).
+  row_sums = (config.mma_row_sums and quantized and inputs.dropout_seed is None
+              and hvp + 8 <= 256)
+  if row_sums:
+    extras = extras._replace(row_sum_ones=jnp.zeros((8, config.block_kv), v.dtype).at[0].set(1))
   out_dtype = jnp.float32 if params.partial else params.output_dtype(inputs)
   out_bytes = jnp.dtype(out_dtype).itemsize
   view = o_view(config, hp, hvp, params.partial, q.dtype.itemsize, out_bytes)
   # One swizzle per product: Q and K rows of hp elements, P and V rows of block_kv FP8 ones.
   qk_swizzle = min(128, hp * q.dtype.itemsize)
   pv_swizzle = min(128, config.block_kv)
-  v_tile = ((stages, hvp, config.block_kv), pv_swizzle) if quantized else (
+  v_tile = ((stages, hvp + 8 * row_sums, config.block_kv), pv_swizzle) if quantized else (
       (stages, config.block_kv, hvp), 128)
   # Q (in one of ``q_buffers`` buffers per item), then O on the way out where it fits there.
   q_smem = _smem_tile((config.q_buffers * _CONSUMERS, config.block_q, hp), q.dtype, qk_swizzle)
@@ -1301,6 +1326,8 @@ def forward(inputs: Inputs, params: Params, config: Config):
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # v_free
       # The consumers' turns in the interpreter (named barriers on the GPU need no memory).
       plgpu.Barrier(num_barriers=_CONSUMERS) if params.interpret else None,
+      # `mma_row_sums`: the ones rows' loads, one a stage.
+      plgpu.Barrier(num_arrivals=stages, num_barriers=1) if row_sums else None,
   )
   items = _Grid(b, n, q_tiles, None)
   # Pallas walks its grid row-major (batch fastest here): the CTAs running at once share a
