@@ -100,7 +100,7 @@ CONFIGS = {
     "kv128_persistent": dict(block_kv=128, persistent_ctas=132),
     "kv128_overlap_persistent": dict(block_kv=128, intra_wg_overlap=True, persistent_ctas=132),
     "kv256": dict(block_kv=256),
-    # The row sums in the P V product (`Config.mma_row_sums`).
+    # The row sums on the tensor cores (`Config.mma_row_sums`).
     "kv256_sums": dict(block_kv=256, mma_row_sums=True),
     "kv128_overlap_r240_sums": dict(block_kv=128, intra_wg_overlap=True, registers=240,
                                     mma_row_sums=True),

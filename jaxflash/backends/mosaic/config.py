@@ -278,11 +278,10 @@ class Config:
   # without a causal band, and 779, 748 and 720 against 773 with one: the polynomial's ten
   # FMA-pipe instructions per entry cost more than the exp units' wait they save there.
   exp2_poly_cols: int = 0
-  # An FP8 call's softmax denominators summed on the tensor cores: V's tiles carry 8 more rows
-  # (a row of ones, then zeros), so the P V wgmma (N = Dv + 8) also sums each row of the e4m3 P
-  # into O's accumulator, where O's rescales scale it, instead of a float32 add per entry.
-  # 16-bit calls ignore it (an N = 8 wgmma of their own cost more than the adds: docs/fp8.md),
-  # as do value head dims above 248 (N would pass 256).
+  # An FP8 call's softmax denominators summed on the tensor cores: each block's P times a
+  # ones column (an N = 8 wgmma beside P V, into a [block_q, 8] accumulator that starts at zero
+  # each block: an FP8 wgmma keeps few bits of a long sum), instead of a float32 add per entry.
+  # 16-bit calls ignore it (there the extra wgmma cost more than the adds: docs/fp8.md).
   mma_row_sums: bool = False
   # Registers per thread of each consumer warpgroup (the producer gets what is left of 504:
   # 40 at 232, 24 at 240). FlashAttention-3 gives its FP8 D = 256 consumers 240.
@@ -366,8 +365,7 @@ def smem_bytes(config: Config, head_dim: int, partial: bool = False,
                       + config.num_stages * config.block_kv * (hp + hvp))
   own_o = o_view(config, hp, hvp, partial, itemsize) is None
   o_bytes = 4 if partial else 2 if own_o else 0
-  sums = config.mma_row_sums and itemsize == 1 and hvp + 8 <= 256  # (`forward`'s rule)
-  ones = 8 * config.num_stages * config.block_kv if sums else 0
+  ones = 8 * config.block_kv if config.mma_row_sums and itemsize == 1 else 0
   return tiles + 8 * 64 + o_bytes * 2 * config.block_q * hvp + ones
 
 

@@ -159,7 +159,7 @@ class _Extras(NamedTuple):
   k_descale: jax.Array | None = None
   v_descale: jax.Array | None = None
   # `Config.mma_row_sums`: [8, keys of a block] in V's FP8 dtype, ones in row 0 and zeros
-  # below, loaded once under each stage's V tile.
+  # below: the B of the wgmma that sums each row of P.
   row_sum_ones: jax.Array | None = None
 
 
@@ -633,7 +633,8 @@ def _for_items(count, run_item):
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref, lse_ref,
             q_smems, k_smem, v_smem, lse_smem, o_smems, q_ready, k_ready, v_ready, k_free, v_free,
-            turns, ones_ready, *, params: Params, config: Config, schedule: Schedule,
+            turns, ones_smem, ones_ready, *, params: Params, config: Config,
+            schedule: Schedule,
             groups: int, grid: _Grid, o_union: bool):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
   if o_union:  # one memory, two views: the Q tiles, and O's tiles over the same bytes
@@ -642,11 +643,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   # is rounded to e4m3 (`_fp8_operand`).
   quantized = fp8.is_fp8(q_smems.dtype)
   value_dim = v_smem.shape[-2 if quantized else -1]  # (O's head dim: V's, maybe not Q's)
-  # (`Config.mma_row_sums`: an FP8 V tile's last 8 rows are the ones row and zeros, and the
-  # P V product's last 8 columns the rows' sums of P, in its first.)
-  row_sums = ones_ready is not None
-  if row_sums:
-    value_dim -= 8
+  row_sums = ones_smem is not None  # (`Config.mma_row_sums`)
   wg = lax.axis_index("wg")
   heavy_first = config.heavy_first and schedule.window.right is not None
   count, item = _items(grid, heavy_first, extras.order, config.paired_tiles)
@@ -711,8 +708,10 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem, ready)
 
     load_q(0)
-    if row_sums:  # (the V tiles' ones rows are in: see the producer)
+    if row_sums:  # the ones tile, loaded once by the producer
       plgpu.barrier_wait(ones_ready.at[0])
+      ones = ones_smem.T  # [keys, 8]: P's row sums in column 0
+      sums_zero = plgpu.layout_cast(jnp.zeros((block_q, 8), jnp.float32), plgpu.Layout.WGMMA)
     # The turns alternate over the blocks of all the CTA's items as one sequence, consumer 0
     # first. A turn starts where a consumer awaits it and ends where it passes it on: without
     # the overlap a turn runs from before a P V to after the next Q Kᵀ, so consumer 1 waits
@@ -866,8 +865,9 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         scaled = x * (_rows(c, x.shape) if jnp.ndim(c) else c)
         p = exp2_mixed(scaled - _rows(m_shift, x.shape), config.exp2_poly_cols,
                        params.interpret)
-        if not row_sums:  # (else P V sums P on the tensor cores, in O's last columns)
-          l = l * alpha + p.sum(axis=1)  # the undropped sum: dropout leaves the LSE alone
+        # The undropped sum: dropout leaves the LSE alone. (With `mma_row_sums` the tensor
+        # cores add P's sum where P V runs: `pv_turn`, `overlapped`.)
+        l = l * alpha if row_sums else l * alpha + p.sum(axis=1)
         if row_key is not None:  # dropped entries leave P V only; 1 / P(keep) is applied once
           cols = masking.shifted(j * block_kv + _iota(p.shape, 1), pos.kv_offset)
           p = jnp.where(dropout.keep_entries(_rows(row_key, p.shape), cols,
@@ -883,6 +883,12 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         v = v_smem[slot].T if quantized else v_smem[slot]
         return jnp.dot(p16, v, preferred_element_type=jnp.float32)
 
+      def block_sums(sums):
+        """A block's row sums of P from its [block_q, 8] product with the ones tile (column 0;
+        the others are zeros). Each block's starts at zero: an FP8 wgmma keeps few bits of a
+        long sum, and a whole row's, carried across blocks, came out 13-31% short at 16k."""
+        return sums.sum(axis=1)
+
       def rounded(p):
         """P as the next P V takes it from registers: 16-bit, or an FP8 call's e4m3."""
         if not quantized:
@@ -890,16 +896,30 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         p8 = p.astype(jnp.float8_e4m3fn)
         return p8 if params.interpret else _fp8_operand(p8)
 
-      def pv_turn(acc, p16, slot, meanwhile):
-        """In this consumer's next turn: O += P V (V from ``slot``), running ``meanwhile()``
-        while the matmul is in flight; then frees the V slot."""
+      def pv_turn(acc, l, p16, slot, meanwhile):
+        """In this consumer's next turn: O += P V (V from ``slot``), and with `mma_row_sums`
+        l += P's row sums, running ``meanwhile()`` while the matmuls are in flight; then frees
+        the V slot. Returns ``(acc, l)``."""
         plgpu.barrier_wait(v_ready.at[slot])
         await_turn()  # the tensor cores are ours again
         if params.interpret:
           # Mosaic GPU's interpreter (tests on a CPU) has neither run_state nor a wgmma operand
           # in registers: there P V is a plain dot of the same tiles.
           acc = acc + plain_pv(p16, slot)
+          if row_sums:
+            l = l + block_sums(jnp.dot(p16, ones_smem[...].T,
+                                       preferred_element_type=jnp.float32))
           meanwhile()
+        elif row_sums:
+          def pv_and_sums(refs):
+            acc_ref, sums_ref = refs
+            plgpu.wgmma(acc_ref, p16, v_operand(slot))
+            plgpu.wgmma(sums_ref, p16, ones)
+            meanwhile()
+
+          acc, sums = pl.run_state(pv_and_sums)((plgpu.ACC.init(acc),
+                                                 plgpu.ACC.init(sums_zero)))
+          l = l + block_sums(sums)
         else:
           def pv(acc_ref):
             plgpu.wgmma(acc_ref, p16, v_operand(slot))
@@ -907,7 +927,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
           acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulates in place
         plgpu.barrier_arrive(v_free.at[slot])
-        return acc
+        return acc, l
 
       def step(n, j, carry, masked: bool):
         """Visit n (block j), one step at a time: S, softmax, then P V (the ping-pong turn
@@ -926,7 +946,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         def wait_next_k():  # while the P V matmul runs
           pl.when(has_next)(lambda: plgpu.barrier_wait(k_ready.at[next_slot]))
 
-        return pv_turn(acc, p16, slot, wait_next_k), m_new, l
+        acc, l = pv_turn(acc, l, p16, slot, wait_next_k)
+        return acc, m_new, l
 
       # Intra-warpgroup overlap (`Config.intra_wg_overlap`): step j issues Q K_jᵀ and then
       # P_{j-1} V_{j-1} in one turn, and runs block j's softmax while the P V matmul is still
@@ -947,15 +968,24 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_wait(v_ready.at[prev])
         await_turn()
+        sums = None  # (`mma_row_sums`: P_{j-1}'s row sums, at block j-1's scale)
         if params.interpret:  # the interpreter's P V is a plain dot (see `pv_turn`)
           acc = acc + plain_pv(p_prev, prev)
+          if row_sums:
+            sums = block_sums(jnp.dot(p_prev, ones_smem[...].T,
+                                      preferred_element_type=jnp.float32))
           s, inputs = scores(j, slot, masked)
           p, m, l, alpha = softmax(j, s, m, l, masked, inputs)
         else:
           def block(refs):
-            acc_ref, p_ref, m_ref, l_ref, alpha_ref = refs
-            s, inputs = scores(j, slot, masked,
-                               also=lambda: plgpu.wgmma(acc_ref, p_prev, v_operand(prev)))
+            acc_ref, p_ref, m_ref, l_ref, alpha_ref, *sums_ref = refs
+
+            def also():  # P_{j-1} V_{j-1}, and P_{j-1}'s row sums (`mma_row_sums`)
+              plgpu.wgmma(acc_ref, p_prev, v_operand(prev))
+              if row_sums:
+                plgpu.wgmma(sums_ref[0], p_prev, ones)
+
+            s, inputs = scores(j, slot, masked, also=also)
             p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(j, s, m, l, masked,
                                                                          inputs)
 
@@ -963,8 +993,12 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           # P_{j-1} are the in-flight matmul's operands, so nothing may write their registers
           # before then: O is rescaled, and P_j rounded to 16 bits, only afterwards (else ptxas
           # serialises every wgmma, warning C7513).
-          acc, p, m, l, alpha = pl.run_state(block)(
-              (plgpu.ACC.init(acc), p_scratch(p_prev), m, l, m))
+          acc, p, m, l, alpha, *sums = pl.run_state(block)(
+              (plgpu.ACC.init(acc), p_scratch(p_prev), m, l, m)
+              + ((plgpu.ACC.init(sums_zero),) if row_sums else ()))
+          sums = block_sums(sums[0]) if row_sums else None
+        if sums is not None:  # (the softmax scaled l by alpha already; P_{j-1}'s sums join)
+          l = l + sums * alpha
         plgpu.barrier_arrive(v_free.at[prev])
         return acc * _rows(alpha, acc.shape), m, l, rounded(p)
 
@@ -977,9 +1011,10 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
       def last(n, carry):
         acc, m, l, p16 = carry
-        return pv_turn(acc, p16, slot_at(n), pass_turn), m, l, p16
+        acc, l = pv_turn(acc, l, p16, slot_at(n), pass_turn)
+        return acc, m, l, p16
 
-      init = (plgpu.layout_cast(jnp.zeros((block_q, value_dim + 8 * row_sums), jnp.float32),
+      init = (plgpu.layout_cast(jnp.zeros((block_q, value_dim), jnp.float32),
                                 plgpu.Layout.WGMMA),
               plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _ROWS),
               plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROWS))
@@ -992,8 +1027,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         acc, m, l, _ = lax.fori_loop(jnp.maximum(visits - 1, 0), visits, last, carry)
       else:
         acc, m, l = walk(spans, step, init)
-      if row_sums:  # (the sums' columns hold P's sums in the first, zeros in the rest)
-        acc, l = acc[:, :value_dim], acc[:, value_dim:].sum(axis=1)
       if grid.ctas is not None and q_buffers == 1 and not o_in_q:
         # Q is no longer read: the next item's loads while O goes out.
         pl.when(i + 1 < count)(lambda: load_q(i + 1))
@@ -1053,11 +1086,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   @pl.when(wg == _CONSUMERS)
   def _producer():
     plgpu.set_max_registers(config.producer_registers, action="decrease")
-    if row_sums:  # the ones rows under every stage's V tile, once (`Config.mma_row_sums`)
-      for slot in range(stages):
-        plgpu.copy_gmem_to_smem(extras.row_sum_ones, v_smem.at[slot].at[pl.ds(value_dim, 8)],
-                                ones_ready.at[0])
-      plgpu.barrier_wait(ones_ready.at[0])  # (before any V load lands in a stage)
+    if row_sums:  # the ones tile, once (`Config.mma_row_sums`)
+      plgpu.copy_gmem_to_smem(extras.row_sum_ones, ones_smem, ones_ready.at[0])
 
     def run_item(i, first_block):
       batch, head, cta_start, pos, spans = where(i)
@@ -1074,8 +1104,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         if not quantized:
           return load(v_ref, v_smem, v_ready, j, slot)
         tile = v_ref.at[batch, kv_head, pl.ds(0, value_dim), pl.ds(j * block_kv, block_kv)]
-        target = v_smem.at[slot].at[pl.ds(0, value_dim)] if row_sums else v_smem.at[slot]
-        plgpu.copy_gmem_to_smem(tile, target, v_ready.at[slot])
+        plgpu.copy_gmem_to_smem(tile, v_smem.at[slot], v_ready.at[slot])
 
       def visit(n, j, carry, masked):
         del masked
@@ -1283,10 +1312,9 @@ def forward(inputs: Inputs, params: Params, config: Config):
   elementwise = extras.mask is not None or extras.q_segment_ids is not None
   schedule = Schedule(params.window, rows_per_cta, config.block_kv, elementwise)
   stages = config.num_stages
-  # An FP8 call's row sums in its P V product (`Config.mma_row_sums`), but where P V reads the
-  # dropped P, or where Dv + 8 is past a wgmma's widest N (256).
-  row_sums = (config.mma_row_sums and quantized and inputs.dropout_seed is None
-              and hvp + 8 <= 256)
+  # An FP8 call's row sums on the tensor cores (`Config.mma_row_sums`), but where P V reads
+  # the dropped P.
+  row_sums = config.mma_row_sums and quantized and inputs.dropout_seed is None
   if row_sums:
     extras = extras._replace(row_sum_ones=jnp.zeros((8, config.block_kv), v.dtype).at[0].set(1))
   out_dtype = jnp.float32 if params.partial else params.output_dtype(inputs)
@@ -1295,7 +1323,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
   # One swizzle per product: Q and K rows of hp elements, P and V rows of block_kv FP8 ones.
   qk_swizzle = min(128, hp * q.dtype.itemsize)
   pv_swizzle = min(128, config.block_kv)
-  v_tile = ((stages, hvp + 8 * row_sums, config.block_kv), pv_swizzle) if quantized else (
+  v_tile = ((stages, hvp, config.block_kv), pv_swizzle) if quantized else (
       (stages, config.block_kv, hvp), 128)
   # Q (in one of ``q_buffers`` buffers per item), then O on the way out where it fits there.
   q_smem = _smem_tile((config.q_buffers * _CONSUMERS, config.block_q, hp), q.dtype, qk_swizzle)
@@ -1326,8 +1354,9 @@ def forward(inputs: Inputs, params: Params, config: Config):
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # v_free
       # The consumers' turns in the interpreter (named barriers on the GPU need no memory).
       plgpu.Barrier(num_barriers=_CONSUMERS) if params.interpret else None,
-      # `mma_row_sums`: the ones rows' loads, one a stage.
-      plgpu.Barrier(num_arrivals=stages, num_barriers=1) if row_sums else None,
+      # `mma_row_sums`: the ones tile (keys along its rows, like V's FP8 tiles) and its load.
+      _smem_tile((8, config.block_kv), v.dtype, pv_swizzle) if row_sums else None,
+      plgpu.Barrier(num_barriers=1) if row_sums else None,
   )
   items = _Grid(b, n, q_tiles, None)
   # Pallas walks its grid row-major (batch fastest here): the CTAs running at once share a
