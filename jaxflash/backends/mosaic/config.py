@@ -282,6 +282,7 @@ class Config:
   # ones column (an N = 8 wgmma beside P V, into a [block_q, 8] accumulator that starts at zero
   # each block: an FP8 wgmma keeps few bits of a long sum), instead of a float32 add per entry.
   # 16-bit calls ignore it (there the extra wgmma cost more than the adds: docs/fp8.md).
+  # Opt-in and in no tuned table: this form has not run on a GPU yet (docs/fp8.md, "Missing").
   mma_row_sums: bool = False
   # Registers per thread of each consumer warpgroup (the producer gets what is left of 504:
   # 40 at 232, 24 at 240). FlashAttention-3 gives its FP8 D = 256 consumers 240.
