@@ -634,8 +634,7 @@ def _for_items(count, run_item):
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref, lse_ref,
             q_smems, k_smem, v_smem, lse_smem, o_smems, q_ready, k_ready, v_ready, k_free, v_free,
             turns, ones_smem, ones_ready, *, params: Params, config: Config,
-            schedule: Schedule,
-            groups: int, grid: _Grid, o_union: bool):
+            schedule: Schedule, groups: int, grid: _Grid, o_union: bool):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
   if o_union:  # one memory, two views: the Q tiles, and O's tiles over the same bytes
     q_smems, o_smems = q_smems
