@@ -266,7 +266,7 @@ def _prepare(row: dict, fn, args, want, cfg: dict):
       row["error"] = float(np.linalg.norm(out - want) / np.linalg.norm(want))
       if not row["error"] < cfg["tolerance"]:
         row["failed"] = f"relative error {row['error']:.3g}"
-    if (cfg.get("steps") or 1) > 1:  # timed as calls of a step (`in_graph`)
+    if (cfg.get("steps") or 1) > 1 and "failed" not in row:  # timed as a step's calls (`in_graph`)
       row["steps"] = cfg["steps"]
       compiled = jax.jit(in_graph(fn, cfg["steps"])).lower(*args).compile()
   except Exception as e:  # noqa: BLE001 - one failing implementation must not end the run

@@ -888,6 +888,10 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         long sum, and a whole row's, carried across blocks, came out 13-31% short at 16k."""
         return sums.sum(axis=1)
 
+      def plain_block_sums(p16):
+        """`block_sums` of P by a plain dot with the ones tile (the interpreter)."""
+        return block_sums(jnp.dot(p16, ones_smem[...].T, preferred_element_type=jnp.float32))
+
       def rounded(p):
         """P as the next P V takes it from registers: 16-bit, or an FP8 call's e4m3."""
         if not quantized:
@@ -906,8 +910,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           # in registers: there P V is a plain dot of the same tiles.
           acc = acc + plain_pv(p16, slot)
           if row_sums:
-            l = l + block_sums(jnp.dot(p16, ones_smem[...].T,
-                                       preferred_element_type=jnp.float32))
+            l = l + plain_block_sums(p16)
           meanwhile()
         elif row_sums:
           def pv_and_sums(refs):
@@ -971,8 +974,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         if params.interpret:  # the interpreter's P V is a plain dot (see `pv_turn`)
           acc = acc + plain_pv(p_prev, prev)
           if row_sums:
-            sums = block_sums(jnp.dot(p_prev, ones_smem[...].T,
-                                      preferred_element_type=jnp.float32))
+            sums = plain_block_sums(p_prev)
           s, inputs = scores(j, slot, masked)
           p, m, l, alpha = softmax(j, s, m, l, masked, inputs)
         else:
