@@ -84,6 +84,10 @@ CONFIGS = {
     "fp8_d256_kv128_overlap_r240_token": Probe(256, False, dict(
         block_kv=128, intra_wg_overlap=True, registers=240), per_token=True),
     "fp8_d128_kv256_stages3": Probe(128, False, dict(block_kv=256, num_stages=3)),
+    # FP8_TUNED at D = 128: the row sums on the tensor cores, persistent without a causal band.
+    "fp8_d128_shipped": Probe(128, False, dict(block_kv=256, mma_row_sums=True,
+                                                persistent_ctas=132)),
+    "fp8_d128_shipped_causal": Probe(128, True, dict(block_kv=256, mma_row_sums=True)),
     # The backward.
     "bwd_d64": Probe(64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128))),
     "bwd_d128": Probe(128, True, {}),
