@@ -903,8 +903,9 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         """In this consumer's next turn: O += P V (V from ``slot``), and with `mma_row_sums`
         l += P's row sums, running ``meanwhile()`` while the matmuls are in flight; then frees
         the V slot. Returns ``(acc, l)``."""
-        plgpu.barrier_wait(v_ready.at[slot])
-        await_turn()  # the tensor cores are ours again
+        with jax.named_scope("fwd_turn"):  # (named for benchmarks/dev/forward_trace.py)
+          plgpu.barrier_wait(v_ready.at[slot])
+          await_turn()  # the tensor cores are ours again
         if params.interpret:
           # Mosaic GPU's interpreter (tests on a CPU) has neither run_state nor a wgmma operand
           # in registers: there P V is a plain dot of the same tiles.
@@ -919,15 +920,17 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
             plgpu.wgmma(sums_ref, p16, ones)
             meanwhile()
 
-          acc, sums = pl.run_state(pv_and_sums)((plgpu.ACC.init(acc),
-                                                 plgpu.ACC.init(sums_zero)))
+          with jax.named_scope("fwd_pv"):  # (the scope ends once the matmuls are done)
+            acc, sums = pl.run_state(pv_and_sums)((plgpu.ACC.init(acc),
+                                                   plgpu.ACC.init(sums_zero)))
           l = l + block_sums(sums)
         else:
           def pv(acc_ref):
             plgpu.wgmma(acc_ref, p16, v_operand(slot))
             meanwhile()
 
-          acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulates in place
+          with jax.named_scope("fwd_pv"):
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulates in place
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, l
 
@@ -936,11 +939,13 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         spans this block's P V and the next block's Q Kᵀ)."""
         acc, m, l = carry
         slot = slot_at(n)
-        s, inputs = scores(j, slot, masked)
-        p, m_new, l, alpha = softmax(j, s, m, l, masked, inputs)
-        p16 = rounded(p)
-        acc = acc * _rows(alpha, acc.shape)
-        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        with jax.named_scope("fwd_scores"):
+          s, inputs = scores(j, slot, masked)
+        with jax.named_scope("fwd_softmax"):
+          p, m_new, l, alpha = softmax(j, s, m, l, masked, inputs)
+          p16 = rounded(p)
+          acc = acc * _rows(alpha, acc.shape)
+          acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
 
         # Computed outside `pv_turn`'s run_state, which must not close over constants.
         next_slot, has_next = slot_at(n + 1), n + 1 < visits

@@ -1,0 +1,106 @@
+"""Where the Mosaic GPU forward's consumers spend a key block (run on the GPU machine): the
+forward compiled with Mosaic GPU's in-kernel profiler on, which records the named scopes of a
+consumer's step in `jaxflash/backends/mosaic/forward.py` (``fwd_scores``: issue Q Kᵀ, pass the
+turn, wait for S; ``fwd_softmax``: the online softmax, P rounded, O rescaled; ``fwd_turn``: wait
+for V and for this consumer's turn; ``fwd_pv``: P V, with the FP8 row sums, until done) per
+warpgroup of every CTA, and the trace of one call summarised per scope: the median an
+occurrence and the total a consumer, in thousands of cycles (see `decode_trace.py` on the
+profiler's clock).
+
+  python3 benchmarks/dev/forward_trace.py --d 128 --s 4096 --heads 16 --fp8
+  python3 benchmarks/dev/forward_trace.py --d 128 --s 4096 --heads 16 --causal
+
+The profiler keeps its events in the shared memory the kernel leaves: ``--space`` bounds the
+events a warpgroup records (later ones are dropped), so a run sees each CTA's first blocks. The
+step's scopes are those of the plain step (not `Config.intra_wg_overlap`'s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import jaxflash
+from jaxflash.backends.mosaic import forward as mosaic_forward
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_parts import compile_with  # noqa: E402
+from decode_trace import scope_times  # noqa: E402
+
+
+def call_args(b: int, s: int, heads: int, d: int, fp8: bool, seed: int = 0):
+  """``(args, fn)``: random inputs and the call on them (FP8: quantised per head)."""
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q, k, v = (jax.random.normal(key, (b, s, heads, d), jnp.bfloat16) for key in keys)
+  if not fp8:
+    return (q, k, v), lambda q, k, v, causal: jaxflash.flash_attention(
+        q, k, v, is_causal=causal, implementation="mosaic")
+  (q8, qd), (k8, kd), (v8, vd) = (jaxflash.quantize_fp8(x) for x in (q, k, v))
+
+  def fn(q8, k8, v8, qd, kd, vd, causal):
+    return jaxflash.flash_attention(q8, k8, v8, is_causal=causal, q_descale=qd, k_descale=kd,
+                                    v_descale=vd, implementation="mosaic")
+  return (q8, k8, v8, qd, kd, vd), fn
+
+
+def traced(args, fn, causal: bool, space: int, out: Path) -> Path:
+  """Runs the call once with the profiler on, checked against the same call without it;
+  returns the trace file."""
+  out.mkdir(parents=True, exist_ok=True)
+  before = set(out.glob("*-trace.json"))
+  call = functools.partial(fn, causal=causal)
+  want = np.asarray(compile_with(call, args)(*args), np.float32)
+  params = functools.partial(plgpu.CompilerParams, profile_space=space, profile_dir=str(out),
+                             profile_bounds_check=True)
+  got = np.asarray(compile_with(call, args, [(mosaic_forward.plgpu, "CompilerParams",
+                                              params)])(*args), np.float32)
+  jax.effects_barrier()
+  if not np.allclose(got, want, atol=2e-2, rtol=2e-2):
+    raise SystemExit(f"the profiled kernel differs from the call: {np.abs(got - want).max()}")
+  made = sorted(set(out.glob("*-trace.json")) - before)
+  if not made:
+    raise SystemExit("the profiler wrote no trace")
+  return made[-1]
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--b", type=int, default=1)
+  parser.add_argument("--s", type=int, default=4096)
+  parser.add_argument("--heads", type=int, default=16)
+  parser.add_argument("--d", type=int, default=128)
+  parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--fp8", action="store_true")
+  parser.add_argument("--space", type=int, default=256)
+  parser.add_argument("--out", type=Path, default=Path("/tmp/forward_trace"))
+  args = parser.parse_args(argv)
+  call, fn = call_args(args.b, args.s, args.heads, args.d, args.fp8)
+  path = traced(call, fn, args.causal, args.space, args.out)
+  rows = []
+  for wg, times in sorted(scope_times(json.loads(path.read_text()), False).items()):
+    threads = len(times.pop("threads", []))
+    for name, values in sorted(times.items()):
+      rows.append(dict(warpgroup=wg, scope=name, count=len(values) / threads,
+                       median_kcycles=float(np.median(values)),
+                       p90_kcycles=float(np.percentile(values, 90)),
+                       total_kcycles=float(np.sum(values)) / threads))
+  cell = f"B {args.b}, S {args.s}, {args.heads} heads, D {args.d}" + (
+      ", causal" if args.causal else "") + (", FP8" if args.fp8 else ", bf16")
+  print(cell)
+  print(f"{'wg':>3} {'scope':>12} {'n':>6} {'median kcyc':>11} {'p90':>7} {'kcyc a thread':>13}")
+  for r in rows:
+    print(f"{r['warpgroup']:>3} {r['scope']:>12} {r['count']:>6.1f} {r['median_kcycles']:>11.3f} "
+          f"{r['p90_kcycles']:>7.3f} {r['total_kcycles']:>13.3f}")
+  (args.out / "scopes.json").write_text(json.dumps(dict(cell=cell, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+  main()
