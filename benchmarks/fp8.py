@@ -120,6 +120,12 @@ CONFIGS = {
                                             q_buffers=2, mma_row_sums=True),
     "kv256_persistent_oq_sums": dict(block_kv=256, persistent_ctas=132, o_through_q=True,
                                      mma_row_sums=True),
+    # 192-key tiles (V's rows three 64-byte swizzled rows), FlashAttention-3's FP8 tile size
+    # with its overlap and 240 consumer registers.
+    "kv192_sums": dict(block_kv=192, mma_row_sums=True),
+    "kv192_overlap_r240": dict(block_kv=192, intra_wg_overlap=True, registers=240),
+    "kv192_overlap_r240_sums": dict(block_kv=192, intra_wg_overlap=True, registers=240,
+                                    mma_row_sums=True),
     "kv64": dict(block_kv=64),
     "kv256_persistent": dict(block_kv=256, persistent_ctas=132),
     "kv256_overlap": dict(block_kv=256, intra_wg_overlap=True),

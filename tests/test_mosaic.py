@@ -1428,6 +1428,8 @@ def test_fp8_forward_lowers(h, causal, per_token, config, out_dtype):
 
 @pytest.mark.parametrize("fields,long", [(dict(block_kv=128), False),
                                          (dict(block_kv=64, intra_wg_overlap=True), False),
+                                         (dict(block_kv=192, intra_wg_overlap=True,
+                                               registers=240), False),
                                          (dict(block_kv=256), True)])
 def test_fp8_row_sums_on_the_tensor_cores(fields, long):
   """`Config.mma_row_sums`: an FP8 forward that sums each row of P by a wgmma against a ones

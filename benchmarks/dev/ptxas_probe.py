@@ -88,6 +88,12 @@ CONFIGS = {
     "fp8_d128_shipped": Probe(128, False, dict(block_kv=256, mma_row_sums=True,
                                                 persistent_ctas=132)),
     "fp8_d128_shipped_causal": Probe(128, True, dict(block_kv=256, mma_row_sums=True)),
+    # 192-key tiles (64-byte swizzled V rows) with FlashAttention-3's overlap.
+    "fp8_d128_kv192_overlap_r240_sums": Probe(128, False, dict(
+        block_kv=192, intra_wg_overlap=True, registers=240, mma_row_sums=True)),
+    "fp8_d128_kv192_overlap_r240": Probe(128, False, dict(block_kv=192, intra_wg_overlap=True,
+                                                          registers=240)),
+    "fp8_d128_kv192_sums": Probe(128, False, dict(block_kv=192, mma_row_sums=True)),
     # The backward.
     "bwd_d64": Probe(64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128))),
     "bwd_d128": Probe(128, True, {}),

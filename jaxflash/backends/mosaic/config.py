@@ -490,6 +490,10 @@ TUNED: dict[tuple[int, bool], dict] = {
 #   three stages 930/937 (902/894); 16 or 32 polynomial exp2 columns 927/937 and 901/918
 #   (911/897, 866/864); 128-key tiles 869-885, with the overlap 831-867; 256-key tiles with the
 #   overlap and 240 registers 769-798.
+# - 192-key tiles (V's rows three 64-byte swizzled rows; run fp8_kv192_2026-11-29): 888/904
+#   (16 heads, without and with a band) and 900/868 (64) with the sums, 818-871 with the
+#   overlap and 240 registers (ptxas: 16 bytes of spills), 817-880 with both, against 256-key
+#   tiles' 926/968 and 937/892 in the same process.
 FP8_TUNED: dict[tuple[int, bool], dict] = {
     (128, False): dict(block_kv=256, mma_row_sums=True, persistent_ctas=True),
     (128, True): dict(block_kv=256, mma_row_sums=True),

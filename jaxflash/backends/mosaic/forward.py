@@ -1291,9 +1291,9 @@ def forward(inputs: Inputs, params: Params, config: Config):
   quantized = fp8.is_fp8(q.dtype)
   if quantized and hp > 64:  # whole 128-byte rows of FP8 (a swizzle's tiling)
     hp = _round_up(h, 128)
-  if quantized and config.block_kv not in (64, 128, 256):
-    raise ValueError(f"an FP8 call's key tiles are 64, 128 or 256 keys (whole swizzled rows of "
-                     f"P and V), got block_kv={config.block_kv}")
+  if quantized and config.block_kv not in (64, 128, 192, 256):
+    raise ValueError(f"an FP8 call's key tiles are 64, 128, 192 or 256 keys (whole swizzled "
+                     f"rows of P and V), got block_kv={config.block_kv}")
   # TMA copies swizzled 8x64 tiles, so sequence lengths must be multiples of 8 in memory.
   q = _pad(q, _round_up(t, 8), hp)
   k = _pad(k, _round_up(k.shape[1], 8), hp)
@@ -1328,7 +1328,8 @@ def forward(inputs: Inputs, params: Params, config: Config):
   view = o_view(config, hp, hvp, params.partial, q.dtype.itemsize, out_bytes)
   # One swizzle per product: Q and K rows of hp elements, P and V rows of block_kv FP8 ones.
   qk_swizzle = min(128, hp * q.dtype.itemsize)
-  pv_swizzle = min(128, config.block_kv)
+  # (An FP8 V row of 64 or 192 keys is one or three 64-byte swizzled rows.)
+  pv_swizzle = 64 if config.block_kv % 128 else 128
   v_tile = ((stages, hvp, config.block_kv), pv_swizzle) if quantized else (
       (stages, config.block_kv, hvp), 128)
   # Q (in one of ``q_buffers`` buffers per item), then O on the way out where it fits there.
