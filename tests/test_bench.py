@@ -680,6 +680,29 @@ def test_glue_audit_finds_no_gather_in_the_fp8_forward():
   assert moved <= 2 * 16384 * 16 * 128 + 4096, moved  # V read and written once
 
 
+def test_profiler_scopes_are_timed_per_warpgroup():
+  """`decode_trace.scope_times` (which `forward_trace.py` reads too): a Perfetto trace's
+  begin/end pairs, nested, per warpgroup (thread ids count from 1 over a CTA's three
+  warpgroups), in the profiler's kilocycles; a thread outside the merging CTAs is left out
+  when only those are asked for."""
+  import decode_trace
+  events = []
+  for tid, (outer, inner) in {1: (10, 4), 2: (20, 6), 4: (12, 2)}.items():
+    events += [dict(name="fwd_softmax", ph="B", ts=100.0, pid=0, tid=tid),
+               dict(name="fwd_pv", ph="B", ts=101.0, pid=0, tid=tid),
+               dict(name="fwd_pv", ph="E", ts=101.0 + inner, pid=0, tid=tid),
+               dict(name="fwd_softmax", ph="E", ts=100.0 + outer, pid=0, tid=tid)]
+  events.append(dict(name="merge", ph="B", ts=0.0, pid=1, tid=1))
+  events.append(dict(name="merge", ph="E", ts=3.0, pid=1, tid=1))
+  times = decode_trace.scope_times(dict(traceEvents=events[::-1]), merging_only=False)
+  assert sorted(times[0]["fwd_softmax"]) == [10.0, 12.0]
+  assert sorted(times[0]["fwd_pv"]) == [2.0, 4.0]
+  assert times[1]["fwd_softmax"] == [20.0] and times[1]["fwd_pv"] == [6.0]
+  assert times[0]["merge"] == [3.0] and len(times[0]["threads"]) == 3
+  merging = decode_trace.scope_times(dict(traceEvents=events), merging_only=True)
+  assert dict(merging[0]) == {"merge": [3.0], "threads": [1.0]} and 1 not in merging
+
+
 def test_forward_tiles_smoke():
   """benchmarks/dev/forward_tiles.py on a tiny shape in Mosaic GPU's interpreter."""
   import forward_tiles

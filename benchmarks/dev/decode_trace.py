@@ -121,15 +121,23 @@ def traced(b: int, s: int, t: int, heads: int, splits: int | None, merge: bool, 
     made = shipped(*a, **kw)
     return dataclasses.replace(made, merge_in_kernel=merge, splits=splits or made.splits)
 
+  return profiled_trace(call, args, [(mla, "default_config", config),
+                                     (jax, "named_scope", only_scopes(scopes))], space, out,
+                       before, tolerance=1e-2)
+
+
+def profiled_trace(fn, args, patches, space: int, out: Path, before: set,
+                   tolerance: float) -> Path:
+  """``fn(*args)`` compiled with ``patches`` and Mosaic GPU's in-kernel profiler on (``space``
+  events a warpgroup, written under ``out``), checked against the call without either; the
+  trace file it wrote (``before``: the trace files there already)."""
   params = functools.partial(plgpu.CompilerParams, profile_space=space, profile_dir=str(out),
                              profile_bounds_check=True)
-  want = np.asarray(compile_with(call, args)(*args), np.float32)
-  profiled = compile_with(call, args, [(mla, "default_config", config),
-                                       (mla.plgpu, "CompilerParams", params),
-                                       (jax, "named_scope", only_scopes(scopes))])
+  want = np.asarray(compile_with(fn, args)(*args), np.float32)
+  profiled = compile_with(fn, args, [*patches, (plgpu, "CompilerParams", params)])
   got = np.asarray(profiled(*args), np.float32)
   jax.effects_barrier()
-  if not np.allclose(got, want, atol=1e-2, rtol=1e-2):
+  if not np.allclose(got, want, atol=tolerance, rtol=tolerance):
     raise SystemExit(f"the profiled kernel differs from the call: {np.abs(got - want).max()}")
   made = sorted(set(out.glob("*-trace.json")) - before)
   if not made:

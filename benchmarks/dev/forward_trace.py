@@ -26,14 +26,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jaxflash
-from jaxflash.backends.mosaic import forward as mosaic_forward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_parts import compile_with  # noqa: E402
-from decode_trace import scope_times  # noqa: E402
+from decode_trace import profiled_trace, scope_times  # noqa: E402
 
 
 def call_args(b: int, s: int, heads: int, d: int, fp8: bool, seed: int = 0):
@@ -56,19 +53,8 @@ def traced(args, fn, causal: bool, space: int, out: Path) -> Path:
   returns the trace file."""
   out.mkdir(parents=True, exist_ok=True)
   before = set(out.glob("*-trace.json"))
-  call = functools.partial(fn, causal=causal)
-  want = np.asarray(compile_with(call, args)(*args), np.float32)
-  params = functools.partial(plgpu.CompilerParams, profile_space=space, profile_dir=str(out),
-                             profile_bounds_check=True)
-  got = np.asarray(compile_with(call, args, [(mosaic_forward.plgpu, "CompilerParams",
-                                              params)])(*args), np.float32)
-  jax.effects_barrier()
-  if not np.allclose(got, want, atol=2e-2, rtol=2e-2):
-    raise SystemExit(f"the profiled kernel differs from the call: {np.abs(got - want).max()}")
-  made = sorted(set(out.glob("*-trace.json")) - before)
-  if not made:
-    raise SystemExit("the profiler wrote no trace")
-  return made[-1]
+  return profiled_trace(functools.partial(fn, causal=causal), args, [], space, out, before,
+                        tolerance=2e-2)
 
 
 def main(argv=None) -> None:
