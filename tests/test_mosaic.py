@@ -1435,7 +1435,8 @@ def test_fp8_row_sums_on_the_tensor_cores(fields, long):
   """`Config.mma_row_sums`: an FP8 forward that sums each row of P by a wgmma against a ones
   column matches the same forward summing in float32 within e4m3's rounding of P (and both
   the reference), one step at a time and with the overlap (whose sums join a block late, at
-  the next block's rescale), causal, with a row that sees no key. On the GPU also 16k keys
+  the next block's rescale), on 192-key tiles too (V's rows three 64-byte swizzled rows),
+  causal, with a row that sees no key. On the GPU also 16k keys
   (the sums carried across blocks in one wgmma accumulator came out 13-31% short there)."""
   if long and not ON_GPU:
     pytest.skip("the interpreter is slow: the GPU runs the long rows")
