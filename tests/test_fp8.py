@@ -362,14 +362,20 @@ def test_transposed_values_take_the_operand_key_order():
   assert not np.asarray(plain)[:, :, 80:].any() and not np.asarray(plain)[..., 150:].any()
 
 
-def test_mosaic_declines_what_it_cannot_serve():
+def test_fp8_key_tiles_are_the_configs_own():
+  """The Mosaic FP8 forward takes every key tile a `mosaic.Config` allows, 192 keys included
+  (V's rows three 64-byte swizzled rows, since 2026-11-29), and a tile no Config allows is a
+  ValueError naming ``block_kv`` before any kernel runs."""
   from jaxflash.attention import attention_with_config
   from jaxflash.backends import mosaic
-  q, kk, v, _ = random_qkv(0, 1, 64, 64, 2, 2, 64)
-  (q8, k8, v8), _ = _quantized(q, kk, v)
-  with pytest.raises(ValueError, match="key tiles"):
-    attention_with_config(q8, k8, v8, config=mosaic.Config(block_kv=192),
-                          implementation="mosaic", interpret=True)
+  q, kk, v, _ = random_qkv(0, 1, 64, 200, 2, 2, 64)
+  (q8, k8, v8), descales = _quantized(q, kk, v)
+  with pytest.raises(ValueError, match="block_kv"):
+    mosaic.Config(block_kv=96)
+  out = attention_with_config(q8, k8, v8, config=mosaic.Config(block_kv=192),
+                              implementation="mosaic", interpret=True, **descales)
+  want = jaxflash.flash_attention(q8, k8, v8, implementation="xla", **descales)
+  assert rel_err(out, want) <= 0.03  # P in e4m3
 
 
 @pytest.mark.parametrize("flavour", ["linen", "nnx"])

@@ -1291,9 +1291,6 @@ def forward(inputs: Inputs, params: Params, config: Config):
   quantized = fp8.is_fp8(q.dtype)
   if quantized and hp > 64:  # whole 128-byte rows of FP8 (a swizzle's tiling)
     hp = _round_up(h, 128)
-  if quantized and config.block_kv not in (64, 128, 192, 256):
-    raise ValueError(f"an FP8 call's key tiles are 64, 128, 192 or 256 keys (whole swizzled "
-                     f"rows of P and V), got block_kv={config.block_kv}")
   # TMA copies swizzled 8x64 tiles, so sequence lengths must be multiples of 8 in memory.
   q = _pad(q, _round_up(t, 8), hp)
   k = _pad(k, _round_up(k.shape[1], 8), hp)
