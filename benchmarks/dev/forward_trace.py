@@ -5,14 +5,15 @@ turn, wait for S; ``fwd_softmax``: the online softmax, P rounded, O rescaled; ``
 for V and for this consumer's turn; ``fwd_pv``: P V, with the FP8 row sums, until done) per
 warpgroup of every CTA, and the trace of one call summarised per scope: the median an
 occurrence and the total a consumer, in thousands of cycles (see `decode_trace.py` on the
-profiler's clock).
+profiler's clock). With `Config.intra_wg_overlap` a step is ``fwd_turn`` (its K and V and the
+turn), ``fwd_block`` (Q Kᵀ issued beside the last block's P V: ``fwd_scores``, then
+``fwd_softmax``, then the wait for that P V) and ``fwd_rescale`` (O rescaled, P rounded).
 
   python3 benchmarks/dev/forward_trace.py --d 128 --s 4096 --heads 16 --fp8
   python3 benchmarks/dev/forward_trace.py --d 128 --s 4096 --heads 16 --causal
 
 The profiler keeps its events in the shared memory the kernel leaves: ``--space`` bounds the
-events a warpgroup records (later ones are dropped), so a run sees each CTA's first blocks. The
-step's scopes are those of the plain step (not `Config.intra_wg_overlap`'s).
+events a warpgroup records (later ones are dropped), so a run sees each CTA's first blocks.
 """
 
 from __future__ import annotations

@@ -972,9 +972,10 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       def overlapped(n, j, carry, masked: bool):
         acc, m, l, p_prev = carry
         slot, prev = slot_at(n), slot_at(n - 1)
-        plgpu.barrier_wait(k_ready.at[slot])
-        plgpu.barrier_wait(v_ready.at[prev])
-        await_turn()
+        with jax.named_scope("fwd_turn"):
+          plgpu.barrier_wait(k_ready.at[slot])
+          plgpu.barrier_wait(v_ready.at[prev])
+          await_turn()
         sums = None  # (`mma_row_sums`: P_{j-1}'s row sums, at block j-1's scale)
         if params.interpret:  # the interpreter's P V is a plain dot (see `pv_turn`)
           acc = acc + plain_pv(p_prev, prev)
@@ -991,22 +992,28 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
               if row_sums:
                 plgpu.wgmma(sums_ref[0], p_prev, ones)
 
-            s, inputs = scores(j, slot, masked, also=also)
-            p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(j, s, m, l, masked,
-                                                                         inputs)
+            with jax.named_scope("fwd_scores"):
+              s, inputs = scores(j, slot, masked, also=also)
+            with jax.named_scope("fwd_softmax"):
+              p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(j, s, m, l, masked,
+                                                                           inputs)
 
           # run_state waits for every wgmma when it ends: P_{j-1} V_{j-1} is then in acc. O and
           # P_{j-1} are the in-flight matmul's operands, so nothing may write their registers
           # before then: O is rescaled, and P_j rounded to 16 bits, only afterwards (else ptxas
           # serialises every wgmma, warning C7513).
-          acc, p, m, l, alpha, *sums = pl.run_state(block)(
-              (plgpu.ACC.init(acc), p_scratch(p_prev), m, l, m)
-              + ((plgpu.ACC.init(sums_zero),) if row_sums else ()))
+          # (`fwd_block` holds the step's `fwd_scores` and `fwd_softmax`; the rest of it is the
+          # wait for P_{j-1} V_{j-1} after the softmax.)
+          with jax.named_scope("fwd_block"):
+            acc, p, m, l, alpha, *sums = pl.run_state(block)(
+                (plgpu.ACC.init(acc), p_scratch(p_prev), m, l, m)
+                + ((plgpu.ACC.init(sums_zero),) if row_sums else ()))
           sums = block_sums(sums[0]) if row_sums else None
         if sums is not None:  # (the softmax scaled l by alpha already; P_{j-1}'s sums join)
           l = l + sums * alpha
         plgpu.barrier_arrive(v_free.at[prev])
-        return acc * _rows(alpha, acc.shape), m, l, rounded(p)
+        with jax.named_scope("fwd_rescale"):
+          return acc * _rows(alpha, acc.shape), m, l, rounded(p)
 
       def p_scratch(p_prev):
         """A float32 tile in the accumulator's layout for the next P (an FP8 P operand has the
