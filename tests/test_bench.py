@@ -27,6 +27,7 @@ import bench
 import masks  # benchmarks/masks.py; examples/ has a masks.py too, see test_example._load_example
 import memory
 import report
+import jaxflash
 from jaxflash.backends import mosaic
 
 
@@ -645,12 +646,13 @@ def test_ptxas_probe_compiles_ahead_of_time(tmp_path):
   """benchmarks/dev/ptxas_probe.py with no GPU: XLA compiles for a compile-only H100 and Mosaic
   GPU runs ptxas on its PTX. No kernel of these configs spills (a kernel that did would lose
   speed without failing any other test): the shipped D = 128 causal forward, MLA's 128-key
-  forward tiles with O through the Q tiles' memory, FP8 with polynomial exponentials, and the
+  forward tiles with O through the Q tiles' memory, FP8 with polynomial exponentials, FP8's
+  shipped D = 128 tiles without a band (the row sums' wgmma, a persistent grid), and the
   backward kernels whose resident tiles' descriptors stay in the loop (`backward._opaque_zero`:
   the atomic one pass at D = 128 spilled 708 bytes without it, MLA's dK/dV 216): the shipped
   atomic one pass at D = 128 (240 registers) and GQA's causal kernels launched tile-major.
   (GQA's atomic one pass spills 16 bytes: `bwd_d128_gqa_atomic_shipped`, not checked here.)"""
-  configs = ["d128_overlap", "mla_kv128_overlap", "fp8_d128_kv256_poly64",
+  configs = ["d128_overlap", "mla_kv128_overlap", "fp8_d128_kv256_poly64", "fp8_d128_shipped",
              "bwd_d128_atomic_r240", "bwd_d128_gqa_tile_major", "bwd_mla"]
   run = subprocess.run(
       [sys.executable, str(BENCHMARKS / "dev" / "ptxas_probe.py"), "--aot", "--out",
@@ -701,6 +703,20 @@ def test_profiler_scopes_are_timed_per_warpgroup():
   assert times[0]["merge"] == [3.0] and len(times[0]["threads"]) == 3
   merging = decode_trace.scope_times(dict(traceEvents=events), merging_only=True)
   assert dict(merging[0]) == {"merge": [3.0], "threads": [1.0]} and 1 not in merging
+
+
+def test_forward_trace_calls_run_in_the_interpreter():
+  """benchmarks/dev/forward_trace.py's calls (the profiler itself needs the GPU): the bf16 and
+  FP8 forwards on given tiles, in Mosaic GPU's interpreter, against the XLA backend."""
+  import forward_trace
+  for fp8 in (False, True):
+    args, fn = forward_trace.call_args(1, 96, 2, 64, fp8, dict(block_kv=64), interpret=True)
+    got = np.asarray(fn(*args, causal=True), np.float32)
+    xla_args = dict(zip(("q_descale", "k_descale", "v_descale"), args[3:]))
+    want = np.asarray(jaxflash.flash_attention(*args[:3], is_causal=True, implementation="xla",
+                                               **xla_args), np.float32)
+    assert got.shape == (1, 96, 2, 64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < (3e-2 if fp8 else 1e-2)
 
 
 def test_forward_tiles_smoke():

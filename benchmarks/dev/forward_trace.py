@@ -11,6 +11,7 @@ turn), ``fwd_block`` (Q Kᵀ issued beside the last block's P V: ``fwd_scores``,
 
   python3 benchmarks/dev/forward_trace.py --d 128 --s 4096 --heads 16 --fp8
   python3 benchmarks/dev/forward_trace.py --d 128 --s 4096 --heads 16 --causal
+  python3 benchmarks/dev/forward_trace.py --d 64 --b 4 --heads 32 --fields '{"block_kv": 256}'
 
 The profiler keeps its events in the shared memory the kernel leaves: ``--space`` bounds the
 events a warpgroup records (later ones are dropped), so a run sees each CTA's first blocks.
@@ -29,23 +30,30 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxflash
+from jaxflash.attention import attention_with_config
+from jaxflash.backends import mosaic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_trace import profiled_trace, scope_times  # noqa: E402
 
 
-def call_args(b: int, s: int, heads: int, d: int, fp8: bool, seed: int = 0):
-  """``(args, fn)``: random inputs and the call on them (FP8: quantised per head)."""
+def call_args(b: int, s: int, heads: int, d: int, fp8: bool, fields: dict | None = None,
+              seed: int = 0, interpret: bool = False):
+  """``(args, fn)``: random inputs and the Mosaic GPU call on them (FP8: quantised per head),
+  on the tuned tiles or, with ``fields``, on ``mosaic.Config(**fields)``."""
   keys = jax.random.split(jax.random.key(seed), 3)
   q, k, v = (jax.random.normal(key, (b, s, heads, d), jnp.bfloat16) for key in keys)
+  config = None if fields is None else mosaic.Config(**fields)
+
+  def attend(q, k, v, causal, **descales):
+    return attention_with_config(q, k, v, is_causal=causal, implementation="mosaic",
+                                 config=config, interpret=interpret, **descales)
   if not fp8:
-    return (q, k, v), lambda q, k, v, causal: jaxflash.flash_attention(
-        q, k, v, is_causal=causal, implementation="mosaic")
+    return (q, k, v), attend
   (q8, qd), (k8, kd), (v8, vd) = (jaxflash.quantize_fp8(x) for x in (q, k, v))
 
   def fn(q8, k8, v8, qd, kd, vd, causal):
-    return jaxflash.flash_attention(q8, k8, v8, is_causal=causal, q_descale=qd, k_descale=kd,
-                                    v_descale=vd, implementation="mosaic")
+    return attend(q8, k8, v8, causal, q_descale=qd, k_descale=kd, v_descale=vd)
   return (q8, k8, v8, qd, kd, vd), fn
 
 
@@ -66,10 +74,13 @@ def main(argv=None) -> None:
   parser.add_argument("--d", type=int, default=128)
   parser.add_argument("--causal", action="store_true")
   parser.add_argument("--fp8", action="store_true")
+  parser.add_argument("--fields", type=json.loads, default=None,
+                      help='mosaic.Config fields as JSON, e.g. \'{"block_kv": 128}\' '
+                      "(default: the tuned tiles)")
   parser.add_argument("--space", type=int, default=256)
   parser.add_argument("--out", type=Path, default=Path("/tmp/forward_trace"))
   args = parser.parse_args(argv)
-  call, fn = call_args(args.b, args.s, args.heads, args.d, args.fp8)
+  call, fn = call_args(args.b, args.s, args.heads, args.d, args.fp8, args.fields)
   path = traced(call, fn, args.causal, args.space, args.out)
   rows = []
   for wg, times in sorted(scope_times(json.loads(path.read_text()), False).items()):
@@ -80,7 +91,8 @@ def main(argv=None) -> None:
                        p90_kcycles=float(np.percentile(values, 90)),
                        total_kcycles=float(np.sum(values)) / threads))
   cell = f"B {args.b}, S {args.s}, {args.heads} heads, D {args.d}" + (
-      ", causal" if args.causal else "") + (", FP8" if args.fp8 else ", bf16")
+      ", causal" if args.causal else "") + (", FP8" if args.fp8 else ", bf16") + (
+      f", {args.fields}" if args.fields else ", tuned tiles")
   print(cell)
   print(f"{'wg':>3} {'scope':>12} {'n':>6} {'median kcyc':>11} {'p90':>7} {'kcyc a thread':>13}")
   for r in rows:
