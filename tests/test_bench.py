@@ -703,6 +703,12 @@ def test_profiler_scopes_are_timed_per_warpgroup():
   assert times[0]["merge"] == [3.0] and len(times[0]["threads"]) == 3
   merging = decode_trace.scope_times(dict(traceEvents=events), merging_only=True)
   assert dict(merging[0]) == {"merge": [3.0], "threads": [1.0]} and 1 not in merging
+  rows = {(r["warpgroup"], r["scope"]): r for r in decode_trace.scope_rows(dict(
+      traceEvents=events))}
+  softmax = rows[0, "fwd_softmax"]  # two threads of warpgroup 0, one occurrence each
+  assert (softmax["count"], softmax["median_kcycles"], softmax["total_kcycles"]) == (
+      2 / 3, 11.0, 22 / 3)  # (the merging CTA's thread counts as a third thread there)
+  assert rows[1, "fwd_pv"]["p90_kcycles"] == 6.0
 
 
 def test_forward_trace_calls_run_in_the_interpreter():

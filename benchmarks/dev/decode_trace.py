@@ -94,6 +94,20 @@ def cta_spread(trace: dict, clock_ghz: float) -> dict[str, float]:
               span_us=float(ends.max()), run_max_us=float(runs.max() / clock_ghz))
 
 
+def scope_rows(trace: dict, merging_only: bool = False) -> list[dict]:
+  """`scope_times` as rows, per warpgroup and scope: occurrences a thread (``count``), the
+  median and 90th percentile of one, and the total a thread (kcycles)."""
+  rows = []
+  for wg, times in sorted(scope_times(trace, merging_only).items()):
+    threads = len(times.pop("threads", []))
+    for name, values in sorted(times.items()):
+      rows.append(dict(warpgroup=wg, scope=name, count=len(values) / threads,
+                       median_kcycles=float(np.median(values)),
+                       p90_kcycles=float(np.percentile(values, 90)),
+                       total_kcycles=float(np.sum(values)) / threads))
+  return rows
+
+
 def only_scopes(names):
   """`jax.named_scope` that opens the ``merge*`` scopes in ``names`` (and every other scope) and
   skips the other ``merge*`` ones: the profiler's room holds few events."""
@@ -112,8 +126,6 @@ def traced(b: int, s: int, t: int, heads: int, splits: int | None, merge: bool, 
   """Runs the kernel once with the profiler on (the ``merge*`` scopes in ``scopes`` recorded;
   ``splits`` None: the shipped count), checked against the shipped call; returns the trace
   file."""
-  out.mkdir(parents=True, exist_ok=True)
-  before = set(out.glob("*-trace.json"))
   args = random_call_args(b, s, t, heads)
   shipped = mla.default_config
 
@@ -123,14 +135,15 @@ def traced(b: int, s: int, t: int, heads: int, splits: int | None, merge: bool, 
 
   return profiled_trace(call, args, [(mla, "default_config", config),
                                      (jax, "named_scope", only_scopes(scopes))], space, out,
-                       before, tolerance=1e-2)
+                       tolerance=1e-2)
 
 
-def profiled_trace(fn, args, patches, space: int, out: Path, before: set,
-                   tolerance: float) -> Path:
+def profiled_trace(fn, args, patches, space: int, out: Path, tolerance: float) -> Path:
   """``fn(*args)`` compiled with ``patches`` and Mosaic GPU's in-kernel profiler on (``space``
   events a warpgroup, written under ``out``), checked against the call without either; the
-  trace file it wrote (``before``: the trace files there already)."""
+  trace file it wrote."""
+  out.mkdir(parents=True, exist_ok=True)
+  before = set(out.glob("*-trace.json"))
   params = functools.partial(plgpu.CompilerParams, profile_space=space, profile_dir=str(out),
                              profile_bounds_check=True)
   want = np.asarray(compile_with(fn, args)(*args), np.float32)
@@ -181,12 +194,7 @@ def main(argv=None) -> None:
         print(f"{cell} splits {splits or 'shipped'}: " + ", ".join(
             f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in spread.items()),
             flush=True)
-      for wg, times in sorted(scope_times(trace, merging_only=args.merge).items()):
-        threads = len(times.pop("threads", []))
-        for name, values in sorted(times.items()):
-          rows.append(dict(head, warpgroup=wg, scope=name, count=len(values) / threads,
-                           median_kcycles=float(np.median(values)),
-                           total_kcycles=float(np.sum(values)) / threads))
+      rows += [dict(head, **r) for r in scope_rows(trace, merging_only=args.merge)]
   print(f"{'cell':>10} {'splits':>6} {'wg':>3} {'scope':>20} {'n':>5} {'median kcyc':>11} "
         f"{'kcyc a thread':>13}")
   for r in rows:

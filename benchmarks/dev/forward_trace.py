@@ -27,14 +27,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jaxflash
 from jaxflash.attention import attention_with_config
 from jaxflash.backends import mosaic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_trace import profiled_trace, scope_times  # noqa: E402
+from decode_trace import profiled_trace, scope_rows  # noqa: E402
 
 
 def call_args(b: int, s: int, heads: int, d: int, fp8: bool, fields: dict | None = None,
@@ -60,9 +59,7 @@ def call_args(b: int, s: int, heads: int, d: int, fp8: bool, fields: dict | None
 def traced(args, fn, causal: bool, space: int, out: Path) -> Path:
   """Runs the call once with the profiler on, checked against the same call without it;
   returns the trace file."""
-  out.mkdir(parents=True, exist_ok=True)
-  before = set(out.glob("*-trace.json"))
-  return profiled_trace(functools.partial(fn, causal=causal), args, [], space, out, before,
+  return profiled_trace(functools.partial(fn, causal=causal), args, [], space, out,
                         tolerance=2e-2)
 
 
@@ -82,14 +79,7 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   call, fn = call_args(args.b, args.s, args.heads, args.d, args.fp8, args.fields)
   path = traced(call, fn, args.causal, args.space, args.out)
-  rows = []
-  for wg, times in sorted(scope_times(json.loads(path.read_text()), False).items()):
-    threads = len(times.pop("threads", []))
-    for name, values in sorted(times.items()):
-      rows.append(dict(warpgroup=wg, scope=name, count=len(values) / threads,
-                       median_kcycles=float(np.median(values)),
-                       p90_kcycles=float(np.percentile(values, 90)),
-                       total_kcycles=float(np.sum(values)) / threads))
+  rows = scope_rows(json.loads(path.read_text()))
   cell = f"B {args.b}, S {args.s}, {args.heads} heads, D {args.d}" + (
       ", causal" if args.causal else "") + (", FP8" if args.fp8 else ", bf16") + (
       f", {args.fields}" if args.fields else ", tuned tiles")
