@@ -1,0 +1,88 @@
+"""The SM clock and board power while one forward runs in a steady loop (GPU only).
+
+A kernel near the card's power cap runs at a lower clock, so two kernels can differ in speed
+without differing in cycles: this runs each named FP8 config (``benchmarks/fp8.py``'s
+``CONFIGS``, or the tuned tiles for ``tuned``) for a few seconds, in turn, with
+``nvidia-smi`` sampling the clock and the power meanwhile, and prints per config the time a
+call, TFLOP/s, the median clock and power, and TFLOP/s per GHz (which compares the cycles).
+
+    python3 benchmarks/dev/clocks.py --configs tuned kv256_persistent_sums_bits --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+
+import fp8  # noqa: E402  (benchmarks/fp8.py)
+from jaxflash.backends import mosaic  # noqa: E402
+
+
+def sampled(fn, args, seconds: float) -> dict:
+  """Calls ``fn(*args)`` back to back for about ``seconds`` while nvidia-smi samples every
+  100 ms; returns the calls' mean time and the samples' median clock (MHz) and power (W)."""
+  jax.block_until_ready(fn(*args))
+  smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                          "--format=csv,noheader,nounits", "-lms", "100"],
+                         stdout=subprocess.PIPE, text=True)
+  calls, start = 0, time.perf_counter()
+  while time.perf_counter() - start < seconds:
+    for _ in range(10):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    calls += 10
+  elapsed = time.perf_counter() - start
+  smi.terminate()
+  samples = [line.split(",") for line in smi.communicate()[0].splitlines() if "," in line]
+  samples = samples[len(samples) // 4:]  # (the first quarter: the clock settling)
+  return dict(ms=1e3 * elapsed / calls,
+              mhz=statistics.median(float(c) for c, _ in samples) if samples else None,
+              watts=statistics.median(float(w) for _, w in samples) if samples else None)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--configs", nargs="+", default=["tuned"])
+  parser.add_argument("--d", type=int, default=128)
+  parser.add_argument("--s", type=int, default=16384)
+  parser.add_argument("--heads", type=int, default=16)
+  parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--seconds", type=float, default=4.0)
+  parser.add_argument("--rounds", type=int, default=1, help="configs in turn, this many times")
+  parser.add_argument("--out", type=Path, default=None)
+  args = parser.parse_args()
+  shape = fp8.Shape(1, args.s, args.heads, args.d, args.causal)
+  flops = 4 * shape.b * shape.n * shape.s ** 2 * shape.d / (2 if shape.causal else 1)
+  calls = {}
+  for name in args.configs:
+    config = None if name == "tuned" else mosaic.Config(**fp8.CONFIGS[name])
+    fn, inputs = fp8.speed_fn("jaxflash_fp8", shape, "mosaic", config)
+    calls[name] = (jax.jit(fn), inputs)
+  rows = []
+  for round_ in range(args.rounds):
+    for name, (fn, inputs) in calls.items():
+      row = dict(config=name, round=round_, **sampled(fn, inputs, args.seconds))
+      row["tflops"] = flops / row["ms"] / 1e9
+      row["tflops_per_ghz"] = row["tflops"] / (row["mhz"] / 1e3) if row["mhz"] else None
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+  print(f"\n| config | round | ms | TFLOP/s | MHz | W | TFLOP/s per GHz |\n|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['config']} | {r['round']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['mhz']} | "
+          f"{r['watts']} | {r['tflops_per_ghz'] or 0:.0f} |")
+  if args.out:
+    args.out.write_text(json.dumps(dict(device=jax.devices()[0].device_kind, shape=vars(args),
+                                         rows=rows), indent=1, default=str))
+
+
+if __name__ == "__main__":
+  main()
