@@ -23,7 +23,6 @@ from jaxflash import _checks, backends, devices
 from jaxflash.ops import flash, partial
 from jaxflash.attention import attention_with_config
 from jaxflash.backends import mosaic
-from jaxflash.backends.mosaic import forward
 from jaxflash.reference import reference_attention
 from checks import (H100, ON_GPU, OPTIONS, SMALL_CONFIGS, check, dense_mask_of, random_lengths,
                     random_qkv, rel_err)
@@ -146,6 +145,7 @@ def test_persistent_ctas_share_out_every_tile_once(batch, heads, q_tiles, ctas, 
   worth of each other (paired: one pair's, q_tiles + 1). The tile-fastest order at (16, 32,
   4, 132) spread it 4.3x (15 to 64). Paired, the CTAs of a round read few heads: at 128 heads
   of 64 tiles, the first round's 132 CTAs five, where the heaviest-first rounds read all 128."""
+  from jaxflash.backends.mosaic import forward
   grid = forward._Grid(batch, heads, q_tiles, ctas)
 
   # Every CTA's count and its items 0 .. (the most any CTA could run) in one jitted program, as
@@ -198,8 +198,6 @@ def test_configs_are_checked():
       (lambda: mosaic.Config(persistent_ctas=132, q_buffers=2, o_through_q=True), "o_through_q"),
       (lambda: mosaic.Config(exp2_poly_cols=12), "exp2_poly_cols"),  # whole 8-column groups
       (lambda: mosaic.Config(block_kv=64, exp2_poly_cols=128), "exp2_poly_cols"),
-      (lambda: mosaic.Config(p_bits_cols=8), "p_bits_cols"),  # whole 16-column groups
-      (lambda: mosaic.Config(block_kv=64, p_bits_cols=128), "p_bits_cols"),
       (lambda: mosaic.Config(registers=248), "registers"),  # (the producer needs its 24)
       (lambda: mosaic.Backward(dkv_block_q=96), "dkv_block_q"),
       (lambda: mosaic.Backward(dv_stages=0), "dv_stages"),
@@ -1466,67 +1464,6 @@ def test_fp8_row_sums_on_the_tensor_cores(fields, long):
     assert np.linalg.norm(summed - want) / np.linalg.norm(want) < 4e-2
   if b > 1:  # the row with no key gives zeros
     np.testing.assert_array_equal(summed[1], 0.0)
-
-
-def test_p8_words_hold_e4m3_bits():
-  """`forward.p8_words` (`Config.p_bits_cols`): the top byte of each word is the e4m3 rounding
-  of P wherever e4m3 is normal (from 2**-6 to the 256 that `P8_LOG2_SCALE` allows), within
-  2**-7 (and its rounding) below that, and 0 for 0 (masked entries)."""
-  rng = np.random.default_rng(0)
-  p = np.concatenate([2.0 ** rng.uniform(-30, 8, 100_000), [0.0, 2.0 ** -7, 2.0 ** -6, 1.0,
-                                                            1.0625, 255.0, 256.0]])
-  p = jnp.asarray(p, jnp.float32)
-  ours = np.asarray(forward.p8_of_words(forward.p8_words(p)).astype(jnp.float32))
-  want = np.asarray(p.astype(jnp.float8_e4m3fn).astype(jnp.float32))
-  p = np.asarray(p)
-  normal = p >= 2.0 ** -6
-  ties = (p.view(np.int32) & 0xFFFFF) == 0x80000  # (half up here, half to even in e4m3)
-  np.testing.assert_array_equal(ours[normal & ~ties], want[normal & ~ties])
-  assert np.abs(ours - p)[~normal].max() <= 2.0 ** -7 + 2.0 ** -10
-  assert ours[p == 0.0] == 0.0 and ours[p == 256.0] == 256.0
-
-
-@pytest.mark.parametrize("fields", [dict(block_kv=128, p_bits_cols=128),
-                                    dict(block_kv=128, p_bits_cols=64, mma_row_sums=True),
-                                    dict(block_kv=64, p_bits_cols=32, intra_wg_overlap=True)])
-def test_fp8_p_bits_match_the_conversion(fields):
-  """`Config.p_bits_cols`: an FP8 forward that rounds P to e4m3 by integer instructions (all
-  of a block's keys, or its first columns beside the conversion's) gives the conversion's
-  result up to the rounding of the smallest entries of P, and the reference's within FP8's
-  error; one step at a time and with the overlap, causal, lengths not a multiple of the tile,
-  a row that sees no key."""
-  b, t, s, n, k, h = (2, 300, 333, 4, 2, 128) if ON_GPU else (2, 100, 150, 2, 1, 128)
-  keys = jax.random.split(jax.random.key(4), 3)
-  q, kk, v = (jax.random.normal(key, (b, x, heads, h), jnp.float32)
-              for key, x, heads in zip(keys, (t, s, s), (n, k, k)))
-  lengths = dict(query_seq_lengths=jnp.array([t, 7]), key_value_seq_lengths=jnp.array([s, 0]))
-  q8, k8, v8 = (x.astype(jnp.float8_e4m3fn) for x in (q, kk, v))
-
-  def run(config):
-    return np.asarray(attention_with_config(q8, k8, v8, implementation="mosaic", is_causal=True,
-                                            config=config, interpret=not ON_GPU, **lengths),
-                      np.float32)
-
-  bits = run(mosaic.Config(**fields))
-  converted = run(mosaic.Config(**dict(fields, p_bits_cols=0)))
-  assert np.isfinite(bits).all()
-  assert np.linalg.norm(bits - converted) / np.linalg.norm(converted) < 2e-3
-  want = np.asarray(attention_with_config(q8, k8, v8, implementation="xla", is_causal=True,
-                                          **lengths), np.float32)
-  assert np.linalg.norm(bits - want) / np.linalg.norm(want) < 4e-2
-  np.testing.assert_array_equal(bits[1], 0.0)  # the row with no key
-
-
-@needs_cuda_plugin
-@pytest.mark.parametrize("fields", [dict(block_kv=256, p_bits_cols=256, mma_row_sums=True),
-                                    dict(block_kv=128, p_bits_cols=64, intra_wg_overlap=True)])
-def test_fp8_p_bits_lower(fields):
-  """`Config.p_bits_cols` lowers for CUDA: the byte permutes that build the 8-bit P operand,
-  alone and beside the conversion's pairs."""
-  f8 = jnp.float8_e4m3fn
-  q = jax.ShapeDtypeStruct((2, 300, 4, 128), f8)
-  kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), f8)
-  assert "mosaic_gpu" in _lower(_forward(mosaic.Config(**fields), is_causal=True), q, kv, kv)
 
 
 @needs_cuda_plugin

@@ -6,7 +6,7 @@ without differing in cycles: this runs each named FP8 config (``benchmarks/fp8.p
 ``nvidia-smi`` sampling the clock and the power meanwhile, and prints per config the time a
 call, TFLOP/s, the median clock and power, and TFLOP/s per GHz (which compares the cycles).
 
-    python3 benchmarks/dev/clocks.py --configs tuned kv256_persistent_sums_bits --rounds 2
+    python3 benchmarks/dev/clocks.py --configs tuned kv256_sums --rounds 2
 """
 
 from __future__ import annotations

@@ -88,13 +88,6 @@ CONFIGS = {
     "fp8_d128_shipped": Probe(128, False, dict(block_kv=256, mma_row_sums=True,
                                                 persistent_ctas=132)),
     "fp8_d128_shipped_causal": Probe(128, True, dict(block_kv=256, mma_row_sums=True)),
-    # P's e4m3 rounding by integer instructions (`Config.p_bits_cols`), all or half the keys.
-    "fp8_d128_bits": Probe(128, False, dict(block_kv=256, mma_row_sums=True, p_bits_cols=256,
-                                             persistent_ctas=132)),
-    "fp8_d128_bits_causal": Probe(128, True, dict(block_kv=256, mma_row_sums=True,
-                                                   p_bits_cols=256)),
-    "fp8_d128_bits128": Probe(128, False, dict(block_kv=256, mma_row_sums=True, p_bits_cols=128,
-                                                persistent_ctas=132)),
     # 192-key tiles (64-byte swizzled V rows) with FlashAttention-3's overlap.
     "fp8_d128_kv192_overlap_r240_sums": Probe(128, False, dict(
         block_kv=192, intra_wg_overlap=True, registers=240, mma_row_sums=True)),

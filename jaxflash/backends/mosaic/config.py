@@ -284,12 +284,6 @@ class Config:
   # 16-bit calls ignore it (there the extra wgmma cost more than the adds: docs/fp8.md).
   # `FP8_TUNED` turns it on at D = 128: 4-7% faster on an H200 (2026-11-29), and as accurate.
   mma_row_sums: bool = False
-  # An FP8 call's key columns of each block (a multiple of 16, from the first) whose P is
-  # rounded to e4m3 by integer instructions (`forward.p8_words`: a max, a multiply-add and a
-  # byte permute per entry) instead of the conversion instruction, which on sm_90 runs at the
-  # exp units' rate of 16 a clock and, beside the exponentials, makes those units the longest
-  # part of a D = 128 block (docs/fp8.md). 16-bit calls ignore it. 0: all by the conversion.
-  p_bits_cols: int = 0
   # Registers per thread of each consumer warpgroup (the producer gets what is left of 504:
   # 40 at 232, 24 at 240). FlashAttention-3 gives its FP8 D = 256 consumers 240.
   registers: int = 232
@@ -313,9 +307,6 @@ class Config:
     if self.exp2_poly_cols % 8 or not 0 <= self.exp2_poly_cols <= self.block_kv:
       raise ValueError(f"exp2_poly_cols must be a multiple of 8 from 0 to block_kv "
                        f"({self.block_kv}), got {self.exp2_poly_cols}")
-    if self.p_bits_cols % 16 or not 0 <= self.p_bits_cols <= self.block_kv:
-      raise ValueError(f"p_bits_cols must be a multiple of 16 from 0 to block_kv "
-                       f"({self.block_kv}), got {self.p_bits_cols}")
     if self.registers not in REGISTER_COUNTS:
       raise ValueError(f"registers must be 232 or 240, got {self.registers}")
     if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and self.persistent_ctas is None):

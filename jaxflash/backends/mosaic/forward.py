@@ -862,8 +862,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_shift)
         scaled = x * (_rows(c, x.shape) if jnp.ndim(c) else c)
-        if quantized:  # P in FP8 is 2**8 times the softmax's (`P8_LOG2_SCALE`)
-          m_shift = m_shift - P8_LOG2_SCALE
         p = exp2_mixed(scaled - _rows(m_shift, x.shape), config.exp2_poly_cols,
                        params.interpret)
         # The undropped sum: dropout leaves the LSE alone. (With `mma_row_sums` the tensor
@@ -898,13 +896,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         """P as the next P V takes it from registers: 16-bit, or an FP8 call's e4m3."""
         if not quantized:
           return p.astype(q_smem.dtype)
-        cut = config.p_bits_cols  # (the first columns by integer instructions: `p8_words`)
-        words = p8_words(p[:, :cut]) if cut else None
-        p8 = p[:, cut:].astype(jnp.float8_e4m3fn) if cut < block_kv else None
-        if not params.interpret:
-          return _fp8_operand(p8, words)
-        parts = ([p8_of_words(words)] if cut else []) + ([p8] if p8 is not None else [])
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+        p8 = p.astype(jnp.float8_e4m3fn)
+        return p8 if params.interpret else _fp8_operand(p8)
 
       def pv_turn(acc, l, p16, slot, meanwhile):
         """In this consumer's next turn: O += P V (V from ``slot``), and with `mma_row_sums`
@@ -1062,9 +1055,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         term2 = plgpu.load(terms.at[batch if terms.shape[0] > 1 else 0,
                                     head if terms.shape[1] > 1 else 0,
                                     pl.ds(q_start, block_q)], layout=_ROWS, optimized=False)
-      # (An FP8 call's l sums P at 2**8 times the softmax's: its max is that much lower.)
-      factor, lse2 = _core.finish_rows(m - P8_LOG2_SCALE if quantized else m, l, seen, sink2,
-                                       term2)
+      factor, lse2 = _core.finish_rows(m, l, seen, sink2, term2)
       if row_key is not None:
         factor = factor * params.keep_scale
       if v_descale is not None:
@@ -1183,91 +1174,29 @@ def _transposed_values(v, hvp: int, permuted: bool = True):
 _FP8_KEY_ORDER = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
 
 
-def _fp8_operand(p8=None, words=None):
-  """An e4m3 P tile in the wgmma accumulator's layout as an 8-bit A operand in registers: each
-  thread's two pairs of every 16 columns become one group of four, which moves no byte for
-  e4m3 pairs (``p8``) and takes three byte permutes for four `p8_words` words (``words``, the
-  tile's first columns where both are given). This permutes the columns of every 16
-  (`_FP8_KEY_ORDER`); V's keys are stored in the same order, so P V is unchanged
-  (FlashAttention-3 does the same)."""
-  parts = [x for x in (words, p8) if x is not None]
-  rows = parts[0].shape[0]
-  word_groups = 0 if words is None else words.shape[1] // 16
-  shape = (rows, sum(x.shape[1] for x in parts))
+def _fp8_operand(p8):
+  """An e4m3 P tile in the wgmma accumulator's layout as an 8-bit A operand in registers,
+  without moving a byte: each thread's two pairs of every 16 columns become one group of four.
+  This permutes the columns of every 16 (`_FP8_KEY_ORDER`); V's keys are stored in the same
+  order, so P V is unchanged (FlashAttention-3 does the same)."""
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * len(parts),
-                     return_type=plgpu.ShapeDtypeStruct(shape, jnp.float8_e4m3fn,
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                     return_type=plgpu.ShapeDtypeStruct(p8.shape, p8.dtype,
                                                         layout=plgpu.Layout.WGMMA_8BIT))
-  def regroup(ctx, *arrays):
+  def regroup(ctx, pairs):
     del ctx
-    word_regs = arrays[0].registers if words is not None else None
-    pair_regs = arrays[-1].registers if p8 is not None else None
-    registers = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape(shape), dtype=object)
+    registers = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape(pairs.shape), dtype=object)
     for index in np.ndindex(registers.shape):  # (.., block of 16 columns, .., row half, ..)
-      group = index[1]
       lo = list(index)
-      lo[1] = 2 * (group if group < word_groups else group - word_groups)
+      lo[1] = 2 * index[1]
       hi = list(lo)
       hi[1] += 1
-      lo, hi = tuple(lo), tuple(hi)
-      if group < word_groups:
-        registers[index] = _top_bytes(word_regs[lo], word_regs[hi])
-      else:
-        registers[index] = mgpu.utils.vector_concat([pair_regs[lo], pair_regs[hi]])
+      registers[index] = mgpu.utils.vector_concat([pairs.registers[tuple(lo)],
+                                                   pairs.registers[tuple(hi)]])
     return mgpu.FragmentedArray(_registers=registers, _layout=mgpu.WGMMA_LAYOUT_8BIT,
                                 _is_signed=None)
 
-  return regroup(*parts)
-
-
-# An FP8 call's P is 2**8 times the softmax's (the row's max shifted by `P8_LOG2_SCALE` in the
-# exponent, and back when the row ends): its entries reach 256 (e4m3 goes to 448), so e4m3's
-# normal numbers (from 2**-6) hold P down to 2**-14 instead of 2**-6, where its subnormals keep
-# at most three bits and P below 2**-10 rounds to zero. O and the row sums carry the same
-# factor, so it cancels in O = acc / l.
-P8_LOG2_SCALE = 8.0
-# `p8_words`: P is clamped to 2**-7 below, whose e4m3 bits the alignment makes 0; and each
-# float32's bits times 16 plus `_E4M3_ALIGN` hold its e4m3 byte in bits 24-31: bits 20-27 of a
-# float32 are its exponent's low five bits and its mantissa's top three, 1 << 23 rounds at the
-# mantissa's fourth bit (half up; a carry moves into the exponent), and 64 << 24 rebiases the
-# exponent from float32's 127 to e4m3's 7 (-120 * 8 = 64 modulo 256).
-_P8_FLOOR = 2.0 ** -7
-_E4M3_ALIGN = (64 << 24) + (1 << 23)
-
-
-def p8_words(p: jax.Array) -> jax.Array:
-  """int32 words of a float32 P tile (0 <= P <= 256, `P8_LOG2_SCALE`) whose top bytes are P's
-  e4m3 bits (`Config.p_bits_cols`): a max, and a multiply-add the compiler makes one integer
-  instruction, per entry, instead of the conversion, which runs on the exp units on sm_90.
-
-  Rounding is half up where e4m3's is half to even, and P in [2**-7, 2**-6) takes a subnormal's
-  bits m for its normal value's (P about 2**-7 off, at 2**-15 of the row's largest P).
-  NaN gives a finite byte: a NaN in P came from a NaN logit, which has made the row's max, and
-  so O and the row sum, NaN already."""
-  bits = lax.bitcast_convert_type(jnp.maximum(p, _P8_FLOOR), jnp.int32)
-  return bits * 16 + _E4M3_ALIGN
-
-
-def p8_of_words(words: jax.Array) -> jax.Array:
-  """The e4m3 tile whose bits are the top bytes of `p8_words`'s words (in plain jnp: the
-  kernel's own regrouping, `_fp8_operand`, moves the bytes with permutes instead)."""
-  top = lax.shift_right_logical(words, jnp.int32(24)).astype(jnp.uint8)
-  return lax.bitcast_convert_type(top, jnp.float8_e4m3fn)
-
-
-def _i32_at(vec, k: int):
-  return vector.extract(vec, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([k]))
-
-
-def _top_bytes(lo, hi):
-  """One 8-bit operand register from two accumulator-layout pairs of `p8_words` words: the top
-  bytes of lo[0], lo[1], hi[0], hi[1], in that order (three byte permutes)."""
-  i32 = ir.IntegerType.get_signless(32)
-  const = lambda x: arith.constant(i32, x)
-  lo_pair = mgpu.utils.prmt(_i32_at(lo, 0), _i32_at(lo, 1), const(0x73))  # bytes 3 and 7
-  hi_pair = mgpu.utils.prmt(_i32_at(hi, 0), _i32_at(hi, 1), const(0x73))
-  both = mgpu.utils.prmt(lo_pair, hi_pair, const(0x5410))
-  return mgpu.utils.bitcast(both, ir.VectorType.get((4,), ir.Float8E4M3FNType.get()))
+  return regroup(p8)
 
 
 def _descales(inputs: Inputs, rows: int, keys: int) -> dict:
