@@ -126,6 +126,12 @@ CONFIGS = {
     "kv192_overlap_r240": dict(block_kv=192, intra_wg_overlap=True, registers=240),
     "kv192_overlap_r240_sums": dict(block_kv=192, intra_wg_overlap=True, registers=240,
                                     mma_row_sums=True),
+    # Three consumer warpgroups of 64 rows at 160 registers (`Config.consumers`).
+    "c3_kv64_sums": dict(consumers=3, registers=160, block_kv=64, mma_row_sums=True),
+    "c3_kv128_sums": dict(consumers=3, registers=160, block_kv=128, mma_row_sums=True),
+    "c3_kv128": dict(consumers=3, registers=160, block_kv=128),
+    "c3_kv128_persistent_sums": dict(consumers=3, registers=160, block_kv=128,
+                                     persistent_ctas=132, mma_row_sums=True),
     "kv64": dict(block_kv=64),
     "kv256_persistent": dict(block_kv=256, persistent_ctas=132),
     "kv256_overlap": dict(block_kv=256, intra_wg_overlap=True),

@@ -12,6 +12,7 @@ for the calls the Mosaic one does not serve).
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -198,6 +199,9 @@ def test_configs_are_checked():
       (lambda: mosaic.Config(persistent_ctas=132, q_buffers=2, o_through_q=True), "o_through_q"),
       (lambda: mosaic.Config(exp2_poly_cols=12), "exp2_poly_cols"),  # whole 8-column groups
       (lambda: mosaic.Config(block_kv=64, exp2_poly_cols=128), "exp2_poly_cols"),
+      (lambda: mosaic.Config(consumers=4), "consumers"),
+      (lambda: mosaic.Config(consumers=3), "registers"),  # 232 leaves the producer nothing
+      (lambda: mosaic.Config(registers=160), "registers"),
       (lambda: mosaic.Config(registers=248), "registers"),  # (the producer needs its 24)
       (lambda: mosaic.Backward(dkv_block_q=96), "dkv_block_q"),
       (lambda: mosaic.Backward(dv_stages=0), "dv_stages"),
@@ -971,6 +975,24 @@ def test_h100_short_causal_d64_takes_one_cta_per_tile():
   assert config(64, BF16, False, 4096, "NVIDIA H100 80GB HBM3").persistent_ctas == 132
 
 
+def test_long_d64_calls_take_three_consumers_on_an_h200():
+  """`THREE_CONSUMERS_FROM_LENGTH`: on an H200 the bf16 D = 64 forward runs three consumer
+  warpgroups from 4k query rows without a causal band and from 16k with one (where they
+  measured faster); shorter calls, other head dims, FP8 and the unmeasured H100 keep two."""
+  config = mosaic.config.default_config
+  h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+  three = lambda *args: config(*args).consumers == 3  # noqa: E731
+  assert three(64, BF16, False, 4096, h200) and three(64, BF16, True, 16384, h200)
+  assert three(40, BF16, False, 8192, h200)  # (padded to 64)
+  assert not three(64, BF16, False, 2048, h200) and not three(64, BF16, True, 8192, h200)
+  assert not three(128, BF16, False, 16384, h200)
+  assert not three(64, jnp.float8_e4m3fn, False, 16384, h200)
+  assert not three(64, BF16, False, 16384, h100)
+  chosen = config(64, BF16, False, 4096, h200)
+  assert (chosen.registers, chosen.producer_registers, chosen.rows_per_cta) == (160, 24, 192)
+  assert mosaic.config.fits(chosen, 64)
+
+
 @pytest.mark.parametrize("kind", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
 def test_short_causal_calls_launch_in_natural_order(kind):
   """Causal calls of at most `NATURAL_ORDER_ROWS` query rows on one CTA per tile launch their
@@ -1464,6 +1486,59 @@ def test_fp8_row_sums_on_the_tensor_cores(fields, long):
     assert np.linalg.norm(summed - want) / np.linalg.norm(want) < 4e-2
   if b > 1:  # the row with no key gives zeros
     np.testing.assert_array_equal(summed[1], 0.0)
+
+
+# Mosaic GPU's interpreter runs each warpgroup's waits inside XLA's CPU callbacks, which a
+# 2-core machine runs on three threads: a CTA of four warpgroups (three consumers and the
+# producer) waits there for ever. Such machines check the three-consumer kernel's lowering
+# (`test_three_consumers_lower`) and leave its numerics to the GPU and to larger machines.
+_ROOM_FOR_FOUR_WARPGROUPS = ON_GPU or (os.cpu_count() or 1) >= 4
+
+
+@pytest.mark.skipif(not _ROOM_FOR_FOUR_WARPGROUPS,
+                    reason="the interpreter deadlocks four warpgroups on fewer than 4 CPUs")
+@pytest.mark.parametrize("dtype,h,fields", [
+    (BF16, 64, dict(block_kv=128)),
+    (BF16, 64, dict(block_kv=64, intra_wg_overlap=True)),
+    (BF16, 96, dict(block_kv=64, persistent_ctas=5)),
+    (jnp.float8_e4m3fn, 128, dict(block_kv=128, mma_row_sums=True)),
+    (jnp.float8_e4m3fn, 128, dict(block_kv=64))])
+def test_three_consumers(dtype, h, fields):
+  """`Config.consumers=3`: a CTA of three consumer warpgroups (192 rows) taking the tensor
+  cores in turn gives the reference's result: one step at a time and with the overlap, on a
+  persistent grid, FP8 with and without the row sums on the tensor cores; causal and not,
+  GQA, lengths that are no multiple of 192 or of the key tile, a row that sees no key."""
+  b, t, s, n, k = (2, 500, 333, 4, 2) if ON_GPU else (2, 200, 150, 2, 1)
+  keys = jax.random.split(jax.random.key(5), 3)
+  q, kk, v = (jax.random.normal(key, (b, x, heads, h), jnp.float32)
+              for key, x, heads in zip(keys, (t, s, s), (n, k, k)))
+  lengths = dict(query_seq_lengths=jnp.array([t - 3, 7]),
+                 key_value_seq_lengths=jnp.array([s, 0]))
+  q, kk, v = (x.astype(dtype) for x in (q, kk, v))
+  config = mosaic.Config(consumers=3, registers=160, **fields)
+  for causal in (False, True):
+    got = np.asarray(attention_with_config(q, kk, v, implementation="mosaic", is_causal=causal,
+                                           config=config, interpret=not ON_GPU, **lengths),
+                     np.float32)
+    want = np.asarray(attention_with_config(q, kk, v, implementation="xla", is_causal=causal,
+                                            **lengths), np.float32)
+    tolerance = 4e-2 if dtype == jnp.float8_e4m3fn else 1e-2
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < tolerance, causal
+    np.testing.assert_array_equal(got[1], 0.0)  # the row with no key
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("dtype,h,fields", [
+    (BF16, 64, dict(block_kv=128, persistent_ctas=132)),
+    (BF16, 128, dict(block_kv=64, intra_wg_overlap=True)),
+    (jnp.float8_e4m3fn, 128, dict(block_kv=128, mma_row_sums=True))])
+def test_three_consumers_lower(dtype, h, fields):
+  """`Config.consumers=3` lowers for CUDA: four warpgroups, the turns going round three named
+  barriers, 160 registers a consumer."""
+  q = jax.ShapeDtypeStruct((2, 300, 4, h), dtype)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, h), dtype)
+  config = mosaic.Config(consumers=3, registers=160, **fields)
+  assert "mosaic_gpu" in _lower(_forward(config, is_causal=True), q, kv, kv)
 
 
 @needs_cuda_plugin

@@ -72,6 +72,16 @@ VARIANTS = {
                                     o_through_q=True),
     "kv128_persistent_q2_paired": dict(block_kv=128, persistent_ctas=132, q_buffers=2,
                                        paired_tiles=True),
+    # Three consumer warpgroups of 64 rows at 160 registers (`Config.consumers`):
+    # FlashAttention-3's D = 64 layout.
+    "c3_kv128": dict(consumers=3, registers=160, block_kv=128),
+    "c3_kv64": dict(consumers=3, registers=160, block_kv=64),
+    "c3_kv128_persistent": dict(consumers=3, registers=160, block_kv=128, persistent_ctas=132),
+    "c3_kv128_overlap": dict(consumers=3, registers=160, block_kv=128, intra_wg_overlap=True),
+    "c3_kv128_persistent_q2": dict(consumers=3, registers=160, block_kv=128, persistent_ctas=132,
+                                   q_buffers=2),
+    "c3_kv128_persistent_q2_paired": dict(consumers=3, registers=160, block_kv=128,
+                                          persistent_ctas=132, q_buffers=2, paired_tiles=True),
 }
 
 

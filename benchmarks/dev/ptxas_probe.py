@@ -88,6 +88,16 @@ CONFIGS = {
     "fp8_d128_shipped": Probe(128, False, dict(block_kv=256, mma_row_sums=True,
                                                 persistent_ctas=132)),
     "fp8_d128_shipped_causal": Probe(128, True, dict(block_kv=256, mma_row_sums=True)),
+    # Three consumer warpgroups (`Config.consumers`) at 160 registers: FP8 at D = 128 and bf16
+    # at D = 64 (FlashAttention-3's D = 64 layout), 64- and 128-key tiles.
+    "fp8_d128_c3_kv64": Probe(128, False, dict(consumers=3, registers=160, block_kv=64,
+                                                mma_row_sums=True)),
+    "fp8_d128_c3_kv128": Probe(128, False, dict(consumers=3, registers=160, block_kv=128,
+                                                 mma_row_sums=True)),
+    "fp8_d128_c3_kv128_causal": Probe(128, True, dict(consumers=3, registers=160, block_kv=128,
+                                                       mma_row_sums=True)),
+    "d64_c3_kv128": Probe(64, False, dict(consumers=3, registers=160, block_kv=128)),
+    "d64_c3_kv128_causal": Probe(64, True, dict(consumers=3, registers=160, block_kv=128)),
     # 192-key tiles (64-byte swizzled V rows) with FlashAttention-3's overlap.
     "fp8_d128_kv192_overlap_r240_sums": Probe(128, False, dict(
         block_kv=192, intra_wg_overlap=True, registers=240, mma_row_sums=True)),

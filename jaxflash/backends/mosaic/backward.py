@@ -75,7 +75,7 @@ from jaxflash.backends.triton import backward as triton_backward
 from jaxflash.masking import Positions
 from jaxflash.schedule import BlockLists, Schedule, Span, block_at, total, walk
 
-_CONSUMERS = fwd._CONSUMERS
+_CONSUMERS = 2  # (the backward's kernels run two consumer warpgroups; the forward may run three)
 _ROWS, _COLS = fwd._ROWS, fwd._COLS
 _KEYS = 64  # keys per consumer in dK/dV, query rows per consumer in dQ (one wgmma M)
 # The one-pass kernel walks each head's query blocks downwards. Key tiles add their dQ parts in

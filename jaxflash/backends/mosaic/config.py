@@ -1,7 +1,7 @@
 """Tiles and pipeline depth of the Mosaic GPU forward, and the rule that chooses them.
 
-A CTA runs two consumer warpgroups, each owning ``block_q`` query rows (so a CTA covers
-``2 * block_q`` rows), and one producer warpgroup that streams ``block_kv``-row tiles of K and V
+A CTA runs two (or, with ``Config.consumers``, three) consumer warpgroups, each owning
+``block_q`` query rows (so a CTA covers ``consumers * block_q`` rows), and one producer warpgroup that streams ``block_kv``-row tiles of K and V
 through a ring of ``num_stages`` shared-memory slots. ``backward`` holds the tiles of the Mosaic
 backward (`Backward`); the calls it does not serve run the Triton backward with ``triton``.
 """
@@ -9,6 +9,7 @@ backward (`Backward`); the calls it does not serve run the Triton backward with 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxflash import fp8
 from jaxflash.backends.triton import config as triton_config
@@ -23,11 +24,13 @@ SMEM_BUDGET = 227 * 1024 - 4096
 # Registers per thread that a consumer warpgroup of either kernel may ask for (two consumers and a
 # producer share 504 of them; at 248 the producer would have fewer than the 24 it needs).
 REGISTER_COUNTS = (232, 240)
+# The same with three consumers (the forward's `Config.consumers`): 160 leaves the producer 24.
+THREE_CONSUMER_REGISTERS = (152, 160)
 
 
-def producer_registers(consumer_registers: int) -> int:
-  """The producer warpgroup's registers per thread: what two consumers leave of 504."""
-  return 504 - 2 * consumer_registers
+def producer_registers(consumer_registers: int, consumers: int = 2) -> int:
+  """The producer warpgroup's registers per thread: what the consumers leave of 504."""
+  return 504 - consumers * consumer_registers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -244,6 +247,10 @@ class Config:
 
   block_q: int = 64  # rows per consumer warpgroup (a wgmma M is 64)
   block_kv: int = 128
+  # Consumer warpgroups per CTA, 2 or 3 (FlashAttention-3's three at D = 64). They take the
+  # tensor cores in turn, so with three, two can run their softmax while one multiplies; each
+  # then has at most 160 registers (``registers``), which holds smaller key tiles.
+  consumers: int = 2
   num_stages: int = 2  # K/V ring depth
   # With a causal band, the CTAs whose rows see the most keys are launched first, so that the
   # short ones fill the tail of the grid instead of one long CTA running alone at the end.
@@ -307,8 +314,12 @@ class Config:
     if self.exp2_poly_cols % 8 or not 0 <= self.exp2_poly_cols <= self.block_kv:
       raise ValueError(f"exp2_poly_cols must be a multiple of 8 from 0 to block_kv "
                        f"({self.block_kv}), got {self.exp2_poly_cols}")
-    if self.registers not in REGISTER_COUNTS:
-      raise ValueError(f"registers must be 232 or 240, got {self.registers}")
+    if self.consumers not in (2, 3):
+      raise ValueError(f"consumers must be 2 or 3, got {self.consumers}")
+    counts = REGISTER_COUNTS if self.consumers == 2 else THREE_CONSUMER_REGISTERS
+    if self.registers not in counts:
+      raise ValueError(f"registers must be {counts[0]} or {counts[1]} with {self.consumers} "
+                       f"consumers, got {self.registers}")
     if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and self.persistent_ctas is None):
       raise ValueError("q_buffers must be 1, or 2 on a persistent grid (persistent_ctas), got "
                        f"{self.q_buffers}")
@@ -318,7 +329,12 @@ class Config:
 
   @property
   def producer_registers(self) -> int:
-    return producer_registers(self.registers)
+    return producer_registers(self.registers, self.consumers)
+
+  @property
+  def rows_per_cta(self) -> int:
+    """Query rows of one CTA (one work item): ``block_q`` per consumer."""
+    return self.consumers * self.block_q
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -354,20 +370,20 @@ def o_view(config: Config, hp: int, hvp: int, partial: bool = False,
 
 def smem_bytes(config: Config, head_dim: int, partial: bool = False,
                value_dim: int | None = None, itemsize: int = 2) -> int:
-  """Shared memory of one CTA: two Q tiles per buffer, the K and V rings, the LSE rows, and,
-  where O cannot leave through the Q tiles' memory (`o_view`), two O tiles of their own
-  (float32 for a partial result). ``value_dim``: V's and O's head dim (None: ``head_dim``);
+  """Shared memory of one CTA: a Q tile per consumer and buffer, the K and V rings, the LSE
+  rows (float32), and, where O cannot leave through the Q tiles' memory (`o_view`), an O tile
+  of its own per consumer (float32 for a partial result). ``value_dim``: V's and O's head dim (None: ``head_dim``);
   ``itemsize`` 1: an FP8 call."""
   hp = padded_head_dim(head_dim)
   if itemsize == 1 and hp > 64:  # FP8 rows are whole 128-byte swizzled rows
     hp = -(-head_dim // 128) * 128
   hvp = hp if value_dim is None else padded_head_dim(value_dim)
-  tiles = itemsize * (2 * config.q_buffers * config.block_q * hp
+  tiles = itemsize * (config.q_buffers * config.rows_per_cta * hp
                       + config.num_stages * config.block_kv * (hp + hvp))
   own_o = o_view(config, hp, hvp, partial, itemsize) is None
   o_bytes = 4 if partial else 2 if own_o else 0
   ones = 8 * config.block_kv if config.mma_row_sums and itemsize == 1 else 0
-  return tiles + 8 * 64 + o_bytes * 2 * config.block_q * hvp + ones
+  return tiles + 4 * config.rows_per_cta + o_bytes * config.rows_per_cta * hvp + ones
 
 
 # Streaming multiprocessors of the Hopper parts (SXM and GH200: 132), for persistent grids.
@@ -465,6 +481,21 @@ TUNED: dict[tuple[int, bool], dict] = {
     (192, True): dict(block_kv=128, intra_wg_overlap=True),
     (192, False): dict(block_kv=128),
 }
+
+
+# Three consumer warpgroups of 64 rows on 128-key tiles (`Config.consumers`, FlashAttention-3's
+# D = 64 layout: while one consumer multiplies, two run their softmax), from these query
+# lengths on: device kind -> {(padded head dim, causal): length}. Only where measured (the
+# H100 has not run them). H200, 2026-11-29 (benchmarks/dev/forward_tiles.py,
+# bf16, 32 heads, B · S = 16k, against `TUNED`'s tiles in the same process): without a causal
+# band 1k 369 against 400 TFLOP/s (384-402 on persistent grids), 4k 492 against 456, 16k 509
+# against 468; with one 1k 243 against 328 (192-row tiles waste more of the diagonal), 4k 415
+# against 435 (434 persistent and paired), 16k 475 against 457. Not at D = 128 (O's 64
+# registers, S's and P's leave no room under 160) nor for FP8 at D = 128 (128-key tiles: 948
+# against 957, causal 896 against 966).
+THREE_CONSUMERS = dict(consumers=3, registers=160, block_kv=128)
+THREE_CONSUMERS_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {
+    "H200": {(64, False): 4096, (64, True): 16384}}
 
 
 # The FP8 forward's config fields by (padded head dim, causal), measured as `TUNED` was, with
@@ -721,6 +752,10 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
   tuned = TUNED.get((padded_head_dim(head_dim), causal))
   if q_len < _tuned_from_length(device_kind, padded_head_dim(head_dim), causal):
     tuned = None
+  three_from = (_for_kind(THREE_CONSUMERS_FROM_LENGTH, device_kind) or {}).get(
+      (padded_head_dim(head_dim), causal), math.inf)
+  if q_len >= three_from:
+    tuned = THREE_CONSUMERS
   candidates = [dict(block_kv=128), dict(block_kv=64)]
   if fp8.is_fp8(dtype):  # (no backward: an FP8 call has no gradient)
     tuned = FP8_TUNED.get((padded_head_dim(head_dim), causal))

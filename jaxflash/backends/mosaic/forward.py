@@ -1,17 +1,20 @@
 """The Mosaic GPU forward for Hopper (sm90): O and the base-2 LSE, laid out as FlashAttention-3.
 
-Grid (N, query tiles, B), one CTA per ``2 * block_q`` query rows of one (batch row, head); with
+Grid (N, query tiles, B), one CTA per ``consumers * block_q`` query rows of one (batch row,
+head); with
 a causal band the tiles that see the most keys launch first. With ``Config.persistent_ctas``
 the grid is that many CTAs instead (one per SM by default at D = 64, and at D = 128 without a
 causal band), each running a share of the tiles (`_items`, evenly by causal work) with its K/V
-ring, turns and Q/O tiles carried from one tile to the next. A CTA is three warpgroups:
+ring, turns and Q/O tiles carried from one tile to the next. A CTA is ``Config.consumers`` + 1
+warpgroups (two consumers, or three as FlashAttention-3 runs D = 64):
 
-- ``wg`` 0 and 1 are consumers. Each owns ``block_q`` query rows (one TMA copy into shared
+- ``wg`` 0 .. consumers - 1 are consumers. Each owns ``block_q`` query rows (one TMA copy into shared
   memory) and, per key block, computes S = Q Kᵀ with wgmma from shared memory, runs the online
   softmax in registers (base 2, the scale folded into one FMA per entry), and accumulates O += P V
   with wgmma taking P from registers.
-- ``wg`` 2 is the producer. It streams K and V tiles by TMA into a ring of ``num_stages`` slots
-  and refills a slot once both consumers have arrived on its "free" barrier.
+- ``wg`` = consumers is the producer. It streams K and V tiles by TMA into a ring of
+  ``num_stages`` slots and refills a slot once every consumer has arrived on its "free"
+  barrier.
 
 Intra-warpgroup overlap (``Config.intra_wg_overlap``, FlashAttention-3's): step j issues Q K_jᵀ
 and P_{j-1} V_{j-1} in one turn, waits for S alone, and runs block j's softmax while that P V is
@@ -19,20 +22,21 @@ in flight; O is rescaled and P_j rounded to 16 bits only after it completes (wri
 earlier would make ptxas serialise every wgmma). The first block's step only computes scores and
 the last P V runs after the loop.
 
-Ping-pong: each consumer owns a turn barrier. After issuing its Q Kᵀ it signals the other's
-turn, and before issuing P V it waits for its own, so the tensor cores alternate between the
-consumers' [P V, next Q Kᵀ] pairs while the other consumer runs its softmax. Consumer 1 waits
-once before its first tile and consumer 0 signals once after its last, which starts and ends
-the alternation (with the overlap every turn starts with a wait and ends with a signal, so
-consumer 1 signals once first and consumer 0 waits once last). It is one sequence over all of a
-CTA's tiles, so that no turn is signalled twice before it is taken. On the GPU the turns are
-hardware named barriers (``bar.arrive`` / ``bar.sync``, ids 4 and 5; Mosaic GPU uses 0 to 3); in
-the interpreter they are mbarriers with the same protocol.
+Ping-pong: each consumer owns a turn barrier, and the turns go round the consumers in order.
+After issuing its Q Kᵀ a consumer signals the next one's turn, and before issuing P V it waits
+for its own, so the tensor cores take the consumers' [P V, next Q Kᵀ] pairs in turn while the
+others run their softmax. Every consumer but the first waits once before its first tile and
+every one but the last signals once after its last, which starts and ends the round (with the
+overlap every turn starts with a wait and ends with a signal, so the last consumer signals once
+first and the first waits once last). It is one sequence over all of a CTA's tiles, so that no
+turn is signalled twice before it is taken. On the GPU the turns are hardware named barriers
+(``bar.arrive`` / ``bar.sync``, ids 4 and up; Mosaic GPU uses 0 to 3); in the interpreter they
+are mbarriers with the same protocol.
 
-Both consumers walk the key blocks of the CTA's ``2 * block_q`` rows, as named by the shared
-`jaxflash.schedule.Schedule`: blocks every row sees in full skip the element mask, the others
-apply `jaxflash.masking.visible`'s conditions per entry (the band and the key length as one key
-range per row, `jaxflash.masking.key_range`). Out-of-range rows and columns of edge tiles are
+All consumers walk the key blocks of the CTA's ``consumers * block_q`` rows, as named by the
+shared `jaxflash.schedule.Schedule`: blocks every row sees in full skip the element mask, the
+others apply `jaxflash.masking.visible`'s conditions per entry (the band and the key length as
+one key range per row, `jaxflash.masking.key_range`). Out-of-range rows and columns of edge tiles are
 zero-filled by TMA on the way in, masked by the key length, and clipped by TMA on the way out.
 Mask, bias and segment-id tiles are read by the consumers from global memory; dropout draws
 `jaxflash.dropout`'s mask entry by entry from absolute coordinates.
@@ -75,7 +79,6 @@ from jaxflash.backends.mosaic.config import Config, o_view, padded_head_dim
 from jaxflash.masking import Positions
 from jaxflash.schedule import BlockLists, Schedule, Span, block_lists, total, walk
 
-_CONSUMERS = 2
 _ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma accumulator
 _COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
@@ -101,14 +104,15 @@ def _emit(build):
   plgpu.inline_mgpu()(lambda _: build())()
 
 
-def _named_barrier(instruction: str, other: bool):
-  """``bar.sync`` / ``bar.arrive`` on the turn barrier of this consumer, or of the other one."""
+def _named_barrier(instruction: str, other: bool, consumers: int):
+  """``bar.sync`` / ``bar.arrive`` on the turn barrier of this consumer, or of the next one
+  (the turns go round the ``consumers`` in order)."""
 
   def build():
     i32 = ir.IntegerType.get_signless(32)
     wg = mgpu.utils.warpgroup_idx(sync=False)
     if other:
-      wg = arith.xori(wg, mgpu.utils.c(1, i32))
+      wg = arith.remui(arith.addi(wg, mgpu.utils.c(1, i32)), mgpu.utils.c(consumers, i32))
     barrier_id = arith.addi(wg, mgpu.utils.c(_TURN_ID, i32))
     mgpu.utils.inline_ptx(f"{instruction} $0, {_TURN_THREADS};", barrier_id,
                           has_side_effects=True)
@@ -463,7 +467,7 @@ def _entry_tile(ref, batch, head, rows, keys):
 
 
 class _Grid(NamedTuple):
-  """How CTAs map to work items, each item being the ``2 * block_q`` query rows of one (batch
+  """How CTAs map to work items, each item being the ``consumers * block_q`` query rows of one (batch
   row, head): one CTA per item (``ctas`` None), or ``ctas`` persistent CTAs, CTA ``c`` taking
   one item of each consecutive run of ``ctas`` (see `_items`)."""
 
@@ -636,6 +640,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
             turns, ones_smem, ones_ready, *, params: Params, config: Config,
             schedule: Schedule, groups: int, grid: _Grid, o_union: bool):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
+  consumers = config.consumers
   if o_union:  # one memory, two views: the Q tiles, and O's tiles over the same bytes
     q_smems, o_smems = q_smems
   # An FP8 call's V tiles are stored transposed, [Dv, keys] (`_transposed_values`), and its P
@@ -646,11 +651,11 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   wg = lax.axis_index("wg")
   heavy_first = config.heavy_first and schedule.window.right is not None
   count, item = _items(grid, heavy_first, extras.order, config.paired_tiles)
-  rows_per_cta = _CONSUMERS * block_q
+  rows_per_cta = config.rows_per_cta
 
   def where(i):
     """Item ``i``'s batch row, head, first row, positions, and its key blocks as `Span`s
-    (both consumers walk exactly these, and the producer loads them in the same order)."""
+    (every consumer walks exactly these, and the producer loads them in the same order)."""
     batch, head, tile = item(i)
     cta_start = tile * rows_per_cta
     offsets = () if offsets_ref is None else (offsets_ref[batch, 0], offsets_ref[batch, 1])
@@ -666,19 +671,19 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   def slot_of(n):
     return lax.rem(n, jnp.asarray(stages, n.dtype))
 
-  def pass_turn():  # to the other consumer: its matmuls may go after the ones just issued
+  def pass_turn():  # to the next consumer: its matmuls may go after the ones just issued
     if params.interpret:
-      plgpu.barrier_arrive(turns.at[1 - wg])
+      plgpu.barrier_arrive(turns.at[lax.rem(wg + 1, consumers)])
     else:
-      _named_barrier("bar.arrive", other=True)
+      _named_barrier("bar.arrive", other=True, consumers=consumers)
 
-  def await_turn():  # until the other consumer has issued its matmuls
+  def await_turn():  # until the consumer before has issued its matmuls
     if params.interpret:
       plgpu.barrier_wait(turns.at[wg])
     else:
-      _named_barrier("bar.sync", other=False)
+      _named_barrier("bar.sync", other=False, consumers=consumers)
 
-  @pl.when(wg < _CONSUMERS)
+  @pl.when(wg < consumers)
   def _consumer():
     plgpu.set_max_registers(config.registers, action="increase")
     q_buffers = config.q_buffers
@@ -686,7 +691,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
     def q_buffer(i):
       """Item i's Q tile and its barrier: items alternate between buffers, if two. (The index
       stays traced, never a literal 0, which run_state could not close over.)"""
-      index = wg if q_buffers == 1 else lax.rem(i, jnp.asarray(2, i.dtype)) * _CONSUMERS + wg
+      index = wg if q_buffers == 1 else lax.rem(i, jnp.asarray(2, i.dtype)) * consumers + wg
       return q_smems.at[index], q_ready.at[index]
 
     # A 16-bit O of a one-item CTA goes out through its Q tile's memory (`o_view`): the tile
@@ -718,9 +723,9 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
     # awaited and passed within a step, so consumer 1 hands consumer 0 the first one and
     # consumer 0 takes consumer 1's last.
     if config.intra_wg_overlap:
-      pl.when(wg == 1)(pass_turn)
+      pl.when(wg == consumers - 1)(pass_turn)
     else:
-      pl.when(wg == 1)(await_turn)
+      pl.when(wg >= 1)(await_turn)
 
     def run_item(i, first_block):
       batch, head, cta_start, pos, spans = where(i)
@@ -1093,10 +1098,13 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       return first_block + visits
 
     _for_items(count, run_item)
-    pl.when(wg == 0)(await_turn if config.intra_wg_overlap else pass_turn)
+    if config.intra_wg_overlap:
+      pl.when(wg == 0)(await_turn)
+    else:
+      pl.when(wg < consumers - 1)(pass_turn)
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == _CONSUMERS)
+  @pl.when(wg == consumers)
   def _producer():
     plgpu.set_max_registers(config.producer_registers, action="decrease")
     if row_sums:  # the ones tile, once (`Config.mma_row_sums`)
@@ -1305,7 +1313,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
     v = _transposed_values(v, hvp, permuted=not params.interpret)
   else:
     v = _pad(v, _round_up(v.shape[1], 8), hvp)
-  rows_per_cta = _CONSUMERS * config.block_q
+  consumers, rows_per_cta = config.consumers, config.rows_per_cta
   q_tiles = pl.cdiv(t, rows_per_cta)
   extras = _extras(inputs, q_tiles * rows_per_cta, _round_up(k.shape[1], config.block_kv))
   extras = with_order(with_lists(extras, inputs, params, rows_per_cta, config.block_kv), inputs)
@@ -1337,7 +1345,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
   v_tile = ((stages, hvp, config.block_kv), pv_swizzle) if quantized else (
       (stages, config.block_kv, hvp), 128)
   # Q (in one of ``q_buffers`` buffers per item), then O on the way out where it fits there.
-  q_smem = _smem_tile((config.q_buffers * _CONSUMERS, config.block_q, hp), q.dtype, qk_swizzle)
+  q_smem = _smem_tile((config.q_buffers * consumers, config.block_q, hp), q.dtype, qk_swizzle)
   union = view is not None and (view, jnp.dtype(out_dtype)) != ((config.block_q, hp), q.dtype)
   if union:
     # O's tiles over the Q tiles' bytes: each group of a union starts at its base, and a
@@ -1347,24 +1355,24 @@ def forward(inputs: Inputs, params: Params, config: Config):
     rows, cols = view
     assert rows * cols * out_bytes == config.block_q * hp * q.dtype.itemsize, (view, hp)
     assert config.q_buffers == 1, config
-    q_smem = plgpu.RefUnion(q_smem, _smem_tile((_CONSUMERS, rows, cols), out_dtype,
+    q_smem = plgpu.RefUnion(q_smem, _smem_tile((consumers, rows, cols), out_dtype,
                                                min(128, cols * out_bytes)))
   scratch = (
       q_smem,
       _smem_tile((stages, config.block_kv, hp), k.dtype, qk_swizzle),
       _smem_tile(v_tile[0], v.dtype, v_tile[1]),
-      plgpu.SMEM((_CONSUMERS, config.block_q), jnp.float32),  # LSE rows on the way out
+      plgpu.SMEM((consumers, config.block_q), jnp.float32),  # LSE rows on the way out
       # O on the way out where it cannot leave through the Q tiles' memory (`o_view`): a
       # partial result's (float32), or a persistent CTA's (Q's tile is then loading the next
       # item).
-      _smem_tile((_CONSUMERS, config.block_q, hvp), out_dtype) if view is None else None,
-      plgpu.Barrier(num_barriers=config.q_buffers * _CONSUMERS),  # q_ready
+      _smem_tile((consumers, config.block_q, hvp), out_dtype) if view is None else None,
+      plgpu.Barrier(num_barriers=config.q_buffers * consumers),  # q_ready
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_barriers=stages),  # v_ready
-      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # k_free
-      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # v_free
+      plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # k_free
+      plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # v_free
       # The consumers' turns in the interpreter (named barriers on the GPU need no memory).
-      plgpu.Barrier(num_barriers=_CONSUMERS) if params.interpret else None,
+      plgpu.Barrier(num_barriers=consumers) if params.interpret else None,
       # `mma_row_sums`: the ones tile (keys along its rows, like V's FP8 tiles) and its load.
       _smem_tile((8, config.block_kv), v.dtype, pv_swizzle) if row_sums else None,
       plgpu.Barrier(num_barriers=1) if row_sums else None,
@@ -1386,7 +1394,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
       scratch_types=scratch,
       grid=grid,
       grid_names=names,
-      num_threads=_CONSUMERS + 1,
+      num_threads=consumers + 1,
       thread_name="wg",
       kernel_name="jaxflash_mosaic_forward",
       # No automatic warpgroup barriers around loads, stores and branches: no thread reads and
