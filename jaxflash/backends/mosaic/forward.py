@@ -467,8 +467,8 @@ def _entry_tile(ref, batch, head, rows, keys):
 
 
 class _Grid(NamedTuple):
-  """How CTAs map to work items, each item being the ``consumers * block_q`` query rows of one (batch
-  row, head): one CTA per item (``ctas`` None), or ``ctas`` persistent CTAs, CTA ``c`` taking
+  """How CTAs map to work items, each item being the ``consumers * block_q`` query rows of one
+  (batch row, head): one CTA per item (``ctas`` None), or ``ctas`` persistent CTAs, CTA ``c`` taking
   one item of each consecutive run of ``ctas`` (see `_items`)."""
 
   batch: int
