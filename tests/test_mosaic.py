@@ -977,14 +977,14 @@ def test_h100_short_causal_d64_takes_one_cta_per_tile():
 
 def test_long_d64_calls_take_three_consumers_on_an_h200():
   """`THREE_CONSUMERS_FROM_LENGTH`: on an H200 the bf16 D = 64 forward runs three consumer
-  warpgroups from 4k query rows without a causal band and from 16k with one (where they
+  warpgroups from 2k query rows without a causal band and from 8k with one (where they
   measured faster); shorter calls, other head dims, FP8 and the unmeasured H100 keep two."""
   config = mosaic.config.default_config
   h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
   three = lambda *args: config(*args).consumers == 3  # noqa: E731
-  assert three(64, BF16, False, 4096, h200) and three(64, BF16, True, 16384, h200)
+  assert three(64, BF16, False, 2048, h200) and three(64, BF16, True, 8192, h200)
   assert three(40, BF16, False, 8192, h200)  # (padded to 64)
-  assert not three(64, BF16, False, 2048, h200) and not three(64, BF16, True, 8192, h200)
+  assert not three(64, BF16, False, 1024, h200) and not three(64, BF16, True, 4096, h200)
   assert not three(128, BF16, False, 16384, h200)
   assert not three(64, jnp.float8_e4m3fn, False, 16384, h200)
   assert not three(64, BF16, False, 16384, h100)

@@ -488,14 +488,15 @@ TUNED: dict[tuple[int, bool], dict] = {
 # lengths on: device kind -> {(padded head dim, causal): length}. Only where measured (the
 # H100 has not run them). H200, 2026-11-29 (benchmarks/dev/forward_tiles.py,
 # bf16, 32 heads, B · S = 16k, against `TUNED`'s tiles in the same process): without a causal
-# band 1k 369 against 400 TFLOP/s (384-402 on persistent grids), 4k 492 against 456, 16k 509
-# against 468; with one 1k 243 against 328 (192-row tiles waste more of the diagonal), 4k 415
-# against 435 (434 persistent and paired), 16k 475 against 457. Not at D = 128 (O's 64
-# registers, S's and P's leave no room under 160) nor for FP8 at D = 128 (128-key tiles: 948
-# against 957, causal 896 against 966).
+# band 1k 369 against 400 TFLOP/s (384-402 on persistent grids), 2k 456 against 437, 4k 492
+# against 456, 16k 509 against 468; with one 1k 243 against 328 (192-row tiles waste more of
+# the diagonal), 4k 415 against 435 (434 persistent and paired), 8k 471 against 444, 16k 475
+# against 457. Not at D = 128 (O's 64 registers, S's and P's leave no room under 160), for FP8
+# at D = 128 (128-key tiles: 948 against 957, causal 896 against 966) or MLA's 192/128 (64-key
+# tiles, causal 8k: 587 against 623).
 THREE_CONSUMERS = dict(consumers=3, registers=160, block_kv=128)
 THREE_CONSUMERS_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {
-    "H200": {(64, False): 4096, (64, True): 16384}}
+    "H200": {(64, False): 2048, (64, True): 8192}}
 
 
 # The FP8 forward's config fields by (padded head dim, causal), measured as `TUNED` was, with
