@@ -75,7 +75,8 @@ def main() -> None:
       row["tflops_per_ghz"] = row["tflops"] / (row["mhz"] / 1e3) if row["mhz"] else None
       rows.append(row)
       print(json.dumps(row), flush=True)
-  print(f"\n| config | round | ms | TFLOP/s | MHz | W | TFLOP/s per GHz |\n|---|---|---|---|---|---|---|")
+  print("\n| config | round | ms | TFLOP/s | MHz | W | TFLOP/s per GHz |\n"
+        "|---|---|---|---|---|---|---|")
   for r in rows:
     print(f"| {r['config']} | {r['round']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['mhz']} | "
           f"{r['watts']} | {r['tflops_per_ghz'] or 0:.0f} |")

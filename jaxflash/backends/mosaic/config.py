@@ -1,9 +1,10 @@
 """Tiles and pipeline depth of the Mosaic GPU forward, and the rule that chooses them.
 
 A CTA runs two (or, with ``Config.consumers``, three) consumer warpgroups, each owning
-``block_q`` query rows (so a CTA covers ``consumers * block_q`` rows), and one producer warpgroup that streams ``block_kv``-row tiles of K and V
-through a ring of ``num_stages`` shared-memory slots. ``backward`` holds the tiles of the Mosaic
-backward (`Backward`); the calls it does not serve run the Triton backward with ``triton``.
+``block_q`` query rows (so a CTA covers ``consumers * block_q`` rows), and one producer
+warpgroup that streams ``block_kv``-row tiles of K and V through a ring of ``num_stages``
+shared-memory slots. ``backward`` holds the tiles of the Mosaic backward (`Backward`); the
+calls it does not serve run the Triton backward with ``triton``.
 """
 
 from __future__ import annotations
@@ -372,8 +373,8 @@ def smem_bytes(config: Config, head_dim: int, partial: bool = False,
                value_dim: int | None = None, itemsize: int = 2) -> int:
   """Shared memory of one CTA: a Q tile per consumer and buffer, the K and V rings, the LSE
   rows (float32), and, where O cannot leave through the Q tiles' memory (`o_view`), an O tile
-  of its own per consumer (float32 for a partial result). ``value_dim``: V's and O's head dim (None: ``head_dim``);
-  ``itemsize`` 1: an FP8 call."""
+  of its own per consumer (float32 for a partial result). ``value_dim``: V's and O's head dim
+  (None: ``head_dim``); ``itemsize`` 1: an FP8 call."""
   hp = padded_head_dim(head_dim)
   if itemsize == 1 and hp > 64:  # FP8 rows are whole 128-byte swizzled rows
     hp = -(-head_dim // 128) * 128

@@ -1,17 +1,16 @@
 """The Mosaic GPU forward for Hopper (sm90): O and the base-2 LSE, laid out as FlashAttention-3.
 
 Grid (N, query tiles, B), one CTA per ``consumers * block_q`` query rows of one (batch row,
-head); with
-a causal band the tiles that see the most keys launch first. With ``Config.persistent_ctas``
-the grid is that many CTAs instead (one per SM by default at D = 64, and at D = 128 without a
-causal band), each running a share of the tiles (`_items`, evenly by causal work) with its K/V
-ring, turns and Q/O tiles carried from one tile to the next. A CTA is ``Config.consumers`` + 1
-warpgroups (two consumers, or three as FlashAttention-3 runs D = 64):
+head); with a causal band the tiles that see the most keys launch first. With
+``Config.persistent_ctas`` the grid is that many CTAs instead (one per SM by default at D = 64,
+and at D = 128 without a causal band), each running a share of the tiles (`_items`, evenly by
+causal work) with its K/V ring, turns and Q/O tiles carried from one tile to the next. A CTA is
+``Config.consumers`` + 1 warpgroups (two consumers, or three as FlashAttention-3 runs D = 64):
 
-- ``wg`` 0 .. consumers - 1 are consumers. Each owns ``block_q`` query rows (one TMA copy into shared
-  memory) and, per key block, computes S = Q Kᵀ with wgmma from shared memory, runs the online
-  softmax in registers (base 2, the scale folded into one FMA per entry), and accumulates O += P V
-  with wgmma taking P from registers.
+- ``wg`` 0 .. consumers - 1 are consumers. Each owns ``block_q`` query rows (one TMA copy into
+  shared memory) and, per key block, computes S = Q Kᵀ with wgmma from shared memory, runs the
+  online softmax in registers (base 2, the scale folded into one FMA per entry), and accumulates
+  O += P V with wgmma taking P from registers.
 - ``wg`` = consumers is the producer. It streams K and V tiles by TMA into a ring of
   ``num_stages`` slots and refills a slot once every consumer has arrived on its "free"
   barrier.
@@ -36,8 +35,9 @@ are mbarriers with the same protocol.
 All consumers walk the key blocks of the CTA's ``consumers * block_q`` rows, as named by the
 shared `jaxflash.schedule.Schedule`: blocks every row sees in full skip the element mask, the
 others apply `jaxflash.masking.visible`'s conditions per entry (the band and the key length as
-one key range per row, `jaxflash.masking.key_range`). Out-of-range rows and columns of edge tiles are
-zero-filled by TMA on the way in, masked by the key length, and clipped by TMA on the way out.
+one key range per row, `jaxflash.masking.key_range`). Out-of-range rows and columns of edge
+tiles are zero-filled by TMA on the way in, masked by the key length, and clipped by TMA on the
+way out.
 Mask, bias and segment-id tiles are read by the consumers from global memory; dropout draws
 `jaxflash.dropout`'s mask entry by entry from absolute coordinates.
 
@@ -468,8 +468,8 @@ def _entry_tile(ref, batch, head, rows, keys):
 
 class _Grid(NamedTuple):
   """How CTAs map to work items, each item being the ``consumers * block_q`` query rows of one
-  (batch row, head): one CTA per item (``ctas`` None), or ``ctas`` persistent CTAs, CTA ``c`` taking
-  one item of each consecutive run of ``ctas`` (see `_items`)."""
+  (batch row, head): one CTA per item (``ctas`` None), or ``ctas`` persistent CTAs, CTA ``c``
+  taking one item of each consecutive run of ``ctas`` (see `_items`)."""
 
   batch: int
   heads: int
@@ -716,12 +716,12 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       plgpu.barrier_wait(ones_ready.at[0])
       ones = ones_smem.T  # [keys, 8]: P's row sums in column 0
       sums_zero = plgpu.layout_cast(jnp.zeros((block_q, 8), jnp.float32), plgpu.Layout.WGMMA)
-    # The turns alternate over the blocks of all the CTA's items as one sequence, consumer 0
-    # first. A turn starts where a consumer awaits it and ends where it passes it on: without
-    # the overlap a turn runs from before a P V to after the next Q Kᵀ, so consumer 1 waits
-    # once before its first and consumer 0 passes once after its last; with it, every turn is
-    # awaited and passed within a step, so consumer 1 hands consumer 0 the first one and
-    # consumer 0 takes consumer 1's last.
+    # The turns go round the consumers over the blocks of all the CTA's items as one sequence,
+    # consumer 0 first. A turn starts where a consumer awaits it and ends where it passes it on:
+    # without the overlap a turn runs from before a P V to after the next Q Kᵀ, so every
+    # consumer but 0 waits once before its first and every one but the last passes once after
+    # its last; with it, every turn is awaited and passed within a step, so the last consumer
+    # hands consumer 0 the first one and consumer 0 takes the last consumer's last.
     if config.intra_wg_overlap:
       pl.when(wg == consumers - 1)(pass_turn)
     else:
