@@ -1527,6 +1527,20 @@ def test_three_consumers(dtype, h, fields):
     np.testing.assert_array_equal(got[1], 0.0)  # the row with no key
 
 
+@pytest.mark.skipif(not _ROOM_FOR_FOUR_WARPGROUPS,
+                    reason="the interpreter deadlocks four warpgroups on fewer than 4 CPUs")
+@pytest.mark.parametrize("option", ["everything", "everything_but_dense"])
+def test_three_consumers_with_every_option(option):
+  """Three consumers with every option the forward serves at once (causal window, soft cap,
+  scale, mask, bias, segments, lengths, dropout; GQA), forward and gradients (the backward
+  runs its own two-consumer kernels) against the reference."""
+  b, t, s, n, k, h = OPTION_SHAPE
+  make = _everything_but_dense if option == "everything_but_dense" else OPTIONS[option]
+  config = mosaic.Config(consumers=3, registers=160, block_kv=64)
+  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config,
+        **make(b, t, s, n, 0))
+
+
 @needs_cuda_plugin
 @pytest.mark.parametrize("dtype,h,fields", [
     (BF16, 64, dict(block_kv=128, persistent_ctas=132)),
