@@ -21,6 +21,13 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
 if shutil.which("nvidia-smi") is None and "device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
 
+# XLA sizes its CPU client's thread pool from NPROC (else the core count), and Mosaic GPU's
+# interpreter holds one of those threads per warpgroup while it waits on a barrier: on two
+# cores a CTA of four warpgroups (the forward's three consumers and its producer) would wait
+# for ever. Eight threads leave room (tests/test_mosaic.py::test_three_consumers).
+if shutil.which("nvidia-smi") is None:
+  os.environ.setdefault("NPROC", "8")
+
 # With the CUDA plugin installed for lowering (CI) but no GPU, JAX would try CUDA first and
 # print its failure; the CPU is the only platform here.
 if shutil.which("nvidia-smi") is None:
