@@ -1541,6 +1541,28 @@ def test_three_consumers_with_every_option(option):
         **make(b, t, s, n, 0))
 
 
+@pytest.mark.skipif(not _ROOM_FOR_FOUR_WARPGROUPS,
+                    reason="the interpreter deadlocks four warpgroups on fewer than 4 threads")
+def test_three_consumers_partial_results():
+  """Partial calls on three consumers (float32 O through tiles of their own, as ring attention
+  and split keys run them): keys split mid-block, each range's O and LSE merged, equal the
+  reference, causal, GQA, lengths."""
+  b, t, s, n, k, h = OPTION_SHAPE
+  q, kk, v, _ = random_qkv(7, b, t, s, n, k, h, BF16)
+  options = dict(is_causal=True, **random_lengths(b, t, s, n, 3))
+  config = mosaic.Config(consumers=3, registers=160, block_kv=64)
+
+  def split(q, kk, v):
+    call = _checks.normalise(q, kk, v, interpret=not ON_GPU, **options)
+    return partial.split_keys_attention(call.inputs, call.params, mosaic.BACKEND, config,
+                                        (21,))[0]
+
+  got = jax.jit(split)(q, kk, v)
+  want = attention_with_config(*(x.astype(jnp.float32) for x in (q, kk, v)),
+                               implementation="xla", **options)
+  assert rel_err(got, want) < 1e-2
+
+
 @needs_cuda_plugin
 @pytest.mark.parametrize("dtype,h,fields", [
     (BF16, 64, dict(block_kv=128, persistent_ctas=132)),
