@@ -1492,11 +1492,12 @@ def test_fp8_row_sums_on_the_tensor_cores(fields, long):
 # pool of NPROC threads (else one per core): with fewer than four, a CTA of four warpgroups
 # (three consumers and the producer) waits for ever. tests/conftest.py sets NPROC=8 on a
 # CPU-only machine; where a run sets it lower, these tests skip.
-_ROOM_FOR_FOUR_WARPGROUPS = ON_GPU or int(os.environ.get("NPROC") or os.cpu_count() or 1) >= 4
+needs_four_threads = pytest.mark.skipif(
+    not (ON_GPU or int(os.environ.get("NPROC") or os.cpu_count() or 1) >= 4),
+    reason="the interpreter deadlocks four warpgroups on fewer than 4 threads")
 
 
-@pytest.mark.skipif(not _ROOM_FOR_FOUR_WARPGROUPS,
-                    reason="the interpreter deadlocks four warpgroups on fewer than 4 threads")
+@needs_four_threads
 @pytest.mark.parametrize("dtype,h,fields", [
     (BF16, 64, dict(block_kv=128)),
     (BF16, 64, dict(block_kv=64, intra_wg_overlap=True)),
@@ -1527,8 +1528,7 @@ def test_three_consumers(dtype, h, fields):
     np.testing.assert_array_equal(got[1], 0.0)  # the row with no key
 
 
-@pytest.mark.skipif(not _ROOM_FOR_FOUR_WARPGROUPS,
-                    reason="the interpreter deadlocks four warpgroups on fewer than 4 threads")
+@needs_four_threads
 @pytest.mark.parametrize("option", ["everything", "everything_but_dense"])
 def test_three_consumers_with_every_option(option):
   """Three consumers with every option the forward serves at once (causal window, soft cap,
@@ -1541,8 +1541,7 @@ def test_three_consumers_with_every_option(option):
         **make(b, t, s, n, 0))
 
 
-@pytest.mark.skipif(not _ROOM_FOR_FOUR_WARPGROUPS,
-                    reason="the interpreter deadlocks four warpgroups on fewer than 4 threads")
+@needs_four_threads
 def test_three_consumers_partial_results():
   """Partial calls on three consumers (float32 O through tiles of their own, as ring attention
   and split keys run them): keys split mid-block, each range's O and LSE merged, equal the

@@ -716,8 +716,11 @@ def _for_kind(table: dict[str, dict], device_kind: str) -> dict | None:
   return None
 
 
-def _tuned_from_length(device_kind: str, hp: int, causal: bool) -> int:
-  return (_for_kind(TUNED_FROM_LENGTH, device_kind) or {}).get((hp, causal), 0)
+def _from_length(table: dict[str, dict], device_kind: str, hp: int, causal: bool,
+                 default: float) -> float:
+  """A length table's (`TUNED_FROM_LENGTH`, `THREE_CONSUMERS_FROM_LENGTH`) entry for this
+  device kind and cell, else ``default``."""
+  return (_for_kind(table, device_kind) or {}).get((hp, causal), default)
 
 
 def _backward_tiles(hp: int, causal: bool, hv: int, waits_on_loads: bool,
@@ -751,22 +754,20 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
   # (The Triton backward's tiles for the wider of the two head dims: it serves Dv != H.)
   backward = triton_config.default_config(max(head_dim, value_dim or 0), dtype, causal, q_len,
                                           device_kind)
-  tuned = TUNED.get((padded_head_dim(head_dim), causal))
-  if q_len < _tuned_from_length(device_kind, padded_head_dim(head_dim), causal):
+  hp = padded_head_dim(head_dim)
+  tuned = TUNED.get((hp, causal))
+  if q_len < _from_length(TUNED_FROM_LENGTH, device_kind, hp, causal, 0):
     tuned = None
-  three_from = (_for_kind(THREE_CONSUMERS_FROM_LENGTH, device_kind) or {}).get(
-      (padded_head_dim(head_dim), causal), math.inf)
-  if q_len >= three_from:
+  if q_len >= _from_length(THREE_CONSUMERS_FROM_LENGTH, device_kind, hp, causal, math.inf):
     tuned = THREE_CONSUMERS
   candidates = [dict(block_kv=128), dict(block_kv=64)]
   if fp8.is_fp8(dtype):  # (no backward: an FP8 call has no gradient)
-    tuned = FP8_TUNED.get((padded_head_dim(head_dim), causal))
+    tuned = FP8_TUNED.get((hp, causal))
   if tuned:
     candidates.insert(0, dict(tuned, persistent_ctas=None, q_buffers=1))
     if tuned.get("persistent_ctas"):
       candidates.insert(0, dict(tuned, persistent_ctas=sm_count(device_kind)))
-  mosaic_backward = _backward_tiles(padded_head_dim(head_dim), causal,
-                                    padded_head_dim(value_dim or head_dim),
+  mosaic_backward = _backward_tiles(hp, causal, padded_head_dim(value_dim or head_dim),
                                     block_table or lookups, partial, groups)
   for fields in candidates:
     if causal and q_len <= NATURAL_ORDER_ROWS and not fields.get("persistent_ctas"):
