@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 import fp8  # noqa: E402  (benchmarks/fp8.py)
+from cases import flops  # noqa: E402
 from jaxflash.backends import mosaic  # noqa: E402
 
 
@@ -61,7 +62,7 @@ def main() -> None:
   parser.add_argument("--out", type=Path, default=None)
   args = parser.parse_args()
   shape = fp8.Shape(1, args.s, args.heads, args.d, args.causal)
-  flops = 4 * shape.b * shape.n * shape.s ** 2 * shape.d / (2 if shape.causal else 1)
+  work = flops(shape.b, shape.n, shape.s, shape.d, shape.causal, "fwd")
   calls = {}
   for name in args.configs:
     config = None if name == "tuned" else mosaic.Config(**fp8.CONFIGS[name])
@@ -71,7 +72,7 @@ def main() -> None:
   for round_ in range(args.rounds):
     for name, (fn, inputs) in calls.items():
       row = dict(config=name, round=round_, **sampled(fn, inputs, args.seconds))
-      row["tflops"] = flops / row["ms"] / 1e9
+      row["tflops"] = work / row["ms"] / 1e9
       row["tflops_per_ghz"] = row["tflops"] / (row["mhz"] / 1e3) if row["mhz"] else None
       rows.append(row)
       print(json.dumps(row), flush=True)
