@@ -648,6 +648,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   quantized = fp8.is_fp8(q_smems.dtype)
   value_dim = v_smem.shape[-2 if quantized else -1]  # (O's head dim: V's, maybe not Q's)
   row_sums = ones_smem is not None  # (`Config.mma_row_sums`)
+  sums_tile = row_sums and config.row_sums_tile
   wg = lax.axis_index("wg")
   heavy_first = config.heavy_first and schedule.window.right is not None
   count, item = _items(grid, heavy_first, extras.order, config.paired_tiles)
@@ -871,7 +872,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
                        params.interpret)
         # The undropped sum: dropout leaves the LSE alone. (With `mma_row_sums` the tensor
         # cores add P's sum where P V runs: `pv_turn`, `overlapped`.)
-        l = l * alpha if row_sums else l * alpha + p.sum(axis=1)
+        l = by_rows(l, alpha) if row_sums else l * alpha + p.sum(axis=1)
         if row_key is not None:  # dropped entries leave P V only; 1 / P(keep) is applied once
           cols = masking.shifted(j * block_kv + _iota(p.shape, 1), pos.kv_offset)
           p = jnp.where(dropout.keep_entries(_rows(row_key, p.shape), cols,
@@ -893,9 +894,19 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         long sum, and a whole row's, carried across blocks, came out 13-31% short at 16k."""
         return sums.sum(axis=1)
 
-      def plain_block_sums(p16):
-        """`block_sums` of P by a plain dot with the ones tile (the interpreter)."""
-        return block_sums(jnp.dot(p16, ones_smem[...].T, preferred_element_type=jnp.float32))
+      def plain_sums(p16):
+        """P's product with the ones tile by a plain dot (the interpreter)."""
+        return jnp.dot(p16, ones_smem[...].T, preferred_element_type=jnp.float32)
+
+      def add_sums(l, sums):
+        """l plus a block's row sums from its product with the ones tile: added across the
+        tile's columns now, or with `Config.row_sums_tile` kept as a [block_q, 8] tile (l's
+        form then) whose columns are added once, after the last block."""
+        return l + sums if sums_tile else l + block_sums(sums)
+
+      def by_rows(x, alpha):
+        """x (l or a [block_q, 8] tile of row sums) times alpha, a factor per row."""
+        return x * alpha if x.ndim == 1 else x * _rows(alpha, x.shape)
 
       def rounded(p):
         """P as the next P V takes it from registers: 16-bit, or an FP8 call's e4m3."""
@@ -916,7 +927,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           # in registers: there P V is a plain dot of the same tiles.
           acc = acc + plain_pv(p16, slot)
           if row_sums:
-            l = l + plain_block_sums(p16)
+            l = add_sums(l, plain_sums(p16))
           meanwhile()
         elif row_sums:
           def pv_and_sums(refs):
@@ -928,7 +939,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           with jax.named_scope("fwd_pv"):  # (the scope ends once the matmuls are done)
             acc, sums = pl.run_state(pv_and_sums)((plgpu.ACC.init(acc),
                                                    plgpu.ACC.init(sums_zero)))
-          l = l + block_sums(sums)
+          l = add_sums(l, sums)
         else:
           def pv(acc_ref):
             plgpu.wgmma(acc_ref, p16, v_operand(slot))
@@ -961,6 +972,70 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         acc, l = pv_turn(acc, l, p16, slot, wait_next_k)
         return acc, m_new, l
 
+      # Scores ahead (`Config.scores_ahead`): the turn issues P_j V_j (and its row sums) and
+      # then Q K_{j+1}ᵀ before waiting for either, so the tensor cores run the two back to back
+      # instead of idling while this consumer waits for P V, adds up its row sums and issues the
+      # next Q Kᵀ. S_{j+1} is carried to the next step in registers; that step evaluates its
+      # block's inputs (bias, mask) once S is there.
+      def ahead_turn(n, acc, l, p16, slot):
+        """This consumer's turn: O += P V from ``slot`` (with the row sums), then the next
+        visit's Q Kᵀ if there is one; returns ``(acc, l, s_next)`` once all are done."""
+        next_slot, has_next = slot_at(n + 1), n + 1 < visits
+        with jax.named_scope("fwd_turn"):
+          plgpu.barrier_wait(v_ready.at[slot])
+          await_turn()
+
+        def issue_next(s_ref):  # K_{j+1}'s wait, its Q Kᵀ and the turn's end
+          plgpu.barrier_wait(k_ready.at[next_slot])
+          plgpu.wgmma(s_ref, q_smem, k_smem.at[next_slot].T)
+          pass_turn()
+
+        def issue(s_ref):
+          if params.interpret:  # (P V as a plain dot, as in `pv_turn`)
+            out = (acc + plain_pv(p16, slot),)
+            if row_sums:
+              out += (plain_sums(p16),)
+            pl.when(has_next)(lambda: issue_next(s_ref))
+          else:
+            def pv_then_qk(refs):
+              acc_ref, *sums_ref = refs
+              plgpu.wgmma(acc_ref, p16, v_operand(slot))
+              if row_sums:
+                plgpu.wgmma(sums_ref[0], p16, ones)
+              pl.when(has_next)(lambda: issue_next(s_ref))
+
+            with jax.named_scope("fwd_pv"):  # (run_state waits for every wgmma as it ends)
+              out = pl.run_state(pv_then_qk)(
+                  (plgpu.ACC.init(acc),) + ((plgpu.ACC.init(sums_zero),) if row_sums else ()))
+          return out, plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
+
+        (acc, *sums), s_next = pl.run_scoped(issue, plgpu.ACC((block_q, block_kv), jnp.float32))
+        if row_sums:
+          l = add_sums(l, sums[0])
+        pl.when(has_next)(lambda: plgpu.barrier_arrive(k_free.at[next_slot]))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, l, s_next
+
+      def ahead_step(n, j, acc, m, l, s, masked: bool, inputs):
+        """`step` on block j's S, already computed: softmax, then `ahead_turn`."""
+        with jax.named_scope("fwd_softmax"):
+          p, m_new, l, alpha = softmax(j, s, m, l, masked, inputs)
+          p16 = rounded(p)
+          acc = acc * _rows(alpha, acc.shape)
+          acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        acc, l, s_next = ahead_turn(n, acc, l, p16, slot_at(n))
+        return acc, m_new, l, s_next
+
+      def ahead_first(n, j, carry, masked: bool):  # the item's first visit computes its S
+        acc, m, l, _ = carry
+        with jax.named_scope("fwd_scores"):
+          s, inputs = scores(j, slot_at(n), masked)
+        return ahead_step(n, j, acc, m, l, s, masked, inputs)
+
+      def ahead_next(n, j, carry, masked: bool):
+        acc, m, l, s = carry
+        return ahead_step(n, j, acc, m, l, s, masked, block_inputs(j, masked))
+
       # Intra-warpgroup overlap (`Config.intra_wg_overlap`): step j issues Q K_jᵀ and then
       # P_{j-1} V_{j-1} in one turn, and runs block j's softmax while the P V matmul is still
       # in flight; O is rescaled once that matmul is done. The first block only computes
@@ -985,7 +1060,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         if params.interpret:  # the interpreter's P V is a plain dot (see `pv_turn`)
           acc = acc + plain_pv(p_prev, prev)
           if row_sums:
-            sums = plain_block_sums(p_prev)
+            sums = plain_sums(p_prev)
           s, inputs = scores(j, slot, masked)
           p, m, l, alpha = softmax(j, s, m, l, masked, inputs)
         else:
@@ -1013,9 +1088,9 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
             acc, p, m, l, alpha, *sums = pl.run_state(block)(
                 (plgpu.ACC.init(acc), p_scratch(p_prev), m, l, m)
                 + ((plgpu.ACC.init(sums_zero),) if row_sums else ()))
-          sums = block_sums(sums[0]) if row_sums else None
+          sums = sums[0] if row_sums else None
         if sums is not None:  # (the softmax scaled l by alpha already; P_{j-1}'s sums join)
-          l = l + sums * alpha
+          l = add_sums(l, by_rows(sums, alpha))
         plgpu.barrier_arrive(v_free.at[prev])
         with jax.named_scope("fwd_rescale"):
           return acc * _rows(alpha, acc.shape), m, l, rounded(p)
@@ -1035,7 +1110,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       init = (plgpu.layout_cast(jnp.zeros((block_q, value_dim), jnp.float32),
                                 plgpu.Layout.WGMMA),
               plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _ROWS),
-              plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROWS))
+              sums_zero if sums_tile else plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32),
+                                                            _ROWS))
       if config.intra_wg_overlap:
         p_init = plgpu.layout_cast(
             jnp.zeros((block_q, block_kv), jnp.float8_e4m3fn if quantized else q_smem.dtype),
@@ -1043,8 +1119,15 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         carry = walk(spans, first, init + (p_init,), count=1)
         carry = walk(spans, overlapped, carry, skip=1)
         acc, m, l, _ = lax.fori_loop(jnp.maximum(visits - 1, 0), visits, last, carry)
+      elif config.scores_ahead:
+        s_init = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
+                                   plgpu.Layout.WGMMA)
+        carry = walk(spans, ahead_first, init + (s_init,), count=1)
+        acc, m, l, _ = walk(spans, ahead_next, carry, skip=1)
       else:
         acc, m, l = walk(spans, step, init)
+      if sums_tile:
+        l = block_sums(l)
       if grid.ctas is not None and q_buffers == 1 and not o_in_q:
         # Q is no longer read: the next item's loads while O goes out.
         pl.when(i + 1 < count)(lambda: load_q(i + 1))
