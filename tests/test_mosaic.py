@@ -1453,10 +1453,8 @@ def test_fp8_forward_lowers(h, causal, per_token, config, out_dtype):
                                          (dict(block_kv=128, row_sums_tile=True), False),
                                          (dict(block_kv=64, intra_wg_overlap=True,
                                                row_sums_tile=True), False),
-                                         (dict(block_kv=64, scores_ahead=True,
-                                               row_sums_tile=True), False),
-                                         (dict(block_kv=128, row_sums_tile=True,
-                                               scores_ahead=True), True),
+                                         (dict(block_kv=256, row_sums_tile=True,
+                                               persistent_ctas=132), True),
                                          (dict(block_kv=192, intra_wg_overlap=True,
                                                registers=240), False),
                                          (dict(block_kv=256), True)])
@@ -1464,9 +1462,8 @@ def test_fp8_row_sums_on_the_tensor_cores(fields, long):
   """`Config.mma_row_sums`: an FP8 forward that sums each row of P by a wgmma against a ones
   column matches the same forward summing in float32 within e4m3's rounding of P (and both
   the reference), one step at a time and with the overlap (whose sums join a block late, at
-  the next block's rescale), kept as a tile across the blocks (`Config.row_sums_tile`), with
-  the next S issued in P V's turn (`Config.scores_ahead`), on 192-key tiles too (V's rows three
-  64-byte swizzled rows),
+  the next block's rescale), kept as a tile across the blocks (`Config.row_sums_tile`), on
+  192-key tiles too (V's rows three 64-byte swizzled rows),
   causal, with a row that sees no key. On the GPU also 16k keys
   (the sums carried across blocks in one wgmma accumulator came out 13-31% short there)."""
   if long and not ON_GPU:
@@ -1496,46 +1493,6 @@ def test_fp8_row_sums_on_the_tensor_cores(fields, long):
     assert np.linalg.norm(summed - want) / np.linalg.norm(want) < 4e-2
   if b > 1:  # the row with no key gives zeros
     np.testing.assert_array_equal(summed[1], 0.0)
-
-
-@pytest.mark.parametrize("dtype,h,fields", [
-    (BF16, 64, dict(block_kv=64)),
-    (BF16, 96, dict(block_kv=64, persistent_ctas=5)),
-    (BF16, 128, dict(block_kv=128, num_stages=3)),
-    (jnp.float8_e4m3fn, 128, dict(block_kv=128, mma_row_sums=True, row_sums_tile=True,
-                                  persistent_ctas=3)),
-    (jnp.float8_e4m3fn, 128, dict(block_kv=64))])
-def test_scores_ahead(dtype, h, fields):
-  """`Config.scores_ahead`: each turn issues P_j V_j and then Q K_{j+1}ᵀ, S carried to the
-  next step, and gives the reference's result: causal and not (masked blocks evaluate their
-  mask once S is there), GQA, lengths that are no multiple of the key tile, a row that sees no
-  key, items that end (no next S) and a persistent grid whose ring runs on across items."""
-  b, t, s, n, k = (2, 500, 333, 4, 2) if ON_GPU else (2, 150, 140, 2, 1)
-  keys = jax.random.split(jax.random.key(6), 3)
-  q, kk, v = (jax.random.normal(key, (b, x, heads, h), jnp.float32)
-              for key, x, heads in zip(keys, (t, s, s), (n, k, k)))
-  lengths = dict(query_seq_lengths=jnp.array([t - 3, 7]),
-                 key_value_seq_lengths=jnp.array([s, 0]))
-  q, kk, v = (x.astype(dtype) for x in (q, kk, v))
-  config = mosaic.Config(scores_ahead=True, **fields)
-  for causal in (False, True):
-    got = np.asarray(attention_with_config(q, kk, v, implementation="mosaic", is_causal=causal,
-                                           config=config, interpret=not ON_GPU, **lengths),
-                     np.float32)
-    want = np.asarray(attention_with_config(q, kk, v, implementation="xla", is_causal=causal,
-                                            **lengths), np.float32)
-    tolerance = 4e-2 if dtype == jnp.float8_e4m3fn else 1e-2
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < tolerance, causal
-    np.testing.assert_array_equal(got[1], 0.0)  # the row with no key
-
-
-def test_scores_ahead_with_every_option():
-  """`Config.scores_ahead` with every option the forward serves at once (a masked block's
-  bias, segments, mask and dropout read after its S), forward and gradients."""
-  b, t, s, n, k, h = OPTION_SHAPE
-  config = mosaic.Config(scores_ahead=True, block_kv=64)
-  check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, small=config,
-        **_everything_but_dense(b, t, s, n, 0))
 
 
 # Mosaic GPU's interpreter runs each warpgroup's waits inside XLA's CPU callbacks, on a thread

@@ -82,13 +82,6 @@ VARIANTS = {
                                    q_buffers=2),
     "c3_kv128_persistent_q2_paired": dict(consumers=3, registers=160, block_kv=128,
                                           persistent_ctas=132, q_buffers=2, paired_tiles=True),
-    # The next block's Q Kᵀ issued in P V's turn (`Config.scores_ahead`).
-    "kv128_ahead": dict(block_kv=128, scores_ahead=True),
-    "kv128_ahead_persistent": dict(block_kv=128, scores_ahead=True, persistent_ctas=132),
-    "kv64_ahead": dict(block_kv=64, scores_ahead=True),
-    "c3_kv128_ahead": dict(consumers=3, registers=160, block_kv=128, scores_ahead=True),
-    "c3_kv128_ahead_persistent": dict(consumers=3, registers=160, block_kv=128,
-                                      scores_ahead=True, persistent_ctas=132),
     # MLA's 192/128 on three consumers: 64-key tiles (128-key ones leave no shared memory).
     "c3_kv64_stages3": dict(consumers=3, registers=160, block_kv=64, num_stages=3),
     "c3_kv64_overlap": dict(consumers=3, registers=160, block_kv=64, intra_wg_overlap=True),

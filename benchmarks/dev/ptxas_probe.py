@@ -88,22 +88,9 @@ CONFIGS = {
     "fp8_d128_shipped": Probe(128, False, dict(block_kv=256, mma_row_sums=True,
                                                 persistent_ctas=132)),
     "fp8_d128_shipped_causal": Probe(128, True, dict(block_kv=256, mma_row_sums=True)),
-    # The next block's Q Kᵀ in the same turn as P V (`Config.scores_ahead`), and the row sums
-    # kept as a tile across the blocks (`Config.row_sums_tile`).
-    "fp8_d128_ahead": Probe(128, False, dict(block_kv=256, mma_row_sums=True,
-                                              persistent_ctas=132, scores_ahead=True)),
-    "fp8_d128_ahead_r240": Probe(128, False, dict(block_kv=256, mma_row_sums=True,
-                                                   persistent_ctas=132, scores_ahead=True,
-                                                   registers=240)),
+    # The row sums kept as a tile across the blocks (`Config.row_sums_tile`).
     "fp8_d128_sums_tile": Probe(128, False, dict(block_kv=256, mma_row_sums=True,
                                                   persistent_ctas=132, row_sums_tile=True)),
-    "fp8_d128_ahead_kv128": Probe(128, False, dict(block_kv=128, mma_row_sums=True,
-                                                    scores_ahead=True, row_sums_tile=True)),
-    "fp8_d128_ahead_kv192": Probe(128, False, dict(block_kv=192, mma_row_sums=True,
-                                                    scores_ahead=True, row_sums_tile=True)),
-    "d128_ahead": Probe(128, False, dict(scores_ahead=True)),
-    "d64_c3_ahead": Probe(64, False, dict(consumers=3, registers=160, block_kv=128,
-                                          scores_ahead=True)),
     # Three consumer warpgroups (`Config.consumers`) at 160 registers: FP8 at D = 128 and bf16
     # at D = 64 (FlashAttention-3's D = 64 layout), 64- and 128-key tiles.
     "fp8_d128_c3_kv64": Probe(128, False, dict(consumers=3, registers=160, block_kv=64,

@@ -297,11 +297,6 @@ class Config:
   # columns are added up once, after the last block, instead of by two shuffles and adds per
   # row and block while the consumer holds its ping-pong turn.
   row_sums_tile: bool = False
-  # The next block's Q Kᵀ issued in the same turn as this block's P V, right after it, instead
-  # of once P V is done: the tensor cores run both back to back while the consumer waits once.
-  # S of the next block then lives in registers beside O and P while they run (a 256-key FP8
-  # tile at D = 128: 128 + 64 + 32 registers). Not with ``intra_wg_overlap``.
-  scores_ahead: bool = False
   # Registers per thread of each consumer warpgroup (the producer gets what is left of 504:
   # 40 at 232, 24 at 240). FlashAttention-3 gives its FP8 D = 256 consumers 240.
   registers: int = 232
@@ -325,9 +320,6 @@ class Config:
     if self.exp2_poly_cols % 8 or not 0 <= self.exp2_poly_cols <= self.block_kv:
       raise ValueError(f"exp2_poly_cols must be a multiple of 8 from 0 to block_kv "
                        f"({self.block_kv}), got {self.exp2_poly_cols}")
-    if self.scores_ahead and self.intra_wg_overlap:
-      raise ValueError("scores_ahead and intra_wg_overlap are two orders of the same matmuls: "
-                       "set one")
     if self.consumers not in (2, 3):
       raise ValueError(f"consumers must be 2 or 3, got {self.consumers}")
     counts = REGISTER_COUNTS if self.consumers == 2 else THREE_CONSUMER_REGISTERS
@@ -541,8 +533,9 @@ THREE_CONSUMERS_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {
 #   overlap and 240 registers (ptxas: 16 bytes of spills), 817-880 with both, against 256-key
 #   tiles' 926/968 and 937/892 in the same process.
 FP8_TUNED: dict[tuple[int, bool], dict] = {
-    (128, False): dict(block_kv=256, mma_row_sums=True, persistent_ctas=True),
-    (128, True): dict(block_kv=256, mma_row_sums=True),
+    (128, False): dict(block_kv=256, mma_row_sums=True, row_sums_tile=True,
+                       persistent_ctas=True),
+    (128, True): dict(block_kv=256, mma_row_sums=True, row_sums_tile=True),
     (256, False): dict(block_kv=128, intra_wg_overlap=True, registers=240),
     (256, True): dict(block_kv=128, intra_wg_overlap=True, registers=240),
 }

@@ -972,70 +972,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         acc, l = pv_turn(acc, l, p16, slot, wait_next_k)
         return acc, m_new, l
 
-      # Scores ahead (`Config.scores_ahead`): the turn issues P_j V_j (and its row sums) and
-      # then Q K_{j+1}ᵀ before waiting for either, so the tensor cores run the two back to back
-      # instead of idling while this consumer waits for P V, adds up its row sums and issues the
-      # next Q Kᵀ. S_{j+1} is carried to the next step in registers; that step evaluates its
-      # block's inputs (bias, mask) once S is there.
-      def ahead_turn(n, acc, l, p16, slot):
-        """This consumer's turn: O += P V from ``slot`` (with the row sums), then the next
-        visit's Q Kᵀ if there is one; returns ``(acc, l, s_next)`` once all are done."""
-        next_slot, has_next = slot_at(n + 1), n + 1 < visits
-        with jax.named_scope("fwd_turn"):
-          plgpu.barrier_wait(v_ready.at[slot])
-          await_turn()
-
-        def issue_next(s_ref):  # K_{j+1}'s wait, its Q Kᵀ and the turn's end
-          plgpu.barrier_wait(k_ready.at[next_slot])
-          plgpu.wgmma(s_ref, q_smem, k_smem.at[next_slot].T)
-          pass_turn()
-
-        def issue(s_ref):
-          if params.interpret:  # (P V as a plain dot, as in `pv_turn`)
-            out = (acc + plain_pv(p16, slot),)
-            if row_sums:
-              out += (plain_sums(p16),)
-            pl.when(has_next)(lambda: issue_next(s_ref))
-          else:
-            def pv_then_qk(refs):
-              acc_ref, *sums_ref = refs
-              plgpu.wgmma(acc_ref, p16, v_operand(slot))
-              if row_sums:
-                plgpu.wgmma(sums_ref[0], p16, ones)
-              pl.when(has_next)(lambda: issue_next(s_ref))
-
-            with jax.named_scope("fwd_pv"):  # (run_state waits for every wgmma as it ends)
-              out = pl.run_state(pv_then_qk)(
-                  (plgpu.ACC.init(acc),) + ((plgpu.ACC.init(sums_zero),) if row_sums else ()))
-          return out, plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
-
-        (acc, *sums), s_next = pl.run_scoped(issue, plgpu.ACC((block_q, block_kv), jnp.float32))
-        if row_sums:
-          l = add_sums(l, sums[0])
-        pl.when(has_next)(lambda: plgpu.barrier_arrive(k_free.at[next_slot]))
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, l, s_next
-
-      def ahead_step(n, j, acc, m, l, s, masked: bool, inputs):
-        """`step` on block j's S, already computed: softmax, then `ahead_turn`."""
-        with jax.named_scope("fwd_softmax"):
-          p, m_new, l, alpha = softmax(j, s, m, l, masked, inputs)
-          p16 = rounded(p)
-          acc = acc * _rows(alpha, acc.shape)
-          acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-        acc, l, s_next = ahead_turn(n, acc, l, p16, slot_at(n))
-        return acc, m_new, l, s_next
-
-      def ahead_first(n, j, carry, masked: bool):  # the item's first visit computes its S
-        acc, m, l, _ = carry
-        with jax.named_scope("fwd_scores"):
-          s, inputs = scores(j, slot_at(n), masked)
-        return ahead_step(n, j, acc, m, l, s, masked, inputs)
-
-      def ahead_next(n, j, carry, masked: bool):
-        acc, m, l, s = carry
-        return ahead_step(n, j, acc, m, l, s, masked, block_inputs(j, masked))
-
       # Intra-warpgroup overlap (`Config.intra_wg_overlap`): step j issues Q K_jᵀ and then
       # P_{j-1} V_{j-1} in one turn, and runs block j's softmax while the P V matmul is still
       # in flight; O is rescaled once that matmul is done. The first block only computes
@@ -1119,11 +1055,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         carry = walk(spans, first, init + (p_init,), count=1)
         carry = walk(spans, overlapped, carry, skip=1)
         acc, m, l, _ = lax.fori_loop(jnp.maximum(visits - 1, 0), visits, last, carry)
-      elif config.scores_ahead:
-        s_init = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
-                                   plgpu.Layout.WGMMA)
-        carry = walk(spans, ahead_first, init + (s_init,), count=1)
-        acc, m, l, _ = walk(spans, ahead_next, carry, skip=1)
       else:
         acc, m, l = walk(spans, step, init)
       if sums_tile:
