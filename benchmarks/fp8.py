@@ -126,10 +126,6 @@ CONFIGS = {
     "kv192_overlap_r240": dict(block_kv=192, intra_wg_overlap=True, registers=240),
     "kv192_overlap_r240_sums": dict(block_kv=192, intra_wg_overlap=True, registers=240,
                                     mma_row_sums=True),
-    # The row sums kept as a tile across the blocks (`Config.row_sums_tile`).
-    "kv256_persistent_sums_tile": dict(block_kv=256, persistent_ctas=132, mma_row_sums=True,
-                                       row_sums_tile=True),
-    "kv256_sums_tile": dict(block_kv=256, mma_row_sums=True, row_sums_tile=True),
     # Three consumer warpgroups of 64 rows at 160 registers (`Config.consumers`).
     "c3_kv64_sums": dict(consumers=3, registers=160, block_kv=64, mma_row_sums=True),
     "c3_kv128_sums": dict(consumers=3, registers=160, block_kv=128, mma_row_sums=True),

@@ -1450,11 +1450,7 @@ def test_fp8_forward_lowers(h, causal, per_token, config, out_dtype):
 
 @pytest.mark.parametrize("fields,long", [(dict(block_kv=128), False),
                                          (dict(block_kv=64, intra_wg_overlap=True), False),
-                                         (dict(block_kv=128, row_sums_tile=True), False),
-                                         (dict(block_kv=64, intra_wg_overlap=True,
-                                               row_sums_tile=True), False),
-                                         (dict(block_kv=256, row_sums_tile=True,
-                                               persistent_ctas=132), True),
+                                         (dict(block_kv=256, persistent_ctas=132), True),
                                          (dict(block_kv=192, intra_wg_overlap=True,
                                                registers=240), False),
                                          (dict(block_kv=256), True)])
@@ -1462,8 +1458,7 @@ def test_fp8_row_sums_on_the_tensor_cores(fields, long):
   """`Config.mma_row_sums`: an FP8 forward that sums each row of P by a wgmma against a ones
   column matches the same forward summing in float32 within e4m3's rounding of P (and both
   the reference), one step at a time and with the overlap (whose sums join a block late, at
-  the next block's rescale), kept as a tile across the blocks (`Config.row_sums_tile`), on
-  192-key tiles too (V's rows three 64-byte swizzled rows),
+  the next block's rescale), on 192-key tiles too (V's rows three 64-byte swizzled rows),
   causal, with a row that sees no key. On the GPU also 16k keys
   (the sums carried across blocks in one wgmma accumulator came out 13-31% short there)."""
   if long and not ON_GPU:
@@ -1478,8 +1473,7 @@ def test_fp8_row_sums_on_the_tensor_cores(fields, long):
   q8, k8, v8 = (x.astype(jnp.float8_e4m3fn) for x in (q, kk, v))
 
   def run(sums):
-    config = mosaic.Config(mma_row_sums=sums, **(fields if sums else dict(
-        fields, row_sums_tile=False)))
+    config = mosaic.Config(mma_row_sums=sums, **fields)
     return np.asarray(attention_with_config(q8, k8, v8, implementation="mosaic", is_causal=True,
                                             config=config, interpret=not ON_GPU, **lengths),
                       np.float32)

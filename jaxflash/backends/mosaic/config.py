@@ -292,11 +292,6 @@ class Config:
   # 16-bit calls ignore it (there the extra wgmma cost more than the adds: docs/fp8.md).
   # `FP8_TUNED` turns it on at D = 128: 4-7% faster on an H200 (2026-11-29), and as accurate.
   mma_row_sums: bool = False
-  # With ``mma_row_sums``: the denominators stay a [block_q, 8] tile in the sums' wgmma layout
-  # across the blocks (scaled by each block's rescale and added entry by entry), and its
-  # columns are added up once, after the last block, instead of by two shuffles and adds per
-  # row and block while the consumer holds its ping-pong turn.
-  row_sums_tile: bool = False
   # Registers per thread of each consumer warpgroup (the producer gets what is left of 504:
   # 40 at 232, 24 at 240). FlashAttention-3 gives its FP8 D = 256 consumers 240.
   registers: int = 232
@@ -532,10 +527,14 @@ THREE_CONSUMERS_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {
 #   (16 heads, without and with a band) and 900/868 (64) with the sums, 818-871 with the
 #   overlap and 240 registers (ptxas: 16 bytes of spills), 817-880 with both, against 256-key
 #   tiles' 926/968 and 937/892 in the same process.
+# - The sums kept as a [64, 8] tile across the blocks (their columns added once at the end,
+#   no shuffles in the turn; now the only form, run fp8_sums_tile_2026-11-29): 967/925 (16
+#   heads, without and with a band) and 975/905 (64) against 960/933 and 963/907 the turn's
+#   shuffles, within noise. The next block's Q Kᵀ issued in P V's turn (tried 2026-11-29,
+#   not kept): 128-key tiles 806/792 against 870-885 step by step; 256-key ones spill.
 FP8_TUNED: dict[tuple[int, bool], dict] = {
-    (128, False): dict(block_kv=256, mma_row_sums=True, row_sums_tile=True,
-                       persistent_ctas=True),
-    (128, True): dict(block_kv=256, mma_row_sums=True, row_sums_tile=True),
+    (128, False): dict(block_kv=256, mma_row_sums=True, persistent_ctas=True),
+    (128, True): dict(block_kv=256, mma_row_sums=True),
     (256, False): dict(block_kv=128, intra_wg_overlap=True, registers=240),
     (256, True): dict(block_kv=128, intra_wg_overlap=True, registers=240),
 }

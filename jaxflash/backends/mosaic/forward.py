@@ -648,7 +648,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   quantized = fp8.is_fp8(q_smems.dtype)
   value_dim = v_smem.shape[-2 if quantized else -1]  # (O's head dim: V's, maybe not Q's)
   row_sums = ones_smem is not None  # (`Config.mma_row_sums`)
-  sums_tile = row_sums and config.row_sums_tile
   wg = lax.axis_index("wg")
   heavy_first = config.heavy_first and schedule.window.right is not None
   count, item = _items(grid, heavy_first, extras.order, config.paired_tiles)
@@ -888,24 +887,21 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         v = v_smem[slot].T if quantized else v_smem[slot]
         return jnp.dot(p16, v, preferred_element_type=jnp.float32)
 
-      def block_sums(sums):
-        """A block's row sums of P from its [block_q, 8] product with the ones tile (column 0;
-        the others are zeros). Each block's starts at zero: an FP8 wgmma keeps few bits of a
-        long sum, and a whole row's, carried across blocks, came out 13-31% short at 16k."""
-        return sums.sum(axis=1)
+      # `mma_row_sums`: l is a [block_q, 8] tile in the wgmma layout, P's products with the
+      # ones tile (column 0; the others stay zero) added entry by entry, scaled by each block's
+      # rescale like O, and its columns added up once, after the last block (`row_totals`),
+      # instead of by two shuffles and adds per row in every turn. Each block's product starts
+      # at zero and joins l in float32: an FP8 wgmma keeps few bits of a long sum, and a whole
+      # row's, carried across blocks in one accumulator, came out 13-31% short at 16k.
+      def row_totals(l):
+        return l.sum(axis=1) if row_sums else l
 
       def plain_sums(p16):
         """P's product with the ones tile by a plain dot (the interpreter)."""
         return jnp.dot(p16, ones_smem[...].T, preferred_element_type=jnp.float32)
 
-      def add_sums(l, sums):
-        """l plus a block's row sums from its product with the ones tile: added across the
-        tile's columns now, or with `Config.row_sums_tile` kept as a [block_q, 8] tile (l's
-        form then) whose columns are added once, after the last block."""
-        return l + sums if sums_tile else l + block_sums(sums)
-
       def by_rows(x, alpha):
-        """x (l or a [block_q, 8] tile of row sums) times alpha, a factor per row."""
+        """x (l, or its [block_q, 8] tile with `mma_row_sums`) times alpha, a factor per row."""
         return x * alpha if x.ndim == 1 else x * _rows(alpha, x.shape)
 
       def rounded(p):
@@ -927,7 +923,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           # in registers: there P V is a plain dot of the same tiles.
           acc = acc + plain_pv(p16, slot)
           if row_sums:
-            l = add_sums(l, plain_sums(p16))
+            l = l + plain_sums(p16)
           meanwhile()
         elif row_sums:
           def pv_and_sums(refs):
@@ -939,7 +935,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           with jax.named_scope("fwd_pv"):  # (the scope ends once the matmuls are done)
             acc, sums = pl.run_state(pv_and_sums)((plgpu.ACC.init(acc),
                                                    plgpu.ACC.init(sums_zero)))
-          l = add_sums(l, sums)
+          l = l + sums
         else:
           def pv(acc_ref):
             plgpu.wgmma(acc_ref, p16, v_operand(slot))
@@ -1026,7 +1022,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
                 + ((plgpu.ACC.init(sums_zero),) if row_sums else ()))
           sums = sums[0] if row_sums else None
         if sums is not None:  # (the softmax scaled l by alpha already; P_{j-1}'s sums join)
-          l = add_sums(l, by_rows(sums, alpha))
+          l = l + by_rows(sums, alpha)
         plgpu.barrier_arrive(v_free.at[prev])
         with jax.named_scope("fwd_rescale"):
           return acc * _rows(alpha, acc.shape), m, l, rounded(p)
@@ -1046,8 +1042,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       init = (plgpu.layout_cast(jnp.zeros((block_q, value_dim), jnp.float32),
                                 plgpu.Layout.WGMMA),
               plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _ROWS),
-              sums_zero if sums_tile else plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32),
-                                                            _ROWS))
+              sums_zero if row_sums else plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32),
+                                                           _ROWS))
       if config.intra_wg_overlap:
         p_init = plgpu.layout_cast(
             jnp.zeros((block_q, block_kv), jnp.float8_e4m3fn if quantized else q_smem.dtype),
@@ -1057,8 +1053,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         acc, m, l, _ = lax.fori_loop(jnp.maximum(visits - 1, 0), visits, last, carry)
       else:
         acc, m, l = walk(spans, step, init)
-      if sums_tile:
-        l = block_sums(l)
+      l = row_totals(l)
       if grid.ctas is not None and q_buffers == 1 and not o_in_q:
         # Q is no longer read: the next item's loads while O goes out.
         pl.when(i + 1 < count)(lambda: load_q(i + 1))
