@@ -126,9 +126,6 @@ CONFIGS = {
     "kv192_overlap_r240": dict(block_kv=192, intra_wg_overlap=True, registers=240),
     "kv192_overlap_r240_sums": dict(block_kv=192, intra_wg_overlap=True, registers=240,
                                     mma_row_sums=True),
-    # D = 256's tiles with the wait for P V where ptxas hoists it (`Config.pinned_pv_wait`).
-    "kv128_overlap_r240_hoisted": dict(block_kv=128, intra_wg_overlap=True, registers=240,
-                                       pinned_pv_wait=False),
     # Three consumer warpgroups of 64 rows at 160 registers (`Config.consumers`).
     "c3_kv64_sums": dict(consumers=3, registers=160, block_kv=64, mma_row_sums=True),
     "c3_kv128_sums": dict(consumers=3, registers=160, block_kv=128, mma_row_sums=True),

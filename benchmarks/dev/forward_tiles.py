@@ -82,11 +82,6 @@ VARIANTS = {
                                    q_buffers=2),
     "c3_kv128_persistent_q2_paired": dict(consumers=3, registers=160, block_kv=128,
                                           persistent_ctas=132, q_buffers=2, paired_tiles=True),
-    # The overlap with the wait for P V where ptxas hoists it (`Config.pinned_pv_wait=False`).
-    "kv128_overlap_persistent_hoisted": dict(block_kv=128, intra_wg_overlap=True,
-                                             persistent_ctas=132, pinned_pv_wait=False),
-    "kv128_overlap_hoisted": dict(block_kv=128, intra_wg_overlap=True, pinned_pv_wait=False),
-    "kv64_overlap_hoisted": dict(block_kv=64, intra_wg_overlap=True, pinned_pv_wait=False),
     # MLA's 192/128 on three consumers: 64-key tiles (128-key ones leave no shared memory).
     "c3_kv64_stages3": dict(consumers=3, registers=160, block_kv=64, num_stages=3),
     "c3_kv64_overlap": dict(consumers=3, registers=160, block_kv=64, intra_wg_overlap=True),

@@ -47,8 +47,6 @@ CONFIGS = {
     "d128_persistent": Probe(128, False, dict(persistent_ctas=132)),
     "d128_overlap_persistent": Probe(128, False, dict(intra_wg_overlap=True,
                                                       persistent_ctas=132)),
-    "d128_overlap_persistent_r240": Probe(128, False, dict(intra_wg_overlap=True,
-                                                           persistent_ctas=132, registers=240)),
     "d256_kv64": Probe(256, False, dict(block_kv=64)),
     "d256_kv64_overlap": Probe(256, False, dict(block_kv=64, intra_wg_overlap=True)),
     "d64": Probe(64, False, {}),

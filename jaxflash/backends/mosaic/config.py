@@ -277,10 +277,6 @@ class Config:
   # P V and runs block j's softmax while that P V is in flight. It holds two P tiles and S in
   # registers next to O, so it needs smaller key tiles at large head dims.
   intra_wg_overlap: bool = False
-  # With the overlap: the wait for the previous block's P V placed after the softmax in a
-  # branch ptxas keeps (`forward.overlapped`), instead of where ptxas hoists it, before the
-  # exponentials. (False: the order before 2026-11-29, kept to measure against.)
-  pinned_pv_wait: bool = True
   # Key columns of each block (a multiple of 8, from the first) whose exponentials the forward
   # computes by a polynomial on the FMA units (`forward.exp2_polynomial`) instead of the SM's
   # 16-a-clock exp units, which the softmax of an FP8 or a D = 64 block keeps as busy as the

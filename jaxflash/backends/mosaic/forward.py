@@ -1009,15 +1009,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
             with jax.named_scope("fwd_softmax"):
               p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(j, s, m, l, masked,
                                                                            inputs)
-            if config.pinned_pv_wait:
-              # The wait for P_{j-1} V_{j-1}, here, after the softmax, in a branch ptxas cannot
-              # fold (a length is never negative; run_state's own wait follows either way).
-              # Without it ptxas hoists run_state's closing wait to right after row 0's max,
-              # and the softmax runs after the P V it was meant to overlap (ncu, H200,
-              # 2026-11-29: that wait was 9% of a bf16 D = 128 consumer's time).
-              @pl.when(pos.q_len >= 0)
-              def _():
-                plgpu.wgmma_wait(0)
 
           # run_state waits for every wgmma when it ends: P_{j-1} V_{j-1} is then in acc. O and
           # P_{j-1} are the in-flight matmul's operands, so nothing may write their registers
