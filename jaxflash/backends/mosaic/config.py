@@ -288,7 +288,8 @@ class Config:
   exp2_poly_cols: int = 0
   # An FP8 call's softmax denominators summed on the tensor cores: each block's P times a
   # ones column (an N = 8 wgmma beside P V, into a [block_q, 8] accumulator that starts at zero
-  # each block: an FP8 wgmma keeps few bits of a long sum), instead of a float32 add per entry.
+  # each block: an FP8 wgmma keeps few bits of a long sum), instead of a float32 add per entry;
+  # the blocks' products add up in float32 in a [block_q, 8] tile, summed across once at the end.
   # 16-bit calls ignore it (there the extra wgmma cost more than the adds: docs/fp8.md).
   # `FP8_TUNED` turns it on at D = 128: 4-7% faster on an H200 (2026-11-29), and as accurate.
   mma_row_sums: bool = False
@@ -529,8 +530,8 @@ THREE_CONSUMERS_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {
 #   tiles' 926/968 and 937/892 in the same process.
 # - The sums kept as a [64, 8] tile across the blocks (their columns added once at the end,
 #   no shuffles in the turn; now the only form, run fp8_sums_tile_2026-11-29): 967/925 (16
-#   heads, without and with a band) and 975/905 (64) against 960/933 and 963/907 the turn's
-#   shuffles, within noise. The next block's Q Kᵀ issued in P V's turn (tried 2026-11-29,
+#   heads, without and with a band) and 975/905 (64) against 960/933 and 963/907 with the
+#   turn's shuffles, within noise. The next block's Q Kᵀ issued in P V's turn (tried 2026-11-29,
 #   not kept): 128-key tiles 806/792 against 870-885 step by step; 256-key ones spill.
 FP8_TUNED: dict[tuple[int, bool], dict] = {
     (128, False): dict(block_kv=256, mma_row_sums=True, persistent_ctas=True),
