@@ -531,8 +531,9 @@ THREE_CONSUMERS_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {
 # - The sums kept as a [64, 8] tile across the blocks (their columns added once at the end,
 #   no shuffles in the turn; now the only form, run fp8_sums_tile_2026-11-29): 967/925 (16
 #   heads, without and with a band) and 975/905 (64) against 960/933 and 963/907 with the
-#   turn's shuffles, within noise. The next block's Q Kᵀ issued in P V's turn (tried 2026-11-29,
-#   not kept): 128-key tiles 806/792 against 870-885 step by step; 256-key ones spill.
+#   turn's shuffles, within noise (with a band ptxas spills 36 bytes against 28 before).
+#   The next block's Q Kᵀ issued in P V's turn (tried 2026-11-29, not kept): 128-key tiles
+#   806/792 against 870-885 step by step; 256-key ones spill.
 FP8_TUNED: dict[tuple[int, bool], dict] = {
     (128, False): dict(block_kv=256, mma_row_sums=True, persistent_ctas=True),
     (128, True): dict(block_kv=256, mma_row_sums=True),

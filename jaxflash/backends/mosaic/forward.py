@@ -871,7 +871,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
                        params.interpret)
         # The undropped sum: dropout leaves the LSE alone. (With `mma_row_sums` the tensor
         # cores add P's sum where P V runs: `pv_turn`, `overlapped`.)
-        l = by_rows(l, alpha) if row_sums else l * alpha + p.sum(axis=1)
+        l = l * _rows(alpha, l.shape) if row_sums else l * alpha + p.sum(axis=1)
         if row_key is not None:  # dropped entries leave P V only; 1 / P(keep) is applied once
           cols = masking.shifted(j * block_kv + _iota(p.shape, 1), pos.kv_offset)
           p = jnp.where(dropout.keep_entries(_rows(row_key, p.shape), cols,
@@ -889,20 +889,13 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
       # `mma_row_sums`: l is a [block_q, 8] tile in the wgmma layout, P's products with the
       # ones tile (column 0; the others stay zero) added entry by entry, scaled by each block's
-      # rescale like O, and its columns added up once, after the last block (`row_totals`),
+      # rescale like O, and its columns added up once, after the last block (`run_item`),
       # instead of by two shuffles and adds per row in every turn. Each block's product starts
       # at zero and joins l in float32: an FP8 wgmma keeps few bits of a long sum, and a whole
       # row's, carried across blocks in one accumulator, came out 13-31% short at 16k.
-      def row_totals(l):
-        return l.sum(axis=1) if row_sums else l
-
       def plain_sums(p16):
         """P's product with the ones tile by a plain dot (the interpreter)."""
         return jnp.dot(p16, ones_smem[...].T, preferred_element_type=jnp.float32)
-
-      def by_rows(x, alpha):
-        """x (l, or its [block_q, 8] tile with `mma_row_sums`) times alpha, a factor per row."""
-        return x * alpha if x.ndim == 1 else x * _rows(alpha, x.shape)
 
       def rounded(p):
         """P as the next P V takes it from registers: 16-bit, or an FP8 call's e4m3."""
@@ -1022,7 +1015,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
                 + ((plgpu.ACC.init(sums_zero),) if row_sums else ()))
           sums = sums[0] if row_sums else None
         if sums is not None:  # (the softmax scaled l by alpha already; P_{j-1}'s sums join)
-          l = l + by_rows(sums, alpha)
+          l = l + sums * _rows(alpha, sums.shape)
         plgpu.barrier_arrive(v_free.at[prev])
         with jax.named_scope("fwd_rescale"):
           return acc * _rows(alpha, acc.shape), m, l, rounded(p)
@@ -1053,7 +1046,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         acc, m, l, _ = lax.fori_loop(jnp.maximum(visits - 1, 0), visits, last, carry)
       else:
         acc, m, l = walk(spans, step, init)
-      l = row_totals(l)
+      if row_sums:  # l is a [block_q, 8] tile (the comment above `plain_sums`)
+        l = l.sum(axis=1)
       if grid.ctas is not None and q_buffers == 1 and not o_in_q:
         # Q is no longer read: the next item's loads while O goes out.
         pl.when(i + 1 < count)(lambda: load_q(i + 1))
