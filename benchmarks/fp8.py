@@ -106,6 +106,12 @@ CONFIGS = {
                                     mma_row_sums=True),
     "kv256_stages3_sums": dict(block_kv=256, num_stages=3, mma_row_sums=True),
     "kv256_persistent_sums": dict(block_kv=256, persistent_ctas=132, mma_row_sums=True),
+    # The shipped D = 128 tiles without a band, and D = 256's, in clusters of two CTAs sharing
+    # each K/V tile's load (`Config.kv_multicast`).
+    "kv256_persistent_sums_mc": dict(block_kv=256, persistent_ctas=132, mma_row_sums=True,
+                                     kv_multicast=True),
+    "kv128_overlap_r240_mc": dict(block_kv=128, intra_wg_overlap=True, registers=240,
+                                  kv_multicast=True),
     "kv256_overlap_r240_sums": dict(block_kv=256, intra_wg_overlap=True, registers=240,
                                     mma_row_sums=True),
     "kv128_sums": dict(block_kv=128, mma_row_sums=True),

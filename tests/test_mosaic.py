@@ -1529,6 +1529,42 @@ def test_three_consumers(dtype, h, fields):
     np.testing.assert_array_equal(got[1], 0.0)  # the row with no key
 
 
+@pytest.mark.parametrize("dtype,h,fields", [
+    (BF16, 64, dict(block_kv=64)),
+    (BF16, 96, dict(block_kv=64, intra_wg_overlap=True, persistent_ctas=3)),
+    (jnp.float8_e4m3fn, 128, dict(block_kv=128, mma_row_sums=True, persistent_ctas=5))])
+def test_kv_multicast(dtype, h, fields):
+  """`Config.kv_multicast`: pairs of query tiles as clusters of two CTAs sharing each K/V
+  tile's load give the reference's result, one CTA a tile and on persistent grids (an odd CTA
+  count leaves one out), bf16 and FP8, GQA, a second tile past the query length (it walks its
+  pair's blocks and comes out zero), a row with no key; and calls it cannot serve (a band, an
+  odd number of query tiles) run unpaired and right. (A pair that walked different blocks
+  hangs the interpreter: the first tile's consumers wait for the second's releases.)"""
+  from jaxflash.backends.mosaic import forward
+  b, t, s, n, k = (2, 1000, 333, 4, 2) if ON_GPU else (2, 500, 150, 2, 1)
+  keys = jax.random.split(jax.random.key(6), 3)
+  q, kk, v = (jax.random.normal(key, (b, x, heads, h), jnp.float32).astype(dtype)
+              for key, x, heads in zip(keys, (t, s, s), (n, k, k)))
+  config = mosaic.Config(kv_multicast=True, **fields)
+  # Row 0's last pair has its second tile past the query length; row 1 sees no key.
+  lengths = dict(query_seq_lengths=jnp.array([t - 150, 100]),
+                 key_value_seq_lengths=jnp.array([s - 3, 0]))
+  for causal, length, paired in ((False, t, True), (True, t, False), (False, t - 130, False)):
+    x = q[:, :length]
+    lens = dict(lengths, query_seq_lengths=jnp.minimum(lengths["query_seq_lengths"], length))
+    tiles = -(-length // config.rows_per_cta)
+    assert forward.paired_ctas(config, _checks.normalise(
+        x, kk, v, is_causal=causal).params, forward._Extras(), tiles, b * n * tiles) == paired
+    got = np.asarray(attention_with_config(x, kk, v, implementation="mosaic", is_causal=causal,
+                                           config=config, interpret=not ON_GPU, **lens),
+                     np.float32)
+    want = np.asarray(attention_with_config(x, kk, v, implementation="xla", is_causal=causal,
+                                            **lens), np.float32)
+    tolerance = 4e-2 if dtype == jnp.float8_e4m3fn else 1e-2
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < tolerance, (causal, length)
+    np.testing.assert_array_equal(got[1], 0.0)  # the row with no key
+
+
 @needs_four_threads
 @pytest.mark.parametrize("option", ["everything", "everything_but_dense"])
 def test_three_consumers_with_every_option(option):

@@ -475,6 +475,9 @@ class _Grid(NamedTuple):
   heads: int
   q_tiles: int
   ctas: int | None
+  # `Config.kv_multicast`: CTAs run in clusters of two, one pair of query tiles of a (batch row,
+  # head) each (an even ``q_tiles``; ``ctas`` even, two a cluster).
+  paired_ctas: bool = False
 
 
 def by_cost(lists: jax.Array, batch: int, heads: int, groups: int = 1) -> jax.Array:
@@ -541,6 +544,13 @@ def _items(grid: _Grid, heavy_first: bool, order_ref=None, paired: bool = False)
   the grid's CTAs in launch order (batch fastest), or persistent CTAs in rounds as above.
   ``paired`` (a band, no table, persistent CTAs): `_paired_items`.
   """
+  if grid.paired_ctas:  # (no band, no table: every tile of a head costs the same)
+    rank = lax.axis_index("cluster")
+    if grid.ctas is None:
+      coords = (lax.axis_index("batch"), lax.axis_index("heads"),
+                2 * lax.axis_index("q_tiles") + rank)
+      return 1, lambda i: coords
+    return _cluster_items(grid, lax.axis_index("ctas"), rank)
   if grid.ctas is None:
     if order_ref is not None:
       linear = launch_place(lax.axis_index("heads"), lax.axis_index("q_tiles"),
@@ -592,6 +602,24 @@ def _persistent_items(grid: _Grid, heavy_first: bool, cta, order_ref=None,
   rounds = total // grid.ctas  # full rounds; the last one holds total % ctas items
   tail = (place(_i32(rounds)) < total % grid.ctas).astype(jnp.int32)
   return _i32(rounds) + tail, item
+
+
+def _cluster_items(grid: _Grid, cluster, rank):
+  """`_items` for CTA ``rank`` (0 or 1) of persistent cluster ``cluster`` (`_Grid.paired_ctas`,
+  a pure function of both, for tests): unit ``u`` is tiles ``2p`` and ``2p + 1`` of (batch row,
+  head) ``u // pairs`` with ``p = u % pairs``, the cluster's two CTAs taking one each, and
+  cluster ``c`` takes units ``c, c + clusters, ...``: consecutive clusters take a head's pairs
+  in order, so that the clusters running at once share K and V in L2 too."""
+  clusters, pairs = _i32(grid.ctas // 2), grid.q_tiles // 2
+  units = grid.batch * grid.heads * pairs
+
+  def item(i):
+    u = cluster + i * clusters
+    row = lax.div(u, _i32(pairs))
+    tile = 2 * lax.rem(u, _i32(pairs)) + rank
+    return lax.div(row, _i32(grid.heads)), lax.rem(row, _i32(grid.heads)), tile
+
+  return lax.div(units - cluster + (clusters - 1), clusters), item
 
 
 def _paired_items(grid: _Grid, cta):
@@ -654,17 +682,23 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   rows_per_cta = config.rows_per_cta
 
   def where(i):
-    """Item ``i``'s batch row, head, first row, positions, and its key blocks as `Span`s
-    (every consumer walks exactly these, and the producer loads them in the same order)."""
+    """Item ``i``'s batch row, head, first row, positions, its key blocks as `Span`s (every
+    consumer walks exactly these, and the producer loads them in the same order), and the
+    first row that they are the blocks of: in a cluster (`_Grid.paired_ctas`) the pair's
+    first tile's, so that both CTAs walk the same blocks even where the second tile lies past
+    the query length (its rows then come out as zeros)."""
     batch, head, tile = item(i)
     cta_start = tile * rows_per_cta
     offsets = () if offsets_ref is None else (offsets_ref[batch, 0], offsets_ref[batch, 1])
     pos = Positions(lengths_ref[batch, 0], lengths_ref[batch, 1], *offsets)
+    blocks_of = cta_start
+    if grid.paired_ctas:
+      blocks_of = (tile - lax.axis_index("cluster")) * rows_per_cta
     if extras.lists is not None:
       spans = BlockLists(extras.lists).spans(batch, head, tile)
     else:
-      spans = schedule.kv_spans(cta_start, pos)
-    return batch, head, cta_start, pos, spans
+      spans = schedule.kv_spans(blocks_of, pos)
+    return batch, head, cta_start, pos, spans, blocks_of
 
   # The K/V ring runs on across items: the n-th block the CTA visits (n counts from 0 over all
   # its items) sits in slot n % stages. Items carry the count of blocks before them.
@@ -728,7 +762,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       pl.when(wg >= 1)(await_turn)
 
     def run_item(i, first_block):
-      batch, head, cta_start, pos, spans = where(i)
+      batch, head, cta_start, pos, spans, _ = where(i)
       visits = total(spans)
       q_start = cta_start + wg * block_q
 
@@ -1113,22 +1147,27 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
     if row_sums:  # the ones tile, once (`Config.mma_row_sums`)
       plgpu.copy_gmem_to_smem(extras.row_sum_ones, ones_smem, ones_ready.at[0])
 
+    # In a cluster each CTA copies half of every K/V tile into both CTAs' slots (multicast).
+    multicast = "cluster" if grid.paired_ctas else None
+
     def run_item(i, first_block):
-      batch, head, cta_start, pos, spans = where(i)
+      batch, head, _, pos, spans, blocks_of = where(i)
       kv_head = lax.div(head, jnp.asarray(groups, head.dtype))
       if extras.lists is None:  # one flat loop over the consumers' runs of blocks
-        lo, _, _, hi = schedule.kv_blocks(cta_start, pos)
+        lo, _, _, hi = schedule.kv_blocks(blocks_of, pos)
         spans = (Span(False, hi - lo, lambda m: lo + m),)
 
       def load(ref, smem, ready, j, slot):
         keys = pl.ds(j * block_kv, block_kv)
-        plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], smem.at[slot], ready.at[slot])
+        plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], smem.at[slot], ready.at[slot],
+                                collective_axes=multicast)
 
       def load_v(j, slot):  # an FP8 call's V is [B, K, Dv, keys]
         if not quantized:
           return load(v_ref, v_smem, v_ready, j, slot)
         tile = v_ref.at[batch, kv_head, pl.ds(0, value_dim), pl.ds(j * block_kv, block_kv)]
-        plgpu.copy_gmem_to_smem(tile, v_smem.at[slot], v_ready.at[slot])
+        plgpu.copy_gmem_to_smem(tile, v_smem.at[slot], v_ready.at[slot],
+                                collective_axes=multicast)
 
       def visit(n, j, carry, masked):
         del masked
@@ -1298,6 +1337,20 @@ def with_order(extras: _Extras, inputs: Inputs, groups: int = 1) -> _Extras:
   return extras._replace(order=by_cost(extras.lists, b, heads, groups))
 
 
+def paired_ctas(config: Config, params: Params, extras: _Extras, q_tiles: int,
+                items: int) -> bool:
+  """Whether the forward runs in clusters of two CTAs that share K/V loads
+  (`Config.kv_multicast`): only where both tiles of a pair walk the same key blocks (no band
+  side, no block table), with an even number of query tiles and, on a persistent grid, at
+  least one CTA pair."""
+  if not config.kv_multicast or extras.lists is not None:
+    return False
+  if params.window.left is not None or params.window.right is not None:
+    return False
+  ctas = items if config.persistent_ctas is None else min(config.persistent_ctas, items)
+  return q_tiles % 2 == 0 and ctas >= 2
+
+
 def forward(inputs: Inputs, params: Params, config: Config):
   """``(out [B, T, N, Dv], lse2 [B, N, T])`` (see `jaxflash._core`)."""
   inputs, params, term2 = _core.without_row_term(inputs, params)
@@ -1350,6 +1403,14 @@ def forward(inputs: Inputs, params: Params, config: Config):
   # Q (in one of ``q_buffers`` buffers per item), then O on the way out where it fits there.
   q_smem = _smem_tile((config.q_buffers * consumers, config.block_q, hp), q.dtype, qk_swizzle)
   union = view is not None and (view, jnp.dtype(out_dtype)) != ((config.block_q, hp), q.dtype)
+  paired = paired_ctas(config, params, extras, q_tiles, b * n * q_tiles)
+
+  def free_barrier():  # a ring slot's release: in a cluster, by the consumers of both CTAs
+    if paired:
+      return plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=consumers,
+                                  num_barriers=stages)
+    return plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)
+
   if union:
     # O's tiles over the Q tiles' bytes: each group of a union starts at its base, and a
     # consumer's view [rows, cols] spans exactly its Q tile [block_q, hp], so consumer 1's O
@@ -1372,21 +1433,24 @@ def forward(inputs: Inputs, params: Params, config: Config):
       plgpu.Barrier(num_barriers=config.q_buffers * consumers),  # q_ready
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_barriers=stages),  # v_ready
-      plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # k_free
-      plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # v_free
+      free_barrier(),  # k_free
+      free_barrier(),  # v_free
       # The consumers' turns in the interpreter (named barriers on the GPU need no memory).
       plgpu.Barrier(num_barriers=consumers) if params.interpret else None,
       # `mma_row_sums`: the ones tile (keys along its rows, like V's FP8 tiles) and its load.
       _smem_tile((8, config.block_kv), v.dtype, pv_swizzle) if row_sums else None,
       plgpu.Barrier(num_barriers=1) if row_sums else None,
   )
-  items = _Grid(b, n, q_tiles, None)
+  items = _Grid(b, n, q_tiles, None, paired)
   # Pallas walks its grid row-major (batch fastest here): the CTAs running at once share a
-  # head, and those of one batch row read the same K and V tiles (L2 reuse).
-  grid, names = (n, q_tiles, b), ("heads", "q_tiles", "batch")
+  # head, and those of one batch row read the same K and V tiles (L2 reuse). A cluster's two
+  # CTAs are one grid point's (`Config.kv_multicast`).
+  grid, names = (n, q_tiles // 2 if paired else q_tiles, b), ("heads", "q_tiles", "batch")
   if config.persistent_ctas is not None:
-    items = _Grid(b, n, q_tiles, min(config.persistent_ctas, b * n * q_tiles))
-    grid, names = (items.ctas,), ("ctas",)
+    ctas = min(config.persistent_ctas, b * n * q_tiles)
+    items = _Grid(b, n, q_tiles, ctas - ctas % 2 if paired else ctas, paired)
+    grid, names = (items.ctas // 2 if paired else items.ctas,), ("ctas",)
+  cluster = dict(cluster=(2,), cluster_names=("cluster",)) if paired else {}
   kernel = functools.partial(_kernel, params=params, config=config, schedule=schedule,
                              groups=groups, grid=items, o_union=union)
   # The LSE rows are written a whole tile at a time, so its buffer is padded to whole tiles.
@@ -1397,6 +1461,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
       scratch_types=scratch,
       grid=grid,
       grid_names=names,
+      **cluster,
       num_threads=consumers + 1,
       thread_name="wg",
       kernel_name="jaxflash_mosaic_forward",
