@@ -132,6 +132,13 @@ class Backward:
   # causal band the key tiles at work on one head would otherwise reduce-add into the same dQ
   # block at the same time (a band staggers them already: each starts at its diagonal).
   stagger: bool = False
+  # Without a causal band or window, a block table or the ordered one pass: each pair of key
+  # tiles of one (batch row, K/V head) runs the dK/dV kernel (the atomic one pass too) as a
+  # cluster of two CTAs, which walk the same query blocks and share each Q and dO tile's load
+  # (TMA multicast, as the forward's `Config.kv_multicast` shares K and V). Blocks are
+  # unmasked only where both tiles see every key of them; a staggered walk
+  # (``stagger``) starts both at the pair's first tile's place.
+  multicast: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -481,15 +488,23 @@ def fits(config: Config, head_dim: int, partial: bool = False,
 #   heads on a persistent grid (with `o_through_q`) 515 against 632 paired. Paired, MLA's
 #   192/128 ran 628-632 against 622-625 on one CTA per tile (within noise: not taken); D = 128
 #   causal 593-601 against 622-625 at 16k, 596-610 against 591 at 4k (not taken).
+# - K/V tiles shared by pairs of CTAs (`Config.kv_multicast`, no band; H200, 2026-12-01,
+#   benchmarks/dev/forward_tiles.py, shipped tiles without and with it alternating twice in one
+#   process, bf16): D = 128 B = 1 16k 598/601 against 621/624 TFLOP/s, GQA 64/8 8k 595/597
+#   against 620/615 and 16k 601/605 against 633/631, GQA 32/8 B = 4 4k 598/586 against
+#   602/620, MHA B = 4 4k 590/613 against 608/607, B = 16 1k 570/577 against 572/571; MLA's
+#   192/128 8k 636/636 against 650/647. Level, so not taken: D = 256 4k (625 against 626-629),
+#   D = 64 (three consumers 16k 497/495 against 498/496, 256-key tiles 1k 404/403 against
+#   406/405) and FP8 (D = 128 949 against 949, D = 256 1145 against 1145).
 TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(block_kv=256, persistent_ctas=True),
     (64, True): dict(persistent_ctas=True, q_buffers=2, paired_tiles=True),
-    (128, False): dict(intra_wg_overlap=True, persistent_ctas=True),
+    (128, False): dict(intra_wg_overlap=True, persistent_ctas=True, kv_multicast=True),
     (128, True): dict(intra_wg_overlap=True),
     (256, False): dict(block_kv=64, intra_wg_overlap=True),
     (256, True): dict(block_kv=64, intra_wg_overlap=True),
     (192, True): dict(block_kv=128, intra_wg_overlap=True),
-    (192, False): dict(block_kv=128),
+    (192, False): dict(block_kv=128, kv_multicast=True),
 }
 
 
