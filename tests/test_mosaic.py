@@ -307,6 +307,19 @@ def test_exp2_polynomial_lowers(h, dtype, fields):
 
 
 @needs_cuda_plugin
+@pytest.mark.parametrize("dtype,fields", [
+    (BF16, dict(intra_wg_overlap=True, persistent_ctas=132)), (BF16, dict(intra_wg_overlap=True)),
+    (jnp.float8_e4m3fn, dict(block_kv=256, mma_row_sums=True, persistent_ctas=132))])
+def test_kv_multicast_lowers(dtype, fields):
+  """`Config.kv_multicast` lowers for CUDA in clusters of two CTAs (the kernel reads its place
+  in the cluster) without a causal band, and unpaired with one."""
+  q = jax.ShapeDtypeStruct((2, 4096, 4, 128), dtype)
+  config = mosaic.Config(kv_multicast=True, **fields)
+  assert "cluster_block_id" in _lower(_forward(config), q, q, q)
+  assert "cluster_block_id" not in _lower(_forward(config, is_causal=True), q, q, q)
+
+
+@needs_cuda_plugin
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("h", [64, 128])
 def test_two_q_buffers_lower(h, causal):
@@ -1563,41 +1576,6 @@ def test_kv_multicast(dtype, h, fields):
     tolerance = 4e-2 if dtype == jnp.float8_e4m3fn else 1e-2
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < tolerance, (causal, length)
     np.testing.assert_array_equal(got[1], 0.0)  # the row with no key
-
-
-@pytest.mark.parametrize("atomic", [False, True])
-def test_dkv_multicast(atomic):
-  """`Backward.multicast`: pairs of key tiles as clusters of two CTAs sharing each Q and dO
-  tile's load give the reference's gradients, GQA, key lengths that leave a pair's second
-  tile straddling the length (no block of the pair unmasked) or past it, and one whose pair is
-  past it, a row with no key. On the GPU the atomic one pass with its stagger too (the
-  interpreter runs it unpaired: `backward._dkv`); a causal band runs unpaired."""
-  if atomic and not ON_GPU:
-    pytest.skip("the interpreter runs the atomic pass unpaired (its dQ adds would race)")
-  b, t, s, n, k, h = (2, 333, 1000, 4, 2, 128) if ON_GPU else (2, 150, 500, 2, 1, 64)
-  q, kk, v, _ = random_qkv(8, b, t, s, n, k, h, BF16)
-  do = jax.random.normal(jax.random.key(9), (b, t, n, h), jnp.float32)
-  lengths = dict(query_seq_lengths=jnp.array([t, 100]),
-                 key_value_seq_lengths=jnp.array([s - 100, 200]))
-  fields = dict(multicast=True, dkv_block_q=128 if h == 64 else 64)
-  if atomic:
-    fields.update(atomic=True, stagger=True)
-  config = mosaic.Config(block_kv=64, backward=mosaic.Backward(**fields))
-
-  def grads(implementation, causal, config=None):
-    def loss(q, kk, v):
-      out = attention_with_config(q, kk, v, implementation=implementation, config=config,
-                                  is_causal=causal, deterministic=not atomic,
-                                  interpret=implementation == "mosaic" and not ON_GPU,
-                                  **lengths)
-      return jnp.sum(out.astype(jnp.float32) * do)
-    return jax.grad(loss, (0, 1, 2))(q, kk, v)
-
-  for causal in (False, True):
-    got, want = grads("mosaic", causal, config), grads("xla", causal)
-    for name, x, y in zip(("dq", "dk", "dv"), got, want):
-      assert rel_err(x, y) < 2e-2, (causal, name, rel_err(x, y))
-    np.testing.assert_array_equal(np.asarray(got[0][1, 100:]), 0.0)  # rows past the length
 
 
 @needs_four_threads

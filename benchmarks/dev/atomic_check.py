@@ -48,10 +48,6 @@ BACKWARDS = {"deterministic": {}, "atomic": dict(atomic=True, atomic_min_rows=0)
              "atomic_dq_first": dict(atomic=True, atomic_min_rows=0, dq_before_dk=True),
              # Each key tile's full query blocks started at its own place (`Backward.stagger`).
              "atomic_stagger": dict(atomic=True, atomic_min_rows=0, stagger=True),
-             # Pairs of key tiles as clusters of two CTAs sharing each Q and dO tile's load
-             # (`Backward.multicast`; no band), in the atomic one pass and the two kernels.
-             "atomic_mc": dict(atomic=True, atomic_min_rows=0, multicast=True),
-             "mc": dict(multicast=True),
              # Three stages of query and dO tiles in the one pass.
              "atomic_stages3": dict(atomic=True, atomic_min_rows=0, dkv_stages=3),
              "atomic_dk_first": dict(atomic=True, atomic_min_rows=0, dq_before_dk=False),

@@ -132,13 +132,6 @@ class Backward:
   # causal band the key tiles at work on one head would otherwise reduce-add into the same dQ
   # block at the same time (a band staggers them already: each starts at its diagonal).
   stagger: bool = False
-  # Without a causal band or window, a block table or the ordered one pass: each pair of key
-  # tiles of one (batch row, K/V head) runs the dK/dV kernel (the atomic one pass too) as a
-  # cluster of two CTAs, which walk the same query blocks and share each Q and dO tile's load
-  # (TMA multicast, as the forward's `Config.kv_multicast` shares K and V). Blocks are
-  # unmasked only where both tiles see every key of them; a staggered walk
-  # (``stagger``) starts both at the pair's first tile's place.
-  multicast: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):

@@ -15,6 +15,12 @@ causal work) with its K/V ring, turns and Q/O tiles carried from one tile to the
   ``num_stages`` slots and refills a slot once every consumer has arrived on its "free"
   barrier.
 
+With ``Config.kv_multicast`` (no causal band or window, no block table, an even number of query
+tiles) the CTAs run in clusters of two, one pair of query tiles of a (batch row, head) each:
+both walk the pair's first tile's key blocks, each producer copies half of every K/V tile into
+both CTAs' slots (TMA multicast), and a slot's "free" barrier is a cluster barrier that both
+CTAs' consumers arrive on, so L2 serves each K/V byte once per pair (`paired_ctas`).
+
 Intra-warpgroup overlap (``Config.intra_wg_overlap``, FlashAttention-3's): step j issues Q K_jᵀ
 and P_{j-1} V_{j-1} in one turn, waits for S alone, and runs block j's softmax while that P V is
 in flight; O is rescaled and P_j rounded to 16 bits only after it completes (writing either
