@@ -175,6 +175,39 @@ def test_persistent_ctas_share_out_every_tile_once(batch, heads, q_tiles, ctas, 
     assert len(first_round) == (5 if paired else 128), first_round
 
 
+@pytest.mark.parametrize("batch,heads,q_tiles,ctas", [(1, 1, 2, 2), (2, 3, 4, 6), (1, 16, 128, 132),
+                                                    (2, 2, 6, 132)])
+def test_clusters_share_out_every_tile_once(batch, heads, q_tiles, ctas):
+  """Persistent clusters (`Config.kv_multicast`): every (batch row, head, tile) runs on exactly
+  one CTA, the two CTAs of a cluster run as many items, each item's pair of tiles of one
+  (batch row, head) (tiles 2p on CTA 0, 2p + 1 on CTA 1), and the clusters' counts differ by
+  at most one."""
+  from jaxflash.backends.mosaic import forward
+  grid = forward._Grid(batch, heads, q_tiles, ctas, paired_ctas=True)
+
+  def items_of(cluster, rank, i):
+    count, item = forward._cluster_items(grid, cluster, rank)
+    return count, jnp.stack(item(i))
+
+  most = batch * heads * q_tiles
+  run = jax.jit(jax.vmap(jax.vmap(jax.vmap(items_of, (None, None, 0)), (None, 0, None)),
+                         (0, None, None)))
+  counts, items = (np.asarray(x) for x in run(jnp.arange(ctas // 2, dtype=jnp.int32),
+                                               jnp.arange(2, dtype=jnp.int32),
+                                               jnp.arange(most, dtype=jnp.int32)))
+  runs = []
+  for c in range(ctas // 2):
+    count = int(counts[c, 0, 0])
+    assert (counts[c] == count).all(), counts[c]
+    first, second = items[c, 0, :count].tolist(), items[c, 1, :count].tolist()
+    for (b0, h0, t0), (b1, h1, t1) in zip(first, second):
+      assert (b0, h0, t0 % 2, t1) == (b1, h1, 0, t0 + 1)
+    runs += [tuple(x) for x in first + second]
+  assert max(counts[:, 0, 0]) - min(counts[:, 0, 0]) <= 1
+  everything = [(b, h, t) for b in range(batch) for h in range(heads) for t in range(q_tiles)]
+  assert sorted(runs) == everything
+
+
 def test_none_takes_it_only_where_it_measured_faster(monkeypatch):
   """Registered first, but `preferred` consults the measured table: without an entry for the
   device kind (an H100 PCIe today), Triton serves; an entry changes that without code."""

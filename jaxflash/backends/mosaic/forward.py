@@ -548,7 +548,8 @@ def _items(grid: _Grid, heavy_first: bool, order_ref=None, paired: bool = False)
 
   With a block table (``order_ref``, `by_cost`) items go by their number of visits instead:
   the grid's CTAs in launch order (batch fastest), or persistent CTAs in rounds as above.
-  ``paired`` (a band, no table, persistent CTAs): `_paired_items`.
+  ``paired`` (a band, no table, persistent CTAs): `_paired_items`. In clusters of two CTAs
+  (`_Grid.paired_ctas`) a cluster takes a pair of tiles, one a CTA (`_cluster_items`).
   """
   if grid.paired_ctas:  # (no band, no table: every tile of a head costs the same)
     rank = lax.axis_index("cluster")
