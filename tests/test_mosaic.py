@@ -1600,7 +1600,7 @@ def test_kv_multicast(dtype, h, fields):
     lens = dict(lengths, query_seq_lengths=jnp.minimum(lengths["query_seq_lengths"], length))
     tiles = -(-length // config.rows_per_cta)
     assert forward.paired_ctas(config, _checks.normalise(
-        x, kk, v, is_causal=causal).params, forward._Extras(), tiles, b * n * tiles) == paired
+        x, kk, v, is_causal=causal).params, forward._Extras(), tiles) == paired
     got = np.asarray(attention_with_config(x, kk, v, implementation="mosaic", is_causal=causal,
                                            config=config, interpret=not ON_GPU, **lens),
                      np.float32)

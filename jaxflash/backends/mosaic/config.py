@@ -279,7 +279,8 @@ class Config:
   # shared memory (multicast; each CTA loads half of it), so L2 serves half the bytes.
   # FlashAttention-3 pairs its non-causal 16-bit CTAs this way at head dims from 128. A slot is
   # refilled once the consumers of both CTAs have freed it. Calls it cannot serve (a band, a
-  # table, an odd number of query tiles or of persistent CTAs) run unpaired.
+  # table, an odd number of query tiles) run unpaired; an odd persistent CTA count leaves one
+  # CTA out.
   kv_multicast: bool = False
   # FlashAttention-3's intra-warpgroup overlap: step j issues block j's Q Kᵀ with block j-1's
   # P V and runs block j's softmax while that P V is in flight. It holds two P tiles and S in

@@ -1344,18 +1344,16 @@ def with_order(extras: _Extras, inputs: Inputs, groups: int = 1) -> _Extras:
   return extras._replace(order=by_cost(extras.lists, b, heads, groups))
 
 
-def paired_ctas(config: Config, params: Params, extras: _Extras, q_tiles: int,
-                items: int) -> bool:
+def paired_ctas(config: Config, params: Params, extras: _Extras, q_tiles: int) -> bool:
   """Whether the forward runs in clusters of two CTAs that share K/V loads
   (`Config.kv_multicast`): only where both tiles of a pair walk the same key blocks (no band
-  side, no block table), with an even number of query tiles and, on a persistent grid, at
-  least one CTA pair."""
+  side, no block table), with an even number of query tiles and, on a persistent grid, room
+  for a pair (an odd CTA count leaves one CTA out)."""
   if not config.kv_multicast or extras.lists is not None:
     return False
   if params.window.left is not None or params.window.right is not None:
     return False
-  ctas = items if config.persistent_ctas is None else min(config.persistent_ctas, items)
-  return q_tiles % 2 == 0 and ctas >= 2
+  return q_tiles % 2 == 0 and (config.persistent_ctas is None or config.persistent_ctas >= 2)
 
 
 def forward(inputs: Inputs, params: Params, config: Config):
@@ -1410,14 +1408,6 @@ def forward(inputs: Inputs, params: Params, config: Config):
   # Q (in one of ``q_buffers`` buffers per item), then O on the way out where it fits there.
   q_smem = _smem_tile((config.q_buffers * consumers, config.block_q, hp), q.dtype, qk_swizzle)
   union = view is not None and (view, jnp.dtype(out_dtype)) != ((config.block_q, hp), q.dtype)
-  paired = paired_ctas(config, params, extras, q_tiles, b * n * q_tiles)
-
-  def free_barrier():  # a ring slot's release: in a cluster, by the consumers of both CTAs
-    if paired:
-      return plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=consumers,
-                                  num_barriers=stages)
-    return plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)
-
   if union:
     # O's tiles over the Q tiles' bytes: each group of a union starts at its base, and a
     # consumer's view [rows, cols] spans exactly its Q tile [block_q, hp], so consumer 1's O
@@ -1428,6 +1418,14 @@ def forward(inputs: Inputs, params: Params, config: Config):
     assert config.q_buffers == 1, config
     q_smem = plgpu.RefUnion(q_smem, _smem_tile((consumers, rows, cols), out_dtype,
                                                min(128, cols * out_bytes)))
+  paired = paired_ctas(config, params, extras, q_tiles)
+
+  def free_barrier():  # a ring slot's release: in a cluster, by the consumers of both CTAs
+    if paired:
+      return plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=consumers,
+                                  num_barriers=stages)
+    return plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)
+
   scratch = (
       q_smem,
       _smem_tile((stages, config.block_kv, hp), k.dtype, qk_swizzle),
