@@ -615,6 +615,72 @@ def test_mla_backward_tiles_on_gpu(fields):
          small=config, is_causal=True)
 
 
+# Both consumers of the dK/dV kernel on one 64-key tile in two roles (`Backward.shared_keys`).
+SHARED_KEYS = mosaic.Backward(split_dkv=False, dkv_block_q=64, registers=240,
+                              serial_scores=True, shared_keys=True)
+
+
+def _with_backward(h, hv, is_causal, backward, t=1000):
+  return dataclasses.replace(mosaic.default_config(h, jnp.bfloat16, is_causal, t,
+                                                   "NVIDIA H200", value_dim=hv),
+                             backward=backward)
+
+
+def _count_role_runs(monkeypatch) -> list:
+  """A list that gains an entry each time a dK/dV kernel is built with the shared-key roles."""
+  from jaxflash.backends.mosaic import backward
+  runs = []
+  run = backward._SharedKeyRoles.run
+  monkeypatch.setattr(backward._SharedKeyRoles, "run",
+                      lambda self, *a, **kw: (runs.append(1), run(self, *a, **kw))[1])
+  return runs
+
+
+@pytest.mark.parametrize("h,hv,options", [
+    (192, 128, dict(is_causal=True)),
+    (64, 32, dict(mask=lambda b, t, s, n, seed: random_array(seed, (b, n, t, s), "bool"),
+                  **random_lengths(2, 77, 130, 4, seed=2))),
+    (64, 32, dict(logits_soft_cap=2.0, is_causal=True))])
+def test_shared_key_roles(h, hv, options, monkeypatch):
+  """`Backward.shared_keys` in Mosaic GPU's interpreter, against the float32 reference: MLA's
+  192/128 with a causal band (odd lengths, GQA: 2 query heads a K/V head, 130 keys in three
+  64-key tiles, the last one short); a dense mask and lengths (some rows see one key); and a
+  soft cap, whose dSᵀ needs its chain factor, so the usual layout runs instead."""
+  runs = _count_role_runs(monkeypatch)
+  config = _with_backward(h, hv, options.get("is_causal", False), SHARED_KEYS, t=77)
+  _check("mosaic", h=h, hv=hv, dtype=jnp.bfloat16, small=config, **options)
+  assert bool(runs) == ("logits_soft_cap" not in options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,hv,n,k,is_causal", [(192, 128, 4, 2, True), (192, 128, 4, 4, False),
+                                                (128, 128, 4, 1, True), (96, 40, 4, 2, False)])
+def test_shared_key_roles_on_gpu(h, hv, n, k, is_causal, monkeypatch):
+  """`Backward.shared_keys` compiled, against the float32 reference: MLA's 192/128 with and
+  without a causal band, MQA at D = 128, and head dims that pad; odd lengths (1000 query rows,
+  1100 keys: a short last key tile)."""
+  runs = _count_role_runs(monkeypatch)
+  backward = dataclasses.replace(SHARED_KEYS, split_dkv=None if hv == h else False)
+  _check("mosaic", h=h, hv=hv, b=2, t=1000, s=1100, n=n, k=k, dtype=jnp.bfloat16,
+         small=_with_backward(h, hv, is_causal, backward), is_causal=is_causal)
+  assert runs
+
+
+@pytest.mark.usefixtures("cuda_plugin")
+def test_shared_key_roles_lower_for_cuda():
+  """The shared-key dK/dV kernel lowers for an H100 at MLA's dims (`Backward.shared_keys`)."""
+  config = _with_backward(192, 128, True, SHARED_KEYS)
+  q = jax.ShapeDtypeStruct((1, 300, 4, 192), jnp.bfloat16)
+  kk = jax.ShapeDtypeStruct((1, 1000, 2, 192), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, 1000, 2, 128), jnp.bfloat16)
+  grad = jax.grad(lambda *x: jnp.sum(attention_with_config(
+      *x, config=config, implementation="mosaic", is_causal=True).astype(F32)),
+      argnums=(0, 1, 2))
+  with jax.sharding.use_abstract_mesh(H100):
+    text = jax.jit(grad).trace(q, kk, v).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 3
+
+
 @pytest.mark.usefixtures("cuda_plugin")
 def test_mosaic_lowers_for_cuda():
   """Forward (the shipped configs: persistent grids, the intra-warpgroup overlap) and the

@@ -69,6 +69,11 @@ VARIANTS = {
     "joint_q64_serial_stages3": dict(split_dkv=False, dkv_block_q=64, registers=240,
                                      serial_scores=True, dkv_stages=3),
     "serial": dict(serial_scores=True),
+    # Both consumers on one 64-key tile in two roles (`Backward.shared_keys`): one holds dV and
+    # forms Pᵀ, the other holds dK and forms dPᵀ and dSᵀ from the handed Pᵀ.
+    "shared_keys": dict(shared_keys=True),
+    "shared_keys_stages3": dict(shared_keys=True, dkv_stages=3),
+    "shared_keys_r232": dict(shared_keys=True, registers=232),
     "triton": None,
 }
 

@@ -219,6 +219,11 @@ CONFIGS = {
     "bwd_mla_q64_serial_full": Probe(192, False, dict(block_kv=64, backward=dict(
         split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True)), 128),
     "bwd_d128_serial": Probe(128, True, dict(backward=dict(serial_scores=True))),
+    # ... with both consumers on one 64-key tile in two roles (`Backward.shared_keys`).
+    "bwd_mla_shared_keys": Probe(192, True, dict(block_kv=64, backward=dict(
+        split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True, shared_keys=True)),
+        128),
+    "bwd_d128_shared_keys": Probe(128, True, dict(backward=dict(shared_keys=True))),
 }
 
 # A compile-only H100 for deviceless compilation: XLA's GPU target config (the device's

@@ -239,6 +239,116 @@ def _serial_step(carry, params: Params, shape, k_tile, v_tile, q_tile, do_tile, 
   return dict(dv=sums[0], dk=sums[1])
 
 
+_P_SLOTS = 2  # the shared-key roles' Pᵀ tiles in flight between them
+
+
+class _SharedKeyRoles:
+  """The dK/dV kernel's consumers with ``Backward.shared_keys``: both work on the CTA's one tile
+  of 64 keys, in two roles, so that neither holds MLA's 64 x (192 + 128) float32 sums.
+
+  - The **scores** role (consumer 0) holds K and dV: Sᵀ = K Qᵀ, Pᵀ in 16 bits, handed to the
+    other role through a shared-memory tile (`_P_SLOTS` of them), and dV += Pᵀ dO.
+  - The **dscores** role (consumer 1) holds V and dK: dPᵀ = V dOᵀ (issued before it waits for
+    Pᵀ, so it runs under the other role's softmax), dSᵀ = Pᵀ ∘ (dPᵀ − delta) from the handed
+    16-bit Pᵀ (as ``Backward.serial_scores`` forms it), and dK += dSᵀ Q.
+
+  Each role does 64 x 64 x (Dqk + Dv) multiply-adds a visit, so the tensor cores are shared
+  evenly, and at 192/128 one holds 64 x 128 float32 sums, the other 64 x 192. A CTA covers half
+  the keys of the two-consumer layout, so Q and dO come from L2 twice as often per FLOP. Calls
+  whose dSᵀ needs more than Pᵀ and dPᵀ (a soft cap's or score_mod's chain factor, dropout) and
+  partial calls take the usual layout (`_dkv`)."""
+
+  def __init__(self, smem, params: Params, shape, slot_of, wg, tile_masks, lse_rows_of):
+    self.smem, self.params, self.shape, self.slot_of = smem, params, shape, slot_of
+    self.wg, self.tile_masks, self.lse_rows_of = wg, tile_masks, lse_rows_of
+
+  def _inputs(self, slot):
+    """Waits for the visit's streamed tiles: (Q, dO)."""
+    for name in ("q_ready", "lse_ready", "do_ready", "delta_ready"):
+      plgpu.barrier_wait(self.smem[name].at[slot])
+    return self.smem["q"].at[slot], self.smem["do"].at[slot]
+
+  def _done_with(self, slot):
+    plgpu.barrier_arrive(self.smem["q_free"].at[slot])
+    plgpu.barrier_arrive(self.smem["do_free"].at[slot])
+
+  def _resident(self, name):
+    """The role's resident tile, through an index that keeps its descriptors in the loop."""
+    return self.smem[name].at[_opaque_zero(self.smem["zero"], self.wg)]
+
+  def _accumulate(self, total, a, b):
+    """``total + a b`` (``a`` in registers, ``b`` a shared-memory tile)."""
+    if self.params.interpret:  # no register operands in the interpreter: a plain dot
+      return total + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+    return pl.run_state(lambda ref: plgpu.wgmma(ref, a, b))(plgpu.ACC.init(total))
+
+  def scores(self, n, first_head, g, i, carry, masked):
+    slot, p_slot = self.slot_of(n), lax.rem(n, jnp.asarray(_P_SLOTS, n.dtype))
+    visible, _, _, _ = self.tile_masks(first_head + g, i, masked)
+    q_tile, do_tile = self._inputs(slot)
+    lse2 = self.lse_rows_of(slot)
+    (p, _), _ = _wgmma_scores(self._resident("k"), q_tile, None, None, self.shape,
+                              lambda s: _probabilities(s, lse2, self.params, visible))
+    p16 = p.astype(q_tile.dtype)
+    pl.when(n >= _P_SLOTS)(lambda: plgpu.barrier_wait(self.smem["p_free"].at[p_slot]))
+    self.smem["p"].at[p_slot][...] = p16
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(self.smem["p_ready"].at[p_slot])
+    dv = self._accumulate(carry["dv"], p16, do_tile)
+    self._done_with(slot)
+    return dict(dv=dv, visits=n + 1)
+
+  def dscores(self, n, first_head, g, i, carry, masked):
+    del first_head, g, i, masked  # (Pᵀ comes masked)
+    slot, p_slot = self.slot_of(n), lax.rem(n, jnp.asarray(_P_SLOTS, n.dtype))
+    q_tile, do_tile = self._inputs(slot)
+
+    def handed_p():  # (while dPᵀ is in flight)
+      plgpu.barrier_wait(self.smem["p_ready"].at[p_slot])
+      p16 = self.smem["p"].at[p_slot][...]
+      plgpu.barrier_arrive(self.smem["p_free"].at[p_slot])
+      return p16
+
+    (dp, p16), _ = _wgmma_scores(self._resident("v"), do_tile, None, None, self.shape,
+                                 lambda dp, p16: (dp, p16), early=handed_p)
+    delta = _cols(plgpu.load(self.smem["delta"].at[slot], layout=_COLS), self.shape)
+    ds16 = _dscores(p16.astype(jnp.float32), dp, delta, None, None, self.params, q_tile.dtype)
+    dk = self._accumulate(carry["dk"], ds16, q_tile)
+    self._done_with(slot)
+    return dict(dk=dk)
+
+  def run(self, schedule: Schedule, cta_start, pos, first_head, heads_here, spans_of, hp, hv,
+          k_tile, v_tile, place, out):
+    """Both roles' walks over the CTA's visits, then dK and dV out (each through the resident
+    tile of the other role, which is read no more once both walks are done)."""
+    zeros = lambda width: plgpu.layout_cast(  # noqa: E731
+        jnp.zeros((_KEYS, width), jnp.float32), plgpu.Layout.WGMMA)
+
+    def walk(body, carry):
+      return schedule.visit_q_split(
+          cta_start, pos, lambda n, g, i, c, masked: body(n, first_head, g, i, c, masked),
+          carry, repeat=heads_here, spans_of=spans_of)
+
+    @pl.when(self.wg == 0)
+    def _scores():
+      sums = walk(self.scores, dict(dv=zeros(hv), visits=fwd._i32(0)))
+      fwd.observe_last_releases(sums["visits"], _P_SLOTS, self.smem["p_free"])
+      self._finish(v_tile, sums["dv"], place(out["dv"]))
+
+    @pl.when(self.wg == 1)
+    def _dscores():
+      sums = walk(self.dscores, dict(dk=zeros(hp)))
+      self._finish(k_tile, sums["dk"] * self.params.scale, place(out["dk"]))
+
+  def _finish(self, tile, value, target):
+    plgpu.barrier_arrive(self.smem["k_done"])  # both walks done: the resident tiles are free
+    plgpu.barrier_wait(self.smem["k_done"])
+    tile[...] = value.astype(tile.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(tile, target)
+    plgpu.wait_smem_to_gmem(0)
+
+
 # ----------------------------------------------------------------------------------------------
 # dK / dV, and dQ in the same pass
 
@@ -246,7 +356,8 @@ def _serial_step(carry, params: Params, shape, k_tile, v_tile, q_tile, do_tile, 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, offsets_ref,
                 first_ref, extras: fwd._Extras, dq_sum_ref, out: dict, smem: dict, *,
                 params: Params, config: Backward, schedule: Schedule, groups: int,
-                grads: tuple[str, ...], sem_shape: tuple[int, ...] | None, parts: int = 1):
+                grads: tuple[str, ...], sem_shape: tuple[int, ...] | None, parts: int = 1,
+                shared_keys: bool = False):
   """``grads`` names what this pass accumulates: ``("dk", "dv")``, one of them (head dims above
   128, where one accumulator of 64 x D float32 is all a warpgroup's registers hold next to the
   scores; a dV-only pass needs neither V nor delta, and skips dPᵀ), or ``("dk", "dv", "dq")``,
@@ -255,7 +366,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   (batch row, query block) (`_first_visitors`); its atomic form adds into ``dq_sum_ref``, a
   zeroed float32 array it updates in place (and ``first_ref`` is None). With ``parts`` above 1
   (`Backward.group_parts`) a CTA takes one of ``parts`` equal shares of its K/V head's query
-  heads, and writes its dK and dV sums to ``out[name][part]`` for the caller to add up."""
+  heads, and writes its dK and dV sums to ``out[name][part]`` for the caller to add up. With
+  ``shared_keys`` (`Backward.shared_keys`) both consumers work on the CTA's one tile of 64 keys
+  in two roles (`_SharedKeyRoles`)."""
   sems = None
   if sem_shape is not None:
     # Shared by every CTA (scratch semaphores would be each CTA's own), zero at each call.
@@ -270,7 +383,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   k_tile_index = lax.axis_index("k_tiles")
   # (The grid's sizes from the operands: k_ref's rows are padded to a multiple of 8 only.)
   b_size, _, heads_size, _ = k_ref.shape
-  k_tiles = pl.cdiv(k_ref.shape[1], _CONSUMERS * _KEYS)
+  keys_per_cta = _KEYS if shared_keys else _CONSUMERS * _KEYS
+  k_tiles = pl.cdiv(k_ref.shape[1], keys_per_cta)
   linear = fwd.launch_place(cta_head, k_tile_index, batch, k_tiles, b_size)
   if extras.order is not None:  # a block table's key tiles, heaviest first (one part)
     batch, cta_head, k_tile_index = fwd.ordered(extras.order, linear, heads_size, k_tiles)
@@ -282,7 +396,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     kv_head, part = lax.div(cta_head, fwd._i32(parts)), lax.rem(cta_head, fwd._i32(parts))
   heads_here = groups // parts  # the query heads this CTA visits, from first_head on
   first_head = kv_head * groups + part * heads_here
-  keys_per_cta = _CONSUMERS * _KEYS
   cta_start = k_tile_index * keys_per_cta
   pos = _positions(lengths_ref, offsets_ref, batch)
   atomic = want_dq and dq_sum_ref is not None
@@ -307,24 +420,33 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   @pl.when(wg < _CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(config.registers, action="increase")
-    k_start = cta_start + wg * _KEYS
+    k_start = cta_start if shared_keys else cta_start + wg * _KEYS
     keys = pl.ds(k_start, _KEYS)
-    k_tile = k_smem.at[wg]
-    plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_tile, kv_ready.at[wg])
-    v_tile = None
-    if want_dk:  # dPᵀ = V dOᵀ
-      v_tile = smem["v"].at[wg]
-      plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_tile,
-                              kv_ready.at[_CONSUMERS + wg])
+    if shared_keys:  # one K and one V tile, each read by one role: its consumer loads it
+      k_tile, v_tile = k_smem.at[0], smem["v"].at[0]
+      for role, (ref, tile_ref) in enumerate(((k_ref, k_tile), (v_ref, v_tile))):
+        @pl.when(wg == role)
+        def _load(ref=ref, tile_ref=tile_ref, role=role):
+          plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], tile_ref, kv_ready.at[role])
+          plgpu.barrier_wait(kv_ready.at[role])
+    else:
+      k_tile = k_smem.at[wg]
+      plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_tile, kv_ready.at[wg])
+      v_tile = None
+      if want_dk:  # dPᵀ = V dOᵀ
+        v_tile = smem["v"].at[wg]
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_tile,
+                                kv_ready.at[_CONSUMERS + wg])
     shape = (_KEYS, block_q)
     k_idx = lambda: k_start + fwd._iota(shape, 0)  # this consumer's keys, one per row
     kv_ids = None
     if extras.kv_segment_ids is not None:
       kv_ids = fwd._rows(plgpu.load(extras.kv_segment_ids.at[batch, keys], layout=_ROWS,
                                     optimized=False), shape)
-    plgpu.barrier_wait(kv_ready.at[wg])
-    if want_dk:
-      plgpu.barrier_wait(kv_ready.at[_CONSUMERS + wg])
+    if not shared_keys:
+      plgpu.barrier_wait(kv_ready.at[wg])
+      if want_dk:
+        plgpu.barrier_wait(kv_ready.at[_CONSUMERS + wg])
     smem["zero"][wg] = jnp.int32(0)  # (`_opaque_zero`)
     dq_part = None
     if want_dq:
@@ -332,9 +454,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
                         split=split, block_q=block_q, hp=hp, wg=wg,
                         batch=batch, k_tile=k_tile_index, first_ref=first_ref)
 
-    def step(n, g, i, carry, masked: bool):
-      slot = slot_of(n)
-      head = first_head + g
+    def tile_masks(head, i, masked: bool):
+      """``(visible, keep, q_cols, rows)`` of the [keys, rows] tile of query block ``i`` of
+      ``head``: its element mask (None on a full block), its dropout's kept entries (None
+      without dropout), a maker of its query indices, and its rows."""
       q_start = i * block_q
       # (Index vectors are built only where they are used: Mosaic GPU's layout inference
       # fails on a vector that nothing reads.)
@@ -369,6 +492,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         keep = dropout.keep_entries(_cols(row_key, shape),
                                     masking.shifted(k_idx(), pos.kv_offset),
                                     params.dropout_rate)
+      return visible, keep, q_cols, rows
+
+    def step(n, g, i, carry, masked: bool):
+      slot = slot_of(n)
+      head = first_head + g
+      visible, keep, q_cols, rows = tile_masks(head, i, masked)
 
       plgpu.barrier_wait(smem["q_ready"].at[slot])
       plgpu.barrier_wait(smem["lse_ready"].at[slot])
@@ -469,6 +598,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       elif want_dq and not dq_early:  # (with ``dq_early`` the part went out already)
         dq_part.send(dq_parts, head, i)
       return new_carry
+
+    if shared_keys:
+      _SharedKeyRoles(smem, params, shape, slot_of, wg, tile_masks, lse_rows_of=lambda slot: (
+          _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape))).run(
+              schedule, cta_start, pos, first_head, heads_here, spans_of, hp, hv, k_tile, v_tile,
+              lambda ref: ref.at[part, batch, keys, kv_head] if parts > 1
+              else ref.at[batch, keys, kv_head], out)
+      return
 
     width = {"dk": hp, "dv": hv}
     carry = {name: plgpu.layout_cast(jnp.zeros((_KEYS, width[name]), jnp.float32),
@@ -787,7 +924,11 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   kv_heads = k.shape[2]
   groups = q.shape[2] // kv_heads
   block_q, stages = config.dkv_block_q, config.dkv_stages
-  keys_per_cta = _CONSUMERS * _KEYS
+  # (`Backward.shared_keys`: where dSᵀ needs no more than Pᵀ and dPᵀ.)
+  shared_keys = (config.shared_keys and grads == ("dk", "dv") and not params.partial
+                 and params.logits_soft_cap is None and params.score_rule is None
+                 and extras.dropout_seed is None)
+  keys_per_cta = _KEYS if shared_keys else _CONSUMERS * _KEYS
   k_tiles = pl.cdiv(inputs.key.shape[1], keys_per_cta)
   schedule = Schedule(params.window, block_q, keys_per_cta, extras.q_segment_ids is not None)
   # A block table's visits per key tile, and the dense mask packed along the queries: this
@@ -806,14 +947,15 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   want_dk, want_dq = "dk" in grads, "dq" in grads
   hv = v.shape[-1]  # (V's and dO's padded head dim)
   resident = 2 if want_dk else 1  # K, and V for dPᵀ
+  tiles_of = 1 if shared_keys else _CONSUMERS  # (resident tiles of each kind)
   tile = functools.partial(fwd._smem_tile, swizzle=_swizzle(block_q))
   smem = dict(
       zero=plgpu.SMEM((_CONSUMERS,), jnp.int32),  # (`_opaque_zero`)
-      k=tile((_CONSUMERS, _KEYS, hp), k.dtype),  # K, then dK (or dV) on the way out
+      k=tile((tiles_of, _KEYS, hp), k.dtype),  # K, then dK (or dV) on the way out
       q=tile((stages, block_q, hp), q.dtype),
       do=tile((stages, block_q, hv), q.dtype),
       lse=plgpu.SMEM((stages, block_q), jnp.float32),  # LSE rows
-      kv_ready=plgpu.Barrier(num_barriers=resident * _CONSUMERS),
+      kv_ready=plgpu.Barrier(num_barriers=resident * tiles_of),
       q_ready=plgpu.Barrier(num_barriers=stages),
       do_ready=plgpu.Barrier(num_barriers=stages),
       lse_ready=plgpu.Barrier(num_barriers=stages),
@@ -822,9 +964,16 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   )
   if want_dk:
     smem.update(
-        v=tile((_CONSUMERS, _KEYS, hv), v.dtype),  # V, then dV on the way out
+        v=tile((tiles_of, _KEYS, hv), v.dtype),  # V, then dV on the way out
         delta=plgpu.SMEM((stages, block_q), jnp.float32),  # delta rows
         delta_ready=plgpu.Barrier(num_barriers=stages),
+    )
+  if shared_keys:  # Pᵀ from one role to the other (`_SharedKeyRoles`)
+    smem.update(
+        p=tile((_P_SLOTS, _KEYS, block_q), q.dtype),
+        p_ready=plgpu.Barrier(num_barriers=_P_SLOTS),
+        p_free=plgpu.Barrier(num_barriers=_P_SLOTS),
+        k_done=plgpu.Barrier(num_arrivals=_CONSUMERS),
     )
   elif hv != hp:  # dV on the way out of a dV-only pass, where K's tile has another width
     smem["dv"] = tile((_CONSUMERS, _KEYS, hv), v.dtype)
@@ -860,7 +1009,8 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
         sem_shape = (b, q.shape[2], t_pad // block_q, _CONSUMERS)
       first = _first_visitors(schedule, inputs, t_pad // block_q)
   kernel = functools.partial(_dkv_kernel, params=params, config=config, schedule=schedule,
-                             groups=groups, grads=grads, sem_shape=sem_shape, parts=parts)
+                             groups=groups, grads=grads, sem_shape=sem_shape, parts=parts,
+                             shared_keys=shared_keys)
   # Pallas walks the grid row-major, batch fastest: with a causal band the first key tiles,
   # which see the most query rows, launch first, and each key tile launches after the one
   # before it of the same batch row and head (the one-pass kernel's dQ adds rely on it).

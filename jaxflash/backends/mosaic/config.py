@@ -132,6 +132,13 @@ class Backward:
   # causal band the key tiles at work on one head would otherwise reduce-add into the same dQ
   # block at the same time (a band staggers them already: each starts at its diagonal).
   stagger: bool = False
+  # Whether the dK/dV kernel (dK and dV in one pass, without dQ) runs both consumers on one tile
+  # of 64 keys in two roles: one forms Pᵀ and dV += Pᵀ dO and hands Pᵀ over in shared memory,
+  # the other forms dPᵀ, dSᵀ and dK += dSᵀ Q (`backward._SharedKeyRoles`). Neither then holds
+  # both accumulators, which at MLA's 192/128 are 64 x 320 float32 together. Calls with a soft
+  # cap, a score_mod or dropout (whose dSᵀ needs more than Pᵀ and dPᵀ) and partial calls run the
+  # usual layout.
+  shared_keys: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
