@@ -585,8 +585,8 @@ def test_mosaic_serves_it(h, hv, tiles):
       h, jnp.bfloat16, True, 70, "NVIDIA H200", value_dim=hv)
   if tiles == "two_passes":
     config = dataclasses.replace(config, backward=mosaic.Backward(split_dkv=True))
-  if tiles == "shipped" and h == 192:
-    assert config.backward.serial_scores and config.backward.dkv_block_q == 64
+  if tiles == "shipped" and h == 192:  # (the soft cap's fallback: `test_shared_key_roles`)
+    assert config.backward.shared_keys and config.backward.dkv_block_q == 128
   if tiles == "q32":
     config = dataclasses.replace(config, backward=mosaic.Backward(
         split_dkv=False, dkv_block_q=32, registers=240))
@@ -636,31 +636,47 @@ def _count_role_runs(monkeypatch) -> list:
   return runs
 
 
-@pytest.mark.parametrize("h,hv,options", [
-    (192, 128, dict(is_causal=True)),
-    (64, 32, dict(mask=lambda b, t, s, n, seed: random_array(seed, (b, n, t, s), "bool"),
-                  **random_lengths(2, 77, 130, 4, seed=2))),
-    (64, 32, dict(logits_soft_cap=2.0, is_causal=True))])
-def test_shared_key_roles(h, hv, options, monkeypatch):
+@pytest.mark.parametrize("h,hv,tiles,options", [
+    (192, 128, "shipped", dict(is_causal=True)),
+    (64, 32, "q64", dict(mask=lambda b, t, s, n, seed: random_array(seed, (b, n, t, s), "bool"),
+                         **random_lengths(2, 77, 130, 4, seed=2))),
+    (192, 128, "shipped", dict(logits_soft_cap=2.0, is_causal=True))])
+def test_shared_key_roles(h, hv, tiles, options, monkeypatch):
   """`Backward.shared_keys` in Mosaic GPU's interpreter, against the float32 reference: MLA's
-  192/128 with a causal band (odd lengths, GQA: 2 query heads a K/V head, 130 keys in three
-  64-key tiles, the last one short); a dense mask and lengths (some rows see one key); and a
-  soft cap, whose dSᵀ needs its chain factor, so the usual layout runs instead."""
+  shipped tiles (128-row query tiles) with a causal band (odd lengths, GQA: 2 query heads a
+  K/V head, 130 keys in three 64-key tiles, the last one short); 64-row tiles with a dense
+  mask and lengths (some rows see one key); and MLA's shipped tiles with a soft cap, whose dSᵀ
+  needs its chain factor: the usual layout runs instead, on 64-row tiles (128 do not fit it)."""
+  from jaxflash.backends.mosaic import backward
   runs = _count_role_runs(monkeypatch)
-  config = _with_backward(h, hv, options.get("is_causal", False), SHARED_KEYS, t=77)
+  causal = options.get("is_causal", False)
+  config = (mosaic.default_config(h, jnp.bfloat16, causal, 77, "NVIDIA H200", value_dim=hv)
+            if tiles == "shipped" else _with_backward(h, hv, causal, SHARED_KEYS, t=77))
+  call = _checks.normalise(jnp.zeros((2, 77, 4, h), jnp.bfloat16),
+                           jnp.zeros((2, 130, 2, h), jnp.bfloat16),
+                           jnp.zeros((2, 130, 2, hv), jnp.bfloat16),
+                           **{name: x(2, 77, 130, 4, 0) if callable(x) else x
+                              for name, x in options.items()})
+  assert backward.unsupported(call.inputs, call.params, config) is None  # not Triton's
+  hp, hvp = (mosaic.config.padded_head_dim(d) for d in (h, hv))
+  tiles_run, roles = backward.dkv_tiles(config.backward, call.params, hp, hvp)
+  assert roles == ("logits_soft_cap" not in options)
+  assert tiles_run.dkv_block_q == (config.backward.dkv_block_q if roles else 64)
   _check("mosaic", h=h, hv=hv, dtype=jnp.bfloat16, small=config, **options)
-  assert bool(runs) == ("logits_soft_cap" not in options)
+  assert bool(runs) == roles
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h,hv,n,k,is_causal", [(192, 128, 4, 2, True), (192, 128, 4, 4, False),
-                                                (128, 128, 4, 1, True), (96, 40, 4, 2, False)])
-def test_shared_key_roles_on_gpu(h, hv, n, k, is_causal, monkeypatch):
+@pytest.mark.parametrize("h,hv,n,k,is_causal,block_q", [
+    (192, 128, 4, 2, True, 64), (192, 128, 4, 4, False, 64), (192, 128, 4, 2, True, 128),
+    (192, 128, 4, 4, False, 128), (128, 128, 4, 1, True, 64), (96, 40, 4, 2, False, 64)])
+def test_shared_key_roles_on_gpu(h, hv, n, k, is_causal, block_q, monkeypatch):
   """`Backward.shared_keys` compiled, against the float32 reference: MLA's 192/128 with and
-  without a causal band, MQA at D = 128, and head dims that pad; odd lengths (1000 query rows,
-  1100 keys: a short last key tile)."""
+  without a causal band on 64- and 128-row query tiles (shipped), MQA at D = 128, and head
+  dims that pad; odd lengths (1000 query rows, 1100 keys: a short last key tile)."""
   runs = _count_role_runs(monkeypatch)
-  backward = dataclasses.replace(SHARED_KEYS, split_dkv=None if hv == h else False)
+  backward = dataclasses.replace(SHARED_KEYS, split_dkv=None if hv == h else False,
+                                 dkv_block_q=block_q)
   _check("mosaic", h=h, hv=hv, b=2, t=1000, s=1100, n=n, k=k, dtype=jnp.bfloat16,
          small=_with_backward(h, hv, is_causal, backward), is_causal=is_causal)
   assert runs
@@ -668,7 +684,8 @@ def test_shared_key_roles_on_gpu(h, hv, n, k, is_causal, monkeypatch):
 
 @pytest.mark.usefixtures("cuda_plugin")
 def test_shared_key_roles_lower_for_cuda():
-  """The shared-key dK/dV kernel lowers for an H100 at MLA's dims (`Backward.shared_keys`)."""
+  """The shared-key dK/dV kernel lowers for an H100 at MLA's dims on 64-row query tiles
+  (`Backward.shared_keys`; the shipped 128-row ones: `test_mosaic_lowers_for_cuda`)."""
   config = _with_backward(192, 128, True, SHARED_KEYS)
   q = jax.ShapeDtypeStruct((1, 300, 4, 192), jnp.bfloat16)
   kk = jax.ShapeDtypeStruct((1, 1000, 2, 192), jnp.bfloat16)

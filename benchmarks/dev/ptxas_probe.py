@@ -223,6 +223,9 @@ CONFIGS = {
     "bwd_mla_shared_keys": Probe(192, True, dict(block_kv=64, backward=dict(
         split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True, shared_keys=True)),
         128),
+    "bwd_mla_shared_keys_q128": Probe(192, True, dict(block_kv=64, backward=dict(
+        split_dkv=False, dkv_block_q=128, registers=240, serial_scores=True, shared_keys=True)),
+        128),
     "bwd_d128_shared_keys": Probe(128, True, dict(backward=dict(shared_keys=True))),
 }
 

@@ -94,8 +94,10 @@ def unsupported(inputs: Inputs, params: Params, config: Config) -> str | None:
     return "partial results (float32 gradients) with a value head dim of its own"
   if params.partial and config.backward.runs_one_pass(hp, hv=hv):
     return "partial results (float32 gradients) in one pass"
-  if backward_smem_bytes(config.backward, head_dim, params.partial,
-                         value_dim=value_dim) > SMEM_BUDGET:
+  tiles = config.backward
+  if not config.backward.splits_dkv(hp, hv):  # (the tiles that form dK and dV)
+    tiles = dkv_tiles(config.backward, params, hp, hv)[0]
+  if backward_smem_bytes(tiles, head_dim, params.partial, value_dim=value_dim) > SMEM_BUDGET:
     what = " with float32 gradients (a partial call)" if params.partial else ""
     dims = f"{head_dim}" if value_dim == head_dim else f"{head_dim} (value {value_dim})"
     return f"{config.backward} does not fit in shared memory at head dim {dims}{what}"
@@ -242,6 +244,11 @@ def _serial_step(carry, params: Params, shape, k_tile, v_tile, q_tile, do_tile, 
 _P_SLOTS = 2  # the shared-key roles' Pᵀ tiles in flight between them
 
 
+def _p_slots(block_q: int) -> int:
+  """The shared-key roles' Pᵀ tiles: two, or one for 128-row query tiles (shared memory)."""
+  return _P_SLOTS if block_q <= 64 else 1
+
+
 class _SharedKeyRoles:
   """The dK/dV kernel's consumers with ``Backward.shared_keys``: both work on the CTA's one tile
   of 64 keys, in two roles, so that neither holds MLA's 64 x (192 + 128) float32 sums.
@@ -283,14 +290,15 @@ class _SharedKeyRoles:
     return pl.run_state(lambda ref: plgpu.wgmma(ref, a, b))(plgpu.ACC.init(total))
 
   def scores(self, n, first_head, g, i, carry, masked):
-    slot, p_slot = self.slot_of(n), lax.rem(n, jnp.asarray(_P_SLOTS, n.dtype))
+    slots = _p_slots(self.shape[1])
+    slot, p_slot = self.slot_of(n), lax.rem(n, jnp.asarray(slots, n.dtype))
     visible, _, _, _ = self.tile_masks(first_head + g, i, masked)
     q_tile, do_tile = self._inputs(slot)
     lse2 = self.lse_rows_of(slot)
     (p, _), _ = _wgmma_scores(self._resident("k"), q_tile, None, None, self.shape,
                               lambda s: _probabilities(s, lse2, self.params, visible))
     p16 = p.astype(q_tile.dtype)
-    pl.when(n >= _P_SLOTS)(lambda: plgpu.barrier_wait(self.smem["p_free"].at[p_slot]))
+    pl.when(n >= slots)(lambda: plgpu.barrier_wait(self.smem["p_free"].at[p_slot]))
     self.smem["p"].at[p_slot][...] = p16
     plgpu.commit_smem()
     plgpu.barrier_arrive(self.smem["p_ready"].at[p_slot])
@@ -300,7 +308,8 @@ class _SharedKeyRoles:
 
   def dscores(self, n, first_head, g, i, carry, masked):
     del first_head, g, i, masked  # (Pᵀ comes masked)
-    slot, p_slot = self.slot_of(n), lax.rem(n, jnp.asarray(_P_SLOTS, n.dtype))
+    slot = self.slot_of(n)
+    p_slot = lax.rem(n, jnp.asarray(_p_slots(self.shape[1]), n.dtype))
     q_tile, do_tile = self._inputs(slot)
 
     def handed_p():  # (while dPᵀ is in flight)
@@ -332,7 +341,7 @@ class _SharedKeyRoles:
     @pl.when(self.wg == 0)
     def _scores():
       sums = walk(self.scores, dict(dv=zeros(hv), visits=fwd._i32(0)))
-      fwd.observe_last_releases(sums["visits"], _P_SLOTS, self.smem["p_free"])
+      fwd.observe_last_releases(sums["visits"], _p_slots(self.shape[1]), self.smem["p_free"])
       self._finish(v_tile, sums["dv"], place(out["dv"]))
 
     @pl.when(self.wg == 1)
@@ -909,6 +918,19 @@ class _DqPart:
         lambda: plgpu.semaphore_signal(self._sem(head, i), memory_scope="gpu"))
 
 
+def dkv_tiles(config: Backward, params: Params, hp: int, hv: int) -> tuple[Backward, bool]:
+  """``(tiles, shared_keys)``: the tiles of a dK/dV kernel that forms dK and dV at padded head
+  dims ``hp`` and ``hv``, and whether it runs `Backward.shared_keys`'s two roles. A call whose
+  dSᵀ needs more than Pᵀ and dPᵀ (a soft cap's or score_mod's chain factor, dropout), or a
+  partial call, runs the usual layout (`Backward.usual_layout`) instead."""
+  if not config.shared_keys:
+    return config, False
+  if (params.partial or params.logits_soft_cap is not None or params.score_rule is not None
+      or params.dropout_rate > 0):
+    return config.usual_layout(hp, hv, params.partial), False
+  return config, True
+
+
 def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Backward,
          extras: fwd._Extras, hp: int, grads: tuple[str, ...] = ("dk", "dv"),
          atomic: bool = False) -> dict:
@@ -920,14 +942,14 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     config = config.dv_pass()
   if atomic:
     config = config.atomic_pass()
+  if grads == ("dk", "dv"):
+    config, shared_keys = dkv_tiles(config, params, hp, v.shape[-1])
+  else:
+    shared_keys = False
   b = q.shape[0]
   kv_heads = k.shape[2]
   groups = q.shape[2] // kv_heads
   block_q, stages = config.dkv_block_q, config.dkv_stages
-  # (`Backward.shared_keys`: where dSᵀ needs no more than Pᵀ and dPᵀ.)
-  shared_keys = (config.shared_keys and grads == ("dk", "dv") and not params.partial
-                 and params.logits_soft_cap is None and params.score_rule is None
-                 and extras.dropout_seed is None)
   keys_per_cta = _KEYS if shared_keys else _CONSUMERS * _KEYS
   k_tiles = pl.cdiv(inputs.key.shape[1], keys_per_cta)
   schedule = Schedule(params.window, block_q, keys_per_cta, extras.q_segment_ids is not None)
@@ -968,15 +990,15 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
         delta=plgpu.SMEM((stages, block_q), jnp.float32),  # delta rows
         delta_ready=plgpu.Barrier(num_barriers=stages),
     )
-  if shared_keys:  # Pᵀ from one role to the other (`_SharedKeyRoles`)
-    smem.update(
-        p=tile((_P_SLOTS, _KEYS, block_q), q.dtype),
-        p_ready=plgpu.Barrier(num_barriers=_P_SLOTS),
-        p_free=plgpu.Barrier(num_barriers=_P_SLOTS),
-        k_done=plgpu.Barrier(num_arrivals=_CONSUMERS),
-    )
   elif hv != hp:  # dV on the way out of a dV-only pass, where K's tile has another width
     smem["dv"] = tile((_CONSUMERS, _KEYS, hv), v.dtype)
+  if shared_keys:  # Pᵀ from one role to the other (`_SharedKeyRoles`)
+    smem.update(
+        p=tile((_p_slots(block_q), _KEYS, block_q), q.dtype),
+        p_ready=plgpu.Barrier(num_barriers=_p_slots(block_q)),
+        p_free=plgpu.Barrier(num_barriers=_p_slots(block_q)),
+        k_done=plgpu.Barrier(num_arrivals=_CONSUMERS),
+    )
   grad_dtype = jnp.float32 if params.partial else k.dtype
   part_axis = (parts,) if parts > 1 else ()  # (each part's sums, added up below)
   out_type = {"dk": _core.out_struct(part_axis + k.shape, grad_dtype, q),

@@ -173,6 +173,15 @@ class Backward:
     return dataclasses.replace(self, registers=own("registers"), tile_major=own("tile_major"),
                                group_parts=own("group_parts"))
 
+  def usual_layout(self, hp: int, hv: int, partial: bool = False) -> Backward:
+    """These tiles without `shared_keys`, for the calls its roles cannot serve: on 64-row query
+    tiles where theirs do not fit the usual layout's shared memory at padded head dims ``hp``
+    and ``hv``."""
+    usual = dataclasses.replace(self, shared_keys=False)
+    if backward_smem_bytes(usual, hp, partial, value_dim=hv) > SMEM_BUDGET:
+      usual = dataclasses.replace(usual, dkv_block_q=64)
+    return usual
+
   def dv_pass(self) -> Backward:
     """The tiles of the dV pass (as ``dkv_block_q`` and ``dkv_stages``)."""
     return dataclasses.replace(
@@ -441,6 +450,10 @@ def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False
                                                              + backward.dkv_block_q * 2 * 4)
   if backward.runs_one_pass(hp, deterministic, hv):  # both consumers' dSᵀ, staged dQ parts
     dkv += dq_part_smem_bytes(backward.dkv_block_q, hp)
+  elif backward.shared_keys and not backward.splits_dkv(hp, hv):
+    # One K and one V tile, and the Pᵀ tiles (`backward._SharedKeyRoles`; one at 128 rows).
+    dkv += (-tile(hp) - tile(hv)) // 2 + (2 if backward.dkv_block_q <= 64 else 1) * (
+        64 * backward.dkv_block_q * 2)
   dq = tile(hp) + tile(hv) + out32 + backward.dq_stages * streamed(backward.dq_block_kv)
   dv = 0
   if backward.splits_dkv(hp, hv):
@@ -601,8 +614,17 @@ BACKWARD_TUNED: dict[int, Backward] = {
 # processes against 416, 412 and 411 for the 32-row tiles in two of them (32-row tiles with
 # `serial_scores` 401, 64-row ones with three dK/dV stages 410, with the accumulators held
 # across the steps 426 and 425). D = 128's dK/dV kernel lost with it (438 against 462).
+# Since 2026-12-02 (twentieth session, same probe, shipped and new alternating twice in one
+# process) both consumers share one 64-key tile in two roles on 128-row query tiles
+# (`shared_keys`, `dkv_block_q=128`; no spills, where the 64-row tiles above spill 196 bytes):
+# 439.0 and 439.9 against 431.7 and 431.5, the dK/dV kernel 9.82 and 10.00 ms against 10.07
+# and 10.10. On 64-row tiles the roles ran level (422.4, 429.5 against 434.1, 430.7), and at
+# D = 128 both lost (16k causal 406 and 436 against 464-466, non-causal 443 against 483).
+# Calls the roles cannot serve (a soft cap, a score_mod, dropout) run the tiles above
+# (`Backward.usual_layout`: 64-row query tiles, dPᵀ after Pᵀ).
 BACKWARD_TUNED_VALUE_DIM: dict[tuple[int, int], Backward] = {
-    (192, 128): Backward(split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True),
+    (192, 128): Backward(split_dkv=False, dkv_block_q=128, registers=240, serial_scores=True,
+                         shared_keys=True),
 }
 
 
