@@ -29,8 +29,10 @@ warpgroups, two consumers and a producer, as in the forward (`forward.py`):
   swizzle (`_swizzle`). In the atomic form the dK pass forms dQ too, from transposed parts
   (dQᵀ = Kᵀ dSᵀ: 32 rows are below a wgmma's 64; `_DqPart`), and no dQ kernel runs.
 - **A value head dim of its own** (MLA): V, dO and dV have tiles of their own width; dPᵀ
-  contracts it, dV += Pᵀ dO produces it. MLA's 192/128 runs dK and dV in one pass on 32-row
-  query tiles, whose smaller score tiles leave room for both accumulators (64 x 320 float32).
+  contracts it, dV += Pᵀ dO produces it. MLA's 192/128 runs dK and dV in one pass with its two
+  consumers in two roles on one 64-key tile (``Backward.shared_keys``, `_SharedKeyRoles`: one
+  forms Pᵀ and dV, the other dPᵀ, dSᵀ and dK), so neither holds both accumulators (64 x 320
+  float32); calls the roles cannot serve run 64-row query tiles with the scores in series.
 
 Block ranges come from the shared `jaxflash.schedule.Schedule` (`visit_q_split` for dK/dV,
 `visit_kv` for dQ); blocks that every row sees in full skip the element mask, the others apply
