@@ -256,12 +256,13 @@ class _SharedKeyRoles:
   of 64 keys, in two roles, so that neither holds MLA's 64 x (192 + 128) float32 sums.
 
   - The **scores** role (consumer 0) holds K and dV: Sᵀ = K Qᵀ, Pᵀ in 16 bits, handed to the
-    other role through a shared-memory tile (`_P_SLOTS` of them), and dV += Pᵀ dO.
+    other role through a shared-memory tile (two, or one on 128-row query tiles: `_p_slots`),
+    and dV += Pᵀ dO.
   - The **dscores** role (consumer 1) holds V and dK: dPᵀ = V dOᵀ (issued before it waits for
     Pᵀ, so it runs under the other role's softmax), dSᵀ = Pᵀ ∘ (dPᵀ − delta) from the handed
     16-bit Pᵀ (as ``Backward.serial_scores`` forms it), and dK += dSᵀ Q.
 
-  Each role does 64 x 64 x (Dqk + Dv) multiply-adds a visit, so the tensor cores are shared
+  Each role does 64 x rows x (Dqk + Dv) multiply-adds a visit, so the tensor cores are shared
   evenly, and at 192/128 one holds 64 x 128 float32 sums, the other 64 x 192. A CTA covers half
   the keys of the two-consumer layout, so Q and dO come from L2 twice as often per FLOP. Calls
   whose dSᵀ needs more than Pᵀ and dPᵀ (a soft cap's or score_mod's chain factor, dropout) and

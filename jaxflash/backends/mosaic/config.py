@@ -452,7 +452,7 @@ def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False
     dkv += dq_part_smem_bytes(backward.dkv_block_q, hp)
   elif backward.shared_keys and not backward.splits_dkv(hp, hv):
     # One K and one V tile, and the Pᵀ tiles (`backward._SharedKeyRoles`; one at 128 rows).
-    dkv += (-tile(hp) - tile(hv)) // 2 + (2 if backward.dkv_block_q <= 64 else 1) * (
+    dkv += -(tile(hp) + tile(hv)) // 2 + (2 if backward.dkv_block_q <= 64 else 1) * (
         64 * backward.dkv_block_q * 2)
   dq = tile(hp) + tile(hv) + out32 + backward.dq_stages * streamed(backward.dq_block_kv)
   dv = 0
