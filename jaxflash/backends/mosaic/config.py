@@ -618,7 +618,8 @@ BACKWARD_TUNED: dict[int, Backward] = {
 # process) both consumers share one 64-key tile in two roles on 128-row query tiles
 # (`shared_keys`, `dkv_block_q=128`; no spills, where the 64-row tiles above spill 196 bytes):
 # 439.0 and 439.9 against 431.7 and 431.5, the dK/dV kernel 9.82 and 10.00 ms against 10.07
-# and 10.10. On 64-row tiles the roles ran level (422.4, 429.5 against 434.1, 430.7), and at
+# and 10.10; once shipped, 452.6 and 443.8 against 434.3 and 431.8 (437 against 422 in
+# model_features.json, run mla_shared_keys_2026-12-02). On 64-row tiles the roles ran level (422.4, 429.5 against 434.1, 430.7), and at
 # D = 128 both lost (16k causal 406 and 436 against 464-466, non-causal 443 against 483).
 # Calls the roles cannot serve (a soft cap, a score_mod, dropout) run the tiles above
 # (`Backward.usual_layout`: 64-row query tiles, dPᵀ after Pᵀ).
