@@ -73,7 +73,6 @@ VARIANTS = {
     # forms Pᵀ, the other holds dK and forms dPᵀ and dSᵀ from the handed Pᵀ.
     "shared_keys": dict(shared_keys=True),
     "shared_keys_stages3": dict(shared_keys=True, dkv_stages=3),
-    "shared_keys_r232": dict(shared_keys=True, registers=232),
     "shared_keys_q128": dict(shared_keys=True, dkv_block_q=128),
     # MLA's 192/128 tiles of 2026-11-28: the usual layout, 64-row query tiles, dPᵀ after Pᵀ.
     "usual_q64": dict(shared_keys=False, dkv_block_q=64),

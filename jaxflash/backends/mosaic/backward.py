@@ -72,7 +72,7 @@ from jaxflash._core import Inputs, Params
 from jaxflash.backends.mosaic import forward as fwd
 from jaxflash.backends.mosaic.config import (SMEM_BUDGET, Backward, Config,
                                              backward_smem_bytes, dq_part_tiles, dq_split,
-                                             padded_head_dim)
+                                             padded_head_dim, shared_key_p_slots)
 from jaxflash.backends.triton import backward as triton_backward
 from jaxflash.masking import Positions
 from jaxflash.schedule import BlockLists, Schedule, Span, block_at, total, walk
@@ -243,20 +243,13 @@ def _serial_step(carry, params: Params, shape, k_tile, v_tile, q_tile, do_tile, 
   return dict(dv=sums[0], dk=sums[1])
 
 
-_P_SLOTS = 2  # the shared-key roles' Pᵀ tiles in flight between them
-
-
-def _p_slots(block_q: int) -> int:
-  """The shared-key roles' Pᵀ tiles: two, or one for 128-row query tiles (shared memory)."""
-  return _P_SLOTS if block_q <= 64 else 1
-
-
 class _SharedKeyRoles:
   """The dK/dV kernel's consumers with ``Backward.shared_keys``: both work on the CTA's one tile
   of 64 keys, in two roles, so that neither holds MLA's 64 x (192 + 128) float32 sums.
 
   - The **scores** role (consumer 0) holds K and dV: Sᵀ = K Qᵀ, Pᵀ in 16 bits, handed to the
-    other role through a shared-memory tile (two, or one on 128-row query tiles: `_p_slots`),
+    other role through a shared-memory tile (two, or one on 128-row query tiles:
+    `config.shared_key_p_slots`),
     and dV += Pᵀ dO.
   - The **dscores** role (consumer 1) holds V and dK: dPᵀ = V dOᵀ (issued before it waits for
     Pᵀ, so it runs under the other role's softmax), dSᵀ = Pᵀ ∘ (dPᵀ − delta) from the handed
@@ -282,6 +275,10 @@ class _SharedKeyRoles:
     plgpu.barrier_arrive(self.smem["q_free"].at[slot])
     plgpu.barrier_arrive(self.smem["do_free"].at[slot])
 
+  @property
+  def _p_slots(self) -> int:
+    return self.smem["p"].shape[0]
+
   def _resident(self, name):
     """The role's resident tile, through an index that keeps its descriptors in the loop."""
     return self.smem[name].at[_opaque_zero(self.smem["zero"], self.wg)]
@@ -293,7 +290,7 @@ class _SharedKeyRoles:
     return pl.run_state(lambda ref: plgpu.wgmma(ref, a, b))(plgpu.ACC.init(total))
 
   def scores(self, n, first_head, g, i, carry, masked):
-    slots = _p_slots(self.shape[1])
+    slots = self._p_slots
     slot, p_slot = self.slot_of(n), lax.rem(n, jnp.asarray(slots, n.dtype))
     visible, _, _, _ = self.tile_masks(first_head + g, i, masked)
     q_tile, do_tile = self._inputs(slot)
@@ -312,7 +309,7 @@ class _SharedKeyRoles:
   def dscores(self, n, first_head, g, i, carry, masked):
     del first_head, g, i, masked  # (Pᵀ comes masked)
     slot = self.slot_of(n)
-    p_slot = lax.rem(n, jnp.asarray(_p_slots(self.shape[1]), n.dtype))
+    p_slot = lax.rem(n, jnp.asarray(self._p_slots, n.dtype))
     q_tile, do_tile = self._inputs(slot)
 
     def handed_p():  # (while dPᵀ is in flight)
@@ -344,7 +341,7 @@ class _SharedKeyRoles:
     @pl.when(self.wg == 0)
     def _scores():
       sums = walk(self.scores, dict(dv=zeros(hv), visits=fwd._i32(0)))
-      fwd.observe_last_releases(sums["visits"], _p_slots(self.shape[1]), self.smem["p_free"])
+      fwd.observe_last_releases(sums["visits"], self._p_slots, self.smem["p_free"])
       self._finish(v_tile, sums["dv"], place(out["dv"]))
 
     @pl.when(self.wg == 1)
@@ -996,10 +993,11 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   elif hv != hp:  # dV on the way out of a dV-only pass, where K's tile has another width
     smem["dv"] = tile((_CONSUMERS, _KEYS, hv), v.dtype)
   if shared_keys:  # Pᵀ from one role to the other (`_SharedKeyRoles`)
+    p_slots = shared_key_p_slots(block_q)
     smem.update(
-        p=tile((_p_slots(block_q), _KEYS, block_q), q.dtype),
-        p_ready=plgpu.Barrier(num_barriers=_p_slots(block_q)),
-        p_free=plgpu.Barrier(num_barriers=_p_slots(block_q)),
+        p=tile((p_slots, _KEYS, block_q), q.dtype),
+        p_ready=plgpu.Barrier(num_barriers=p_slots),
+        p_free=plgpu.Barrier(num_barriers=p_slots),
         k_done=plgpu.Barrier(num_arrivals=_CONSUMERS),
     )
   grad_dtype = jnp.float32 if params.partial else k.dtype

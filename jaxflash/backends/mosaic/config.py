@@ -250,6 +250,12 @@ def dq_part_tiles(block_q: int, hp: int) -> tuple[int, tuple[int, int]]:
   return 2, (block_q, hp // 2) if split == "cols" else (64, hp)
 
 
+def shared_key_p_slots(block_q: int) -> int:
+  """The Pᵀ tiles in flight between `Backward.shared_keys`'s two roles: two, or one on 128-row
+  query tiles (where two do not fit in shared memory beside the ring)."""
+  return 2 if block_q <= 64 else 1
+
+
 def dq_part_smem_bytes(block_q: int, hp: int) -> int:
   """Shared memory of the one-pass kernel's dQ parts: both consumers' 16-bit dSᵀ tiles (of 64
   keys) for `dq_part_tiles`'s slots, and their float32 staging tiles."""
@@ -452,8 +458,8 @@ def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False
     dkv += dq_part_smem_bytes(backward.dkv_block_q, hp)
   elif backward.shared_keys and not backward.splits_dkv(hp, hv):
     # One K and one V tile, and the Pᵀ tiles (`backward._SharedKeyRoles`; one at 128 rows).
-    dkv += -(tile(hp) + tile(hv)) // 2 + (2 if backward.dkv_block_q <= 64 else 1) * (
-        64 * backward.dkv_block_q * 2)
+    dkv += (-(tile(hp) + tile(hv)) // 2
+            + shared_key_p_slots(backward.dkv_block_q) * 64 * backward.dkv_block_q * 2)
   dq = tile(hp) + tile(hv) + out32 + backward.dq_stages * streamed(backward.dq_block_kv)
   dv = 0
   if backward.splits_dkv(hp, hv):
