@@ -587,6 +587,7 @@ def test_mosaic_serves_it(h, hv, tiles):
     config = dataclasses.replace(config, backward=mosaic.Backward(split_dkv=True))
   if tiles == "shipped" and h == 192:  # (the soft cap's fallback: `test_shared_key_roles`)
     assert config.backward.shared_keys and config.backward.dkv_block_q == 128
+    assert config.backward.shared_keys_overlap
   if tiles == "q32":
     config = dataclasses.replace(config, backward=mosaic.Backward(
         split_dkv=False, dkv_block_q=32, registers=240))
@@ -636,22 +637,31 @@ def _count_role_runs(monkeypatch) -> list:
   return runs
 
 
-@pytest.mark.parametrize("h,hv,tiles,options", [
-    (192, 128, "shipped", dict(is_causal=True)),
-    (64, 32, "q64", dict(mask=lambda b, t, s, n, seed: random_array(seed, (b, n, t, s), "bool"),
-                         **random_lengths(2, 77, 130, 4, seed=2))),
-    (192, 128, "shipped", dict(logits_soft_cap=2.0, is_causal=True))])
-def test_shared_key_roles(h, hv, tiles, options, monkeypatch):
-  """`Backward.shared_keys` in Mosaic GPU's interpreter, against the float32 reference: MLA's
+_DENSE_MASK = dict(mask=lambda b, t, s, n, seed: random_array(seed, (b, n, t, s), "bool"),
+                   **random_lengths(2, 77, 130, 4, seed=2))
+
+
+@pytest.mark.parametrize("h,hv,tiles,overlap,options", [
+    (192, 128, "shipped", False, dict(is_causal=True)),
+    (192, 128, "shipped", True, dict(is_causal=True)),
+    (64, 32, "q64", False, _DENSE_MASK),
+    (64, 32, "q64", True, _DENSE_MASK),
+    (192, 128, "shipped", False, dict(logits_soft_cap=2.0, is_causal=True))])
+def test_shared_key_roles(h, hv, tiles, overlap, options, monkeypatch):
+  """`Backward.shared_keys` in Mosaic GPU's interpreter, against the float32 reference, with
+  and without `Backward.shared_keys_overlap` (dK's product one visit late, shipped): MLA's
   shipped tiles (128-row query tiles) with a causal band (odd lengths, GQA: 2 query heads a
   K/V head, 130 keys in three 64-key tiles, the last one short); 64-row tiles with a dense
-  mask and lengths (some rows see one key); and MLA's shipped tiles with a soft cap, whose dSᵀ
-  needs its chain factor: the usual layout runs instead, on 64-row tiles (128 do not fit it)."""
+  mask and lengths (some rows see one key, some tiles none); and MLA's shipped tiles with a
+  soft cap, whose dSᵀ needs its chain factor: the usual layout runs instead, on 64-row tiles
+  (128 do not fit it)."""
   from jaxflash.backends.mosaic import backward
   runs = _count_role_runs(monkeypatch)
   causal = options.get("is_causal", False)
   config = (mosaic.default_config(h, jnp.bfloat16, causal, 77, "NVIDIA H200", value_dim=hv)
             if tiles == "shipped" else _with_backward(h, hv, causal, SHARED_KEYS, t=77))
+  config = dataclasses.replace(config, backward=dataclasses.replace(
+      config.backward, shared_keys_overlap=overlap))
   call = _checks.normalise(jnp.zeros((2, 77, 4, h), jnp.bfloat16),
                            jnp.zeros((2, 130, 2, h), jnp.bfloat16),
                            jnp.zeros((2, 130, 2, hv), jnp.bfloat16),
@@ -667,16 +677,18 @@ def test_shared_key_roles(h, hv, tiles, options, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("h,hv,n,k,is_causal,block_q", [
     (192, 128, 4, 2, True, 64), (192, 128, 4, 4, False, 64), (192, 128, 4, 2, True, 128),
     (192, 128, 4, 4, False, 128), (128, 128, 4, 1, True, 64), (96, 40, 4, 2, False, 64)])
-def test_shared_key_roles_on_gpu(h, hv, n, k, is_causal, block_q, monkeypatch):
-  """`Backward.shared_keys` compiled, against the float32 reference: MLA's 192/128 with and
-  without a causal band on 64- and 128-row query tiles (shipped), MQA at D = 128, and head
-  dims that pad; odd lengths (1000 query rows, 1100 keys: a short last key tile)."""
+def test_shared_key_roles_on_gpu(h, hv, n, k, is_causal, block_q, overlap, monkeypatch):
+  """`Backward.shared_keys` compiled, with and without `Backward.shared_keys_overlap`, against
+  the float32 reference: MLA's 192/128 with and without a causal band on 64- and 128-row query
+  tiles (shipped), MQA at D = 128, and head dims that pad; odd lengths (1000 query rows, 1100
+  keys: a short last key tile)."""
   runs = _count_role_runs(monkeypatch)
   backward = dataclasses.replace(SHARED_KEYS, split_dkv=None if hv == h else False,
-                                 dkv_block_q=block_q)
+                                 dkv_block_q=block_q, shared_keys_overlap=overlap)
   _check("mosaic", h=h, hv=hv, b=2, t=1000, s=1100, n=n, k=k, dtype=jnp.bfloat16,
          small=_with_backward(h, hv, is_causal, backward), is_causal=is_causal)
   assert runs

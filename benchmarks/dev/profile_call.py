@@ -34,6 +34,8 @@ from cases import mosaic_config  # noqa: E402
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--d", type=int, default=128)
+  parser.add_argument("--dv", type=int, default=None,
+                      help="the value head dim (default: --d), e.g. MLA's --d 192 --dv 128")
   parser.add_argument("--s", type=int, default=16384)
   parser.add_argument("--b", type=int, default=1)
   parser.add_argument("--heads", type=int, default=None, help="query heads (default: 2048 / D)")
@@ -57,8 +59,8 @@ def main(argv: list[str] | None = None) -> None:
   kv = args.kv_heads or n
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (args.b, args.s, n, args.d), jnp.bfloat16)
-  k, v = (jax.random.normal(key, (args.b, args.s, kv, args.d), jnp.bfloat16)
-          for key in keys[1:3])
+  k = jax.random.normal(keys[1], (args.b, args.s, kv, args.d), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (args.b, args.s, kv, args.dv or args.d), jnp.bfloat16)
   if args.dtype == "bfloat16":
     operands, options = (q, k, v), {}
   elif args.grad:
@@ -74,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
   if args.backward:
     fields = {key: ast.literal_eval(value)
               for key, value in (field.split("=", 1) for field in args.backward)}
-    config = mosaic_config(args.d, args.causal, args.s, groups=n // kv, interpret=interpret,
-                           backward=fields)
+    config = mosaic_config(args.d, args.causal, args.s, groups=n // kv, value_dim=args.dv,
+                           interpret=interpret, backward=fields)
 
   def call(q, k, v, options):
     if args.impl == "cudnn":  # (its default backward; deterministic only through XLA's flag)
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                                     deterministic=args.deterministic, **options)
 
   if args.grad:
-    d_out = jax.random.normal(keys[3], q.shape, jnp.float32)
+    d_out = jax.random.normal(keys[3], q.shape[:-1] + v.shape[-1:], jnp.float32)
     fn = jax.jit(lambda q, k, v, options, d_out: jax.grad(
         lambda q, k, v: jnp.sum(call(q, k, v, options).astype(jnp.float32) * d_out),
         argnums=(0, 1, 2))(q, k, v))

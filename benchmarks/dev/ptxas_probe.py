@@ -227,6 +227,11 @@ CONFIGS = {
         split_dkv=False, dkv_block_q=128, registers=240, serial_scores=True, shared_keys=True)),
         128),
     "bwd_d128_shared_keys": Probe(128, True, dict(backward=dict(shared_keys=True))),
+    # ... with dK's product issued with the next visit's dPᵀ (`Backward.shared_keys_overlap`,
+    # shipped; no spills).
+    "bwd_mla_shared_keys_overlap": Probe(192, True, dict(block_kv=64, backward=dict(
+        split_dkv=False, dkv_block_q=128, registers=240, serial_scores=True, shared_keys=True,
+        shared_keys_overlap=True)), 128),
 }
 
 # A compile-only H100 for deviceless compilation: XLA's GPU target config (the device's

@@ -261,9 +261,11 @@ class _SharedKeyRoles:
   whose dSᵀ needs more than Pᵀ and dPᵀ (a soft cap's or score_mod's chain factor, dropout) and
   partial calls take the usual layout (`_dkv`)."""
 
-  def __init__(self, smem, params: Params, shape, slot_of, wg, tile_masks, lse_rows_of):
+  def __init__(self, smem, params: Params, shape, slot_of, wg, tile_masks, lse_rows_of,
+               overlap: bool = False):
     self.smem, self.params, self.shape, self.slot_of = smem, params, shape, slot_of
     self.wg, self.tile_masks, self.lse_rows_of = wg, tile_masks, lse_rows_of
+    self.overlap = overlap
 
   def _inputs(self, slot):
     """Waits for the visit's streamed tiles: (Q, dO)."""
@@ -326,6 +328,56 @@ class _SharedKeyRoles:
     self._done_with(slot)
     return dict(dk=dk)
 
+  def overlapped_dscores(self, n, first_head, g, i, carry, masked):
+    """The dscores role with ``Backward.shared_keys_overlap``: the last visit's dK += dSᵀ Q
+    (``carry["ds16"]``) and this visit's dPᵀ issued back to back, so that the tensor cores hold
+    both while the scores role forms its softmax; then this visit's dSᵀ, kept for the next.
+    Each input tile is released once its product is done: Q one visit late, dO now."""
+    del first_head, g, i, masked  # (Pᵀ comes masked)
+    slot, prev = self.slot_of(n), self.slot_of(jnp.maximum(n - 1, 0))
+    p_slot = lax.rem(n, jnp.asarray(self._p_slots, n.dtype))
+    _, do_tile = self._inputs(slot)
+    release_prev = lambda: plgpu.barrier_arrive(self.smem["q_free"].at[prev])  # noqa: E731
+
+    def dp_only():  # (the first visit: no dK product yet)
+      dp, _ = _wgmma_scores(self._resident("v"), do_tile, None, None, self.shape, lambda x: x)
+      return carry["dk"], dp
+
+    def dk_and_dp():
+      q_prev = self.smem["q"].at[prev]
+      if self.params.interpret:  # (no register operands: a plain dot, then dPᵀ)
+        dk = carry["dk"] + jnp.dot(carry["ds16"], q_prev[...],
+                                   preferred_element_type=jnp.float32)
+        release_prev()
+        return dk, dp_only()[1]
+
+      def issue(refs):
+        plgpu.wgmma(refs[0], carry["ds16"], q_prev)
+        plgpu.wgmma(refs[1], self._resident("v"), do_tile.T)
+        plgpu.wgmma_wait(1)  # (each wgmma is its own commit group: dK's is done)
+        release_prev()
+
+      zeros = plgpu.layout_cast(jnp.zeros(self.shape, jnp.float32), plgpu.Layout.WGMMA)
+      return tuple(pl.run_state(issue)((plgpu.ACC.init(carry["dk"]), plgpu.ACC.init(zeros))))
+
+    dk, dp = lax.cond(n > 0, dk_and_dp, dp_only)
+    delta = _cols(plgpu.load(self.smem["delta"].at[slot], layout=_COLS), self.shape)
+    plgpu.barrier_arrive(self.smem["do_free"].at[slot])  # (dPᵀ done, delta read)
+    plgpu.barrier_wait(self.smem["p_ready"].at[p_slot])
+    p16 = self.smem["p"].at[p_slot][...]
+    plgpu.barrier_arrive(self.smem["p_free"].at[p_slot])
+    ds16 = _dscores(p16.astype(jnp.float32), dp, delta, None, None, self.params, p16.dtype)
+    return dict(dk=dk, ds16=ds16, visits=n + 1)
+
+  def _last_dk(self, sums):
+    """dK after an overlapped walk: its last visit's product, and Q's tile released."""
+    def product():
+      slot = self.slot_of(sums["visits"] - 1)
+      dk = self._accumulate(sums["dk"], sums["ds16"], self.smem["q"].at[slot])
+      plgpu.barrier_arrive(self.smem["q_free"].at[slot])
+      return dk
+    return lax.cond(sums["visits"] > 0, product, lambda: sums["dk"])
+
   def run(self, schedule: Schedule, cta_start, pos, first_head, heads_here, spans_of, hp, hv,
           k_tile, v_tile, place, out):
     """Both roles' walks over the CTA's visits, then dK and dV out (each through the resident
@@ -346,8 +398,13 @@ class _SharedKeyRoles:
 
     @pl.when(self.wg == 1)
     def _dscores():
-      sums = walk(self.dscores, dict(dk=zeros(hp)))
-      self._finish(k_tile, sums["dk"] * self.params.scale, place(out["dk"]))
+      if self.overlap:
+        tile16 = plgpu.layout_cast(jnp.zeros(self.shape, k_tile.dtype), plgpu.Layout.WGMMA)
+        dk = self._last_dk(walk(self.overlapped_dscores,
+                                dict(dk=zeros(hp), ds16=tile16, visits=fwd._i32(0))))
+      else:
+        dk = walk(self.dscores, dict(dk=zeros(hp)))["dk"]
+      self._finish(k_tile, dk * self.params.scale, place(out["dk"]))
 
   def _finish(self, tile, value, target):
     plgpu.barrier_arrive(self.smem["k_done"])  # both walks done: the resident tiles are free
@@ -610,7 +667,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
 
     if shared_keys:
       _SharedKeyRoles(smem, params, shape, slot_of, wg, tile_masks, lse_rows_of=lambda slot: (
-          _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape))).run(
+          _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape)),
+                      overlap=config.shared_keys_overlap).run(
               schedule, cta_start, pos, first_head, heads_here, spans_of, hp, hv, k_tile, v_tile,
               lambda ref: ref.at[part, batch, keys, kv_head] if parts > 1
               else ref.at[batch, keys, kv_head], out)

@@ -139,6 +139,12 @@ class Backward:
   # cap, a score_mod or dropout (whose dSᵀ needs more than Pᵀ and dPᵀ) and partial calls run the
   # usual layout.
   shared_keys: bool = False
+  # With `shared_keys`: whether the role that forms dK issues each visit's dK += dSᵀ Q with the
+  # next visit's dPᵀ, back to back, so that the tensor cores hold both while the other role
+  # forms its softmax (`backward._SharedKeyRoles.overlapped_dscores`). The same for the other
+  # role (dV += Pᵀ dO with the next Sᵀ) made MLA's dK/dV kernel 4-20% slower on an H200 in two
+  # orders (2026-12-02, docs/mosaic_backward.md), so it has no field.
+  shared_keys_overlap: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -631,7 +637,7 @@ BACKWARD_TUNED: dict[int, Backward] = {
 # (`Backward.usual_layout`: 64-row query tiles, dPᵀ after Pᵀ).
 BACKWARD_TUNED_VALUE_DIM: dict[tuple[int, int], Backward] = {
     (192, 128): Backward(split_dkv=False, dkv_block_q=128, registers=240, serial_scores=True,
-                         shared_keys=True),
+                         shared_keys=True, shared_keys_overlap=True),
 }
 
 
