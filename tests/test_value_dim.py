@@ -652,7 +652,7 @@ def test_shared_key_roles(h, hv, tiles, overlap, options, monkeypatch):
   and without `Backward.shared_keys_overlap` (dK's product one visit late, shipped): MLA's
   shipped tiles (128-row query tiles) with a causal band (odd lengths, GQA: 2 query heads a
   K/V head, 130 keys in three 64-key tiles, the last one short); 64-row tiles with a dense
-  mask and lengths (some rows see one key, some tiles none); and MLA's shipped tiles with a
+  mask and lengths (some rows see one key); and MLA's shipped tiles with a
   soft cap, whose dSᵀ needs its chain factor: the usual layout runs instead, on 64-row tiles
   (128 do not fit it)."""
   from jaxflash.backends.mosaic import backward

@@ -259,7 +259,9 @@ class _SharedKeyRoles:
   evenly, and at 192/128 one holds 64 x 128 float32 sums, the other 64 x 192. A CTA covers half
   the keys of the two-consumer layout, so Q and dO come from L2 twice as often per FLOP. Calls
   whose dSᵀ needs more than Pᵀ and dPᵀ (a soft cap's or score_mod's chain factor, dropout) and
-  partial calls take the usual layout (`_dkv`)."""
+  partial calls take the usual layout (`_dkv`). With ``Backward.shared_keys_overlap`` the
+  dscores role issues each visit's dK product with the next visit's dPᵀ
+  (`overlapped_dscores`)."""
 
   def __init__(self, smem, params: Params, shape, slot_of, wg, tile_masks, lse_rows_of,
                overlap: bool = False):
