@@ -283,6 +283,13 @@ class _SharedKeyRoles:
   def _p_slots(self) -> int:
     return self.smem["p"].shape[0]
 
+  def _handed_p(self, p_slot):
+    """The scores role's 16-bit Pᵀ from its slot, which is then free for the next."""
+    plgpu.barrier_wait(self.smem["p_ready"].at[p_slot])
+    p16 = self.smem["p"].at[p_slot][...]
+    plgpu.barrier_arrive(self.smem["p_free"].at[p_slot])
+    return p16
+
   def _resident(self, name):
     """The role's resident tile, through an index that keeps its descriptors in the loop."""
     return self.smem[name].at[_opaque_zero(self.smem["zero"], self.wg)]
@@ -316,14 +323,9 @@ class _SharedKeyRoles:
     p_slot = lax.rem(n, jnp.asarray(self._p_slots, n.dtype))
     q_tile, do_tile = self._inputs(slot)
 
-    def handed_p():  # (while dPᵀ is in flight)
-      plgpu.barrier_wait(self.smem["p_ready"].at[p_slot])
-      p16 = self.smem["p"].at[p_slot][...]
-      plgpu.barrier_arrive(self.smem["p_free"].at[p_slot])
-      return p16
-
     (dp, p16), _ = _wgmma_scores(self._resident("v"), do_tile, None, None, self.shape,
-                                 lambda dp, p16: (dp, p16), early=handed_p)
+                                 lambda dp, p16: (dp, p16),
+                                 early=lambda: self._handed_p(p_slot))  # (dPᵀ in flight)
     delta = _cols(plgpu.load(self.smem["delta"].at[slot], layout=_COLS), self.shape)
     ds16 = _dscores(p16.astype(jnp.float32), dp, delta, None, None, self.params, q_tile.dtype)
     dk = self._accumulate(carry["dk"], ds16, q_tile)
@@ -365,9 +367,7 @@ class _SharedKeyRoles:
     dk, dp = lax.cond(n > 0, dk_and_dp, dp_only)
     delta = _cols(plgpu.load(self.smem["delta"].at[slot], layout=_COLS), self.shape)
     plgpu.barrier_arrive(self.smem["do_free"].at[slot])  # (dPᵀ done, delta read)
-    plgpu.barrier_wait(self.smem["p_ready"].at[p_slot])
-    p16 = self.smem["p"].at[p_slot][...]
-    plgpu.barrier_arrive(self.smem["p_free"].at[p_slot])
+    p16 = self._handed_p(p_slot)
     ds16 = _dscores(p16.astype(jnp.float32), dp, delta, None, None, self.params, p16.dtype)
     return dict(dk=dk, ds16=ds16, visits=n + 1)
 
