@@ -190,17 +190,6 @@ def rotated(span: Span, by) -> Span:
   return Span(span.masked, span.count, lambda m: span.block(lax.rem(m + shift, count)))
 
 
-def own_or_masked(spans: Sequence[Span], lo, hi) -> tuple[Span, ...]:
-  """``spans``, or where they make no visit at all, blocks ``[lo, hi)`` every one masked: for a
-  CTA of a cluster whose K/V ring carries its partner's blocks ``[lo, hi)`` (the Mosaic
-  forward's `Config.kv_multicast`), the consumers of a tile that sees no key (its rows past the
-  query length, or left of every key) walk those instead, each entry masked, so that they
-  take and free every slot in the same turns as a tile with blocks of its own."""
-  none = total(spans) == 0
-  kept = tuple(Span(s.masked, jnp.where(none, 0, s.count), s.block) for s in spans)
-  return kept + (Span(True, jnp.where(none, hi - lo, 0), lambda m: lo + m),)
-
-
 def block_at(spans: Sequence[Span], place):
   """The block of visit ``place`` of a walk over ``spans`` (`walk`'s ``j`` at ``n = place``),
   for loops that go over the visits without the spans (a producer's)."""

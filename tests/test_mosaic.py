@@ -345,13 +345,11 @@ def test_exp2_polynomial_lowers(h, dtype, fields):
     (jnp.float8_e4m3fn, dict(block_kv=256, mma_row_sums=True, persistent_ctas=132))])
 def test_kv_multicast_lowers(dtype, fields):
   """`Config.kv_multicast` lowers for CUDA in clusters of two CTAs (the kernel reads its place
-  in the cluster) without a causal band, and with one on one CTA a tile (a persistent grid
-  runs a causal call unpaired)."""
+  in the cluster) without a causal band, and unpaired with one."""
   q = jax.ShapeDtypeStruct((2, 4096, 4, 128), dtype)
   config = mosaic.Config(kv_multicast=True, **fields)
   assert "cluster_block_id" in _lower(_forward(config), q, q, q)
-  paired_causal = "cluster_block_id" in _lower(_forward(config, is_causal=True), q, q, q)
-  assert paired_causal == ("persistent_ctas" not in fields)  # (both take the overlap)
+  assert "cluster_block_id" not in _lower(_forward(config, is_causal=True), q, q, q)
 
 
 @needs_cuda_plugin
@@ -1580,19 +1578,14 @@ def test_three_consumers(dtype, h, fields):
 @pytest.mark.parametrize("dtype,h,fields", [
     (BF16, 64, dict(block_kv=64)),
     (BF16, 96, dict(block_kv=64, intra_wg_overlap=True, persistent_ctas=3)),
-    (BF16, 80, dict(block_kv=64, intra_wg_overlap=True)),
     (jnp.float8_e4m3fn, 128, dict(block_kv=128, mma_row_sums=True, persistent_ctas=5))])
 def test_kv_multicast(dtype, h, fields):
   """`Config.kv_multicast`: pairs of query tiles as clusters of two CTAs sharing each K/V
   tile's load give the reference's result, one CTA a tile and on persistent grids (an odd CTA
-  count leaves one out), bf16 and FP8, GQA, a second tile past the query length (its ring
-  carries its pair's blocks, which its consumers only free, and it comes out zero), a row
-  with no key; with a causal band on one CTA a tile with the overlap, where a pair's first
-  tile sees one or two key blocks fewer than its second (T > S here, so one pair sees them
-  all); and calls it cannot serve (a causal band on a persistent grid or without the overlap,
-  an odd number of query tiles) run unpaired and right.
-  (A ring that carried different blocks in the two CTAs would hang the interpreter: one
-  CTA's producer waits for releases that the other's consumers never make.)"""
+  count leaves one out), bf16 and FP8, GQA, a second tile past the query length (it walks its
+  pair's blocks and comes out zero), a row with no key; and calls it cannot serve (a band, an
+  odd number of query tiles) run unpaired and right. (A pair that walked different blocks
+  hangs the interpreter: the first tile's consumers wait for the second's releases.)"""
   from jaxflash.backends.mosaic import forward
   b, t, s, n, k = (2, 1000, 333, 4, 2) if ON_GPU else (2, 500, 150, 2, 1)
   keys = jax.random.split(jax.random.key(6), 3)
@@ -1602,9 +1595,7 @@ def test_kv_multicast(dtype, h, fields):
   # Row 0's last pair has its second tile past the query length; row 1 sees no key.
   lengths = dict(query_seq_lengths=jnp.array([t - 150, 100]),
                  key_value_seq_lengths=jnp.array([s - 3, 0]))
-  pairs_causal = "persistent_ctas" not in fields and fields.get("intra_wg_overlap", False)
-  for causal, length, paired in ((False, t, True), (True, t, pairs_causal),
-                                 (False, t - 130, False)):
+  for causal, length, paired in ((False, t, True), (True, t, False), (False, t - 130, False)):
     x = q[:, :length]
     lens = dict(lengths, query_seq_lengths=jnp.minimum(lengths["query_seq_lengths"], length))
     tiles = -(-length // config.rows_per_cta)

@@ -86,8 +86,8 @@ VARIANTS = {
     "c3_kv64_stages3": dict(consumers=3, registers=160, block_kv=64, num_stages=3),
     "c3_kv64_overlap": dict(consumers=3, registers=160, block_kv=64, intra_wg_overlap=True),
     # Pairs of query tiles as clusters of two CTAs sharing each K/V tile's load by TMA multicast
-    # (`Config.kv_multicast`; with a causal band on one CTA a tile only): `TUNED`'s tiles at
-    # D = 128 (persistent without a band), D = 256 and MLA's 192/128, each with it.
+    # (`Config.kv_multicast`; no band only): `TUNED`'s tiles at D = 128 (persistent), D = 256
+    # and MLA's 192/128 without a band, each with it.
     "kv128_overlap_persistent_mc": dict(block_kv=128, intra_wg_overlap=True,
                                         persistent_ctas=132, kv_multicast=True),
     "kv128_overlap_mc": dict(block_kv=128, intra_wg_overlap=True, kv_multicast=True),

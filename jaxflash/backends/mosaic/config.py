@@ -301,17 +301,14 @@ class Config:
   # does: the next item's Q then loads once O's stores have read the tile instead of during
   # them, and O needs no tiles of its own (32 KiB at MLA's 192/128 on 128-key tiles).
   o_through_q: bool = False
-  # Without a left band side and without a block table: each pair of query tiles of one
-  # (batch row, head) runs as a cluster of two CTAs, and every K/V tile comes from L2 once for
-  # both, TMA writing it into both CTAs' shared memory (multicast; each CTA loads half of it),
-  # so L2 serves half the bytes. FlashAttention-3 pairs its non-causal 16-bit CTAs this way at
-  # head dims from 128. A slot is refilled once the consumers of both CTAs have freed it. Along
-  # a causal band the pair's first tile sees a block or two fewer than its second: both rings
-  # carry the second's, and the first's consumers free the extra slots unread (one CTA a tile
-  # with `intra_wg_overlap` only: persistent clusters take pairs in order, even only where
-  # pairs cost the same, and without the overlap those slots would wait on the ping-pong
-  # turns). Calls it cannot serve (a left band side, a table, an odd number of query tiles, a
-  # causal band without those) run unpaired; an odd persistent CTA count leaves one CTA out.
+  # Without a causal band or window (both tiles of a pair then walk the same key blocks) and
+  # without a block table: each pair of query tiles of one (batch row, head) runs as a cluster of
+  # two CTAs, and every K/V tile comes from L2 once for both, TMA writing it into both CTAs'
+  # shared memory (multicast; each CTA loads half of it), so L2 serves half the bytes.
+  # FlashAttention-3 pairs its non-causal 16-bit CTAs this way at head dims from 128. A slot is
+  # refilled once the consumers of both CTAs have freed it. Calls it cannot serve (a band, a
+  # table, an odd number of query tiles) run unpaired; an odd persistent CTA count leaves one
+  # CTA out.
   kv_multicast: bool = False
   # FlashAttention-3's intra-warpgroup overlap: step j issues block j's Q Kᵀ with block j-1's
   # P V and runs block j's softmax while that P V is in flight. It holds two P tiles and S in

@@ -15,14 +15,11 @@ causal work) with its K/V ring, turns and Q/O tiles carried from one tile to the
   ``num_stages`` slots and refills a slot once every consumer has arrived on its "free"
   barrier.
 
-With ``Config.kv_multicast`` (no left band side, no block table, an even number of query tiles;
-with a causal band one CTA a tile) the CTAs run in clusters of two, one pair of query tiles of
-a (batch row, head) each: both CTAs' K/V rings carry the union of the pair's key blocks, each
-producer copies half of every K/V tile into both CTAs' slots (TMA multicast), and a slot's
-"free" barrier is a cluster barrier that both CTAs' consumers arrive on, so L2 serves each K/V
-byte once per pair (`paired_ctas`). Each consumer walks its own tile's blocks, which come first
-in the union; the tile that sees fewer (the first of a pair along a causal band) only frees
-the slots of the rest.
+With ``Config.kv_multicast`` (no causal band or window, no block table, an even number of query
+tiles) the CTAs run in clusters of two, one pair of query tiles of a (batch row, head) each:
+both walk the pair's first tile's key blocks, each producer copies half of every K/V tile into
+both CTAs' slots (TMA multicast), and a slot's "free" barrier is a cluster barrier that both
+CTAs' consumers arrive on, so L2 serves each K/V byte once per pair (`paired_ctas`).
 
 Intra-warpgroup overlap (``Config.intra_wg_overlap``, FlashAttention-3's): step j issues Q K_jᵀ
 and P_{j-1} V_{j-1} in one turn, waits for S alone, and runs block j's softmax while that P V is
@@ -86,8 +83,7 @@ from jaxflash import masking
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.mosaic.config import Config, o_view, padded_head_dim
 from jaxflash.masking import Positions
-from jaxflash.schedule import (BlockLists, Schedule, Span, block_lists, own_or_masked, total,
-                               walk)
+from jaxflash.schedule import BlockLists, Schedule, Span, block_lists, total, walk
 
 _ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma accumulator
 _COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
@@ -555,13 +551,11 @@ def _items(grid: _Grid, heavy_first: bool, order_ref=None, paired: bool = False)
   ``paired`` (a band, no table, persistent CTAs): `_paired_items`. In clusters of two CTAs
   (`_Grid.paired_ctas`) a cluster takes a pair of tiles, one a CTA (`_cluster_items`).
   """
-  if grid.paired_ctas:  # (no table; with a band, one CTA a tile)
+  if grid.paired_ctas:  # (no band, no table: every tile of a head costs the same)
     rank = lax.axis_index("cluster")
     if grid.ctas is None:
-      tile = 2 * lax.axis_index("q_tiles") + rank
-      if heavy_first:  # pairs 2p, 2p + 1 still (an even ``q_tiles``), the heaviest first
-        tile = grid.q_tiles - 1 - tile
-      coords = lax.axis_index("batch"), lax.axis_index("heads"), tile
+      coords = (lax.axis_index("batch"), lax.axis_index("heads"),
+                2 * lax.axis_index("q_tiles") + rank)
       return 1, lambda i: coords
     return _cluster_items(grid, lax.axis_index("ctas"), rank)
   if grid.ctas is None:
@@ -696,33 +690,22 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
   def where(i):
     """Item ``i``'s batch row, head, first row, positions, its key blocks as `Span`s (every
-    consumer walks exactly these), and the blocks its K/V ring carries, as the producer loads
-    them: the spans' own (a block table's lists), or a range ``(lo, hi)`` of key blocks. In a
-    cluster (`_Grid.paired_ctas`) the range is the union of both tiles' ranges, which both
-    CTAs' producers load into both CTAs: without a left band side every range starts at the
-    same block, so each tile's own blocks come first in it, and the consumers of the tile that
-    sees fewer keys along a causal band (a block or two fewer) only take and free the slots of
-    the rest (`skip_visits`). A tile that sees no key (past the query length) walks the union
-    with every entry masked (`schedule.own_or_masked`)."""
+    consumer walks exactly these, and the producer loads them in the same order), and the
+    first row that they are the blocks of: in a cluster (`_Grid.paired_ctas`) the pair's
+    first tile's, so that both CTAs walk the same blocks even where the second tile lies past
+    the query length (its rows then come out as zeros)."""
     batch, head, tile = item(i)
     cta_start = tile * rows_per_cta
     offsets = () if offsets_ref is None else (offsets_ref[batch, 0], offsets_ref[batch, 1])
     pos = Positions(lengths_ref[batch, 0], lengths_ref[batch, 1], *offsets)
+    blocks_of = cta_start
+    if grid.paired_ctas:
+      blocks_of = (tile - lax.axis_index("cluster")) * rows_per_cta
     if extras.lists is not None:
       spans = BlockLists(extras.lists).spans(batch, head, tile)
-      return batch, head, cta_start, pos, spans, spans
-    spans = schedule.kv_spans(cta_start, pos)
-    lo, _, _, hi = schedule.kv_blocks(cta_start, pos)
-    if grid.paired_ctas:
-      partner = tile + 1 - 2 * lax.rem(tile, _i32(2))  # tiles 2p and 2p + 1 make a pair
-      partner_lo, _, _, partner_hi = schedule.kv_blocks(partner * rows_per_cta, pos)
-      lo, hi = jnp.minimum(lo, partner_lo), jnp.maximum(hi, partner_hi)
-      spans = own_or_masked(spans, lo, jnp.maximum(hi, lo))
-    return batch, head, cta_start, pos, spans, (lo, jnp.maximum(hi, lo))
-
-  def ring_visits(ring):
-    """How many blocks an item's ring carries (`where`)."""
-    return total(ring) if isinstance(ring[0], Span) else ring[1] - ring[0]
+    else:
+      spans = schedule.kv_spans(blocks_of, pos)
+    return batch, head, cta_start, pos, spans, blocks_of
 
   # The K/V ring runs on across items: the n-th block the CTA visits (n counts from 0 over all
   # its items) sits in slot n % stages. Items carry the count of blocks before them.
@@ -734,21 +717,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       plgpu.barrier_arrive(turns.at[lax.rem(wg + 1, consumers)])
     else:
       _named_barrier("bar.arrive", other=True, consumers=consumers)
-
-  def skip_visits(visits, carried, slot_at):
-    """A consumer's visits ``visits ... carried - 1`` of an item, the blocks its ring carries
-    for the other tile of its cluster only (`where`): each slot is waited for (the barriers'
-    phases stay in step) and freed, unread. (Only with the intra-warpgroup overlap, whose
-    turns all end within a consumer's own visits: without it a consumer's last P V waits for
-    the turn that the other consumer passes after its walk, and so after these waits, which
-    wait for that P V's release two slots on.)"""
-
-    @pl.loop(visits, jnp.maximum(carried, visits))
-    def _(n):
-      slot = slot_at(n)
-      for ready, free in ((k_ready, k_free), (v_ready, v_free)):
-        plgpu.barrier_wait(ready.at[slot])
-        plgpu.barrier_arrive(free.at[slot])
 
   def await_turn():  # until the consumer before has issued its matmuls
     if params.interpret:
@@ -801,7 +769,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       pl.when(wg >= 1)(await_turn)
 
     def run_item(i, first_block):
-      batch, head, cta_start, pos, spans, ring = where(i)
+      batch, head, cta_start, pos, spans, _ = where(i)
       visits = total(spans)
       q_start = cta_start + wg * block_q
 
@@ -1171,9 +1139,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           if not params.interpret:
             _emit(mgpu.utils.warpgroup_barrier)
           load_q(i + 1)
-      if grid.paired_ctas:
-        skip_visits(visits, ring_visits(ring), slot_at)
-      return first_block + ring_visits(ring)
+      return first_block + visits
 
     _for_items(count, run_item)
     if config.intra_wg_overlap:
@@ -1192,12 +1158,10 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
     multicast = "cluster" if grid.paired_ctas else None
 
     def run_item(i, first_block):
-      batch, head, _, _, _, ring = where(i)
+      batch, head, _, pos, spans, blocks_of = where(i)
       kv_head = lax.div(head, jnp.asarray(groups, head.dtype))
-      if isinstance(ring[0], Span):
-        spans = ring
-      else:  # one flat loop over the consumers' runs of blocks
-        lo, hi = ring
+      if extras.lists is None:  # one flat loop over the consumers' runs of blocks
+        lo, _, _, hi = schedule.kv_blocks(blocks_of, pos)
         spans = (Span(False, hi - lo, lambda m: lo + m),)
 
       def load(ref, smem, ready, j, slot):
@@ -1382,16 +1346,12 @@ def with_order(extras: _Extras, inputs: Inputs, groups: int = 1) -> _Extras:
 
 def paired_ctas(config: Config, params: Params, extras: _Extras, q_tiles: int) -> bool:
   """Whether the forward runs in clusters of two CTAs that share K/V loads
-  (`Config.kv_multicast`): only where both tiles' key blocks start at the same block (no left
-  band side) and come from no block table, with an even number of query tiles and, on a
-  persistent grid, room for a pair (an odd CTA count leaves one CTA out). With a causal band
-  only one CTA a tile (persistent clusters take the pairs in order, which shares the work out
-  evenly only where every pair costs the same) and with the intra-warpgroup overlap (the
-  slots a tile only frees, `skip_visits`, would wait on the turns of the other consumer)."""
-  if not config.kv_multicast or extras.lists is not None or params.window.left is not None:
+  (`Config.kv_multicast`): only where both tiles of a pair walk the same key blocks (no band
+  side, no block table), with an even number of query tiles and, on a persistent grid, room
+  for a pair (an odd CTA count leaves one CTA out)."""
+  if not config.kv_multicast or extras.lists is not None:
     return False
-  if params.window.right is not None and (config.persistent_ctas is not None
-                                          or not config.intra_wg_overlap):
+  if params.window.left is not None or params.window.right is not None:
     return False
   return q_tiles % 2 == 0 and (config.persistent_ctas is None or config.persistent_ctas >= 2)
 
