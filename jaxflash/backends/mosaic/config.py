@@ -521,7 +521,11 @@ def fits(config: Config, head_dim: int, partial: bool = False,
 #   602/620, MHA B = 4 4k 590/613 against 608/607, B = 16 1k 570/577 against 572/571; MLA's
 #   192/128 8k 636/636 against 650/647. Level, so not taken: D = 256 4k (625 against 626-629),
 #   D = 64 (three consumers 16k 497/495 against 498/496, 256-key tiles 1k 404/403 against
-#   406/405) and FP8 (D = 128 949 against 949, D = 256 1145 against 1145).
+#   406/405) and FP8 (D = 128 949 against 949, D = 256 1145 against 1145). Along a causal band
+#   (pairs whose rings carry the union of both tiles' blocks; dd0b2a9, reverted; H200,
+#   2026-12-02) it ran slower: MLA's 192/128 8k 606 against 621, D = 128 B = 4 4k 570-576
+#   against 605-610, GQA 64/8 8k 577-584 against 592-608, level at D = 128 16k and D = 256
+#   (docs/mosaic.md), so it stays off with a band.
 TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(block_kv=256, persistent_ctas=True),
     (64, True): dict(persistent_ctas=True, q_buffers=2, paired_tiles=True),
