@@ -238,7 +238,8 @@ def test_configs_are_checked():
       (lambda: mosaic.Config(registers=248), "registers"),  # (the producer needs its 24)
       (lambda: mosaic.Backward(dkv_block_q=96), "dkv_block_q"),
       (lambda: mosaic.Backward(dv_stages=0), "dv_stages"),
-      (lambda: mosaic.Backward(registers=236), "registers")]:
+      (lambda: mosaic.Backward(registers=236), "registers"),
+      (lambda: mosaic.Backward(shared_keys_overlap=True), "shared_keys_overlap")]:
     with pytest.raises(ValueError, match=field):
       make()
   budget = mosaic.config.SMEM_BUDGET

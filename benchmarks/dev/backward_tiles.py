@@ -74,13 +74,11 @@ VARIANTS = {
     "shared_keys": dict(shared_keys=True),
     "shared_keys_stages3": dict(shared_keys=True, dkv_stages=3),
     "shared_keys_q128": dict(shared_keys=True, dkv_block_q=128),
-    # ... with and without dK's product issued with the next visit's dPᵀ
-    # (`Backward.shared_keys_overlap`, shipped for 192/128 since 2026-12-02).
-    "overlap": dict(shared_keys=True, shared_keys_overlap=True),
+    # ... without dK's product issued with the next visit's dPᵀ (`Backward.shared_keys_overlap`,
+    # shipped for 192/128 since 2026-12-02).
     "no_overlap": dict(shared_keys=True, shared_keys_overlap=False),
-    "overlap_q64": dict(shared_keys=True, shared_keys_overlap=True, dkv_block_q=64),
     # MLA's 192/128 tiles of 2026-11-28: the usual layout, 64-row query tiles, dPᵀ after Pᵀ.
-    "usual_q64": dict(shared_keys=False, dkv_block_q=64),
+    "usual_q64": dict(shared_keys=False, shared_keys_overlap=False, dkv_block_q=64),
     "triton": None,
 }
 

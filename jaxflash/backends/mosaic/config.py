@@ -139,9 +139,9 @@ class Backward:
   # cap, a score_mod or dropout (whose dSᵀ needs more than Pᵀ and dPᵀ) and partial calls run the
   # usual layout.
   shared_keys: bool = False
-  # With `shared_keys`: whether the role that forms dK issues each visit's dK += dSᵀ Q with the
-  # next visit's dPᵀ, back to back, so that the tensor cores hold both while the other role
-  # forms its softmax (`backward._SharedKeyRoles.overlapped_dscores`). The same for the other
+  # With `shared_keys` (a ValueError without it): whether the role that forms dK issues each
+  # visit's dK += dSᵀ Q with the next visit's dPᵀ, back to back, so that the tensor cores hold
+  # both while the other role forms its softmax (`backward._SharedKeyRoles.overlapped_dscores`). The same for the other
   # role (dV += Pᵀ dO with the next Sᵀ) made MLA's dK/dV kernel 3-20% slower on an H200 in two
   # orders (2026-12-02, docs/mosaic_backward.md), so it has no field.
   shared_keys_overlap: bool = False
@@ -159,6 +159,8 @@ class Backward:
       value = getattr(self, name)
       if value is not None and value not in REGISTER_COUNTS:
         raise ValueError(f"{name} must be 232 or 240, got {value}")
+    if self.shared_keys_overlap and not self.shared_keys:  # (it is a form of the two roles)
+      raise ValueError("shared_keys_overlap needs shared_keys=True")
     parts = {"group_parts": self.group_parts}
     if self.atomic_group_parts is not None:  # (None: the atomic pass takes ``group_parts``)
       parts["atomic_group_parts"] = self.atomic_group_parts
@@ -183,7 +185,7 @@ class Backward:
     """These tiles without `shared_keys`, for the calls its roles cannot serve: on 64-row query
     tiles where theirs do not fit the usual layout's shared memory at padded head dims ``hp``
     and ``hv``."""
-    usual = dataclasses.replace(self, shared_keys=False)
+    usual = dataclasses.replace(self, shared_keys=False, shared_keys_overlap=False)
     if backward_smem_bytes(usual, hp, partial, value_dim=hv) > SMEM_BUDGET:
       usual = dataclasses.replace(usual, dkv_block_q=64)
     return usual
