@@ -141,9 +141,9 @@ class Backward:
   shared_keys: bool = False
   # With `shared_keys` (a ValueError without it): whether the role that forms dK issues each
   # visit's dK += dSᵀ Q with the next visit's dPᵀ, back to back, so that the tensor cores hold
-  # both while the other role forms its softmax (`backward._SharedKeyRoles.overlapped_dscores`). The same for the other
-  # role (dV += Pᵀ dO with the next Sᵀ) made MLA's dK/dV kernel 3-20% slower on an H200 in two
-  # orders (2026-12-02, docs/mosaic_backward.md), so it has no field.
+  # both while the other role forms its softmax (`backward._SharedKeyRoles.overlapped_dscores`).
+  # The same for the other role (dV += Pᵀ dO with the next Sᵀ) made MLA's dK/dV kernel 3-20%
+  # slower on an H200 in two orders (2026-12-02, docs/mosaic_backward.md), so it has no field.
   shared_keys_overlap: bool = False
 
   def __post_init__(self):
