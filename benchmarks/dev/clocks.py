@@ -7,6 +7,12 @@ without differing in cycles: this runs each named FP8 config (``benchmarks/fp8.p
 call, TFLOP/s, the median clock and power, and TFLOP/s per GHz (which compares the cycles).
 
     python3 benchmarks/dev/clocks.py --configs tuned kv256_sums --rounds 2
+
+``--impls`` runs bf16 calls of `benchmarks/cases.py`'s implementations instead (``--mode
+fwdbwd``: a training step's forward and backward; ``--kv-heads`` for GQA), so that jaxflash and
+cuDNN can be compared in clock and power at the same shape:
+
+    python3 benchmarks/dev/clocks.py --impls jaxflash_mosaic_atomic cudnn --mode fwdbwd --rounds 2
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 import fp8  # noqa: E402  (benchmarks/fp8.py)
-from cases import flops  # noqa: E402
+from cases import attention_fn, flops, grad_fn  # noqa: E402
 from jaxflash.backends import mosaic  # noqa: E402
 
 
@@ -57,17 +63,34 @@ def main() -> None:
   parser.add_argument("--s", type=int, default=16384)
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--impls", nargs="+", help="bf16 calls of these implementations instead")
+  parser.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
+  parser.add_argument("--b", type=int, default=1)
+  parser.add_argument("--kv-heads", type=int, help="K/V heads (GQA); default: --heads")
   parser.add_argument("--seconds", type=float, default=4.0)
   parser.add_argument("--rounds", type=int, default=1, help="configs in turn, this many times")
   parser.add_argument("--out", type=Path, default=None)
   args = parser.parse_args()
-  shape = fp8.Shape(1, args.s, args.heads, args.d, args.causal)
-  work = flops(shape.b, shape.n, shape.s, shape.d, shape.causal, "fwd")
   calls = {}
-  for name in args.configs:
-    config = None if name == "tuned" else mosaic.Config(**fp8.CONFIGS[name])
-    fn, inputs = fp8.speed_fn("jaxflash_fp8", shape, "mosaic", config)
-    calls[name] = (jax.jit(fn), inputs)
+  if args.impls:
+    work = flops(args.b, args.heads, args.s, args.d, args.causal, args.mode)
+    keys = jax.random.split(jax.random.key(0), 4)
+    heads = (args.heads, args.kv_heads or args.heads, args.kv_heads or args.heads, args.heads)
+    inputs = [jax.random.normal(key, (args.b, args.s, n, args.d), jax.numpy.bfloat16)
+              for key, n in zip(keys, heads)]
+    for name in args.impls:
+      fn = attention_fn(name, args.causal)
+      if args.mode == "fwdbwd":
+        calls[name] = (jax.jit(grad_fn(fn)), inputs)
+      else:
+        calls[name] = (jax.jit(fn), inputs[:3])
+  else:
+    shape = fp8.Shape(1, args.s, args.heads, args.d, args.causal)
+    work = flops(shape.b, shape.n, shape.s, shape.d, shape.causal, "fwd")
+    for name in args.configs:
+      config = None if name == "tuned" else mosaic.Config(**fp8.CONFIGS[name])
+      fn, inputs = fp8.speed_fn("jaxflash_fp8", shape, "mosaic", config)
+      calls[name] = (jax.jit(fn), inputs)
   rows = []
   for round_ in range(args.rounds):
     for name, (fn, inputs) in calls.items():
