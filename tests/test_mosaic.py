@@ -1612,41 +1612,6 @@ def test_kv_multicast(dtype, h, fields):
     np.testing.assert_array_equal(got[1], 0.0)  # the row with no key
 
 
-@pytest.mark.parametrize("atomic", [False, True])
-def test_dkv_multicast(atomic):
-  """`Backward.multicast`: pairs of key tiles as clusters of two CTAs sharing each Q and dO
-  tile's load give the reference's gradients, with and without a causal band, GQA, key
-  lengths that leave a pair's second tile straddling the length (no block of the pair
-  unmasked) or past it, and one whose pair is past it, a row with no key. On the GPU the
-  atomic one pass with its stagger too (the interpreter runs it unpaired: `backward._dkv`)."""
-  if atomic and not ON_GPU:
-    pytest.skip("the interpreter runs the atomic pass unpaired (its dQ adds would race)")
-  b, t, s, n, k, h = (2, 333, 1000, 4, 2, 128) if ON_GPU else (2, 150, 500, 2, 1, 64)
-  q, kk, v, _ = random_qkv(8, b, t, s, n, k, h, BF16)
-  do = jax.random.normal(jax.random.key(9), (b, t, n, h), jnp.float32)
-  lengths = dict(query_seq_lengths=jnp.array([t, 100]),
-                 key_value_seq_lengths=jnp.array([s - 100, 200]))
-  fields = dict(multicast=True, dkv_block_q=128 if h == 64 else 64)
-  if atomic:
-    fields.update(atomic=True, stagger=True)
-  config = mosaic.Config(block_kv=64, backward=mosaic.Backward(**fields))
-
-  def grads(implementation, causal, config=None):
-    def loss(q, kk, v):
-      out = attention_with_config(q, kk, v, implementation=implementation, config=config,
-                                  is_causal=causal, deterministic=not atomic,
-                                  interpret=implementation == "mosaic" and not ON_GPU,
-                                  **lengths)
-      return jnp.sum(out.astype(jnp.float32) * do)
-    return jax.grad(loss, (0, 1, 2))(q, kk, v)
-
-  for causal in (False, True):
-    got, want = grads("mosaic", causal, config), grads("xla", causal)
-    for name, x, y in zip(("dq", "dk", "dv"), got, want):
-      assert rel_err(x, y) < 2e-2, (causal, name, rel_err(x, y))
-    np.testing.assert_array_equal(np.asarray(got[0][1, 100:]), 0.0)  # rows past the length
-
-
 @needs_four_threads
 @pytest.mark.parametrize("option", ["everything", "everything_but_dense"])
 def test_three_consumers_with_every_option(option):

@@ -676,38 +676,6 @@ def test_shared_key_roles(h, hv, tiles, overlap, options, monkeypatch):
   assert bool(runs) == roles
 
 
-def _count_pairs(monkeypatch) -> list:
-  """A list that gains an entry each time a dK/dV kernel's CTAs are built as pairs of key tiles
-  (`Backward.multicast`)."""
-  from jaxflash.backends.mosaic import backward
-  pairs = []
-  pair_spans = backward._pair_spans
-  monkeypatch.setattr(backward, "_pair_spans",
-                      lambda *a, **kw: (pairs.append(1), pair_spans(*a, **kw))[1])
-  return pairs
-
-
-@pytest.mark.parametrize("h,hv,tiles,options", [
-    (192, 128, "shipped", dict(is_causal=True)),
-    (64, 32, "q64", random_lengths(2, 77, 200, 4, seed=3))])
-def test_shared_key_roles_in_pairs(h, hv, tiles, options, monkeypatch):
-  """`Backward.multicast` on the shared-key roles in Mosaic GPU's interpreter: pairs of 64-key
-  tiles as clusters of two CTAs that share each Q and dO tile's load and walk the union of
-  their query blocks, against the float32 reference. 200 keys make four key tiles, the last
-  one short. MLA's shipped tiles (128-row query tiles, the overlap) along a causal band whose
-  diagonal (123 = 200 - 77) is not a multiple of the query blocks, so the pair's tiles see
-  different blocks and one of them walks a block it does not see, masked; 64-row tiles with
-  random lengths (some rows see one key, a pair's second tile may lie past the key length)."""
-  runs, pairs = _count_role_runs(monkeypatch), _count_pairs(monkeypatch)
-  causal = options.get("is_causal", False)
-  config = (mosaic.default_config(h, jnp.bfloat16, causal, 77, "NVIDIA H200", value_dim=hv)
-            if tiles == "shipped" else _with_backward(h, hv, causal, SHARED_KEYS, t=77))
-  config = dataclasses.replace(config, backward=dataclasses.replace(config.backward,
-                                                                    multicast=True))
-  _check("mosaic", h=h, hv=hv, s=200, dtype=jnp.bfloat16, small=config, **options)
-  assert runs and pairs
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("h,hv,n,k,is_causal,block_q", [
@@ -724,23 +692,6 @@ def test_shared_key_roles_on_gpu(h, hv, n, k, is_causal, block_q, overlap, monke
   _check("mosaic", h=h, hv=hv, b=2, t=1000, s=1100, n=n, k=k, dtype=jnp.bfloat16,
          small=_with_backward(h, hv, is_causal, backward), is_causal=is_causal)
   assert runs
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("h,hv,n,k,is_causal,block_q", [
-    (192, 128, 4, 2, True, 128), (192, 128, 4, 4, False, 128), (128, 128, 4, 1, True, 64)])
-def test_shared_key_roles_in_pairs_on_gpu(h, hv, n, k, is_causal, block_q, monkeypatch):
-  """`Backward.multicast` on the shared-key roles compiled (clusters of two CTAs, Q and dO by
-  TMA multicast), against the float32 reference: MLA's 192/128 on its shipped 128-row query
-  tiles with and without a causal band, and MQA at D = 128 on 64-row ones; 1000 query rows
-  and 1100 keys (18 key tiles, the last one short; the band's diagonal is not a multiple of a
-  query block, so the pairs walk blocks one of their tiles does not see)."""
-  runs, pairs = _count_role_runs(monkeypatch), _count_pairs(monkeypatch)
-  backward = dataclasses.replace(SHARED_KEYS, split_dkv=None if hv == h else False,
-                                 dkv_block_q=block_q, shared_keys_overlap=True, multicast=True)
-  _check("mosaic", h=h, hv=hv, b=2, t=1000, s=1100, n=n, k=k, dtype=jnp.bfloat16,
-         small=_with_backward(h, hv, is_causal, backward), is_causal=is_causal)
-  assert runs and pairs
 
 
 @pytest.mark.usefixtures("cuda_plugin")

@@ -77,10 +77,6 @@ VARIANTS = {
     # ... without dK's product issued with the next visit's dPᵀ (`Backward.shared_keys_overlap`,
     # shipped for 192/128 since 2026-12-02).
     "no_overlap": dict(shared_keys=True, shared_keys_overlap=False),
-    # Pairs of key tiles as clusters of two CTAs sharing each Q and dO load by TMA multicast
-    # (`Backward.multicast`): the roles' 64-key CTAs stream twice the bytes per FLOP that the
-    # usual layout's 128-key ones do.
-    "multicast": dict(multicast=True),
     # MLA's 192/128 tiles of 2026-11-28: the usual layout, 64-row query tiles, dPᵀ after Pᵀ.
     "usual_q64": dict(shared_keys=False, shared_keys_overlap=False, dkv_block_q=64),
     "triton": None,

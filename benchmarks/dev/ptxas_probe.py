@@ -232,10 +232,6 @@ CONFIGS = {
     "bwd_mla_shared_keys_overlap": Probe(192, True, dict(block_kv=64, backward=dict(
         split_dkv=False, dkv_block_q=128, registers=240, serial_scores=True, shared_keys=True,
         shared_keys_overlap=True)), 128),
-    # ... with pairs of key tiles as clusters sharing Q and dO loads (`Backward.multicast`).
-    "bwd_mla_shared_keys_overlap_mc": Probe(192, True, dict(block_kv=64, backward=dict(
-        split_dkv=False, dkv_block_q=128, registers=240, serial_scores=True, shared_keys=True,
-        shared_keys_overlap=True, multicast=True)), 128),
 }
 
 # A compile-only H100 for deviceless compilation: XLA's GPU target config (the device's

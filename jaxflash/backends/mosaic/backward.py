@@ -75,7 +75,7 @@ from jaxflash.backends.mosaic.config import (SMEM_BUDGET, Backward, Config,
                                              padded_head_dim, shared_key_p_slots)
 from jaxflash.backends.triton import backward as triton_backward
 from jaxflash.masking import Positions
-from jaxflash.schedule import BlockLists, Schedule, Span, block_at, rotated, total, walk
+from jaxflash.schedule import BlockLists, Schedule, Span, block_at, total, walk
 
 _CONSUMERS = 2  # (the backward's kernels run two consumer warpgroups; the forward may run three)
 _ROWS, _COLS = fwd._ROWS, fwd._COLS
@@ -421,7 +421,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
                 first_ref, extras: fwd._Extras, dq_sum_ref, out: dict, smem: dict, *,
                 params: Params, config: Backward, schedule: Schedule, groups: int,
                 grads: tuple[str, ...], sem_shape: tuple[int, ...] | None, parts: int = 1,
-                shared_keys: bool = False, paired: bool = False):
+                shared_keys: bool = False):
   """``grads`` names what this pass accumulates: ``("dk", "dv")``, one of them (head dims above
   128, where one accumulator of 64 x D float32 is all a warpgroup's registers hold next to the
   scores; a dV-only pass needs neither V nor delta, and skips dPᵀ), or ``("dk", "dv", "dq")``,
@@ -458,10 +458,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   kv_head, part = cta_head, 0  # (one part: the kernel as without `Backward.group_parts`)
   if parts > 1:
     kv_head, part = lax.div(cta_head, fwd._i32(parts)), lax.rem(cta_head, fwd._i32(parts))
-  rank = 0
-  if paired:  # (`Backward.multicast`: a cluster's two CTAs take one pair of key tiles)
-    rank = lax.axis_index("cluster")
-    k_tile_index = 2 * lax.axis_index("k_tiles") + rank
   heads_here = groups // parts  # the query heads this CTA visits, from first_head on
   first_head = kv_head * groups + part * heads_here
   cta_start = k_tile_index * keys_per_cta
@@ -481,10 +477,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   # (`Backward.stagger`: unordered adds, and without a band every key tile would start on query
   # block 0 at once.)
   stagger = k_tile_index if atomic and config.stagger and spans_of is None else None
-  if paired:  # both CTAs of the cluster walk the pair's blocks, staggered by its first tile
-    pair = _pair_spans(schedule, (k_tile_index - rank) * keys_per_cta, keys_per_cta, pos,
-                       None if stagger is None else k_tile_index - rank)
-    spans_of, stagger = (lambda g: pair), None
 
   def slot_of(n):  # the ring slot of the n-th visit (over all heads of the group)
     return lax.rem(n, jnp.asarray(stages, n.dtype))
@@ -733,9 +725,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   @pl.when(wg == _CONSUMERS)
   def _producer():
     plgpu.set_max_registers(config.producer_registers, action="decrease")
-    # In a cluster each CTA copies half of every Q and dO tile into both CTAs' slots (the LSE
-    # and delta rows, 256 bytes each, every CTA loads itself).
-    multicast = "cluster" if paired else None
 
     def load(n, g, i, carry, masked=None):
       del masked
@@ -745,12 +734,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
       refill = n >= stages  # the first pass round the ring finds it free
       pl.when(refill)(lambda: plgpu.barrier_wait(q_free.at[slot]))
       plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot],
-                              smem["q_ready"].at[slot], collective_axes=multicast)
+                              smem["q_ready"].at[slot])
       plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[slot],
                               smem["lse_ready"].at[slot])
       pl.when(refill)(lambda: plgpu.barrier_wait(do_free.at[slot]))
       plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[slot],
-                              smem["do_ready"].at[slot], collective_axes=multicast)
+                              smem["do_ready"].at[slot])
       if want_dk:
         plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], smem["delta"].at[slot],
                                 smem["delta_ready"].at[slot])
@@ -781,33 +770,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         load(n, g, block, None)
 
     fwd.observe_last_releases(visits, stages, q_free, do_free)
-
-
-def _pair_spans(schedule: Schedule, first_start, keys_per_cta: int, pos: Positions,
-                stagger=None) -> tuple[Span, ...]:
-  """The query blocks that both key tiles of a pair starting at key ``first_start`` walk
-  (`Backward.multicast`): the union of the two tiles' visits (`Schedule.q_block_ranges`; a
-  tile that visits nothing, past the key length, adds none), unmasked only where both tiles'
-  are, the full run rotated by ``stagger`` (`Schedule.q_spans_from`). A block that one tile
-  does not see is walked masked there and adds nothing to its sums. Along a causal band whose
-  query blocks are as wide as the pair's keys, both tiles see the same blocks (MLA's 64-key
-  tiles on 128-row blocks), so the union costs no extra visit."""
-  first = schedule.q_block_ranges(first_start, pos)
-  second = schedule.q_block_ranges(first_start + keys_per_cta, pos)
-  (lo_a, full_lo_a, full_hi_a, hi_a), (lo_b, full_lo_b, full_hi_b, hi_b) = first, second
-  empty_a, empty_b = hi_a <= lo_a, hi_b <= lo_b
-  lo = jnp.where(empty_a, lo_b, jnp.where(empty_b, lo_a, jnp.minimum(lo_a, lo_b)))
-  hi = jnp.where(empty_a, hi_b, jnp.where(empty_b, hi_a, jnp.maximum(hi_a, hi_b)))
-  hi = jnp.maximum(hi, lo)
-  # (Where either tile visits nothing, nothing is unmasked for both.)
-  full_lo = jnp.clip(jnp.maximum(full_lo_a, full_lo_b), lo, hi)
-  full_hi = jnp.clip(jnp.minimum(full_hi_a, full_hi_b), full_lo, hi)
-  full_hi = jnp.where(jnp.logical_or(empty_a, empty_b), full_lo, full_hi)
-  full = Span(False, full_hi - full_lo, lambda m: full_lo + m)
-  if stagger is not None:
-    full = rotated(full, stagger)
-  return (Span(True, full_lo - lo, lambda m: lo + m), full,
-          Span(True, hi - full_hi, lambda m: full_hi + m))
 
 
 class _DqPart:
@@ -1061,21 +1023,6 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     keys, rows = extras.mask.shape[2] * 32, extras.mask.shape[3]  # (the forward words' padding)
     extras = extras._replace(mask=fwd._pad_to(words, words.shape[:2] + (rows // 32, keys)))
   want_dk, want_dq = "dk" in grads, "dq" in grads
-  # (`Backward.multicast`: not with a table or the ordered one pass, whose walk and counters
-  # are per key tile, nor a tile-major launch along a band; nor with an odd number of key
-  # tiles. Nor the atomic pass in Mosaic GPU's interpreter, which runs a cluster's CTAs at once
-  # and adds their dQ parts in place: a read and a write, not an atomic add, so the two CTAs'
-  # adds would race.)
-  paired = (config.multicast and extras.lists is None and (atomic or not want_dq)
-            and not (config.tile_major and params.window.right is not None)
-            and k_tiles % 2 == 0 and not (atomic and params.interpret))
-
-  def free_barrier():  # a ring slot's release: in a cluster, by the consumers of both CTAs
-    if paired:
-      return plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=_CONSUMERS,
-                                  num_barriers=stages)
-    return plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages)
-
   hv = v.shape[-1]  # (V's and dO's padded head dim)
   resident = 2 if want_dk else 1  # K, and V for dPᵀ
   tiles_of = 1 if shared_keys else _CONSUMERS  # (resident tiles of each kind)
@@ -1090,8 +1037,8 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
       q_ready=plgpu.Barrier(num_barriers=stages),
       do_ready=plgpu.Barrier(num_barriers=stages),
       lse_ready=plgpu.Barrier(num_barriers=stages),
-      q_free=free_barrier(),
-      do_free=free_barrier(),
+      q_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+      do_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
   )
   if want_dk:
     smem.update(
@@ -1142,7 +1089,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
       first = _first_visitors(schedule, inputs, t_pad // block_q)
   kernel = functools.partial(_dkv_kernel, params=params, config=config, schedule=schedule,
                              groups=groups, grads=grads, sem_shape=sem_shape, parts=parts,
-                             shared_keys=shared_keys, paired=paired)
+                             shared_keys=shared_keys)
   # Pallas walks the grid row-major, batch fastest: with a causal band the first key tiles,
   # which see the most query rows, launch first, and each key tile launches after the one
   # before it of the same batch row and head (the one-pass kernel's dQ adds rely on it).
@@ -1151,9 +1098,8 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
       kernel,
       out_type=out_type,
       scratch_types=(smem,),
-      grid=(kv_heads * parts, k_tiles // 2 if paired else k_tiles, b),
+      grid=(kv_heads * parts, k_tiles, b),
       grid_names=("heads", "k_tiles", "batch"),
-      **(dict(cluster=(2,), cluster_names=("cluster",)) if paired else {}),
       num_threads=_CONSUMERS + 1,
       thread_name="wg",
       kernel_name=_dkv_name(grads, atomic),

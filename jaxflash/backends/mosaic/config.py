@@ -132,13 +132,6 @@ class Backward:
   # causal band the key tiles at work on one head would otherwise reduce-add into the same dQ
   # block at the same time (a band staggers them already: each starts at its diagonal).
   stagger: bool = False
-  # Without a block table, the ordered one pass or a tile-major launch: each pair of key tiles
-  # of one (batch row, K/V head) runs the dK/dV kernel (the atomic one pass too) as a cluster of
-  # two CTAs, which walk the union of their query blocks (`backward._pair_spans`: masked where
-  # either tile needs a mask) and share each Q and dO tile's load (TMA multicast, as the
-  # forward's `Config.kv_multicast` shares K and V), so L2 serves half of those bytes. A
-  # staggered walk (``stagger``) starts both at the pair's first tile's place.
-  multicast: bool = False
   # Whether the dK/dV kernel (dK and dV in one pass, without dQ) runs both consumers on one tile
   # of 64 keys in two roles: one forms Pᵀ and dV += Pᵀ dO and hands Pᵀ over in shared memory,
   # the other forms dPᵀ, dSᵀ and dK += dSᵀ Q (`backward._SharedKeyRoles`). Neither then holds
