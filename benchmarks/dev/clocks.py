@@ -1,4 +1,4 @@
-"""The SM clock and board power while one forward runs in a steady loop (GPU only).
+"""The SM clock and board power while a forward or a training step runs in a loop (GPU only).
 
 A kernel near the card's power cap runs at a lower clock, so two kernels can differ in speed
 without differing in cycles: this runs each named FP8 config (``benchmarks/fp8.py``'s
@@ -65,7 +65,7 @@ def main() -> None:
   parser.add_argument("--causal", action="store_true")
   parser.add_argument("--impls", nargs="+", help="bf16 calls of these implementations instead")
   parser.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
-  parser.add_argument("--b", type=int, default=1)
+  parser.add_argument("--b", type=int, default=1, help="batch rows (with --impls)")
   parser.add_argument("--kv-heads", type=int, help="K/V heads (GQA); default: --heads")
   parser.add_argument("--seconds", type=float, default=4.0)
   parser.add_argument("--rounds", type=int, default=1, help="configs in turn, this many times")
