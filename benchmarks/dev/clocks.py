@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 import fp8  # noqa: E402  (benchmarks/fp8.py)
-from cases import attention_fn, flops, grad_fn  # noqa: E402
+from cases import Case, attention_fn, flops, grad_fn, make_inputs  # noqa: E402
 from jaxflash.backends import mosaic  # noqa: E402
 
 
@@ -56,6 +56,31 @@ def sampled(fn, args, seconds: float) -> dict:
               watts=statistics.median(float(w) for _, w in samples) if samples else None)
 
 
+def _fp8_calls(args) -> tuple[dict, float]:
+  """``({name: (jitted call, inputs)}, FLOPs a call)`` of the named FP8 configs."""
+  shape = fp8.Shape(1, args.s, args.heads, args.d, args.causal)
+  calls = {}
+  for name in args.configs:
+    config = None if name == "tuned" else mosaic.Config(**fp8.CONFIGS[name])
+    fn, inputs = fp8.speed_fn("jaxflash_fp8", shape, "mosaic", config)
+    calls[name] = (jax.jit(fn), inputs)
+  return calls, flops(shape.b, shape.n, shape.s, shape.d, shape.causal, "fwd")
+
+
+def _step_calls(args) -> tuple[dict, float]:
+  """The same for bf16 calls of ``args.impls`` (a forward, or a training step's forward and
+  backward with ``--mode fwdbwd``), on one set of random inputs."""
+  case = Case("bf16", args.b, args.s, args.heads, args.kv_heads or args.heads, args.d,
+              args.causal)
+  inputs = make_inputs(case, 0)  # q, k, v and the output's cotangent
+  calls = {}
+  for name in args.impls:
+    fn = attention_fn(name, args.causal)
+    calls[name] = ((jax.jit(grad_fn(fn)), inputs) if args.mode == "fwdbwd"
+                   else (jax.jit(fn), inputs[:3]))
+  return calls, flops(case.b, case.n, case.s, case.d, case.causal, args.mode)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--configs", nargs="+", default=["tuned"])
@@ -71,26 +96,7 @@ def main() -> None:
   parser.add_argument("--rounds", type=int, default=1, help="configs in turn, this many times")
   parser.add_argument("--out", type=Path, default=None)
   args = parser.parse_args()
-  calls = {}
-  if args.impls:
-    work = flops(args.b, args.heads, args.s, args.d, args.causal, args.mode)
-    keys = jax.random.split(jax.random.key(0), 4)
-    heads = (args.heads, args.kv_heads or args.heads, args.kv_heads or args.heads, args.heads)
-    inputs = [jax.random.normal(key, (args.b, args.s, n, args.d), jax.numpy.bfloat16)
-              for key, n in zip(keys, heads)]
-    for name in args.impls:
-      fn = attention_fn(name, args.causal)
-      if args.mode == "fwdbwd":
-        calls[name] = (jax.jit(grad_fn(fn)), inputs)
-      else:
-        calls[name] = (jax.jit(fn), inputs[:3])
-  else:
-    shape = fp8.Shape(1, args.s, args.heads, args.d, args.causal)
-    work = flops(shape.b, shape.n, shape.s, shape.d, shape.causal, "fwd")
-    for name in args.configs:
-      config = None if name == "tuned" else mosaic.Config(**fp8.CONFIGS[name])
-      fn, inputs = fp8.speed_fn("jaxflash_fp8", shape, "mosaic", config)
-      calls[name] = (jax.jit(fn), inputs)
+  calls, work = _step_calls(args) if args.impls else _fp8_calls(args)
   rows = []
   for round_ in range(args.rounds):
     for name, (fn, inputs) in calls.items():
