@@ -95,22 +95,6 @@ VARIANTS = {
     "kv128_mc": dict(block_kv=128, kv_multicast=True),
     "kv256_persistent_mc": dict(block_kv=256, persistent_ctas=132, kv_multicast=True),
     "c3_kv128_mc": dict(consumers=3, registers=160, block_kv=128, kv_multicast=True),
-    # Rings that fit once the forward stopped reserving Mosaic GPU's reduction scratch: three
-    # stages of 128-key tiles, or 160-key tiles (FlashAttention-3 takes 176 at D = 128; Mosaic
-    # GPU's wgmma steps keys by the swizzle's width, so 160 with 64-byte swizzled V rows).
-    "kv128_overlap_persistent_mc_oq": dict(block_kv=128, intra_wg_overlap=True,
-                                           persistent_ctas=132, kv_multicast=True,
-                                           o_through_q=True),
-    "kv128_overlap_persistent_mc_oq_s3": dict(block_kv=128, intra_wg_overlap=True,
-                                              persistent_ctas=132, kv_multicast=True,
-                                              o_through_q=True, num_stages=3),
-    "kv160_overlap_persistent_mc_oq": dict(block_kv=160, intra_wg_overlap=True,
-                                           persistent_ctas=132, kv_multicast=True,
-                                           o_through_q=True, registers=240),
-    "kv160_overlap_mc": dict(block_kv=160, intra_wg_overlap=True, kv_multicast=True,
-                             registers=240),
-    "kv128_overlap_s3": dict(block_kv=128, intra_wg_overlap=True, num_stages=3),
-    "kv160_overlap": dict(block_kv=160, intra_wg_overlap=True, registers=240),
 }
 
 

@@ -343,7 +343,7 @@ class Config:
   def __post_init__(self):
     if self.block_q != 64:
       raise ValueError(f"block_q must be 64 (one wgmma M per warpgroup), got {self.block_q}")
-    if self.block_kv % 16 or not 64 <= self.block_kv <= 256:
+    if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
       raise ValueError(f"block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be at least 2, got {self.num_stages}")

@@ -1403,10 +1403,8 @@ def forward(inputs: Inputs, params: Params, config: Config):
   qk_swizzle = min(128, hp * q.dtype.itemsize)
   # (An FP8 V row of 64 or 192 keys is one or three 64-byte swizzled rows.)
   pv_swizzle = 64 if config.block_kv % 128 else 128
-  # (A 16-bit V tile's rows are swizzled along its head dim, but a wgmma steps its keys in
-  # groups of the swizzle's width: 160 keys take 64-byte swizzled V rows.)
   v_tile = ((stages, hvp, config.block_kv), pv_swizzle) if quantized else (
-      (stages, config.block_kv, hvp), 128 if config.block_kv % 64 == 0 else 64)
+      (stages, config.block_kv, hvp), 128)
   # Q (in one of ``q_buffers`` buffers per item), then O on the way out where it fits there.
   q_smem = _smem_tile((config.q_buffers * consumers, config.block_q, hp), q.dtype, qk_swizzle)
   union = view is not None and (view, jnp.dtype(out_dtype)) != ((config.block_q, hp), q.dtype)
@@ -1474,10 +1472,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
       kernel_name="jaxflash_mosaic_forward",
       # No automatic warpgroup barriers around loads, stores and branches: no thread reads and
       # writes the same shared memory, and commit_smem orders the O and LSE tiles before TMA.
-      # No cross-warp reductions either (a row's max and sum stay within its four threads), so
-      # none of Mosaic GPU's 2 KiB of reduction scratch: 192-key tiles at D = 128 need it.
-      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
-                                           reduction_scratch_bytes=0),
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
       interpret=plgpu.InterpretGPUParams() if params.interpret else None,
   )(q, k, v, inputs.lengths, inputs.offsets, extras)
   return out[:, :t, :, :hv], lse2[..., :t]
