@@ -321,7 +321,8 @@ def test_mosaic_fp8_kernel(block_size, overlap, poly_cols):
 def test_mosaic_fp8_output_leaves_through_the_q_tiles(h, out_dtype):
   """An FP8 call's O [64, D] per consumer leaves through its own Q tile's D bytes, in pieces of
   D / 2 columns (a float32 O: D / 4), one after the other (`config.o_view`): no O tile of its
-  own, which is what fits 128-key tiles at D = 256 (FlashAttention-3's FP8 tile). Two CTAs of
+  own, whose 64 KiB first made room for 128-key tiles at D = 256 (FlashAttention-3's FP8 tile,
+  2026-11-28, when the forward still reserved Mosaic GPU's reduction scratch). Two CTAs of
   two consumers each, GQA, odd lengths, a causal band; against the XLA backend on the same FP8
   inputs (a piece written to the wrong columns, or over the other consumer's Q, fails)."""
   from jaxflash.attention import attention_with_config
@@ -330,8 +331,6 @@ def test_mosaic_fp8_output_leaves_through_the_q_tiles(h, out_dtype):
   assert mosaic.config.o_view(kv128, h, h, itemsize=1) == (64, h // 2)
   assert mosaic.config.o_view(kv128, h, h, itemsize=1, out_itemsize=4) == (64, h // 4)
   assert mosaic.config.fits(kv128, 256, itemsize=1)
-  own_o = mosaic.config.smem_bytes(kv128, 256, itemsize=1) + 2 * 64 * 256 * 2
-  assert own_o > mosaic.config.SMEM_BUDGET  # (with an O tile of its own it would not fit)
   q, kk, v, _ = random_qkv(6, 1, 150, 200, 4, 2, h)
   (q8, k8, v8), descales = _quantized(q, kk, v)
   options = dict(is_causal=True, out_dtype=out_dtype, **descales)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import _checks, backends, devices
+from jaxflash import _checks, _core, backends, devices
 from jaxflash.ops import flash, partial
 from jaxflash.attention import attention_with_config
 from jaxflash.backends import mosaic
@@ -444,6 +444,47 @@ def test_persistent_partial_results_lower():
   assert "mosaic_gpu" in _lower(fn, q, q, q)
 
 
+def test_d128_calls_without_a_band_take_two_q_buffers():
+  """`TUNED`: the D = 128 forward without a band loads the next item's Q into a second buffer
+  on its persistent grid, which fits since the forward keeps no reduction scratch; a partial
+  result's float32 O tiles leave room for one Q buffer only, so it keeps the grid with one."""
+  config = mosaic.config.default_config
+  for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+    chosen = config(128, BF16, False, 16384, kind)
+    assert (chosen.q_buffers, chosen.persistent_ctas, chosen.kv_multicast) == (2, 132, True)
+    # (It fits only within the forward's budget: the backward's keeps the reduction scratch.)
+    assert mosaic.config.smem_bytes(chosen, 128) > mosaic.config.SMEM_BUDGET
+    assert mosaic.config.fits(chosen, 128)
+    split = config(128, BF16, False, 16384, kind, partial=True)
+    assert (split.q_buffers, split.persistent_ctas) == (1, 132)
+    assert not mosaic.config.fits(dataclasses.replace(split, q_buffers=2), 128, partial=True)
+  assert config(128, BF16, True, 16384, "NVIDIA H200").q_buffers == 1  # (one CTA a tile)
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("h,hv,causal,partial_result", [
+    (128, 128, False, False),  # `TUNED`'s two Q buffers on the persistent grid
+    (128, 128, False, True),  # one, beside a partial result's float32 O tiles
+    (128, 128, True, True),  # 128-key tiles beside them (64-key ones before)
+    (192, 256, True, False)])  # a wider V's own O tiles (Triton's forward before)
+def test_configs_within_the_forward_budget_lower(h, hv, causal, partial_result):
+  """Default configs that fit only within `FORWARD_SMEM_BUDGET` (the forward reserves no
+  reduction scratch) pass Mosaic GPU's own shared-memory check, which counts what
+  `smem_bytes` leaves out (barriers, alignment, any reduction scratch)."""
+  config = mosaic.default_config(h, BF16, causal, 4096, "NVIDIA H200", partial=partial_result,
+                                 value_dim=hv)
+  size = mosaic.config.smem_bytes(config, h, partial_result, value_dim=hv)
+  assert mosaic.config.SMEM_BUDGET < size <= mosaic.config.FORWARD_SMEM_BUDGET
+
+  def fn(q, k, v):
+    call = _checks.normalise(q, k, v, is_causal=causal)
+    params = dataclasses.replace(call.params, partial=partial_result)
+    return flash.forward(mosaic.BACKEND, call.inputs, params, config)
+  q = jax.ShapeDtypeStruct((1, 4096, 4, h), BF16)
+  v = jax.ShapeDtypeStruct((1, 4096, 4, hv), BF16)
+  assert "mosaic_gpu" in _lower(fn, q, q, v)
+
+
 @needs_cuda_plugin
 @pytest.mark.parametrize("h", [64, 128])
 def test_partial_results_lower(h):
@@ -618,12 +659,15 @@ def _bad_cells(got, want, tol=2e-2):
 def test_forward_cells_on_gpu(t, s, n, k, causal):
   """Forward only, every batch row, head and 64-row block against the float32 reference, with
   the shipped and the smallest tiles, the natural launch order and persistent grids of one CTA
-  per SM and of 7 CTAs, of 7 CTAs with two Q buffers, and of 7 taking paired tiles with O
-  through the Q tiles (the message lists the wrong cells)."""
+  per SM and of 7 CTAs, of 7 CTAs with two Q buffers, of 8 in pairs sharing K/V with two Q
+  buffers (`TUNED`'s D = 128 tiles without a band, several items a CTA), and of 7 taking paired
+  tiles with O through the Q tiles (the message lists the wrong cells)."""
   q, kk, v, _ = random_qkv(3, 3, t, s, n, k, 128, BF16)
   for config in (None, SMALL_CONFIGS["mosaic"], mosaic.Config(heavy_first=False),
                  mosaic.Config(persistent_ctas=132), mosaic.Config(persistent_ctas=7),
                  mosaic.Config(block_kv=64, persistent_ctas=7, q_buffers=2),
+                 mosaic.Config(intra_wg_overlap=True, persistent_ctas=8, kv_multicast=True,
+                               q_buffers=2),
                  mosaic.Config(persistent_ctas=7, paired_tiles=True, o_through_q=True,
                                intra_wg_overlap=True)):
     got = _run(q, kk, v, config, is_causal=causal)
@@ -649,6 +693,26 @@ def test_option(option):
   """Forward, LSE and gradients (the Mosaic backward; the Triton one for a mask or bias)."""
   b, t, s, n, k, h = OPTION_SHAPE
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, **OPTIONS[option](b, t, s, n, 0))
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_partial_results_on_the_persistent_grid_on_gpu(causal):
+  """The default D = 128 partial forward (float32 O tiles; without a band on the persistent
+  grid, pairs sharing K/V, with one on 128-key tiles) over two key ranges, merged, equals the
+  float32 reference."""
+  q, kk, v, _ = random_qkv(8, 2, 1000, 1500, 4, 2, 128, BF16)
+  call = _checks.normalise(q, kk, v, is_causal=causal)
+  params = dataclasses.replace(call.params, partial=True)
+  config = mosaic.default_config(128, BF16, causal, 1000, jax.devices()[0].device_kind,
+                                 partial=True)
+  parts = [flash.forward(mosaic.BACKEND, partial.key_range(call.inputs, a, b), params, config)
+           for a, b in ((0, 700), (700, 1500))]
+  out, _ = partial.merge([o for o, _ in parts],
+                         [jnp.swapaxes(_core.user_lse(l), 1, 2) for _, l in parts])
+  want, _ = reference_attention(q, kk, v, is_causal=causal)
+  bad = _bad_cells(np.asarray(out, np.float32), np.asarray(want))
+  assert not bad, f"config {config}: {len(bad)} wrong cells, first {bad[:12]}"
 
 
 @gpu  # (on a CPU, test_partial_backward's split forward covers it)

@@ -95,6 +95,9 @@ VARIANTS = {
     "kv128_mc": dict(block_kv=128, kv_multicast=True),
     "kv256_persistent_mc": dict(block_kv=256, persistent_ctas=132, kv_multicast=True),
     "c3_kv128_mc": dict(consumers=3, registers=160, block_kv=128, kv_multicast=True),
+    # D = 128's persistent tiles with the next item's Q loading into a second buffer.
+    "kv128_overlap_persistent_mc_q2": dict(block_kv=128, intra_wg_overlap=True,
+                                           persistent_ctas=132, kv_multicast=True, q_buffers=2),
 }
 
 

@@ -104,6 +104,12 @@ CONFIGS = {
     "fp8_d128_kv192_overlap_r240": Probe(128, False, dict(block_kv=192, intra_wg_overlap=True,
                                                           registers=240)),
     "fp8_d128_kv192_sums": Probe(128, False, dict(block_kv=192, mma_row_sums=True)),
+    # `TUNED`'s D = 128 tiles without a band (pairs sharing K/V on a persistent grid), with two Q
+    # buffers (shipped) and with one.
+    "d128_overlap_persistent_mc_q2": Probe(128, False, dict(
+        intra_wg_overlap=True, persistent_ctas=132, kv_multicast=True, q_buffers=2)),
+    "d128_overlap_persistent_mc": Probe(128, False, dict(
+        intra_wg_overlap=True, persistent_ctas=132, kv_multicast=True)),
     # The backward.
     "bwd_d64": Probe(64, True, dict(backward=dict(dkv_block_q=128, dq_block_kv=128))),
     "bwd_d128": Probe(128, True, {}),

@@ -16,10 +16,14 @@ from jaxflash import fp8
 from jaxflash.backends.triton import config as triton_config
 from jaxflash.devices import kind_is
 
-# Shared memory a CTA may use on sm90 (227 KiB), less what Mosaic GPU adds to the tiles counted
-# in `smem_bytes`: 2 KiB of reduction scratch plus barriers and alignment (2.6 KiB measured, in
-# the lowering's own check, for D = 128 with float32 O tiles).
+# Shared memory a CTA of the backward's kernels may use on sm90 (227 KiB), less what Mosaic GPU
+# adds to the tiles counted in `backward_smem_bytes`: 2 KiB of reduction scratch plus barriers
+# and alignment (2.6 KiB in all, measured in the lowering's own check on the forward at D = 128
+# with float32 O tiles, when it kept the scratch too).
 SMEM_BUDGET = 227 * 1024 - 4096
+# The same for the forward kernel, which asks for no reduction scratch (its row reductions stay
+# within a row's four threads): barriers and alignment only (0.6 KiB measured for D = 128).
+FORWARD_SMEM_BUDGET = 227 * 1024 - 2048
 
 
 # Registers per thread that a consumer warpgroup of either kernel may ask for (two consumers and a
@@ -481,7 +485,7 @@ def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False
 
 def fits(config: Config, head_dim: int, partial: bool = False,
          value_dim: int | None = None, itemsize: int = 2) -> bool:
-  return smem_bytes(config, head_dim, partial, value_dim, itemsize) <= SMEM_BUDGET
+  return smem_bytes(config, head_dim, partial, value_dim, itemsize) <= FORWARD_SMEM_BUDGET
 
 
 # Config fields by (padded head dim, causal) where the tuner (`bench.py --tune`, bf16, S = 1k, 4k
@@ -528,10 +532,17 @@ def fits(config: Config, head_dim: int, partial: bool = False,
 #   2026-12-02) it ran slower: MLA's 192/128 8k 606 against 621, D = 128 B = 4 4k 570-576
 #   against 605-610, GQA 64/8 8k 577-584 against 592-608, level at D = 128 16k and D = 256
 #   (docs/mosaic.md), so it stays off with a band.
+# - Two Q buffers at D = 128 without a band (the next item's Q loads while this one runs; they fit
+#   beside 128-key tiles and O's own tiles since the forward stopped reserving Mosaic GPU's 2 KiB
+#   of reduction scratch; H200, 2026-12-02, forward_tiles.py, persistent pairs sharing K/V
+#   without and with them alternating three times in one process): B = 16 1k 571/557/573
+#   against 591/586/585 TFLOP/s, GQA 64/8 8k 635/634 against 641/643, B = 4 4k 655/655/650
+#   against 632/659/671, B = 1 16k 641/642/638 against 639/643/642 (level where items are long).
 TUNED: dict[tuple[int, bool], dict] = {
     (64, False): dict(block_kv=256, persistent_ctas=True),
     (64, True): dict(persistent_ctas=True, q_buffers=2, paired_tiles=True),
-    (128, False): dict(intra_wg_overlap=True, persistent_ctas=True, kv_multicast=True),
+    (128, False): dict(intra_wg_overlap=True, persistent_ctas=True, kv_multicast=True,
+                       q_buffers=2),
     (128, True): dict(intra_wg_overlap=True),
     (256, False): dict(block_kv=64, intra_wg_overlap=True),
     (256, True): dict(block_kv=64, intra_wg_overlap=True),
@@ -816,10 +827,11 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
                    partial: bool = False, value_dim: int | None = None,
                    block_table: bool = False, groups: int = 1,
                    lookups: bool = False) -> Config | None:
-  """`TUNED`'s config (persistent on this device's SM count), else it on one CTA per tile,
-  else the 128-key tile, else the 64-key one, whichever first fits in shared memory (a float32
-  partial result, or a value head dim ``value_dim`` unlike ``head_dim``, needs O tiles of its
-  own); None if none fits (partial results at D = 256). Causal CTAs are launched heaviest
+  """`TUNED`'s config (persistent on this device's SM count; with one Q tile per consumer where
+  its two do not fit), else it on one CTA per tile, else the 128-key tile, else the 64-key one,
+  whichever first fits in shared memory (a float32 partial result, or a value head dim
+  ``value_dim`` unlike ``head_dim``, needs O tiles of its own); None if none fits (partial
+  results at D = 256). Causal CTAs are launched heaviest
   first, but for short calls on one CTA per tile (`NATURAL_ORDER_ROWS`). ``block_table``: the
   call walks a block table, ``lookups``: its score_mod reads values per diagonal (both
   `LOADS_BACKWARD`); ``groups``: query heads per K/V head (`GQA_BACKWARD` above 1)."""
@@ -838,7 +850,8 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
   if tuned:
     candidates.insert(0, dict(tuned, persistent_ctas=None, q_buffers=1))
     if tuned.get("persistent_ctas"):
-      candidates.insert(0, dict(tuned, persistent_ctas=sm_count(device_kind)))
+      persistent = dict(tuned, persistent_ctas=sm_count(device_kind))
+      candidates[:0] = [persistent, dict(persistent, q_buffers=1)]  # (the second Q if it fits)
   mosaic_backward = _backward_tiles(hp, causal, padded_head_dim(value_dim or head_dim),
                                     block_table or lookups, partial, groups)
   for fields in candidates:
