@@ -98,6 +98,8 @@ VARIANTS = {
     # D = 128's persistent tiles with the next item's Q loading into a second buffer.
     "kv128_overlap_persistent_mc_q2": dict(block_kv=128, intra_wg_overlap=True,
                                            persistent_ctas=132, kv_multicast=True, q_buffers=2),
+    # D = 64's 256-key persistent tiles without a band (`TUNED` below 2k rows), the same way.
+    "kv256_persistent_q2": dict(block_kv=256, persistent_ctas=132, q_buffers=2),
 }
 
 
