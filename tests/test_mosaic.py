@@ -354,12 +354,13 @@ def test_kv_multicast_lowers(dtype, fields):
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("h", [64, 128])
-def test_two_q_buffers_lower(h, causal):
+@pytest.mark.parametrize("h,causal,block_kv", [
+    (64, False, 64), (64, True, 64), (128, False, 64), (128, True, 64),
+    (64, False, 256)])  # (`TUNED`'s D = 64 tiles without a band)
+def test_two_q_buffers_lower(h, causal, block_kv):
   """A persistent grid whose next item's Q loads into a second buffer during this item."""
   q = jax.ShapeDtypeStruct((2, 1000, 4, h), BF16)
-  config = mosaic.Config(block_kv=64, persistent_ctas=132, q_buffers=2)
+  config = mosaic.Config(block_kv=block_kv, persistent_ctas=132, q_buffers=2)
   assert "mosaic_gpu" in _lower(_forward(config, is_causal=causal), q, q, q)
 
 
@@ -459,6 +460,18 @@ def test_d128_calls_without_a_band_take_two_q_buffers():
     assert (split.q_buffers, split.persistent_ctas) == (1, 132)
     assert not mosaic.config.fits(dataclasses.replace(split, q_buffers=2), 128, partial=True)
   assert config(128, BF16, True, 16384, "NVIDIA H200").q_buffers == 1  # (one CTA a tile)
+
+
+def test_short_d64_calls_without_a_band_take_two_q_buffers():
+  """`TUNED`: the D = 64 forward without a band runs 256-key tiles on a persistent grid with
+  two Q buffers (on an H200 below the rows from which three consumers take over), partial
+  results too; from those rows on, three consumers on one CTA a tile."""
+  config = mosaic.config.default_config
+  for partial in (False, True):
+    chosen = config(64, BF16, False, 1024, "NVIDIA H200", partial=partial)
+    assert (chosen.block_kv, chosen.persistent_ctas, chosen.q_buffers) == (256, 132, 2)
+  long = config(64, BF16, False, 4096, "NVIDIA H200")
+  assert (long.consumers, long.persistent_ctas, long.q_buffers) == (3, None, 1)
 
 
 @needs_cuda_plugin
@@ -1442,6 +1455,15 @@ def test_persistent_grid(option, fields):
     make = _short_rows if option == "short_rows" else OPTIONS[option]
   check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16,
         small=dataclasses.replace(PERSISTENT, **fields), **make(b, t, s, n, 0))
+
+
+@gpu
+@pytest.mark.parametrize("h", [64, 128])
+def test_shipped_persistent_tiles_without_a_band_on_gpu(h):
+  """The shipped tiles without a band (`TUNED`: persistent grids with two Q buffers, 256-key
+  tiles at D = 64, pairs sharing K/V at D = 128) with more items than CTAs, so that every CTA
+  loads its next item's Q during this one; GQA, T != S, lengths off the tiles."""
+  check("mosaic", b=4, t=1000, s=777, n=8, k=2, h=h, dtype=BF16, small=False)
 
 
 # The intra-warpgroup overlap: the first block peeled off, P V one block behind the scores, the

@@ -538,8 +538,12 @@ def fits(config: Config, head_dim: int, partial: bool = False,
 #   without and with them alternating three times in one process): B = 16 1k 571/557/573
 #   against 591/586/585 TFLOP/s, GQA 64/8 8k 635/634 against 641/643, B = 4 4k 655/655/650
 #   against 632/659/671, B = 1 16k 641/642/638 against 639/643/642 (level where items are long).
+#   The same at D = 64 without a band (the 256-key persistent tiles, which the H200 runs below
+#   2k rows; H200, 2026-12-03, forward_tiles.py, one Q buffer against two alternating twice in
+#   one process, B = 16, 32 heads, 1k): 399.8/404.1 against 418.2/419.4 TFLOP/s. (The H100,
+#   which runs these tiles at every length, has not measured it.)
 TUNED: dict[tuple[int, bool], dict] = {
-    (64, False): dict(block_kv=256, persistent_ctas=True),
+    (64, False): dict(block_kv=256, persistent_ctas=True, q_buffers=2),
     (64, True): dict(persistent_ctas=True, q_buffers=2, paired_tiles=True),
     (128, False): dict(intra_wg_overlap=True, persistent_ctas=True, kv_multicast=True,
                        q_buffers=2),
