@@ -52,6 +52,9 @@ CONFIGS = {
     "d64": Probe(64, False, {}),
     "d64_overlap": Probe(64, False, dict(intra_wg_overlap=True)),
     "d64_kv256_persistent": Probe(64, False, dict(block_kv=256, persistent_ctas=132)),
+    # `TUNED`'s D = 64 tiles without a band (below 2k rows on an H200): two Q buffers.
+    "d64_kv256_persistent_q2": Probe(64, False, dict(block_kv=256, persistent_ctas=132,
+                                                     q_buffers=2)),
     # Part of each block's exponentials by the polynomial (`Config.exp2_poly_cols`).
     "d64_kv256_persistent_poly32": Probe(64, False, dict(block_kv=256, persistent_ctas=132,
                                                          exp2_poly_cols=32)),
