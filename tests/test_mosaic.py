@@ -1462,7 +1462,7 @@ def test_persistent_grid(option, fields):
 def test_shipped_persistent_tiles_without_a_band_on_gpu(h):
   """The shipped tiles without a band (`TUNED`: persistent grids with two Q buffers, 256-key
   tiles at D = 64, pairs sharing K/V at D = 128) with more items than CTAs, so that every CTA
-  loads its next item's Q during this one; GQA, T != S, lengths off the tiles."""
+  loads its next item's Q during this one; GQA, T != S, neither a multiple of the tiles."""
   check("mosaic", b=4, t=1000, s=777, n=8, k=2, h=h, dtype=BF16, small=False)
 
 
