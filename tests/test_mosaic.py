@@ -710,14 +710,16 @@ def test_option(option):
 
 @gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_partial_results_on_the_persistent_grid_on_gpu(causal):
-  """The default D = 128 partial forward (float32 O tiles; without a band on the persistent
-  grid, pairs sharing K/V, with one on 128-key tiles) over two key ranges, merged, equals the
-  float32 reference."""
-  q, kk, v, _ = random_qkv(8, 2, 1000, 1500, 4, 2, 128, BF16)
+@pytest.mark.parametrize("h", [64, 128])
+def test_partial_results_on_the_persistent_grid_on_gpu(h, causal):
+  """The default partial forward (float32 O tiles) over two key ranges, merged, equals the
+  float32 reference: at D = 128 without a band on the persistent grid, pairs sharing K/V, with
+  one on 128-key tiles; at D = 64 on the persistent grids with two Q buffers (256-key tiles
+  without a band, paired tiles with one)."""
+  q, kk, v, _ = random_qkv(8, 2, 1000, 1500, 4, 2, h, BF16)
   call = _checks.normalise(q, kk, v, is_causal=causal)
   params = dataclasses.replace(call.params, partial=True)
-  config = mosaic.default_config(128, BF16, causal, 1000, jax.devices()[0].device_kind,
+  config = mosaic.default_config(h, BF16, causal, 1000, jax.devices()[0].device_kind,
                                  partial=True)
   parts = [flash.forward(mosaic.BACKEND, partial.key_range(call.inputs, a, b), params, config)
            for a, b in ((0, 700), (700, 1500))]
