@@ -1760,3 +1760,74 @@ def test_fp8_row_sums_on_the_tensor_cores_lower(fields):
     kv = jax.ShapeDtypeStruct((2, 1000, 2, h), f8)
     config = mosaic.Config(mma_row_sums=True, **fields)
     assert "mosaic_gpu" in _lower(_forward(config, is_causal=True), q, kv, kv)
+
+
+def test_exp2_e4m3_rounds_like_float32():
+  """`forward.exp2_e4m3` (`Config.exp2_f16`'s P, as the interpreter computes it): 2**z through
+  float16 lands on the e4m3 value of the float32 2**z or on a neighbour, over e4m3's whole
+  range of P and below it (0 there); -inf gives 0 and NaN stays NaN."""
+  from jaxflash.backends.mosaic import forward
+  z = jnp.concatenate([jnp.linspace(-20.0, 0.0, 4001), jnp.array([-jnp.inf, jnp.nan, -1e4])])
+  got = np.asarray(forward.exp2_e4m3(z, interpret=True).astype(jnp.float32))
+  want = np.asarray(jnp.exp2(z).astype(jnp.float8_e4m3fn).astype(jnp.float32))
+  finite = np.isfinite(np.asarray(z))
+  # e4m3 keeps 3 bits: neighbours differ by 1/8 to 1/4 relative (0.002 absolute at its
+  # smallest subnormal step, 2**-9).
+  np.testing.assert_allclose(got[finite], want[finite], rtol=0.26, atol=2.0 ** -9)
+  assert (got[finite] == want[finite]).mean() > 0.95
+  assert got[-3] == 0.0 and np.isnan(got[-2]) and got[-1] == 0.0
+
+
+@pytest.mark.parametrize("fields,long", [(dict(block_kv=128), False),
+                                         (dict(block_kv=64, intra_wg_overlap=True), False),
+                                         (dict(block_kv=256, persistent_ctas=132), True),
+                                         (dict(block_kv=256), True)])
+def test_fp8_exp2_f16(fields, long):
+  """`Config.exp2_f16`: an FP8 forward whose P comes from float16 exponentials matches the
+  same forward with float32 ones within e4m3's rounding of P, and the reference; one step at
+  a time and with the overlap (its P scratch is e4m3 then), causal, a row that sees no key,
+  lengths that are no multiple of the tile; on the GPU also 16k keys on the shipped tiles."""
+  if long and not ON_GPU:
+    pytest.skip("the interpreter is slow: the GPU runs the long rows")
+  b, t, s, n, k, h = ((1, 16384, 16384, 2, 1, 128) if long else
+                      (2, 300, 333, 4, 2, 128) if ON_GPU else (2, 130, 200, 2, 1, 128))
+  keys = jax.random.split(jax.random.key(8), 3)
+  q, kk, v = (jax.random.normal(key, (b, x, heads, h), jnp.float32)
+              for key, x, heads in zip(keys, (t, s, s), (n, k, k)))
+  lengths = dict(query_seq_lengths=jnp.array([t, 7][:b]),
+                 key_value_seq_lengths=jnp.array([s - 5, 0][:b] if b > 1 else [s - 50]))
+  q8, k8, v8 = (x.astype(jnp.float8_e4m3fn) for x in (q, kk, v))
+
+  def run(half):
+    config = mosaic.Config(mma_row_sums=True, exp2_f16=half, **fields)
+    return np.asarray(attention_with_config(q8, k8, v8, implementation="mosaic", is_causal=True,
+                                            config=config, interpret=not ON_GPU, **lengths),
+                      np.float32)
+
+  half, single = run(True), run(False)
+  assert np.isfinite(half).all()
+  assert np.linalg.norm(half - single) / np.linalg.norm(single) < 1.5e-2
+  if not long:
+    want = np.asarray(attention_with_config(q8, k8, v8, implementation="xla", is_causal=True,
+                                            **lengths), np.float32)
+    assert np.linalg.norm(half - want) / np.linalg.norm(want) < 4e-2
+  if b > 1:  # the row with no key gives zeros
+    np.testing.assert_array_equal(half[1], 0.0)
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("causal,fields", [(False, dict(block_kv=256, persistent_ctas=132)),
+                                           (True, dict(block_kv=64, intra_wg_overlap=True))])
+def test_fp8_exp2_f16_lowers(causal, fields):
+  """`Config.exp2_f16` lowers for CUDA: the packed float16 exponentials in inline PTX between
+  the two conversions, stepwise and with the overlap."""
+  f8 = jnp.float8_e4m3fn
+  q = jax.ShapeDtypeStruct((2, 300, 4, 128), f8)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), f8)
+  config = mosaic.Config(mma_row_sums=True, exp2_f16=True, **fields)
+  assert "mosaic_gpu" in _lower(_forward(config, is_causal=causal), q, kv, kv)
+
+
+def test_exp2_f16_takes_no_polynomial_columns():
+  with pytest.raises(ValueError, match="exp2_poly_cols"):
+    mosaic.Config(exp2_f16=True, exp2_poly_cols=32)
