@@ -116,10 +116,6 @@ CONFIGS = {
                                     mma_row_sums=True),
     "kv128_sums": dict(block_kv=128, mma_row_sums=True),
     "kv128_overlap_sums": dict(block_kv=128, intra_wg_overlap=True, mma_row_sums=True),
-    # P from float16 exponentials (`Config.exp2_f16`), on the shipped D = 128 tiles.
-    "kv256_persistent_sums_f16": dict(block_kv=256, persistent_ctas=132, mma_row_sums=True,
-                                      exp2_f16=True),
-    "kv256_sums_f16": dict(block_kv=256, mma_row_sums=True, exp2_f16=True),
     "kv256_poly16_sums": dict(block_kv=256, exp2_poly_cols=16, mma_row_sums=True),
     "kv256_poly32_sums": dict(block_kv=256, exp2_poly_cols=32, mma_row_sums=True),
     "kv256_persistent_q2_sums": dict(block_kv=256, persistent_ctas=132, q_buffers=2,

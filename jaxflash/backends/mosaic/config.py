@@ -336,12 +336,6 @@ class Config:
   # 16-bit calls ignore it (there the extra wgmma cost more than the adds: docs/fp8.md).
   # `FP8_TUNED` turns it on at D = 128: 4-7% faster on an H200 (2026-11-29), and as accurate.
   mma_row_sums: bool = False
-  # An FP8 call's P made from float16 exponentials (`forward.exp2_e4m3`): each pair of scores
-  # rounded to float16, exponentiated by one ``ex2.approx.f16x2`` (two entries an exp-unit
-  # instruction) and rounded to e4m3, in place of two ``ex2.approx.f32`` and one rounding.
-  # Only with `mma_row_sums` (which then needs no float32 P) and without `exp2_poly_cols`;
-  # ignored elsewhere, as `mma_row_sums` is.
-  exp2_f16: bool = False
   # Registers per thread of each consumer warpgroup (the producer gets what is left of 504:
   # 40 at 232, 24 at 240). FlashAttention-3 gives its FP8 D = 256 consumers 240.
   registers: int = 232
@@ -365,9 +359,6 @@ class Config:
     if self.exp2_poly_cols % 8 or not 0 <= self.exp2_poly_cols <= self.block_kv:
       raise ValueError(f"exp2_poly_cols must be a multiple of 8 from 0 to block_kv "
                        f"({self.block_kv}), got {self.exp2_poly_cols}")
-    if self.exp2_f16 and self.exp2_poly_cols:
-      raise ValueError(f"exp2_f16 takes every exponential to the exp units: exp2_poly_cols must "
-                       f"be 0 with it, got {self.exp2_poly_cols}")
     if self.consumers not in (2, 3):
       raise ValueError(f"consumers must be 2 or 3, got {self.consumers}")
     counts = REGISTER_COUNTS if self.consumers == 2 else THREE_CONSUMER_REGISTERS

@@ -436,28 +436,6 @@ def exp2_mixed(z: jax.Array, poly_cols: int, interpret: bool = False) -> jax.Arr
                           jnp.exp2(z[:, poly_cols:])], axis=1)
 
 
-def exp2_e4m3(z: jax.Array, interpret: bool = False) -> jax.Array:
-  """2**z of a float32 tile as e4m3, through float16 (`Config.exp2_f16`): z rounded to
-  float16 two entries at a time, 2**z by ``ex2.approx.f16x2`` (two entries an instruction of
-  the exp unit, where ``ex2.approx.f32`` takes one), then rounded to e4m3 two at a time. For
-  z <= 0 (logits less their row max) float16's 11 bits of z and of 2**z are far below e4m3's 4;
-  -inf gives 0 and NaN stays NaN."""
-  half = z.astype(jnp.float16)
-  if interpret:  # (the interpreter's exp2 of float16 rounds the same way, to within an ulp)
-    return jnp.exp2(half).astype(jnp.float8_e4m3fn)
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
-                     return_type=plgpu.ShapeDtypeStruct(z.shape, jnp.float16,
-                                                        layout=plgpu.Layout.WGMMA))
-  def ex2(ctx, x):
-    del ctx
-    return x._pointwise(  # pylint: disable=protected-access
-        mgpu.FragmentedArray._lift_fast_packed_instr(  # pylint: disable=protected-access
-            "ex2.approx.f16x2", "ex2.approx.f16"))
-
-  return ex2(half).astype(jnp.float8_e4m3fn)
-
-
 def _descale_of(ref, batch, head, rows, layout):
   """An FP8 factor of one (batch row, head): a scalar from [B, heads], or the ``rows`` of
   [B, heads, rows] in ``layout``."""
@@ -705,9 +683,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   quantized = fp8.is_fp8(q_smems.dtype)
   value_dim = v_smem.shape[-2 if quantized else -1]  # (O's head dim: V's, maybe not Q's)
   row_sums = ones_smem is not None  # (`Config.mma_row_sums`)
-  # P made in e4m3 from float16 exponentials (`Config.exp2_f16`): the row sums must come from
-  # the tensor cores then, as no float32 P is left to add.
-  half_exp = row_sums and config.exp2_f16
   wg = lax.axis_index("wg")
   heavy_first = config.heavy_first and schedule.window.right is not None
   count, item = _items(grid, heavy_first, extras.order, config.paired_tiles)
@@ -933,11 +908,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_shift)
         scaled = x * (_rows(c, x.shape) if jnp.ndim(c) else c)
-        if half_exp:  # P comes out in e4m3 (`exp2_e4m3`)
-          p = exp2_e4m3(scaled - _rows(m_shift, x.shape), params.interpret)
-        else:
-          p = exp2_mixed(scaled - _rows(m_shift, x.shape), config.exp2_poly_cols,
-                         params.interpret)
+        p = exp2_mixed(scaled - _rows(m_shift, x.shape), config.exp2_poly_cols,
+                       params.interpret)
         # The undropped sum: dropout leaves the LSE alone. (With `mma_row_sums` the tensor
         # cores add P's sum where P V runs: `pv_turn`, `overlapped`.)
         l = l * _rows(alpha, l.shape) if row_sums else l * alpha + p.sum(axis=1)
@@ -970,7 +942,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         """P as the next P V takes it from registers: 16-bit, or an FP8 call's e4m3."""
         if not quantized:
           return p.astype(q_smem.dtype)
-        p8 = p.astype(jnp.float8_e4m3fn)  # (no-op where `exp2_e4m3` made it)
+        p8 = p.astype(jnp.float8_e4m3fn)
         return p8 if params.interpret else _fp8_operand(p8)
 
       def pv_turn(acc, l, p16, slot, meanwhile):
@@ -1094,9 +1066,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         8-bit layout, so its zeros are made afresh)."""
         if not quantized:
           return jnp.zeros_like(p_prev, jnp.float32)
-        return plgpu.layout_cast(jnp.zeros((block_q, block_kv),
-                                           jnp.float8_e4m3fn if half_exp else jnp.float32),
-                                 plgpu.Layout.WGMMA)
+        return plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32), plgpu.Layout.WGMMA)
 
       def last(n, carry):
         acc, m, l, p16 = carry
