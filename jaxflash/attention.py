@@ -449,6 +449,10 @@ def decode_attention(
     local_window_size: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
+    q_descale: jax.Array | None = None,
+    k_descale: jax.Array | None = None,
+    v_descale: jax.Array | None = None,
+    out_dtype: jnp.dtype | None = None,
     return_residual: bool = False,
     implementation: Implementation | Sequence[Implementation] | None = None,
     interpret: bool = False,
@@ -491,12 +495,23 @@ def decode_attention(
       its own (``right`` has no effect: nothing after it is visible).
     logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
     sinks: optional float [N], attention sinks (as in `flash_attention`).
+    q_descale, k_descale, v_descale: an FP8 cache's descale factors (float32; the real
+      values are ``float(x8) * descale``), as in `flash_attention`: a float8 query, key cache
+      and value cache together (quantise the new tokens' query with `jaxflash.quantize_fp8`,
+      ``block_size=1`` for a factor per token), each factor per tensor ``()`` or per (batch
+      row, K/V head) ``[B, K]`` (the query's also per (batch row, query head) ``[B, N]`` or
+      per token ``[B, T, N]``; the key cache's per token ``[B, S_max, K]`` on a contiguous
+      cache only). With ``value_cache=None`` the values share ``k_descale`` and
+      ``v_descale`` stays None. The split-KV kernel reads the FP8 cache as it lies (half a
+      16-bit cache's bytes). An FP8 call has no gradient.
+    out_dtype: an FP8 call's output dtype (float16, bfloat16 or float32; default bfloat16).
     return_residual: also return the logsumexp, [B, T, N] (as `flash_attention`).
     implementation: as in `flash_attention`.
     interpret: run Pallas kernels in interpret mode (for tests on a CPU).
 
   Returns:
-    [B, T, N, Dv] in the query's dtype; with ``return_residual``, ``(output, logsumexp)``.
+    [B, T, N, Dv] in the query's dtype (an FP8 call's in ``out_dtype``); with
+    ``return_residual``, ``(output, logsumexp)``.
 
   Raises:
     ValueError: as `flash_attention`, naming the argument, before any kernel runs.
@@ -504,6 +519,8 @@ def decode_attention(
   backends.preferences(implementation)
   return_residual = _checks.check_flag(return_residual, "return_residual")
   key, value = _checks.check_cache(query, key_cache, value_cache, page_table, value_head_dim)
+  k_descale, v_descale = _checks.check_cache_descales(
+      key, value_cache is None, page_table is not None, k_descale, v_descale)
   pages = None
   if page_table is not None:
     pages = (key, value, page_table.astype(jnp.int32))
@@ -512,8 +529,9 @@ def decode_attention(
     key, value = decode.gather_pages(key, page_table), decode.gather_pages(value, page_table)
   call = _checks.normalise(query, key, value, scale=scale, is_causal=True,
                            key_value_seq_lengths=kv_lengths, local_window_size=local_window_size,
-                           logits_soft_cap=logits_soft_cap, sinks=sinks, interpret=interpret)
-  _checks.no_fp8(call.inputs, "decode_attention")
+                           logits_soft_cap=logits_soft_cap, sinks=sinks, interpret=interpret,
+                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                           out_dtype=out_dtype)
   call = call._replace(inputs=decode.decode_inputs(call.inputs, kv_lengths))
   if value_cache is None:
     call = call._replace(params=dataclasses.replace(call.params, values_in_keys=True))

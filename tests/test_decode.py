@@ -664,3 +664,105 @@ def test_wave_splits(blocks, rows, want):
   fill = lambda p: p / (pl.cdiv(p, 132) * 132)  # noqa: E731
   old = used_splits(blocks, pl.cdiv(264, rows))
   assert fill(splits * rows) >= fill(old * rows)
+
+
+def _fp8_cache(seed: int, b: int, t: int, s: int, n: int, k: int, h: int, per_head: bool):
+  """A query and K/V cache in e4m3 with their factors (the query's per token, the cache's per
+  (batch row, K/V head) or per tensor) and the float32 values they stand for."""
+  q, kk, v, _ = random_qkv(seed, b, t, s, n, k, h, jnp.float32, scale=2.0)
+  q8, qd = jaxflash.quantize_fp8(q, block_size=1)
+  k8, kd = jaxflash.quantize_fp8(kk)
+  v8, vd = jaxflash.quantize_fp8(3.0 * v)
+  if not per_head:  # one factor a tensor
+    k8, kd = kk.astype(jnp.float8_e4m3fn), jnp.float32(1.0)
+    v8, vd = v.astype(jnp.float8_e4m3fn), jnp.float32(0.5)
+  real = lambda x8, d: x8.astype(jnp.float32) * jnp.asarray(d)[..., None]  # noqa: E731
+  values = (real(q8, qd), real(k8, kd[:, None] if jnp.ndim(kd) else kd),
+            real(v8, vd[:, None] if jnp.ndim(vd) else vd))
+  return (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd), values
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("t,paged,per_head", [(1, False, True), (3, True, True),
+                                              (2, False, False)])
+def test_fp8_cache_matches_its_real_values(implementation, t, paged, per_head, monkeypatch):
+  """An FP8 query and K/V cache with descale factors give attention of the values they stand
+  for (a float32 reference on the dequantised values): ragged rows (one empty: zeros), GQA,
+  factors per token (query), per (batch row, K/V head) and per tensor, a paged cache read where
+  it lies, the output in bfloat16 by default. On Triton the split-KV kernel runs (its training
+  backend is another's: Triton's training kernels refuse FP8)."""
+  from jaxflash.backends.triton import decode
+  jax.clear_caches()
+  kernel_calls = []
+  kernel = decode.forward
+  monkeypatch.setattr(decode, "forward", lambda *a: kernel_calls.append(1) or kernel(*a))
+  b, s, n, k, h = 3, 96, 4, 2, 64
+  (q8, k8, v8), descales, (q, kk, v) = _fp8_cache(4, b, t, s, n, k, h, per_head)
+  kv_lengths = jnp.array([96, 40, 0], jnp.int32)
+  options = dict(implementation=("triton", "xla") if implementation == "triton" else
+                 implementation, interpret=interpret_for(implementation), **descales)
+  if paged:
+    (k8, table), (v8, _) = _paged(k8, 16, 5), _paged(v8, 16, 5)
+    options["page_table"] = table
+  out = jaxflash.decode_attention(q8, k8, v8, kv_lengths, **options)
+  assert out.dtype == jnp.bfloat16
+  want, _ = _want(q, kk, v, kv_lengths)
+  assert rel_err(out, want) < 2e-2
+  np.testing.assert_array_equal(np.asarray(out[2], np.float32), 0.0)
+  assert bool(kernel_calls) == (implementation == "triton")
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_fp8_latent_cache(implementation):
+  """An FP8 latent cache (``value_cache=None``: the values are the keys' first features) takes
+  ``k_descale`` for both, ``out_dtype`` float32, and the LSE equals the reference's."""
+  b, t, s, n, h, dv = 2, 2, 80, 8, 64, 32
+  (q8, k8, _), descales, (q, kk, _) = _fp8_cache(6, b, t, s, n, 1, h, True)
+  kv_lengths = jnp.array([80, 33], jnp.int32)
+  out, lse = jaxflash.decode_attention(
+      q8, k8, None, kv_lengths, value_head_dim=dv, q_descale=descales["q_descale"],
+      k_descale=descales["k_descale"], out_dtype=jnp.float32, return_residual=True,
+      implementation=("triton", "xla") if implementation == "triton" else "xla",
+      interpret=interpret_for(implementation))
+  assert out.dtype == jnp.float32
+  want, want_lse = _want(q, kk, kk[..., :dv], kv_lengths)
+  assert rel_err(out, want) < 2e-2
+  np.testing.assert_allclose(lse, want_lse, atol=2e-2)
+
+
+@pytest.mark.parametrize("args,match", [
+    (dict(k_descale=jnp.ones((2, 10, 1)), page_table=jnp.zeros((2, 1), jnp.int32)),
+     "k_descale per token"),
+    (dict(value_cache=None, value_head_dim=4, v_descale=jnp.ones(())), "v_descale is for"),
+    (dict(value_cache=None, value_head_dim=4, k_descale=jnp.ones((2, 10, 1))),
+     "k_descale per token"),
+    (dict(k_descale=jnp.ones((3, 1))), "k_descale must have one of the shapes"),
+    (dict(v_descale=jnp.ones((2,), jnp.int32)), "v_descale must be a float array"),
+    (dict(out_dtype=jnp.int8), "out_dtype must be"),
+])
+def test_fp8_cache_refuses_bad_factors(args, match):
+  f8 = jnp.float8_e4m3fn
+  base = dict(query=jnp.zeros((2, 1, 2, 8), f8), key_cache=jnp.zeros((2, 10, 1, 8), f8),
+              value_cache=jnp.zeros((2, 10, 1, 8), f8), kv_lengths=jnp.array([1, 2]))
+  base.update(args)
+  with pytest.raises(ValueError, match=match):
+    jaxflash.decode_attention(base.pop("query"), base.pop("key_cache"), base.pop("value_cache"),
+                              base.pop("kv_lengths"), implementation="xla", **base)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_cache_has_no_gradient(paged):
+  """Differentiating an FP8 decoding call raises (as `flash_attention` on FP8 inputs does)."""
+  (q8, k8, v8), descales, _ = _fp8_cache(7, 1, 1, 32, 2, 1, 16, True)
+  extra = dict(page_table=jnp.zeros((1, 2), jnp.int32)) if paged else {}
+  if paged:
+    k8, v8 = k8.reshape(2, 16, 1, 16), v8.reshape(2, 16, 1, 16)
+
+  def loss(q):
+    q8 = q.astype(jnp.float8_e4m3fn)
+    out = jaxflash.decode_attention(q8, k8, v8, jnp.array([20]), implementation=("triton", "xla"),
+                                    interpret=interpret_for("triton"), **descales, **extra)
+    return out.astype(jnp.float32).sum()
+
+  with pytest.raises(ValueError, match="no gradient"):
+    jax.grad(loss)(q8.astype(jnp.float32))

@@ -152,3 +152,29 @@ def test_decode_split_kv_on_pages_lowers(page_size, h):
   kernel_call = next(line for line in text.splitlines()
                      if "jaxflash_decode_split_kv" in line and "custom_call" in line)
   assert f"x{page_size}x8x{h}xbf16" in kernel_call  # the pages, not rows, go into the kernel
+
+
+@pytest.mark.parametrize("paged,dtype,implementation", [
+    (False, jnp.float8_e4m3fn, ("triton", "xla")), (True, jnp.float8_e4m3fn, None),
+    (False, jnp.float8_e5m2, None)])
+def test_decode_split_kv_on_an_fp8_cache_lowers(paged, dtype, implementation):
+  """The split-KV kernel on an FP8 cache (contiguous or paged; e4m3 and e5m2), also where no
+  implementation is named (the training backend is then Mosaic's): its K/V tiles converted to
+  bfloat16 in registers, no training forward."""
+  q = jax.ShapeDtypeStruct((3, 2, 32, 128), dtype)
+  if paged:
+    cache = jax.ShapeDtypeStruct((3 * 4096 // 64 + 5, 64, 8, 128), dtype)
+    extra = dict(page_table=jax.ShapeDtypeStruct((3, 4096 // 64), jnp.int32))
+  else:
+    cache = jax.ShapeDtypeStruct((3, 4096, 8, 128), dtype)
+    extra = {}
+  factors = jax.ShapeDtypeStruct((3, 8), jnp.float32)
+
+  def fn(q, kc, vc, lengths, kd, vd, extra):
+    return jaxflash.decode_attention(q, kc, vc, lengths, k_descale=kd, v_descale=vd,
+                                     implementation=implementation, **extra)
+
+  lengths = jax.ShapeDtypeStruct((3,), jnp.int32)
+  text = lower_for_cuda(fn, q, cache, cache, lengths, factors, factors, extra)
+  assert "jaxflash_decode_split_kv" in text
+  assert "jaxflash_forward" not in text and "mosaic_gpu" not in text

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxflash import _core
+from jaxflash import fp8
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.base import Backend
 from jaxflash.ops import flash
@@ -134,7 +135,9 @@ def split_kv_path(requested, backend: Backend, inputs: Inputs, params: Params,
     and Dv 512, which only the XLA backend trains), with ``backend``'s backward: on a latent
     cache on a Hopper GPU, the Mosaic GPU kernel (`jaxflash.backends.mosaic.decode`, where
     `mosaic_decode_runs`); else Triton's split-KV kernel, which takes them in column pieces,
-    where Triton is among the ``requested`` backends and can run on ``device``."""
+    where Triton is among the ``requested`` backends and can run on ``device``;
+  - for an FP8 cache (which Triton's training kernels refuse, and which has no backward),
+    Triton's split-KV kernel the same way."""
   from jaxflash.backends import triton
   path = split_kv_for(backend)
   if path is None and mosaic_decode_runs(requested, device, params):
@@ -143,7 +146,8 @@ def split_kv_path(requested, backend: Backend, inputs: Inputs, params: Params,
       return _wide_split_kv(backend, MOSAIC_DECODE)
   if path is None:
     kernel = importlib.import_module(TRITON_DECODE)
-    if not (triton.BACKEND in requested and kernel.is_wide(inputs)
+    if not (triton.BACKEND in requested
+            and (kernel.is_wide(inputs) or fp8.is_fp8(inputs.query.dtype))
             and triton.runs_on(device, params)):
       return None
     path = _wide_split_kv(backend)
@@ -193,6 +197,8 @@ def _paged_fwd(inputs, pages, params, path, config):
 
 def _paged_bwd(params, path, config, residuals, cotangents):
   inputs, out, lse2 = residuals
+  if fp8.is_fp8(inputs.query.dtype):
+    raise ValueError(flash.FP8_GRADIENT)
   d_out, delta = flash.output_cotangents(out, cotangents)
   dq, dk, dv, _ = flash.backward(path.training, flash.without_sinks(inputs), params,
                                  config.training, lse2, d_out, delta, False)

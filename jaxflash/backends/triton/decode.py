@@ -154,8 +154,9 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
     return f"a block mask of {entries} entries made dense (at most {MAX_DENSE_ENTRIES})"
   if params.partial:
     return "partial results (ring attention)"
-  if fp8.is_fp8(inputs.query.dtype):
-    return "float8 inputs"
+  if fp8.is_fp8(inputs.query.dtype) and inputs.k_descale is not None and (
+      inputs.k_descale.shape[1] > 1):
+    return "a key factor per token (k_descale [B, S, K])"
   return None
 
 
@@ -555,6 +556,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, o_ref, lse_ref
         k_tiles.append([])
         for q_part, (part, ok) in zip(q, key_cols):  # Q Kᵀ summed over the head dim's pieces
           k = tiles.load(k_ref.at[index(i, part)], mask=tiles.tile_ok(key_ok, ok), other=0.0)
+          k = k.astype(q_part.dtype)  # (an FP8 cache's tile, converted in registers)
           k_tiles[-1].append(k)
           dot = plgpu.dot(q_part, k, trans_b=True)
           s = dot if s is None else s + dot
@@ -573,7 +575,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, o_ref, lse_ref
         p = jnp.exp2(s2 - m_shift[:, None])
         for c, (part, ok) in enumerate(value_cols):  # P V, a piece of the value's dim each
           v = loaded[reuse[c]] if reuse[c] is not None else tiles.load(
-              v_ref.at[index(i, part)], mask=tiles.tile_ok(key_ok, ok), other=0.0)
+              v_ref.at[index(i, part)], mask=tiles.tile_ok(key_ok, ok),
+              other=0.0).astype(q_ref.dtype)
           accs[c] = accs[c] + plgpu.dot(p.astype(v.dtype), v)
         l = l + jnp.sum(p, axis=1)
       new.append((tuple(accs), m_new, l))
@@ -687,6 +690,8 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   `jaxflash.ops.decode.gather_pages`: under jit nothing computes them unless a backward needs
   them)."""
   inputs, params = _block_mask_as_dense(inputs, params)
+  out_dtype = params.output_dtype(inputs)
+  inputs, v_descale = _dequantized_query(inputs)
   t = inputs.query.shape[1]
   first_keys = None
   if inputs.mask is not None:
@@ -700,11 +705,36 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   if outs.shape[2] == 1:  # (the kernel wrote the result itself)
     out, lse2 = outs[:, :, 0], lse2[:, :, 0]
   elif config.merge == "kernel":
-    out, lse2 = _merge_in_kernel(outs, lse2, inputs.query.dtype, params.interpret)
+    out, lse2 = _merge_in_kernel(outs, lse2, inputs.query.dtype if v_descale is None
+                                 else jnp.float32, params.interpret)
   else:
     out, lse2 = _merge_splits(outs, lse2)
   out, lse2 = merge.group_rows_as_heads(out, lse2, t, inputs.sinks)
-  return out.astype(inputs.query.dtype), lse2
+  if v_descale is not None:  # (O is linear in V: its factor applies once, to the result)
+    out = out * v_descale[..., None]
+  return out.astype(out_dtype), lse2
+
+
+def _dequantized_query(inputs: Inputs) -> tuple[Inputs, jax.Array | None]:
+  """An FP8 call as the kernel takes it: the query's real values times the key's factor,
+  in bfloat16 (``float(q8) * q_descale * k_descale``: q · k = (q k_descale) · k8, so the
+  kernel multiplies the FP8 cache's tiles as they are, converted to bfloat16 in registers),
+  with no factors left; and the value's factor per query head ([B, 1, N]), which scales the
+  merged output. ``(inputs, None)`` for other calls. The query is T rows: making it costs a
+  small XLA fusion, where the cache is read once in the kernel at half a 16-bit one's bytes."""
+  if not fp8.is_fp8(inputs.query.dtype):
+    return inputs, None
+  q = inputs.query
+  groups = q.shape[2] // inputs.key.shape[2]
+  per_head = lambda d: jnp.repeat(d, groups, axis=2)  # [B, 1, K] -> [B, 1, N]  # noqa: E731
+  factor = jnp.ones((), jnp.float32)
+  if inputs.q_descale is not None:
+    factor = factor * inputs.q_descale  # [B, T or 1, N]
+  if inputs.k_descale is not None:  # ([B, 1, K]: `unsupported` declines one per token)
+    factor = factor * per_head(inputs.k_descale)
+  query = (q.astype(jnp.float32) * jnp.asarray(factor)[..., None]).astype(jnp.bfloat16)
+  v_descale = None if inputs.v_descale is None else per_head(inputs.v_descale)
+  return inputs._replace(query=query, q_descale=None, k_descale=None, v_descale=None), v_descale
 
 
 def visible_keys(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -782,6 +812,9 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
   (`_kernel`'s ``whole``), else float32 partial results. ``first_keys`` [B] (None: 0): the
   first key of each row that any of its query rows may see; the splits share out the rest."""
   q, k, v = inputs.query, inputs.key, inputs.value
+  # An FP8 cache (the query made bfloat16 by `_dequantized_query`): O leaves in float32, as
+  # the value's factor still scales it.
+  quantized = fp8.is_fp8(k.dtype)
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
   g = n // kv_heads
@@ -865,7 +898,7 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
                  pl.BlockSpec((None, fold, None, rows), named(
                      lambda split, batch, head, row_block: (batch, head, split, row_block)))],
       out_shape=[_core.out_struct((b, kv_heads, splits, g * t, st.value_dim),
-                                  q.dtype if whole else jnp.float32, q),
+                                  q.dtype if whole and not quantized else jnp.float32, q),
                  _core.out_struct((b, kv_heads, splits, g * t), jnp.float32, q)],
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
