@@ -74,20 +74,24 @@ def make_inputs(b, s, t, n, k, d, dtype, seed: int, page_size: int | None, dv: i
 
 
 def attention_fn(impl: str, t: int, table, interpret: bool, own_value_dim: bool = False,
-                 values_in_keys: bool = False):
+                 values_in_keys: bool = False, descales: dict | None = None):
   """A function (q, k_cache, v_cache, lengths) -> out, or None where ``impl`` cannot run this
   cell (``own_value_dim``: V's head dim differs from K's, which only jaxflash takes;
   ``values_in_keys``: jaxflash reads the values from the key cache, ``v_cache`` giving only
-  their head dim: `jaxflash.decode_attention`'s ``value_cache=None``)."""
-  if (own_value_dim or values_in_keys) and not impl.startswith("jaxflash"):
+  their head dim: `jaxflash.decode_attention`'s ``value_cache=None``; ``descales``: an FP8
+  cache's factors, which only `jaxflash.decode_attention` takes)."""
+  if (own_value_dim or values_in_keys or descales) and not impl.startswith("jaxflash"):
     return None
+  if descales and impl in ("jaxflash_flash",) or descales and impl.startswith("fold_"):
+    return None
+  descales = {name: x for name, x in (descales or {}).items() if x is not None}
   if values_in_keys:
     name = None if impl == "jaxflash" else impl.split("_", 1)[1]
     if name in ("triton", "mosaic"):  # that split-KV kernel, the XLA backend's backward
       name = (name, "xla")
     return lambda q, k, v, lengths: jaxflash.decode_attention(
         q, k, None, lengths, value_head_dim=v.shape[-1], page_table=table,
-        implementation=name, interpret=interpret)
+        implementation=name, interpret=interpret, **descales)
   if impl.startswith("fold_"):
     if table is not None or t != 1:
       return None
@@ -99,8 +103,11 @@ def attention_fn(impl: str, t: int, table, interpret: bool, own_value_dim: bool 
         q, k, v, key_value_seq_lengths=lengths, interpret=interpret)
   if impl.startswith("jaxflash"):
     name = None if impl == "jaxflash" else impl.split("_", 1)[1]
+    if descales and name == "triton":  # (the split-KV kernel, another backend's training)
+      name = ("triton", "xla")
     return lambda q, k, v, lengths: jaxflash.decode_attention(
-        q, k, v, lengths, page_table=table, implementation=name, interpret=interpret)
+        q, k, v, lengths, page_table=table, implementation=name, interpret=interpret,
+        **descales)
   if table is not None or t != 1:
     return None
   if impl in ("cudnn", "xla"):
@@ -150,6 +157,26 @@ def folded_decode(q, kc, vc, lengths, backend_name: str, splits: int | None = No
 
 
 REFERENCE_BYTES = 8 * 2**30  # float32 temporaries of one reference chunk of batch rows
+
+
+def _per_tensor_fp8(x, dtype):
+  """``x`` in ``dtype`` (float8) with one descale factor for the whole array."""
+  descale = jnp.max(jnp.abs(x.astype(jnp.float32))) / float(jnp.finfo(dtype).max)
+  return (x.astype(jnp.float32) / descale).astype(dtype), descale
+
+
+def _real(q, kc, vc, descales, table):
+  """The float32 values an FP8 call's arrays stand for (its arrays as they are otherwise)."""
+  if descales is None:
+    return q, kc, vc
+  def real(x8, d):
+    d = jnp.asarray(d)
+    if d.ndim == 2:  # [B, heads]
+      d = d[:, None]
+    return x8.astype(jnp.float32) * d[..., None]
+  vd = descales["v_descale"]  # (None: the values are the keys', and share their factor)
+  return (real(q, descales["q_descale"]), real(kc, descales["k_descale"]),
+          real(vc, descales["k_descale"] if vd is None else vd))
 
 
 @jax.jit
@@ -217,11 +244,23 @@ def run(cfg: dict) -> dict:
     if nbytes > MAX_CACHE_BYTES:
       continue
     page_size = cfg["page_size"] if layout == "paged" else None
-    inputs = make_inputs(b, s, t, n, k, d, dtype, seed=len(rows), page_size=page_size, dv=dv)
+    quantized = jaxflash.fp8.is_fp8(dtype)
+    inputs = make_inputs(b, s, t, n, k, d, jnp.bfloat16 if quantized else dtype, seed=len(rows),
+                         page_size=page_size, dv=dv)
     q, kc, vc, lengths, table = inputs
     if latent:  # the values are the keys' first dv features
       vc = kc[..., :dv]
-    want = reference(q, kc, vc, lengths, table) if cfg["check"] else None
+    descales = None
+    if quantized:  # an FP8 cache: the query per token; the caches per (batch row, K/V head),
+      # or a paged pool per tensor (its pages belong to no batch row)
+      cache_fp8 = functools.partial(_per_tensor_fp8 if table is not None else
+                                    jaxflash.quantize_fp8, dtype=dtype)
+      q, qd = jaxflash.quantize_fp8(q, block_size=1, dtype=dtype)
+      kc, kd = cache_fp8(kc)
+      vc, vd = (kc[..., :dv], None) if latent else cache_fp8(vc)
+      descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    want = (reference(*_real(q, kc, vc, descales, table), lengths, table)
+            if cfg["check"] else None)
     if nbytes not in copies:
       copies[nbytes] = copy_tb_s(nbytes, cfg["calls"], cfg.get("steps") or 1)
     copy_tbs = copies[nbytes]
@@ -234,7 +273,7 @@ def run(cfg: dict) -> dict:
     prepared = []
     for impl in cfg["impls"]:
       fn = attention_fn(impl, t, table, cfg["interpret"], own_value_dim=dv != d,
-                        values_in_keys=latent)
+                        values_in_keys=latent, descales=descales)
       if fn is not None:
         prepared.append(_prepare(dict(base, impl=impl), fn, (q, kc, vc, lengths), want, cfg))
     if cfg.get("tune") or cfg.get("tune_splits") or cfg.get("candidates"):
@@ -469,7 +508,9 @@ def main(argv=None) -> None:
   parser.add_argument("--page-size", type=int, default=64)
   parser.add_argument("--impls", nargs="+", choices=IMPLS,
                       default=["jaxflash", "cudnn", "xla", "pallas_decode"])
-  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+  parser.add_argument("--dtype", default="bfloat16",
+                      choices=("bfloat16", "float16", "float32", "float8_e4m3fn"),
+                      help="the cache's (float8_e4m3fn: an FP8 query and cache with descales)")
   parser.add_argument("--calls", type=int, default=20,
                       help="back-to-back calls a timing repeat (the copy's too)")
   parser.add_argument("--steps", type=int, default=1,

@@ -309,3 +309,36 @@ def test_absorbed_mla_decode_batch_sharded(paged):
         q, c, None, lengths, page_table=table, **options))
     assert _collectives(forward_only.lower(*args[:4]).compile().as_text()) == []
   _close(got, want)
+
+
+@pytest.mark.parametrize("paged", (False, True), ids=("contiguous", "paged"))
+def test_fp8_decode_sharded(paged):
+  """Decoding on an FP8 cache (Triton's split-KV kernel) with the batch, its factors, the page
+  table and the lengths over one mesh axis and the heads over the other: no collective, equal
+  to one device's result."""
+  from test_decode import _fp8_cache, _paged
+  b, s, t, n, k, h = 4, 64, 2, 4, 2, 32
+  (q8, k8, v8), descales, _ = _fp8_cache(12, b, t, s, n, k, h, True)
+  lengths = jnp.array([64, 5, 0, 33], jnp.int32)
+  table = None
+  if paged:
+    (k8, table), (v8, _) = _paged(k8, 16, 3), _paged(v8, 16, 3)
+
+  def fn(q8, k8, v8, table, lengths, qd, kd, vd):
+    return jaxflash.decode_attention(q8, k8, v8, lengths, page_table=table, q_descale=qd,
+                                     k_descale=kd, v_descale=vd,
+                                     implementation=("triton", "xla"), interpret=not ON_GPU)
+
+  fn = jax.jit(fn)
+  factors = (descales["q_descale"], descales["k_descale"], descales["v_descale"])
+  want = fn(q8, k8, v8, table, lengths, *factors)
+  mesh = _mesh(AxisType.Auto)
+  with jax.set_mesh(mesh):
+    cache_spec = P(None, None, "h") if paged else P("b", None, "h")
+    args = (*_put(mesh, P("b", None, "h"), q8), *_put(mesh, cache_spec, k8, v8),
+            *(_put(mesh, P("b"), table) if paged else (None,)), *_put(mesh, P("b"), lengths),
+            *_put(mesh, P("b", None, "h"), factors[0]), *_put(mesh, P("b", "h"), *factors[1:]))
+    got = fn(*args)
+    assert _collectives(fn.lower(*args).compile().as_text()) == []
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             rtol=1e-2, atol=1e-2)
