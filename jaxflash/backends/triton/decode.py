@@ -496,8 +496,8 @@ def wave_splits(blocks: int, rows: int, sm_count: int, per_sm: int = 4) -> int:
   return best
 
 
-def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, o_ref, lse_ref, *,
-            params: Params, t: int, rows_used: int, splits: int, block_k: int,
+def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, factors_ref, o_ref,
+            lse_ref, *, params: Params, t: int, rows_used: int, splits: int, block_k: int,
             page_size: int | None, split_axis: int, head_axis: int, row_blocks: int,
             whole: bool, st: tiles.Static):
   """One (split, batch row, group of F K/V heads, block of query rows); the split is grid axis
@@ -508,10 +508,11 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, o_ref, lse_ref
   are loaded and multiplied in column pieces (`column_pieces`). ``bounds_ref`` holds the row's
   query and key lengths, the first key a mask lets it see and the diagonal of its band, its
   query offset less its key offset (a decoding call's puts the T tokens at the cache's end;
-  0 without offsets): `_launch`. Writes ``o_ref`` [F, rows, hp] and ``lse_ref`` [F, rows]: a partial
-  result (float32 O, base-2 LSE, -inf where the split sees no key), or with ``whole`` (one
-  split) the result itself: O in the query dtype and the internal LSE (+inf on empty rows,
-  `jaxflash._core`)."""
+  0 without offsets): `_launch`. ``factors_ref`` [F, rows] (an FP8 call's, else None) scales
+  each row's logits (`_fp8_operands`). Writes ``o_ref`` [F, rows, hp] and ``lse_ref`` [F,
+  rows]: a partial result (float32 O, base-2 LSE, -inf where the split sees no key), or with
+  ``whole`` (one split) the result itself: O in the query dtype and the internal LSE (+inf on
+  empty rows, `jaxflash._core`)."""
   heads, rows = q_ref.shape[:2]
   head_ids = [jnp.int32(i) for i in range(heads)]  # (Pallas wants array indices in loads)
   # Rows are (query head, token) pairs, token fastest; this program holds rows [first_row,
@@ -531,6 +532,9 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, o_ref, lse_ref
            else [None] * len(value_cols))
   qs = [[tiles.load(q_ref.at[i, :, cols], mask=tiles.tile_ok(row_io, ok), other=0.0)
          for cols, ok in key_cols] for i in head_ids]  # [rows, piece] each
+  # An FP8 call's factor of each row's logits (its query's times its K/V head's key factor).
+  row_factors = [None if factors_ref is None else
+                 tiles.load(factors_ref.at[i], mask=row_io, other=1.0) for i in head_ids]
   q_len, kv_len, diagonal = bounds_ref[0], bounds_ref[1], bounds_ref[3]
   # The key blocks this batch row may see: from its mask's first visible key to its length.
   first, last = lax.div(bounds_ref[2], block_k), pl.cdiv(kv_len, block_k)
@@ -549,17 +553,19 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, o_ref, lse_ref
                                q_len=q_len, kv_len=kv_len) & row_ok[:, None]
                for _, cols, _ in pieces]
     new = []
-    for i, q, (accs, m, l) in zip(head_ids, qs, carry):
+    for i, q, factor, (accs, m, l) in zip(head_ids, qs, row_factors, carry):
       logits, k_tiles = [], []
       for (index, cols, key_ok), seen in zip(pieces, visible):
         s = None
         k_tiles.append([])
         for q_part, (part, ok) in zip(q, key_cols):  # Q Kᵀ summed over the head dim's pieces
           k = tiles.load(k_ref.at[index(i, part)], mask=tiles.tile_ok(key_ok, ok), other=0.0)
-          k = k.astype(q_part.dtype)  # (an FP8 cache's tile, converted in registers)
+          k = k.astype(q_part.dtype)  # (an FP8 cache's tile: to float16, in registers)
           k_tiles[-1].append(k)
           dot = plgpu.dot(q_part, k, trans_b=True)
           s = dot if s is None else s + dot
+        if factor is not None:
+          s = s * factor[:, None]
         s2, _ = _core.logits_base2(s, params, None)
         if mask_ref is not None:  # a dense mask's rows (head g, token t) of these keys
           dense = tiles.load(mask_ref.at[head_ids[0] if mask_ref.shape[0] == 1 else i, :,
@@ -691,7 +697,7 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   them)."""
   inputs, params = _block_mask_as_dense(inputs, params)
   out_dtype = params.output_dtype(inputs)
-  inputs, v_descale = _dequantized_query(inputs)
+  inputs, row_factors, v_descale = _fp8_operands(inputs)
   t = inputs.query.shape[1]
   first_keys = None
   if inputs.mask is not None:
@@ -701,7 +707,7 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
     first_keys, last = visible_keys(inputs.mask)
     lengths = inputs.lengths.at[:, 1].set(jnp.minimum(inputs.lengths[:, 1], last))
     inputs = inputs._replace(lengths=lengths)
-  outs, lse2 = _launch(inputs, params, config, pages, first_keys)
+  outs, lse2 = _launch(inputs, params, config, pages, first_keys, row_factors)
   if outs.shape[2] == 1:  # (the kernel wrote the result itself)
     out, lse2 = outs[:, :, 0], lse2[:, :, 0]
   elif config.merge == "kernel":
@@ -715,26 +721,28 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   return out.astype(out_dtype), lse2
 
 
-def _dequantized_query(inputs: Inputs) -> tuple[Inputs, jax.Array | None]:
-  """An FP8 call as the kernel takes it: the query's real values times the key's factor,
-  in bfloat16 (``float(q8) * q_descale * k_descale``: q · k = (q k_descale) · k8, so the
-  kernel multiplies the FP8 cache's tiles as they are, converted to bfloat16 in registers),
-  with no factors left; and the value's factor per query head ([B, 1, N]), which scales the
-  merged output. ``(inputs, None)`` for other calls. The query is T rows: making it costs a
-  small XLA fusion, where the cache is read once in the kernel at half a 16-bit one's bytes."""
+def _fp8_operands(inputs: Inputs) -> tuple[Inputs, jax.Array | None, jax.Array | None]:
+  """An FP8 call as the kernel takes it: ``(inputs, row_factors, v_descale)``, the query's
+  FP8 values as float16 (exact: e4m3's and e5m2's values are float16 values) with no factors
+  left, each query row's factor times its K/V head's key factor ([B, T, N]: the kernel
+  multiplies its logits by it, q · k = (q8 · k8) q_descale k_descale), and the value's factor
+  per query head ([B, 1, N]), which scales the merged output (O is linear in V). The kernel
+  converts each FP8 K/V tile to float16 in registers after its load, one conversion per pair
+  of entries: both products then take exact operands. ``(inputs, None, None)`` for other
+  calls."""
   if not fp8.is_fp8(inputs.query.dtype):
-    return inputs, None
-  q = inputs.query
-  groups = q.shape[2] // inputs.key.shape[2]
+    return inputs, None, None
+  b, t, n, _ = inputs.query.shape
+  groups = n // inputs.key.shape[2]
   per_head = lambda d: jnp.repeat(d, groups, axis=2)  # [B, 1, K] -> [B, 1, N]  # noqa: E731
-  factor = jnp.ones((), jnp.float32)
+  factors = jnp.ones((b, t, n), jnp.float32)
   if inputs.q_descale is not None:
-    factor = factor * inputs.q_descale  # [B, T or 1, N]
+    factors = factors * inputs.q_descale  # [B, T or 1, N]
   if inputs.k_descale is not None:  # ([B, 1, K]: `unsupported` declines one per token)
-    factor = factor * per_head(inputs.k_descale)
-  query = (q.astype(jnp.float32) * jnp.asarray(factor)[..., None]).astype(jnp.bfloat16)
+    factors = factors * per_head(inputs.k_descale)
   v_descale = None if inputs.v_descale is None else per_head(inputs.v_descale)
-  return inputs._replace(query=query, q_descale=None, k_descale=None, v_descale=None), v_descale
+  return (inputs._replace(query=inputs.query.astype(jnp.float16), q_descale=None,
+                          k_descale=None, v_descale=None), factors, v_descale)
 
 
 def visible_keys(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -806,14 +814,15 @@ def _merge_in_kernel(outs: jax.Array, lse2: jax.Array, dtype, interpret: bool):
   )(outs, lse2)
 
 
-def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_keys=None):
+def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_keys=None,
+            row_factors=None):
   """The kernel over the grid: ``(outs [B, K, splits, G·T, Dv], lse2 [B, K, splits, G·T])``,
   rows (head g, token t) with the token fastest. With one split these are the result itself
   (`_kernel`'s ``whole``), else float32 partial results. ``first_keys`` [B] (None: 0): the
   first key of each row that any of its query rows may see; the splits share out the rest."""
   q, k, v = inputs.query, inputs.key, inputs.value
-  # An FP8 cache (the query made bfloat16 by `_dequantized_query`): O leaves in float32, as
-  # the value's factor still scales it.
+  # An FP8 cache (`_fp8_operands`): O leaves in float32, as the value's factor still scales
+  # it, and the logits take ``row_factors`` [B, T, N].
   quantized = fp8.is_fp8(k.dtype)
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
@@ -886,13 +895,19 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
     mask_spec = pl.BlockSpec((None, 1 if shared else fold, rows, mask.shape[3]),
                              named(lambda split, batch, head, row_block: (
                                  batch, 0 if shared else head, row_block, 0)))
+  factors = factors_spec = None
+  if row_factors is not None:  # [B, T, N] -> [B, K, G·T], rows like the queries'
+    factors = row_factors.reshape(b, t, kv_heads, g).transpose(0, 2, 3, 1).reshape(
+        b, kv_heads, g * t)
+    factors_spec = pl.BlockSpec((None, fold, rows), named(
+        lambda split, batch, head, row_block: (batch, head, row_block)))
   return pl.pallas_call(
       kernel,
       grid=tuple(sizes[axis] for axis in order),
       in_specs=[pl.BlockSpec((None, fold, rows, hp), named(
                     lambda split, batch, head, row_block: (batch, head, row_block, 0))), kv, v_spec,
                 bounds_spec, table_spec,
-                mask_spec],
+                mask_spec, factors_spec],
       out_specs=[pl.BlockSpec((None, fold, None, rows, hvp), named(
                      lambda split, batch, head, row_block: (batch, head, split, row_block, 0))),
                  pl.BlockSpec((None, fold, None, rows), named(
@@ -904,4 +919,4 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
                                            num_stages=config.num_stages),
       interpret=params.interpret,
       name="jaxflash_decode_split_kv",
-  )(qg, k, v, bounds, table, mask)
+  )(qg, k, v, bounds, table, mask, factors)
