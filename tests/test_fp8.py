@@ -257,8 +257,8 @@ def test_errors_name_the_argument():
     jaxflash.flash_attention(q8, kk, v)
   with pytest.raises(ValueError, match="no gradient"):
     jax.grad(lambda x: call(q_descale=x).astype(jnp.float32).sum())(jnp.float32(1.0))
-  with pytest.raises(ValueError, match="decode_attention"):
-    jaxflash.decode_attention(q8, k8, v8, jnp.array([8, 8]))
+  with pytest.raises(ValueError, match="k_descale"):  # (decoding takes FP8 caches' factors)
+    jaxflash.decode_attention(q8, k8, v8, jnp.array([8, 8]), k_descale=jnp.ones((2, 3)))
   with pytest.raises(ValueError, match="rotation"):
     jaxflash.fp8_attention(q, kk, v, rotation=jnp.eye(3))
   with pytest.raises(ValueError, match="fp8_dtype"):
