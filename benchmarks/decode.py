@@ -281,7 +281,7 @@ def run(cfg: dict) -> dict:
       # implementation=None: `jaxflash.ops.decode.split_kv_path`.)
       tuned = "jaxflash" if max(d, dv) > 256 else "jaxflash_triton"
       prepared += _tune(base, lambda: attention_fn(tuned, t, table, cfg["interpret"], dv != d,
-                                                   latent),
+                                                   latent, descales),
                         (q, kc, vc, lengths), want, cfg)
     _time_rounds(prepared, (q, kc, vc, lengths), cfg)
     for row, _ in prepared:
