@@ -82,7 +82,7 @@ def attention_fn(impl: str, t: int, table, interpret: bool, own_value_dim: bool 
   cache's factors, which only `jaxflash.decode_attention` takes)."""
   if (own_value_dim or values_in_keys or descales) and not impl.startswith("jaxflash"):
     return None
-  if descales and impl in ("jaxflash_flash",) or descales and impl.startswith("fold_"):
+  if descales and (impl == "jaxflash_flash" or impl.startswith("fold_")):
     return None
   descales = {name: x for name, x in (descales or {}).items() if x is not None}
   if values_in_keys:
