@@ -730,6 +730,23 @@ def test_fp8_latent_cache(implementation):
   np.testing.assert_allclose(lse, want_lse, atol=2e-2)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_fp8_cache_with_sinks_and_a_soft_cap(implementation):
+  """Sinks join an FP8 call's softmax (after the merge, beside the value's factor on the
+  output), and a soft cap takes the real logits: the factors are applied before it (the test
+  fails where the kernel leaves them out)."""
+  b, t, s, n, k, h = 2, 1, 64, 4, 2, 32
+  (q8, k8, v8), descales, (q, kk, v) = _fp8_cache(8, b, t, s, n, k, h, True)
+  sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
+  kv_lengths = jnp.array([64, 9], jnp.int32)
+  out = jaxflash.decode_attention(
+      q8, k8, v8, kv_lengths, sinks=sinks, logits_soft_cap=3.0, **descales,
+      implementation=("triton", "xla") if implementation == "triton" else "xla",
+      interpret=interpret_for(implementation))
+  want, _ = _want(q, kk, v, kv_lengths, sinks=sinks, logits_soft_cap=3.0)
+  assert rel_err(out, want) < 2e-2
+
+
 @pytest.mark.parametrize("args,match", [
     (dict(k_descale=jnp.ones((2, 10, 1)), page_table=jnp.zeros((2, 1), jnp.int32)),
      "k_descale per token"),
