@@ -169,11 +169,9 @@ def _real(q, kc, vc, descales, table):
   """The float32 values an FP8 call's arrays stand for (its arrays as they are otherwise)."""
   if descales is None:
     return q, kc, vc
-  def real(x8, d):
+  def real(x8, d):  # (`dequantize` takes [B, heads] as [B, 1, heads])
     d = jnp.asarray(d)
-    if d.ndim == 2:  # [B, heads]
-      d = d[:, None]
-    return x8.astype(jnp.float32) * d[..., None]
+    return jaxflash.fp8.dequantize(x8, d[:, None] if d.ndim == 2 else d)
   vd = descales["v_descale"]  # (None: the values are the keys', and share their factor)
   return (real(q, descales["q_descale"]), real(kc, descales["k_descale"]),
           real(vc, descales["k_descale"] if vd is None else vd))

@@ -221,24 +221,22 @@ def check_cache(query, key_cache, value_cache, page_table, value_head_dim=None):
 def check_cache_descales(key_cache, values_in_keys: bool, paged: bool, k_descale, v_descale):
   """`jaxflash.decode_attention`'s cache factors where they differ from `flash_attention`'s
   (whose checks `normalise` runs next): with the values in the keys (``value_cache=None``)
-  they share ``k_descale`` (returned as ``v_descale`` too), and a paged cache takes no factor
-  per token (its pages hold no token order). Returns ``(k_descale, v_descale)``."""
+  they share ``k_descale`` (returned as ``v_descale`` too), and neither a paged cache (its
+  pages hold no token order) nor those shared values take a key factor per token. Returns
+  ``(k_descale, v_descale)``."""
+  if values_in_keys and v_descale is not None:
+    raise ValueError("v_descale is for a value_cache of its own; with value_cache=None the "
+                     "values are the keys' first features and share k_descale")
   if k_descale is not None:
     k_descale = as_array(k_descale, "k_descale")
-    if k_descale.ndim == 3 and paged:
-      raise ValueError(f"k_descale per token ([B, S, K]) needs a contiguous cache; with a "
-                       f"page_table pass one per tensor () or per (batch row, K/V head) [B, K], "
+    if k_descale.ndim == 3 and (paged or values_in_keys):
+      why = ("a page_table's pages hold no token order" if paged else
+             "the values (value_cache=None) share it, and theirs is per tensor or per head")
+      raise ValueError(f"k_descale per token ([B, S, K]) needs a contiguous cache of its own "
+                       f"({why}); pass one per tensor () or per (batch row, K/V head) [B, K], "
                        f"got shape {k_descale.shape}")
-  if values_in_keys:
-    if v_descale is not None:
-      raise ValueError("v_descale is for a value_cache of its own; with value_cache=None the "
-                       "values are the keys' first features and share k_descale")
-    if fp8.is_fp8(key_cache.dtype) and k_descale is not None:
-      if k_descale.ndim == 3:
-        raise ValueError(f"k_descale per token ([B, S, K]) cannot serve the values too "
-                         f"(value_cache=None); pass one per tensor () or per (batch row, K/V "
-                         f"head) [B, K], got shape {k_descale.shape}")
-      v_descale = k_descale
+  if values_in_keys and fp8.is_fp8(key_cache.dtype):
+    v_descale = k_descale
   return k_descale, v_descale
 
 

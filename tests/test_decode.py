@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jaxflash
+from jaxflash import fp8
 from jaxflash.reference import reference_attention
 from checks import ON_GPU, TOLERANCE, interpret_for, random_qkv, rel_err
 
@@ -676,9 +677,8 @@ def _fp8_cache(seed: int, b: int, t: int, s: int, n: int, k: int, h: int, per_he
   if not per_head:  # one factor a tensor
     k8, kd = kk.astype(jnp.float8_e4m3fn), jnp.float32(1.0)
     v8, vd = v.astype(jnp.float8_e4m3fn), jnp.float32(0.5)
-  real = lambda x8, d: x8.astype(jnp.float32) * jnp.asarray(d)[..., None]  # noqa: E731
-  values = (real(q8, qd), real(k8, kd[:, None] if jnp.ndim(kd) else kd),
-            real(v8, vd[:, None] if jnp.ndim(vd) else vd))
+  values = (fp8.dequantize(q8, qd), fp8.dequantize(k8, kd[:, None] if jnp.ndim(kd) else kd),
+            fp8.dequantize(v8, vd[:, None] if jnp.ndim(vd) else vd))
   return (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd), values
 
 

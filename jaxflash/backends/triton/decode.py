@@ -711,7 +711,7 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   if outs.shape[2] == 1:  # (the kernel wrote the result itself)
     out, lse2 = outs[:, :, 0], lse2[:, :, 0]
   elif config.merge == "kernel":
-    out, lse2 = _merge_in_kernel(outs, lse2, inputs.query.dtype if v_descale is None
+    out, lse2 = _merge_in_kernel(outs, lse2, inputs.query.dtype if row_factors is None
                                  else jnp.float32, params.interpret)
   else:
     out, lse2 = _merge_splits(outs, lse2)
@@ -821,9 +821,9 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
   (`_kernel`'s ``whole``), else float32 partial results. ``first_keys`` [B] (None: 0): the
   first key of each row that any of its query rows may see; the splits share out the rest."""
   q, k, v = inputs.query, inputs.key, inputs.value
-  # An FP8 cache (`_fp8_operands`): O leaves in float32, as the value's factor still scales
-  # it, and the logits take ``row_factors`` [B, T, N].
-  quantized = fp8.is_fp8(k.dtype)
+  # An FP8 cache (`_fp8_operands`) gives ``row_factors`` [B, T, N] for the logits; its O leaves
+  # in float32, as the value's factor still scales it.
+  quantized = row_factors is not None
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
   g = n // kv_heads
