@@ -464,13 +464,6 @@ def _check_fp8(query, key, descales, out_dtype, unbatched: bool):
 _PER_TOKEN = ", per token and head"
 
 
-def no_fp8(inputs: Inputs, entry: str) -> None:
-  """Refuses float8 inputs in an entry point that does not take them yet."""
-  if fp8.is_fp8(inputs.query.dtype):
-    raise ValueError(f"{entry} takes float16, bfloat16 or float32 inputs, got "
-                     f"{inputs.query.dtype}; FP8 attention is flash_attention's")
-
-
 def _check_sinks(sinks, heads: int, query) -> jax.Array | None:
   """Attention sinks as float32 [N]. Inside `jax.shard_map` they are made varying like the
   query before the attention op: its backward computes their gradient from varying results, and

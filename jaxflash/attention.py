@@ -561,6 +561,10 @@ def ring_attention(
     dropout_rng: jax.Array | None = None,
     broadcast_dropout: bool = False,
     sinks: jax.Array | None = None,
+    q_descale: jax.Array | None = None,
+    k_descale: jax.Array | None = None,
+    v_descale: jax.Array | None = None,
+    out_dtype: jnp.dtype | None = None,
     return_residual: bool = False,
     implementation: Implementation | Sequence[Implementation] | None = None,
     interpret: bool = False,
@@ -586,6 +590,11 @@ def ring_attention(
       broadcast_dropout, sinks, return_residual, implementation, interpret: as in
       `flash_attention`; positions (the causal band, windows, dropout) are those of the whole
       sequence, and the sinks join each row's softmax once, after the ring's merge.
+    q_descale, k_descale, v_descale, out_dtype: an FP8 call's (float8 chunks), as in
+      `flash_attention`, for this device's chunk: factors per tensor or per (batch row, head)
+      are the same on every device, and per-token ones ([B, C, N] and [B, C, K]) are the
+      chunk's own; a key's factors travel around the ring with it. Like FP8
+      `flash_attention`, such a call has no gradient (prefill of a long context).
     segment_ids: int [B, C], this chunk's segment ids (packed documents); they travel with
       their keys.
     mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` as in `flash_attention`, with
@@ -626,8 +635,8 @@ def ring_attention(
       scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       segment_ids=segment_ids, logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, sinks=sinks,
+      q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
       interpret=interpret)
-  _checks.no_fp8(call.inputs, "ring_attention")
   chunk = call.inputs.query.shape[1]
   if call.inputs.key.shape[1] != chunk:
     raise ValueError(f"query and key chunks must have the same length, got {chunk} and "

@@ -445,6 +445,54 @@ def test_persistent_partial_results_lower():
   assert "mosaic_gpu" in _lower(fn, q, q, q)
 
 
+@pytest.mark.parametrize("h", [64, 128, 256])
+def test_fp8_partial_results(h):
+  """An FP8 call's partial results (ring attention's pieces): float32 O tiles of their own fit
+  beside the FP8 K/V ring up to D = 256 (on 64-key tiles there; a 16-bit call's do not); the
+  interpreter's key split at a mid-block offset, merged through the LSE, gives
+  the whole FP8 call (per-token key factors sliced with their keys) within e4m3's rounding of
+  P."""
+  f8 = jnp.float8_e4m3fn
+  q = jnp.zeros((2, 64, 4, h), f8)
+  call = _checks.normalise(q, q, q)
+  params = dataclasses.replace(call.params, partial=True)
+  reason = _on_h100(lambda: mosaic.BACKEND.supports(call.inputs, params, devices.current()))
+  assert reason is None, reason
+  b, t, s, n, k = 2, 130, 200, 2, 1
+  qf, kf, vf, _ = random_qkv(0, b, t, s, n, k, h)
+  q8, q_descale = jaxflash.quantize_fp8(qf, block_size=1)
+  k8, k_descale = jaxflash.quantize_fp8(kf, block_size=1)
+  v8, v_descale = jaxflash.quantize_fp8(vf)
+  options = dict(is_causal=True, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                 out_dtype=jnp.float32)
+  whole = jaxflash.flash_attention(q8, k8, v8, implementation="xla", **options)
+  if ON_GPU or h == 128:  # (one head dim in the interpreter: CI time)
+    call = _checks.normalise(q8, k8, v8, interpret=not ON_GPU, **options)
+    params = dataclasses.replace(call.params, partial=True)
+    parts = [flash.forward(mosaic.BACKEND, partial.key_range(call.inputs, a, c), params,
+                           mosaic.Config(block_kv=64)) for a, c in ((0, 70), (70, 200))]
+    assert all(o.dtype == jnp.float32 for o, _ in parts)
+    out, _ = partial.merge([o for o, _ in parts],
+                           [jnp.swapaxes(_core.user_lse(l), 1, 2) for _, l in parts])
+    assert rel_err(out, whole) < 3e-2
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("h,causal", [(64, True), (128, True), (128, False), (256, True)])
+def test_fp8_partial_results_lower(h, causal):
+  """An FP8 partial result on the shipped config for it (its O tiles beside the K/V ring) lowers
+  for CUDA."""
+  f8 = jnp.float8_e4m3fn
+
+  def fn(q8, k8, v8):
+    call = _checks.normalise(q8, k8, v8, is_causal=causal, out_dtype=jnp.float32)
+    params = dataclasses.replace(call.params, partial=True)
+    config = mosaic.default_config(h, f8, causal, 300, "NVIDIA H200", partial=True)
+    return flash.forward(mosaic.BACKEND, call.inputs, params, config)
+  spec = jax.ShapeDtypeStruct((2, 300, 4, h), f8)
+  assert "mosaic_gpu" in _lower(fn, spec, spec, spec)
+
+
 def test_d128_calls_without_a_band_take_two_q_buffers():
   """`TUNED`: the D = 128 forward without a band loads the next item's Q into a second buffer
   on its persistent grid, which fits since the forward keeps no reduction scratch; a partial

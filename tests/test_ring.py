@@ -167,6 +167,65 @@ def test_ring_with_a_mask_mod(name, layout):
   _compare(got, want)
 
 
+def _fp8_ring(layout, chunks, shared, **options):
+  """jit(shard_map) of an FP8 ring call: ``chunks`` (q8, k8, v8, q_descale, k_descale: per
+  token) split along the sequence in ``layout``, ``shared`` (v_descale) on every device; the
+  output of the whole sequence, back in order."""
+  mesh = _mesh()
+  names = ("q_descale", "k_descale", "v_descale")
+
+  def local(q, k, v, q_descale, k_descale, v_descale):
+    factors = dict(zip(names, (q_descale, k_descale, v_descale)))
+    return jaxflash.ring_attention(q, k, v, axis_name="sp", layout=layout,
+                                   implementation="xla", out_dtype=jnp.float32, **factors,
+                                   **options)
+
+  order = lambda x: ring.to_layout(x, layout, RING)  # noqa: E731
+  with jax.set_mesh(mesh):
+    args = [jax.device_put(order(x), NamedSharding(mesh, P(None, "sp"))) for x in chunks]
+    args.append(jax.device_put(shared, NamedSharding(mesh, P())))
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 5 + (P(),),
+                               out_specs=P(None, "sp")))
+    return ring.from_layout(np.asarray(fn(*args)), layout, RING)
+
+
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_fp8_ring_is_the_whole_sequences_fp8_call(layout, causal):
+  """FP8 chunks with per-token query and key factors (the keys' travel with them) and per-head
+  value factors: the ring gives what FP8 `flash_attention` gives on the whole sequence, and
+  what the float32 reference gives on the real (dequantised) values; GQA, a soft cap, and
+  lengths cut inside a chunk. It has no gradient."""
+  q, k, v, _ = random_qkv(9, 2, 64, 64, 4, 2, 16)
+  q8, q_descale = jaxflash.quantize_fp8(q, block_size=1)
+  k8, k_descale = jaxflash.quantize_fp8(k * 3.0, block_size=1)
+  v8, v_descale = jaxflash.quantize_fp8(v)
+  lengths = dict(query_seq_lengths=jnp.array([64, 41]), key_value_seq_lengths=jnp.array([64, 50]))
+  options = dict(is_causal=causal, logits_soft_cap=4.0, **lengths)
+  got = _fp8_ring(layout, (q8, k8, v8, q_descale, k_descale), v_descale, **options)
+  whole = jaxflash.flash_attention(q8, k8, v8, q_descale=q_descale, k_descale=k_descale,
+                                   v_descale=v_descale, out_dtype=jnp.float32,
+                                   implementation="xla", **options)
+  assert rel_err(got, whole) < F32_TOLERANCE * 5
+  real = [jaxflash.fp8.dequantize(x, d) for x, d in ((q8, q_descale), (k8, k_descale),
+                                                      (v8, v_descale[:, None]))]
+  want, _ = reference_attention(*real, **options)
+  assert rel_err(got, want) < F32_TOLERANCE * 5
+  # A per-token key factor that did not travel with its keys would give the wrong result:
+  # a factor of 2 on one device's keys moves the output.
+  moved = _fp8_ring(layout, (q8, k8, v8, q_descale, k_descale.at[:, :16].multiply(2.0)),
+                    v_descale, **options)
+  assert rel_err(moved, got) > 1e-3
+
+  mesh = _mesh()
+  fn = jax.shard_map(lambda q, k, v, x: jaxflash.ring_attention(
+      q, k, v, axis_name="sp", implementation="xla", q_descale=x, out_dtype=jnp.float32),
+      mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(),), out_specs=P(None, "sp"))
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="no gradient"):
+    chunks = [jax.device_put(x, NamedSharding(mesh, P(None, "sp"))) for x in (q8, k8, v8)]
+    jax.jit(jax.grad(lambda x: fn(*chunks, x).sum())).trace(jnp.float32(1.0))
+
+
 def test_ring_checks_its_mask_mod():
   mesh = _mesh()
   x = jnp.zeros((1, 8 * RING, 2, 16))

@@ -39,6 +39,7 @@ from jax import lax
 
 from jaxflash import _core
 from jaxflash import block_mask as block_mask_lib
+from jaxflash import fp8
 from jaxflash import mask_mod as mask_mod_lib
 from jaxflash._core import Inputs, Params
 from jaxflash.ops import flash
@@ -209,8 +210,8 @@ def _pair(inputs: Inputs, params: Params, kv, q_part, kv_part, parts: int, q_sta
   """The inputs of one (query part, key part) pair: slices, their offsets and their lengths
   (``valid``: per part, the valid rows [B] of the query parts and of the key parts), and the
   pair's own block table and mask_mod features. The part indices may be traced (a pair chosen
-  by the device's place on the ring)."""
-  k, v, kv_seg = kv
+  by the device's place on the ring). ``kv`` is `_travelling`'s tuple."""
+  k, v, kv_seg, k_descale = kv
   tq, tk = inputs.query.shape[1] // parts, k.shape[1] // parts
   q_sl = functools.partial(_part_of, start=q_part * tq, size=tq)
   k_sl = functools.partial(_part_of, start=kv_part * tk, size=tk)
@@ -223,6 +224,10 @@ def _pair(inputs: Inputs, params: Params, kv, q_part, kv_part, parts: int, q_sta
   pair = inputs._replace(query=q_sl(inputs.query), key=k_sl(k), value=k_sl(v),
                          q_segment_ids=q_sl(inputs.q_segment_ids),
                          kv_segment_ids=k_sl(kv_seg), lengths=lengths, offsets=offsets)
+  if _per_token(inputs.q_descale):  # (an FP8 call's factors per token: the part's own)
+    pair = pair._replace(q_descale=q_sl(inputs.q_descale))
+  if k_descale is not None:
+    pair = pair._replace(k_descale=k_sl(k_descale))
   return _with_pair_masks(pair, params, starts)
 
 
@@ -287,6 +292,19 @@ def _step_pairs(inputs: Inputs, params: Params, ring: Ring, kv, step: int) -> li
           for p, r in pairs]
 
 
+def _travelling(inputs: Inputs) -> tuple:
+  """What travels around the ring with a K/V chunk: its keys, values, key segment ids and an
+  FP8 call's per-token key factors [B, C, K] (None where absent, or one per head: those stay
+  in ``inputs``)."""
+  k_descale = inputs.k_descale if _per_token(inputs.k_descale) else None
+  return inputs.key, inputs.value, inputs.kv_segment_ids, k_descale
+
+
+def _per_token(descale) -> bool:
+  """Whether an FP8 call's factor (`Inputs.q_descale`/``k_descale``) is one per token."""
+  return descale is not None and descale.shape[1] > 1
+
+
 def _add_part(acc, share, start):
   """``acc`` with ``share`` added to its tokens ``start ...`` (``start`` may be traced)."""
   part = _part_of(acc, start, share.shape[1]) + share
@@ -303,7 +321,7 @@ def _forward(inputs: Inputs, params: Params, ring: Ring):
   size, parts = ring.size(), parts_of(ring.layout)
   partial_params = dataclasses.replace(params, partial=True)
   sinks, inputs = inputs.sinks, flash.without_sinks(inputs)  # joined after the last merge
-  kv = (inputs.key, inputs.value, inputs.kv_segment_ids)
+  kv = _travelling(inputs)
   # Per query part, the (out, lse) merged so far: each partial is merged in as it comes, so
   # that one float32 output per part is alive, not one per pair.
   merged = [None] * parts
@@ -351,12 +369,14 @@ def _fwd(inputs, params, ring):
 
 def _bwd(params, ring, residuals, cotangents):
   inputs, out, lse2 = residuals
+  if fp8.is_fp8(inputs.query.dtype):
+    raise ValueError(flash.FP8_GRADIENT)
   d_out, delta = flash.output_cotangents(out, cotangents)
   size, parts = ring.size(), parts_of(ring.layout)
   tq = inputs.query.shape[1] // parts
   partial_params = dataclasses.replace(params, partial=True)  # float32 shares, summed
   pairs_of = flash.without_sinks(inputs)
-  kv = (inputs.key, inputs.value, inputs.kv_segment_ids)
+  kv = _travelling(inputs)
   # Accumulators vary over the manual axes like the gradients added to them (check_vma).
   zeros = lambda x: _core.varying_like(jnp.zeros(x.shape, jnp.float32),  # noqa: E731
                                        _core.varying_axes(x))

@@ -56,8 +56,6 @@ def _supports(inputs: Inputs, params: Params, device: Device) -> str | None:
   quantized = fp8.is_fp8(q.dtype)
   if q.dtype not in (jnp.bfloat16, jnp.float16) and not quantized:
     return f"bfloat16, float16 and float8 only, got {q.dtype}"
-  if quantized and params.partial:
-    return "float8 partial results"
   if q.shape[-1] > MAX_HEAD_DIM:
     return f"head dims up to {MAX_HEAD_DIM} only, got query.shape[-1] = {q.shape[-1]}"
   if inputs.value.shape[-1] > MAX_HEAD_DIM:

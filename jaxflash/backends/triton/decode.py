@@ -225,9 +225,21 @@ def default_config(inputs: Inputs, training: Config, device: Device,
   hp = padded_head_dim(inputs.query.shape[-1])
   paired = None
   if (hp * inputs.key.dtype.itemsize <= 128 and inputs.key.shape[2] % 2 == 0
-      and rows_for(inputs) <= PAIRED_ROWS):
+      and rows_for(inputs) <= PAIRED_ROWS and not _fp8_contiguous(inputs, page_size)):
     paired = paired_config(inputs, training, sms, page_size)
   return paired or single_config(inputs, training, sms, page_size)
+
+
+def _fp8_contiguous(inputs: Inputs, page_size: int | None) -> bool:
+  """Whether the cache is a contiguous FP8 one, which pairs of heads read slower although its
+  rows are as short as a 16-bit cache's at half the head dim.
+
+  Why (H200, 2026-12-03, GQA 32/8, D = 128, T = 1, 32k keys, `decode.py --dtype float8_e4m3fn
+  --candidates`; fraction of the copy): one head per program 0.82 against paired heads' 0.71
+  at B = 8, 0.88 against 0.82 at B = 64 (128-key blocks 0.65 and 0.87, 8 warps 0.57 and 0.61,
+  four heads 0.47 and 0.53). A paged FP8 cache keeps its pairs: 0.74 against one head's 0.58 to
+  0.70 at B = 64 (at B = 8 one head on 128-key blocks read 0.76 against 0.69)."""
+  return fp8.is_fp8(inputs.key.dtype) and page_size is None
 
 
 # Where a contiguous cache's pairs fit on the GPU at once, a program of two heads pays only if
