@@ -179,6 +179,10 @@ def test_tall_query_tiles(b, t, s, h, page_size, want):
     (8, 32768, 8, 128, None, jnp.float8_e4m3fn, (1, 6, ("split", "batch", "head"))),
     (64, 32768, 8, 128, None, jnp.float8_e4m3fn, (1, 4, ("head", "split", "batch"))),
     (64, 32768, 8, 128, 64, jnp.float8_e4m3fn, (2, 2, ("split", "batch", "head"))),
+    # (fewer pairs than two an SM, long rows: one head on 128-key blocks, `fp8_paged_config`)
+    (8, 32768, 8, 128, 64, jnp.float8_e4m3fn, (1, 6, ("split", "batch", "head"))),
+    (1, 131072, 8, 128, 64, jnp.float8_e4m3fn, (1, 49, ("split", "batch", "head"))),
+    (8, 4096, 8, 128, 64, jnp.float8_e4m3fn, (2, 16, ("split", "batch", "head"))),
 ])
 def test_heads_per_program(b, s, k, h, page_size, dtype, want):
   """The shipped config on an H200 (132 SMs) pairs neighbouring K/V heads in a program where a
@@ -186,7 +190,8 @@ def test_heads_per_program(b, s, k, h, page_size, dtype, want):
   4 at GQA 32/8; ``b`` is (B, T) for T > 1), on a paged cache always and on a contiguous one
   where each program still runs at least 64 key blocks; paired programs fill the SMs' room once
   (contiguous), or 4 per SM (paged), or where they make several waves anyway, take 2 splits and
-  launch heads first. A contiguous FP8 cache is not paired."""
+  launch heads first. A contiguous FP8 cache is not paired, nor a paged one of long rows and few
+  (batch row, K/V head) pairs."""
   from jaxflash import _core
   from jaxflash.backends import triton
   from jaxflash.backends.triton import decode
