@@ -106,9 +106,6 @@ CONFIGS = {
                                     mma_row_sums=True),
     "kv256_stages3_sums": dict(block_kv=256, num_stages=3, mma_row_sums=True),
     "kv256_persistent_sums": dict(block_kv=256, persistent_ctas=132, mma_row_sums=True),
-    # Each block's P V and row sums into a zeroed N = Dv + 8 accumulator (`Config.pv_per_block`).
-    "kv256_block": dict(block_kv=256, pv_per_block=True),
-    "kv256_persistent_block": dict(block_kv=256, persistent_ctas=132, pv_per_block=True),
     # The shipped D = 128 tiles without a band, and D = 256's, in clusters of two CTAs sharing
     # each K/V tile's load (`Config.kv_multicast`).
     "kv256_persistent_sums_mc": dict(block_kv=256, persistent_ctas=132, mma_row_sums=True,

@@ -1672,49 +1672,6 @@ def test_fp8_row_sums_on_the_tensor_cores(fields, long):
     np.testing.assert_array_equal(summed[1], 0.0)
 
 
-@pytest.mark.parametrize("fields,h,long", [(dict(block_kv=128), 128, False),
-                                           (dict(block_kv=64, num_stages=3), 96, False),
-                                           (dict(block_kv=256, persistent_ctas=132), 128, True),
-                                           (dict(block_kv=256), 128, True)])
-def test_fp8_pv_per_block(fields, h, long):
-  """`Config.pv_per_block`: an FP8 forward whose every block's P V (and P's row sums, from the
-  ones rows under V's tiles) starts from a zeroed accumulator and joins O in float32 matches
-  the forward that rescales O before P V and sums P in float32, within e4m3's rounding of P,
-  and the reference; causal, at a padded head dim, with a row that sees no key. On the GPU
-  also 16k keys, where a long row's sum must not lose bits."""
-  if long and not ON_GPU:
-    pytest.skip("the interpreter is slow: the GPU runs the long rows")
-  b, t, s, n, k = ((1, 16384, 16384, 2, 1) if long else
-                   (2, 300, 333, 4, 2) if ON_GPU else (2, 130, 200, 2, 1))
-  keys = jax.random.split(jax.random.key(4), 3)
-  q, kk, v = (jax.random.normal(key, (b, x, heads, h), jnp.float32)
-              for key, x, heads in zip(keys, (t, s, s), (n, k, k)))
-  lengths = dict(query_seq_lengths=jnp.array([t, 7][:b]),
-                 key_value_seq_lengths=jnp.array([s, 0][:b] if b > 1 else [s - 50]))
-  q8, k8, v8 = (x.astype(jnp.float8_e4m3fn) for x in (q, kk, v))
-
-  def run(per_block):
-    config = mosaic.Config(pv_per_block=per_block, **fields)
-    return np.asarray(attention_with_config(q8, k8, v8, implementation="mosaic", is_causal=True,
-                                            config=config, interpret=not ON_GPU, **lengths),
-                      np.float32)
-
-  got, plain = run(True), run(False)
-  assert np.isfinite(got).all()
-  assert np.linalg.norm(got - plain) / np.linalg.norm(plain) < 1.5e-2
-  if not long:
-    want = np.asarray(attention_with_config(q8, k8, v8, implementation="xla", is_causal=True,
-                                            **lengths), np.float32)
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 4e-2
-  if b > 1:  # the row with no key gives zeros
-    np.testing.assert_array_equal(got[1], 0.0)
-
-
-def test_pv_per_block_refuses_the_overlap():
-  with pytest.raises(ValueError, match="pv_per_block"):
-    mosaic.Config(pv_per_block=True, intra_wg_overlap=True)
-
-
 # Mosaic GPU's interpreter runs each warpgroup's waits inside XLA's CPU callbacks, on a thread
 # pool of NPROC threads (else one per core): with fewer than four, a CTA of four warpgroups
 # (three consumers and the producer) waits for ever. tests/conftest.py sets NPROC=8 on a
@@ -1836,22 +1793,6 @@ def test_three_consumers_lower(dtype, h, fields):
   q = jax.ShapeDtypeStruct((2, 300, 4, h), dtype)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, h), dtype)
   config = mosaic.Config(consumers=3, registers=160, **fields)
-  assert "mosaic_gpu" in _lower(_forward(config, is_causal=True), q, kv, kv)
-
-
-@needs_cuda_plugin
-@pytest.mark.parametrize("h,fields", [(128, dict(block_kv=256)),
-                                      (128, dict(block_kv=256, persistent_ctas=132)),
-                                      (96, dict(block_kv=128)),
-                                      (256, dict(block_kv=128, registers=240))])
-def test_fp8_pv_per_block_lower(h, fields):
-  """`Config.pv_per_block` lowers for CUDA: V's tiles with their ones rows, the N = Dv + 8
-  wgmma into a zeroed accumulator, O rescaled while it runs; at D = 256 (Dv + 8 past a
-  wgmma's N) the call runs without it."""
-  f8 = jnp.float8_e4m3fn
-  q = jax.ShapeDtypeStruct((2, 300, 4, h), f8)
-  kv = jax.ShapeDtypeStruct((2, 1000, 2, h), f8)
-  config = mosaic.Config(pv_per_block=True, **fields)
   assert "mosaic_gpu" in _lower(_forward(config, is_causal=True), q, kv, kv)
 
 

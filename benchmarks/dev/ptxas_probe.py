@@ -91,10 +91,6 @@ CONFIGS = {
     "fp8_d128_shipped": Probe(128, False, dict(block_kv=256, mma_row_sums=True,
                                                 persistent_ctas=132)),
     "fp8_d128_shipped_causal": Probe(128, True, dict(block_kv=256, mma_row_sums=True)),
-    # Each block's P V into a zeroed N = Dv + 8 accumulator (`Config.pv_per_block`).
-    "fp8_d128_pv_block": Probe(128, False, dict(block_kv=256, pv_per_block=True,
-                                                 persistent_ctas=132)),
-    "fp8_d128_pv_block_causal": Probe(128, True, dict(block_kv=256, pv_per_block=True)),
     # Three consumer warpgroups (`Config.consumers`) at 160 registers: FP8 at D = 128 and bf16
     # at D = 64 (FlashAttention-3's D = 64 layout), 64- and 128-key tiles.
     "fp8_d128_c3_kv64": Probe(128, False, dict(consumers=3, registers=160, block_kv=64,

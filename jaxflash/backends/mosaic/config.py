@@ -336,14 +336,6 @@ class Config:
   # 16-bit calls ignore it (there the extra wgmma cost more than the adds: docs/fp8.md).
   # `FP8_TUNED` turns it on at D = 128: 4-7% faster on an H200 (2026-11-29), and as accurate.
   mma_row_sums: bool = False
-  # An FP8 call's P V of each block into an accumulator of its own that starts at zero (no
-  # rescale of O before the product), N = Dv + 8 wide: V's tiles carry a ones row under their
-  # Dv rows, so the last 8 columns are P's row sums. O and the sums (a [block_q, 8] tile, as
-  # with `mma_row_sums`) are rescaled while that product runs, and the block's result joins them
-  # in float32 once it is done. This takes O's rescale out of the softmax and the N = 8 wgmmas
-  # out of the turn. One step at a time only (not with `intra_wg_overlap`); Dv + 8 at most 256.
-  # Overrides `mma_row_sums`; 16-bit calls ignore it.
-  pv_per_block: bool = False
   # Registers per thread of each consumer warpgroup (the producer gets what is left of 504:
   # 40 at 232, 24 at 240). FlashAttention-3 gives its FP8 D = 256 consumers 240.
   registers: int = 232
@@ -376,8 +368,6 @@ class Config:
     if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and self.persistent_ctas is None):
       raise ValueError("q_buffers must be 1, or 2 on a persistent grid (persistent_ctas), got "
                        f"{self.q_buffers}")
-    if self.pv_per_block and self.intra_wg_overlap:
-      raise ValueError("pv_per_block runs one step at a time: it cannot take intra_wg_overlap")
     if self.o_through_q and self.q_buffers != 1:
       raise ValueError("o_through_q needs q_buffers=1 (O leaves through the one Q tile before "
                        f"the next item's Q loads there), got q_buffers={self.q_buffers}")
@@ -437,19 +427,8 @@ def smem_bytes(config: Config, head_dim: int, partial: bool = False,
                       + config.num_stages * config.block_kv * (hp + hvp))
   own_o = o_view(config, hp, hvp, partial, itemsize) is None
   o_bytes = 4 if partial else 2 if own_o else 0
-  ones = 0
-  if itemsize == 1 and uses_pv_per_block(config, hvp):  # (ones rows under V's tiles)
-    ones = 8 * config.block_kv * config.num_stages
-  elif itemsize == 1 and config.mma_row_sums:
-    ones = 8 * config.block_kv
+  ones = 8 * config.block_kv if config.mma_row_sums and itemsize == 1 else 0
   return tiles + 4 * config.rows_per_cta + o_bytes * config.rows_per_cta * hvp + ones
-
-
-def uses_pv_per_block(config: Config, hvp: int, dropout: bool = False) -> bool:
-  """Whether an FP8 call of padded value head dim ``hvp`` runs `Config.pv_per_block`: not
-  where Dv + 8 is past a wgmma's widest N (256), nor with dropout (P V reads the dropped P,
-  the sums the undropped one)."""
-  return config.pv_per_block and hvp + 8 <= 256 and not dropout
 
 
 # Streaming multiprocessors of the Hopper parts (SXM and GH200: 132), for persistent grids.

@@ -81,7 +81,7 @@ from jaxflash import fp8
 from jaxflash import mask_mod as mask_mod_lib
 from jaxflash import masking
 from jaxflash._core import Inputs, Params
-from jaxflash.backends.mosaic.config import Config, o_view, padded_head_dim, uses_pv_per_block
+from jaxflash.backends.mosaic.config import Config, o_view, padded_head_dim
 from jaxflash.masking import Positions
 from jaxflash.schedule import BlockLists, Schedule, Span, block_lists, total, walk
 
@@ -673,8 +673,7 @@ def _for_items(count, run_item):
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref, lse_ref,
             q_smems, k_smem, v_smem, lse_smem, o_smems, q_ready, k_ready, v_ready, k_free, v_free,
             turns, ones_smem, ones_ready, *, params: Params, config: Config,
-            schedule: Schedule, groups: int, grid: _Grid, o_union: bool,
-            pv_block: bool = False):
+            schedule: Schedule, groups: int, grid: _Grid, o_union: bool):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
   consumers = config.consumers
   if o_union:  # one memory, two views: the Q tiles, and O's tiles over the same bytes
@@ -683,10 +682,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   # is rounded to e4m3 (`_fp8_operand`).
   quantized = fp8.is_fp8(q_smems.dtype)
   value_dim = v_smem.shape[-2 if quantized else -1]  # (O's head dim: V's, maybe not Q's)
-  if pv_block:  # (`Config.pv_per_block`: V's FP8 tiles have 8 rows more, ones and zeros)
-    value_dim -= 8
   row_sums = ones_smem is not None  # (`Config.mma_row_sums`)
-  tile_sums = row_sums or pv_block  # l is then a [block_q, 8] tile (see `plain_sums`)
   wg = lax.axis_index("wg")
   heavy_first = config.heavy_first and schedule.window.right is not None
   count, item = _items(grid, heavy_first, extras.order, config.paired_tiles)
@@ -757,10 +753,9 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem, ready)
 
     load_q(0)
-    if tile_sums:  # the ones tile or V's ones rows, loaded once by the producer
+    if row_sums:  # the ones tile, loaded once by the producer
       plgpu.barrier_wait(ones_ready.at[0])
-      if row_sums:
-        ones = ones_smem.T  # [keys, 8]: P's row sums in column 0
+      ones = ones_smem.T  # [keys, 8]: P's row sums in column 0
       sums_zero = plgpu.layout_cast(jnp.zeros((block_q, 8), jnp.float32), plgpu.Layout.WGMMA)
     # The turns go round the consumers over the blocks of all the CTA's items as one sequence,
     # consumer 0 first. A turn starts where a consumer awaits it and ends where it passes it on:
@@ -917,9 +912,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
                        params.interpret)
         # The undropped sum: dropout leaves the LSE alone. (With `mma_row_sums` the tensor
         # cores add P's sum where P V runs: `pv_turn`, `overlapped`.)
-        # (With `pv_per_block`, l is rescaled and summed in `pv_block_turn`.)
-        if not pv_block:
-          l = l * _rows(alpha, l.shape) if row_sums else l * alpha + p.sum(axis=1)
+        l = l * _rows(alpha, l.shape) if row_sums else l * alpha + p.sum(axis=1)
         if row_key is not None:  # dropped entries leave P V only; 1 / P(keep) is applied once
           cols = masking.shifted(j * block_kv + _iota(p.shape, 1), pos.kv_offset)
           p = jnp.where(dropout.keep_entries(_rows(row_key, p.shape), cols,
@@ -987,31 +980,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, l
 
-      def pv_block_turn(acc, l, alpha, p8, slot, meanwhile):
-        """`Config.pv_per_block`: in this consumer's next turn, P V and P's row sums into an
-        accumulator of their own that starts at zero ([block_q, Dv + 8]: V's tile with its ones
-        rows), O and the sums rescaled by ``alpha`` and ``meanwhile()`` run while it is in
-        flight, and the block's result joins them in float32 once it is done; then frees the V
-        slot. Returns ``(acc, l)``."""
-        with jax.named_scope("fwd_turn"):
-          plgpu.barrier_wait(v_ready.at[slot])
-          await_turn()
-        if params.interpret:  # (a plain dot: see `pv_turn`)
-          block = plain_pv(p8, slot)
-          acc, l = acc * _rows(alpha, acc.shape), l * _rows(alpha, l.shape)
-          meanwhile()
-        else:
-          def pv(block_ref):
-            plgpu.wgmma(block_ref, p8, v_operand(slot))
-            rescaled = acc * _rows(alpha, acc.shape), l * _rows(alpha, l.shape)
-            meanwhile()
-            return rescaled, plgpu.wgmma_accumulator_load(block_ref)
-
-          with jax.named_scope("fwd_pv"):
-            (acc, l), block = pl.run_scoped(pv, plgpu.ACC((block_q, value_dim + 8)))
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc + block[:, :value_dim], l + block[:, value_dim:]
-
       def step(n, j, carry, masked: bool):
         """Visit n (block j), one step at a time: S, softmax, then P V (the ping-pong turn
         spans this block's P V and the next block's Q Kᵀ)."""
@@ -1022,9 +990,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         with jax.named_scope("fwd_softmax"):
           p, m_new, l, alpha = softmax(j, s, m, l, masked, inputs)
           p16 = rounded(p)
-          if not pv_block:  # (else O is rescaled while the block's P V runs)
-            acc = acc * _rows(alpha, acc.shape)
-          acc, l, m_new, p16, alpha = lax.optimization_barrier((acc, l, m_new, p16, alpha))
+          acc = acc * _rows(alpha, acc.shape)
+          acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
 
         # Computed outside `pv_turn`'s run_state, which must not close over constants.
         next_slot, has_next = slot_at(n + 1), n + 1 < visits
@@ -1032,10 +999,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         def wait_next_k():  # while the P V matmul runs
           pl.when(has_next)(lambda: plgpu.barrier_wait(k_ready.at[next_slot]))
 
-        if pv_block:
-          acc, l = pv_block_turn(acc, l, alpha, p16, slot, wait_next_k)
-        else:
-          acc, l = pv_turn(acc, l, p16, slot, wait_next_k)
+        acc, l = pv_turn(acc, l, p16, slot, wait_next_k)
         return acc, m_new, l
 
       # Intra-warpgroup overlap (`Config.intra_wg_overlap`): step j issues Q K_jᵀ and then
@@ -1112,7 +1076,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
       init = (plgpu.layout_cast(jnp.zeros((block_q, value_dim), jnp.float32),
                                 plgpu.Layout.WGMMA),
               plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _ROWS),
-              sums_zero if tile_sums else plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32),
+              sums_zero if row_sums else plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32),
                                                            _ROWS))
       if config.intra_wg_overlap:
         p_init = plgpu.layout_cast(
@@ -1123,7 +1087,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         acc, m, l, _ = lax.fori_loop(jnp.maximum(visits - 1, 0), visits, last, carry)
       else:
         acc, m, l = walk(spans, step, init)
-      if tile_sums:  # l is a [block_q, 8] tile (the comment above `plain_sums`)
+      if row_sums:  # l is a [block_q, 8] tile (the comment above `plain_sums`)
         l = l.sum(axis=1)
       if grid.ctas is not None and q_buffers == 1 and not o_in_q:
         # Q is no longer read: the next item's loads while O goes out.
@@ -1189,10 +1153,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
     plgpu.set_max_registers(config.producer_registers, action="decrease")
     if row_sums:  # the ones tile, once (`Config.mma_row_sums`)
       plgpu.copy_gmem_to_smem(extras.row_sum_ones, ones_smem, ones_ready.at[0])
-    if pv_block:  # the ones rows under every stage's V tile, once (`Config.pv_per_block`)
-      for slot in range(stages):
-        plgpu.copy_gmem_to_smem(extras.row_sum_ones, v_smem.at[slot].at[pl.ds(value_dim, 8)],
-                                ones_ready.at[0])
 
     # In a cluster each CTA copies half of every K/V tile into both CTAs' slots (multicast).
     multicast = "cluster" if grid.paired_ctas else None
@@ -1213,8 +1173,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         if not quantized:
           return load(v_ref, v_smem, v_ready, j, slot)
         tile = v_ref.at[batch, kv_head, pl.ds(0, value_dim), pl.ds(j * block_kv, block_kv)]
-        target = v_smem.at[slot].at[pl.ds(0, value_dim)] if pv_block else v_smem.at[slot]
-        plgpu.copy_gmem_to_smem(tile, target, v_ready.at[slot], collective_axes=multicast)
+        plgpu.copy_gmem_to_smem(tile, v_smem.at[slot], v_ready.at[slot],
+                                collective_axes=multicast)
 
       def visit(n, j, carry, masked):
         del masked
@@ -1431,12 +1391,10 @@ def forward(inputs: Inputs, params: Params, config: Config):
   elementwise = extras.mask is not None or extras.q_segment_ids is not None
   schedule = Schedule(params.window, rows_per_cta, config.block_kv, elementwise)
   stages = config.num_stages
-  # An FP8 call's row sums on the tensor cores (`Config.pv_per_block`, else
-  # `Config.mma_row_sums`), but where P V reads the dropped P.
-  dropout_on = inputs.dropout_seed is not None
-  pv_block = quantized and uses_pv_per_block(config, hvp, dropout_on)
-  row_sums = config.mma_row_sums and quantized and not dropout_on and not pv_block
-  if row_sums or pv_block:
+  # An FP8 call's row sums on the tensor cores (`Config.mma_row_sums`), but where P V reads
+  # the dropped P.
+  row_sums = config.mma_row_sums and quantized and inputs.dropout_seed is None
+  if row_sums:
     extras = extras._replace(row_sum_ones=jnp.zeros((8, config.block_kv), v.dtype).at[0].set(1))
   out_dtype = jnp.float32 if params.partial else params.output_dtype(inputs)
   out_bytes = jnp.dtype(out_dtype).itemsize
@@ -1445,7 +1403,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
   qk_swizzle = min(128, hp * q.dtype.itemsize)
   # (An FP8 V row of 64 or 192 keys is one or three 64-byte swizzled rows.)
   pv_swizzle = 64 if config.block_kv % 128 else 128
-  v_tile = ((stages, hvp + 8 * pv_block, config.block_kv), pv_swizzle) if quantized else (
+  v_tile = ((stages, hvp, config.block_kv), pv_swizzle) if quantized else (
       (stages, config.block_kv, hvp), 128)
   # Q (in one of ``q_buffers`` buffers per item), then O on the way out where it fits there.
   q_smem = _smem_tile((config.q_buffers * consumers, config.block_q, hp), q.dtype, qk_swizzle)
@@ -1486,9 +1444,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
       plgpu.Barrier(num_barriers=consumers) if params.interpret else None,
       # `mma_row_sums`: the ones tile (keys along its rows, like V's FP8 tiles) and its load.
       _smem_tile((8, config.block_kv), v.dtype, pv_swizzle) if row_sums else None,
-      plgpu.Barrier(num_barriers=1) if row_sums else
-      # `pv_per_block`: the ones rows' loads, one a stage.
-      plgpu.Barrier(num_arrivals=stages, num_barriers=1) if pv_block else None,
+      plgpu.Barrier(num_barriers=1) if row_sums else None,
   )
   items = _Grid(b, n, q_tiles, None, paired)
   # Pallas walks its grid row-major (batch fastest here): the CTAs running at once share a
@@ -1501,7 +1457,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
     grid, names = (items.ctas // 2 if paired else items.ctas,), ("ctas",)
   cluster = dict(cluster=(2,), cluster_names=("cluster",)) if paired else {}
   kernel = functools.partial(_kernel, params=params, config=config, schedule=schedule,
-                             groups=groups, grid=items, o_union=union, pv_block=pv_block)
+                             groups=groups, grid=items, o_union=union)
   # The LSE rows are written a whole tile at a time, so its buffer is padded to whole tiles.
   out, lse2 = plgpu.kernel(
       kernel,
