@@ -591,10 +591,10 @@ def ring_attention(
       `flash_attention`; positions (the causal band, windows, dropout) are those of the whole
       sequence, and the sinks join each row's softmax once, after the ring's merge.
     q_descale, k_descale, v_descale, out_dtype: an FP8 call's (float8 chunks), as in
-      `flash_attention`, for this device's chunk: factors per tensor or per (batch row, head)
-      are the same on every device, and per-token ones ([B, C, N] and [B, C, K]) are the
-      chunk's own; a key's factors travel around the ring with it. Like FP8
-      `flash_attention`, such a call has no gradient (prefill of a long context).
+      `flash_attention`, for this device's chunk: per tensor, per (batch row, head), or per
+      token ([B, C, N] and [B, C, K]). They may differ between devices (each chunk quantised
+      on its own device), and a chunk's key and value factors travel around the ring with it.
+      Like FP8 `flash_attention`, such a call has no gradient (prefill of a long context).
     segment_ids: int [B, C], this chunk's segment ids (packed documents); they travel with
       their keys.
     mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` as in `flash_attention`, with

@@ -167,55 +167,68 @@ def test_ring_with_a_mask_mod(name, layout):
   _compare(got, want)
 
 
-def _fp8_ring(layout, chunks, shared, **options):
-  """jit(shard_map) of an FP8 ring call: ``chunks`` (q8, k8, v8, q_descale, k_descale: per
-  token) split along the sequence in ``layout``, ``shared`` (v_descale) on every device; the
-  output of the whole sequence, back in order."""
+def _fp8_ring(layout, q8, k8, v8, factors, **options):
+  """jit(shard_map) of an FP8 ring call on whole sequences ``q8``, ``k8``, ``v8`` (split along
+  the sequence in ``layout``) and ``factors``: name -> (array, form), form "token" for [B, S,
+  X] in the sequence's order (split like the values) or "chunk" for [R, B, X] in the layout's
+  order of chunks (device i takes row i); the output of the whole sequence, back in order."""
   mesh = _mesh()
-  names = ("q_descale", "k_descale", "v_descale")
-
-  def local(q, k, v, q_descale, k_descale, v_descale):
-    factors = dict(zip(names, (q_descale, k_descale, v_descale)))
-    return jaxflash.ring_attention(q, k, v, axis_name="sp", layout=layout,
-                                   implementation="xla", out_dtype=jnp.float32, **factors,
-                                   **options)
-
+  names = list(factors)
   order = lambda x: ring.to_layout(x, layout, RING)  # noqa: E731
+  arrays = [order(x) for x in (q8, k8, v8)]
+  specs = [P(None, "sp")] * 3
+  for name in names:
+    x, form = factors[name]
+    arrays.append(order(x) if form == "token" else x)
+    specs.append(P(None, "sp") if form == "token" else P("sp"))
+
+  def local(q, k, v, *given):
+    given = {name: x if factors[name][1] == "token" else x[0] for name, x in zip(names, given)}
+    return jaxflash.ring_attention(q, k, v, axis_name="sp", layout=layout, implementation="xla",
+                                   out_dtype=jnp.float32, **given, **options)
+
   with jax.set_mesh(mesh):
-    args = [jax.device_put(order(x), NamedSharding(mesh, P(None, "sp"))) for x in chunks]
-    args.append(jax.device_put(shared, NamedSharding(mesh, P())))
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 5 + (P(),),
+    arrays = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(arrays, specs)]
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
                                out_specs=P(None, "sp")))
-    return ring.from_layout(np.asarray(fn(*args)), layout, RING)
+    return ring.from_layout(np.asarray(fn(*arrays)), layout, RING)
+
+
+def _quantized_per_chunk(x, layout):
+  """``x`` [B, S, heads, H] quantised chunk by chunk as the devices of ``layout`` hold it, one
+  factor per (batch row, head) of each chunk: (x8 in the sequence's order, factors [R, B,
+  heads], the real values x8 stands for)."""
+  chunks = jnp.split(ring.to_layout(x, layout, RING), RING, axis=1)
+  quantized = [jaxflash.quantize_fp8(c) for c in chunks]
+  x8 = jnp.concatenate([q for q, _ in quantized], axis=1)
+  real = jnp.concatenate([jaxflash.fp8.dequantize(q, d[:, None]) for q, d in quantized], axis=1)
+  unorder = lambda y: ring.from_layout(y, layout, RING)  # noqa: E731
+  return unorder(x8), jnp.stack([d for _, d in quantized]), unorder(real)
 
 
 @pytest.mark.parametrize("layout", ring.LAYOUTS)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-def test_fp8_ring_is_the_whole_sequences_fp8_call(layout, causal):
-  """FP8 chunks with per-token query and key factors (the keys' travel with them) and per-head
-  value factors: the ring gives what FP8 `flash_attention` gives on the whole sequence, and
-  what the float32 reference gives on the real (dequantised) values; GQA, a soft cap, and
-  lengths cut inside a chunk. It has no gradient."""
+def test_fp8_ring_gives_the_real_values_attention(layout, causal):
+  """FP8 chunks: a query factor per token, a key factor per token (travelling with its keys),
+  and values quantised chunk by chunk on their devices, a factor per (batch row, head) of each
+  chunk (travelling with its values): the ring gives the float32 reference of the real values
+  they stand for; GQA, a soft cap, and lengths cut inside a chunk. It has no gradient."""
   q, k, v, _ = random_qkv(9, 2, 64, 64, 4, 2, 16)
   q8, q_descale = jaxflash.quantize_fp8(q, block_size=1)
   k8, k_descale = jaxflash.quantize_fp8(k * 3.0, block_size=1)
-  v8, v_descale = jaxflash.quantize_fp8(v)
+  v8, v_descale, v_real = _quantized_per_chunk(v, layout)
   lengths = dict(query_seq_lengths=jnp.array([64, 41]), key_value_seq_lengths=jnp.array([64, 50]))
   options = dict(is_causal=causal, logits_soft_cap=4.0, **lengths)
-  got = _fp8_ring(layout, (q8, k8, v8, q_descale, k_descale), v_descale, **options)
-  whole = jaxflash.flash_attention(q8, k8, v8, q_descale=q_descale, k_descale=k_descale,
-                                   v_descale=v_descale, out_dtype=jnp.float32,
-                                   implementation="xla", **options)
-  assert rel_err(got, whole) < F32_TOLERANCE * 5
-  real = [jaxflash.fp8.dequantize(x, d) for x, d in ((q8, q_descale), (k8, k_descale),
-                                                      (v8, v_descale[:, None]))]
-  want, _ = reference_attention(*real, **options)
+  factors = dict(q_descale=(q_descale, "token"), k_descale=(k_descale, "token"),
+                 v_descale=(v_descale, "chunk"))
+  got = _fp8_ring(layout, q8, k8, v8, factors, **options)
+  real = [jaxflash.fp8.dequantize(x, d) for x, d in ((q8, q_descale), (k8, k_descale))]
+  want, _ = reference_attention(*real, v_real, **options)
   assert rel_err(got, want) < F32_TOLERANCE * 5
-  # A per-token key factor that did not travel with its keys would give the wrong result:
-  # a factor of 2 on one device's keys moves the output.
-  moved = _fp8_ring(layout, (q8, k8, v8, q_descale, k_descale.at[:, :16].multiply(2.0)),
-                    v_descale, **options)
-  assert rel_err(moved, got) > 1e-3
+  # A factor that did not travel with its keys would give another result: a factor of 2 on
+  # one device's keys moves the output.
+  moved = dict(factors, k_descale=(k_descale.at[:, :16].multiply(2.0), "token"))
+  assert rel_err(_fp8_ring(layout, q8, k8, v8, moved, **options), got) > 1e-3
 
   mesh = _mesh()
   fn = jax.shard_map(lambda q, k, v, x: jaxflash.ring_attention(
@@ -224,6 +237,21 @@ def test_fp8_ring_is_the_whole_sequences_fp8_call(layout, causal):
   with jax.set_mesh(mesh), pytest.raises(ValueError, match="no gradient"):
     chunks = [jax.device_put(x, NamedSharding(mesh, P(None, "sp"))) for x in (q8, k8, v8)]
     jax.jit(jax.grad(lambda x: fn(*chunks, x).sum())).trace(jnp.float32(1.0))
+
+
+def test_fp8_ring_with_keys_quantised_per_chunk():
+  """Keys and values quantised chunk by chunk (a factor per batch row and head of each
+  device's chunk, both travelling), the query without a factor: the reference of the real values;
+  zigzag and causal, so the pairs' halves share their chunk's factors."""
+  q, k, v, _ = random_qkv(10, 2, 64, 64, 4, 2, 16)
+  q8, q_descale = jaxflash.quantize_fp8(q)
+  k8, k_descale, k_real = _quantized_per_chunk(k * 5.0, "zigzag")
+  v8, v_descale, v_real = _quantized_per_chunk(v, "zigzag")
+  factors = dict(k_descale=(k_descale, "chunk"), v_descale=(v_descale, "chunk"))
+  got = _fp8_ring("zigzag", q8, k8, v8, factors, is_causal=True, scale=0.2)
+  want, _ = reference_attention(q8.astype(jnp.float32), k_real, v_real, is_causal=True,
+                                scale=0.2)
+  assert rel_err(got, want) < F32_TOLERANCE * 5
 
 
 def test_ring_checks_its_mask_mod():

@@ -211,7 +211,7 @@ def _pair(inputs: Inputs, params: Params, kv, q_part, kv_part, parts: int, q_sta
   (``valid``: per part, the valid rows [B] of the query parts and of the key parts), and the
   pair's own block table and mask_mod features. The part indices may be traced (a pair chosen
   by the device's place on the ring). ``kv`` is `_travelling`'s tuple."""
-  k, v, kv_seg, k_descale = kv
+  k, v, kv_seg, k_descale, v_descale = kv
   tq, tk = inputs.query.shape[1] // parts, k.shape[1] // parts
   q_sl = functools.partial(_part_of, start=q_part * tq, size=tq)
   k_sl = functools.partial(_part_of, start=kv_part * tk, size=tk)
@@ -226,8 +226,10 @@ def _pair(inputs: Inputs, params: Params, kv, q_part, kv_part, parts: int, q_sta
                          kv_segment_ids=k_sl(kv_seg), lengths=lengths, offsets=offsets)
   if _per_token(inputs.q_descale):  # (an FP8 call's factors per token: the part's own)
     pair = pair._replace(q_descale=q_sl(inputs.q_descale))
-  if k_descale is not None:
-    pair = pair._replace(k_descale=k_sl(k_descale))
+  if k_descale is not None:  # (the visiting chunk's factors: `_travelling`)
+    pair = pair._replace(k_descale=k_sl(k_descale) if _per_token(k_descale) else k_descale)
+  if v_descale is not None:
+    pair = pair._replace(v_descale=v_descale)
   return _with_pair_masks(pair, params, starts)
 
 
@@ -294,10 +296,11 @@ def _step_pairs(inputs: Inputs, params: Params, ring: Ring, kv, step: int) -> li
 
 def _travelling(inputs: Inputs) -> tuple:
   """What travels around the ring with a K/V chunk: its keys, values, key segment ids and an
-  FP8 call's per-token key factors [B, C, K] (None where absent, or one per head: those stay
-  in ``inputs``)."""
-  k_descale = inputs.k_descale if _per_token(inputs.k_descale) else None
-  return inputs.key, inputs.value, inputs.kv_segment_ids, k_descale
+  FP8 call's key and value factors (None where absent). The factors belong to the chunk in
+  every form: per token, and per tensor or head too, since a chunk quantised on its own device
+  has factors of its own."""
+  return (inputs.key, inputs.value, inputs.kv_segment_ids, inputs.k_descale,
+          inputs.v_descale)
 
 
 def _per_token(descale) -> bool:
