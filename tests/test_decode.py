@@ -203,6 +203,9 @@ def test_heads_per_program(b, s, k, h, page_size, dtype, want):
   config = decode.default_config(inputs, triton.Config(), Device("gpu", "NVIDIA H200", True),
                                  page_size=page_size)
   assert (config.heads, config.splits, config.grid_order) == want
+  # (A contiguous FP8 cache of many (batch row, K/V head) pairs: programs of 2 warps.)
+  fp8_warps = jnp.dtype(dtype).itemsize == 1 and page_size is None and b * k >= 264
+  assert config.num_warps == (2 if fp8_warps else 4)
   if config.heads > 1 and page_size is None and config.grid_order[0] == "split":
     assert decode.all_resident(config.splits * b * k // 2, 132, 3, 64, 2 * h,
                                jnp.dtype(dtype).itemsize)
