@@ -242,15 +242,15 @@ def test_fp8_ring_gives_the_real_values_attention(layout, causal):
 def test_fp8_ring_with_keys_quantised_per_chunk():
   """Keys and values quantised chunk by chunk (a factor per batch row and head of each
   device's chunk, both travelling), the query without a factor: the reference of the real values;
-  zigzag and causal, so the pairs' halves share their chunk's factors."""
+  zigzag and causal, so the pairs' halves share their chunk's factors; with sinks."""
   q, k, v, _ = random_qkv(10, 2, 64, 64, 4, 2, 16)
-  q8, q_descale = jaxflash.quantize_fp8(q)
+  q8, _ = jaxflash.quantize_fp8(q)
   k8, k_descale, k_real = _quantized_per_chunk(k * 5.0, "zigzag")
   v8, v_descale, v_real = _quantized_per_chunk(v, "zigzag")
   factors = dict(k_descale=(k_descale, "chunk"), v_descale=(v_descale, "chunk"))
-  got = _fp8_ring("zigzag", q8, k8, v8, factors, is_causal=True, scale=0.2)
-  want, _ = reference_attention(q8.astype(jnp.float32), k_real, v_real, is_causal=True,
-                                scale=0.2)
+  options = dict(is_causal=True, scale=0.2, sinks=jnp.array([0.5, -1.0, 2.0, 0.0]))
+  got = _fp8_ring("zigzag", q8, k8, v8, factors, **options)
+  want, _ = reference_attention(q8.astype(jnp.float32), k_real, v_real, **options)
   assert rel_err(got, want) < F32_TOLERANCE * 5
 
 
