@@ -680,30 +680,36 @@ def test_wave_splits(blocks, rows, want):
   assert fill(splits * rows) >= fill(old * rows)
 
 
-def _fp8_cache(seed: int, b: int, t: int, s: int, n: int, k: int, h: int, per_head: bool):
+def _fp8_cache(seed: int, b: int, t: int, s: int, n: int, k: int, h: int, per_head):
   """A query and K/V cache in e4m3 with their factors (the query's per token, the cache's per
-  (batch row, K/V head) or per tensor) and the float32 values they stand for."""
+  (batch row, K/V head) with ``per_head`` True, per tensor with False, or with "token" the
+  key's per token and the value's per head) and the float32 values they stand for."""
   q, kk, v, _ = random_qkv(seed, b, t, s, n, k, h, jnp.float32, scale=2.0)
   q8, qd = jaxflash.quantize_fp8(q, block_size=1)
   k8, kd = jaxflash.quantize_fp8(kk)
   v8, vd = jaxflash.quantize_fp8(3.0 * v)
-  if not per_head:  # one factor a tensor
+  if per_head == "token":  # keys of every size: each token's factor matters
+    k8, kd = jaxflash.quantize_fp8(kk * jnp.exp(jnp.sin(jnp.arange(s)))[:, None, None],
+                                   block_size=1)
+  elif not per_head:  # one factor a tensor
     k8, kd = kk.astype(jnp.float8_e4m3fn), jnp.float32(1.0)
     v8, vd = v.astype(jnp.float8_e4m3fn), jnp.float32(0.5)
-  values = (fp8.dequantize(q8, qd), fp8.dequantize(k8, kd[:, None] if jnp.ndim(kd) else kd),
+  real_k = fp8.dequantize(k8, kd if jnp.ndim(kd) == 3 else kd[:, None] if jnp.ndim(kd) else kd)
+  values = (fp8.dequantize(q8, qd), real_k,
             fp8.dequantize(v8, vd[:, None] if jnp.ndim(vd) else vd))
   return (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd), values
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("t,paged,per_head", [(1, False, True), (3, True, True),
-                                              (2, False, False)])
+                                              (2, False, False), (2, False, "token")])
 def test_fp8_cache_matches_its_real_values(implementation, t, paged, per_head, monkeypatch):
   """An FP8 query and K/V cache with descale factors give attention of the values they stand
   for (a float32 reference on the dequantised values): ragged rows (one empty: zeros), GQA,
-  factors per token (query), per (batch row, K/V head) and per tensor, a paged cache read where
-  it lies, the output in bfloat16 by default. On Triton the split-KV kernel runs (its training
-  backend is another's: Triton's training kernels refuse FP8)."""
+  factors per token (query; and key, on a contiguous cache), per (batch row, K/V head) and per
+  tensor, a paged cache read where it lies, the output in bfloat16 by default. On Triton the
+  split-KV kernel runs (its training backend is another's: Triton's training kernels refuse
+  FP8)."""
   from jaxflash.backends.triton import decode
   jax.clear_caches()
   kernel_calls = []
@@ -723,6 +729,25 @@ def test_fp8_cache_matches_its_real_values(implementation, t, paged, per_head, m
   assert rel_err(out, want) < 2e-2
   np.testing.assert_array_equal(np.asarray(out[2], np.float32), 0.0)
   assert bool(kernel_calls) == (implementation == "triton")
+
+
+def test_fp8_key_factors_per_token_with_two_heads_a_program(monkeypatch):
+  """A key factor per token read by programs of two K/V heads over three splits (each head
+  its own column of the factors [B, S, K]): the reference of the real values."""
+  from jaxflash.backends.triton import decode
+  configs = []
+  default = decode.default_config
+  monkeypatch.setattr(decode, "default_config", lambda *a, **kw: configs.append(
+      dataclasses.replace(default(*a, **kw), heads=2, splits=3)) or configs[-1])
+  b, t, s, n, k, h = 2, 1, 150, 8, 4, 32
+  (q8, k8, v8), descales, (q, kk, v) = _fp8_cache(6, b, t, s, n, k, h, "token")
+  kv_lengths = jnp.array([150, 77], jnp.int32)
+  out = jaxflash.decode_attention(q8, k8, v8, kv_lengths, implementation=("triton", "xla"),
+                                  interpret=interpret_for("triton"), out_dtype=jnp.float32,
+                                  **descales)
+  assert configs and configs[0].heads == 2
+  want, _ = _want(q, kk, v, kv_lengths)
+  assert rel_err(out, want) < 1e-3
 
 
 @pytest.mark.parametrize("implementation", ["xla", "triton"])

@@ -154,13 +154,13 @@ def test_decode_split_kv_on_pages_lowers(page_size, h):
   assert f"x{page_size}x8x{h}xbf16" in kernel_call  # the pages, not rows, go into the kernel
 
 
-@pytest.mark.parametrize("paged,dtype,implementation", [
-    (False, jnp.float8_e4m3fn, ("triton", "xla")), (True, jnp.float8_e4m3fn, None),
-    (False, jnp.float8_e5m2, None)])
-def test_decode_split_kv_on_an_fp8_cache_lowers(paged, dtype, implementation):
-  """The split-KV kernel on an FP8 cache (contiguous or paged; e4m3 and e5m2), also where no
-  implementation is named (the training backend is then Mosaic's): its K/V tiles converted to
-  bfloat16 in registers, no training forward."""
+@pytest.mark.parametrize("paged,dtype,implementation,per_token", [
+    (False, jnp.float8_e4m3fn, ("triton", "xla"), False), (True, jnp.float8_e4m3fn, None, False),
+    (False, jnp.float8_e5m2, None, False), (False, jnp.float8_e4m3fn, None, True)])
+def test_decode_split_kv_on_an_fp8_cache_lowers(paged, dtype, implementation, per_token):
+  """The split-KV kernel on an FP8 cache (contiguous or paged; e4m3 and e5m2; a key factor per
+  token on a contiguous one), also where no implementation is named (the training backend is
+  then Mosaic's): its K/V tiles converted to float16 in registers, no training forward."""
   q = jax.ShapeDtypeStruct((3, 2, 32, 128), dtype)
   if paged:
     cache = jax.ShapeDtypeStruct((3 * 4096 // 64 + 5, 64, 8, 128), dtype)
@@ -169,12 +169,13 @@ def test_decode_split_kv_on_an_fp8_cache_lowers(paged, dtype, implementation):
     cache = jax.ShapeDtypeStruct((3, 4096, 8, 128), dtype)
     extra = {}
   factors = jax.ShapeDtypeStruct((3, 8), jnp.float32)
+  key_factors = jax.ShapeDtypeStruct((3, 4096, 8), jnp.float32) if per_token else factors
 
   def fn(q, kc, vc, lengths, kd, vd, extra):
     return jaxflash.decode_attention(q, kc, vc, lengths, k_descale=kd, v_descale=vd,
                                      implementation=implementation, **extra)
 
   lengths = jax.ShapeDtypeStruct((3,), jnp.int32)
-  text = lower_for_cuda(fn, q, cache, cache, lengths, factors, factors, extra)
+  text = lower_for_cuda(fn, q, cache, cache, lengths, key_factors, factors, extra)
   assert "jaxflash_decode_split_kv" in text
   assert "jaxflash_forward" not in text and "mosaic_gpu" not in text

@@ -154,9 +154,6 @@ def unsupported(inputs: Inputs, params: Params) -> str | None:
     return f"a block mask of {entries} entries made dense (at most {MAX_DENSE_ENTRIES})"
   if params.partial:
     return "partial results (ring attention)"
-  if fp8.is_fp8(inputs.query.dtype) and inputs.k_descale is not None and (
-      inputs.k_descale.shape[1] > 1):
-    return "a key factor per token (k_descale [B, S, K])"
   return None
 
 
@@ -543,8 +540,8 @@ def wave_splits(blocks: int, rows: int, sm_count: int, per_sm: int = 4) -> int:
   return best
 
 
-def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, factors_ref, o_ref,
-            lse_ref, *, params: Params, t: int, rows_used: int, splits: int, block_k: int,
+def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, factors_ref,
+            key_factors_ref, o_ref, lse_ref, *, params: Params, t: int, rows_used: int, splits: int, block_k: int,
             page_size: int | None, split_axis: int, head_axis: int, row_blocks: int,
             whole: bool, st: tiles.Static):
   """One (split, batch row, group of F K/V heads, block of query rows); the split is grid axis
@@ -556,7 +553,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, factors_ref, o
   query and key lengths, the first key a mask lets it see and the diagonal of its band, its
   query offset less its key offset (a decoding call's puts the T tokens at the cache's end;
   0 without offsets): `_launch`. ``factors_ref`` [F, rows] (an FP8 call's, else None) scales
-  each row's logits (`_fp8_operands`). Writes ``o_ref`` [F, rows, hp] and ``lse_ref`` [F,
+  each row's logits, and ``key_factors_ref`` [S, F] (an FP8 cache's key factor per token, else
+  None) each key's (`_fp8_operands`). Writes ``o_ref`` [F, rows, hp] and ``lse_ref`` [F,
   rows]: a partial result (float32 O, base-2 LSE, -inf where the split sees no key), or with
   ``whole`` (one split) the result itself: O in the query dtype and the internal LSE (+inf on
   empty rows, `jaxflash._core`)."""
@@ -613,6 +611,9 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, factors_ref, o
           s = dot if s is None else s + dot
         if factor is not None:
           s = s * factor[:, None]
+        if key_factors_ref is not None:  # (contiguous caches only: `_checks`)
+          keys = index(i, None)[0]
+          s = s * tiles.load(key_factors_ref.at[keys, i], mask=key_ok, other=0.0)[None, :]
         s2, _ = _core.logits_base2(s, params, None)
         if mask_ref is not None:  # a dense mask's rows (head g, token t) of these keys
           dense = tiles.load(mask_ref.at[head_ids[0] if mask_ref.shape[0] == 1 else i, :,
@@ -744,7 +745,7 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   them)."""
   inputs, params = _block_mask_as_dense(inputs, params)
   out_dtype = params.output_dtype(inputs)
-  inputs, row_factors, v_descale = _fp8_operands(inputs)
+  inputs, row_factors, key_factors, v_descale = _fp8_operands(inputs)
   t = inputs.query.shape[1]
   first_keys = None
   if inputs.mask is not None:
@@ -754,7 +755,7 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
     first_keys, last = visible_keys(inputs.mask)
     lengths = inputs.lengths.at[:, 1].set(jnp.minimum(inputs.lengths[:, 1], last))
     inputs = inputs._replace(lengths=lengths)
-  outs, lse2 = _launch(inputs, params, config, pages, first_keys, row_factors)
+  outs, lse2 = _launch(inputs, params, config, pages, first_keys, row_factors, key_factors)
   if outs.shape[2] == 1:  # (the kernel wrote the result itself)
     out, lse2 = outs[:, :, 0], lse2[:, :, 0]
   elif config.merge == "kernel":
@@ -768,28 +769,34 @@ def forward(inputs: Inputs, params: Params, config: DecodeConfig, pages=None):
   return out.astype(out_dtype), lse2
 
 
-def _fp8_operands(inputs: Inputs) -> tuple[Inputs, jax.Array | None, jax.Array | None]:
-  """An FP8 call as the kernel takes it: ``(inputs, row_factors, v_descale)``, the query's
-  FP8 values as float16 (exact: e4m3's and e5m2's values are float16 values) with no factors
-  left, each query row's factor times its K/V head's key factor ([B, T, N]: the kernel
-  multiplies its logits by it, q · k = (q8 · k8) q_descale k_descale), and the value's factor
-  per query head ([B, 1, N]), which scales the merged output (O is linear in V). The kernel
+def _fp8_operands(inputs: Inputs) -> tuple[Inputs, jax.Array | None, jax.Array | None,
+                                            jax.Array | None]:
+  """An FP8 call as the kernel takes it: ``(inputs, row_factors, key_factors, v_descale)``,
+  the query's FP8 values as float16 (exact: e4m3's and e5m2's values are float16 values) with
+  no factors left, each query row's factor times its K/V head's key factor ([B, T, N]: the
+  kernel multiplies its logits by it, q · k = (q8 · k8) q_descale k_descale), a key factor per
+  token where the cache has one ([B, S, K], None otherwise: the kernel multiplies each key's
+  logits by it), and the value's factor per query head ([B, 1, N]), which scales the merged
+  output (O is linear in V). The kernel
   converts each FP8 K/V tile to float16 in registers after its load, one conversion per pair
   of entries: both products then take exact operands. ``(inputs, None, None)`` for other
   calls."""
   if not fp8.is_fp8(inputs.query.dtype):
-    return inputs, None, None
+    return inputs, None, None, None
   b, t, n, _ = inputs.query.shape
   groups = n // inputs.key.shape[2]
   per_head = lambda d: jnp.repeat(d, groups, axis=2)  # [B, 1, K] -> [B, 1, N]  # noqa: E731
   factors = jnp.ones((b, t, n), jnp.float32)
   if inputs.q_descale is not None:
     factors = factors * inputs.q_descale  # [B, T or 1, N]
-  if inputs.k_descale is not None:  # ([B, 1, K]: `unsupported` declines one per token)
+  key_factors = None
+  if inputs.k_descale is not None and inputs.k_descale.shape[1] > 1:
+    key_factors = inputs.k_descale  # [B, S, K]: the kernel scales each key's logits
+  elif inputs.k_descale is not None:
     factors = factors * per_head(inputs.k_descale)
   v_descale = None if inputs.v_descale is None else per_head(inputs.v_descale)
   return (inputs._replace(query=inputs.query.astype(jnp.float16), q_descale=None,
-                          k_descale=None, v_descale=None), factors, v_descale)
+                          k_descale=None, v_descale=None), factors, key_factors, v_descale)
 
 
 def visible_keys(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -862,7 +869,7 @@ def _merge_in_kernel(outs: jax.Array, lse2: jax.Array, dtype, interpret: bool):
 
 
 def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_keys=None,
-            row_factors=None):
+            row_factors=None, key_factors=None):
   """The kernel over the grid: ``(outs [B, K, splits, G·T, Dv], lse2 [B, K, splits, G·T])``,
   rows (head g, token t) with the token fastest. With one split these are the result itself
   (`_kernel`'s ``whole``), else float32 partial results. ``first_keys`` [B] (None: 0): the
@@ -948,13 +955,17 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
         b, kv_heads, g * t)
     factors_spec = pl.BlockSpec((None, fold, rows), named(
         lambda split, batch, head, row_block: (batch, head, row_block)))
+  key_factors_spec = None
+  if key_factors is not None:  # [B, S, K], read as it lies: a key block's [block_k] of a head
+    key_factors_spec = pl.BlockSpec((None, key_factors.shape[1], fold), named(
+        lambda split, batch, head, row_block: (batch, 0, head)))
   return pl.pallas_call(
       kernel,
       grid=tuple(sizes[axis] for axis in order),
       in_specs=[pl.BlockSpec((None, fold, rows, hp), named(
                     lambda split, batch, head, row_block: (batch, head, row_block, 0))), kv, v_spec,
                 bounds_spec, table_spec,
-                mask_spec, factors_spec],
+                mask_spec, factors_spec, key_factors_spec],
       out_specs=[pl.BlockSpec((None, fold, None, rows, hvp), named(
                      lambda split, batch, head, row_block: (batch, head, split, row_block, 0))),
                  pl.BlockSpec((None, fold, None, rows), named(
@@ -966,4 +977,4 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
                                            num_stages=config.num_stages),
       interpret=params.interpret,
       name="jaxflash_decode_split_kv",
-  )(qg, k, v, bounds, table, mask, factors)
+  )(qg, k, v, bounds, table, mask, factors, key_factors)
