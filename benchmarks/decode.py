@@ -250,11 +250,14 @@ def run(cfg: dict) -> dict:
       vc = kc[..., :dv]
     descales = None
     if quantized:  # an FP8 cache: the query per token; the caches per (batch row, K/V head),
-      # or a paged pool per tensor (its pages belong to no batch row)
+      # or a paged pool per tensor (its pages belong to no batch row); --key-factors token: the
+      # contiguous cache's keys per token
       cache_fp8 = functools.partial(_per_tensor_fp8 if table is not None else
                                     jaxflash.quantize_fp8, dtype=dtype)
       q, qd = jaxflash.quantize_fp8(q, block_size=1, dtype=dtype)
-      kc, kd = cache_fp8(kc)
+      per_token = cfg.get("key_factors") == "token" and table is None and not latent
+      kc, kd = (jaxflash.quantize_fp8(kc, block_size=1, dtype=dtype) if per_token
+                else cache_fp8(kc))
       vc, vd = (kc[..., :dv], None) if latent else cache_fp8(vc)
       descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
     want = (reference(*_real(q, kc, vc, descales, table), lengths, table)
@@ -509,6 +512,10 @@ def main(argv=None) -> None:
   parser.add_argument("--dtype", default="bfloat16",
                       choices=("bfloat16", "float16", "float32", "float8_e4m3fn"),
                       help="the cache's (float8_e4m3fn: an FP8 query and cache with descales)")
+  parser.add_argument("--key-factors", default="head", choices=("head", "token"),
+                      help="an FP8 contiguous cache's key factors: per (batch row, K/V head), or "
+                           "per token ([B, S, K], 4 bytes a token and head more, not counted in "
+                           "the cache's bytes); a paged pool's are per tensor either way")
   parser.add_argument("--calls", type=int, default=20,
                       help="back-to-back calls a timing repeat (the copy's too)")
   parser.add_argument("--steps", type=int, default=1,

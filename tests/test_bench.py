@@ -328,16 +328,19 @@ def test_decode_bench_smoke(tmp_path, monkeypatch):
   assert plot.main([str(out)]) == [png] and png.stat().st_size > 0
 
 
-def test_decode_bench_fp8_cache(tmp_path):
+@pytest.mark.parametrize("key_factors", ["head", "token"])
+def test_decode_bench_fp8_cache(tmp_path, key_factors):
   """benchmarks/decode.py --dtype float8_e4m3fn: an FP8 query and cache (a paged pool with one
-  factor a tensor) checked against the reference of the values they stand for, on the split-KV
-  kernel (Triton's interpreter) and the XLA backend; bytes counted at one a cache entry."""
+  factor a tensor; the contiguous cache's keys per head or per token) checked against the
+  reference of the values they stand for, on the split-KV kernel (Triton's interpreter) and
+  the XLA backend; bytes counted at one a cache entry."""
   import decode
   out = tmp_path / "decode.json"
   decode.main(["--batches", "2", "--seqs", "64", "--heads", "4/2", "--head-dims", "32",
                "--page-size", "32", "--calls", "2", "--repeats", "1", "--interpret",
                "--dtype", "float8_e4m3fn", "--impls", "jaxflash_triton", "jaxflash_xla", "cudnn",
-               "--layouts", "contiguous", "paged", "--out", str(out)])
+               "--layouts", "contiguous", "paged", "--key-factors", key_factors,
+               "--out", str(out)])
   rows = json.loads(out.read_text())["rows"]
   assert {(r["impl"], r["layout"]) for r in rows} == {
       (impl, layout) for impl in ("jaxflash_triton", "jaxflash_xla")
