@@ -541,9 +541,9 @@ def wave_splits(blocks: int, rows: int, sm_count: int, per_sm: int = 4) -> int:
 
 
 def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, factors_ref,
-            key_factors_ref, o_ref, lse_ref, *, params: Params, t: int, rows_used: int, splits: int, block_k: int,
-            page_size: int | None, split_axis: int, head_axis: int, row_blocks: int,
-            whole: bool, st: tiles.Static):
+            key_factors_ref, o_ref, lse_ref, *, params: Params, t: int, rows_used: int,
+            splits: int, block_k: int, page_size: int | None, split_axis: int, head_axis: int,
+            row_blocks: int, whole: bool, st: tiles.Static):
   """One (split, batch row, group of F K/V heads, block of query rows); the split is grid axis
   ``split_axis``, and the head axis ``head_axis`` counts (head group, row block) pairs, row
   blocks fastest. ``q_ref`` is the block's query tiles [F, rows, hp]; ``k_ref`` and ``v_ref``
@@ -777,10 +777,9 @@ def _fp8_operands(inputs: Inputs) -> tuple[Inputs, jax.Array | None, jax.Array |
   kernel multiplies its logits by it, q · k = (q8 · k8) q_descale k_descale), a key factor per
   token where the cache has one ([B, S, K], None otherwise: the kernel multiplies each key's
   logits by it), and the value's factor per query head ([B, 1, N]), which scales the merged
-  output (O is linear in V). The kernel
-  converts each FP8 K/V tile to float16 in registers after its load, one conversion per pair
-  of entries: both products then take exact operands. ``(inputs, None, None)`` for other
-  calls."""
+  output (O is linear in V). The kernel converts each FP8 K/V tile to float16 in registers
+  after its load, one conversion per pair of entries: both products then take exact operands.
+  ``(inputs, None, None, None)`` for other calls."""
   if not fp8.is_fp8(inputs.query.dtype):
     return inputs, None, None, None
   b, t, n, _ = inputs.query.shape
