@@ -131,6 +131,13 @@ def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
   return x8, descale
 
 
+def per_token(descale: jax.Array | None) -> bool:
+  """Whether a canonical descale (`jaxflash._core.Inputs`: [B, L or 1, heads]) holds a factor
+  per token, which a call that cuts the sequence (a key range, a ring's chunk, a key block)
+  must cut with it."""
+  return descale is not None and descale.shape[1] > 1
+
+
 def dequantize(x8: jax.Array, descale: jax.Array | None) -> jax.Array:
   """float32 values of an FP8 array [B, L, heads, D] and its canonical descale [B, L or 1,
   heads] (None: 1; see `jaxflash._core.Inputs`).

@@ -175,11 +175,11 @@ def test_tall_query_tiles(b, t, s, h, page_size, want):
     (8, 131072, 7, 64, None, BF16, (1, 7, ("split", "batch", "head"))),  # an odd K
     (8, 131072, 8, 128, None, BF16, (1, 6, ("split", "batch", "head"))),
     # An FP8 cache's 128-byte rows at D = 128: one head per program on a contiguous cache, pairs
-    # on a paged one (`decode._fp8_contiguous`).
+    # on a paged one (`decode.fp8_config`).
     (8, 32768, 8, 128, None, jnp.float8_e4m3fn, (1, 6, ("split", "batch", "head"))),
     (64, 32768, 8, 128, None, jnp.float8_e4m3fn, (1, 4, ("head", "split", "batch"))),
     (64, 32768, 8, 128, 64, jnp.float8_e4m3fn, (2, 2, ("split", "batch", "head"))),
-    # (fewer pairs than two an SM, long rows: one head on 128-key blocks, `fp8_paged_config`)
+    # (fewer pairs than two an SM, long rows: one head on 128-key blocks, `fp8_config`)
     (8, 32768, 8, 128, 64, jnp.float8_e4m3fn, (1, 6, ("split", "batch", "head"))),
     (1, 131072, 8, 128, 64, jnp.float8_e4m3fn, (1, 49, ("split", "batch", "head"))),
     (8, 4096, 8, 128, 64, jnp.float8_e4m3fn, (2, 16, ("split", "batch", "head"))),
@@ -680,18 +680,18 @@ def test_wave_splits(blocks, rows, want):
   assert fill(splits * rows) >= fill(old * rows)
 
 
-def _fp8_cache(seed: int, b: int, t: int, s: int, n: int, k: int, h: int, per_head):
+def _fp8_cache(seed: int, b: int, t: int, s: int, n: int, k: int, h: int, form: str = "head"):
   """A query and K/V cache in e4m3 with their factors (the query's per token, the cache's per
-  (batch row, K/V head) with ``per_head`` True, per tensor with False, or with "token" the
+  (batch row, K/V head) with ``form`` "head", per tensor with "tensor", or with "token" the
   key's per token and the value's per head) and the float32 values they stand for."""
   q, kk, v, _ = random_qkv(seed, b, t, s, n, k, h, jnp.float32, scale=2.0)
   q8, qd = jaxflash.quantize_fp8(q, block_size=1)
   k8, kd = jaxflash.quantize_fp8(kk)
   v8, vd = jaxflash.quantize_fp8(3.0 * v)
-  if per_head == "token":  # keys of every size: each token's factor matters
+  if form == "token":  # keys of every size: each token's factor matters
     k8, kd = jaxflash.quantize_fp8(kk * jnp.exp(jnp.sin(jnp.arange(s)))[:, None, None],
                                    block_size=1)
-  elif not per_head:  # one factor a tensor
+  elif form == "tensor":  # one factor a tensor
     k8, kd = kk.astype(jnp.float8_e4m3fn), jnp.float32(1.0)
     v8, vd = v.astype(jnp.float8_e4m3fn), jnp.float32(0.5)
   real_k = fp8.dequantize(k8, kd if jnp.ndim(kd) == 3 else kd[:, None] if jnp.ndim(kd) else kd)
@@ -701,9 +701,9 @@ def _fp8_cache(seed: int, b: int, t: int, s: int, n: int, k: int, h: int, per_he
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("t,paged,per_head", [(1, False, True), (3, True, True),
-                                              (2, False, False), (2, False, "token")])
-def test_fp8_cache_matches_its_real_values(implementation, t, paged, per_head, monkeypatch):
+@pytest.mark.parametrize("t,paged,form", [(1, False, "head"), (3, True, "head"),
+                                          (2, False, "tensor"), (2, False, "token")])
+def test_fp8_cache_matches_its_real_values(implementation, t, paged, form, monkeypatch):
   """An FP8 query and K/V cache with descale factors give attention of the values they stand
   for (a float32 reference on the dequantised values): ragged rows (one empty: zeros), GQA,
   factors per token (query; and key, on a contiguous cache), per (batch row, K/V head) and per
@@ -716,7 +716,7 @@ def test_fp8_cache_matches_its_real_values(implementation, t, paged, per_head, m
   kernel = decode.forward
   monkeypatch.setattr(decode, "forward", lambda *a: kernel_calls.append(1) or kernel(*a))
   b, s, n, k, h = 3, 96, 4, 2, 64
-  (q8, k8, v8), descales, (q, kk, v) = _fp8_cache(4, b, t, s, n, k, h, per_head)
+  (q8, k8, v8), descales, (q, kk, v) = _fp8_cache(4, b, t, s, n, k, h, form)
   kv_lengths = jnp.array([96, 40, 0], jnp.int32)
   options = dict(implementation=("triton", "xla") if implementation == "triton" else
                  implementation, interpret=interpret_for(implementation), **descales)
@@ -755,7 +755,7 @@ def test_fp8_latent_cache(implementation):
   """An FP8 latent cache (``value_cache=None``: the values are the keys' first features) takes
   ``k_descale`` for both, ``out_dtype`` float32, and the LSE equals the reference's."""
   b, t, s, n, h, dv = 2, 2, 80, 8, 64, 32
-  (q8, k8, _), descales, (q, kk, _) = _fp8_cache(6, b, t, s, n, 1, h, True)
+  (q8, k8, _), descales, (q, kk, _) = _fp8_cache(6, b, t, s, n, 1, h)
   kv_lengths = jnp.array([80, 33], jnp.int32)
   out, lse = jaxflash.decode_attention(
       q8, k8, None, kv_lengths, value_head_dim=dv, q_descale=descales["q_descale"],
@@ -774,7 +774,7 @@ def test_fp8_cache_with_sinks_and_a_soft_cap(implementation):
   output), and a soft cap takes the real logits: the factors are applied before it (the test
   fails where the kernel leaves them out)."""
   b, t, s, n, k, h = 2, 1, 64, 4, 2, 32
-  (q8, k8, v8), descales, (q, kk, v) = _fp8_cache(8, b, t, s, n, k, h, True)
+  (q8, k8, v8), descales, (q, kk, v) = _fp8_cache(8, b, t, s, n, k, h)
   sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
   kv_lengths = jnp.array([64, 9], jnp.int32)
   out = jaxflash.decode_attention(
@@ -808,7 +808,7 @@ def test_fp8_cache_refuses_bad_factors(args, match):
 @pytest.mark.parametrize("paged", [False, True])
 def test_fp8_cache_has_no_gradient(paged):
   """Differentiating an FP8 decoding call raises (as `flash_attention` on FP8 inputs does)."""
-  (q8, k8, v8), descales, _ = _fp8_cache(7, 1, 1, 32, 2, 1, 16, True)
+  (q8, k8, v8), descales, _ = _fp8_cache(7, 1, 1, 32, 2, 1, 16)
   extra = dict(page_table=jnp.zeros((1, 2), jnp.int32)) if paged else {}
   if paged:
     k8, v8 = k8.reshape(2, 16, 1, 16), v8.reshape(2, 16, 1, 16)

@@ -23,6 +23,7 @@ from jax import lax
 
 from jaxflash import _core
 from jaxflash import block_mask
+from jaxflash import fp8
 from jaxflash._core import Inputs, Params
 from jaxflash.merge import merge
 from jaxflash.merge import with_sinks
@@ -49,7 +50,7 @@ def key_range(inputs: Inputs, start: int, stop: int,
   kv_len = jnp.clip(inputs.lengths[:, 1] - start, 0, stop - start)
   offsets = inputs.offsets if inputs.offsets is not None else jnp.zeros((b, 2), jnp.int32)
   k_descale = inputs.k_descale
-  if k_descale is not None and k_descale.shape[1] > 1:  # per key, [B, S, K]
+  if fp8.per_token(k_descale):  # [B, S, K]
     k_descale = keys(k_descale, 1)
   # A dense mask's words along the keys are sliced where the range starts at a word; else
   # (None) the backend packs the range's keys again. Bits of the last word past ``stop`` lie

@@ -224,10 +224,10 @@ def _pair(inputs: Inputs, params: Params, kv, q_part, kv_part, parts: int, q_sta
   pair = inputs._replace(query=q_sl(inputs.query), key=k_sl(k), value=k_sl(v),
                          q_segment_ids=q_sl(inputs.q_segment_ids),
                          kv_segment_ids=k_sl(kv_seg), lengths=lengths, offsets=offsets)
-  if _per_token(inputs.q_descale):  # (an FP8 call's factors per token: the part's own)
+  if fp8.per_token(inputs.q_descale):  # (an FP8 call's factors per token: the part's own)
     pair = pair._replace(q_descale=q_sl(inputs.q_descale))
   if k_descale is not None:  # (the visiting chunk's factors: `_travelling`)
-    pair = pair._replace(k_descale=k_sl(k_descale) if _per_token(k_descale) else k_descale)
+    pair = pair._replace(k_descale=k_sl(k_descale) if fp8.per_token(k_descale) else k_descale)
   if v_descale is not None:
     pair = pair._replace(v_descale=v_descale)
   return _with_pair_masks(pair, params, starts)
@@ -301,11 +301,6 @@ def _travelling(inputs: Inputs) -> tuple:
   has factors of its own."""
   return (inputs.key, inputs.value, inputs.kv_segment_ids, inputs.k_descale,
           inputs.v_descale)
-
-
-def _per_token(descale) -> bool:
-  """Whether an FP8 call's factor (`Inputs.q_descale`/``k_descale``) is one per token."""
-  return descale is not None and descale.shape[1] > 1
 
 
 def _add_part(acc, share, start):

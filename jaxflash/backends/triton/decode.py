@@ -220,58 +220,52 @@ def default_config(inputs: Inputs, training: Config, device: Device,
   if is_wide(inputs):
     return wide_config(inputs, training, sms, page_size, values_in_keys)
   hp = padded_head_dim(inputs.query.shape[-1])
-  if rows_for(inputs) <= PAIRED_ROWS and (fp8_paged := fp8_paged_config(
-      inputs, training, sms, page_size)):
-    return fp8_paged
-  paired = None
-  if (hp * inputs.key.dtype.itemsize <= 128 and inputs.key.shape[2] % 2 == 0
-      and rows_for(inputs) <= PAIRED_ROWS and not _fp8_contiguous(inputs, page_size)):
-    paired = paired_config(inputs, training, sms, page_size)
-  config = paired or single_config(inputs, training, sms, page_size)
-  b, _, k = inputs.key.shape[:3]
-  if _fp8_contiguous(inputs, page_size) and b * k >= 2 * sms:
-    # Many (batch row, K/V head) pairs: programs of 2 warps (H200, 2026-12-03, B = 64 x 32k,
-    # GQA 32/8, D = 128: 1154 and 1156 µs against 4 warps' 1270 and 1264 in two runs; at B = 8,
-    # 64 pairs, 166 against 160).
-    config = dataclasses.replace(config, num_warps=2)
-  return config
+  # Short key rows (at most 128 bytes a head), an even K and T = 1's query tiles: where two
+  # heads a program can pay, and where an FP8 cache's rows look like a 16-bit cache's.
+  pairable = (hp * inputs.key.dtype.itemsize <= 128 and inputs.key.shape[2] % 2 == 0
+              and rows_for(inputs) <= PAIRED_ROWS)
+  if pairable and fp8.is_fp8(inputs.key.dtype):
+    return fp8_config(inputs, training, sms, page_size)
+  paired = paired_config(inputs, training, sms, page_size) if pairable else None
+  return paired or single_config(inputs, training, sms, page_size)
 
 
-def _fp8_contiguous(inputs: Inputs, page_size: int | None) -> bool:
-  """Whether the cache is a contiguous FP8 one, which pairs of heads read slower although its
-  rows are as short as a 16-bit cache's at half the head dim.
-
-  Why (H200, 2026-12-03, GQA 32/8, D = 128, T = 1, 32k keys, `decode.py --dtype float8_e4m3fn
-  --candidates`; fraction of the copy): one head per program 0.82 against paired heads' 0.71
-  at B = 8, 0.88 against 0.82 at B = 64 (128-key blocks 0.65 and 0.87, 8 warps 0.57 and 0.61,
-  four heads 0.47 and 0.53). A paged FP8 cache keeps its pairs: 0.74 against one head's 0.58 to
-  0.70 at B = 64 (at B = 8 one head on 128-key blocks read 0.76 against 0.69)."""
-  return fp8.is_fp8(inputs.key.dtype) and page_size is None
-
-
-# A paged FP8 cache's rows from which `fp8_paged_config` reads them one head at a time.
+# A paged FP8 cache's rows from which `fp8_config` reads them one head at a time.
 FP8_PAGED_LONG_ROWS = 16384
 
 
-def fp8_paged_config(inputs: Inputs, training: Config, sm_count: int,
-                     page_size: int | None) -> DecodeConfig | None:
-  """One K/V head per program on 128-key blocks (two 64-key pages a step) for a paged FP8 cache
-  whose (batch row, K/V head) pairs are fewer than two per SM and whose rows are long
-  (`FP8_PAGED_LONG_ROWS`), with `wave_splits`'s splits; None elsewhere (paired heads then, as a
-  16-bit cache's rows of the same bytes get).
+def fp8_config(inputs: Inputs, training: Config, sm_count: int,
+               page_size: int | None) -> DecodeConfig:
+  """The launch for an FP8 cache whose rows the 16-bit rules would pair (`default_config`: an
+  FP8 row of D = 128 is 128 bytes, as a bf16 row of D = 64), tuned for FP8 tiles, which are
+  converted in registers after their load:
+  - a contiguous cache: one K/V head a program (`single_config`), in programs of 2 warps where
+    the (batch row, K/V head) pairs make at least two programs an SM;
+  - a paged one whose pairs are fewer than two an SM and whose rows are long
+    (`FP8_PAGED_LONG_ROWS`): one head a program on 128-key blocks (two 64-key pages a step),
+    `wave_splits`'s splits;
+  - other paged ones: the 16-bit rules (`paired_config`).
 
-  Why (H200, 2026-12-03, GQA 32/8, D = 128, T = 1, 64-key pages, `decode.py --dtype
-  float8_e4m3fn --candidates`; µs, against paired heads on 64-key blocks): B = 1 x 128k 101.8
-  against 114.6, B = 8 x 32k 178.8 against 195.3, 8 x 128k 639.7 against 698.9; but 8 x 4k
-  65.3 against 56.5 and B = 64 (512 pairs) 1523 against 1382 at 32k, 224.8 against 197.7 at
-  4k."""
+  Why (H200, 2026-12-03, GQA 32/8, D = 128, T = 1, `decode.py --dtype float8_e4m3fn
+  --candidates`):
+  - contiguous, 32k keys, fraction of the copy: one head a program 0.82 against paired heads'
+    0.71 at B = 8, 0.88 against 0.82 at B = 64 (128-key blocks 0.65 and 0.87, 8 warps 0.57 and
+    0.61, four heads 0.47 and 0.53); then at B = 64 (512 pairs) 2 warps 1154 and 1156 µs
+    against 4 warps' 1270 and 1264 in two runs, but at B = 8 (64 pairs) 166 against 160;
+  - 64-key pages, µs against paired heads on 64-key blocks: B = 1 x 128k 101.8 against 114.6,
+    B = 8 x 32k 178.8 against 195.3, 8 x 128k 639.7 against 698.9; but 8 x 4k 65.3 against
+    56.5, and at B = 64 (512 pairs) 1523 against 1382 at 32k and 224.8 against 197.7 at 4k."""
   b, s, k = inputs.key.shape[:3]
-  if (page_size is None or not fp8.is_fp8(inputs.key.dtype) or b * k >= 2 * sm_count
-      or s < FP8_PAGED_LONG_ROWS):
-    return None
-  block_k = tiles.fit(128, s)
-  return DecodeConfig(splits=wave_splits(pl.cdiv(s, block_k), b * k, sm_count), block_k=block_k,
-                      num_stages=3, training=training)
+  many = b * k >= 2 * sm_count
+  if page_size is None:
+    config = single_config(inputs, training, sm_count)
+    return dataclasses.replace(config, num_warps=2) if many else config
+  if not many and s >= FP8_PAGED_LONG_ROWS:
+    block_k = tiles.fit(128, s)
+    return DecodeConfig(splits=wave_splits(pl.cdiv(s, block_k), b * k, sm_count),
+                        block_k=block_k, num_stages=3, training=training)
+  return (paired_config(inputs, training, sm_count, page_size)
+          or single_config(inputs, training, sm_count, page_size))
 
 
 # Where a contiguous cache's pairs fit on the GPU at once, a program of two heads pays only if
@@ -789,7 +783,7 @@ def _fp8_operands(inputs: Inputs) -> tuple[Inputs, jax.Array | None, jax.Array |
   if inputs.q_descale is not None:
     factors = factors * inputs.q_descale  # [B, T or 1, N]
   key_factors = None
-  if inputs.k_descale is not None and inputs.k_descale.shape[1] > 1:
+  if fp8.per_token(inputs.k_descale):
     key_factors = inputs.k_descale  # [B, S, K]: the kernel scales each key's logits
   elif inputs.k_descale is not None:
     factors = factors * per_head(inputs.k_descale)
