@@ -265,8 +265,11 @@ def run(cfg: dict) -> dict:
     if nbytes not in copies:
       copies[nbytes] = copy_tb_s(nbytes, cfg["calls"], cfg.get("steps") or 1)
     copy_tbs = copies[nbytes]
+    # (Four significant digits, not three decimals: a tiny cell's copy on a CPU, 16 KiB in the
+    # smoke tests, moves well under 0.0005 TB/s, and rounded to 0 it left `of_copy` a division
+    # by zero.)
     base = dict(B=b, S=s, T=t, N=n, K=k, D=d, layout=layout, dtype=dtype.name, bytes=nbytes,
-                copy_tb_s=round(copy_tbs, 3))
+                copy_tb_s=float(f"{copy_tbs:.4g}"))
     if dv != d:
       base["Dv"] = dv
     if latent:
