@@ -844,8 +844,27 @@ def _mosaic_mla(monkeypatch) -> list:
   return _spy_split_kv(monkeypatch, "mosaic")
 
 
+def _transposed(monkeypatch, on: bool, **fields) -> list:
+  """Sets the Mosaic GPU decoding kernel's ``transposed`` (the keys as the wgmma's M) and other
+  ``fields`` of its config for the calls that follow; returns a list that records, per call,
+  whether the transposed kernel ran."""
+  from jaxflash.backends.mosaic import decode
+  shipped, runs = decode.default_config, decode.runs_transposed
+  monkeypatch.setattr(decode, "default_config", lambda *a, **kw: dataclasses.replace(
+      shipped(*a, **kw), transposed=on, **fields))
+  seen = []
+  monkeypatch.setattr(decode, "runs_transposed", lambda *a: seen.append(runs(*a)) or seen[-1])
+  return seen
+
+
 @pytest.mark.parametrize("b,t,s,n,h,hv,page_size,options", [
     (2, 1, 200, 16, 576, 512, None, {}),  # 16 of 64 rows, 4 splits, a partial last block
+    # The keys as the wgmma's M (`decode_transposed`): 16 and 32 columns, pages, a soft cap,
+    # sinks, lengths past the cache and below 0
+    (2, 1, 200, 16, 576, 512, None, dict(transposed=True)),
+    (3, 2, 512, 16, 576, 512, 128, dict(transposed=True, logits_soft_cap=3.0, sinks=True)),
+    (2, 2, 448, 16, 576, 512, None, dict(transposed=True, splits=1)),  # 7 blocks a split
+    (2, 1, 128, 8, 448, 384, None, dict(transposed=True, out_of_range=True)),
     (2, 2, 128, 128, 576, 512, 64, {}),  # two row blocks of 64, 64-key pages
     (3, 3, 512, 16, 320, 256, 128, {}),  # 48 rows, two blocks a page, a row shorter than T
     # O's halves in three pieces of 64 columns; lengths past the cache and below 0 (the
@@ -861,6 +880,9 @@ def test_mosaic_decode_mla(b, t, s, n, h, hv, page_size, options, monkeypatch):
   must see nothing there."""
   ran = _mosaic_mla(monkeypatch)
   options = dict(options)  # (the parameter's own dict stays as it is)
+  transposed = options.pop("transposed", False)
+  fields = {"splits": options.pop("splits")} if "splits" in options else {}
+  ran_transposed = _transposed(monkeypatch, transposed, **fields)
   q, latent, _, d_out = _qkv(16, b, t, s, n, 1, h, hv, dtype=jnp.bfloat16)
   lengths = jnp.array([s, s // 2 + 3, t - 1][:b], jnp.int32)
   if options.pop("out_of_range", False):
@@ -879,6 +901,7 @@ def test_mosaic_decode_mla(b, t, s, n, h, hv, page_size, options, monkeypatch):
   f32 = [x.astype(F32) for x in (q, latent)]
   out, vjp = jax.vjp(jax.jit(ours), q, cache, sinks)
   assert ran  # (traced once or more: the interpreter runs the whole call unjitted)
+  assert ran_transposed and set(ran_transposed) == {transposed}
   chex.assert_shape(out, (b, t, n, hv))
   want, want_vjp = jax.vjp(jax.jit(xla), *f32, sinks)
   assert rel_err(out.astype(F32), want) <= 1e-2
@@ -906,6 +929,53 @@ def test_mosaic_decode_mla_nan_and_empty_rows(monkeypatch):
   nan = np.isnan(np.asarray(out, np.float32)).any(axis=-1)
   assert nan[0, 0, 5] and nan.sum() == 1
   assert not np.asarray(out[1], np.float32).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,t,s,page_size,options", [
+    (2, 1, 3000, None, {}),  # 16 columns, 47 splits, a partial last block
+    (3, 2, 1536, 64, dict(logits_soft_cap=30.0)),  # 32 columns, pages, a row shorter than T
+    (2, 2, 776, None, dict(sinks=True)),
+])
+def test_mosaic_decode_mla_transposed_on_gpu(b, t, s, page_size, options, monkeypatch):
+  """The keys as the wgmma's M (`decode_transposed`, 16 heads) against the rows as M and the
+  float32 reference, compiled: output and query gradient. NaN in one head's query stays in
+  that head's rows; a batch row with an empty cache gives zeros."""
+  if not mosaic.is_hopper(devices.current()):
+    pytest.skip("needs a Hopper GPU")
+  ran = _spy_split_kv(monkeypatch, "mosaic")
+  options = dict(options)
+  q, latent, _, d_out = _qkv(21, b, t, s, 16, 1, 576, 512, dtype=jnp.bfloat16)
+  lengths = jnp.array([s, s // 3, 0][:b], jnp.int32)
+  cache, table = _pages(latent, page_size, 5) if page_size else (latent, None)
+  sinks = jax.random.normal(jax.random.key(22), (16,)) if options.pop("sinks", False) else None
+
+  def call(q):
+    return jaxflash.decode_attention(q, cache, None, lengths, value_head_dim=512,
+                                     page_table=table, sinks=sinks, **options)
+
+  def out_and_dq():  # (a new function each time: jit would reuse its trace of the last one)
+    out, vjp = jax.vjp(jax.jit(lambda q: call(q)), q)
+    return out, vjp(d_out.astype(out.dtype))[0]
+
+  results = {}
+  for on in (False, True):
+    seen = _transposed(monkeypatch, on)
+    jax.clear_caches()
+    results[on] = out_and_dq()
+    assert seen and set(seen) == {on}
+  assert ran
+  for got, want in zip(results[True], results[False]):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=2e-2, atol=2e-2)
+  if sinks is None and not options:  # (the others are checked in the interpreter's test)
+    want = _decode_reference(*(x.astype(F32) for x in (q, latent, latent[..., :512])), lengths)
+    assert rel_err(results[True][0].astype(F32), want) <= 1e-2
+  if b > 2:
+    assert not np.asarray(results[True][0][2], np.float32).any()
+  q = q.at[0, 0, 5, 7].set(jnp.nan)
+  nan = np.isnan(np.asarray(jax.jit(lambda q: call(q))(q), np.float32)).any(axis=-1)
+  assert nan[0, 0, 5] and nan.sum() == 1
 
 
 @pytest.mark.parametrize("n,t,latent,dtype,want", [
@@ -936,7 +1006,7 @@ def test_mosaic_decode_mla_declines(n, t, latent, dtype, want):
                                         (64, 8192, 16, 2), (32, 8192, 128, 2), (1, 256, 16, 4)])
 def test_mosaic_decode_mla_launch(b, s, n, want):
   """One wave: splits that bring (batch row, K/V head, row block) CTAs closest to an H200's
-  132 SMs, none without a key block."""
+  132 SMs, none without a key block; groups of up to 32 query rows with the keys as M."""
   from jaxflash import _core
   from jaxflash.backends.mosaic import decode
   q = jnp.zeros((b, 1, n, 576), jnp.bfloat16)
@@ -944,6 +1014,11 @@ def test_mosaic_decode_mla_launch(b, s, n, want):
   inputs = _core.Inputs(q, latent_cache, latent_cache[..., :512], jnp.zeros((b, 2), jnp.int32))
   config = decode.default_config(inputs, None, devices.Device("gpu", "NVIDIA H200", True))
   assert config.splits == want and config.num_stages == 2
+  assert config.transposed == (n == 16) == decode.runs_transposed(inputs, config)
+  two_tokens = inputs._replace(query=jnp.zeros((b, 2, n, 576), jnp.bfloat16))
+  assert decode.default_config(two_tokens, None, devices.Device(
+      "gpu", "NVIDIA H200", True)).transposed == (n == 16)
+  assert not decode.transposed_serves(48) and not decode.transposed_serves(12)
 
 
 def test_mosaic_decode_mla_lowers_for_cuda(cuda_plugin):
@@ -960,6 +1035,8 @@ def test_mosaic_decode_mla_lowers_for_cuda(cuda_plugin):
         q, c, None, ln, value_head_dim=512, page_table=tb if paged else None),
         q, cache, table, lengths)
     assert "jaxflash_mosaic_decode_mla" in text and "jaxflash_decode_split_kv" not in text
+    # (16 heads: the keys as the wgmma's M, `decode_transposed`)
+    assert ("jaxflash_mosaic_decode_mla_transposed" in text) == (n == 16)
   q = jax.ShapeDtypeStruct((2, 1, 16, 576), jnp.bfloat16)
   cache = jax.ShapeDtypeStruct((2, 4096, 1, 576), jnp.bfloat16)
   text = lower_for_cuda(lambda q, c, ln: jaxflash.decode_attention(
@@ -978,7 +1055,7 @@ def test_mosaic_decode_mla_kernel_merge_lowers_for_cuda(cuda_plugin, monkeypatch
   from jaxflash.backends.mosaic import decode
   shipped = decode.default_config
   monkeypatch.setattr(decode, "default_config", lambda *a, **kw: dataclasses.replace(
-      shipped(*a, **kw), merge_in_kernel=True))
+      shipped(*a, **kw), merge_in_kernel=True, transposed=False))
   q = jax.ShapeDtypeStruct((1, 2, 16, 576), jnp.bfloat16)
   cache = jax.ShapeDtypeStruct((1, 4096, 1, 576), jnp.bfloat16)
   text = lower_for_cuda(lambda q, c, ln: jaxflash.decode_attention(
@@ -1051,7 +1128,7 @@ def test_mosaic_decode_mla_merge_on_gpu(b, t, n, s, page_size, monkeypatch):
   by_xla = out_and_dq()
   shipped = decode.default_config
   monkeypatch.setattr(decode, "default_config", lambda *a, **kw: dataclasses.replace(
-      shipped(*a, **kw), merge_in_kernel=True))
+      shipped(*a, **kw), merge_in_kernel=True, transposed=False))
   merged = out_and_dq()
   assert ran and merges[0] is False and merges[-1] is True
   for got, want in zip(merged, by_xla):
@@ -1079,7 +1156,9 @@ def test_mosaic_decode_mla_merges_in_kernel():
   params = _core.Params(scale=1.0, window=masking.Window(None, 0), values_in_keys=True)
   shipped = decode.default_config(inputs, None, devices.Device("gpu", "NVIDIA H200", True))
   assert not decode.merges_in_kernel(inputs, params, shipped)
-  config = dataclasses.replace(shipped, merge_in_kernel=True)
+  config = dataclasses.replace(shipped, merge_in_kernel=True, transposed=False)
   assert decode.merges_in_kernel(inputs, params, config)
+  # (the transposed kernel, shipped at 16 heads, has no merge of its own)
+  assert not decode.merges_in_kernel(inputs, params, dataclasses.replace(config, transposed=True))
   assert not decode.merges_in_kernel(inputs._replace(sinks=jnp.zeros((16,))), params, config)
   assert not decode.merges_in_kernel(inputs, dataclasses.replace(params, interpret=True), config)

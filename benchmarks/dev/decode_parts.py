@@ -38,10 +38,18 @@ VARIANTS = {
     # The splits merged by the kernel's last CTA of each group. (A config field: the call's
     # trace is cached on its config, so a function patched under it is not traced again.)
     "kernel_merge": (mla, "default_config", lambda *a, _shipped=mla.default_config, **kw: (
-        dataclasses.replace(_shipped(*a, **kw), merge_in_kernel=True))),
+        dataclasses.replace(_shipped(*a, **kw), merge_in_kernel=True, transposed=False))),
 }
 # That merge with one item in flight a consumer (each waited for before the next is asked for).
 VARIANTS["kernel_merge_1_buffer"] = [(mla, "MERGE_BUFFERS", 1), VARIANTS["kernel_merge"]]
+# The rows as the wgmma's M at 16 heads (the kernel before `decode_transposed` shipped there).
+VARIANTS["rows_as_m"] = (mla, "default_config", lambda *a, _shipped=mla.default_config, **kw: (
+    dataclasses.replace(_shipped(*a, **kw), transposed=False)))
+# A probe of the kernel's ceiling without tensor work (wrong results): every wgmma left out, the
+# rest (loads, softmax on zero scores, hand-offs, stores) as shipped. Of the 64-row kernel
+# (with `rows_as_m`) it measured what a kernel with fewer products could gain at most (5-7%);
+# the transposed kernel took 2-4% of it (docs/decoding.md).
+VARIANTS["no_products"] = (mla.plgpu, "wgmma", lambda *a, **k: None)
 
 
 @contextlib.contextmanager

@@ -264,10 +264,14 @@ device_description_str: "{H100_KIND}"
 
 
 # Absorbed MLA's decoding on the latent cache (the Mosaic GPU kernel of
-# `jaxflash.backends.mosaic.decode`): name -> (query heads, new tokens, splits merged in the
-# kernel), B = 32, 8k, 576/512.
-DECODE_CONFIGS = {"decode_mla_16": (16, 1, False), "decode_mla_128": (128, 1, False),
-                  "decode_mla_16_merge": (16, 1, True)}
+# `jaxflash.backends.mosaic.decode`): name -> (query heads, new tokens, MlaDecodeConfig fields
+# changed), B = 32, 8k, 576/512.
+# At 16 heads the shipped kernel is the transposed one (`decode_transposed`); ``_rows_as_m``
+# names the 64-row kernel there.
+DECODE_CONFIGS = {"decode_mla_16": (16, 1, {}), "decode_mla_16_t2": (16, 2, {}),
+                  "decode_mla_128": (128, 1, {}),
+                  "decode_mla_16_rows_as_m": (16, 1, dict(transposed=False)),
+                  "decode_mla_16_merge": (16, 1, dict(merge_in_kernel=True, transposed=False))}
 
 
 def aot_mesh():
@@ -336,10 +340,9 @@ def compile_decode(name: str, aot: bool) -> None:
   import dataclasses
   from jaxflash.backends.mosaic import decode
 
-  heads, tokens, merge = DECODE_CONFIGS[name]
+  heads, tokens, fields = DECODE_CONFIGS[name]
   shipped = decode.default_config
-  decode.default_config = lambda *a, **kw: dataclasses.replace(shipped(*a, **kw),
-                                                               merge_in_kernel=merge)
+  decode.default_config = lambda *a, **kw: dataclasses.replace(shipped(*a, **kw), **fields)
   sharding = None
   if aot:
     from jax.sharding import NamedSharding, PartitionSpec

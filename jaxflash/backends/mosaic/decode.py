@@ -68,6 +68,9 @@ MAX_HEAD_DIM = 576  # Q and two stages of [64, H] key tiles fill the 227 KiB of 
 REGISTERS = 240  # each consumer's; the producer keeps what is left (`producer_registers`)
 MERGE_PIECE = 64  # O's columns a consumer merges at a time (a [64, 64] float32 tile)
 MERGE_BUFFERS = 4  # a consumer's split-and-piece tiles in flight in the merge (16 KiB each)
+# Groups of up to this many query rows run with the keys as the wgmma's M (`decode_transposed`):
+# its Oᵀ takes 4 registers a thread per row.
+TRANSPOSED_ROWS = 32
 INTERPRETER_PARTITIONS = False  # (as the Mosaic backend's: `jaxflash.backends.base.Backend`)
 
 
@@ -76,12 +79,15 @@ class MlaDecodeConfig:
   """The launch: ``splits`` CTAs per (batch row, K/V head, row block), ``num_stages`` key
   blocks in flight, whether the last split of each group merges the splits' results in the
   kernel (``merge_in_kernel``, opt-in: one kernel a call, but slower today, see `forward`;
-  else XLA merges them after it), and the config of the training backend that runs the
-  backward (``training``)."""
+  else XLA merges them after it), whether a group of few query rows runs the kernel with the
+  keys as the wgmma's M (``transposed``: `decode_transposed`, for the groups
+  `transposed_serves`), and the config of the training backend that runs the backward
+  (``training``)."""
 
   splits: int
   num_stages: int = 2
   merge_in_kernel: bool = False
+  transposed: bool = False
   training: Any = None
 
   def __post_init__(self):
@@ -133,15 +139,19 @@ def paged_block(page_size: int) -> bool:
 
 def default_config(inputs: Inputs, training, device: Device, page_size: int | None = None,
                    values_in_keys: bool = True) -> MlaDecodeConfig:
-  """One wave of CTAs (one fits an SM: its tiles take 225 KiB of shared memory): the splits
-  that bring the (batch row, K/V head, row block) groups closest to the SM count."""
+  """One wave of CTAs (one fits an SM: its tiles take 225 KiB of shared memory, the transposed
+  kernel's 165 KiB): the splits that bring the (batch row, K/V head, row block) groups closest
+  to the SM count. Groups of up to `TRANSPOSED_ROWS` query rows run transposed: 1-4% faster a
+  call at 16 heads (H200, 2026-12-03, `decode_mla.json` run `mla_transposed_ab_2026-12-03`;
+  docs/decoding.md)."""
   del page_size, values_in_keys
   b, s, kv_heads = inputs.key.shape[:3]
   t, n = inputs.query.shape[1:3]
   groups = b * kv_heads * pl.cdiv(t * n // kv_heads, ROWS)  # (row blocks of G·T rows each)
   blocks = pl.cdiv(s, BLOCK_K)
   splits = max(1, round(sm_count(device.kind) / groups))
-  return MlaDecodeConfig(splits=used_splits(blocks, splits), training=training)
+  return MlaDecodeConfig(splits=used_splits(blocks, splits), training=training,
+                         transposed=transposed_serves(_group_rows(inputs)))
 
 
 def merge_packing(q_rows: int, half: int) -> tuple[int, int]:
@@ -535,10 +545,29 @@ def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, out_ref, lse_ref, final_out
     fwd.observe_last_releases(count, stages, k_free)
 
 
+def transposed_serves(rows: int) -> bool:
+  """Whether `decode_transposed`'s kernel serves a group of ``rows`` query rows (G·T): whole
+  8-column pieces of its N, up to `TRANSPOSED_ROWS`."""
+  return rows % 8 == 0 and rows <= TRANSPOSED_ROWS
+
+
+def _group_rows(inputs: Inputs) -> int:
+  """A K/V head's query rows, G·T."""
+  return inputs.query.shape[2] // inputs.key.shape[2] * inputs.query.shape[1]
+
+
+def runs_transposed(inputs: Inputs, config: MlaDecodeConfig) -> bool:
+  """Whether a call runs `decode_transposed`'s kernel: as configured, for the group sizes it
+  serves."""
+  return config.transposed and transposed_serves(_group_rows(inputs))
+
+
 def merges_in_kernel(inputs: Inputs, params: Params, config: MlaDecodeConfig) -> bool:
   """Whether the kernel merges the splits itself (`forward`): as configured, where no sinks
-  join the merge and not in the interpreter, which has no semaphores."""
-  return config.merge_in_kernel and inputs.sinks is None and not params.interpret
+  join the merge, not in the interpreter, which has no semaphores, and not in the transposed
+  kernel."""
+  return (config.merge_in_kernel and inputs.sinks is None and not params.interpret
+          and not runs_transposed(inputs, config))
 
 
 def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None):
@@ -571,6 +600,10 @@ def forward(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None)
 def partial_results(inputs: Inputs, params: Params, config: MlaDecodeConfig, pages=None):
   """The kernel's results before the merge: float32 ``(out [B, K, splits, G·T, Dv], lse2 [B,
   K, splits, G·T])`` per split of the keys, query rows token-major (`forward`)."""
+  if runs_transposed(inputs, config):
+    from jaxflash.backends.mosaic import decode_transposed  # (it builds on this module)
+    return decode_transposed.partial_results(inputs, params, config.splits, config.num_stages,
+                                             pages)
   return _launch(inputs, params, config, pages, merge=False)
 
 
