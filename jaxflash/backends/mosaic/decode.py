@@ -33,6 +33,10 @@ result is [B, T, N, Dv] with no transpose on either side at MQA. Token t sits at
 + diagonal`` and sees keys below ``kv_len`` and (with a causal band, ``right`` its offset) up
 to ``t + diagonal + right``. Blocks every row sees in full skip the element mask.
 
+Groups of up to `TRANSPOSED_ROWS` query rows (16 heads at T = 1 or 2) run another kernel by
+default, `decode_transposed`, whose products take the keys as M and the rows as N instead of
+padding them to 64 rows; it shares this module's launch rules, masking and merge.
+
 With ``params.interpret`` the kernel runs in Mosaic GPU's interpreter (tests on a CPU), which
 has no wgmma operand in registers and no ``run_state``: there the P V products are plain dots
 of the same tiles.

@@ -4,8 +4,8 @@
 every Hopper wgmma. At 16 heads (T = 1 or 2) that is 16 or 32 rows of 64: three quarters or
 half of its tensor work multiplies padding, and a CTA's products then take about as long as
 its key block takes to arrive (H200, 2026-12-03: the kernel without any product ran 5-7%
-faster, `benchmarks/dev/decode_parts.py --variants no_products`). This kernel turns the
-products round, FlashDecoding's way for few rows: with the R = G·T query rows as N,
+faster, `benchmarks/dev/decode_parts.py --variants no_products`). This kernel turns both
+products round, with the R = G·T query rows as the wgmma's N:
 
   Sᵀ = K Qᵀ      ([64 keys, R], M = the block's 64 keys, K = the head's H features)
   Oᵀ += Vᵀ Pᵀ    ([Dv, R], M = Dv, K = the block's 64 keys)
@@ -36,11 +36,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
 
 from jaxflash import _core
 from jaxflash._core import Inputs, Params
-from jax.experimental.mosaic import gpu as mgpu
-
 from jaxflash.backends.mosaic import backward as bwd
 from jaxflash.backends.mosaic import decode
 from jaxflash.backends.mosaic import forward as fwd
@@ -97,7 +96,8 @@ def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, out_ref, lse_ref, q_tiles, 
     # The column max is taken of unscaled values and scaled once: x c - m is one multiply-add.
     c = _core.LOG2_E if soft_cap is not None else params.scale * _core.LOG2_E
     shape = (BLOCK_K, rows)
-    plgpu.barrier_wait(q_ready)
+    with jax.named_scope("decode_q_wait"):
+      plgpu.barrier_wait(q_ready)
 
     def scores(slot):
       """Sᵀ = K_slot Qᵀ, waited for. (Q's resident tile is indexed through a zero read at each
@@ -133,22 +133,31 @@ def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, out_ref, lse_ref, q_tiles, 
       """Visit n (block j): Sᵀ, the softmax, Pᵀ to shared memory, Oᵀ += Vᵀ Pᵀ."""
       acc, m, l = carry
       slot = slot_of(n)
-      plgpu.barrier_wait(k_ready.at[slot])
-      p, m, l, alpha = softmax(j, scores(slot), m, l, masked)
-      # P ([R, 64]) as the second product's B: the last product that read it has been waited
-      # for (below), and every thread's part is written before the product is issued.
-      p_smem.T[...] = plgpu.layout_cast(p.astype(q_tiles.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-      plgpu.commit_smem()
-      if not params.interpret:
-        fwd._emit(mgpu.utils.warpgroup_barrier)
-      acc = acc * _cols(alpha, acc.shape)
-      if params.interpret:  # (no run_state there)
-        acc = acc + jnp.dot(values(slot)[...], p_smem[...].T, preferred_element_type=jnp.float32)
-      else:
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, values(slot), p_smem.T)
+      # (The named scopes are regions of Mosaic GPU's in-kernel profiler, which
+      # benchmarks/dev/decode_trace.py turns on; without it they emit nothing.)
+      with jax.named_scope("decode_k_wait"):
+        plgpu.barrier_wait(k_ready.at[slot])
+      with jax.named_scope("decode_scores"):
+        s = scores(slot)
+      with jax.named_scope("decode_softmax"):
+        p, m, l, alpha = softmax(j, s, m, l, masked)
+        # P ([R, 64]) as the second product's B: the last product that read it has been
+        # waited for (below), and every thread's part is written before the product is issued.
+        p_smem.T[...] = plgpu.layout_cast(p.astype(q_tiles.dtype),
+                                          plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.commit_smem()
+        if not params.interpret:
+          fwd._emit(mgpu.utils.warpgroup_barrier)
+      with jax.named_scope("decode_pv"):
+        acc = acc * _cols(alpha, acc.shape)
+        if params.interpret:  # (no run_state there)
+          acc = acc + jnp.dot(values(slot)[...], p_smem[...].T,
+                              preferred_element_type=jnp.float32)
+        else:
+          def pv(acc_ref):
+            plgpu.wgmma(acc_ref, values(slot), p_smem.T)
 
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # (waits for the product at its end)
+          acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # (waits for the product at its end)
       plgpu.barrier_arrive(k_free.at[slot])
       return acc, m, l
 
