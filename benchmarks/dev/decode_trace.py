@@ -41,7 +41,9 @@ from jaxflash.backends.mosaic import decode as mla
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_parts import call, compile_with, random_call_args  # noqa: E402
 
-WARPGROUPS = 3  # the kernel's two consumers and its producer
+# Warpgroups a CTA: the 64-row kernel's two consumers and producer (the transposed kernel,
+# `decode_transposed` at 16 heads, has `MlaDecodeConfig.transposed_consumers` and a producer).
+WARPGROUPS = 3
 
 
 def threads_of(trace: dict) -> dict[tuple[int, int], list[dict]]:
@@ -52,7 +54,8 @@ def threads_of(trace: dict) -> dict[tuple[int, int], list[dict]]:
   return {k: sorted(v, key=lambda e: e["ts"]) for k, v in by_thread.items()}
 
 
-def scope_times(trace: dict, merging_only: bool) -> dict[int, dict[str, list[float]]]:
+def scope_times(trace: dict, merging_only: bool,
+                warpgroups: int = WARPGROUPS) -> dict[int, dict[str, list[float]]]:
   """``{warpgroup: {scope: [kcycles an occurrence]}}`` over a trace's begin/end pairs, each
   thread's events nested, and ``"threads"`` one entry a thread counted; with
   ``merging_only``, the threads that merged (a ``merge`` scope) only. (Mosaic GPU's profiler
@@ -62,7 +65,7 @@ def scope_times(trace: dict, merging_only: bool) -> dict[int, dict[str, list[flo
   for (_, tid), events in threads_of(trace).items():
     if merging_only and not any(e["name"] == "merge" for e in events):
       continue
-    warpgroup = (tid - 1) % WARPGROUPS  # (tid: 1 + the trace's index)
+    warpgroup = (tid - 1) % warpgroups  # (tid: 1 + the trace's index)
     open_scopes = []
     for event in events:
       if event["ph"] == "B":
@@ -74,13 +77,14 @@ def scope_times(trace: dict, merging_only: bool) -> dict[int, dict[str, list[flo
   return times
 
 
-def cta_spread(trace: dict, clock_ghz: float) -> dict[str, float]:
+def cta_spread(trace: dict, clock_ghz: float,
+               warpgroups: int = WARPGROUPS) -> dict[str, float]:
   """The CTAs' starts (µs after the first, from ``%globaltimer``), their run times (kcycles,
   first event to last of any of their warpgroups) and the span from the first start to the last
   end (µs, the run times at ``clock_ghz``)."""
   by_cta = collections.defaultdict(list)
   for (sm, tid), events in threads_of(trace).items():
-    by_cta[(sm, (tid - 1) // WARPGROUPS)].extend(events)
+    by_cta[(sm, (tid - 1) // warpgroups)].extend(events)
   starts, runs = [], []
   for events in by_cta.values():
     first = min(e["ts"] for e in events)  # (the first event's ts is its start time exactly)
@@ -94,11 +98,12 @@ def cta_spread(trace: dict, clock_ghz: float) -> dict[str, float]:
               span_us=float(ends.max()), run_max_us=float(runs.max() / clock_ghz))
 
 
-def scope_rows(trace: dict, merging_only: bool = False) -> list[dict]:
+def scope_rows(trace: dict, merging_only: bool = False,
+               warpgroups: int = WARPGROUPS) -> list[dict]:
   """`scope_times` as rows, per warpgroup and scope: occurrences a thread (``count``), the
   median and 90th percentile of one, and the total a thread (kcycles)."""
   rows = []
-  for wg, times in sorted(scope_times(trace, merging_only).items()):
+  for wg, times in sorted(scope_times(trace, merging_only, warpgroups).items()):
     threads = len(times.pop("threads", []))
     for name, values in sorted(times.items()):
       rows.append(dict(warpgroup=wg, scope=name, count=len(values) / threads,
@@ -122,16 +127,17 @@ def only_scopes(names):
 
 
 def traced(b: int, s: int, t: int, heads: int, splits: int | None, merge: bool, space: int,
-           scopes, out: Path) -> Path:
+           scopes, out: Path, fields: dict | None = None) -> Path:
   """Runs the kernel once with the profiler on (the ``merge*`` scopes in ``scopes`` recorded;
-  ``splits`` None: the shipped count), checked against the shipped call; returns the trace
-  file."""
+  ``splits`` None: the shipped count; ``fields``: other `MlaDecodeConfig` fields), checked
+  against the shipped call; returns the trace file."""
   args = random_call_args(b, s, t, heads)
   shipped = mla.default_config
 
   def config(*a, **kw):
     made = shipped(*a, **kw)
-    return dataclasses.replace(made, merge_in_kernel=merge, splits=splits or made.splits)
+    return dataclasses.replace(made, merge_in_kernel=merge, splits=splits or made.splits,
+                               **(fields or {}))
 
   return profiled_trace(call, args, [(mla, "default_config", config),
                                      (jax, "named_scope", only_scopes(scopes))], space, out,
@@ -175,6 +181,8 @@ def main(argv=None) -> None:
   # (The SMs' clock under this kernel: its longest CTA, 132 kcycles at B = 32, 8k, matched the
   # kernel's 77 µs in a profile of the same day, 2026-11-29; the boost clock is 1.98 GHz.)
   parser.add_argument("--clock-ghz", type=float, default=1.72)
+  parser.add_argument("--fields", type=json.loads, default={}, metavar="JSON",
+                      help='other MlaDecodeConfig fields, e.g. \'{"transposed_consumers": 2}\'')
   parser.add_argument("--out", type=Path, default=Path("/tmp/decode_trace"))
   args = parser.parse_args(argv)
   groups = args.scopes or (["merge_wait,merge_read", "merge_fetch,merge_math"] if args.merge
@@ -185,16 +193,20 @@ def main(argv=None) -> None:
     for splits, group in itertools.product(args.splits, groups):
       scopes = {"merge", "merge_counter_wait", *group.split(",")}
       path = traced(b, s, t, args.heads, splits or None, args.merge, args.space, scopes,
-                    args.out / f"{cell}_{splits}_{group.replace(',', '_') or 'stages'}")
+                    args.out / f"{cell}_{splits}_{group.replace(',', '_') or 'stages'}",
+                    args.fields)
       trace = json.loads(path.read_text())
       head = dict(cell=cell, splits=splits, scopes=group)
+      warpgroups = WARPGROUPS
+      if not args.merge and mla.transposed_serves(args.heads * t):
+        warpgroups = args.fields.get("transposed_consumers", 1) + 1
       if not args.merge:
-        spread = cta_spread(trace, args.clock_ghz)
+        spread = cta_spread(trace, args.clock_ghz, warpgroups)
         rows.append(dict(head, **spread))
         print(f"{cell} splits {splits or 'shipped'}: " + ", ".join(
             f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in spread.items()),
             flush=True)
-      rows += [dict(head, **r) for r in scope_rows(trace, merging_only=args.merge)]
+      rows += [dict(head, **r) for r in scope_rows(trace, args.merge, warpgroups)]
   print(f"{'cell':>10} {'splits':>6} {'wg':>3} {'scope':>20} {'n':>5} {'median kcyc':>11} "
         f"{'kcyc a thread':>13}")
   for r in rows:
