@@ -865,11 +865,6 @@ def _transposed(monkeypatch, on: bool, **fields) -> list:
     (3, 2, 512, 16, 576, 512, 128, dict(transposed=True, logits_soft_cap=3.0, sinks=True)),
     (2, 2, 448, 16, 576, 512, None, dict(transposed=True, splits=1)),  # 7 blocks a split
     (2, 1, 128, 8, 448, 384, None, dict(transposed=True, out_of_range=True)),
-    # Two consumers sharing Oᵀ's rows (`MlaDecodeConfig.transposed_consumers`)
-    (3, 2, 512, 16, 576, 512, 128, dict(transposed=True, consumers=2, logits_soft_cap=3.0,
-                                        sinks=True)),
-    (2, 2, 448, 16, 576, 512, None, dict(transposed=True, consumers=2, splits=1)),
-    (2, 1, 128, 8, 448, 384, None, dict(transposed=True, consumers=2, out_of_range=True)),
     (2, 2, 128, 128, 576, 512, 64, {}),  # two row blocks of 64, 64-key pages
     (3, 3, 512, 16, 320, 256, 128, {}),  # 48 rows, two blocks a page, a row shorter than T
     # O's halves in three pieces of 64 columns; lengths past the cache and below 0 (the
@@ -887,8 +882,6 @@ def test_mosaic_decode_mla(b, t, s, n, h, hv, page_size, options, monkeypatch):
   options = dict(options)  # (the parameter's own dict stays as it is)
   transposed = options.pop("transposed", False)
   fields = {"splits": options.pop("splits")} if "splits" in options else {}
-  if "consumers" in options:
-    fields["transposed_consumers"] = options.pop("consumers")
   ran_transposed = _transposed(monkeypatch, transposed, **fields)
   q, latent, _, d_out = _qkv(16, b, t, s, n, 1, h, hv, dtype=jnp.bfloat16)
   lengths = jnp.array([s, s // 2 + 3, t - 1][:b], jnp.int32)
@@ -943,9 +936,6 @@ def test_mosaic_decode_mla_nan_and_empty_rows(monkeypatch):
     (2, 1, 3000, None, {}),  # 16 columns, 47 splits, a partial last block
     (3, 2, 1536, 64, dict(logits_soft_cap=30.0)),  # 32 columns, pages, a row shorter than T
     (2, 2, 776, None, dict(sinks=True)),
-    # two consumers sharing Oᵀ's rows (`MlaDecodeConfig.transposed_consumers`)
-    (2, 1, 3000, None, dict(consumers=2)),
-    (3, 2, 1536, 64, dict(consumers=2, logits_soft_cap=30.0, sinks=True)),
 ])
 def test_mosaic_decode_mla_transposed_on_gpu(b, t, s, page_size, options, monkeypatch):
   """The keys as the wgmma's M (`decode_transposed`, 16 heads) against the rows as M and the
@@ -955,7 +945,6 @@ def test_mosaic_decode_mla_transposed_on_gpu(b, t, s, page_size, options, monkey
     pytest.skip("needs a Hopper GPU")
   ran = _spy_split_kv(monkeypatch, "mosaic")
   options = dict(options)
-  consumers = options.pop("consumers", 1)
   q, latent, _, d_out = _qkv(21, b, t, s, 16, 1, 576, 512, dtype=jnp.bfloat16)
   lengths = jnp.array([s, s // 3, 0][:b], jnp.int32)
   cache, table = _pages(latent, page_size, 5) if page_size else (latent, None)
@@ -971,7 +960,7 @@ def test_mosaic_decode_mla_transposed_on_gpu(b, t, s, page_size, options, monkey
 
   results = {}
   for on in (False, True):
-    seen = _transposed(monkeypatch, on, transposed_consumers=consumers if on else 1)
+    seen = _transposed(monkeypatch, on)
     jax.clear_caches()
     results[on] = out_and_dq()
     assert seen and set(seen) == {on}

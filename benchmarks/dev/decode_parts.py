@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 import jaxflash
 from jaxflash import _checks
 from jaxflash.backends.mosaic import decode as mla
+from jaxflash.backends.triton import decode as triton_decode
 from jaxflash.ops.decode import decode_inputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -50,6 +52,30 @@ VARIANTS["rows_as_m"] = (mla, "default_config", lambda *a, _shipped=mla.default_
 # (with `rows_as_m`) it measured what a kernel with fewer products could gain at most (5-7%);
 # the transposed kernel took 2-4% of it (docs/decoding.md).
 VARIANTS["no_products"] = (mla.plgpu, "wgmma", lambda *a, **k: None)
+
+
+def _merge_lse_first(outs, lse2):
+  """`merge.merge_splits` in base 2 with the merged LSE made first and each split weighted by
+  2^(lse_s - lse): the output's fusion then needs one [B, K, rows] array of the LSEs' pass."""
+  lses = [lse2[:, :, i] for i in range(lse2.shape[2])]
+  top = functools.reduce(jnp.maximum, lses)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  total = functools.reduce(jnp.add, [jnp.exp2(x - top) for x in lses])
+  seen = total != 0.0
+  lse = jnp.where(seen, top + jnp.log2(jnp.where(seen, total, 1.0)), jnp.inf)
+  shift = jnp.where(seen, lse, 0.0)
+  out = functools.reduce(jnp.add, [jnp.exp2(x - shift)[..., None] * outs[:, :, i]
+                                   for i, x in enumerate(lses)])
+  return jnp.where(seen[..., None], out, 0.0), lse
+
+
+# XLA's merge written other ways (`merge.merge_splits`): at T = 2 XLA runs the shipped one as two
+# fusions on an H200, at T = 1 as one.
+VARIANTS["merge_lse_first"] = (mla.merge, "merge_splits", _merge_lse_first)
+VARIANTS["merge_stacked"] = (mla.merge, "MERGE_UNROLLED", 0)  # a reduction over the splits' axis
+# Triton's one-launch merge of the split-KV kernel (`DecodeConfig.merge = "kernel"`).
+VARIANTS["merge_triton"] = (mla.merge, "merge_splits", lambda outs, lse2: (
+    triton_decode._merge_in_kernel(outs, lse2, jnp.float32, False)))
 
 
 @contextlib.contextmanager
@@ -142,6 +168,9 @@ def parts(b: int, s: int, t: int, heads: int, variants=(), seed: int = 0):
     for name in ("call", "kernel"):
       fn, fn_args = fns[name]
       compiled[f"{name}_{variant}"] = (compile_with(fn, fn_args, VARIANTS[variant]), fn_args)
+    fn, fn_args = compiled[f"call_{variant}"]
+    if not np.allclose(np.asarray(fn(*fn_args), np.float32), want, atol=1e-2, rtol=1e-2):
+      print(f"  (call_{variant} differs from the call: a probe's wrong results)", flush=True)
   nbytes = b * s * HEAD_DIM * 2
   x = jnp.arange(nbytes // 4, dtype=jnp.uint32)
   compiled["copy"] = (jax.jit(lambda x: x ^ 1).lower(x).compile(), (x,))
@@ -201,7 +230,7 @@ def main(argv=None) -> None:
           "call_triton": (compile_with(lambda q, c, ln: jaxflash.decode_attention(
               q, c, None, ln, value_head_dim=VALUE_DIM, implementation=("triton", "xla")),
               (q, cache, kv_lengths)), (q, cache, kv_lengths))}
-      for name in ("call", "kernel", *others):
+      for name in ("call", "kernel", *(n for n in compiled if n.startswith("call_")), *others):
         fn, fn_args = compiled.get(name) or others[name]
         jax.block_until_ready(fn(*fn_args))
         start = time.perf_counter()

@@ -41,9 +41,10 @@ from jaxflash.backends.mosaic import decode as mla
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_parts import call, compile_with, random_call_args  # noqa: E402
 
-# Warpgroups a CTA: the 64-row kernel's two consumers and producer (the transposed kernel,
-# `decode_transposed` at 16 heads, has `MlaDecodeConfig.transposed_consumers` and a producer).
+# Warpgroups a CTA: the 64-row kernel's two consumers and producer; the transposed kernel's
+# (`decode_transposed`, 16 heads) one consumer and producer.
 WARPGROUPS = 3
+TRANSPOSED_WARPGROUPS = 2
 
 
 def threads_of(trace: dict) -> dict[tuple[int, int], list[dict]]:
@@ -182,7 +183,7 @@ def main(argv=None) -> None:
   # kernel's 77 µs in a profile of the same day, 2026-11-29; the boost clock is 1.98 GHz.)
   parser.add_argument("--clock-ghz", type=float, default=1.72)
   parser.add_argument("--fields", type=json.loads, default={}, metavar="JSON",
-                      help='other MlaDecodeConfig fields, e.g. \'{"transposed_consumers": 2}\'')
+                      help='other MlaDecodeConfig fields, e.g. \'{"transposed": false}\'')
   parser.add_argument("--out", type=Path, default=Path("/tmp/decode_trace"))
   args = parser.parse_args(argv)
   groups = args.scopes or (["merge_wait,merge_read", "merge_fetch,merge_math"] if args.merge
@@ -197,9 +198,8 @@ def main(argv=None) -> None:
                     args.fields)
       trace = json.loads(path.read_text())
       head = dict(cell=cell, splits=splits, scopes=group)
-      warpgroups = WARPGROUPS
-      if not args.merge and mla.transposed_serves(args.heads * t):
-        warpgroups = args.fields.get("transposed_consumers", 1) + 1
+      warpgroups = (TRANSPOSED_WARPGROUPS if not args.merge and args.fields.get(
+          "transposed", True) and mla.transposed_serves(args.heads * t) else WARPGROUPS)
       if not args.merge:
         spread = cta_spread(trace, args.clock_ghz, warpgroups)
         rows.append(dict(head, **spread))

@@ -271,10 +271,7 @@ device_description_str: "{H100_KIND}"
 DECODE_CONFIGS = {"decode_mla_16": (16, 1, {}), "decode_mla_16_t2": (16, 2, {}),
                   "decode_mla_128": (128, 1, {}),
                   "decode_mla_16_rows_as_m": (16, 1, dict(transposed=False)),
-                  "decode_mla_16_merge": (16, 1, dict(merge_in_kernel=True, transposed=False)),
-                  # two consumers sharing the transposed kernel's Oᵀ
-                  "decode_mla_16_c2": (16, 1, dict(transposed_consumers=2)),
-                  "decode_mla_16_t2_c2": (16, 2, dict(transposed_consumers=2))}
+                  "decode_mla_16_merge": (16, 1, dict(merge_in_kernel=True, transposed=False))}
 
 
 def aot_mesh():

@@ -85,22 +85,18 @@ class MlaDecodeConfig:
   kernel (``merge_in_kernel``, opt-in: one kernel a call, but slower today, see `forward`;
   else XLA merges them after it), whether a group of few query rows runs the kernel with the
   keys as the wgmma's M (``transposed``: `decode_transposed`, for the groups
-  `transposed_serves`) and with how many consumer warpgroups (``transposed_consumers``: 2
-  splits Oᵀ's rows, V's columns, between two, `decode_transposed`), and the config of the
-  training backend that runs the backward (``training``)."""
+  `transposed_serves`), and the config of the training backend that runs the backward
+  (``training``)."""
 
   splits: int
   num_stages: int = 2
   merge_in_kernel: bool = False
   transposed: bool = False
-  transposed_consumers: int = 1
   training: Any = None
 
   def __post_init__(self):
     if self.splits < 1:
       raise ValueError(f"splits must be at least 1, got {self.splits}")
-    if self.transposed_consumers not in (1, 2):
-      raise ValueError(f"transposed_consumers must be 1 or 2, got {self.transposed_consumers}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be at least 2, got {self.num_stages}")
 
@@ -611,7 +607,7 @@ def partial_results(inputs: Inputs, params: Params, config: MlaDecodeConfig, pag
   if runs_transposed(inputs, config):
     from jaxflash.backends.mosaic import decode_transposed  # (it builds on this module)
     return decode_transposed.partial_results(inputs, params, config.splits, config.num_stages,
-                                             pages, config.transposed_consumers)
+                                             pages)
   return _launch(inputs, params, config, pages, merge=False)
 
 

@@ -43,7 +43,6 @@ from jaxflash._core import Inputs, Params
 from jaxflash.backends.mosaic import backward as bwd
 from jaxflash.backends.mosaic import decode
 from jaxflash.backends.mosaic import forward as fwd
-from jaxflash.backends.mosaic.config import producer_registers
 from jaxflash.schedule import Span, split_range, used_splits, walk
 
 BLOCK_K = 64  # keys a block: the M of the products
@@ -64,17 +63,13 @@ def _cols(x, shape):
 
 
 def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, out_ref, lse_ref, q_tiles, k_union,
-            p_smem, col_smem, zero_smem, q_ready, k_ready, k_free, p_ready, p_free, *,
-            params: Params, t: int, group: int, kv_heads: int, splits: int,
-            page_size: int | None, value_dim: int, stages: int, kv_rows: int, consumers: int):
-  """One CTA (batch row x K/V head ``bk``, ``split``): consumer 0 (``wg`` 0: the scores, the
-  softmax and its share of Oᵀ), with ``consumers`` = 2 consumer 1 (the other half of Oᵀ's
-  rows), then the producer. ``p_ready`` and ``p_free`` (consumer 0's hand-off of P and the
-  columns' rescale) are None with one consumer."""
+            p_smem, lse_smem, zero_smem, q_ready, k_ready, k_free, *, params: Params, t: int,
+            group: int, kv_heads: int, splits: int, page_size: int | None, value_dim: int,
+            stages: int, kv_rows: int):
+  """One CTA (batch row x K/V head ``bk``, ``split``): the consumer (``wg`` 0) and the
+  producer (``wg`` 1)."""
   k_smem, o_stage = k_union
   rows = group * t
-  half = value_dim // consumers  # Oᵀ's rows (V's columns) a consumer
-  rescale, lse_cols = col_smem.at[0], col_smem.at[1]
   wg = lax.axis_index("wg")
   bk, split = lax.axis_index("bk"), lax.axis_index("split")
   batch, kv_head = lax.div(bk, jnp.int32(kv_heads)), lax.rem(bk, jnp.int32(kv_heads))
@@ -90,41 +85,8 @@ def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, out_ref, lse_ref, q_tiles, 
   def slot_of(n):
     return lax.rem(n, jnp.int32(stages))
 
-  def values(slot, w):
-    """Consumer w's Vᵀ of ``slot``: its ``half`` of the key tile's first Dv columns,
-    transposed ([half, 64])."""
-    return k_smem.at[slot].at[:, pl.ds(w * half, half)].T
-
-  def add_pv(acc, slot, w):
-    """acc + consumer w's Vᵀ Pᵀ of ``slot``, waited for."""
-    if params.interpret:  # (no run_state there)
-      return acc + jnp.dot(values(slot, w)[...], p_smem[...].T,
-                           preferred_element_type=jnp.float32)
-
-    def pv(acc_ref):
-      plgpu.wgmma(acc_ref, values(slot, w), p_smem.T)
-
-    return pl.run_state(pv)(plgpu.ACC.init(acc))  # (waits for the product at its end)
-
-  def store_out(out, w):
-    """Consumer w's rows of O, transposed back into the free ring and on to global memory.
-    (XLA's transpose of Oᵀ in the merge's fusion took 2.4-4.6 µs against 2.6-2.8 for the merge
-    alone; H200, 2026-12-03.)"""
-    part = o_stage.at[w]
-    part.T[...] = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
-    plgpu.commit_smem()
-    if not params.interpret:
-      fwd._emit(mgpu.utils.warpgroup_barrier)
-    plgpu.copy_smem_to_gmem(part, out_ref.at[batch, kv_head, split, :, pl.ds(w * half, half)])
-
-  def set_registers(action: str):
-    if consumers == 2:  # (three warpgroups share the register file)
-      regs = decode.REGISTERS if action == "increase" else producer_registers(decode.REGISTERS)
-      plgpu.set_max_registers(regs, action=action)
-
   @pl.when(wg == 0)
   def _consumer():
-    set_registers("increase")
     for token in range(t):  # every token's heads, a copy each, all on the one barrier
       plgpu.copy_gmem_to_smem(q_ref.at[batch, token, pl.ds(kv_head * group, group)],
                               q_tiles.at[0].at[pl.ds(token * group, group)], q_ready)
@@ -163,9 +125,12 @@ def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, out_ref, lse_ref, q_tiles, 
       p = jnp.exp2(x * c - _cols(m_shift, shape))
       return p, m_new, l * _cols(alpha, shape) + p, alpha
 
+    def values(slot):
+      """Vᵀ of ``slot``: the key tile's first Dv columns, transposed ([Dv, 64])."""
+      return k_smem.at[slot].at[:, pl.ds(0, value_dim)].T
+
     def step(n, j, carry, masked: bool):
-      """Visit n (block j): Sᵀ, the softmax, Pᵀ to shared memory (and the columns' rescale,
-      with two consumers, for the other), Oᵀ += Vᵀ Pᵀ on this consumer's rows."""
+      """Visit n (block j): Sᵀ, the softmax, Pᵀ to shared memory, Oᵀ += Vᵀ Pᵀ."""
       acc, m, l = carry
       slot = slot_of(n)
       # (The named scopes are regions of Mosaic GPU's in-kernel profiler, which
@@ -176,26 +141,28 @@ def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, out_ref, lse_ref, q_tiles, 
         s = scores(slot)
       with jax.named_scope("decode_softmax"):
         p, m, l, alpha = softmax(j, s, m, l, masked)
-        # P ([R, 64]) as the products' B: this consumer's last product that read it has been
-        # waited for (below), the other consumer's (with two) is waited for here, and every
-        # thread's part is written before the product is issued.
-        if consumers == 2:
-          pl.when(n > 0)(lambda: plgpu.barrier_wait(p_free))
-          rescale[...] = alpha
+        # P ([R, 64]) as the second product's B: the last product that read it has been
+        # waited for (below), and every thread's part is written before the product is issued.
         p_smem.T[...] = plgpu.layout_cast(p.astype(q_tiles.dtype),
                                           plgpu.Layout.WGMMA_TRANSPOSED)
         plgpu.commit_smem()
         if not params.interpret:
           fwd._emit(mgpu.utils.warpgroup_barrier)
-        if consumers == 2:
-          plgpu.barrier_arrive(p_ready)
       with jax.named_scope("decode_pv"):
-        acc = add_pv(acc * _cols(alpha, acc.shape), slot, 0)
+        acc = acc * _cols(alpha, acc.shape)
+        if params.interpret:  # (no run_state there)
+          acc = acc + jnp.dot(values(slot)[...], p_smem[...].T,
+                              preferred_element_type=jnp.float32)
+        else:
+          def pv(acc_ref):
+            plgpu.wgmma(acc_ref, values(slot), p_smem.T)
+
+          acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # (waits for the product at its end)
       plgpu.barrier_arrive(k_free.at[slot])
       return acc, m, l
 
     spans = (Span(False, mid - lo, lambda i: lo + i), Span(True, hi - mid, lambda i: mid + i))
-    init = (plgpu.layout_cast(jnp.zeros((half, rows), jnp.float32), plgpu.Layout.WGMMA),
+    init = (plgpu.layout_cast(jnp.zeros((value_dim, rows), jnp.float32), plgpu.Layout.WGMMA),
             plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), fwd._COLS),
             plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA))
     with jax.named_scope("decode_loop"):
@@ -205,56 +172,23 @@ def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, out_ref, lse_ref, q_tiles, 
       l = l.sum(axis=0)
       seen = l != 0.0
       safe_l = jnp.where(seen, l, 1.0)
-      factor = jnp.where(seen, 1.0 / safe_l, 0.0)
-      lse_cols[...] = jnp.where(seen, m + jnp.log2(safe_l), -jnp.inf)
-      if consumers == 2:
-        # The other consumer's last product is done (so the ring is free) and it has read the
-        # last rescale: its factor goes out the same way.
-        pl.when(count > 0)(lambda: plgpu.barrier_wait(p_free))
-        rescale[...] = factor
+      lse_smem[...] = jnp.where(seen, m + jnp.log2(safe_l), -jnp.inf)
+      # The ring is free (every product that read it has been waited for, and the producer
+      # loads no more): O leaves through it, transposed back on its way into shared memory, so
+      # that the partial results lie as the merge reads them (XLA's transpose of Oᵀ in the
+      # merge's fusion took 2.4-4.6 µs against 2.6-2.8 for the merge alone; H200, 2026-12-03).
+      out = jnp.where(_cols(seen, acc.shape),
+                      acc * _cols(jnp.where(seen, 1.0 / safe_l, 0.0), acc.shape), 0.0)
+      o_stage.T[...] = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
       plgpu.commit_smem()
       if not params.interpret:
         fwd._emit(mgpu.utils.warpgroup_barrier)
-      if consumers == 2:
-        plgpu.barrier_arrive(p_ready)
-      plgpu.copy_smem_to_gmem(lse_cols, lse_ref.at[batch, kv_head, split])
-      # The ring is free (every product that read it has been waited for, and the producer
-      # loads no more): O leaves through it, transposed back on its way into shared memory, so
-      # that the partial results lie as the merge reads them.
-      store_out(jnp.where(_cols(seen, acc.shape), acc * _cols(factor, acc.shape), 0.0), 0)
+      plgpu.copy_smem_to_gmem(o_stage, out_ref.at[batch, kv_head, split])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, kv_head, split])
       plgpu.wait_smem_to_gmem(0)
 
-  if consumers == 2:
-    @pl.when(wg == 1)
-    def _values():
-      """Consumer 1: Oᵀ's other half, block by block as consumer 0 hands P over."""
-      set_registers("increase")
-
-      def step(n, acc):
-        slot = slot_of(n)
-        plgpu.barrier_wait(k_ready.at[slot])  # (its bytes are visible to this warpgroup too)
-        plgpu.barrier_wait(p_ready)
-        alpha = plgpu.load(rescale, layout=fwd._COLS, optimized=False)
-        acc = add_pv(acc * _cols(alpha, acc.shape), slot, 1)
-        plgpu.barrier_arrive(p_free)
-        plgpu.barrier_arrive(k_free.at[slot])
-        return acc
-
-      with jax.named_scope("decode_loop"):
-        acc = lax.fori_loop(jnp.int32(0), count, step, plgpu.layout_cast(
-            jnp.zeros((half, rows), jnp.float32), plgpu.Layout.WGMMA))
-      with jax.named_scope("decode_epilogue"):
-        plgpu.barrier_wait(p_ready)
-        factor = plgpu.load(rescale, layout=fwd._COLS, optimized=False)
-        # (factor is 0 on columns no key is seen by, NaN on NaN ones)
-        store_out(jnp.where(_cols(factor != 0.0, acc.shape), acc * _cols(factor, acc.shape),
-                            0.0), 1)
-        plgpu.wait_smem_to_gmem(0)
-
-  @pl.when(wg == consumers)
+  @pl.when(wg == 1)
   def _producer():
-    set_registers("decrease")
-
     @pl.loop(0, count)
     def _(n):
       slot, j = slot_of(n), lo + n
@@ -271,12 +205,9 @@ def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, out_ref, lse_ref, q_tiles, 
     fwd.observe_last_releases(count, stages, k_free)
 
 
-def partial_results(inputs: Inputs, params: Params, splits: int, stages: int, pages=None,
-                    consumers: int = 1):
+def partial_results(inputs: Inputs, params: Params, splits: int, stages: int, pages=None):
   """The kernel's float32 results before the merge: ``(out [B, K, splits, G·T, Dv], lse2 [B,
-  K, splits, G·T])``, query rows token-major, as `decode.partial_results` gives them; with
-  ``consumers`` = 2 two consumer warpgroups share Oᵀ's rows (`MlaDecodeConfig.
-  transposed_consumers`)."""
+  K, splits, G·T])``, query rows token-major, as `decode.partial_results` gives them."""
   q = inputs.query
   b, t, n, h = q.shape
   kv_heads, hv = inputs.key.shape[2], inputs.value.shape[-1]
@@ -290,35 +221,26 @@ def partial_results(inputs: Inputs, params: Params, splits: int, stages: int, pa
   splits = used_splits(pl.cdiv(inputs.key.shape[1], BLOCK_K), splits)
   scratch = (
       fwd._smem_tile((1, rows, h), q.dtype),  # Q
-      plgpu.RefUnion(fwd._smem_tile((stages, BLOCK_K, h), cache.dtype),  # the key ring,
-                     # then O's way out, a [R, Dv / consumers] tile a consumer (TMA copies
-                     # whole tiles of shared memory, not a slice of their columns)
-                     fwd._smem_tile((consumers, rows, hv // consumers), jnp.float32)),
+      plgpu.RefUnion(fwd._smem_tile((stages, BLOCK_K, h), cache.dtype),  # the key ring, then
+                     fwd._smem_tile((rows, hv), jnp.float32)),  # then O's way out
       fwd._smem_tile((rows, BLOCK_K), q.dtype),  # P
-      plgpu.SMEM((2, rows), jnp.float32),  # the columns' rescale (then factor), their LSEs
+      plgpu.SMEM((rows,), jnp.float32),  # the LSEs
       plgpu.SMEM((1,), jnp.int32),  # 0 (`backward._opaque_zero`)
       plgpu.Barrier(num_arrivals=t, num_barriers=1),  # q_ready: one copy per token
       plgpu.Barrier(num_barriers=stages),  # k_ready
-      plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # k_free
+      plgpu.Barrier(num_barriers=stages),  # k_free
   )
-  if consumers == 2:
-    scratch += (plgpu.Barrier(num_barriers=1),  # p_ready: P and the rescale handed over
-                plgpu.Barrier(num_barriers=1))  # p_free: consumer 1 has read them
   kernel = functools.partial(_kernel, params=params, t=t, group=g, kv_heads=kv_heads,
                              splits=splits, page_size=page_size, value_dim=hv, stages=stages,
-                             kv_rows=inputs.key.shape[1], consumers=consumers)
-  if consumers == 1:
-    body = lambda *refs: kernel(*refs, None, None)  # noqa: E731 (no hand-off barriers)
-  else:
-    body = kernel
+                             kv_rows=inputs.key.shape[1])
   return plgpu.kernel(
-      body,
+      kernel,
       out_type=(_core.out_struct((b, kv_heads, splits, rows, hv), jnp.float32, q),
                 _core.out_struct((b, kv_heads, splits, rows), jnp.float32, q)),
       scratch_types=scratch,
       grid=(b * kv_heads, splits),  # splits fastest: the CTAs running together share a row
       grid_names=("bk", "split"),
-      num_threads=consumers + 1,
+      num_threads=2,
       thread_name="wg",
       kernel_name="jaxflash_mosaic_decode_mla_transposed",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
