@@ -734,6 +734,10 @@ def test_profiler_scopes_are_timed_per_warpgroup():
   assert (softmax["count"], softmax["median_kcycles"], softmax["total_kcycles"]) == (
       2 / 3, 11.0, 22 / 3)  # (the merging CTA's thread counts as a third thread there)
   assert rows[1, "fwd_pv"]["p90_kcycles"] == 6.0
+  # CTAs of two warpgroups (the transposed decoding kernel's): thread ids 2 and 4 are both
+  # warpgroup 1, of the first and second CTA
+  two = decode_trace.scope_times(dict(traceEvents=events), merging_only=False, warpgroups=2)
+  assert two[0]["fwd_softmax"] == [10.0] and sorted(two[1]["fwd_softmax"]) == [12.0, 20.0]
 
 
 def test_forward_trace_calls_run_in_the_interpreter():
