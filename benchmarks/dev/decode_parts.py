@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import sys
 import time
 from pathlib import Path
@@ -54,24 +53,8 @@ VARIANTS["rows_as_m"] = (mla, "default_config", lambda *a, _shipped=mla.default_
 VARIANTS["no_products"] = (mla.plgpu, "wgmma", lambda *a, **k: None)
 
 
-def _merge_lse_first(outs, lse2):
-  """`merge.merge_splits` in base 2 with the merged LSE made first and each split weighted by
-  2^(lse_s - lse): the output's fusion then needs one [B, K, rows] array of the LSEs' pass."""
-  lses = [lse2[:, :, i] for i in range(lse2.shape[2])]
-  top = functools.reduce(jnp.maximum, lses)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  total = functools.reduce(jnp.add, [jnp.exp2(x - top) for x in lses])
-  seen = total != 0.0
-  lse = jnp.where(seen, top + jnp.log2(jnp.where(seen, total, 1.0)), jnp.inf)
-  shift = jnp.where(seen, lse, 0.0)
-  out = functools.reduce(jnp.add, [jnp.exp2(x - shift)[..., None] * outs[:, :, i]
-                                   for i, x in enumerate(lses)])
-  return jnp.where(seen[..., None], out, 0.0), lse
-
-
-# XLA's merge written other ways (`merge.merge_splits`): at T = 2 XLA runs the shipped one as two
-# fusions on an H200, at T = 1 as one.
-VARIANTS["merge_lse_first"] = (mla.merge, "merge_splits", _merge_lse_first)
+# The splits' merge another way: at T = 2 XLA runs the shipped one as two fusions on an H200, at
+# T = 1 as one. (A third form, the merged LSE made first, was level too: c7e7f6e.)
 VARIANTS["merge_stacked"] = (mla.merge, "MERGE_UNROLLED", 0)  # a reduction over the splits' axis
 # Triton's one-launch merge of the split-KV kernel (`DecodeConfig.merge = "kernel"`).
 VARIANTS["merge_triton"] = (mla.merge, "merge_splits", lambda outs, lse2: (

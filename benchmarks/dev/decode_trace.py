@@ -1,7 +1,8 @@
 """Where the absorbed-MLA decoding kernel's CTAs spend their time (run on the GPU machine): the
 kernel compiled with Mosaic GPU's in-kernel profiler on, which records the named scopes of
 `jaxflash/backends/mosaic/decode.py` (``decode_*``: a consumer's wait for Q, its loop over the
-key blocks and its epilogue; ``merge_*``: the splits' merge of `MlaDecodeConfig.merge_in_kernel`)
+key blocks and its epilogue; ``merge_*``: the splits' merge of `MlaDecodeConfig.merge_in_kernel`,
+which ``--merge`` turns on in the 64-row kernel, the one that merges)
 per warpgroup of every CTA, and the trace of one call summarised:
 
 - per warpgroup and scope, the median time an occurrence and in all (over the CTAs that merged
@@ -128,21 +129,30 @@ def only_scopes(names):
 
 
 def traced(b: int, s: int, t: int, heads: int, splits: int | None, merge: bool, space: int,
-           scopes, out: Path, fields: dict | None = None) -> Path:
+           scopes, out: Path, fields: dict | None = None) -> tuple[Path, int]:
   """Runs the kernel once with the profiler on (the ``merge*`` scopes in ``scopes`` recorded;
-  ``splits`` None: the shipped count; ``fields``: other `MlaDecodeConfig` fields), checked
-  against the shipped call; returns the trace file."""
+  ``splits`` None: the shipped count; ``fields``: other `MlaDecodeConfig` fields; ``merge``:
+  the 64-row kernel merging its splits), checked against the shipped call; returns the trace
+  file and the warpgroups a CTA of the kernel that ran."""
   args = random_call_args(b, s, t, heads)
-  shipped = mla.default_config
+  shipped, runs_transposed = mla.default_config, mla.runs_transposed
+  ran_transposed = []
 
   def config(*a, **kw):
     made = shipped(*a, **kw)
-    return dataclasses.replace(made, merge_in_kernel=merge, splits=splits or made.splits,
-                               **(fields or {}))
+    merging = dict(merge_in_kernel=True, transposed=False) if merge else {}
+    return dataclasses.replace(made, splits=splits or made.splits,
+                               **{**merging, **(fields or {})})
 
-  return profiled_trace(call, args, [(mla, "default_config", config),
+  def spy(*a):  # (which kernel ran: the trace's thread ids count its warpgroups)
+    ran_transposed.append(runs_transposed(*a))
+    return ran_transposed[-1]
+
+  path = profiled_trace(call, args, [(mla, "default_config", config),
+                                     (mla, "runs_transposed", spy),
                                      (jax, "named_scope", only_scopes(scopes))], space, out,
-                       tolerance=1e-2)
+                        tolerance=1e-2)
+  return path, TRANSPOSED_WARPGROUPS if any(ran_transposed) else WARPGROUPS
 
 
 def profiled_trace(fn, args, patches, space: int, out: Path, tolerance: float) -> Path:
@@ -193,13 +203,11 @@ def main(argv=None) -> None:
     b, s, t = (int(x) for x in cell.split("x"))
     for splits, group in itertools.product(args.splits, groups):
       scopes = {"merge", "merge_counter_wait", *group.split(",")}
-      path = traced(b, s, t, args.heads, splits or None, args.merge, args.space, scopes,
-                    args.out / f"{cell}_{splits}_{group.replace(',', '_') or 'stages'}",
-                    args.fields)
+      path, warpgroups = traced(
+          b, s, t, args.heads, splits or None, args.merge, args.space, scopes,
+          args.out / f"{cell}_{splits}_{group.replace(',', '_') or 'stages'}", args.fields)
       trace = json.loads(path.read_text())
       head = dict(cell=cell, splits=splits, scopes=group)
-      warpgroups = (TRANSPOSED_WARPGROUPS if not args.merge and args.fields.get(
-          "transposed", True) and mla.transposed_serves(args.heads * t) else WARPGROUPS)
       if not args.merge:
         spread = cta_spread(trace, args.clock_ghz, warpgroups)
         rows.append(dict(head, **spread))
