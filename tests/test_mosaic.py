@@ -1611,6 +1611,7 @@ def test_nan_rows_and_determinism():
 @needs_cuda_plugin
 @pytest.mark.parametrize("h,causal,per_token,config,out_dtype", [
     (64, False, False, None, None), (128, True, True, None, None),
+    (128, False, True, None, None),
     (256, True, False, None, None), (128, False, False, None, jnp.float32),
     (256, False, True, mosaic.Config(block_kv=128, intra_wg_overlap=True, registers=240),
      None)])

@@ -418,7 +418,7 @@ def smem_bytes(config: Config, head_dim: int, partial: bool = False,
   """Shared memory of one CTA: a Q tile per consumer and buffer, the K and V rings, the LSE
   rows (float32), and, where O cannot leave through the Q tiles' memory (`o_view`), an O tile
   of its own per consumer (float32 for a partial result). ``value_dim``: V's and O's head dim
-  (None: ``head_dim``); ``itemsize`` 1: an FP8 call."""
+  (None: ``head_dim``); ``itemsize`` 1: an FP8 call (and its factors per key)."""
   hp = padded_head_dim(head_dim)
   if itemsize == 1 and hp > 64:  # FP8 rows are whole 128-byte swizzled rows
     hp = -(-head_dim // 128) * 128
@@ -428,7 +428,11 @@ def smem_bytes(config: Config, head_dim: int, partial: bool = False,
   own_o = o_view(config, hp, hvp, partial, itemsize) is None
   o_bytes = 4 if partial else 2 if own_o else 0
   ones = 8 * config.block_kv if config.mma_row_sums and itemsize == 1 else 0
-  return tiles + 4 * config.rows_per_cta + o_bytes * config.rows_per_cta * hvp + ones
+  # An FP8 call's factors per key (float32, a ring beside K's), counted whether or not the
+  # call has them: the tiles are chosen from the dtype alone.
+  key_factors = 4 * config.num_stages * config.block_kv if itemsize == 1 else 0
+  return (tiles + 4 * config.rows_per_cta + o_bytes * config.rows_per_cta * hvp + ones
+          + key_factors)
 
 
 # Streaming multiprocessors of the Hopper parts (SXM and GH200: 132), for persistent grids.

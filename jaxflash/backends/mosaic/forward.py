@@ -672,7 +672,7 @@ def _for_items(count, run_item):
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref, lse_ref,
             q_smems, k_smem, v_smem, lse_smem, o_smems, q_ready, k_ready, v_ready, k_free, v_free,
-            turns, ones_smem, ones_ready, *, params: Params, config: Config,
+            turns, ones_smem, ones_ready, kf_smem, kf_ready, *, params: Params, config: Config,
             schedule: Schedule, groups: int, grid: _Grid, o_union: bool):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
   consumers = config.consumers
@@ -683,6 +683,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
   quantized = fp8.is_fp8(q_smems.dtype)
   value_dim = v_smem.shape[-2 if quantized else -1]  # (O's head dim: V's, maybe not Q's)
   row_sums = ones_smem is not None  # (`Config.mma_row_sums`)
+  key_factors = kf_smem is not None  # an FP8 call's factor per key, in a ring beside K's
   wg = lax.axis_index("wg")
   heavy_first = config.heavy_first and schedule.window.right is not None
   count, item = _items(grid, heavy_first, extras.order, config.paired_tiles)
@@ -870,19 +871,21 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         mask = visible(j, rows, keys, shape) if masked else None
         return bias, score, mask
 
-      def softmax(j, s, m, l, masked: bool, inputs):
+      def softmax(j, slot, s, m, l, masked: bool, inputs):
         """One block of the online softmax: ``(p, m_new, l_new, alpha)``, P in float32
         (dropped entries zeroed) and alpha the rescale of everything before; ``inputs`` are
-        the block's `block_inputs`."""
+        the block's `block_inputs`, ``slot`` its ring slot."""
         bias, score, mask = inputs
         shape = (block_q, block_kv)
-        if quantized and extras.k_descale.ndim == 3:  # a factor per key
-          # Loaded once S is done, not with the block's other inputs while its matmul runs: a
+        if key_factors:  # an FP8 call's factor per key
+          # Read once S is done, not with the block's other inputs while its matmul runs: a
           # 256-key tile's factors take 64 registers of each thread, which made ptxas spill 628
           # bytes across the wait at D = 128, and the per-token FP8 forward ran 407 TFLOP/s
-          # instead of 633 (H200, 2026-11-28).
-          factors = plgpu.load(extras.k_descale.at[batch, kv_head, pl.ds(j * block_kv, block_kv)],
-                               layout=_COLS, optimized=False)
+          # instead of 633 (H200, 2026-11-28). They come from shared memory, where the
+          # producer copied them with the block's K: read from global memory at this point,
+          # each block's softmax waited for them.
+          plgpu.barrier_wait(kf_ready.at[slot])
+          factors = plgpu.load(kf_smem.at[slot], layout=_COLS, optimized=False)
           s = s * lax.broadcast_in_dim(factors, shape, [1])
         score = score_fn(params, shape, score)
         # The row max is taken of unscaled values and scaled once (max(c x) = c max(x) for
@@ -988,7 +991,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         with jax.named_scope("fwd_scores"):
           s, inputs = scores(j, slot, masked)
         with jax.named_scope("fwd_softmax"):
-          p, m_new, l, alpha = softmax(j, s, m, l, masked, inputs)
+          p, m_new, l, alpha = softmax(j, slot, s, m, l, masked, inputs)
           p16 = rounded(p)
           acc = acc * _rows(alpha, acc.shape)
           acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
@@ -1012,7 +1015,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         plgpu.barrier_wait(k_ready.at[slot])
         await_turn()
         s, inputs = scores(j, slot, masked)
-        p, m, l, _ = softmax(j, s, m, l, masked, inputs)
+        p, m, l, _ = softmax(j, slot, s, m, l, masked, inputs)
         return acc, m, l, rounded(p)
 
       def overlapped(n, j, carry, masked: bool):
@@ -1028,7 +1031,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
           if row_sums:
             sums = plain_sums(p_prev)
           s, inputs = scores(j, slot, masked)
-          p, m, l, alpha = softmax(j, s, m, l, masked, inputs)
+          p, m, l, alpha = softmax(j, slot, s, m, l, masked, inputs)
         else:
           def block(refs):
             acc_ref, p_ref, m_ref, l_ref, alpha_ref, *sums_ref = refs
@@ -1041,8 +1044,8 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
             with jax.named_scope("fwd_scores"):
               s, inputs = scores(j, slot, masked, also=also)
             with jax.named_scope("fwd_softmax"):
-              p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(j, s, m, l, masked,
-                                                                           inputs)
+              p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(
+                  j, slot, s, m, l, masked, inputs)
 
           # run_state waits for every wgmma when it ends: P_{j-1} V_{j-1} is then in acc. O and
           # P_{j-1} are the in-flight matmul's operands, so nothing may write their registers
@@ -1184,6 +1187,12 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
         load(k_ref, k_smem, k_ready, j, slot)  # K goes first: the consumers need it first
         pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+        if key_factors:
+          # (A slot's factors are read in its block's softmax, which ends before that block's
+          # P V frees its V: so they are refilled after V's release, not K's.)
+          plgpu.copy_gmem_to_smem(
+              extras.k_descale.at[batch, kv_head, pl.ds(j * block_kv, block_kv)],
+              kf_smem.at[slot], kf_ready.at[slot])
         load_v(j, slot)
         return carry
 
@@ -1396,6 +1405,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
   row_sums = config.mma_row_sums and quantized and inputs.dropout_seed is None
   if row_sums:
     extras = extras._replace(row_sum_ones=jnp.zeros((8, config.block_kv), v.dtype).at[0].set(1))
+  key_factors = quantized and extras.k_descale.ndim == 3
   out_dtype = jnp.float32 if params.partial else params.output_dtype(inputs)
   out_bytes = jnp.dtype(out_dtype).itemsize
   view = o_view(config, hp, hvp, params.partial, q.dtype.itemsize, out_bytes)
@@ -1445,6 +1455,9 @@ def forward(inputs: Inputs, params: Params, config: Config):
       # `mma_row_sums`: the ones tile (keys along its rows, like V's FP8 tiles) and its load.
       _smem_tile((8, config.block_kv), v.dtype, pv_swizzle) if row_sums else None,
       plgpu.Barrier(num_barriers=1) if row_sums else None,
+      # An FP8 call's factors per key, [keys of a block] a slot, and their loads.
+      plgpu.SMEM((stages, config.block_kv), jnp.float32) if key_factors else None,
+      plgpu.Barrier(num_barriers=stages) if key_factors else None,
   )
   items = _Grid(b, n, q_tiles, None, paired)
   # Pallas walks its grid row-major (batch fastest here): the CTAs running at once share a
