@@ -91,6 +91,8 @@ CONFIGS = {
     "fp8_d128_shipped": Probe(128, False, dict(block_kv=256, mma_row_sums=True,
                                                 persistent_ctas=132)),
     "fp8_d128_shipped_causal": Probe(128, True, dict(block_kv=256, mma_row_sums=True)),
+    "fp8_d128_shipped_token": Probe(128, False, dict(block_kv=256, mma_row_sums=True,
+                                                      persistent_ctas=132), per_token=True),
     # Three consumer warpgroups (`Config.consumers`) at 160 registers: FP8 at D = 128 and bf16
     # at D = 64 (FlashAttention-3's D = 64 layout), 64- and 128-key tiles.
     "fp8_d128_c3_kv64": Probe(128, False, dict(consumers=3, registers=160, block_kv=64,
