@@ -534,19 +534,31 @@ def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, out_ref, lse_ref, final_out
   def _producer():
     plgpu.set_max_registers(producer_registers(REGISTERS), action="decrease")
 
-    @pl.loop(0, count)
-    def _(n):
-      slot, j = slot_of(n), lo + n
-      pl.when(n >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-      first = j * BLOCK_K
-      if table_ref is None:
-        tile = k_ref.at[batch, pl.ds(first, BLOCK_K), kv_head]
-      else:
-        page = table_ref[batch, lax.div(first, jnp.int32(page_size))]
-        tile = k_ref.at[page, pl.ds(lax.rem(first, jnp.int32(page_size)), BLOCK_K), kv_head]
-      plgpu.copy_gmem_to_smem(tile, k_smem.at[slot], k_ready.at[slot])
+    load_key_blocks(k_ref, table_ref, page_size, batch, kv_head, lo, count,
+                    (k_smem, k_ready, k_free), BLOCK_K)
 
-    fwd.observe_last_releases(count, stages, k_free)
+
+def load_key_blocks(k_ref, table_ref, page_size: int | None, batch, kv_head, lo, count, ring,
+                    block_k: int):
+  """A decoding kernel's producer: key blocks ``lo ... lo + count - 1`` of one (batch row,
+  K/V head) of a contiguous or paged cache (``table_ref``: the page table), block ``lo + n``
+  into slot ``n % stages`` of ``ring = (slots, ready, free)`` once the consumers have freed
+  it; then it waits for the last releases, so that the epilogue may reuse the ring."""
+  slots, ready, free = ring
+  stages = slots.shape[0]
+
+  @pl.loop(0, count)
+  def _(n):
+    slot, first = lax.rem(n, jnp.int32(stages)), (lo + n) * block_k
+    pl.when(n >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
+    if table_ref is None:
+      tile = k_ref.at[batch, pl.ds(first, block_k), kv_head]
+    else:
+      page = table_ref[batch, lax.div(first, jnp.int32(page_size))]
+      tile = k_ref.at[page, pl.ds(lax.rem(first, jnp.int32(page_size)), block_k), kv_head]
+    plgpu.copy_gmem_to_smem(tile, slots.at[slot], ready.at[slot])
+
+  fwd.observe_last_releases(count, stages, free)
 
 
 def transposed_serves(rows: int) -> bool:

@@ -189,20 +189,9 @@ def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, out_ref, lse_ref, q_tiles, 
 
   @pl.when(wg == 1)
   def _producer():
-    @pl.loop(0, count)
-    def _(n):
-      slot, j = slot_of(n), lo + n
-      pl.when(n >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-      first = j * BLOCK_K
-      if table_ref is None:
-        tile = k_ref.at[batch, pl.ds(first, BLOCK_K), kv_head]
-      else:
-        page = table_ref[batch, lax.div(first, jnp.int32(page_size))]
-        tile = k_ref.at[page, pl.ds(lax.rem(first, jnp.int32(page_size)), BLOCK_K), kv_head]
-      plgpu.copy_gmem_to_smem(tile, k_smem.at[slot], k_ready.at[slot])
-
-    # The last loads' slots are released before the CTA ends (the epilogue reuses the ring).
-    fwd.observe_last_releases(count, stages, k_free)
+    # (The last loads' slots are released before the CTA ends: the epilogue reuses the ring.)
+    decode.load_key_blocks(k_ref, table_ref, page_size, batch, kv_head, lo, count,
+                           (k_smem, k_ready, k_free), BLOCK_K)
 
 
 def partial_results(inputs: Inputs, params: Params, splits: int, stages: int, pages=None):
