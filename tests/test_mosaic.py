@@ -480,17 +480,20 @@ def test_fp8_partial_results(h):
 @needs_cuda_plugin
 @pytest.mark.parametrize("h,causal", [(64, True), (128, True), (128, False), (256, True)])
 def test_fp8_partial_results_lower(h, causal):
-  """An FP8 partial result on the shipped config for it (its O tiles beside the K/V ring) lowers
-  for CUDA."""
+  """An FP8 partial result on the shipped config for it (its O tiles beside the K/V ring, and
+  the ring of per-token key factors: at D = 256 they fill the forward's shared-memory budget
+  exactly) lowers for CUDA."""
   f8 = jnp.float8_e4m3fn
 
-  def fn(q8, k8, v8):
-    call = _checks.normalise(q8, k8, v8, is_causal=causal, out_dtype=jnp.float32)
+  def fn(q8, k8, v8, q_descale, k_descale):
+    call = _checks.normalise(q8, k8, v8, is_causal=causal, out_dtype=jnp.float32,
+                             q_descale=q_descale, k_descale=k_descale)
     params = dataclasses.replace(call.params, partial=True)
     config = mosaic.default_config(h, f8, causal, 300, "NVIDIA H200", partial=True)
     return flash.forward(mosaic.BACKEND, call.inputs, params, config)
   spec = jax.ShapeDtypeStruct((2, 300, 4, h), f8)
-  assert "mosaic_gpu" in _lower(fn, spec, spec, spec)
+  factors = jax.ShapeDtypeStruct((2, 300, 4), jnp.float32)
+  assert "mosaic_gpu" in _lower(fn, spec, spec, spec, factors, factors)
 
 
 def test_d128_calls_without_a_band_take_two_q_buffers():
