@@ -135,6 +135,10 @@ CONFIGS = {
     # Three consumer warpgroups of 64 rows at 160 registers (`Config.consumers`).
     "c3_kv64_sums": dict(consumers=3, registers=160, block_kv=64, mma_row_sums=True),
     "c3_kv128_sums": dict(consumers=3, registers=160, block_kv=128, mma_row_sums=True),
+    "c3_kv128_poly16_sums": dict(consumers=3, registers=160, block_kv=128, mma_row_sums=True,
+                                 exp2_poly_cols=16),
+    "c3_kv128_poly32_sums": dict(consumers=3, registers=160, block_kv=128, mma_row_sums=True,
+                                 exp2_poly_cols=32),
     "c3_kv128": dict(consumers=3, registers=160, block_kv=128),
     "c3_kv128_persistent_sums": dict(consumers=3, registers=160, block_kv=128,
                                      persistent_ctas=132, mma_row_sums=True),

@@ -75,6 +75,10 @@ VARIANTS = {
     # Three consumer warpgroups of 64 rows at 160 registers (`Config.consumers`):
     # FlashAttention-3's D = 64 layout.
     "c3_kv128": dict(consumers=3, registers=160, block_kv=128),
+    # The same with a block's first 16 or 32 columns' exponentials by the polynomial: with three
+    # consumers the exp units, not one warp's latency, may be what a D = 64 block waits on.
+    "c3_kv128_poly16": dict(consumers=3, registers=160, block_kv=128, exp2_poly_cols=16),
+    "c3_kv128_poly32": dict(consumers=3, registers=160, block_kv=128, exp2_poly_cols=32),
     "c3_kv64": dict(consumers=3, registers=160, block_kv=64),
     "c3_kv128_persistent": dict(consumers=3, registers=160, block_kv=128, persistent_ctas=132),
     "c3_kv128_overlap": dict(consumers=3, registers=160, block_kv=128, intra_wg_overlap=True),

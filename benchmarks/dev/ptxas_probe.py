@@ -101,6 +101,11 @@ CONFIGS = {
                                                  mma_row_sums=True)),
     "fp8_d128_c3_kv128_causal": Probe(128, True, dict(consumers=3, registers=160, block_kv=128,
                                                        mma_row_sums=True)),
+    # The same with a block's first columns' exponentials by the polynomial (FMA units).
+    "fp8_d128_c3_kv128_poly16": Probe(128, False, dict(consumers=3, registers=160, block_kv=128,
+                                                        mma_row_sums=True, exp2_poly_cols=16)),
+    "fp8_d128_c3_kv128_poly32": Probe(128, False, dict(consumers=3, registers=160, block_kv=128,
+                                                        mma_row_sums=True, exp2_poly_cols=32)),
     "d64_c3_kv128": Probe(64, False, dict(consumers=3, registers=160, block_kv=128)),
     "d64_c3_kv128_causal": Probe(64, True, dict(consumers=3, registers=160, block_kv=128)),
     # 192-key tiles (64-byte swizzled V rows) with FlashAttention-3's overlap.
