@@ -23,13 +23,16 @@ import contextvars
 import functools
 import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxflash._checks import check_flag
 from jaxflash.attention import decode_attention, flash_attention, fp8_attention
+from jaxflash.fp8 import random_rotation
 
 _CACHE_STEP = contextvars.ContextVar("jaxflash_flax_cache_step", default=False)
 # A module with ``sinks=True`` sets this, around its call, to a function that returns its sinks
@@ -109,12 +112,14 @@ def _to_bnts(x: jax.Array | None, batch_shape: tuple[int, ...], as_bool: bool):
 def attend(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
            mask: jax.Array | None, *, broadcast_dropout: bool, dropout_rng: jax.Array | None,
            dropout_rate: float, deterministic: bool, is_causal: bool,
-           implementation=None, sinks: jax.Array | None = None, fp8: bool = False,
+           implementation=None, sinks: jax.Array | None = None,
+           fp8: bool | Mapping[str, Any] = False,
            deterministic_backward: bool = True) -> jax.Array:
   """Flax-convention attention through `jaxflash.flash_attention` (arrays already promoted);
   ``implementation`` and ``sinks`` as there, ``deterministic_backward`` its ``deterministic``
   (Flax's ``deterministic`` turns dropout off); with ``fp8`` through `jaxflash.fp8_attention`
-  (an FP8 forward, a 16-bit gradient; a decoding step stays 16-bit)."""
+  (an FP8 forward, a 16-bit gradient; a decoding step stays 16-bit), given `fp8_options`."""
+  fp8_call = fp8_options(fp8)
   batch_shape = query.shape[:-3]
   if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
     # Flattening mismatched batch dims would pair queries with the wrong rows (or fail to
@@ -135,7 +140,12 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array |
     if lengths is not None:
       out = decode_attention(q, k, v, lengths, sinks=sinks, implementation=implementation)
       return out.reshape(query.shape[:-1] + value.shape[-1:])
-  attention = fp8_attention if check_flag(fp8, "fp8") else flash_attention
+  attention = flash_attention
+  if fp8_call is not None:
+    seed = fp8_call.pop("rotation_seed", None)
+    if seed is not None:  # (a constant of the trace: XLA folds it)
+      fp8_call["rotation"] = random_rotation(jax.random.key(seed), q.shape[-1])
+    attention = functools.partial(fp8_attention, **fp8_call)
   out = attention(
       q, k, v, bias=_to_bnts(bias, batch_shape, as_bool=False),
       mask=_to_bnts(mask, batch_shape, as_bool=True), is_causal=is_causal,
@@ -145,7 +155,40 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array |
   return out.reshape(query.shape[:-1] + value.shape[-1:])
 
 
-def refuse_fallback(why: str, *, implementation=None, sinks=None, fp8: bool = False) -> None:
+# What a Flax hook's ``fp8`` may set of `jaxflash.fp8_attention`'s options: static values,
+# which a module's field holds as Flax's other options. No arrays: the rotation comes as the
+# seed of `jaxflash.random_rotation`'s key, the matrix made for the call's head dim.
+FP8_OPTIONS = ("block_size", "backward", "fp8_dtype", "rotation_seed")
+
+
+def fp8_options(fp8) -> dict | None:
+  """A hook's ``fp8``: False gives None (a 16-bit forward), True the FP8 forward with
+  `jaxflash.fp8_attention`'s defaults ({}), and a mapping those of its options it names
+  (`FP8_OPTIONS`; ``{"rotation_seed": 0}``: FlashAttention-3's incoherent processing with
+  ``random_rotation(jax.random.key(0), head_dim)``, the accurate form on outlier features)."""
+  if isinstance(fp8, Mapping):
+    unknown = sorted(set(fp8) - set(FP8_OPTIONS))
+    if unknown:
+      raise ValueError(f"fp8 takes the options {FP8_OPTIONS} of jaxflash.fp8_attention, got "
+                       f"{unknown}")
+    seed = fp8.get("rotation_seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+      raise ValueError(f"fp8's rotation_seed must be an int (a PRNG key's seed), got {seed!r}")
+    return dict(fp8)
+  if not isinstance(fp8, (bool, np.bool_)):
+    raise ValueError(f"fp8 must be a bool or a mapping of jaxflash.fp8_attention's options "
+                     f"{FP8_OPTIONS}, got {fp8!r}")
+  return {} if fp8 else None
+
+
+def fp8_field(fp8):
+  """What a module binds into its ``attention_fn`` for its ``fp8`` field: None where off (the
+  hook's default), else the field as given (checked)."""
+  return None if fp8_options(fp8) is None else fp8
+
+
+def refuse_fallback(why: str, *, implementation=None, sinks=None,
+                    fp8: bool | Mapping[str, Any] = False) -> None:
   """A hook that falls back to Flax's own attention (``why``) cannot honour what only jaxflash
   does: a requested backend, sinks or the FP8 forward raise a ValueError naming the option,
   rather than being dropped silently."""
@@ -156,9 +199,9 @@ def refuse_fallback(why: str, *, implementation=None, sinks=None, fp8: bool = Fa
   if sinks is not None:
     raise ValueError(f"sinks need jaxflash's kernels, but this call falls back to Flax's own "
                      f"attention ({why})")
-  if fp8:
-    raise ValueError(f"fp8=True asks for jaxflash's FP8 forward, but this call falls back to "
-                     f"Flax's own attention ({why})")
+  if fp8_options(fp8) is not None:
+    raise ValueError(f"fp8={fp8!r} asks for jaxflash's FP8 forward, but this call falls back "
+                     f"to Flax's own attention ({why})")
 
 
 def hook_of(attention_fn) -> object:

@@ -41,10 +41,13 @@ def largest(dtype) -> float:
 def random_rotation(key: jax.Array, head_dim: int, dtype=jnp.float32) -> jax.Array:
   """A random orthogonal [head_dim, head_dim] matrix for FP8's incoherent processing.
 
-  For a power-of-two ``head_dim`` it is a Hadamard matrix with random column signs (what
-  FlashAttention-3 uses: cheap, and it spreads every channel evenly over all the others);
-  otherwise the orthogonal factor of a Gaussian matrix. Pass the same matrix to `quantize_fp8`
-  for the query and the key: the logits are unchanged, ``(q R)(k R)ᵀ = q kᵀ``.
+  For a power-of-two ``head_dim`` it is a Hadamard matrix with random row signs, ``diag(s) H``
+  (what FlashAttention-3 uses: cheap, and it spreads every channel evenly over all the
+  others; the signs flip features before they are mixed, so that each key gives another
+  rotation, where signs on the columns would only flip the mixed features' signs, which
+  quantising leaves alone); otherwise the orthogonal factor of a Gaussian matrix. Pass the same
+  matrix to `quantize_fp8` for the query and the key: the logits are unchanged,
+  ``(q R)(k R)ᵀ = q kᵀ``.
 
   Args:
     key: a PRNG key.
@@ -58,7 +61,7 @@ def random_rotation(key: jax.Array, head_dim: int, dtype=jnp.float32) -> jax.Arr
     while hadamard.shape[0] < head_dim:  # Sylvester's construction
       hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
     signs = jax.random.rademacher(key, (head_dim,), jnp.float32)
-    rotation = jnp.asarray(hadamard) * signs[None, :] / math.sqrt(head_dim)
+    rotation = signs[:, None] * jnp.asarray(hadamard) / math.sqrt(head_dim)
   else:
     gaussian = jax.random.normal(key, (head_dim, head_dim), jnp.float32)
     q, r = jnp.linalg.qr(gaussian)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 import jax
@@ -54,7 +54,7 @@ def dot_product_attention(
     is_causal: bool = False,
     implementation: str | Sequence[str] | None = None,
     sinks: jax.Array | None = None,
-    fp8: bool = False,
+    fp8: bool | Mapping[str, Any] = False,
     deterministic_backward: bool = True,
 ) -> jax.Array:
   """`flax.linen.dot_product_attention` computed by jaxflash (same signature, plus ``is_causal``,
@@ -73,9 +73,13 @@ def dot_product_attention(
   choose. ``sinks`` (float [heads]) are attention sinks as in `jaxflash.flash_attention`; a
   module made with ``sinks=True`` passes its own. ``fp8=True`` runs the forward in FP8 through
   `jaxflash.fp8_attention` (the gradient stays 16-bit; bind it with ``functools.partial`` to
-  make an ``attention_fn``). ``deterministic_backward=False`` is `jaxflash.flash_attention`'s
-  ``deterministic=False`` (gradients that may differ in their last bits between runs, where a
-  faster backward adds them with atomics); Flax's own ``deterministic`` turns dropout off.
+  make an ``attention_fn``), with its defaults; a mapping sets its options ``block_size``,
+  ``backward`` and ``fp8_dtype``, and ``rotation_seed`` (an int) its ``rotation``:
+  ``random_rotation(jax.random.key(seed), depth)``. ``fp8={"rotation_seed": 0}`` is the
+  accurate form on inputs with outlier features (docs/fp8.md). ``deterministic_backward=False`` is
+  `jaxflash.flash_attention`'s ``deterministic=False`` (gradients that may differ in their last
+  bits between runs, where a faster backward adds them with atomics); Flax's own ``deterministic``
+  turns dropout off.
 
   Requests the kernels cannot serve fall back to Flax's own implementation rather than being
   ignored: ``module`` (sowing the T x S weights), ``precision``, custom einsums or dot_generals,
@@ -125,7 +129,7 @@ class _Jaxflash:
       _flax.check_takes_module_sinks(self.attention_fn, dot_product_attention, "linen")
     object.__setattr__(self, "attention_fn", _flax.bind_options(
         self.attention_fn, is_causal=True if self.is_causal and not self.decode else None,
-        implementation=self.implementation, fp8=True if self.fp8 else None,
+        implementation=self.implementation, fp8=_flax.fp8_field(self.fp8),
         deterministic_backward=None if self.deterministic_backward else False))
     super().__post_init__()
 
@@ -155,7 +159,9 @@ class MultiHeadDotProductAttention(_Jaxflash, nn.MultiHeadDotProductAttention):
       (float32, zeros at init) that joins every softmax denominator
       (`jaxflash.flash_attention`'s ``sinks``).
     fp8: (default False) run the attention forward in FP8 (`jaxflash.fp8_attention`; the
-      gradient stays 16-bit), passed to the ``attention_fn``, which must take it.
+      gradient stays 16-bit), passed to the ``attention_fn``, which must take it: True, or a
+      mapping of `jaxflash.fp8_attention`'s options as the hook takes it
+      (``{"rotation_seed": 0}``).
     deterministic_backward: (default True) False allows a faster backward whose gradients may
       differ in their last bits between runs (`jaxflash.flash_attention`'s ``deterministic``;
       Flax's ``deterministic`` is the dropout switch), passed to the ``attention_fn``.
@@ -168,7 +174,7 @@ class MultiHeadDotProductAttention(_Jaxflash, nn.MultiHeadDotProductAttention):
   is_causal: bool = False
   implementation: str | Sequence[str] | None = None
   sinks: bool = False
-  fp8: bool = False
+  fp8: bool | Mapping[str, Any] = False
   deterministic_backward: bool = True
 
 
@@ -180,7 +186,7 @@ class MultiHeadAttention(_Jaxflash, nn.MultiHeadAttention):
   is_causal: bool = False
   implementation: str | Sequence[str] | None = None
   sinks: bool = False
-  fp8: bool = False
+  fp8: bool | Mapping[str, Any] = False
   deterministic_backward: bool = True
 
 
@@ -192,5 +198,5 @@ class SelfAttention(_Jaxflash, nn.SelfAttention):
   is_causal: bool = False
   implementation: str | Sequence[str] | None = None
   sinks: bool = False
-  fp8: bool = False
+  fp8: bool | Mapping[str, Any] = False
   deterministic_backward: bool = True

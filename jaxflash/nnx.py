@@ -15,7 +15,7 @@ One-line swaps::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 import jax
@@ -50,7 +50,7 @@ def dot_product_attention(
     is_causal: bool = False,
     implementation: str | Sequence[str] | None = None,
     sinks: jax.Array | None = None,
-    fp8: bool = False,
+    fp8: bool | Mapping[str, Any] = False,
     deterministic_backward: bool = True,
     **kwargs: Any,
 ) -> jax.Array:
@@ -68,9 +68,13 @@ def dot_product_attention(
   choose. ``sinks`` (float [heads]) are attention sinks as in `jaxflash.flash_attention`; a
   module made with ``sinks=True`` passes its own. ``fp8=True`` runs the forward in FP8 through
   `jaxflash.fp8_attention` (the gradient stays 16-bit; bind it with ``functools.partial`` to
-  make an ``attention_fn``). ``deterministic_backward=False`` is `jaxflash.flash_attention`'s
-  ``deterministic=False`` (gradients that may differ in their last bits between runs, where a
-  faster backward adds them with atomics); Flax's own ``deterministic`` turns dropout off.
+  make an ``attention_fn``), with its defaults; a mapping sets its options ``block_size``,
+  ``backward`` and ``fp8_dtype``, and ``rotation_seed`` (an int) its ``rotation``:
+  ``random_rotation(jax.random.key(seed), depth)``. ``fp8={"rotation_seed": 0}`` is the
+  accurate form on inputs with outlier features (docs/fp8.md). ``deterministic_backward=False`` is
+  `jaxflash.flash_attention`'s ``deterministic=False`` (gradients that may differ in their last
+  bits between runs, where a faster backward adds them with atomics); Flax's own ``deterministic``
+  turns dropout off.
 
   Falls back to Flax's own implementation for what the kernels cannot serve: ``module``
   (sowing the T x S weights), ``precision``, a key depth different from the query depth, or
@@ -112,18 +116,20 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   [num_heads] (float32 zeros at first) that joins every softmax denominator
   (`jaxflash.flash_attention`'s ``sinks``); otherwise ``self.sinks`` is None. With
   ``fp8=True`` the attention forward runs in FP8 (`jaxflash.fp8_attention`; the gradient stays
-  16-bit); it is bound into the ``attention_fn`` like ``implementation``, and so is
+  16-bit; a mapping of its options, as the hook takes it, e.g. ``{"rotation_seed": 0}``); it is
+  bound into the ``attention_fn`` like ``implementation``, and so is
   ``deterministic_backward=False`` (`jaxflash.flash_attention`'s ``deterministic=False``: a
   faster backward whose gradients may differ in their last bits between runs).
   """
 
   def __init__(self, *args: Any, attention_fn: Callable[..., jax.Array] = dot_product_attention,
                implementation: str | Sequence[str] | None = None, sinks: bool = False,
-               fp8: bool = False, deterministic_backward: bool = True, **kwargs: Any):
+               fp8: bool | Mapping[str, Any] = False, deterministic_backward: bool = True,
+               **kwargs: Any):
     if sinks:
       _flax.check_takes_module_sinks(attention_fn, dot_product_attention, "nnx")
     attention_fn = _flax.bind_options(
-        attention_fn, implementation=implementation, fp8=True if fp8 else None,
+        attention_fn, implementation=implementation, fp8=_flax.fp8_field(fp8),
         deterministic_backward=None if deterministic_backward else False)
     super().__init__(*args, attention_fn=attention_fn, **kwargs)
     self.implementation = implementation

@@ -78,6 +78,17 @@ def test_rotation_is_orthogonal_and_keeps_logits(head_dim):
   np.testing.assert_allclose((q @ r) @ (k @ r).T, q @ k.T, atol=1e-4)
   with pytest.raises(ValueError, match="head_dim"):
     fp8.random_rotation(jax.random.key(1), 0)
+  # Another key gives another rotation as quantising sees it: the FP8 logits differ. (Random
+  # signs on a Hadamard matrix's columns would flip the rotated features' signs only, and
+  # every key would give the same FP8 logits.)
+  q, k = (jnp.asarray(x, jnp.float32)[None, :, None] for x in (q, k))
+
+  def fp8_logits(rotation):
+    (q8, qd), (k8, kd) = (fp8.quantize_fp8(x, rotation=rotation) for x in (q, k))
+    return (q8.astype(jnp.float32)[0, :, 0] * qd[0, 0]) @ (k8.astype(jnp.float32)[0, :, 0]
+                                                            * kd[0, 0]).T
+  other = fp8.random_rotation(jax.random.key(4), head_dim)
+  assert np.abs(fp8_logits(jnp.asarray(r, jnp.float32)) - fp8_logits(other)).max() > 1e-3
 
 
 # (T, S, N, K, H, options, descale form): odd lengths, GQA, head dims 40/80/96.
@@ -390,6 +401,23 @@ def test_flax_hooks_run_the_fp8_forward(flavour):
   assert np.isfinite(np.asarray(grads)).all()
   with pytest.raises(ValueError, match="fp8=True"):
     hooks.dot_product_attention(q, kk[..., :8], v, fp8=True)  # falls back: depths differ
+  # A mapping sets fp8_attention's options: here the rotation, made from its key's seed.
+  rotated = functools.partial(hooks.dot_product_attention, fp8={"rotation_seed": 3},
+                              implementation="xla")
+  r = fp8.random_rotation(jax.random.key(3), 16)
+  want = jaxflash.fp8_attention(q, kk, v, rotation=r, implementation="xla")
+  assert rel_err(jax.jit(rotated)(q, kk, v), want) <= 1e-5
+  assert rel_err(rotated(q, kk, v), out) > 1e-3  # (not the unrotated call)
+  with pytest.raises(ValueError, match="fp8 takes the options"):
+    hooks.dot_product_attention(q, kk, v, fp8={"rotation": None})
+  with pytest.raises(ValueError, match="fp8 must be a bool"):
+    hooks.dot_product_attention(q, kk, v, fp8="yes")
+  with pytest.raises(ValueError, match="block_size"):
+    hooks.dot_product_attention(q, kk, v, fp8={"block_size": 0})
+  with pytest.raises(ValueError, match="rotation_seed must be an int"):
+    hooks.dot_product_attention(q, kk, v, fp8={"rotation_seed": 0.5})
+  with pytest.raises(ValueError, match="fp8=.*rotation_seed"):
+    hooks.dot_product_attention(q, kk[..., :8], v, fp8={"rotation_seed": 0})
 
 
 needs_devices = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices")
@@ -490,3 +518,12 @@ def test_flax_modules_take_fp8():
   want = make()(x, is_causal=True)
   got = make(fp8=True)(x, is_causal=True)
   assert 0 < rel_err(got, want) <= 0.08
+  # The rotation through a mapping, on both kinds of module: another FP8 call (not the
+  # unrotated one), within FP8's error of the 16-bit module.
+  rotated = make(fp8={"rotation_seed": 0})(x, is_causal=True)
+  assert 0 < rel_err(rotated, want) <= 0.08 and rel_err(rotated, got) > 1e-3
+  quant_rotated = linen.SelfAttention(num_heads=4, is_causal=True, implementation="xla",
+                                      fp8={"rotation_seed": 0})
+  want, got = plain.apply(params, x), quant.apply(params, x)
+  rotated = quant_rotated.apply(params, x)
+  assert 0 < rel_err(rotated, want) <= 0.08 and rel_err(rotated, got) > 1e-3
