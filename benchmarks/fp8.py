@@ -42,7 +42,8 @@ same shape and inputs, a random cotangent; each method's dQ, dK and dV against t
 gradients of the unquantised inputs, as relative errors ‖g − g₆₄‖ / ‖g₆₄‖. Methods: ``bf16``
 (jaxflash's 16-bit forward and backward on bf16 inputs); `jaxflash.fp8_attention`'s two 16-bit
 backwards after its FP8 forward, ``straight_through`` (the default) and ``mixed``, each also
-``_rotated`` (per-token scales after a rotation); and two FP8 backwards emulated exactly on the
+``_rotated`` (per-token scales after a rotation), and ``straight_through_token`` (per-token
+scales alone); and two FP8 backwards emulated exactly on the
 host (float64
 arithmetic on e4m3-rounded operands, which is what a tensor core's FP8 products are, up to its
 accumulation): after the FP8 forward of per-head e4m3 q, k, v, each backward matmul (dP = dO Vᵀ,
@@ -424,6 +425,7 @@ def run_gradients(shape: Shape, implementation, out: Path, result: dict) -> None
         "bf16": lambda: jaxflash_grads(lambda q, k, v: jaxflash.flash_attention(
             q, k, v, is_causal=shape.causal, implementation=implementation)),
         "straight_through": lambda: fp8_attention_grads("straight_through"),
+        "straight_through_token": lambda: fp8_attention_grads("straight_through", block_size=1),
         "straight_through_rotated": lambda: fp8_attention_grads("straight_through", **rotated),
         "mixed": lambda: fp8_attention_grads("mixed"),
         "mixed_rotated": lambda: fp8_attention_grads("mixed", **rotated),

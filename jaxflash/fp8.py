@@ -72,7 +72,8 @@ def random_rotation(key: jax.Array, head_dim: int, dtype=jnp.float32) -> jax.Arr
 def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
                  rotation: jax.Array | None = None,
                  dtype=jnp.float8_e4m3fn,
-                 power_of_two: bool = False) -> tuple[jax.Array, jax.Array]:
+                 power_of_two: bool = False,
+                 bfloat16_exact: bool = False) -> tuple[jax.Array, jax.Array]:
   """Quantises a query, key or value to FP8 with its descale factors.
 
   Args:
@@ -89,11 +90,19 @@ def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
       maps to between half the format's largest value and it, as with MX formats' scales), so
       that ``float(x8) * descale`` is exact in bfloat16: `jaxflash.fp8_attention`'s backward
       recomputes the forward's logits from such values.
+    bfloat16_exact: descales with few enough significant bits that ``float(x8) * descale`` is
+      exact in bfloat16 too (four for e4m3, five for e5m2: the products fit bfloat16's eight),
+      each the one of its block's candidates under which the block's largest magnitude comes
+      back closest (within about 2⁻⁸ of it, where a power of two leaves it one FP8 rounding
+      off, up to 2⁻⁴). What `jaxflash.fp8_attention` quantises with: on outlier features,
+      whose largest entries carry the logits, its output and gradients are several times
+      closer than with power-of-two scales (docs/fp8.md).
 
   Returns:
     ``(x8, descale)``: the FP8 values and float32 factors with ``x ~ float(x8) * descale``
     (after the rotation). Each scale maps its block's largest magnitude to the format's largest
-    finite value; an all-zero block gets the factor 1.
+    finite value (``power_of_two``, ``bfloat16_exact``: to at most it); an all-zero block gets
+    the factor 1.
   """
   x = jnp.asarray(x)
   if x.ndim not in (3, 4) or not jnp.issubdtype(x.dtype, jnp.floating):
@@ -104,6 +113,9 @@ def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
   if block_size is not None and (isinstance(block_size, bool)
                                  or not isinstance(block_size, int) or block_size <= 0):
     raise ValueError(f"block_size must be None or a positive int, got {block_size!r}")
+  if power_of_two and bfloat16_exact:
+    raise ValueError("power_of_two and bfloat16_exact are two ways of choosing the scales; "
+                     "pass one")
   unbatched = x.ndim == 3
   x = (x[None] if unbatched else x).astype(jnp.float32)
   if rotation is not None:
@@ -125,6 +137,8 @@ def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
   descale = jnp.where(amax > 0, amax / largest(dtype), 1.0)
   if power_of_two:
     descale = jnp.exp2(jnp.ceil(jnp.log2(descale)))
+  if bfloat16_exact:
+    descale = jnp.where(amax > 0, _bfloat16_exact_descales(amax, dtype), 1.0)
   # NaN stays NaN (a NaN input is visible in the output); the clip keeps rounding from
   # overflowing to NaN in e4m3fn, which has no infinity.
   scaled = x / (descale[:, None] if block_size is None else descale)[..., None]
@@ -132,6 +146,29 @@ def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
   if unbatched:
     x8, descale = x8[0], descale[0]
   return x8, descale
+
+
+def _bfloat16_exact_descales(amax: jax.Array, dtype) -> jax.Array:
+  """`quantize_fp8`'s ``bfloat16_exact`` descales of blocks whose largest magnitudes are
+  ``amax`` (> 0): of the factors ``m · 2^e`` with ``m`` on a grid of ``8 - p`` significant bits
+  (``p``: the format's, 4 for e4m3) and the least ``e`` that keeps ``amax / factor`` within the
+  format's range, the one under which ``amax`` rounds to FP8 and back closest (the smallest of
+  equals). Elementwise with ranks spelled out, no gather: strict rank promotion and explicit
+  sharding take it as they take the rest of the quantisation."""
+  bits = 8 - (jnp.finfo(dtype).nmant + 1)
+  steps = 2 ** (bits - 1)
+  mantissas = (1.0 + jnp.arange(steps, dtype=jnp.float32) / steps).reshape(
+      (1,) * amax.ndim + (steps,))  # [1, 2)
+  top = largest(dtype)
+  a = amax[..., None]
+  # (ldexp, not exp2: XLA's exp2 of an integer need not be an exact power of two.)
+  exponents = jnp.ceil(jnp.log2(a / (top * mantissas))).astype(jnp.int32)
+  # (The mantissas broadcast against ``a``, so that they take its sharding.)
+  factors = jnp.ldexp(mantissas + jnp.zeros_like(a), exponents)
+  back = jnp.clip(a / factors, 0.0, top).astype(dtype).astype(jnp.float32) * factors
+  miss = jnp.abs(back - a)
+  best = miss == jnp.min(miss, axis=-1, keepdims=True)
+  return jnp.min(jnp.where(best, factors, jnp.inf), axis=-1)
 
 
 def per_token(descale: jax.Array | None) -> bool:

@@ -628,7 +628,7 @@ def test_fp8_smoke(tmp_path):
   accuracy = {(r["inputs"], r["method"]): r["rmse"] for r in rows if r["case"] == "accuracy"}
   assert len(accuracy) == 8 and all(v > 0 for v in accuracy.values())
   gradients = {(r["inputs"], r["method"]): r for r in rows if r["case"] == "gradients"}
-  assert len(gradients) == 14 and all(gradients[("normal", m)]["dq"] > 0 for m in (
+  assert len(gradients) == 16 and all(gradients[("normal", m)]["dq"] > 0 for m in (
       "bf16", "straight_through", "mixed", "fp8_backward", "fp8_backward_ideal"))
   committed = json.loads((BENCHMARKS / "results" / "h200" / "fp8.json").read_text())["rows"]
   cells = {(r["D"], r["causal"], r["impl"]) for r in committed

@@ -8,6 +8,8 @@ kernels' FP8 forward (P rounded to FP8 too) is held to the accuracy of FP8 itsel
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -221,6 +223,26 @@ def test_fp8_attention_gradients_on_outlier_features(rotated, implementation):
   assert min(errors["mixed"]) >= 10 * max(straight), errors
 
 
+def test_fp8_attention_per_token_scales_keep_outlier_features_closer():
+  """`fp8_attention` quantises with `quantize_fp8`'s bfloat16_exact scales, which bring each
+  block's largest entry back within about 2⁻⁸: with a scale per token, on a feature 30x the
+  others (each token's largest entries, which carry the logits), its output is at most half as
+  far from the 16-bit call as on power-of-two scales, and than with a scale per head (with
+  power-of-two scales per token and per head gave the same FP8 values)."""
+  q, kk, v, _ = random_qkv(3, 1, 96, 96, 2, 2, 64)
+  q, kk = (x * jnp.where(jnp.arange(64) == 5, 30.0, 1.0) for x in (q, kk))
+  want = reference_attention(q, kk, v, is_causal=True)[0]
+  call = functools.partial(jaxflash.fp8_attention, q, kk, v, is_causal=True,
+                           implementation="xla")
+  got, per_head = call(block_size=1), call()
+  powers = [fp8.quantize_fp8(x, block_size=size, power_of_two=True)
+            for x, size in ((q, 1), (kk, 1), (v, None))]
+  descales = {name: d for name, (_, d) in zip(("q_descale", "k_descale", "v_descale"), powers)}
+  before = jaxflash.flash_attention(*(x8 for x8, _ in powers), is_causal=True,
+                                    implementation="xla", out_dtype=jnp.float32, **descales)
+  assert rel_err(got, want) <= 0.5 * min(rel_err(before, want), rel_err(per_head, want))
+
+
 def test_power_of_two_scales_round_trip_exactly_in_bfloat16():
   """`quantize_fp8(..., power_of_two=True)`: every descale is a power of two at or above the
   exact one (no value clips), and the dequantised values are exact in bfloat16."""
@@ -233,6 +255,33 @@ def test_power_of_two_scales_round_trip_exactly_in_bfloat16():
     canonical = descale[:, None] if descale.ndim == 2 else descale
     values = fp8.dequantize(q8, canonical)
     np.testing.assert_array_equal(values.astype(jnp.bfloat16).astype(jnp.float32), values)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, jnp.float8_e5m2])
+def test_bfloat16_exact_scales_round_trip_exactly_and_keep_the_largest_entry(dtype):
+  """`quantize_fp8(..., bfloat16_exact=True)`: the dequantised values are exact in bfloat16
+  (descales of few significant bits; the inputs span many binades from token to token, and
+  float32, so no scale is exact by accident), no value clips, and each block's largest
+  magnitude comes back within 3% (power-of-two scales leave it up to one FP8 rounding off);
+  passing both kinds of scales is an error naming them."""
+  x, _, _, _ = random_qkv(3, 2, 33, 33, 2, 2, 48)
+  x = x * jnp.exp2(jnp.linspace(-20.0, 20.0, 33))[None, :, None, None]
+  for block_size in (None, 1, 8):
+    x8, descale = fp8.quantize_fp8(x, block_size=block_size, dtype=dtype, bfloat16_exact=True)
+    canonical = descale[:, None] if descale.ndim == 2 else descale
+    values = fp8.dequantize(x8, canonical)
+    np.testing.assert_array_equal(values.astype(jnp.bfloat16).astype(jnp.float32), values)
+    assert bool(jnp.all(jnp.abs(x8.astype(jnp.float32)) <= fp8.largest(dtype)))
+    if block_size == 1:
+      amax = jnp.max(jnp.abs(x), axis=-1)
+      back = jnp.max(jnp.abs(values), axis=-1)
+      assert float(jnp.max(jnp.abs(back - amax) / amax)) <= 0.03
+      rounded = fp8.dequantize(*fp8.quantize_fp8(x, block_size=1, dtype=dtype,
+                                                 power_of_two=True))
+      worst_power = jnp.max(jnp.abs(jnp.max(jnp.abs(rounded), axis=-1) - amax) / amax)
+      assert float(jnp.max(jnp.abs(back - amax) / amax)) < float(worst_power)
+  with pytest.raises(ValueError, match="power_of_two and bfloat16_exact"):
+    fp8.quantize_fp8(x, power_of_two=True, bfloat16_exact=True)
 
 
 def _reference_with_sinks(q, k, v, sinks):
@@ -390,7 +439,6 @@ def test_fp8_key_tiles_are_the_configs_own():
 
 @pytest.mark.parametrize("flavour", ["linen", "nnx"])
 def test_flax_hooks_run_the_fp8_forward(flavour):
-  import functools
   hooks = pytest.importorskip(f"jaxflash.{flavour}")
   q, kk, v, _ = random_qkv(6, 2, 32, 32, 4, 4, 16)
   hook = functools.partial(hooks.dot_product_attention, fp8=True, implementation="xla")

@@ -46,9 +46,10 @@ def quantized(inputs: Inputs, rotation, block_size: int | None, dtype: str) -> I
   """``inputs`` quantised to FP8 ``dtype``: query and key after ``rotation`` (None: none) with
   one scale per ``block_size`` tokens and head, the value with one per batch row and K/V head."""
   dtype = jnp.dtype(dtype)
-  # (Power-of-two scales: their values scaled back are then exact in 16 bits, so a 16-bit
-  # backward on them recomputes the forward's own logits, up to the order of float32 sums.)
-  quantize = functools.partial(fp8.quantize_fp8, dtype=dtype, power_of_two=True)
+  # (Scales whose values scaled back are exact in 16 bits, so that a 16-bit backward on them
+  # recomputes the forward's own logits, up to the order of float32 sums; of those, the ones
+  # that bring each block's largest entry back closest: `quantize_fp8`'s bfloat16_exact.)
+  quantize = functools.partial(fp8.quantize_fp8, dtype=dtype, bfloat16_exact=True)
   q8, q_descale = quantize(inputs.query, block_size=block_size, rotation=rotation)
   k8, k_descale = quantize(inputs.key, block_size=block_size, rotation=rotation)
   v8, v_descale = quantize(inputs.value)
