@@ -617,7 +617,7 @@ def test_fp8_smoke(tmp_path):
   """benchmarks/fp8.py on tiny shapes (XLA backend): speed rows checked and timed, accuracy rows
   with an RMSE, gradient rows with relative errors; the committed H200 table has the rows and
   the accuracy claim the issue names, and its gradient rows the reason for the default
-  backward (finite where the mixed one overflows)."""
+  backward (finite where the mixed one diverges)."""
   import fp8
   out = tmp_path / "fp8.json"
   fp8.main(["--smoke", "--shapes", "0", "--impls", "jaxflash_fp8", "jaxflash", "--out", str(out)])
@@ -641,7 +641,8 @@ def test_fp8_smoke(tmp_path):
   for method in ("straight_through", "straight_through_rotated"):
     assert all(grads[(kind, method)][g] is not None for kind in ("normal", "outliers")
                for g in ("dq", "dk", "dv"))
-  assert grads[("outliers", "mixed")]["not_finite"] == ["dq", "dk", "dv"]
+  mixed = grads[("outliers", "mixed")]  # (diverged: overflowed, or far past the norm)
+  assert all(mixed[g] is None or mixed[g] > 100 for g in ("dq", "dk", "dv"))
 
 
 def test_profile_call_smoke():
