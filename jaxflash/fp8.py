@@ -93,10 +93,11 @@ def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
     bfloat16_exact: descales with few enough significant bits that ``float(x8) * descale`` is
       exact in bfloat16 too (four for e4m3, five for e5m2: the products fit bfloat16's eight),
       each the one of its block's candidates under which the block's largest magnitude comes
-      back closest (within about 2⁻⁸ of it, where a power of two leaves it one FP8 rounding
-      off, up to 2⁻⁴). What `jaxflash.fp8_attention` quantises with: on outlier features,
-      whose largest entries carry the logits, its output and gradients are several times
-      closer than with power-of-two scales (docs/fp8.md).
+      back closest (for e4m3 within 2.7% of it, 0.6% at the median, where a power of two
+      leaves it up to 5.9% off, 2.2% at the median). What `jaxflash.fp8_attention` quantises
+      with: with a scale per token its output on outlier features, whose largest entries carry
+      the logits, comes out several times closer than with power-of-two scales, under which
+      per-token scales gave per-head values (docs/fp8.md).
 
   Returns:
     ``(x8, descale)``: the FP8 values and float32 factors with ``x ~ float(x8) * descale``

@@ -225,10 +225,10 @@ def test_fp8_attention_gradients_on_outlier_features(rotated, implementation):
 
 def test_fp8_attention_per_token_scales_keep_outlier_features_closer():
   """`fp8_attention` quantises with `quantize_fp8`'s bfloat16_exact scales, which bring each
-  block's largest entry back within about 2⁻⁸: with a scale per token, on a feature 30x the
+  block's largest entry back within 2.7% (e4m3): with a scale per token, on a feature 30x the
   others (each token's largest entries, which carry the logits), its output is at most half as
-  far from the 16-bit call as on power-of-two scales, and than with a scale per head (with
-  power-of-two scales per token and per head gave the same FP8 values)."""
+  far from the 16-bit call as on power-of-two scales, or as with a scale per head (on
+  power-of-two scales, per-token and per-head scales gave the same FP8 values)."""
   q, kk, v, _ = random_qkv(3, 1, 96, 96, 2, 2, 64)
   q, kk = (x * jnp.where(jnp.arange(64) == 5, 30.0, 1.0) for x in (q, kk))
   want = reference_attention(q, kk, v, is_causal=True)[0]
