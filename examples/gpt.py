@@ -15,6 +15,9 @@ The attention function plugged into every ``nnx.MultiHeadAttention`` is picked w
 - ``jaxflash_fp8``: the same hook with ``fp8=True``: the attention forward in FP8
   (`jaxflash.fp8_attention`: the Mosaic FP8 kernel on Hopper, upcast elsewhere), its gradient in
   16 bits; compare its loss curve with ``--attention jaxflash,jaxflash_fp8 --compare``;
+- ``jaxflash_fp8_rotated``: the same with ``fp8={"rotation_seed": 0}``: query and key rotated by
+  `jaxflash.random_rotation` before they are quantised (FlashAttention-3's incoherent
+  processing, the accurate form on outlier features);
 - ``flax``:     ``flax.nnx.dot_product_attention``, Flax's default;
 - ``xla``:      ``jax.nn.dot_product_attention(..., implementation="xla")``;
 - ``cudnn``:    ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (NVIDIA GPU,

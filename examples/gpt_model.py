@@ -14,7 +14,7 @@ from flax import nnx
 
 import jaxflash.nnx
 
-ATTENTIONS = ("jaxflash", "jaxflash_fp8", "flax", "xla", "cudnn")
+ATTENTIONS = ("jaxflash", "jaxflash_fp8", "jaxflash_fp8_rotated", "flax", "xla", "cudnn")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,6 +64,9 @@ def attention_fn(name: str, deterministic: bool = True) -> Callable[..., jax.Arr
     return jaxflash.nnx.dot_product_attention
   if name == "jaxflash_fp8":  # the forward in FP8, the gradient in 16 bits
     return functools.partial(jaxflash.nnx.dot_product_attention, fp8=True, **options)
+  if name == "jaxflash_fp8_rotated":  # the same after FlashAttention-3's random rotation
+    return functools.partial(jaxflash.nnx.dot_product_attention, fp8={"rotation_seed": 0},
+                             **options)
   if name == "flax":
     return nnx.dot_product_attention
   if name == "xla":

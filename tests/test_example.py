@@ -79,8 +79,9 @@ def test_attention_choices():
   # --no-deterministic: jaxflash's hooks get deterministic_backward=False, others stay as they are
   assert gpt.parse_args(["--preset", "cpu-tiny"]).deterministic
   assert not gpt.parse_args(["--preset", "cpu-tiny", "--no-deterministic"]).deterministic
-  for name in ("jaxflash", "jaxflash_fp8"):
+  for name in ("jaxflash", "jaxflash_fp8", "jaxflash_fp8_rotated"):
     assert gpt.attention_fn(name, deterministic=False).keywords["deterministic_backward"] is False
+  assert gpt.attention_fn("jaxflash_fp8_rotated").keywords["fp8"] == {"rotation_seed": 0}
   assert gpt.attention_fn("flax", deterministic=False) is nnx.dot_product_attention
 
 
