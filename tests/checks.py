@@ -221,13 +221,10 @@ def check(implementation, *, b=2, t=37, s=53, n=4, k=2, h=40, dtype=jnp.float32,
     return run
 
   grads_wanted = grads
-  run = with_grads(ours)
-  if not (implementation == "mosaic" and interpret_for(implementation)):
-    # Mosaic GPU's interpreter (the mosaic backend on a CPU) runs each warpgroup as its own XLA
-    # program on its own thread; inside a jitted forward+backward it deadlocked on 2 cores, so
-    # it runs eagerly there.
-    run = jax.jit(run)
-  out, lse, got = run(q, kk, v, bias)
+  # (Jitted in Mosaic GPU's interpreter too, whose warpgroups wait for each other on threads of
+  # XLA's CPU pool: with too few of them a jitted forward+backward deadlocked, and it ran op by
+  # op, compiling 100-300 small programs a call, until tests/conftest.py sized the pool.)
+  out, lse, got = jax.jit(with_grads(ours))(q, kk, v, bias)
   upcast = [x.astype(jnp.float32) for x in (q, kk, v)]
   # (jitted: op by op, the reference and its gradients compiled 100-500 small programs a call)
   ref_out, ref_lse, want = jax.jit(with_grads(ref))(*upcast, bias)

@@ -669,8 +669,7 @@ def test_ptxas_probe_compiles_ahead_of_time(tmp_path):
   GPU runs ptxas on its PTX. No kernel of these configs spills (a kernel that did would lose
   speed without failing any other test): the shipped D = 128 causal forward, MLA's 128-key
   forward tiles with O through the Q tiles' memory, the shipped D = 128 forward without a band
-  (a persistent grid of pairs sharing K/V, two Q buffers), FP8 with polynomial exponentials, FP8's
-  shipped D = 128 tiles without a band (the row sums' wgmma, a persistent grid), D = 64's three
+  (a persistent grid of pairs sharing K/V, two Q buffers), FP8's shipped D = 128 tiles without a band (the row sums' wgmma, a persistent grid), D = 64's three
   consumer warpgroups at 160 registers (`THREE_CONSUMERS`, long calls on an H200) and its
   256-key persistent tiles with two Q buffers (shorter calls without a band), and the
   backward kernels whose resident tiles' descriptors stay in the loop (`backward._opaque_zero`:
@@ -678,7 +677,7 @@ def test_ptxas_probe_compiles_ahead_of_time(tmp_path):
   atomic one pass at D = 128 (240 registers) and GQA's causal kernels launched tile-major.
   (GQA's atomic one pass spills 16 bytes: `bwd_d128_gqa_atomic_shipped`, not checked here.)"""
   configs = ["d128_overlap", "mla_kv128_overlap", "d128_overlap_persistent_mc_q2",
-             "fp8_d128_kv256_poly64", "fp8_d128_shipped", "d64_kv256_persistent_q2",
+             "fp8_d128_shipped", "d64_kv256_persistent_q2",
              "d64_c3_kv128", "bwd_d128_atomic_r240", "bwd_d128_gqa_tile_major", "bwd_mla"]
   run = subprocess.run(
       [sys.executable, str(BENCHMARKS / "dev" / "ptxas_probe.py"), "--aot", "--out",

@@ -48,16 +48,14 @@ def _check(implementation, *, h, hv, b=2, t=77, s=130, n=4, k=2, seed=0, dtype=F
   options = {name: make(b, t, s, n, seed) if callable(make) else make
              for name, make in options.items()}
 
-  def run(fn, *args, jit=True):
+  def run(fn, *args):
     def both(q, kk, v):
       (out, lse), vjp = jax.vjp(fn, q, kk, v)
       return out, lse, vjp((d_out.astype(out.dtype), jnp.zeros_like(lse)))
-    return (jax.jit(both) if jit else both)(*args)
+    return jax.jit(both)(*args)
 
-  # (Mosaic GPU's interpreter runs eagerly: see tests/checks.py's `check`.)
   out, lse, grads = run(lambda q, kk, v: attention(implementation, q, kk, v, small=small,
-                                                   return_residual=True, **options),
-                        q, kk, v, jit=implementation != "mosaic" or not interpret_for("mosaic"))
+                                                   return_residual=True, **options), q, kk, v)
   want_out, want_lse, want_grads = run(
       lambda q, kk, v: reference_attention(q, kk, v, **options),
       *(x.astype(F32) for x in (q, kk, v)))
@@ -644,7 +642,6 @@ _DENSE_MASK = dict(mask=lambda b, t, s, n, seed: random_array(seed, (b, n, t, s)
 @pytest.mark.parametrize("h,hv,tiles,overlap,options", [
     (192, 128, "shipped", False, dict(is_causal=True)),
     (192, 128, "shipped", True, dict(is_causal=True)),
-    (64, 32, "q64", False, _DENSE_MASK),
     (64, 32, "q64", True, _DENSE_MASK),
     (192, 128, "shipped", False, dict(logits_soft_cap=2.0, is_causal=True))])
 def test_shared_key_roles(h, hv, tiles, overlap, options, monkeypatch):
@@ -652,7 +649,7 @@ def test_shared_key_roles(h, hv, tiles, overlap, options, monkeypatch):
   and without `Backward.shared_keys_overlap` (dK's product one visit late, shipped): MLA's
   shipped tiles (128-row query tiles) with a causal band (odd lengths, GQA: 2 query heads a
   K/V head, 130 keys in three 64-key tiles, the last one short); 64-row tiles with a dense
-  mask and lengths (some rows see one key); and MLA's shipped tiles with a
+  mask and lengths (some rows see one key), with the overlap; and MLA's shipped tiles with a
   soft cap, whose dSᵀ needs its chain factor: the usual layout runs instead, on 64-row tiles
   (128 do not fit it)."""
   from jaxflash.backends.mosaic import backward
