@@ -38,6 +38,29 @@ def largest(dtype) -> float:
   return float(jnp.finfo(dtype).max)
 
 
+# The rotation's matmuls (`rotated`, `rotated_back`) run at `Precision.HIGH`: TF32 tensor cores
+# on an NVIDIA GPU (operands kept to ten significant bits, so each product within 2^-11 of its
+# float32 value; a 16-bit input is exact in TF32), float32 on a CPU: far below the FP8
+# rounding that follows (2^-4 for e4m3). At `HIGHEST` they ran in float32 on the CUDA cores:
+# at the GPT example's attention (B = 2, 8k tokens, 8 heads of 128, causal; H200, 2026-12-04,
+# benchmarks/dev/rotation_cost.py) a rotated `fp8_attention` forward+backward took 2.60 ms
+# against 2.24 at HIGH, 2.16 unrotated and 1.94 for bf16 (docs/fp8.md).
+ROTATION_PRECISION = jax.lax.Precision.HIGH
+
+
+def rotated(x: jax.Array, rotation: jax.Array) -> jax.Array:
+  """``x @ rotation`` over the last axis of ``x`` [..., H], in float32."""
+  return jnp.einsum("...d,de->...e", x.astype(jnp.float32), rotation.astype(jnp.float32),
+                    precision=ROTATION_PRECISION)
+
+
+def rotated_back(grad: jax.Array, rotation: jax.Array) -> jax.Array:
+  """A gradient with respect to rotated values ``x @ rotation``, as one with respect to ``x``:
+  ``grad @ rotationᵀ``, in float32."""
+  return jnp.einsum("...e,de->...d", grad.astype(jnp.float32), rotation.astype(jnp.float32),
+                    precision=ROTATION_PRECISION)
+
+
 def random_rotation(key: jax.Array, head_dim: int, dtype=jnp.float32) -> jax.Array:
   """A random orthogonal [head_dim, head_dim] matrix for FP8's incoherent processing.
 
@@ -124,8 +147,7 @@ def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
     if rotation.shape != (x.shape[-1],) * 2:
       raise ValueError(f"rotation must be [D, D] = {(x.shape[-1],) * 2} for x {x.shape}, got "
                        f"{rotation.shape}")
-    x = jnp.einsum("blnd,de->blne", x, rotation.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
+    x = rotated(x, rotation)
   amax = jnp.max(jnp.abs(x), axis=-1)  # [B, L, heads]
   if block_size is None:
     amax = jnp.max(amax, axis=1)  # [B, heads]

@@ -12,6 +12,7 @@ import functools
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -91,6 +92,39 @@ def test_rotation_is_orthogonal_and_keeps_logits(head_dim):
                                                             * kd[0, 0]).T
   other = fp8.random_rotation(jax.random.key(4), head_dim)
   assert np.abs(fp8_logits(jnp.asarray(r, jnp.float32)) - fp8_logits(other)).max() > 1e-3
+
+
+def _dot_precisions(jaxpr) -> list:
+  """The precision of every dot_general in ``jaxpr``, its sub-jaxprs' included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.append(eqn.params["precision"])
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _dot_precisions(sub)
+  return found
+
+
+def test_rotation_matmuls_take_the_rotation_precision():
+  """`fp8_attention`'s rotation, forward (quantising q and k) and backward (dQ and dK rotated
+  back), runs its products at `fp8.ROTATION_PRECISION` (TF32 on a GPU: at HIGHEST they cost
+  a training step's attention 16%, docs/fp8.md), and rotating back undoes the rotation."""
+  assert fp8.ROTATION_PRECISION == jax.lax.Precision.HIGH
+  rotation = fp8.random_rotation(jax.random.key(0), 16)
+  x = jax.random.normal(jax.random.key(1), (1, 8, 2, 16), jnp.float32)
+  np.testing.assert_allclose(fp8.rotated_back(fp8.rotated(x, rotation), rotation), x,
+                             atol=1e-5)
+
+  def loss(q, k, v):
+    return jnp.sum(jaxflash.fp8_attention(q, k, v, rotation=rotation, implementation="xla"))
+
+  q = x.astype(jnp.bfloat16)
+  both = (fp8.ROTATION_PRECISION,) * 2
+  forward = _dot_precisions(jax.make_jaxpr(
+      lambda x: fp8.quantize_fp8(x, rotation=rotation))(q).jaxpr)
+  assert forward == [both]
+  step = _dot_precisions(jax.make_jaxpr(jax.grad(loss, (0, 1)))(q, q, q).jaxpr)
+  assert step.count(both) == 4, step  # q and k rotated, dQ and dK rotated back
 
 
 # (T, S, N, K, H, options, descale form): odd lengths, GQA, head dims 40/80/96.

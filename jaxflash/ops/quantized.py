@@ -62,8 +62,7 @@ def _rotated_back(grad, rotation):
   """A gradient with respect to rotated values (x R), as one with respect to x: grad Rᵀ."""
   if rotation is None or grad is None:
     return grad
-  return jnp.einsum("blne,de->blnd", grad.astype(jnp.float32), rotation.astype(jnp.float32),
-                    precision=jax.lax.Precision.HIGHEST)
+  return fp8.rotated_back(grad, rotation)
 
 
 def fp8_params(params: Params, inputs: Inputs) -> Params:
