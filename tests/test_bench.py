@@ -669,9 +669,10 @@ def test_ptxas_probe_compiles_ahead_of_time(tmp_path):
   GPU runs ptxas on its PTX. No kernel of these configs spills (a kernel that did would lose
   speed without failing any other test): the shipped D = 128 causal forward, MLA's 128-key
   forward tiles with O through the Q tiles' memory, the shipped D = 128 forward without a band
-  (a persistent grid of pairs sharing K/V, two Q buffers), FP8's shipped D = 128 tiles without a band (the row sums' wgmma, a persistent grid), D = 64's three
-  consumer warpgroups at 160 registers (`THREE_CONSUMERS`, long calls on an H200) and its
-  256-key persistent tiles with two Q buffers (shorter calls without a band), and the
+  (a persistent grid of pairs sharing K/V, two Q buffers), FP8's shipped D = 128 tiles without
+  a band (the row sums' wgmma, a persistent grid), D = 64's three consumer warpgroups at 160
+  registers (`THREE_CONSUMERS`, long calls on an H200) and its 256-key persistent tiles with
+  two Q buffers (shorter calls without a band), and the
   backward kernels whose resident tiles' descriptors stay in the loop (`backward._opaque_zero`:
   the atomic one pass at D = 128 spilled 708 bytes without it, MLA's dK/dV 216): the shipped
   atomic one pass at D = 128 (240 registers) and GQA's causal kernels launched tile-major.

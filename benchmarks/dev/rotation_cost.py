@@ -96,8 +96,9 @@ def main(argv=None):
   # Accuracy at a smaller shape (the float32 reference holds [T, S] logits).
   small = inputs(1, min(t, 2048), min(n, 4), d, seed=1)
   q, k, v, do = small
-  ref_out, ref_vjp = jax.vjp(lambda q, k, v: reference.reference_attention(q, k, v, is_causal=True)[0],
-                             *(x.astype(jnp.float32) for x in (q, k, v)))
+  ref_out, ref_vjp = jax.vjp(
+      lambda q, k, v: reference.reference_attention(q, k, v, is_causal=True)[0],
+      *(x.astype(jnp.float32) for x in (q, k, v)))
   ref_grads = ref_vjp(do.astype(jnp.float32))
   results = {}
   for variant in ("rotated_highest", "rotated_high", "rotated_default"):
