@@ -64,13 +64,13 @@ _OWN_CACHE = pytest.StashKey[str]()
 
 def pytest_collection_modifyitems(config, items):
   # The tests that lower Mosaic GPU kernels for CUDA (they take the `cuda_plugin` fixture) are
-  # marked, so that CI's pinned suite can select them: `-m "cuda_lowering or variants"`.
+  # marked, so that CI's pinned suite can select them: `-m cuda_lowering`.
   for item in items:
     if "cuda_plugin" in getattr(item, "fixturenames", ()):
       item.add_marker(pytest.mark.cuda_lowering)
-  # More tiles and schedules of the Mosaic interpreter tests (whose base cases always run): CI's
-  # pinned suite and the GPU run them (JAXFLASH_ALL_VARIANTS=1); a plain run skips them, which
-  # keeps the README's test command shorter (about 20 minutes on two cores, 2026-11-29).
+  # More tiles and schedules of the Mosaic interpreter tests (whose base cases always run): the
+  # GPU runs them, and a CPU with JAXFLASH_ALL_VARIANTS=1; a plain run and CI skip them, which
+  # keeps the README's test command and CI shorter (docs/testing.md).
   if os.environ.get("JAXFLASH_ALL_VARIANTS") != "1" and not devices.has_nvidia_gpu():
     skip_variant = pytest.mark.skip(reason="a tile variant: set JAXFLASH_ALL_VARIANTS=1 to run")
     for item in items:

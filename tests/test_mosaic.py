@@ -746,8 +746,8 @@ NUMERIC_OPTIONS = SUPPORTED if ON_GPU else ("none", "scale_negative")
 
 
 # Variants of an interpreter test whose base case (every option at once, the shipped tiles) runs
-# too: CI's pinned suite and the GPU run them all (JAXFLASH_ALL_VARIANTS=1, tests/conftest.py);
-# the README's command skips them.
+# too: the GPU runs them all, and a CPU with JAXFLASH_ALL_VARIANTS=1 (tests/conftest.py); CI and
+# the README's command skip them.
 variant = pytest.mark.variants
 
 
