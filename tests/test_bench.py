@@ -31,6 +31,13 @@ import jaxflash
 from jaxflash.backends import mosaic
 
 
+# The smoke runs of development probes (benchmarks/dev) that take 6-20 s of a CPU each: like the
+# tile variants, CI and a plain run skip them (JAXFLASH_ALL_VARIANTS=1 runs them: before a GPU
+# session that uses one), which CI's 25 minutes needed (2026-12-04).
+slow_probe = pytest.mark.variants
+
+
+@slow_probe
 def test_atomic_check_smoke(tmp_path):
   """benchmarks/dev/atomic_check.py in the interpreter: the deterministic, atomic and ordered
   backwards against float32 on a tiny shape whose two key tiles both add to each query block."""
@@ -281,6 +288,7 @@ def test_one_pass_tuner_rows():
   assert all(t[:2] == ("one pass", 128) for t in tiles[1:])
 
 
+@slow_probe
 def test_bwd_parts_smoke(tmp_path):
   """benchmarks/dev/bwd_parts.py in the interpreter: the gradients checked, then each part of the
   Mosaic backend's forward+backward timed alone (forward, glue, dK/dV, dQ, the whole)."""
@@ -580,6 +588,7 @@ def test_compile_parts_smoke(tmp_path):
   assert json.loads((tmp_path / "compile_parts.json").read_text()) == result
 
 
+@slow_probe
 def test_score_parts_smoke():
   """benchmarks/dev/score_parts.py on a tiny shape (XLA backend): every score_mod, the
   unseparated one included, checked against the reference and timed; the split restored."""
@@ -645,6 +654,7 @@ def test_fp8_smoke(tmp_path):
   assert all(mixed[g] is None or mixed[g] > 100 for g in ("dq", "dk", "dv"))
 
 
+@slow_probe
 def test_profile_call_smoke():
   """benchmarks/dev/profile_call.py (the call Nsight Compute profiles) on tiny shapes: the FP8
   and bf16 forwards, and a GQA forward+backward that allows atomics. (The Mosaic interpreter's
@@ -762,6 +772,7 @@ def test_forward_tiles_smoke():
   assert rows and "error" not in rows[0] and rows[0]["relerr"] < 2e-2
 
 
+@slow_probe
 def test_backward_tiles_smoke():
   """benchmarks/dev/backward_tiles.py on MLA's head dims, tiny, in Mosaic GPU's interpreter."""
   import backward_tiles
@@ -770,6 +781,7 @@ def test_backward_tiles_smoke():
   assert max(rows[0]["relerr"].values()) < 2e-2, rows
 
 
+@slow_probe
 def test_ring_masks_smoke(tmp_path):
   """benchmarks/dev/ring_masks.py on the CPU's devices: the ring (segment ids and a mask_mod)
   and the whole call agree."""
