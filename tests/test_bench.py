@@ -425,6 +425,7 @@ def test_decode_candidates_take_wave_splits_for_their_own_blocks():
       {"heads": 2, "splits": wave_splits(512, 4, 132)}]  # (64-key blocks, not 16-key pages)
 
 
+@slow_probe  # (26 s of a CPU; the script runs when a multi-GPU machine is lent)
 def test_multi_gpu_smoke(tmp_path, monkeypatch):
   """benchmarks/multi_gpu.py on the fake CPU devices (XLA backend): the batch-sharded step,
   the ring rows and a longest-sequence row checked on sampled rows; and the profile's

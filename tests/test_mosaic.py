@@ -1688,7 +1688,7 @@ needs_four_threads = pytest.mark.skipif(
 @needs_four_threads
 @pytest.mark.parametrize("dtype,h,fields", [
     (BF16, 64, dict(block_kv=128)),
-    (BF16, 64, dict(block_kv=64, intra_wg_overlap=True)),
+    pytest.param(BF16, 64, dict(block_kv=64, intra_wg_overlap=True), marks=variant),
     (BF16, 96, dict(block_kv=64, persistent_ctas=5)),
     (jnp.float8_e4m3fn, 128, dict(block_kv=128, mma_row_sums=True)),
     pytest.param(jnp.float8_e4m3fn, 128, dict(block_kv=64), marks=gpu)])

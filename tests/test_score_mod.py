@@ -112,8 +112,10 @@ MOSAIC_RULES = {
 }
 
 
-# (ALiBi on a CPU: test_kernels_with_every_other_option runs it with every other option.)
-@pytest.mark.parametrize("rule", (pytest.param("alibi", marks=pytest.mark.gpu), "tanh_gate",
+# (ALiBi on a CPU: test_kernels_with_every_other_option runs it with every other option; tanh
+# gating with the GPU and JAXFLASH_ALL_VARIANTS=1: t5_buckets holds a tanh on a CPU.)
+@pytest.mark.parametrize("rule", (pytest.param("alibi", marks=pytest.mark.gpu),
+                                  pytest.param("tanh_gate", marks=pytest.mark.variants),
                                   "relative_table", "t5_buckets", "relative_bf16"))
 def test_mosaic_kernels(rule):
   """The Mosaic forward and backward run the tile rule (in Mosaic GPU's interpreter on a CPU),

@@ -640,7 +640,7 @@ _DENSE_MASK = dict(mask=lambda b, t, s, n, seed: random_array(seed, (b, n, t, s)
 
 
 @pytest.mark.parametrize("h,hv,tiles,overlap,options", [
-    (192, 128, "shipped", False, dict(is_causal=True)),
+    pytest.param(192, 128, "shipped", False, dict(is_causal=True), marks=pytest.mark.variants),
     (192, 128, "shipped", True, dict(is_causal=True)),
     (64, 32, "q64", True, _DENSE_MASK),
     (192, 128, "shipped", False, dict(logits_soft_cap=2.0, is_causal=True))])
@@ -860,14 +860,16 @@ def _transposed(monkeypatch, on: bool, **fields) -> list:
     # sinks, lengths past the cache and below 0
     (2, 1, 200, 16, 576, 512, None, dict(transposed=True)),
     (3, 2, 512, 16, 576, 512, 128, dict(transposed=True, logits_soft_cap=3.0, sinks=True)),
-    (2, 2, 448, 16, 576, 512, None, dict(transposed=True, splits=1)),  # 7 blocks a split
+    pytest.param(2, 2, 448, 16, 576, 512, None, dict(transposed=True, splits=1),  # 7 blocks a
+                 marks=pytest.mark.variants),  # split (the GPU, JAXFLASH_ALL_VARIANTS=1)
     (2, 1, 128, 8, 448, 384, None, dict(transposed=True, out_of_range=True)),
     (2, 2, 128, 128, 576, 512, 64, {}),  # two row blocks of 64, 64-key pages
     (3, 3, 512, 16, 320, 256, 128, {}),  # 48 rows, two blocks a page, a row shorter than T
     # O's halves in three pieces of 64 columns; lengths past the cache and below 0 (the
     # kernel clips the caller's lengths itself)
     (2, 1, 128, 8, 448, 384, None, dict(out_of_range=True)),
-    (2, 2, 96, 16, 576, 512, None, dict(logits_soft_cap=3.0, sinks=True)),
+    pytest.param(2, 2, 96, 16, 576, 512, None, dict(logits_soft_cap=3.0, sinks=True),
+                 marks=pytest.mark.variants),  # (the transposed kernel's case holds both)
 ])
 def test_mosaic_decode_mla(b, t, s, n, h, hv, page_size, options, monkeypatch):
   """The Mosaic GPU kernel of absorbed MLA's latent cache (interpreted), bf16, against the
