@@ -57,8 +57,7 @@ def rotated(x: jax.Array, rotation: jax.Array) -> jax.Array:
 def rotated_back(grad: jax.Array, rotation: jax.Array) -> jax.Array:
   """A gradient with respect to rotated values ``x @ rotation``, as one with respect to ``x``:
   ``grad @ rotationᵀ``, in float32."""
-  return jnp.einsum("...e,de->...d", grad.astype(jnp.float32), rotation.astype(jnp.float32),
-                    precision=ROTATION_PRECISION)
+  return rotated(grad, jnp.asarray(rotation).T)
 
 
 def random_rotation(key: jax.Array, head_dim: int, dtype=jnp.float32) -> jax.Array:
