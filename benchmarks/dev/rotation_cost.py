@@ -16,15 +16,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/cases.py
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jaxflash  # noqa: E402
+from cases import time_call  # noqa: E402
 from jaxflash import fp8, reference  # noqa: E402
 
 PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision.HIGH,
@@ -56,15 +57,6 @@ def step_fn(variant: str, rotation):
   return grad
 
 
-def timed(fn, args, calls=20):
-  jax.block_until_ready(fn(*args))
-  start = time.perf_counter()
-  for _ in range(calls):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - start) / calls * 1e3
-
-
 def rel_rmse(x, ref):
   x, ref = (jnp.asarray(a, jnp.float32) for a in (x, ref))
   return float(jnp.sqrt(jnp.mean((x - ref) ** 2)) / jnp.sqrt(jnp.mean(ref ** 2)))
@@ -87,7 +79,7 @@ def main(argv=None):
   times = {v: [] for v in fns}
   for _ in range(args.rounds):
     for variant, fn in fns.items():
-      times[variant].append(timed(fn, data))
+      times[variant].append(time_call(fn, data, calls=20, repeats=1))
   print(f"forward+backward, B={b} T={t} N={n} D={d}, causal, ms (median of {args.rounds}):")
   base = statistics.median(times["bf16"])
   for variant, ts in times.items():
