@@ -31,9 +31,11 @@ import jaxflash
 from jaxflash.backends import mosaic
 
 
-# The smoke runs of development probes (benchmarks/dev) that take 6-20 s of a CPU each: like the
-# tile variants, CI and a plain run skip them (JAXFLASH_ALL_VARIANTS=1 runs them: before a GPU
-# session that uses one), which CI's 25 minutes needed (2026-12-04).
+# The smoke runs of development probes (benchmarks/dev), and the whole-script runs of memory.py,
+# masks.py and fp8.py (whose parts and committed tables quicker tests here check), that take
+# 6-20 s of a CPU each: like the tile variants, CI and a plain run skip them
+# (JAXFLASH_ALL_VARIANTS=1 runs them: before a GPU session that uses one), which CI's 25 minutes
+# needed (2026-12-04).
 slow_probe = pytest.mark.variants
 
 
@@ -139,6 +141,7 @@ def test_same_bits_and_the_deterministic_cudnn_options():
   assert {"cudnn", "cudnn_det", "jaxflash_mosaic"} <= set(bench.GPU_IMPLS) <= set(bench.IMPLS)
 
 
+@slow_probe
 def test_memory_smoke(tmp_path):
   out = tmp_path / "memory.json"
   result = memory.main(["--smoke", "--out", str(out)])  # one worker process per implementation
@@ -476,6 +479,7 @@ def test_committed_results():
       "NVIDIA H100 80GB HBM3"}
 
 
+@slow_probe
 def test_masks_smoke(tmp_path):
   """benchmarks/masks.py on tiny shapes (XLA backend, jax.nn's XLA path standing in for cuDNN):
   every row checked right, timed and counted; the build row of the reused block mask; the
@@ -623,11 +627,10 @@ def test_model_features_smoke(tmp_path):
   assert {("gpt_oss_sinks", "jaxflash", "fwdbwd"), ("gpt_oss", "cudnn", "fwdbwd")} <= cells
 
 
+@slow_probe
 def test_fp8_smoke(tmp_path):
   """benchmarks/fp8.py on tiny shapes (XLA backend): speed rows checked and timed, accuracy rows
-  with an RMSE, gradient rows with relative errors; the committed H200 table has the rows and
-  the accuracy claim the issue names, and its gradient rows the reason for the default
-  backward (finite where the mixed one diverges)."""
+  with an RMSE, gradient rows with relative errors."""
   import fp8
   out = tmp_path / "fp8.json"
   fp8.main(["--smoke", "--shapes", "0", "--impls", "jaxflash_fp8", "jaxflash", "--out", str(out)])
@@ -640,6 +643,11 @@ def test_fp8_smoke(tmp_path):
   gradients = {(r["inputs"], r["method"]): r for r in rows if r["case"] == "gradients"}
   assert len(gradients) == 16 and all(gradients[("normal", m)]["dq"] > 0 for m in (
       "bf16", "straight_through", "mixed", "fp8_backward", "fp8_backward_ideal"))
+
+
+def test_committed_fp8_table():
+  """The committed H200 FP8 table has the speed rows and the accuracy claim the issue names, and
+  its gradient rows the reason for the default backward (finite where the mixed one diverges)."""
   committed = json.loads((BENCHMARKS / "results" / "h200" / "fp8.json").read_text())["rows"]
   cells = {(r["D"], r["causal"], r["impl"]) for r in committed
            if r["case"] == "speed" and "tflops" in r and not r.get("config")}

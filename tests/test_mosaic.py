@@ -962,7 +962,8 @@ def _check_one_pass(monkeypatch, h, block_q, band, fields, drop=(), **call):
 
 
 @pytest.mark.parametrize("h,block_q,band,segments", [
-    (128, 64, False, False), (64, 128, True, True), (256, 32, True, True),
+    (128, 64, False, False), (256, 32, True, True),
+    pytest.param(64, 128, True, True, marks=variant),
     pytest.param(128, 64, True, True, marks=variant)])
 def test_atomic_backward(h, block_q, band, segments, monkeypatch):
   """deterministic=False with ``Backward.atomic``: dQ from the dK/dV kernel (at D = 256 from
@@ -1560,7 +1561,8 @@ def test_exp2_polynomial():
                              rtol=7.6e-5)
 
 
-@pytest.mark.parametrize("option,poly_cols", [("causal_window", 32), ("short_rows", 64)])
+@pytest.mark.parametrize("option,poly_cols", [
+    ("causal_window", 32), pytest.param("short_rows", 64, marks=variant)])
 def test_exp2_polynomial_forward(option, poly_cols):
   """Forward, LSE and gradients with half, or all, of each block's exponentials on the FMA
   units (`Config.exp2_poly_cols`), with masked entries, rows that see no key and tiles of
@@ -1636,7 +1638,8 @@ def test_fp8_forward_lowers(h, causal, per_token, config, out_dtype):
 
 
 @pytest.mark.parametrize("fields,long", [(dict(block_kv=128), False),
-                                         (dict(block_kv=64, intra_wg_overlap=True), False),
+                                         pytest.param(dict(block_kv=64, intra_wg_overlap=True),
+                                                      False, marks=variant),
                                          (dict(block_kv=256, persistent_ctas=132), True),
                                          (dict(block_kv=192, intra_wg_overlap=True,
                                                registers=240), False),
@@ -1719,7 +1722,8 @@ def test_three_consumers(dtype, h, fields):
 
 @pytest.mark.parametrize("dtype,h,fields", [
     (BF16, 64, dict(block_kv=64)),
-    (BF16, 96, dict(block_kv=64, intra_wg_overlap=True, persistent_ctas=3)),
+    pytest.param(BF16, 96, dict(block_kv=64, intra_wg_overlap=True, persistent_ctas=3),
+                 marks=variant),
     (jnp.float8_e4m3fn, 128, dict(block_kv=128, mma_row_sums=True, persistent_ctas=5))])
 def test_kv_multicast(dtype, h, fields):
   """`Config.kv_multicast`: pairs of query tiles as clusters of two CTAs sharing each K/V

@@ -245,7 +245,8 @@ def test_decode_split_kv_merges(merge, monkeypatch):
 @pytest.mark.parametrize("b,t,s,n,k,h,hv,page_size", [
     (1, 1, 40, 4, 1, 576, 512, None),  # one row block of 16 rows (4 padded)
     (2, 2, 100, 32, 1, 576, 512, None),  # 64 rows: 4 blocks of 16, T = 2 across them
-    (2, 1, 128, 16, 1, 576, 512, 32),  # paged, blocks of one 32-key page
+    pytest.param(2, 1, 128, 16, 1, 576, 512, 32,  # paged, blocks of one 32-key page (the
+                 marks=pytest.mark.variants),  # latent cache's paged case holds it)
     (2, 3, 70, 8, 2, 320, 288, None),  # two K/V heads; pieces 256 + 64 and 256 + 32
     (1, 1, 50, 2, 1, 512, 40, None),  # Q and K in one 512-wide piece, V padded to 64
     (1, 2, 24, 4, 1, 1024, 768, None),  # the widest: 512 + 512, and 512 + 256
@@ -331,7 +332,8 @@ def test_decode_absorbed_mla_on_gpu(t, n, page_size, latent, monkeypatch):
 
 @pytest.mark.parametrize("implementation", [None, "xla"])
 @pytest.mark.parametrize("b,t,s,n,h,hv,page_size", [
-    (2, 1, 100, 16, 576, 512, None),  # MLA: V is K's first piece, loaded once for both
+    pytest.param(2, 1, 100, 16, 576, 512, None,  # MLA: V is K's first piece, loaded once for
+                 marks=pytest.mark.variants),  # both (held by the paged case below)
     (2, 2, 128, 32, 576, 512, 32),  # paged, two row blocks
     (1, 3, 70, 4, 64, 32, None),  # narrow: V a masked range of the key tile
     (2, 1, 50, 2, 40, 40, None),  # values are the whole keys
@@ -867,7 +869,8 @@ def _transposed(monkeypatch, on: bool, **fields) -> list:
     (3, 3, 512, 16, 320, 256, 128, {}),  # 48 rows, two blocks a page, a row shorter than T
     # O's halves in three pieces of 64 columns; lengths past the cache and below 0 (the
     # kernel clips the caller's lengths itself)
-    (2, 1, 128, 8, 448, 384, None, dict(out_of_range=True)),
+    pytest.param(2, 1, 128, 8, 448, 384, None, dict(out_of_range=True),
+                 marks=pytest.mark.variants),  # (the transposed kernel's case clips as well)
     pytest.param(2, 2, 96, 16, 576, 512, None, dict(logits_soft_cap=3.0, sinks=True),
                  marks=pytest.mark.variants),  # (the transposed kernel's case holds both)
 ])
