@@ -112,8 +112,10 @@ def test_rotation_matmuls_take_the_rotation_precision():
   assert fp8.ROTATION_PRECISION == jax.lax.Precision.HIGH
   rotation = fp8.random_rotation(jax.random.key(0), 16)
   x = jax.random.normal(jax.random.key(1), (1, 8, 2, 16), jnp.float32)
+  # (TF32 keeps 10 mantissa bits: on the H200 the round trip is off by up to 1.3e-3 here; a
+  # rotation not undone is off by O(1).)
   np.testing.assert_allclose(fp8.rotated_back(fp8.rotated(x, rotation), rotation), x,
-                             atol=1e-5)
+                             rtol=0, atol=5e-3 if ON_GPU else 1e-5)
 
   def loss(q, k, v):
     return jnp.sum(jaxflash.fp8_attention(q, k, v, rotation=rotation, implementation="xla"))

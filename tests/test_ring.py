@@ -25,9 +25,10 @@ IMPLEMENTATIONS = ("xla", None) if ON_GPU else ("xla",)
 
 
 def _layout_cases(*on_cpu: tuple[str, str]) -> list:
-  """(causal, layout) cases, ids like "causal-zigzag": every pair runs on a GPU; a CPU run (CI)
-  keeps those named in `on_cpu` ((full or causal, layout) pairs), the rest are variants
-  (JAXFLASH_ALL_VARIANTS=1), which CI's 25 minutes needed (2026-12-04)."""
+  """(causal, layout) cases, ids like "causal-zigzag": a plain CPU run (CI) keeps those named in
+  `on_cpu` ((full or causal, layout) pairs), the rest are variants, which CI's 25 minutes
+  needed (2026-12-04): a machine of several GPUs runs them, and a CPU's four fake devices with
+  JAXFLASH_ALL_VARIANTS=1 (one GPU skips this file)."""
   cases = []
   for causal in (False, True):
     for layout in ring.LAYOUTS:
