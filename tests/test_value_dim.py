@@ -870,7 +870,8 @@ def _transposed(monkeypatch, on: bool, **fields) -> list:
     # O's halves in three pieces of 64 columns; lengths past the cache and below 0 (the
     # kernel clips the caller's lengths itself)
     pytest.param(2, 1, 128, 8, 448, 384, None, dict(out_of_range=True),
-                 marks=pytest.mark.variants),  # (the transposed kernel's case clips as well)
+                 marks=pytest.mark.variants),  # (on a CPU: the transposed kernel's case
+    # clips, and 320/256's case holds the 64-column pieces of O)
     pytest.param(2, 2, 96, 16, 576, 512, None, dict(logits_soft_cap=3.0, sinks=True),
                  marks=pytest.mark.variants),  # (the transposed kernel's case holds both)
 ])
