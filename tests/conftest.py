@@ -68,13 +68,15 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "cuda_plugin" in getattr(item, "fixturenames", ()):
       item.add_marker(pytest.mark.cuda_lowering)
-  # More tiles and schedules of the Mosaic interpreter tests (whose base cases always run), and
-  # the slow dev-probe smoke runs: the GPU runs them, and a CPU with JAXFLASH_ALL_VARIANTS=1; a
+  # More tiles and schedules of the Mosaic interpreter tests (whose base cases always run),
+  # cases whose paths another CPU case holds, and the slowest smoke runs of benchmark scripts:
+  # the GPU runs them, and a CPU with JAXFLASH_ALL_VARIANTS=1; a
   # plain run and CI skip them, which keeps the README's test command and CI shorter
   # (docs/testing.md).
   if os.environ.get("JAXFLASH_ALL_VARIANTS") != "1" and not devices.has_nvidia_gpu():
     skip_variant = pytest.mark.skip(
-        reason="a tile variant or a slow probe smoke run: set JAXFLASH_ALL_VARIANTS=1 to run")
+        reason="a tile variant, an extra case or a slow smoke run (the GPU runs it): set "
+        "JAXFLASH_ALL_VARIANTS=1 to run")
     for item in items:
       if "variants" in item.keywords:
         item.add_marker(skip_variant)

@@ -608,6 +608,22 @@ def test_score_parts_smoke():
   assert mask_mod._separated is separated
 
 
+@slow_probe
+def test_rotation_cost_smoke():
+  """benchmarks/dev/rotation_cost.py on a tiny shape (XLA backend): every variant timed, every
+  rotated one's output and gradients near float32's, and the shipped precision restored."""
+  import rotation_cost
+  from jaxflash import fp8
+  shipped = fp8.ROTATION_PRECISION
+  result = rotation_cost.main(["--shape", "1", "128", "2", "32", "--rounds", "1"])
+  assert set(result["ms"]) == {"bf16", "fp8", "rotated_highest", "rotated_high",
+                               "rotated_default"}
+  assert all(ms > 0 for ms in result["ms"].values())
+  assert len(result["errors"]) == 3 and all(
+      0 < err < 0.3 for errs in result["errors"].values() for err in errs), result["errors"]
+  assert fp8.ROTATION_PRECISION is shipped
+
+
 def test_model_features_smoke(tmp_path):
   """benchmarks/model_features.py on tiny shapes (XLA backend): every row checked and timed, and
   the committed H200 table has the rows the issue names."""

@@ -1692,7 +1692,7 @@ needs_four_threads = pytest.mark.skipif(
 @pytest.mark.parametrize("dtype,h,fields", [
     (BF16, 64, dict(block_kv=128)),
     pytest.param(BF16, 64, dict(block_kv=64, intra_wg_overlap=True), marks=variant),
-    (BF16, 96, dict(block_kv=64, persistent_ctas=5)),
+    pytest.param(BF16, 96, dict(block_kv=64, persistent_ctas=5), marks=variant),
     (jnp.float8_e4m3fn, 128, dict(block_kv=128, mma_row_sums=True)),
     pytest.param(jnp.float8_e4m3fn, 128, dict(block_kv=64), marks=gpu)])
 def test_three_consumers(dtype, h, fields):

@@ -123,7 +123,11 @@ def test_strict_rank_promotion(implementation):
   assert all(np.isfinite(np.asarray(g)).all() for g in grads)
 
 
-@pytest.mark.parametrize("implementation", BACKENDS)
+# (Triton's case runs on the GPU and with JAXFLASH_ALL_VARIANTS=1: 11 s of a CPU; on a CPU
+# test_strict_rank_promotion holds Triton's kernels, and the XLA case the block mask paths.)
+@pytest.mark.parametrize("implementation", [
+    pytest.param(name, marks=pytest.mark.variants) if name == "triton" else name
+    for name in BACKENDS])
 def test_strict_rank_promotion_with_block_masks(implementation):
   """The block mask paths under jax_numpy_rank_promotion="raise": a mask_mod closing over
   document ids (its features and tile rule), and a reused `BlockMask` with lengths."""

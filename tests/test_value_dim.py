@@ -571,8 +571,8 @@ def test_empty_calls_have_the_value_head_dim():
 
 
 @pytest.mark.parametrize("h,hv,tiles", [(96, 40, "small"), (64, 128, "shipped"),
-                                        (192, 128, "shipped"), (192, 128, "two_passes"),
-                                        (192, 128, "q32")])
+                                        (192, 128, "shipped")] + [  # (more tiles: variants)
+    pytest.param(192, 128, tiles, marks=pytest.mark.variants) for tiles in ("two_passes", "q32")])
 def test_mosaic_serves_it(h, hv, tiles):
   """Forward and backward: the small tiles with a narrower V (padded to 64 beside 128); the
   shipped ones with a wider V (128 beside 64: O needs tiles of its own, wider than Q's), and

@@ -62,11 +62,21 @@ def rel_rmse(x, ref):
   return float(jnp.sqrt(jnp.mean((x - ref) ** 2)) / jnp.sqrt(jnp.mean(ref ** 2)))
 
 
-def main(argv=None):
+def main(argv=None) -> dict:
+  """Prints the table; returns {"ms": {variant: median ms}, "errors": {variant: [out, dq, dk,
+  dv] relative RMSE against float32}}. `fp8.ROTATION_PRECISION` is the caller's again after."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--shape", type=int, nargs=4, default=(2, 8192, 8, 128))
   args = parser.parse_args(argv)
+  shipped = fp8.ROTATION_PRECISION
+  try:
+    return _measure(args)
+  finally:
+    fp8.ROTATION_PRECISION = shipped
+
+
+def _measure(args) -> dict:
   b, t, n, d = args.shape
   rotation = fp8.random_rotation(jax.random.key(0), d)
   data = inputs(b, t, n, d)
@@ -82,6 +92,7 @@ def main(argv=None):
       times[variant].append(time_call(fn, data, calls=20, repeats=1))
   print(f"forward+backward, B={b} T={t} N={n} D={d}, causal, ms (median of {args.rounds}):")
   base = statistics.median(times["bf16"])
+  result = {"ms": {v: statistics.median(ts) for v, ts in times.items()}, "errors": {}}
   for variant, ts in times.items():
     print(f"  {variant:18s} {statistics.median(ts):7.3f}  x{statistics.median(ts) / base:.3f}"
           f"  ({', '.join(f'{x:.3f}' for x in ts)})")
@@ -98,6 +109,7 @@ def main(argv=None):
     out, grads = step_fn(variant, rotation)(*small)
     results[variant] = (out, grads)
     errs = [rel_rmse(out, ref_out)] + [rel_rmse(g, r) for g, r in zip(grads, ref_grads)]
+    result["errors"][variant] = errs
     print(f"  {variant:18s} rel. RMSE vs float32: out {errs[0]:.4e}  dq {errs[1]:.4e}  "
           f"dk {errs[2]:.4e}  dv {errs[3]:.4e}")
   top = results["rotated_highest"]
@@ -105,6 +117,7 @@ def main(argv=None):
     out, grads = results[variant]
     print(f"  {variant:18s} vs highest: out {rel_rmse(out, top[0]):.3e}  "
           + "  ".join(f"{name} {rel_rmse(g, r):.3e}" for name, g, r in zip("qkv", grads, top[1])))
+  return result
 
 
 if __name__ == "__main__":
