@@ -70,9 +70,8 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.cuda_lowering)
   # More tiles and schedules of the Mosaic interpreter tests (whose base cases always run),
   # cases whose paths another CPU case holds, and the slowest smoke runs of benchmark scripts:
-  # the GPU runs them, and a CPU with JAXFLASH_ALL_VARIANTS=1; a
-  # plain run and CI skip them, which keeps the README's test command and CI shorter
-  # (docs/testing.md).
+  # the GPU runs them, and a CPU with JAXFLASH_ALL_VARIANTS=1; a plain run and CI skip them,
+  # which keeps the README's test command and CI shorter (docs/testing.md).
   if os.environ.get("JAXFLASH_ALL_VARIANTS") != "1" and not devices.has_nvidia_gpu():
     skip_variant = pytest.mark.skip(
         reason="a tile variant, an extra case or a slow smoke run (the GPU runs it): set "
