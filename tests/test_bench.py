@@ -716,8 +716,7 @@ PTXAS_GROUPS = [
 def test_ptxas_probe_compiles_ahead_of_time(tmp_path, configs, extra_kernels):
   """benchmarks/dev/ptxas_probe.py with no GPU: XLA compiles for a compile-only H100 and Mosaic
   GPU runs ptxas on its PTX (a group of `PTXAS_GROUPS` a case). No kernel of these configs
-  spills (a kernel that did would lose
-  speed without failing any other test): the shipped D = 128 causal forward, MLA's 128-key
+  spills (a kernel that did would lose speed without failing any other test): the shipped D = 128 causal forward, MLA's 128-key
   forward tiles with O through the Q tiles' memory, the shipped D = 128 forward without a band
   (a persistent grid of pairs sharing K/V, two Q buffers), FP8's shipped D = 128 tiles without
   a band (the row sums' wgmma, a persistent grid), D = 64's three consumer warpgroups at 160
