@@ -22,6 +22,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxflash import backends
 from jaxflash import devices
@@ -34,6 +35,10 @@ from jaxflash.reference import reference_attention
 # "mosaic" backend (Hopper only, a subset of the options) has its own tests in test_mosaic.py.
 BACKENDS = ("triton", "xla")
 assert set(BACKENDS) <= set(backends.names())
+# BACKENDS with Triton's case marked `variants` (its interpreter is the slow one on a CPU: the
+# GPU runs it, and a CPU with JAXFLASH_ALL_VARIANTS=1), for tests whose Triton paths another
+# CPU test holds.
+BACKENDS_TRITON_VARIANT = [pytest.param("triton", marks=pytest.mark.variants), "xla"]
 ON_GPU = devices.has_nvidia_gpu()
 
 # Tiles of 16 so that test sequences of ~50 cover several (and partial) blocks.

@@ -17,8 +17,8 @@ from jaxflash import backends
 from jaxflash import dropout
 from jaxflash.ops import flash, partial
 from jaxflash.reference import reference_attention
-from checks import (BACKENDS, F32_TOLERANCE, ON_GPU, SMALL_CONFIGS, interpret_for,
-                    random_array, random_lengths, random_qkv, rel_err)
+from checks import (BACKENDS, BACKENDS_TRITON_VARIANT, F32_TOLERANCE, ON_GPU, SMALL_CONFIGS,
+                    interpret_for, random_array, random_lengths, random_qkv, rel_err)
 
 B, T, S, N, K, H = 2, 37, 53, 2, 1, 16
 
@@ -99,9 +99,7 @@ RULES = dict(
 # (Triton's interpreter takes 20 s of a CPU here: it runs on the GPU and with
 # JAXFLASH_ALL_VARIANTS=1; on a CPU Mosaic's partial calls take a mask_mod at an offset, in
 # tests/test_mosaic.py, and Triton's take every other option above.)
-@pytest.mark.parametrize("implementation", [
-    pytest.param(name, marks=pytest.mark.variants) if name == "triton" else name
-    for name in BACKENDS])
+@pytest.mark.parametrize("implementation", BACKENDS_TRITON_VARIANT)
 def test_key_split_with_mask_and_score_mods_equals_whole_call(implementation):
   """Keys split at 22 and 100 (mid-block for the tiles and for the block table; neither a
   multiple of 3 or 4): a mask_mod and a score_mod see the absolute key positions, and each range

@@ -21,7 +21,8 @@ from absl.testing import parameterized
 import jaxflash
 from jaxflash import backends
 from jaxflash.reference import reference_attention
-from checks import BACKENDS, F32_TOLERANCE, attention, random_array, random_qkv, rel_err
+from checks import (BACKENDS, BACKENDS_TRITON_VARIANT, F32_TOLERANCE, attention, random_array,
+                    random_qkv, rel_err)
 
 B, T, S, N, K, H = 2, 20, 24, 2, 1, 16
 
@@ -125,9 +126,7 @@ def test_strict_rank_promotion(implementation):
 
 # (Triton's case runs on the GPU and with JAXFLASH_ALL_VARIANTS=1: 11 s of a CPU; on a CPU
 # test_strict_rank_promotion holds Triton's kernels, and the XLA case the block mask paths.)
-@pytest.mark.parametrize("implementation", [
-    pytest.param(name, marks=pytest.mark.variants) if name == "triton" else name
-    for name in BACKENDS])
+@pytest.mark.parametrize("implementation", BACKENDS_TRITON_VARIANT)
 def test_strict_rank_promotion_with_block_masks(implementation):
   """The block mask paths under jax_numpy_rank_promotion="raise": a mask_mod closing over
   document ids (its features and tile rule), and a reused `BlockMask` with lengths."""
