@@ -8,28 +8,56 @@ import pytest
 
 import jaxflash
 from jaxflash.reference import reference_attention
-from checks import (BACKENDS, F32_TOLERANCE, ON_GPU, OPTIONS, attention, check, random_array,
-                    random_qkv, rel_err)
+from checks import (BACKENDS, BACKENDS_TRITON_VARIANT, F32_TOLERANCE, ON_GPU, OPTIONS, attention,
+                    check, random_array, random_qkv, rel_err)
 
-# Triton's options that "everything" holds (each alone runs on the GPU and with
-# JAXFLASH_ALL_VARIANTS=1): its interpreter costs CI 2-4 s a case (2026-12-04). The rest (a
-# window to the right, masks of every shape, broadcast dropout, scales of either sign) stay.
+# The options that "everything" holds, on both backends (each alone runs on the GPU and with
+# JAXFLASH_ALL_VARIANTS=1): Triton's interpreter costs CI 2-4 s a case, the XLA backend 1.6-3.5
+# (2026-12-04). XLA's cases of them are held by test_option[xla-everything] as Triton's are by
+# test_option[triton-everything] (and by test_bias.py's cases: bias, causal, soft cap, lengths,
+# dropout).
 HELD_BY_EVERYTHING = ("causal", "causal_window", "lengths", "segments_pair", "bias_full",
                       "dropout", "soft_cap", "scale", "sinks")
+# Other cases whose path another CPU case holds (the GPU runs them, and a CPU with
+# JAXFLASH_ALL_VARIANTS=1). What stays on a CPU: masks per head (mask_full), broadcast dropout
+# (test_dropout.py's Triton cases lean on Triton's), a negative scale, and XLA's cases of a
+# window to the right, a key mask and a zero scale.
+HELD_ELSEWHERE = (
+    # No option: test_head_dims[triton-40] and [xla-40] (no option, T != S, partial blocks
+    # both ways) and every test_odd_shapes case.
+    ("triton", "none"), ("xla", "none"),
+    # A zero scale takes Triton's non-folded path (tiles.folds_scale: scale > 0), which
+    # test_option[triton-scale_negative] holds; test_option[xla-scale_zero] holds the value.
+    ("triton", "scale_zero"),
+    # A [B, 1, 1, S] mask reaches the kernels as [B, 1, T, S] (_checks._check_dense broadcasts
+    # T before any backend), the shape test_option[triton-everything]'s mask has;
+    # test_option[xla-mask_keys] holds the broadcast.
+    ("triton", "mask_keys"),
+    # A window to the right: test_score_mod.py::test_combines_with_everything[triton-
+    # mask_mod_window] (window (20, 5), forward and gradients in Triton's kernels).
+    ("triton", "window_pair"),
+)
 
 
 @pytest.mark.parametrize("implementation,option", [
     pytest.param(name, option, id=f"{name}-{option}",
-                 marks=pytest.mark.variants if name == "triton" and option in HELD_BY_EVERYTHING
-                 else ())
+                 marks=pytest.mark.variants if option in HELD_BY_EVERYTHING
+                 or (name, option) in HELD_ELSEWHERE else ())
     for name in BACKENDS for option in OPTIONS])
 def test_option(implementation, option):
   made = OPTIONS[option](2, 37, 53, 4, 0)
   check(implementation, b=2, t=37, s=53, n=4, k=2, h=40, **made)
 
 
-@pytest.mark.parametrize("implementation", BACKENDS)
-@pytest.mark.parametrize("option", ["causal", "segments_self"])
+# (Variants: causal with T == S is held by test_half_dtypes[float16-triton] and
+# test_default_configs[triton-64-True-200-200] (T == S, causal: the diagonal blocks) and by
+# test_vmap_and_jit[xla] (T == S = 20, causal, float32); Triton's single segment_ids array by
+# [segments_self-xla] (the array is made a pair in _checks._check_segments, before any backend)
+# and test_option[triton-everything] (Triton's segment ids).)
+@pytest.mark.parametrize("option,implementation", [
+    ("segments_self", "xla"), pytest.param("segments_self", "triton", marks=pytest.mark.variants),
+    pytest.param("causal", "xla", marks=pytest.mark.variants),
+    pytest.param("causal", "triton", marks=pytest.mark.variants)])
 def test_self_attention_options(implementation, option):
   """T == S: causal diagonal blocks and a single segment_ids array."""
   extra = (dict(is_causal=True) if option == "causal"
@@ -38,8 +66,13 @@ def test_self_attention_options(implementation, option):
 
 
 # The Triton kernels pad the head dim to a power of two (and must mask the padding); the XLA
-# backend's einsums take any head dim, so two suffice there.
-HEAD_DIM_CASES = ([("triton", h) for h in (40, 64, 80, 96, 128, 256)]
+# backend's einsums take any head dim, so two suffice there. On a CPU Triton runs the padded
+# head dims (40, 80, 96) and 256 (unpadded, causal); 64 and 128 (unpadded, causal) are
+# variants held by [triton-256], test_large_logits_bfloat16[triton] (float32 gradients at
+# D = 64, causal) and test_default_configs[triton-64-*] and [triton-128-True-1100-160].
+HEAD_DIM_CASES = ([("triton", h) if h in (40, 80, 96, 256) else
+                   pytest.param("triton", h, marks=pytest.mark.variants)
+                   for h in (40, 64, 80, 96, 128, 256)]
                   + [("xla", h) for h in (40, 256)])
 
 
@@ -48,26 +81,44 @@ def test_head_dims(implementation, h):
   check(implementation, b=1, t=33, s=18, n=2, k=1, h=h, is_causal=(h % 64 == 0))
 
 
-@pytest.mark.parametrize("implementation", BACKENDS)
-@pytest.mark.parametrize("t,s,n,k", [(1, 1, 1, 1), (1, 70, 4, 1), (70, 1, 3, 3), (16, 16, 8, 2),
-                                     (31, 65, 6, 3)])
+ODD_SHAPES = [(1, 1, 1, 1), (1, 70, 4, 1), (70, 1, 3, 3), (16, 16, 8, 2), (31, 65, 6, 3)]
+
+
+# (Variant: Triton's 31-65-6-3, T != S past block multiples with GQA 2:1, is held by
+# test_head_dims[triton-40] (T = 33, S = 18, GQA 2:1, no option) and test_option[triton-mask_full]
+# (T = 37, S = 53, GQA 2:1).)
+@pytest.mark.parametrize("t,s,n,k,implementation", [
+    pytest.param(*shape, name, marks=pytest.mark.variants)
+    if (shape, name) == ((31, 65, 6, 3), "triton") else (*shape, name)
+    for name in BACKENDS for shape in ODD_SHAPES])
 def test_odd_shapes(implementation, t, s, n, k):
   """Lengths below, at and past block multiples; T != S; MHA, GQA and MQA."""
   check(implementation, b=2, t=t, s=s, n=n, k=k, h=24)
 
 
+# (Variant: bfloat16 on both backends, held by test_default_configs[triton-64-True-200-200] and
+# [xla-128-True-1100-160] (bfloat16, causal) and test_large_logits_bfloat16; float16's cases run
+# the same 16-bit paths at these shapes.)
 @pytest.mark.parametrize("implementation", BACKENDS)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.bfloat16, marks=pytest.mark.variants),
+                                   jnp.float16])
 def test_half_dtypes(implementation, dtype):
   check(implementation, b=2, t=50, s=50, n=4, k=2, h=64, dtype=dtype, is_causal=True)
 
 
-# Every row of the Triton tile table; the XLA backend has one default config.
+# Every row of the Triton tile table; the XLA backend has one default config. Interpret mode
+# ignores warps and stages, so on a CPU the rows differ only in their tiles (64 x 64, or
+# 128-row forward tiles): D = 128's short causal row (64 x 64 tiles) is a variant held by
+# [triton-64-True-200-200] (the same tiles, causal), its non-causal row (128-row forward tiles) one
+# held by [triton-128-True-1100-160] (the same tiles) and [triton-64-False-200-200] (non-causal);
+# test_backends.py holds the table's choice of row.
 DEFAULT_CONFIG_CASES = [("triton",) + case for case in (
-    (64, True, 200, 200), (64, False, 200, 200),  # D = 64: one stage backward when causal
-    (128, True, 200, 200),  # D = 128 causal, short: 64-row forward tiles
-    (128, True, 1100, 160),  # D = 128 causal, T > 1024: 128-row forward tiles
-    (128, False, 200, 200))] + [("xla", 128, True, 1100, 160)]
+    (64, True, 200, 200), (64, False, 200, 200))] + [  # D = 64: one stage backward when causal
+    pytest.param("triton", 128, True, 200, 200,  # D = 128 causal, short: 64-row forward tiles
+                 marks=pytest.mark.variants),
+    ("triton", 128, True, 1100, 160),  # D = 128 causal, T > 1024: 128-row forward tiles
+    pytest.param("triton", 128, False, 200, 200, marks=pytest.mark.variants),
+    ("xla", 128, True, 1100, 160)]
 
 
 @pytest.mark.parametrize("implementation,h,is_causal,t,s", DEFAULT_CONFIG_CASES)
@@ -141,7 +192,11 @@ def test_rows_that_see_nothing(implementation):
   assert rel_err(out, ref_out) < F32_TOLERANCE
 
 
-@pytest.mark.parametrize("implementation", BACKENDS)
+# (Triton's case runs on the GPU and with JAXFLASH_ALL_VARIANTS=1: 7 s of a CPU. The LSE's
+# cotangent enters delta in jaxflash/ops/flash.py (`_core.delta`) before any backend, which [xla]
+# holds; Triton's kernels read delta as data, with a nonzero LSE cotangent in
+# test_sinks.py::test_matches_the_reference_with_gradients[causal_window_lengths-triton].)
+@pytest.mark.parametrize("implementation", BACKENDS_TRITON_VARIANT)
 def test_gradient_through_lse(implementation):
   """return_residual's LSE is differentiable (its cotangent enters as a delta shift)."""
   q, k, v, d_out = random_qkv(2, 1, 30, 35, 2, 1, 16)
@@ -160,7 +215,11 @@ def test_gradient_through_lse(implementation):
     assert rel_err(g, r) < F32_TOLERANCE
 
 
-@pytest.mark.parametrize("implementation", BACKENDS)
+# (Triton's case runs on the GPU and with JAXFLASH_ALL_VARIANTS=1: 6 s of a CPU. vmap is the
+# call primitive's batching rule (ops/partitioning.py, every backend), which test_vmap_and_jit[xla]
+# holds; Triton's kernels under vmap and jit, forward and gradients, are held by
+# test_value_dim.py::test_jit_and_vmap[triton].)
+@pytest.mark.parametrize("implementation", BACKENDS_TRITON_VARIANT)
 def test_vmap_and_jit(implementation):
   """vmap over an extra leading axis, and jit(grad) of it, agree with per-slice calls."""
   q, k, v, _ = random_qkv(4, 3, 20, 20, 2, 2, 16)

@@ -339,7 +339,12 @@ def test_decode_bench_smoke(tmp_path, monkeypatch):
   assert plot.main([str(out)]) == [png] and png.stat().st_size > 0
 
 
-@pytest.mark.parametrize("key_factors", ["head", "token"])
+# ("token" is a variant: [head] holds decode.py's FP8 path (the query, both layouts, both
+# backends, the check and the bytes), and tests/test_decode.py's
+# test_fp8_cache_matches_its_real_values[2-False-token-triton] and [...-xla] the key factors
+# per token in the kernels.)
+@pytest.mark.parametrize("key_factors", ["head", pytest.param("token",
+                                                             marks=pytest.mark.variants)])
 def test_decode_bench_fp8_cache(tmp_path, key_factors):
   """benchmarks/decode.py --dtype float8_e4m3fn: an FP8 query and cache (a paged pool with one
   factor a tensor; the contiguous cache's keys per head or per token) checked against the

@@ -21,9 +21,21 @@ from checks import BACKENDS, attention, check, lower_for_cuda, random_qkv
 BIAS_CASES = ([(impl, shape) for impl in BACKENDS for shape in ("BNTS", "1NTS", "B1TS", "11TS",
                                                                  "1N1S")]
               + [("xla", "NTS"), ("xla", "S")])
+# Variants (the GPU runs them, and a CPU with JAXFLASH_ALL_VARIANTS=1):
+# - "BNTS" (no sum: each bias entry is one batch row's and head's): test_attention.py's
+#   test_option[triton-everything] and [xla-everything] hold it, a [B, N, T, S] bias
+#   differentiated with causal GQA, soft cap, lengths and dropout;
+# - "1N1S": `_checks` broadcasts the query axis before the backends, which then sum a [1, N, T, S]
+#   bias's gradient as for "1NTS" (held there; "S" holds a bias broadcast over the queries);
+# - XLA's "NTS": normalised to "1NTS" (held there, and test_user_paths.py::test_enable_x64[xla]
+#   differentiates an [N, T, S] bias).
+BIAS_VARIANTS = {("triton", "BNTS"), ("xla", "BNTS"), ("triton", "1N1S"), ("xla", "1N1S"),
+                 ("xla", "NTS")}
 
 
-@pytest.mark.parametrize("implementation,bias_shape", BIAS_CASES)
+@pytest.mark.parametrize("implementation,bias_shape", [
+    pytest.param(*case, marks=pytest.mark.variants) if case in BIAS_VARIANTS else case
+    for case in BIAS_CASES])
 def test_bias_gradient_is_summed_over_broadcast_axes(implementation, bias_shape):
   """Any shape broadcastable to [B, N, T, S], with causal GQA, soft cap, lengths and dropout."""
   b, t, s, n, k = 2, 37, 53, 4, 2

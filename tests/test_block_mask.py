@@ -275,13 +275,35 @@ def _maker(fn):
   return lambda *a: fn  # `check` calls option makers with (b, t, s, n, seed)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "triton"])
-@pytest.mark.parametrize("name", ["documents", "prefix_lm", "dilated", "per_head"])
+# Variants (the GPU, and a CPU with JAXFLASH_ALL_VARIANTS=1), whose mask_mods other CPU cases
+# hold on the same backend: documents in test_mask_mod_with_a_differentiated_bias[xla] and
+# [triton] (the same mask_mod, forward and every gradient); prefix_lm's `(k <= q) | (k <
+# PREFIX[b])` in test_and_masks_and_or_masks[xla] and [triton] (the same or of a causal band and a
+# per-row prefix); dilated's per-entry arithmetic without features in
+# test_score_mod.py::test_kernels_with_every_other_option[triton] (its mask_mod `(i + 2 j) % 7 !=
+# 0`) and, as a tile rule, test_split_features_and_tile_rule_equal_the_function[dilated] (the XLA
+# backend evaluates `Split.tile` as the kernels do, which [per_head-xla] holds). per_head (a mask
+# per head) stays on both.
+MASK_MOD_VARIANTS = {("documents", "xla"), ("documents", "triton"), ("prefix_lm", "xla"),
+                     ("prefix_lm", "triton"), ("dilated", "xla"), ("dilated", "triton")}
+
+
+@pytest.mark.parametrize("name,implementation", [
+    pytest.param(name, implementation,
+                 marks=pytest.mark.variants if (name, implementation) in MASK_MOD_VARIANTS else ())
+    for implementation in ["xla", "triton"]
+    for name in ["documents", "prefix_lm", "dilated", "per_head"]])
 def test_mask_mod_matches_the_dense_reference(implementation, name):
   check(implementation, b=B, t=57, s=57, n=N, k=2, h=32, mask_mod=_maker(MASK_MODS[name]))
 
 
-@pytest.mark.parametrize("implementation", ["xla", "triton"])
+# (XLA's case is a variant: the table of a dense mask and a mask_mod's are intersected in
+# `_checks._block_table`, before any backend, and the XLA backend ands a tile's visibility with
+# the tile rule's (`blocks.Blocks`): test_option[xla-everything] in test_attention.py holds a
+# dense mask with a causal band and lengths there, test_and_masks_and_or_masks[xla] a mask_mod
+# at T != S with GQA; [triton] stays.)
+@pytest.mark.parametrize("implementation", [pytest.param("xla", marks=pytest.mark.variants),
+                                            "triton"])
 def test_mask_mod_combines_with_other_options(implementation):
   """A mask_mod with a causal band, lengths, a dense mask and T != S (GQA, odd sizes)."""
   b, t, s, n = B, 45, 70, N
@@ -299,6 +321,11 @@ def test_mask_mod_with_a_differentiated_bias(implementation):
         bias=lambda b, t, s, n, seed: jax.random.normal(jax.random.key(seed), (1, n, t, s)))
 
 
+# (A variant: test_block_mask_on_few_query_rows_on_a_sharded_batch holds a per-row mask_mod's
+# `BlockMask` arrays split with the batch over four CPU devices (the roles of
+# `ops/partitioning.py`, the same for every backend), its result the unsharded call's and the
+# reference's.)
+@pytest.mark.variants
 def test_mask_mod_on_a_sharded_batch():
   """A mask_mod whose features depend on the batch row, under jit on a batch sharded over four
   (CPU) devices: every device evaluates its own rows' features (`BlockMask` arrays carry the
@@ -360,8 +387,16 @@ def _few_rows_case(kind: str, t: int, s: int):
   return dict(mask_mod=fn), np.asarray(fn(*_indices(B, N, t, s)))
 
 
-@pytest.mark.parametrize("kind", ["table_only", "from_blocks", "documents", "per_head",
-                                  "gather_both"])
+# (from_blocks and documents are variants: the split-KV kernel gets every block mask as one dense
+# mask (`decode._block_mask_as_dense`: the table's visible blocks, and the tile rule where there
+# is one), which [table_only] holds for a table and [per_head] for a mask_mod's rule, with
+# gradients (the training backward); test_block_mask_on_few_query_rows_on_a_sharded_batch holds a
+# per-row documents mask_mod there against the reference, and
+# test_reused_block_mask_and_from_blocks[triton] the from_blocks pattern's rule.)
+@pytest.mark.parametrize("kind", ["table_only", pytest.param("from_blocks",
+                                                             marks=pytest.mark.variants),
+                                  pytest.param("documents", marks=pytest.mark.variants),
+                                  "per_head", "gather_both"])
 def test_block_masks_on_few_query_rows_take_the_split_kv_kernel(kind, monkeypatch):
   """A block mask or a mask_mod on a call of a few query rows (a decoding step) runs the
   split-KV decoding kernel, its T rows of the mask made dense, GQA and odd lengths; forward,
@@ -427,6 +462,10 @@ def test_block_masks_too_large_to_make_dense_run_the_training_kernels(monkeypatc
   assert not ran and rel_err(out, want) < F32_TOLERANCE
 
 
+# (A variant, with and without jit: test_mask_mod_under_vmap_with_gradients holds a mask_mod
+# call vmapped and jitted on the XLA backend (the call primitive's batching rule), forward and
+# gradients against the reference given the same mask densely.)
+@pytest.mark.variants
 class MaskModTransformsTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)

@@ -51,7 +51,13 @@ def _paged(cache, page_size: int, seed: int):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("t,window,cap", [(1, None, None), (4, None, 2.0), (5, 7, None)])
+@pytest.mark.parametrize("t,window,cap", [
+    (1, None, None),
+    # (A variant: on a CPU [5-7-None-*] holds T > 1 on the same ragged rows, and a soft cap in
+    # decoding test_one_split_writes_the_result_itself[5-7-2.0] (Triton) and
+    # test_fp8_cache_with_sinks_and_a_soft_cap[xla].)
+    pytest.param(4, None, 2.0, marks=pytest.mark.variants),
+    (5, 7, None)])
 def test_decode_matches_the_reference(implementation, t, window, cap):
   """Ragged rows (empty, fewer tokens than T, partly full, full), GQA, T = 1 and T > 1 causal,
   a window, a soft cap; the LSE too."""
@@ -211,7 +217,11 @@ def test_heads_per_program(b, s, k, h, page_size, dtype, want):
                                jnp.dtype(dtype).itemsize)
 
 
-@pytest.mark.parametrize("heads,paged,t", [(2, False, 1), (4, False, 3), (2, True, 2)])
+@pytest.mark.parametrize("heads,paged,t", [
+    # (A variant: on a CPU [4-False-3] holds several heads a program on a contiguous cache,
+    # [2-True-2] and test_fp8_key_factors_per_token_with_two_heads_a_program two heads a program.)
+    pytest.param(2, False, 1, marks=pytest.mark.variants),
+    (4, False, 3), (2, True, 2)])
 def test_several_kv_heads_per_program(heads, paged, t, monkeypatch):
   """`DecodeConfig.heads`: programs of 2 or 4 neighbouring K/V heads, each head with its own
   query tile and softmax state, on a contiguous cache and on shuffled pages: the reference's
@@ -288,7 +298,9 @@ def test_merge_kernel_matches_the_xla_merge(splits, h):
   assert np.isnan(got_lse[1, 2, 4]) and np.isnan(np.asarray(got_out[1, 2, 4], np.float32)).all()
 
 
-@pytest.mark.parametrize("splits", [2, 5, 16])
+# (16 a variant: `merge.MERGE_UNROLLED` is 64, so on a CPU [2] and [5] hold the same
+# range-by-range merge.)
+@pytest.mark.parametrize("splits", [2, 5, pytest.param(16, marks=pytest.mark.variants)])
 def test_unrolled_merge_matches_partial_merge(splits, monkeypatch):
   """The split-KV merge of up to 16 splits, which `jaxflash.merge.merge` works split by
   split, against its stacked form (reductions over the split axis, as it merges more than
@@ -315,7 +327,10 @@ def test_unrolled_merge_matches_partial_merge(splits, monkeypatch):
   np.testing.assert_array_equal(np.isnan(np.asarray(got_out)), np.isnan(np.asarray(want_out)))
 
 
-@pytest.mark.parametrize("t,window,cap", [(1, None, None), (5, 7, 2.0)])
+# (T = 1 a variant: on a CPU [5-7-2.0] holds the one split's own write, and
+# test_decode_matches_the_reference[1-None-None-triton] T = 1 on the kernel.)
+@pytest.mark.parametrize("t,window,cap", [pytest.param(1, None, None, marks=pytest.mark.variants),
+                                          (5, 7, 2.0)])
 def test_one_split_writes_the_result_itself(t, window, cap, monkeypatch):
   """With a single split the Triton kernel writes the output (query dtype) and the LSE itself,
   with nothing to merge: the reference test's rows, empty ones included."""
@@ -325,8 +340,13 @@ def test_one_split_writes_the_result_itself(t, window, cap, monkeypatch):
   assert not merges
 
 
-@pytest.mark.parametrize("splits,merge", [(1, "kernel"), (3, "kernel"), (3, "xla")])
-@pytest.mark.parametrize("implementation", ["xla", "triton"])
+# (The XLA backend's 3-split cases are variants: it runs no split-KV kernel, so on a CPU
+# [xla-1-kernel] holds its path.)
+@pytest.mark.parametrize("implementation,splits,merge", [
+    ("xla", 1, "kernel"),
+    pytest.param("xla", 3, "kernel", marks=pytest.mark.variants),
+    pytest.param("xla", 3, "xla", marks=pytest.mark.variants),
+    ("triton", 1, "kernel"), ("triton", 3, "kernel"), ("triton", 3, "xla")])
 def test_nan_in_the_cache_or_query_gives_nan_rows(implementation, splits, merge, monkeypatch):
   """A NaN in a query, or in a key that a row sees, makes that row's output and LSE NaN (on
   Triton whether the kernel writes the result itself or either merge of three splits does);
@@ -366,8 +386,14 @@ def _check_against_reference(implementation, t, window, cap):
   assert rel_err(np.where(empty, 0, lse), np.where(empty, 0, want_lse)) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("page_size", [16, pytest.param(32, marks=pytest.mark.gpu), 24])
+# (XLA's 16-key pages a variant: on a CPU [16-triton] holds the pages' gradients, which every
+# backward takes through the same gather (`gather_pages`; unused pages get none), and
+# test_value_dim.py::test_decode[True-xla] the XLA backend on the rows the pages make,
+# gradients too.)
+@pytest.mark.parametrize("page_size,implementation", [
+    pytest.param(size, name, marks=(pytest.mark.gpu if size == 32 else
+                                    pytest.mark.variants if (size, name) == (16, "xla") else ()))
+    for size in (16, 32, 24) for name in IMPLEMENTATIONS])
 def test_paged_cache_matches_contiguous(implementation, page_size, monkeypatch):
   """A paged cache with a shuffled page table gives the contiguous cache's result (bf16), and
   its gradients reach the pages. On Triton the split-KV kernel reads the pages where they lie
@@ -521,7 +547,12 @@ def test_decode_with_x64_and_strict_rank_promotion():
 
 
 @pytest.mark.parametrize("t,window,cap,order,merge", [
-    (1, None, None, None, "xla"), (3, 150, 1.5, ("head", "split", "batch"), "kernel")])
+    # (A variant: on a CPU [3-150-1.5-order1-kernel] holds the split-KV forward of Triton's
+    # decoding with the training backward's gradients; the XLA merge of several splits in the
+    # default order test_decode_matches_the_reference[*-triton] (2 splits) and
+    # test_nan_in_the_cache_or_query_gives_nan_rows[triton-3-xla].)
+    pytest.param(1, None, None, None, "xla", marks=pytest.mark.variants),
+    (3, 150, 1.5, ("head", "split", "batch"), "kernel")])
 def test_split_kv_kernel_serves_triton_decoding(t, window, cap, order, merge, monkeypatch):
   """On the Triton backend a decoding call runs the split-KV forward (not the training forward):
   several splits of a 600-key cache (a partial last block), merged through the LSE by either
@@ -559,7 +590,9 @@ def test_split_kv_kernel_serves_triton_decoding(t, window, cap, order, merge, mo
 
 @pytest.mark.parametrize("options", [
     pytest.param(dict(), marks=pytest.mark.gpu),  # (the others hold it: CI time)
-    dict(is_causal=True, local_window_size=(1, 0)),
+    # (A variant: on a CPU [window_cap] holds the routing, a top-left band with both sides, the
+    # lengths, GQA, the gradients and the training forward of 17 rows.)
+    pytest.param(dict(is_causal=True, local_window_size=(1, 0)), marks=pytest.mark.variants),
     dict(local_window_size=(2, 1), logits_soft_cap=1.5),
 ], ids=["full", "causal_window", "window_cap"])
 def test_flash_attention_routes_few_queries_to_split_kv(options, monkeypatch):
@@ -701,8 +734,12 @@ def _fp8_cache(seed: int, b: int, t: int, s: int, n: int, k: int, h: int, form: 
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("t,paged,form", [(1, False, "head"), (3, True, "head"),
-                                          (2, False, "tensor"), (2, False, "token")])
+@pytest.mark.parametrize("t,paged,form", [
+    # (A variant: on a CPU [3-True-head-*] holds the factors per (batch row, K/V head),
+    # [2-False-tensor-*] and [2-False-token-*] a contiguous cache, and on Triton
+    # test_fp8_key_factors_per_token_with_two_heads_a_program T = 1.)
+    pytest.param(1, False, "head", marks=pytest.mark.variants),
+    (3, True, "head"), (2, False, "tensor"), (2, False, "token")])
 def test_fp8_cache_matches_its_real_values(implementation, t, paged, form, monkeypatch):
   """An FP8 query and K/V cache with descale factors give attention of the values they stand
   for (a float32 reference on the dequantised values): ragged rows (one empty: zeros), GQA,

@@ -13,8 +13,8 @@ import pytest
 
 import jaxflash
 from jaxflash import dropout
-from checks import (BACKENDS, F32_TOLERANCE, ON_GPU, attention, check, dropped_weights,
-                    random_qkv, rel_err)
+from checks import (BACKENDS, BACKENDS_TRITON_VARIANT, F32_TOLERANCE, ON_GPU, attention, check,
+                    dropped_weights, random_qkv, rel_err)
 
 # ---------------------------------------------------------------------------------------------
 # The generator
@@ -64,7 +64,9 @@ def test_broadcast_mask_is_shared():
 # Through the kernels
 
 
-@pytest.mark.parametrize("implementation", BACKENDS)
+# (Triton's case is a variant: test_backends_give_the_same_mask_for_the_same_key holds its
+# kernels dropping XLA's entries with XLA's scale, and [xla] that those are `dense_keep_mask`'s.)
+@pytest.mark.parametrize("implementation", BACKENDS_TRITON_VARIANT)
 def test_kernels_drop_exactly_the_defined_mask(implementation):
   """Every backend drops the entries `dense_keep_mask` names and scales the rest by 1/(1-p)."""
   rate, rng = 0.4, jax.random.key(5)
@@ -84,7 +86,11 @@ def test_backends_give_the_same_mask_for_the_same_key():
   assert rel_err(triton, xla) < F32_TOLERANCE
 
 
-@pytest.mark.parametrize("implementation", BACKENDS)
+# (Triton's case is a variant: test_backends_give_the_same_mask_for_the_same_key holds its mask
+# equal to XLA's on every entry a causal band leaves, over 2 batch rows and 4 heads on 2 K/V
+# heads, which [xla] holds; test_attention.py::test_option[triton-dropout_broadcast] its
+# broadcast mask.)
+@pytest.mark.parametrize("implementation", BACKENDS_TRITON_VARIANT)
 def test_masks_differ_across_keys_heads_and_batch_rows(implementation):
   first = dropped_weights(implementation, dropout_rate=0.5, dropout_rng=jax.random.key(7)) != 0
   again = dropped_weights(implementation, dropout_rate=0.5, dropout_rng=jax.random.key(7)) != 0
@@ -99,7 +105,10 @@ def test_masks_differ_across_keys_heads_and_batch_rows(implementation):
   assert (shared == shared[:1, :1]).all()
 
 
-@pytest.mark.parametrize("implementation", BACKENDS)
+# (Triton's case is a variant: [xla] holds the key's seed words (`jaxflash.dropout`, one for
+# both backends), test_backends_give_the_same_mask_for_the_same_key Triton's mask from them,
+# and test_attention.py::test_option[triton-everything] its backward regenerating that mask.)
+@pytest.mark.parametrize("implementation", BACKENDS_TRITON_VARIANT)
 def test_same_key_gives_identical_output_and_gradients(implementation):
   q, k, v, d_out = random_qkv(9, 2, 33, 47, 4, 2, 32)
 
@@ -134,7 +143,10 @@ def test_output_is_unbiased():
   assert 0.9 < z.std() < 1.1
 
 
-@pytest.mark.parametrize("implementation", BACKENDS)
+# (Triton's case is a variant: [xla] holds the identity, and
+# test_attention.py::test_option[triton-everything] Triton's dropout gradients against the
+# reference's with the same mask, a bias's included.)
+@pytest.mark.parametrize("implementation", BACKENDS_TRITON_VARIANT)
 def test_gradients_match_finite_differences(implementation):
   """For a fixed key the dropped function is smooth; its gradients (mask regenerated in the
   backward pass) must match central differences along random directions."""
@@ -167,7 +179,11 @@ def test_gradients_match_finite_differences(implementation):
     assert abs(numeric - analytic) <= 1e-2 * abs(analytic) + 1e-3, (i, numeric, analytic)
 
 
-@pytest.mark.parametrize("implementation", BACKENDS)
+# (Triton's case is a variant: test_attention.py::test_option[triton-everything] holds its
+# dropout with GQA 4/2 and odd lengths, tests/test_bias.py::test_bias_gradient_in_bfloat16[triton]
+# its bfloat16 forward and backward; dropout acts on float32 tiles (`_core.dropped`) in any
+# dtype.)
+@pytest.mark.parametrize("implementation", BACKENDS_TRITON_VARIANT)
 def test_dropout_with_gqa_odd_lengths_in_bfloat16(implementation):
   check(implementation, b=2, t=45, s=61, n=6, k=2, h=64, dtype=jnp.bfloat16, is_causal=True,
         dropout_rate=0.1, dropout_rng=jax.random.key(15))

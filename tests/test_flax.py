@@ -55,8 +55,13 @@ def _loss_weights(padding):
 # linen
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "causal", "padding", "combined", "bool_keys",
-                                       "is_causal", "is_causal_and_padding"])
+# "causal", "padding" and "is_causal" are variants: [combined] holds a Flax float mask (causal
+# and padding masks both, through the same conversion in `_flax.attend`), and
+# [is_causal_and_padding] the is_causal field with a padding mask.
+@pytest.mark.parametrize("mask_kind", [
+    "none", pytest.param("causal", marks=pytest.mark.variants),
+    pytest.param("padding", marks=pytest.mark.variants), "combined", "bool_keys",
+    pytest.param("is_causal", marks=pytest.mark.variants), "is_causal_and_padding"])
 def test_linen_module_matches_flax(mask_kind):
   x, padding = _inputs()
   masks = _flax_masks(padding)
@@ -187,8 +192,17 @@ def test_linen_falls_back_for_what_kernels_cannot_serve():
 # nnx
 
 
-@pytest.mark.parametrize("kv_heads", [HEADS, 2])
-@pytest.mark.parametrize("mask_kind", ["none", "combined", "is_causal", "is_causal_and_padding"])
+# Variants: is_causal (both head counts; [is_causal_and_padding-4] and [-2] hold the is_causal
+# argument, with a padding mask), none-2 ([none-4] holds the call without a mask, [combined-2]
+# and [is_causal_and_padding-2] GQA) and combined-4 ([combined-2] holds the Flax mask,
+# [is_causal_and_padding-4] MHA with a mask).
+_NNX_VARIANTS = {("none", 2), ("combined", HEADS), ("is_causal", HEADS), ("is_causal", 2)}
+
+
+@pytest.mark.parametrize("mask_kind,kv_heads", [
+    pytest.param(kind, heads, id=f"{kind}-{heads}",
+                 marks=pytest.mark.variants if (kind, heads) in _NNX_VARIANTS else ())
+    for heads in (HEADS, 2) for kind in ("none", "combined", "is_causal", "is_causal_and_padding")])
 def test_nnx_module_matches_flax(mask_kind, kv_heads):
   x, padding = _inputs()
   masks = _flax_masks(padding)
@@ -404,7 +418,11 @@ def _spy_decode(monkeypatch) -> list:
   return calls
 
 
-@pytest.mark.parametrize("cls", ["MultiHeadDotProductAttention", "SelfAttention"])
+# (MultiHeadDotProductAttention is a variant: [SelfAttention] holds the decode step of the
+# modules' shared `_Jaxflash.__call__` (the decoding op on the cache, a caller's mask), and
+# test_linen_decode_matches_full_causal MultiHeadDotProductAttention's decode loop.)
+@pytest.mark.parametrize("cls", [
+    pytest.param("MultiHeadDotProductAttention", marks=pytest.mark.variants), "SelfAttention"])
 def test_linen_decode_runs_the_decoding_op_like_flax(cls, monkeypatch):
   """A linen decode loop: each step runs `jaxflash.decode_attention` on the cache, with the
   occupancy as kv_lengths, and matches Flax's own module in decode mode step by step; a step

@@ -148,7 +148,11 @@ def _descale_form(descales, form, k_heads):
   return descales
 
 
-@pytest.mark.parametrize("t,s,n,k,h,options,form", CASES)
+# (The per-token case is a variant: 16-token blocks give the same [B, L, heads] factors, so on a
+# CPU [50-50-2-1-96-options3-block] holds its path, with a causal band.)
+@pytest.mark.parametrize("t,s,n,k,h,options,form", [
+    pytest.param(*case, marks=pytest.mark.variants) if case[-1] == "token" else case
+    for case in CASES])
 def test_xla_fp8_equals_reference_on_dequantized_inputs(t, s, n, k, h, options, form):
   q, kk, v, _ = random_qkv(0, 2, t, s, n, k, h, scale=2.0)
   block = {"token": 1, "block": 16}.get(form)
@@ -200,8 +204,13 @@ def test_fp8_call_accuracy_against_the_16_bit_one():
 
 
 @pytest.mark.parametrize("sinks,backward,tolerance", [
-    (False, "straight_through", 0.07), (True, "straight_through", 0.07),
-    (False, "mixed", 0.05), (True, "mixed", 0.05)])
+    # (Without sinks a variant: on a CPU [True-straight_through-0.07] and [True-mixed-0.05] hold
+    # both backwards at the same tolerances, the sinks' gradient added, and
+    # test_fp8_attention_gradients_on_outlier_features[False-xla] both without sinks.)
+    pytest.param(False, "straight_through", 0.07, marks=pytest.mark.variants),
+    (True, "straight_through", 0.07),
+    pytest.param(False, "mixed", 0.05, marks=pytest.mark.variants),
+    (True, "mixed", 0.05)])
 def test_fp8_attention_gradients(sinks, backward, tolerance):
   """Both 16-bit backwards after the FP8 forward stay within FP8's error of the float32
   reference gradients on normal inputs (measured about 4.6% straight through, 3.9% mixed; the
@@ -227,7 +236,9 @@ def test_fp8_attention_gradients(sinks, backward, tolerance):
 
 
 @pytest.mark.parametrize("implementation", ["xla"] + (["mosaic"] if ON_GPU else []))
-@pytest.mark.parametrize("rotated", [False, True])
+# (Rotated a variant: on a CPU [False-xla] holds the outlier logits through both backwards, and
+# test_fp8_attention_gradients[True-*] the rotated ones, dQ and dK rotated back.)
+@pytest.mark.parametrize("rotated", [False, pytest.param(True, marks=pytest.mark.variants)])
 def test_fp8_attention_gradients_on_outlier_features(rotated, implementation):
   """One key/query channel 40x the others puts the logits in the hundreds, where the FP8
   forward's logsumexp is off by units. The default backward recomputes the forward's own
@@ -293,7 +304,10 @@ def test_power_of_two_scales_round_trip_exactly_in_bfloat16():
     np.testing.assert_array_equal(values.astype(jnp.bfloat16).astype(jnp.float32), values)
 
 
-@pytest.mark.parametrize("dtype", [E4M3, jnp.float8_e5m2])
+# (e5m2 a variant: on a CPU [float8_e4m3fn] holds the path, whose bits come from the dtype's
+# mantissa, and test_quantize_round_trip[float8_e5m2-*] e5m2's quantisation.)
+@pytest.mark.parametrize("dtype", [E4M3, pytest.param(jnp.float8_e5m2,
+                                                      marks=pytest.mark.variants)])
 def test_bfloat16_exact_scales_round_trip_exactly_and_keep_the_largest_entry(dtype):
   """`quantize_fp8(..., bfloat16_exact=True)`: the dequantised values are exact in bfloat16
   (descales of few significant bits; the inputs span many binades from token to token, and
@@ -390,8 +404,11 @@ def test_mosaic_fp8_matches_the_reference_on_gpu():
     assert rel_err(out, want) <= 0.05
 
 
-@pytest.mark.parametrize("block_size,overlap,poly_cols", [(None, False, 0), (1, True, 0),
-                                                        (None, False, 32)])
+@pytest.mark.parametrize("block_size,overlap,poly_cols", [
+    # (A variant: on a CPU [None-False-32] runs the same per-head call on the same tiles, half
+    # of each block's exponentials by the polynomial.)
+    pytest.param(None, False, 0, marks=pytest.mark.variants),
+    (1, True, 0), (None, False, 32)])
 def test_mosaic_fp8_kernel(block_size, overlap, poly_cols):
   """The Mosaic FP8 forward (Mosaic GPU's interpreter on a CPU) against the XLA one on the same
   FP8 inputs: only P's rounding to e4m3 differs. Per-head and per-token descales, GQA, odd
@@ -413,7 +430,13 @@ def test_mosaic_fp8_kernel(block_size, overlap, poly_cols):
   assert rel_err(out, want) <= 0.03  # P in e4m3 (measured 1.7e-2)
 
 
-@pytest.mark.parametrize("h,out_dtype", [(256, jnp.bfloat16), (128, jnp.float32)])
+@pytest.mark.parametrize("h,out_dtype", [
+    # (A variant: on a CPU [128-float32] holds the 128-key tiles with the overlap, two CTAs of
+    # two consumers and O in column pieces through the Q tiles, test_mosaic_fp8_kernel[1-True-0]
+    # and [None-False-32] a 16-bit O in pieces of D / 2, and
+    # test_mosaic.py::test_fp8_forward_lowers these tiles at D = 256.)
+    pytest.param(256, jnp.bfloat16, marks=pytest.mark.variants),
+    (128, jnp.float32)])
 def test_mosaic_fp8_output_leaves_through_the_q_tiles(h, out_dtype):
   """An FP8 call's O [64, D] per consumer leaves through its own Q tile's D bytes, in pieces of
   D / 2 columns (a float32 O: D / 4), one after the other (`config.o_view`): no O tile of its

@@ -445,7 +445,10 @@ def test_persistent_partial_results_lower():
   assert "mosaic_gpu" in _lower(fn, q, q, q)
 
 
-@pytest.mark.parametrize("h", [64, 128, 256])
+# (64 in the variants: on a CPU it runs the support check and the XLA call only, which
+# test_mosaic.py::test_fp8_partial_results[128] runs at another head dim, with the interpreter's
+# key split, and [256] at the edge of the fit.)
+@pytest.mark.parametrize("h", [pytest.param(64, marks=pytest.mark.variants), 128, 256])
 def test_fp8_partial_results(h):
   """An FP8 call's partial results (ring attention's pieces): float32 O tiles of their own fit
   beside the FP8 K/V ring up to D = 256 (on 64-key tiles there; a 16-bit call's do not); the
@@ -1393,7 +1396,8 @@ def test_first_visitors_match_the_schedule(band, offsets):
   assert (first < k_tiles).any() and (first[:, -1] == k_tiles).all()  # (block 11: past T)
 
 
-# (192 on the GPU only: test_value_dim runs the two-pass dK/dV at 192 on a CPU.)
+# (192 on the GPU only: a CPU runs the two passes at 256 here, and the 192-wide backward MLA
+# ships in test_value_dim.py::test_mosaic_serves_it[192-128-shipped].)
 @pytest.mark.parametrize("h", [pytest.param(192, marks=gpu), 256])
 def test_mosaic_backward_wide_heads(h):
   """Head dims above 128: dK/dV in two passes (dV, then dK), and at D = 256 the 32-row streamed
@@ -1574,7 +1578,11 @@ def test_exp2_polynomial_forward(option, poly_cols):
         **make(b, t, s, n, 0))
 
 
-@pytest.mark.parametrize("t,s,n,k", [(1, 1, 1, 1), (1, 70, 4, 1), (70, 1, 3, 3), (129, 129, 8, 2),
+# (70, 1) in the variants: test_mosaic.py::test_odd_shapes[1-1-1-1] holds a single key (one
+# valid key in its block, the one-key error measure), and the OPTION_SHAPE tests' 70 rows (e.g.
+# test_mosaic.py::test_every_supported_option_at_once) a partial query tile.
+@pytest.mark.parametrize("t,s,n,k", [(1, 1, 1, 1), (1, 70, 4, 1),
+                                     pytest.param(70, 1, 3, 3, marks=variant), (129, 129, 8, 2),
                                      (31, 200, 6, 3), (200, 31, 2, 1)])
 def test_odd_shapes(t, s, n, k):
   if not ON_GPU and (t, s) in ((1, 70), (200, 31), (31, 200)):
@@ -1637,7 +1645,12 @@ def test_fp8_forward_lowers(h, causal, per_token, config, out_dtype):
   assert "mosaic_gpu" in _lower(fn, q, kv, kv, q_d, k_d)
 
 
-@pytest.mark.parametrize("fields,long", [(dict(block_kv=128), False),
+# (128-key tiles one step at a time in the variants: the same row sums by wgmma, 128-key tiles
+# without the overlap, causal, a row with no key, run in
+# test_mosaic.py::test_kv_multicast[float8_e4m3fn-128-fields2] and
+# test_mosaic.py::test_three_consumers[float8_e4m3fn-128-fields3]; the plain FP8 forward in
+# [fields3-False] here.)
+@pytest.mark.parametrize("fields,long", [pytest.param(dict(block_kv=128), False, marks=variant),
                                          pytest.param(dict(block_kv=64, intra_wg_overlap=True),
                                                       False, marks=variant),
                                          (dict(block_kv=256, persistent_ctas=132), True),
@@ -1688,9 +1701,14 @@ needs_four_threads = pytest.mark.skipif(
     reason="the interpreter deadlocks four warpgroups on fewer than 4 threads")
 
 
+# (bf16 on 128-key tiles in the variants: three bf16 consumers run in
+# test_mosaic.py::test_three_consumers_with_every_option[everything] (D = 64, 64-key tiles,
+# a causal band, lengths, GQA), and on 128-key tiles without a band and with one, with a row
+# with no key, in test_mosaic.py::test_three_consumers[float8_e4m3fn-128-fields3]: a tile
+# variant.)
 @needs_four_threads
 @pytest.mark.parametrize("dtype,h,fields", [
-    (BF16, 64, dict(block_kv=128)),
+    pytest.param(BF16, 64, dict(block_kv=128), marks=variant),
     pytest.param(BF16, 64, dict(block_kv=64, intra_wg_overlap=True), marks=variant),
     pytest.param(BF16, 96, dict(block_kv=64, persistent_ctas=5), marks=variant),
     (jnp.float8_e4m3fn, 128, dict(block_kv=128, mma_row_sums=True)),
@@ -1757,8 +1775,14 @@ def test_kv_multicast(dtype, h, fields):
     np.testing.assert_array_equal(got[1], 0.0)  # the row with no key
 
 
+# (everything_but_dense in the variants: its forward is [everything]'s less the mask and bias
+# reads (segment ids give both a block table), and its gradients come from the same Mosaic
+# backward (`Config.backward` only: Backward()) that
+# test_mosaic.py::test_mosaic_backward[everything_but_dense-config0] runs on the same shape and
+# options.)
 @needs_four_threads
-@pytest.mark.parametrize("option", ["everything", "everything_but_dense"])
+@pytest.mark.parametrize("option", ["everything", pytest.param("everything_but_dense",
+                                                             marks=variant)])
 def test_three_consumers_with_every_option(option):
   """Three consumers with every option the forward serves at once (causal window, soft cap,
   scale, mask, bias, segments, lengths, dropout; GQA), forward and gradients (the backward
@@ -1770,6 +1794,10 @@ def test_three_consumers_with_every_option(option):
         **make(b, t, s, n, 0))
 
 
+# (In the variants: a consumer's float32 O tile of its own is indexed by its warpgroup alike
+# for two or three, as test_mosaic.py::test_partial_backward[64]'s split forward runs it on two;
+# three consumers run in test_mosaic.py::test_three_consumers_with_every_option[everything].)
+@variant
 @needs_four_threads
 def test_three_consumers_partial_results():
   """Partial calls on three consumers (float32 O through tiles of their own, as ring attention

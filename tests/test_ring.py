@@ -80,10 +80,11 @@ def _compare(got, want):
     assert rel_err(g, w) < F32_TOLERANCE * 5, name
 
 
+# (The causal cases are variants: test_ring_with_lengths[causal-contiguous], [causal-striped]
+# and [causal-zigzag] hold their paths, the same GQA 4/2 ring call of each layout with lengths
+# added.)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("causal,layout", _layout_cases(
-    ("full", "contiguous"), ("causal", "contiguous"), ("causal", "striped"),
-    ("causal", "zigzag")))
+@pytest.mark.parametrize("causal,layout", _layout_cases(("full", "contiguous")))
 def test_ring_matches_the_whole_sequence(layout, causal, implementation):
   """GQA 4/2, 4 chunks of 16 tokens: output, LSE and gradients as the dense reference."""
   q, k, v, d_out = random_qkv(0, 2, 64, 64, 4, 2, 16)
@@ -91,8 +92,11 @@ def test_ring_matches_the_whole_sequence(layout, causal, implementation):
   _compare(got, _reference(q, k, v, d_out, is_causal=causal))
 
 
+# (full-striped is a variant: [causal-striped] holds the striped chunks' valid rows, and
+# test_ring_matches_the_whole_sequence[full-contiguous-xla] a ring without a band, where a
+# striped chunk's offsets change nothing: only a band reads them.)
 @pytest.mark.parametrize("causal,layout", _layout_cases(
-    ("full", "striped"), ("causal", "contiguous"), ("causal", "striped"), ("causal", "zigzag")))
+    ("causal", "contiguous"), ("causal", "striped"), ("causal", "zigzag")))
 def test_ring_with_lengths(layout, causal):
   """Query and key lengths of the whole sequence (cut inside a chunk, at a chunk
   boundary, one row empty): padded query rows give zeros and an LSE of -inf, padded keys
@@ -171,9 +175,13 @@ def _ring_mask_mods(length: int) -> dict:
 
 # Each mask_mod once, zigzag (whose shards hold permuted positions) with one of them: the other
 # pairs added 60 s of CPU time to CI (a zigzag call's programs compile 3-4 times as long) and no
-# path these do not take.
-@pytest.mark.parametrize("name,layout", [("documents", "zigzag"), ("pattern", "contiguous"),
-                                         ("prefix_lm", "contiguous")])
+# path these do not take. prefix_lm is a variant: [documents-zigzag] holds features made per
+# pair at its positions (rows and columns; prefix_lm's row feature reads the batch index
+# alone), and test_flax_ring_attention_fn_with_a_mask_mod a kernel-capable mask_mod on the
+# contiguous layout.
+@pytest.mark.parametrize("name,layout", [
+    ("documents", "zigzag"), ("pattern", "contiguous"),
+    pytest.param("prefix_lm", "contiguous", marks=pytest.mark.variants)])
 def test_ring_with_a_mask_mod(name, layout):
   """A mask_mod of whole-sequence positions (closing over whole-sequence arrays) gives what the
   dense reference gives with the same mask: output, LSE and gradients, GQA."""
@@ -286,7 +294,10 @@ def test_ring_checks_its_mask_mod():
       jax.jit(fn).trace(chunks)
 
 
-@pytest.mark.parametrize("layout", ("contiguous", "zigzag"))
+# (contiguous is a variant: [zigzag] holds the dropout mask at global positions through the
+# pairs' offsets, with the halves a device picks at run time.)
+@pytest.mark.parametrize("layout", [pytest.param("contiguous", marks=pytest.mark.variants),
+                                    "zigzag"])
 def test_ring_dropout_is_the_unsplit_calls(layout):
   """Dropout coordinates are global positions: the ring drops what `flash_attention` on the
   whole sequence drops (same key), so the outputs agree (zigzag: with the pair each device
@@ -300,7 +311,11 @@ def test_ring_dropout_is_the_unsplit_calls(layout):
   _compare(got, want)
 
 
-@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+# (full is a variant: [causal] holds the merge count's rule (a half's first partial taken as it
+# is), and test_ring_with_a_mask_mod[documents-zigzag] a zigzag ring without a band, whose
+# output and gradients need all four pairs at every step, each merged once.)
+@pytest.mark.parametrize("causal", [pytest.param(False, id="full", marks=pytest.mark.variants),
+                                    pytest.param(True, id="causal")])
 def test_zigzag_skips_the_pairs_a_causal_band_hides(causal, monkeypatch):
   """Under a causal band each device computes 3 (query half, key half) pairs at the first step
   and 2 at each later one, forward and backward; without one, all 4 at every step. Each pair's

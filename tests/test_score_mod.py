@@ -34,7 +34,16 @@ RULES = {
 }
 
 
-CASES = [(impl, rule) for impl in ("xla", "triton") for rule in RULES]
+# Variants (the GPU, and a CPU with JAXFLASH_ALL_VARIANTS=1), whose rules other CPU cases hold on
+# the same backend: Triton's ALiBi in test_row_term_with_a_differentiated_bias[triton] (ALiBi with
+# a causal band) and test_kernels_with_every_other_option[triton] (with lengths); Triton's key_only
+# there too (ALiBi without its row term, which the kernels move to the LSE, is a column feature
+# alone, as key_only is: `Split.without_row_term`); the tanh gate in
+# test_combines_with_everything[xla-*] and [triton-mask_mod_window] (forward and gradients).
+MATCH_VARIANTS = {("triton", "alibi"), ("triton", "key_only"), ("triton", "tanh_gate"),
+                  ("xla", "tanh_gate")}
+CASES = [pytest.param(impl, rule, marks=pytest.mark.variants) if (impl, rule) in MATCH_VARIANTS
+         else (impl, rule) for impl in ("xla", "triton") for rule in RULES]
 
 
 @pytest.mark.parametrize("implementation,rule", CASES)
@@ -44,20 +53,38 @@ def test_matches_the_reference(implementation, rule):
         is_causal=True, key_value_seq_lengths=jnp.array([53, 20]))
 
 
-@pytest.mark.parametrize("options", [
-    dict(logits_soft_cap=2.0, bias=random_array(4, (1, N, T, S), "float")),
-    dict(mask_mod=lambda *_: lambda b, h, i, j: (i + j) % 5 != 0, local_window_size=(20, 5)),
-    dict(segment_ids=(random_array(5, (B, T), 3), random_array(6, (B, S), 3)),
-         query_seq_lengths=jnp.array([30, 37])),
-    dict(dropout_rate=0.2, dropout_rng=jax.random.key(2)),
-], ids=("cap_bias", "mask_mod_window", "segments", "dropout"))
-@pytest.mark.parametrize("implementation", ("xla", "triton"))
+COMBINED = {
+    "cap_bias": dict(logits_soft_cap=2.0, bias=random_array(4, (1, N, T, S), "float")),
+    "mask_mod_window": dict(mask_mod=lambda *_: lambda b, h, i, j: (i + j) % 5 != 0,
+                            local_window_size=(20, 5)),
+    "segments": dict(segment_ids=(random_array(5, (B, T), 3), random_array(6, (B, S), 3)),
+                     query_seq_lengths=jnp.array([30, 37])),
+    "dropout": dict(dropout_rate=0.2, dropout_rng=jax.random.key(2)),
+}
+# Triton's cases but mask_mod_window are variants (the GPU, JAXFLASH_ALL_VARIANTS=1):
+# test_kernels_with_every_other_option[triton] holds a score_mod in Triton's kernels with segment
+# ids, lengths both ways, dropout and a soft cap; test_row_term_with_a_differentiated_bias[triton]
+# one beside a differentiated bias (Triton's dbias kernel); and [xla-cap_bias] the chain of the cap
+# and the score_mod's derivative (`_core.logits`, which Triton's tiles call too).
+# [triton-mask_mod_window] stays (a window to the right; test_attention.py's
+# test_option[triton-window_pair] leans on it).
+COMBINED_VARIANTS = {("triton", "cap_bias"), ("triton", "segments"), ("triton", "dropout")}
+
+
+@pytest.mark.parametrize("implementation,options", [
+    pytest.param(impl, options, id=f"{impl}-{name}",
+                 marks=pytest.mark.variants if (impl, name) in COMBINED_VARIANTS else ())
+    for name, options in COMBINED.items() for impl in ("xla", "triton")])
 def test_combines_with_everything(implementation, options):
   check(implementation, b=B, t=T, s=S, n=N, k=K, h=H, score_mod=lambda *_: RULES["tanh_gate"],
         **options)
 
 
-@pytest.mark.parametrize("implementation", ("xla", "triton"))
+# (XLA's case is a variant: the XLA backend keeps the row term in the logits, so its path is a
+# score_mod beside a differentiated bias, which test_combines_with_everything[xla-cap_bias] holds,
+# and ALiBi, which test_matches_the_reference[xla-alibi] holds.)
+@pytest.mark.parametrize("implementation", (pytest.param("xla", marks=pytest.mark.variants),
+                                            "triton"))
 def test_row_term_with_a_differentiated_bias(implementation):
   """ALiBi (whose row term the Triton kernels move to the LSE) beside a bias whose gradient is
   asked for: the bias gradient's kernel recomputes P from the same LSE."""
@@ -65,6 +92,10 @@ def test_row_term_with_a_differentiated_bias(implementation):
         bias=random_array(18, (1, N, T, S), "float"), is_causal=True)
 
 
+# (A variant: test_a_row_term_empties_or_poisons_its_row[xla] holds sinks beside a score_mod on
+# the XLA backend against the reference's (output, LSE and gradients), and
+# test_kernels_with_every_other_option[triton] in Triton's kernels.)
+@pytest.mark.variants
 def test_sinks_and_score_mod():
   """The sink joins after the score_mod: its logit is not modified."""
   q, kk, v, _ = random_qkv(7, B, T, S, N, K, H)
@@ -113,10 +144,13 @@ MOSAIC_RULES = {
 
 
 # (ALiBi on a CPU: test_kernels_with_every_other_option runs it with every other option; tanh
-# gating with the GPU and JAXFLASH_ALL_VARIANTS=1: t5_buckets holds a tanh on a CPU.)
+# gating with the GPU and JAXFLASH_ALL_VARIANTS=1: t5_buckets holds a tanh on a CPU; the float32
+# relative_table likewise: relative_bf16 is the same lookup of a bfloat16 table, whose band takes
+# the same way (`from_int32` of its own dtype's bits).)
 @pytest.mark.parametrize("rule", (pytest.param("alibi", marks=pytest.mark.gpu),
                                   pytest.param("tanh_gate", marks=pytest.mark.variants),
-                                  "relative_table", "t5_buckets", "relative_bf16"))
+                                  pytest.param("relative_table", marks=pytest.mark.variants),
+                                  "t5_buckets", "relative_bf16"))
 def test_mosaic_kernels(rule):
   """The Mosaic forward and backward run the tile rule (in Mosaic GPU's interpreter on a CPU),
   the backward with its derivative on its transposed dK/dV tiles and its dQ tiles; lookups
@@ -147,7 +181,12 @@ NAN_TERM = lambda score, b, h, i, j: ROW_TERMS(score, b, h, i, j) + jnp.where(  
     i == NAN_ROW, jnp.nan, 0.0)
 
 
-@pytest.mark.parametrize("implementation", ("xla", "triton", "mosaic"))
+# (Mosaic's case is a variant, 8 s of a CPU: what a -inf or NaN row term does is
+# `_core.finish_rows` and `_core.lse_without_row_term`, which Mosaic's forward and backward call as
+# Triton's do ([triton] holds them); test_kernels_with_every_other_option[mosaic] holds Mosaic's
+# row term (ALiBi's) with sinks, and rows that see nothing (past q_len), forward and backward.)
+@pytest.mark.parametrize("implementation", ("xla", "triton",
+                                            pytest.param("mosaic", marks=pytest.mark.variants)))
 def test_a_row_term_empties_or_poisons_its_row(implementation):
   """A score_mod that adds a value of the query alone (ALiBi's ``-slope[h] * q_idx``): the Mosaic
   and Triton kernels leave it out of the logits and add it to the LSE (`Split.row_term`). A row
@@ -381,9 +420,12 @@ def _learned(table, slopes, n_table, gathered=False):
   return score_mod
 
 
+# (Triton's gathered case is a variant: the gradient pass is the XLA backend's whichever backend
+# ran the call, and its per-entry way is [xla-gathered]'s; Triton gathers every lookup, diagonal
+# or not, which [triton-diagonal] holds.)
 @pytest.mark.parametrize("implementation,kind", [
     ("xla", "diagonal"), ("triton", "diagonal"), ("mosaic", "diagonal"), ("xla", "gathered"),
-    ("triton", "gathered")])
+    pytest.param("triton", "gathered", marks=pytest.mark.variants)])
 def test_gradients_of_captured_arrays(implementation, kind, monkeypatch):
   """Arrays a score_mod closes over get their gradients when they are differentiated (a learned
   relative-position table, per-head slopes), equal to the dense reference's, whichever backend
@@ -523,8 +565,12 @@ def test_triton_kernels_lower_for_cuda(rule):
     assert kernel in text
 
 
+# (ALiBi's case is a variant: test_gradients_of_captured_arrays_sharded holds per-head slopes (row
+# and column features of the head) sharded with the heads under Auto and Explicit axes, and
+# [relative_table] outputs and gradients of a sharded call with a score_mod.)
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
-@pytest.mark.parametrize("rule", ("alibi", "relative_table"))
+@pytest.mark.parametrize("rule", (pytest.param("alibi", marks=pytest.mark.variants),
+                                  "relative_table"))
 def test_batch_and_heads_sharded(rule):
   """Its per-head features shard with the heads (ALiBi's slopes); a lookup's table is whole on
   every device. Outputs and gradients equal one device's, under Auto and Explicit axes."""

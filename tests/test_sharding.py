@@ -60,8 +60,19 @@ def _put(mesh, spec, *xs):
   return tuple(jax.device_put(x, NamedSharding(mesh, spec)) for x in xs)
 
 
-@pytest.mark.parametrize("implementation", ("triton", "xla"))
-@pytest.mark.parametrize("axis_type", (AxisType.Auto, AxisType.Explicit), ids=("auto", "explicit"))
+# One backend per mesh type on a CPU: auto-triton and explicit-xla are variants. The routes
+# (`partitioning.run`: the primitive under Auto axes, a shard_map under Explicit ones) are the
+# same for both backends, so [auto-xla] holds the Auto route and [explicit-triton] the
+# Explicit one, and with Triton's kernels on each device's share (its dropout seeds carrying
+# the share's origin); test_paged_decode_sharded[auto] holds Triton's kernels under Auto axes.
+_LOCAL_CASES = [
+    pytest.param("triton", AxisType.Auto, id="auto-triton", marks=pytest.mark.variants),
+    pytest.param("xla", AxisType.Auto, id="auto-xla"),
+    pytest.param("triton", AxisType.Explicit, id="explicit-triton"),
+    pytest.param("xla", AxisType.Explicit, id="explicit-xla", marks=pytest.mark.variants)]
+
+
+@pytest.mark.parametrize("implementation,axis_type", _LOCAL_CASES)
 def test_batch_and_head_sharded_calls_run_locally(implementation, axis_type):
   """Batch over one mesh axis and heads (GQA 4/2) over the other: no collective in forward or
   backward, outputs and gradients sharded like their inputs, values equal to one device's, with
@@ -277,7 +288,12 @@ def test_paged_decode_sharded(axis_type):
   _close(got, want)
 
 
-@pytest.mark.parametrize("paged", (False, True), ids=("contiguous", "paged"))
+# (contiguous is a variant: [paged] holds absorbed MLA's decoding and gradients batch-sharded,
+# test_fp8_decode_sharded[contiguous] the split-KV kernel on a batch-sharded contiguous cache,
+# and test_batch_and_head_sharded_calls_run_locally the gradient of batch-sharded keys.)
+@pytest.mark.parametrize("paged", [pytest.param(False, id="contiguous",
+                                                marks=pytest.mark.variants),
+                                   pytest.param(True, id="paged")])
 def test_absorbed_mla_decode_batch_sharded(paged):
   """Absorbed MLA's decoding (heads wider than 256: the split-KV kernel in column pieces, the XLA
   backend's backward) on one latent cache whose first features are the values, batch-sharded

@@ -72,8 +72,14 @@ CASES = {
 }
 
 
+# ("soft_cap_bias" and "segments" are variants: test_attention.py::test_option[xla-everything]
+# and [triton-everything] hold sinks with a soft cap, a bias and segments, forward and the
+# gradients of query, key, value and bias; "causal_window_lengths" here the sinks' own gradient,
+# which `_core.sink_gradient` makes from the final LSE and delta whatever the options.)
 @pytest.mark.parametrize("implementation", BACKENDS)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [
+    case if case == "causal_window_lengths" else pytest.param(case, marks=pytest.mark.variants)
+    for case in CASES])
 def test_matches_the_reference_with_gradients(implementation, case):
   """T != S, lengths not divisible by the block, head dim 40 (80 for Mosaic's 16-bit tiles)."""
   if implementation == "mosaic" and case != "causal_window_lengths" and not ON_GPU:
@@ -188,8 +194,12 @@ needs_devices = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devic
 DEVICES = min(jax.device_count(), 4)
 
 
+# (zigzag is a variant: [contiguous] holds the sink joined once after the ring's last merge and
+# its gradient's share per device, which no layout changes; tests/test_ring.py's zigzag cases
+# hold the layout's pairs.)
 @needs_devices
-@pytest.mark.parametrize("layout", ("contiguous", "zigzag"))
+@pytest.mark.parametrize("layout", ["contiguous",
+                                    pytest.param("zigzag", marks=pytest.mark.variants)])
 def test_ring_joins_the_sink_once(layout):
   """Ring attention over the devices: each device's sinks gradient is its share, summed over
   the ring axis by the shard_map's transpose."""

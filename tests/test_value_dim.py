@@ -74,15 +74,28 @@ def _check(implementation, *, h, hv, b=2, t=77, s=130, n=4, k=2, seed=0, dtype=F
 
 # (H, Dv): MLA's, a halved power of two, and two that pad (to 64 and to 32) independently.
 DIMS = [(192, 128), (64, 32), (40, 24)]
+# Variants (the GPU, JAXFLASH_ALL_VARIANTS=1): the XLA backend's einsums take any head dim, so
+# on a CPU test_causal_gqa_odd_lengths[40-24-xla] holds its path; Triton's 64/32 (neither
+# padded, V half of Q) is test_value_dim.py::test_jit_and_vmap[triton]'s path (32/16: causal,
+# GQA, odd lengths, gradients).
+_DIM_VARIANTS = {(64, 32, "triton"), (64, 32, "xla"), (192, 128, "xla")}
 
 
-@pytest.mark.parametrize("implementation", BACKENDS)
-@pytest.mark.parametrize("h,hv", DIMS)
+@pytest.mark.parametrize("h,hv,implementation", [
+    pytest.param(h, hv, name, marks=pytest.mark.variants if (h, hv, name) in _DIM_VARIANTS
+                 else ())
+    for h, hv in DIMS for name in BACKENDS])
 def test_causal_gqa_odd_lengths(implementation, h, hv):
   _check(implementation, h=h, hv=hv, is_causal=True)
 
 
-@pytest.mark.parametrize("implementation", BACKENDS)
+# XLA's case a variant (the GPU, JAXFLASH_ALL_VARIANTS=1): on a CPU
+# test_value_dim.py::test_causal_gqa_odd_lengths[40-24-xla] holds the XLA backend at this Dv != H
+# and test_attention.py::test_option[xla-*] its options, none of which reads V's head dim.
+XLA_VARIANT = ["triton", pytest.param("xla", marks=pytest.mark.variants)]
+
+
+@pytest.mark.parametrize("implementation", XLA_VARIANT)
 def test_lengths_and_dense_mask(implementation):
   _check(implementation, h=40, hv=24, t=37, s=53, seed=1,
          mask=lambda b, t, s, n, seed: random_array(seed, (b, n, t, s), "bool"),
@@ -95,7 +108,7 @@ def test_wider_value_than_query(implementation):
   _check(implementation, h=24, hv=40, t=21, s=35, n=2, k=1, seed=3)
 
 
-@pytest.mark.parametrize("implementation", BACKENDS)
+@pytest.mark.parametrize("implementation", XLA_VARIANT)  # (XLA's case: see XLA_VARIANT)
 def test_bias_gradient_dropout_and_soft_cap(implementation):
   """The bias gradient (its own Triton kernel reads V and dO at Dv), dropout and a soft cap."""
   b, t, s, n, k, h, hv = 2, 37, 53, 4, 2, 40, 24
@@ -196,7 +209,11 @@ def _pages(cache, page_size: int, seed: int):
 
 
 @pytest.mark.parametrize("implementation", BACKENDS)
-@pytest.mark.parametrize("paged", [False, True])
+# (The contiguous cache a variant, the GPU and JAXFLASH_ALL_VARIANTS=1: test_decode[True-*]
+# holds its paths, XLA on the rows the pages make and on Triton the same one-split kernel writing
+# O at Dv (16-key pages read where they lie), gradients too; Triton's reads of a contiguous cache
+# at Dv != H: test_value_dim.py::test_decode_split_kv_merges.)
+@pytest.mark.parametrize("paged", [pytest.param(False, marks=pytest.mark.variants), True])
 def test_decode(implementation, paged):
   """T = 3 new tokens, GQA 4/2, ragged rows (one holding fewer tokens than T); gradients too
   (the training backward, through the gathered pages)."""
@@ -243,7 +260,9 @@ def test_decode_split_kv_merges(merge, monkeypatch):
 
 
 @pytest.mark.parametrize("b,t,s,n,k,h,hv,page_size", [
-    (1, 1, 40, 4, 1, 576, 512, None),  # one row block of 16 rows (4 padded)
+    pytest.param(1, 1, 40, 4, 1, 576, 512, None,  # one row block of 16 rows (4 padded)
+                 marks=pytest.mark.variants),  # (on a CPU [1-1-50-2-1-512-40-None] and
+    # [1-2-24-4-1-1024-768-None] pad one row block, [2-2-100-32-1-576-512-None] runs MLA's pieces)
     (2, 2, 100, 32, 1, 576, 512, None),  # 64 rows: 4 blocks of 16, T = 2 across them
     pytest.param(2, 1, 128, 16, 1, 576, 512, 32,  # paged, blocks of one 32-key page (the
                  marks=pytest.mark.variants),  # latent cache's paged case holds it)
@@ -281,7 +300,9 @@ def test_decode_absorbed_mla(b, t, s, n, k, h, hv, page_size, monkeypatch):
 
 @pytest.mark.parametrize("b,s,t,n,latent,want", [
     (32, 8192, 1, 16, False, (8, 32, 16)), (8, 32768, 1, 16, False, (32, 32, 16)),
-    (64, 8192, 1, 16, False, (4, 32, 16)), (32, 8192, 1, 128, False, (1, 32, 16)),
+    pytest.param(64, 8192, 1, 16, False, (4, 32, 16),  # (another B: on a CPU
+                 marks=pytest.mark.variants),  # [32-8192-1-16-False-want0] holds the rule)
+    (32, 8192, 1, 128, False, (1, 32, 16)),
     (32, 8192, 1, 16, True, (8, 64, 16)), (32, 8192, 2, 16, True, (8, 64, 32)),
     (32, 8192, 1, 128, True, (2, 64, 32)), (32, 8192, 3, 16, True, (3, 64, 16)),
 ])
@@ -330,13 +351,18 @@ def test_decode_absorbed_mla_on_gpu(t, n, page_size, latent, monkeypatch):
   assert rel_err(out.astype(F32), want) <= 1e-2
 
 
-@pytest.mark.parametrize("implementation", [None, "xla"])
-@pytest.mark.parametrize("b,t,s,n,h,hv,page_size", [
-    pytest.param(2, 1, 100, 16, 576, 512, None,  # MLA: V is K's first piece, loaded once for
-                 marks=pytest.mark.variants),  # both (held by the paged case below)
-    (2, 2, 128, 32, 576, 512, 32),  # paged, two row blocks
-    (1, 3, 70, 4, 64, 32, None),  # narrow: V a masked range of the key tile
-    (2, 1, 50, 2, 40, 40, None),  # values are the whole keys
+# (XLA's contiguous cases variants too: its einsums take any head dim, and its paged case holds
+# the latent cache's slice and gradient, on the rows the pages make.)
+@pytest.mark.parametrize("b,t,s,n,h,hv,page_size,implementation", [
+    pytest.param(2, 1, 100, 16, 576, 512, None, None,  # MLA: V is K's first piece, loaded once
+                 marks=pytest.mark.variants),  # for both (held by the paged case below)
+    pytest.param(2, 1, 100, 16, 576, 512, None, "xla", marks=pytest.mark.variants),
+    (2, 2, 128, 32, 576, 512, 32, None),  # paged, two row blocks
+    (2, 2, 128, 32, 576, 512, 32, "xla"),
+    (1, 3, 70, 4, 64, 32, None, None),  # narrow: V a masked range of the key tile
+    pytest.param(1, 3, 70, 4, 64, 32, None, "xla", marks=pytest.mark.variants),
+    (2, 1, 50, 2, 40, 40, None, None),  # values are the whole keys
+    pytest.param(2, 1, 50, 2, 40, 40, None, "xla", marks=pytest.mark.variants),
 ])
 def test_decode_values_in_the_keys(implementation, b, t, s, n, h, hv, page_size, monkeypatch):
   """``value_cache=None, value_head_dim=Dv``: one latent cache whose first Dv features are the
@@ -643,7 +669,10 @@ _DENSE_MASK = dict(mask=lambda b, t, s, n, seed: random_array(seed, (b, n, t, s)
 
 @pytest.mark.parametrize("h,hv,tiles,overlap,options", [
     pytest.param(192, 128, "shipped", False, dict(is_causal=True), marks=pytest.mark.variants),
-    (192, 128, "shipped", True, dict(is_causal=True)),
+    # (A variant: test_value_dim.py::test_mosaic_serves_it[192-128-shipped] runs the same shipped
+    # config, the roles with the overlap on 128-row query tiles, with a causal band, GQA and a
+    # short last key tile; [64-32-q64-True-options2] checks that the roles run.)
+    pytest.param(192, 128, "shipped", True, dict(is_causal=True), marks=pytest.mark.variants),
     (64, 32, "q64", True, _DENSE_MASK),
     (192, 128, "shipped", False, dict(logits_soft_cap=2.0, is_causal=True))])
 def test_shared_key_roles(h, hv, tiles, overlap, options, monkeypatch):
@@ -857,7 +886,11 @@ def _transposed(monkeypatch, on: bool, **fields) -> list:
 
 
 @pytest.mark.parametrize("b,t,s,n,h,hv,page_size,options", [
-    (2, 1, 200, 16, 576, 512, None, {}),  # 16 of 64 rows, 4 splits, a partial last block
+    pytest.param(2, 1, 200, 16, 576, 512, None, {},  # 16 of 64 rows, 4 splits, a partial last
+                 marks=pytest.mark.variants),  # block (a variant: 16 heads run transposed as
+    # shipped; on a CPU [2-2-128-128-576-512-64-options5] and [3-3-512-16-320-256-128-options6]
+    # hold the rows as M, padded rows and splits, test_mosaic_decode_mla_nan_and_empty_rows a
+    # partial last block through both kernels' `load_key_blocks`)
     # The keys as the wgmma's M (`decode_transposed`): 16 and 32 columns, pages, a soft cap,
     # sinks, lengths past the cache and below 0
     (2, 1, 200, 16, 576, 512, None, dict(transposed=True)),
@@ -1005,8 +1038,11 @@ def test_mosaic_decode_mla_declines(n, t, latent, dtype, want):
   assert decode.paged_block(64) and decode.paged_block(128) and not decode.paged_block(32)
 
 
-@pytest.mark.parametrize("b,s,n,want", [(32, 8192, 16, 4), (8, 32768, 16, 16),
-                                        (64, 8192, 16, 2), (32, 8192, 128, 2), (1, 256, 16, 4)])
+@pytest.mark.parametrize("b,s,n,want", [
+    (32, 8192, 16, 4), (8, 32768, 16, 16),
+    pytest.param(64, 8192, 16, 2,  # (64 groups: on a CPU [32-8192-128-2]'s 64 groups hold the
+                 marks=pytest.mark.variants),  # rule, and [32-8192-16-4] 16 heads transposed)
+    (32, 8192, 128, 2), (1, 256, 16, 4)])
 def test_mosaic_decode_mla_launch(b, s, n, want):
   """One wave: splits that bring (batch row, K/V head, row block) CTAs closest to an H200's
   132 SMs, none without a key block; groups of up to 32 query rows with the keys as M."""
