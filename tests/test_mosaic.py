@@ -272,9 +272,16 @@ def _forward(config=None, **options):
   return fn
 
 
+# (80, 96 and float16 at 40 in the variants: 80 and 96 pad to 128 outside the kernel (`_pad`),
+# so their kernel and shipped tiles (`TUNED`) are test_mosaic.py::
+# test_head_dims_and_dtypes_lower[128-bfloat16]'s, and [40-bfloat16] holds a padded head dim;
+# float16 at 40 is [40-bfloat16]'s padded D = 64 path in the other 16-bit type, whose wgmma
+# [256-float16] lowers.)
 @needs_cuda_plugin
-@pytest.mark.parametrize("h,dtype", [(h, BF16) for h in (40, 64, 80, 96, 128, 192, 256)]
-                         + [(40, jnp.float16), (256, jnp.float16)])
+@pytest.mark.parametrize("h,dtype", [
+    (40, BF16), (64, BF16), pytest.param(80, BF16, marks=pytest.mark.variants),
+    pytest.param(96, BF16, marks=pytest.mark.variants), (128, BF16), (192, BF16), (256, BF16),
+    pytest.param(40, jnp.float16, marks=pytest.mark.variants), (256, jnp.float16)])
 def test_head_dims_and_dtypes_lower(h, dtype):
   q = jax.ShapeDtypeStruct((2, 300, 8, h), dtype)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, h), dtype)
@@ -286,10 +293,30 @@ def test_head_dims_and_dtypes_lower(h, dtype):
 _OPTION_LENGTHS = [(option, (5, 77) if i % 2 else (4096, 4096)) for i, option in
                    enumerate(SUPPORTED)] + [(option, (5, 77) if i % 2 == 0 else (4096, 4096))
                                             for i, option in enumerate(SUPPORTED[:2])]
+# In the variants, each with a case that CI lowers on its path (the README part lowers none of
+# them; "here": test_mosaic.py::test_every_supported_option_lowers):
+# - lengths, dropout, soft_cap: test_mosaic.py::
+#   test_lowers_with_x64_and_strict_rank_promotion[None-False] lowers each (OPTIONS
+#   ["everything"] less the mask and bias) through the same Mosaic forward and backward;
+# - mask_keys: [None-True] there lowers the same [B, 1, T, S] mask (`_checks` broadcasts a key
+#   mask to it) with every other option, gradients by Triton's backward as here;
+# - window_pair: [causal_window-lengths3] here holds the band's two bounds (one `masking.Window`
+#   code, its right bound 0 there), and [None-False] above a window with every option;
+# - scale: [none-lengths0] and [none-lengths16] hold its path, the folded scale of a positive
+#   one (`params.scale > 0` in the forward's softmax, the only test of its value);
+# - scale_zero: [scale_negative-lengths13] holds the unfolded path of a non-positive scale;
+# - causal at 4096: [causal-lengths1] holds its code (the length changes grids and padding) and
+#   [causal_window-lengths3] the shipped causal tiles at 4096 rows, heaviest tiles first.
+_OPTION_VARIANTS = {("window_pair", (4096, 4096)), ("lengths", (4096, 4096)),
+                    ("mask_keys", (5, 77)), ("dropout", (5, 77)), ("soft_cap", (5, 77)),
+                    ("scale", (4096, 4096)), ("scale_zero", (4096, 4096)),
+                    ("causal", (4096, 4096))}
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("option,lengths", _OPTION_LENGTHS)
+@pytest.mark.parametrize("option,lengths", [
+    pytest.param(*case, marks=pytest.mark.variants) if case in _OPTION_VARIANTS else case
+    for case in _OPTION_LENGTHS])
 def test_every_supported_option_lowers(option, lengths):
   t, s = lengths
   b, n, k, h = 2, 6, 3, 128
@@ -313,11 +340,30 @@ def test_every_supported_option_lowers(option, lengths):
   assert "mosaic_gpu" in _lower(fn, q, kv, kv, *abstract)
 
 
+# In the variants, with and without a band: the same forward kernel on other tiles than cases
+# that CI lowers (the README part lowers none of these):
+# - 64-key tiles, one CTA a tile: test_mosaic.py::test_two_q_buffers_lower[64-True-64] (64-key
+#   tiles at D = 64) and test_mosaic.py::test_tile_variants_lower[False-64-3-True-132-True] and
+#   [True-64-3-True-132-True];
+# - 128-key tiles on three stages: those two here (a ring of three) and
+#   test_mosaic.py::test_head_dims_and_dtypes_lower[64-bfloat16] (128-key tiles, one CTA a tile);
+# - 256-key tiles: test_mosaic.py::test_two_q_buffers_lower[64-False-256] (the shipped D = 64
+#   tiles) and test_mosaic.py::test_fp8_forward_lowers[128-True-True-None-None] (a causal band
+#   on [64, 256] tiles: FP8's shipped ones, the same float32 S);
+# - persistent grids without the overlap, heaviest first or in order: those two here (a
+#   persistent grid with one Q buffer; without a band `_items` takes the natural order) and
+#   test_mosaic.py::test_persistent_partial_results_lower (one Q buffer, no overlap);
+# - the overlap at D = 64 one CTA a tile: those two here and
+#   test_mosaic.py::test_head_dims_and_dtypes_lower[128-bfloat16] (the shipped overlap).
 @needs_cuda_plugin
 @pytest.mark.parametrize("block_kv,stages,heavy_first,ctas,overlap", [
-    (64, 2, True, None, False), (128, 3, True, None, False), (256, 2, True, None, False),
-    (128, 2, False, None, False), (128, 2, True, 132, False), (64, 2, False, 132, False),
-    (128, 2, True, None, True), (64, 3, True, 132, True)])
+    pytest.param(64, 2, True, None, False, marks=pytest.mark.variants),
+    pytest.param(128, 3, True, None, False, marks=pytest.mark.variants),
+    pytest.param(256, 2, True, None, False, marks=pytest.mark.variants),
+    (128, 2, False, None, False),
+    pytest.param(128, 2, True, 132, False, marks=pytest.mark.variants),
+    pytest.param(64, 2, False, 132, False, marks=pytest.mark.variants),
+    pytest.param(128, 2, True, None, True, marks=pytest.mark.variants), (64, 3, True, 132, True)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tile_variants_lower(block_kv, stages, heavy_first, ctas, overlap, causal):
   q = jax.ShapeDtypeStruct((2, 1000, 4, 64), BF16)
@@ -340,9 +386,17 @@ def test_exp2_polynomial_lowers(h, dtype, fields):
   assert text.count("custom_call @mosaic_gpu") == 1
 
 
+# (The persistent bf16 case in the variants: its clusters on the persistent grid with the
+# overlap are the shipped D = 128 forward without a band, which
+# test_mosaic.py::test_configs_within_the_forward_budget_lower[128-128-False-False] (with two Q
+# buffers) and test_mosaic.py::test_every_supported_option_lowers[none-lengths0] lower; its
+# unpaired causal call is [bfloat16-fields1]'s here on a persistent grid, which
+# test_mosaic.py::test_tile_variants_lower[True-64-3-True-132-True] holds with the overlap.)
 @needs_cuda_plugin
 @pytest.mark.parametrize("dtype,fields", [
-    (BF16, dict(intra_wg_overlap=True, persistent_ctas=132)), (BF16, dict(intra_wg_overlap=True)),
+    pytest.param(BF16, dict(intra_wg_overlap=True, persistent_ctas=132),
+                 marks=pytest.mark.variants),
+    (BF16, dict(intra_wg_overlap=True)),
     (jnp.float8_e4m3fn, dict(block_kv=256, mma_row_sums=True, persistent_ctas=132))])
 def test_kv_multicast_lowers(dtype, fields):
   """`Config.kv_multicast` lowers for CUDA in clusters of two CTAs (the kernel reads its place
@@ -353,9 +407,16 @@ def test_kv_multicast_lowers(dtype, fields):
   assert "cluster_block_id" not in _lower(_forward(config, is_causal=True), q, q, q)
 
 
+# (Three in the variants, the same kernel on other tiles: [64-False-64] is test_mosaic.py::
+# test_two_q_buffers_lower[64-False-256]'s (the shipped D = 64 tiles without a band) on 64-key
+# tiles; [128-False-64] is D = 128's second Q buffer without a band, which test_mosaic.py::
+# test_configs_within_the_forward_budget_lower[128-128-False-False] lowers on the shipped
+# tiles; [128-True-64] is [64-True-64]'s second Q buffer with a band, at D = 128.)
 @needs_cuda_plugin
 @pytest.mark.parametrize("h,causal,block_kv", [
-    (64, False, 64), (64, True, 64), (128, False, 64), (128, True, 64),
+    pytest.param(64, False, 64, marks=pytest.mark.variants), (64, True, 64),
+    pytest.param(128, False, 64, marks=pytest.mark.variants),
+    pytest.param(128, True, 64, marks=pytest.mark.variants),
     (64, False, 256)])  # (`TUNED`'s D = 64 tiles without a band)
 def test_two_q_buffers_lower(h, causal, block_kv):
   """A persistent grid whose next item's Q loads into a second buffer during this item."""
@@ -392,9 +453,24 @@ def test_lowers_with_x64_and_strict_rank_promotion(ctas, with_dense):
     assert "mosaic_gpu" in text and ("jaxflash_backward_dq" in text) == with_dense
 
 
+# (Four in the variants. Each masking lowers in CI at D = 64 (test_mosaic.py::
+# test_block_masks_lower[dense-64] and the like; the README part lowers [mask_mod-64] and
+# [segments-64] with the newest jax too) and at D = 256 (its
+# narrowest tiles: 32-row dK and 32-key dQ tiles, 64-row ones in its dV pass, e.g. [dense-256]),
+# and [mask_mod-128] holds D = 128's shipped tiles with a block table (`LOADS_BACKWARD`'s
+# 128-key dQ tiles; the forward's persistent grid with the overlap, no clusters). [dense-128],
+# [segments-128] and [blocks-128] are each masking's [*-64] and [*-256] cases on tiles that
+# those lower (128-key forward and dQ tiles at D = 64, 64-row dK/dV tiles in D = 256's dV
+# pass); [blocks-256] is [blocks-64]'s rule, which reads features only, on D = 256's tiles,
+# where [mask_mod-256] lowers a rule's features (`rule_mask`).)
+_BLOCK_MASK_VARIANTS = {("dense", 128), ("segments", 128), ("blocks", 128), ("blocks", 256)}
+
+
 @needs_cuda_plugin
-@pytest.mark.parametrize("h", [64, 128, 256])
-@pytest.mark.parametrize("masking", ["dense", "mask_mod", "segments", "blocks"])
+@pytest.mark.parametrize("masking,h", [
+    pytest.param(masking, h, marks=pytest.mark.variants) if (masking, h) in _BLOCK_MASK_VARIANTS
+    else (masking, h) for h in (64, 128, 256)
+    for masking in ("dense", "mask_mod", "segments", "blocks")])
 def test_block_masks_lower(h, masking):
   """A dense mask, a mask_mod (with features and an elementwise rule), segment ids and a block
   pattern (whose rule reads features only): the forward and the Mosaic backward walk block
@@ -605,11 +681,28 @@ def test_one_pass_semaphores_are_shared():
   assert f"tensor<{shared}xi32>" in text and f"tensor<{per_cta}xi32>" not in text
 
 
+# (Five in the variants, each the same kernels on other tiles than a case that CI lowers, e.g.
+# test_mosaic.py::test_backward_tiles_lower[64-64-1-40-True-True]:
+# - [64-128-2-128-True-False]: `LOADS_BACKWARD`'s D = 128 tiles (128-key dQ tiles), which
+#   test_score_mod.py::test_mosaic_kernels_lower_for_cuda[relative_table] lowers with a causal
+#   band (its lookups take them) and test_mosaic.py::test_block_masks_lower[mask_mod-128];
+# - [64-64-3-64-False-True]: [64-64-1-40-True-True]'s dK/dV and dQ kernels at D = 64 on a ring
+#   of three, without a band (test_mosaic.py::test_block_masks_lower[dense-64] lowers D = 64's
+#   without one);
+# - [128-128-2-40-False-True]: [128-64-2-64-False-True]'s one pass (40 pads to 64 outside the
+#   kernels, and the one pass runs no dQ kernel to take dq_block_kv);
+# - [64-64-2-128-False-True] and [64-64-1-128-True-True]: the one pass at D = 128
+#   (test_mosaic.py::test_gradients_lower_with_either_backward[backward1-2], 64-row tiles on a
+#   ring of two, with a band), without a band ([128-64-2-64-False-True]) and on a ring of one
+#   ([64-64-1-40-True-True]).)
 @needs_cuda_plugin
 @pytest.mark.parametrize("dkv_block_q,dq_block_kv,stages,h,causal,one_pass", [
-    (64, 64, 1, 40, True, True), (128, 64, 2, 64, False, True), (64, 128, 2, 128, True, False),
-    (64, 64, 3, 64, False, True), (128, 128, 2, 40, False, True), (64, 64, 2, 128, False, True),
-    (64, 64, 1, 128, True, True)])
+    (64, 64, 1, 40, True, True), (128, 64, 2, 64, False, True),
+    pytest.param(64, 128, 2, 128, True, False, marks=pytest.mark.variants),
+    pytest.param(64, 64, 3, 64, False, True, marks=pytest.mark.variants),
+    pytest.param(128, 128, 2, 40, False, True, marks=pytest.mark.variants),
+    pytest.param(64, 64, 2, 128, False, True, marks=pytest.mark.variants),
+    pytest.param(64, 64, 1, 128, True, True, marks=pytest.mark.variants)])
 def test_backward_tiles_lower(dkv_block_q, dq_block_kv, stages, h, causal, one_pass):
   """Backward tiles that fit, each lowered as the Mosaic backward (two kernels where dQ comes
   from the dK/dV kernel, three where it cannot or ``one_pass`` is off)."""
@@ -624,8 +717,13 @@ def test_backward_tiles_lower(dkv_block_q, dq_block_kv, stages, h, causal, one_p
   assert _mosaic_kernels(text) == kernels
 
 
+# (128 in the variants: its backward, D = 128's shipped partial tiles (64-row and 64-key tiles
+# with float32 ones out) per key range, lowers in
+# test_mosaic.py::test_partial_calls_with_a_mask_mod_lower, its causal forward's partial tiles
+# in test_mosaic.py::test_configs_within_the_forward_budget_lower[128-128-True-True], and [64]
+# holds a causal band across the key ranges, forward and backward.)
 @needs_cuda_plugin
-@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("h", [64, pytest.param(128, marks=pytest.mark.variants)])
 def test_partial_backward_lowers(h):
   """Partial calls' gradients (keys split in two ranges) on the Mosaic backward with its float32
   tiles: a forward, dQ and dK/dV per range, all Mosaic, no Triton."""
@@ -656,8 +754,11 @@ def test_wide_head_backward_lowers(h, causal):
   assert "mosaic_gpu" in text and "jaxflash_backward_dq" not in text
 
 
+# (16 tokens in the variants: test_mosaic.py::test_decode_lowers[1] lowers the same kernels on
+# the same tiles (the shipped causal D = 128 ones for a few rows, padded to one query tile); the
+# token count changes only the shifted band's diagonal and the grids.)
 @needs_cuda_plugin
-@pytest.mark.parametrize("t", [1, 16])
+@pytest.mark.parametrize("t", [1, pytest.param(16, marks=pytest.mark.variants)])
 def test_decode_lowers(t):
   """`jaxflash.decode_attention` on the Mosaic backend (its forward with a shifted band, its
   backward under jax.grad), GQA 32/8, a paged cache."""
@@ -1330,8 +1431,12 @@ def test_gqa_backward_lowers(causal):
   assert _mosaic_kernels(text) == 3
 
 
+# (The deterministic kernels in the variants: `_dkv` and `_dkv_kernel` split a group into parts
+# alike with or without dQ, which test_mosaic.py::test_group_parts_lower[False] lowers (the
+# shipped atomic one pass, four parts), and test_mosaic.py::test_gqa_backward_lowers[True]
+# these kernels' tile-major launch on the same shipped tiles, with one part.)
 @needs_cuda_plugin
-@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("deterministic", [pytest.param(True, marks=variant), False])
 def test_group_parts_lower(deterministic):
   """GQA's dK/dV split over several CTAs per key tile (`Backward.group_parts`) lowers for CUDA
   on the shipped D = 128 causal tiles: two parts in the two kernels, and the shipped atomic
@@ -1833,9 +1938,16 @@ def test_three_consumers_lower(dtype, h, fields):
   assert "mosaic_gpu" in _lower(_forward(config, is_causal=True), q, kv, kv)
 
 
+# (Two in the variants: [fields0] is FP8_TUNED's causal D = 128 tiles, which
+# test_mosaic.py::test_fp8_forward_lowers[128-True-True-None-None] lowers (the README part
+# too); [fields1] is test_mosaic.py::test_fp8_row_sums_on_the_tensor_cores_lower[fields2]'s
+# kernel at 232 registers a consumer instead of 240 (a count `plgpu.set_max_registers` takes),
+# on the same tiles at D = 128 and 256.)
 @needs_cuda_plugin
-@pytest.mark.parametrize("fields", [dict(block_kv=256), dict(block_kv=128, intra_wg_overlap=True),
-                                    dict(block_kv=128, intra_wg_overlap=True, registers=240)])
+@pytest.mark.parametrize("fields", [
+    pytest.param(dict(block_kv=256), marks=variant),
+    pytest.param(dict(block_kv=128, intra_wg_overlap=True), marks=variant),
+    dict(block_kv=128, intra_wg_overlap=True, registers=240)])
 def test_fp8_row_sums_on_the_tensor_cores_lower(fields):
   """`Config.mma_row_sums` lowers for CUDA: the ones tile loaded once and the N = 8 wgmma
   beside P V, at D = 128 and 256 (the shipped FP8 tiles' shapes)."""

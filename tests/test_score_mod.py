@@ -258,8 +258,14 @@ def test_mosaic_kernels_under_x64():
           score_mod=lambda *_: _x64_alibi(), is_causal=True)
 
 
-@pytest.mark.parametrize("rule", ("alibi", "tanh_gate", "relative_table", "t5_buckets",
-                                  "relative_bf16"))
+# (tanh_gate and relative_bf16 in the variants: test_score_mod.py::
+# test_mosaic_kernels_lower_for_cuda[t5_buckets] lowers the same tanh of the score (and its
+# derivative in the backward) beside a lookup, and [relative_table] (the README part's too) the
+# same lookup through its band: a bfloat16 table's band holds its values as float32 bits as a
+# float32 table's does, and `mask_mod.from_int32` casts them back.)
+@pytest.mark.parametrize("rule", ("alibi", pytest.param("tanh_gate", marks=pytest.mark.variants),
+                                  "relative_table", "t5_buckets",
+                                  pytest.param("relative_bf16", marks=pytest.mark.variants)))
 def test_mosaic_kernels_lower_for_cuda(rule, cuda_plugin):
   q = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
