@@ -39,6 +39,12 @@ assert set(BACKENDS) <= set(backends.names())
 # GPU runs it, and a CPU with JAXFLASH_ALL_VARIANTS=1), for tests whose Triton paths another
 # CPU test holds.
 BACKENDS_TRITON_VARIANT = [pytest.param("triton", marks=pytest.mark.variants), "xla"]
+
+
+def variant_if(held: bool, *values, **param_options):
+  """One parametrized case of ``values``, marked `variants` where ``held`` (another CPU case
+  holds its path: the GPU runs it, and a CPU with JAXFLASH_ALL_VARIANTS=1)."""
+  return pytest.param(*values, marks=pytest.mark.variants if held else (), **param_options)
 ON_GPU = devices.has_nvidia_gpu()
 
 # Tiles of 16 so that test sequences of ~50 cover several (and partial) blocks.

@@ -9,7 +9,7 @@ import pytest
 import jaxflash
 from jaxflash.reference import reference_attention
 from checks import (BACKENDS, BACKENDS_TRITON_VARIANT, F32_TOLERANCE, ON_GPU, OPTIONS, attention,
-                    check, random_array, random_qkv, rel_err)
+                    check, random_array, random_qkv, rel_err, variant_if)
 
 # The options that "everything" holds, on both backends (each alone runs on the GPU and with
 # JAXFLASH_ALL_VARIANTS=1): Triton's interpreter costs CI 2-4 s a case, the XLA backend 1.6-3.5
@@ -40,9 +40,8 @@ HELD_ELSEWHERE = (
 
 
 @pytest.mark.parametrize("implementation,option", [
-    pytest.param(name, option, id=f"{name}-{option}",
-                 marks=pytest.mark.variants if option in HELD_BY_EVERYTHING
-                 or (name, option) in HELD_ELSEWHERE else ())
+    variant_if(option in HELD_BY_EVERYTHING or (name, option) in HELD_ELSEWHERE, name, option,
+               id=f"{name}-{option}")
     for name in BACKENDS for option in OPTIONS])
 def test_option(implementation, option):
   made = OPTIONS[option](2, 37, 53, 4, 0)
@@ -88,8 +87,7 @@ ODD_SHAPES = [(1, 1, 1, 1), (1, 70, 4, 1), (70, 1, 3, 3), (16, 16, 8, 2), (31, 6
 # test_head_dims[triton-40] (T = 33, S = 18, GQA 2:1, no option) and test_option[triton-mask_full]
 # (T = 37, S = 53, GQA 2:1).)
 @pytest.mark.parametrize("t,s,n,k,implementation", [
-    pytest.param(*shape, name, marks=pytest.mark.variants)
-    if (shape, name) == ((31, 65, 6, 3), "triton") else (*shape, name)
+    variant_if((shape, name) == ((31, 65, 6, 3), "triton"), *shape, name)
     for name in BACKENDS for shape in ODD_SHAPES])
 def test_odd_shapes(implementation, t, s, n, k):
   """Lengths below, at and past block multiples; T != S; MHA, GQA and MQA."""

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxflash
-from checks import BACKENDS, attention, check, lower_for_cuda, random_qkv
+from checks import BACKENDS, attention, check, lower_for_cuda, random_qkv, variant_if
 
 
 # Lower-rank biases ("NTS", "S") reach the backends as "1NTS" and "11TS" (normalised in the
@@ -34,8 +34,7 @@ BIAS_VARIANTS = {("triton", "BNTS"), ("xla", "BNTS"), ("triton", "1N1S"), ("xla"
 
 
 @pytest.mark.parametrize("implementation,bias_shape", [
-    pytest.param(*case, marks=pytest.mark.variants) if case in BIAS_VARIANTS else case
-    for case in BIAS_CASES])
+    variant_if(case in BIAS_VARIANTS, *case) for case in BIAS_CASES])
 def test_bias_gradient_is_summed_over_broadcast_axes(implementation, bias_shape):
   """Any shape broadcastable to [B, N, T, S], with causal GQA, soft cap, lengths and dropout."""
   b, t, s, n, k = 2, 37, 53, 4, 2

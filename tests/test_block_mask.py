@@ -21,7 +21,7 @@ from jaxflash.backends import UnsupportedCallError
 from jaxflash.masking import make_window
 from jaxflash.schedule import block_lists
 from checks import (F32_TOLERANCE, ON_GPU, TOLERANCE, attention, check, dense_mask_of,
-                    random_qkv, rel_err)
+                    random_qkv, rel_err, variant_if)
 from jaxflash.reference import reference_attention
 
 B, N = 2, 4
@@ -289,8 +289,7 @@ MASK_MOD_VARIANTS = {("documents", "xla"), ("documents", "triton"), ("prefix_lm"
 
 
 @pytest.mark.parametrize("name,implementation", [
-    pytest.param(name, implementation,
-                 marks=pytest.mark.variants if (name, implementation) in MASK_MOD_VARIANTS else ())
+    variant_if((name, implementation) in MASK_MOD_VARIANTS, name, implementation)
     for implementation in ["xla", "triton"]
     for name in ["documents", "prefix_lm", "dilated", "per_head"]])
 def test_mask_mod_matches_the_dense_reference(implementation, name):

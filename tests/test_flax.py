@@ -16,7 +16,7 @@ from flax import nnx
 
 import jaxflash.linen
 import jaxflash.nnx
-from checks import F32_TOLERANCE, ON_GPU, rel_err
+from checks import F32_TOLERANCE, ON_GPU, rel_err, variant_if
 
 B, T, D, HEADS = 2, 24, 32, 4
 TOL = F32_TOLERANCE  # (TF32 dots on a GPU: both jaxflash and Flax run float32 matmuls in TF32)
@@ -200,8 +200,7 @@ _NNX_VARIANTS = {("none", 2), ("combined", HEADS), ("is_causal", HEADS), ("is_ca
 
 
 @pytest.mark.parametrize("mask_kind,kv_heads", [
-    pytest.param(kind, heads, id=f"{kind}-{heads}",
-                 marks=pytest.mark.variants if (kind, heads) in _NNX_VARIANTS else ())
+    variant_if((kind, heads) in _NNX_VARIANTS, kind, heads, id=f"{kind}-{heads}")
     for heads in (HEADS, 2) for kind in ("none", "combined", "is_causal", "is_causal_and_padding")])
 def test_nnx_module_matches_flax(mask_kind, kv_heads):
   x, padding = _inputs()

@@ -20,7 +20,7 @@ import pytest
 import jaxflash
 from jaxflash import fp8
 from jaxflash.reference import reference_attention
-from checks import F32_TOLERANCE, ON_GPU, attention, random_qkv, rel_err
+from checks import F32_TOLERANCE, ON_GPU, attention, random_qkv, rel_err, variant_if
 
 E4M3 = jnp.float8_e4m3fn
 
@@ -151,8 +151,7 @@ def _descale_form(descales, form, k_heads):
 # (The per-token case is a variant: 16-token blocks give the same [B, L, heads] factors, so on a
 # CPU [50-50-2-1-96-options3-block] holds its path, with a causal band.)
 @pytest.mark.parametrize("t,s,n,k,h,options,form", [
-    pytest.param(*case, marks=pytest.mark.variants) if case[-1] == "token" else case
-    for case in CASES])
+    variant_if(case[-1] == "token", *case) for case in CASES])
 def test_xla_fp8_equals_reference_on_dequantized_inputs(t, s, n, k, h, options, form):
   q, kk, v, _ = random_qkv(0, 2, t, s, n, k, h, scale=2.0)
   block = {"token": 1, "block": 16}.get(form)

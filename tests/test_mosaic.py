@@ -26,7 +26,7 @@ from jaxflash.attention import attention_with_config
 from jaxflash.backends import mosaic
 from jaxflash.reference import reference_attention
 from checks import (H100, ON_GPU, OPTIONS, SMALL_CONFIGS, check, dense_mask_of, random_lengths,
-                    random_qkv, rel_err)
+                    random_qkv, rel_err, variant_if)
 
 BF16 = jnp.bfloat16
 Q = jax.ShapeDtypeStruct((2, 300, 8, 128), BF16)
@@ -315,8 +315,7 @@ _OPTION_VARIANTS = {("window_pair", (4096, 4096)), ("lengths", (4096, 4096)),
 
 @needs_cuda_plugin
 @pytest.mark.parametrize("option,lengths", [
-    pytest.param(*case, marks=pytest.mark.variants) if case in _OPTION_VARIANTS else case
-    for case in _OPTION_LENGTHS])
+    variant_if(case in _OPTION_VARIANTS, *case) for case in _OPTION_LENGTHS])
 def test_every_supported_option_lowers(option, lengths):
   t, s = lengths
   b, n, k, h = 2, 6, 3, 128
@@ -468,8 +467,7 @@ _BLOCK_MASK_VARIANTS = {("dense", 128), ("segments", 128), ("blocks", 128), ("bl
 
 @needs_cuda_plugin
 @pytest.mark.parametrize("masking,h", [
-    pytest.param(masking, h, marks=pytest.mark.variants) if (masking, h) in _BLOCK_MASK_VARIANTS
-    else (masking, h) for h in (64, 128, 256)
+    variant_if((masking, h) in _BLOCK_MASK_VARIANTS, masking, h) for h in (64, 128, 256)
     for masking in ("dense", "mask_mod", "segments", "blocks")])
 def test_block_masks_lower(h, masking):
   """A dense mask, a mask_mod (with features and an elementwise rule), segment ids and a block

@@ -19,7 +19,7 @@ import pytest
 import jaxflash
 from jaxflash import mask_mod as mask_mod_lib
 from checks import (F32_TOLERANCE, attention, check, interpret_for, lower_for_cuda, random_array,
-                    random_qkv, rel_err)
+                    random_qkv, rel_err, variant_if)
 
 B, T, S, N, K, H = 2, 37, 53, 4, 2, 40
 SLOPES = 2.0 ** -jnp.arange(1, N + 1, dtype=jnp.float32)
@@ -42,8 +42,8 @@ RULES = {
 # test_combines_with_everything[xla-*] and [triton-mask_mod_window] (forward and gradients).
 MATCH_VARIANTS = {("triton", "alibi"), ("triton", "key_only"), ("triton", "tanh_gate"),
                   ("xla", "tanh_gate")}
-CASES = [pytest.param(impl, rule, marks=pytest.mark.variants) if (impl, rule) in MATCH_VARIANTS
-         else (impl, rule) for impl in ("xla", "triton") for rule in RULES]
+CASES = [variant_if((impl, rule) in MATCH_VARIANTS, impl, rule)
+         for impl in ("xla", "triton") for rule in RULES]
 
 
 @pytest.mark.parametrize("implementation,rule", CASES)
@@ -72,8 +72,7 @@ COMBINED_VARIANTS = {("triton", "cap_bias"), ("triton", "segments"), ("triton", 
 
 
 @pytest.mark.parametrize("implementation,options", [
-    pytest.param(impl, options, id=f"{impl}-{name}",
-                 marks=pytest.mark.variants if (impl, name) in COMBINED_VARIANTS else ())
+    variant_if((impl, name) in COMBINED_VARIANTS, impl, options, id=f"{impl}-{name}")
     for name, options in COMBINED.items() for impl in ("xla", "triton")])
 def test_combines_with_everything(implementation, options):
   check(implementation, b=B, t=T, s=S, n=N, k=K, h=H, score_mod=lambda *_: RULES["tanh_gate"],

@@ -26,7 +26,8 @@ from jaxflash.attention import attention_with_config
 from jaxflash.backends import mosaic
 from jaxflash.reference import reference_attention
 from checks import (BACKENDS, H100, TOLERANCE, attention, config_for, interpret_for,
-                    lower_for_cuda, random_array, random_lengths, reference_options, rel_err)
+                    lower_for_cuda, random_array, random_lengths, reference_options, rel_err,
+                    variant_if)
 
 F32 = jnp.float32
 
@@ -82,8 +83,7 @@ _DIM_VARIANTS = {(64, 32, "triton"), (64, 32, "xla"), (192, 128, "xla")}
 
 
 @pytest.mark.parametrize("h,hv,implementation", [
-    pytest.param(h, hv, name, marks=pytest.mark.variants if (h, hv, name) in _DIM_VARIANTS
-                 else ())
+    variant_if((h, hv, name) in _DIM_VARIANTS, h, hv, name)
     for h, hv in DIMS for name in BACKENDS])
 def test_causal_gqa_odd_lengths(implementation, h, hv):
   _check(implementation, h=h, hv=hv, is_causal=True)
