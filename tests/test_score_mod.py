@@ -66,8 +66,8 @@ COMBINED = {
 # ids, lengths both ways, dropout and a soft cap; test_row_term_with_a_differentiated_bias[triton]
 # one beside a differentiated bias (Triton's dbias kernel); and [xla-cap_bias] the chain of the cap
 # and the score_mod's derivative (`_core.logits`, which Triton's tiles call too).
-# [triton-mask_mod_window] stays (a window to the right; test_attention.py's
-# test_option[triton-window_pair] leans on it).
+# [triton-mask_mod_window] stays (a window to the right; test_attention.py's Triton case
+# window_pair, a variant, leans on it).
 COMBINED_VARIANTS = {("triton", "cap_bias"), ("triton", "segments"), ("triton", "dropout")}
 
 
