@@ -78,7 +78,7 @@ def with_sinks(out: jax.Array, lse: jax.Array,
   """
   if sinks is None:
     return out, lse
-  sink = sinks.astype(jnp.float32)
+  sink = jnp.broadcast_to(sinks.astype(jnp.float32), lse.shape)  # (strict rank promotion)
   seen = lse != -jnp.inf
   joined = jnp.logaddexp(lse.astype(jnp.float32), sink)
   weight = jnp.where(seen, jnp.exp(jnp.where(seen, lse - joined, 0.0)), 0.0)

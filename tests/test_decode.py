@@ -532,17 +532,25 @@ def test_decode_refuses_bad_input(args, match):
                               base.pop("kv_lengths"), implementation="xla", **base)
 
 
-def test_decode_with_x64_and_strict_rank_promotion():
-  """int64 lengths and page tables under jax_enable_x64, and no implicit rank promotion."""
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("paged", [True, False])
+def test_decode_with_x64_and_strict_rank_promotion(implementation, paged):
+  """int64 lengths and page tables under jax_enable_x64 (the Triton kernel's index maps and
+  bounds once mixed int32 with int64 there), and no implicit rank promotion (sinks joined to
+  the split-KV kernels' merged result once broadcast [N] against [B, T, N])."""
   b, s, n, h, t = 2, 32, 2, 16, 2
   q, kk, v, _ = random_qkv(6, b, t, s, n, n, h)
+  sinks = jnp.array([0.5, -1.0])
   with jax.enable_x64(True), jax.numpy_rank_promotion("raise"):
     lengths = jnp.array([5, 32], jnp.int64)
-    k_pages, table = _paged(kk, 8, 7)
-    v_pages, _ = _paged(v, 8, 7)
-    got = jaxflash.decode_attention(q, k_pages, v_pages, lengths, page_table=table.astype(
-        jnp.int64), implementation="xla")
-  want, _ = _want(q, kk, v, jnp.array([5, 32], jnp.int32))
+    cache = dict(key_cache=kk, value_cache=v)
+    if paged:
+      (k_pages, table), (v_pages, _) = _paged(kk, 8, 7), _paged(v, 8, 7)
+      cache = dict(key_cache=k_pages, value_cache=v_pages, page_table=table.astype(jnp.int64))
+    got = jaxflash.decode_attention(q, kv_lengths=lengths, sinks=sinks,
+                                    implementation=implementation,
+                                    interpret=interpret_for(implementation), **cache)
+  want, _ = _want(q, kk, v, jnp.array([5, 32], jnp.int32), sinks=sinks)
   assert rel_err(got, want) < TOLERANCE[jnp.float32]
 
 

@@ -154,6 +154,24 @@ def test_decode_split_kv_on_pages_lowers(page_size, h):
   assert f"x{page_size}x8x{h}xbf16" in kernel_call  # the pages, not rows, go into the kernel
 
 
+def test_decode_split_kv_lowers_with_x64_and_strict_rank_promotion():
+  """jax_enable_x64 (Python ints become int64: the kernel's index maps and key bounds once
+  mixed them with int32 ids, which lax refuses) and rank promotion "raise" (sinks joined to the
+  merged splits), on a paged cache with int64 lengths and page table."""
+  q = jax.ShapeDtypeStruct((3, 2, 32, 128), jnp.bfloat16)
+  pages = jax.ShapeDtypeStruct((3 * 4096 // 64 + 5, 64, 8, 128), jnp.bfloat16)
+
+  def fn(q, pages, table, lengths, sinks):
+    return jaxflash.decode_attention(q, pages, pages, lengths, page_table=table, sinks=sinks,
+                                     local_window_size=(1000, 0), implementation="triton")
+
+  with jax.enable_x64(True), jax.numpy_rank_promotion("raise"):
+    text = lower_for_cuda(fn, q, pages, jax.ShapeDtypeStruct((3, 4096 // 64), jnp.int64),
+                          jax.ShapeDtypeStruct((3,), jnp.int64),
+                          jax.ShapeDtypeStruct((32,), jnp.float32))
+  assert "jaxflash_decode_split_kv" in text and "jaxflash_forward" not in text
+
+
 @pytest.mark.parametrize("paged,dtype,implementation,per_token", [
     (False, jnp.float8_e4m3fn, ("triton", "xla"), False), (True, jnp.float8_e4m3fn, None, False),
     (False, jnp.float8_e5m2, None, False), (False, jnp.float8_e4m3fn, None, True)])

@@ -553,11 +553,14 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, factors_ref,
   ``whole`` (one split) the result itself: O in the query dtype and the internal LSE (+inf on
   empty rows, `jaxflash._core`)."""
   heads, rows = q_ref.shape[:2]
-  head_ids = [jnp.int32(i) for i in range(heads)]  # (Pallas wants array indices in loads)
+  # (Array indices: Pallas refuses Python ints in loads. Of the default int type: the interpreter
+  # takes the slices beside them in it, int64 under jax_enable_x64, and wants one dtype.)
+  head_ids = [jnp.int_(i) for i in range(heads)]
   # Rows are (query head, token) pairs, token fastest; this program holds rows [first_row,
   # first_row + rows) of its group (several blocks only where they divide the group's rows).
   r = jnp.arange(rows)
-  first_row = 0 if row_blocks == 1 else lax.rem(pl.program_id(head_axis), row_blocks) * rows
+  first_row = (0 if row_blocks == 1
+               else lax.rem(pl.program_id(head_axis), jnp.int32(row_blocks)) * rows)
   token = (first_row + r) % t
   row_ok = first_row + r < rows_used
   # The tile's padding rows and columns lie past the arrays' ends: masked, never read or written
@@ -576,12 +579,14 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, factors_ref,
                  tiles.load(factors_ref.at[i], mask=row_io, other=1.0) for i in head_ids]
   q_len, kv_len, diagonal = bounds_ref[0], bounds_ref[1], bounds_ref[3]
   # The key blocks this batch row may see: from its mask's first visible key to its length.
-  first, last = lax.div(bounds_ref[2], block_k), pl.cdiv(kv_len, block_k)
+  # (Sizes as int32: a Python int is int64 under jax_enable_x64, and lax wants one dtype.)
+  bk = jnp.int32(block_k)
+  first, last = lax.div(bounds_ref[2], bk), pl.cdiv(kv_len, bk)
   left, right = params.window.left, params.window.right
   if left is not None:  # blocks wholly before the earliest row's window hold nothing
-    first = jnp.maximum(first, lax.div(jnp.maximum(diagonal - left, 0), block_k))
+    first = jnp.maximum(first, lax.div(jnp.maximum(diagonal - left, 0), bk))
   if right is not None:  # nor blocks wholly after the last row's (a top-left band ends early)
-    last = jnp.minimum(last, lax.div(jnp.maximum(diagonal + t - 1 + right, -1), block_k) + 1)
+    last = jnp.minimum(last, lax.div(jnp.maximum(diagonal + t - 1 + right, -1), bk) + 1)
   lo, hi = split_range(pl.program_id(split_axis), splits, first, last)
 
   def body(j, carry):
@@ -897,8 +902,10 @@ def _launch(inputs: Inputs, params: Params, config: DecodeConfig, pages, first_k
   def named(f):
     def index_map(*ids):
       ids = dict(zip(order, ids))
-      return f(split=ids["split"], batch=ids["batch"], head=lax.div(ids["head"], row_blocks),
-               row_block=lax.rem(ids["head"], row_blocks))
+      # (int32 blocks: a Python int is int64 under jax_enable_x64, and lax wants one dtype)
+      blocks = jnp.int32(row_blocks)
+      return f(split=ids["split"], batch=ids["batch"], head=lax.div(ids["head"], blocks),
+               row_block=lax.rem(ids["head"], blocks))
     return index_map
 
   if pages is None:
