@@ -169,11 +169,11 @@ def global_lengths(query_seq_lengths, key_value_seq_lengths, batch: int,
   return _lengths(q_lens, kv_lens, batch, total, total)
 
 
-def check_cache(query, key_cache, value_cache, page_table, value_head_dim=None):
-  """Checks `jaxflash.decode_attention`'s query and cache (the rest goes through `normalise`);
-  returns the caches as arrays (pages unchanged: the caller gathers them). With
-  ``value_cache`` None the values are the first ``value_head_dim`` features of the keys (a
-  slice of ``key_cache``)."""
+def check_cache(query, key_cache, value_cache, kv_lengths, page_table, value_head_dim=None):
+  """Checks `jaxflash.decode_attention`'s query, cache and lengths (the rest goes through
+  `normalise`); returns the caches as arrays (pages unchanged: the caller gathers them) and the
+  lengths as int32 [B] (not clipped). With ``value_cache`` None the values are the first
+  ``value_head_dim`` features of the keys (a slice of ``key_cache``)."""
   query = as_array(query, "query")
   key_cache = as_array(key_cache, "key_cache")
   if value_cache is None:
@@ -211,11 +211,14 @@ def check_cache(query, key_cache, value_cache, page_table, value_head_dim=None):
     if page_table.ndim != 2 or page_table.shape[0] != b:
       raise ValueError(f"page_table must have shape (B, pages_per_row) with B = {b}, got "
                        f"{page_table.shape}")
+    if key_cache.shape[0] == 0:
+      raise ValueError(f"key_cache (the pages, with page_table) must hold at least one page, "
+                       f"got shape {key_cache.shape}")
     s_max = page_table.shape[1] * key_cache.shape[1]
   if t > s_max:
     raise ValueError(f"query has T = {t} new tokens, more than the cache holds (S_max = "
                      f"{s_max})")
-  return key_cache, value_cache
+  return key_cache, value_cache, _check_lengths(kv_lengths, "kv_lengths", b, False)
 
 
 def check_cache_descales(key_cache, values_in_keys: bool, paged: bool, k_descale, v_descale):

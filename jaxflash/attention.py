@@ -490,6 +490,8 @@ def decode_attention(
       would be a second copy of the cache, read again.
     page_table: optional int [B, pages_per_row]: row ``b`` of the cache is pages
       ``page_table[b, 0], page_table[b, 1], ...`` in order (S_max = pages_per_row * page_size).
+      Only a row's first ``ceil(kv_lengths[b] / page_size)`` entries are read, and must be
+      page ids in ``[0, num_pages)``; the rest may hold anything (padding such as -1).
     scale: multiplier of ``query @ key``; defaults to ``1 / sqrt(H)`` (query's head dim).
     local_window_size: ``w`` or ``(left, right)``: a token sees at most ``left`` tokens before
       its own (``right`` has no effect: nothing after it is visible).
@@ -518,7 +520,8 @@ def decode_attention(
   """
   backends.preferences(implementation)
   return_residual = _checks.check_flag(return_residual, "return_residual")
-  key, value = _checks.check_cache(query, key_cache, value_cache, page_table, value_head_dim)
+  key, value, kv_lengths = _checks.check_cache(query, key_cache, value_cache, kv_lengths,
+                                               page_table, value_head_dim)
   k_descale, v_descale = _checks.check_cache_descales(
       key, value_cache is None, page_table is not None, k_descale, v_descale)
   pages = None
@@ -526,7 +529,8 @@ def decode_attention(
     pages = (key, value, page_table.astype(jnp.int32))
     # The rows the pages make: what the training kernels (and every backward) read. A split-KV
     # forward reads the pages instead, and under jit nothing then computes these.
-    key, value = decode.gather_pages(key, page_table), decode.gather_pages(value, page_table)
+    key, value = (decode.gather_pages(key, page_table, kv_lengths),
+                  decode.gather_pages(value, page_table, kv_lengths))
   call = _checks.normalise(query, key, value, scale=scale, is_causal=True,
                            key_value_seq_lengths=kv_lengths, local_window_size=local_window_size,
                            logits_soft_cap=logits_soft_cap, sinks=sinks, interpret=interpret,

@@ -470,6 +470,38 @@ def test_key_blocks_made_of_pages(page_size, block_k, heads, monkeypatch):
   assert rel_err(got, want) < TOLERANCE[jnp.float32]
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_unused_page_table_entries_may_hold_anything(implementation, monkeypatch):
+  """Servers pad page tables past a row's pages (-1, or the pool's size): only a row's first
+  ceil(length / page_size) entries are read. Before, XLA's gather filled the rows of an id out
+  of range with NaN (which the masked P V carried) and Triton's kernel, whose 64-key blocks of
+  16-key pages reach past a row's last page, read them too. Results and gradients (of the
+  query and the pages) equal those of a table whose unused entries are real pages."""
+  from jaxflash.backends.triton import decode
+  default = decode.default_config
+  monkeypatch.setattr(decode, "default_config", lambda *a, **kw: dataclasses.replace(
+      default(*a, **kw), block_k=64))
+  b, t, n, k, h, page_size, per_row = 3, 2, 4, 2, 32, 16, 8
+  q, kk, v, d_out = random_qkv(11, b, t, per_row * page_size, n, k, h)
+  kv_lengths = jnp.array([per_row * page_size, 37, 0], jnp.int32)
+  (k_pages, table), (v_pages, _) = _paged(kk, page_size, 9), _paged(v, page_size, 9)
+  unused = np.arange(per_row)[None, :] * page_size >= np.asarray(kv_lengths)[:, None]
+  padding = np.array([[-1], [k_pages.shape[0]], [-1]])  # (row 1's 4th entry is in a used block)
+  padded = jnp.asarray(np.where(unused, padding, np.asarray(table)), jnp.int32)
+  options = dict(implementation=implementation, interpret=interpret_for(implementation))
+
+  def run(table):
+    return jax.vjp(lambda q, kp, vp: jaxflash.decode_attention(
+        q, kp, vp, kv_lengths, page_table=table, **options), q, k_pages, v_pages)
+
+  (out, vjp), (want_out, want_vjp) = run(padded), run(table)
+  assert np.isfinite(np.asarray(out)).all()
+  assert rel_err(out, want_out) < TOLERANCE[jnp.float32]
+  assert rel_err(out, _want(q, kk, v, kv_lengths)[0]) < TOLERANCE[jnp.float32]
+  for got, want in zip(vjp(d_out), want_vjp(d_out)):
+    assert np.isfinite(np.asarray(got)).all() and rel_err(got, want) < TOLERANCE[jnp.float32]
+
+
 def test_decode_is_flash_attention_with_shifted_positions():
   """A full cache (every row holds S tokens): the last T rows of causal self-attention over the
   cache; and the gradients match the reference's."""
@@ -511,7 +543,7 @@ def test_decode_under_jit_with_traced_lengths():
     (dict(query=jnp.zeros((2, 11, 2, 8))), "more than the cache holds"),
     (dict(page_table=jnp.zeros((2, 3)), ), "page_table must be an integer"),
     (dict(page_table=jnp.zeros((3, 3), jnp.int32)), "page_table must have shape"),
-    (dict(kv_lengths=jnp.zeros((2,))), "key_value_seq_lengths must be an integer"),
+    (dict(kv_lengths=jnp.zeros((2,))), "kv_lengths must be an integer"),
     (dict(key_cache=jnp.zeros((2, 10, 1, 8), BF16), value_cache=jnp.zeros((2, 10, 1, 8), BF16)),
      "dtype"),
     (dict(value_cache=None), "value_head_dim must be an int in"),

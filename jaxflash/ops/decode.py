@@ -34,9 +34,14 @@ from jaxflash.ops import flash
 from jaxflash.ops import partitioning
 
 
-def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+def gather_pages(pages: jax.Array, page_table: jax.Array, kv_lengths: jax.Array) -> jax.Array:
   """The rows ``[B, pages_per_row * page_size, K, H]`` of a paged cache: row ``b`` is the pages
-  ``page_table[b, 0], page_table[b, 1], ...`` one after another."""
+  ``page_table[b, 0], page_table[b, 1], ...`` one after another. Entries past a row's
+  ``kv_lengths`` (int32 [B]) may hold anything (servers pad tables with -1 or the pool's size):
+  page 0 stands in for them (its keys lie past the length, never seen), where ``jnp.take``
+  would fill an id out of range with NaN, which the masked P V would carry."""
+  used = (jnp.arange(page_table.shape[1]) * pages.shape[1])[None, :] < kv_lengths[:, None]
+  page_table = jnp.where(used, page_table, jnp.zeros_like(page_table))
   table_spec, pages_spec = _core.explicit_spec(page_table), _core.explicit_spec(pages)
   if table_spec is None and pages_spec is None:
     rows = jnp.take(pages, page_table, axis=0)  # [B, pages_per_row, page_size, K, H]

@@ -555,7 +555,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, factors_ref,
   heads, rows = q_ref.shape[:2]
   # (Array indices: Pallas refuses Python ints in loads. Of the default int type: the interpreter
   # takes the slices beside them in it, int64 under jax_enable_x64, and wants one dtype.)
-  head_ids = [jnp.int_(i) for i in range(heads)]
+  head_ids = [jnp.array(i, jax.dtypes.canonicalize_dtype(jnp.int64)) for i in range(heads)]
   # Rows are (query head, token) pairs, token fastest; this program holds rows [first_row,
   # first_row + rows) of its group (several blocks only where they divide the group's rows).
   r = jnp.arange(rows)
@@ -590,7 +590,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, table_ref, mask_ref, factors_ref,
   lo, hi = split_range(pl.program_id(split_axis), splits, first, last)
 
   def body(j, carry):
-    pieces = _key_pieces(j, table_ref, block_k, page_size, st)
+    pieces = _key_pieces(j, table_ref, block_k, page_size, st, kv_len)
     # The shared band rule, with the token index as the row and the offsets' diagonal: the same
     # for every head of the group.
     visible = [masking.visible(token[:, None], cols[None, :], params.window, diagonal=diagonal,
@@ -697,7 +697,7 @@ def reused_pieces(head_dim: int, value_dim: int) -> list:
   return reuse
 
 
-def _key_pieces(j, table_ref, block_k: int, page_size: int | None, st: tiles.Static):
+def _key_pieces(j, table_ref, block_k: int, page_size: int | None, st: tiles.Static, kv_len):
   """Where key block ``j`` lies: ``(index(head, cols), keys, key_ok)`` for each piece of it,
   with ``index`` the piece's [keys, cols] tile of a K/V ref (``cols`` a column piece of the head
   dim, `column_pieces`), ``keys`` its key positions and ``key_ok`` their in-bounds flags (None:
@@ -707,7 +707,9 @@ def _key_pieces(j, table_ref, block_k: int, page_size: int | None, st: tiles.Sta
     block_k)]``;
   - smaller pages: ``block_k / page_size`` pieces, one page each, taken in one step so that
     their loads are in flight together (one 16-key page a step read at half the speed of the
-    contiguous cache at D = 64)."""
+    contiguous cache at D = 64). A row's last block may reach past its ``kv_len`` keys into
+    table entries it does not use, which may hold anything (padding such as -1): page 0
+    stands in for those pieces, whose keys are never seen."""
   cols_of = lambda start, size: start + jnp.arange(size)  # noqa: E731
   whole = slice(None)
   if table_ref is None:
@@ -720,7 +722,12 @@ def _key_pieces(j, table_ref, block_k: int, page_size: int | None, st: tiles.Sta
     return [(lambda i, cols: (page, part if per_page > 1 else whole, i, cols),
              cols_of(j * block_k, block_k), None)]
   per_block = block_k // page_size
-  return [(lambda i, cols, page=table_ref[j * per_block + c]: (page, whole, i, cols),
+
+  def page_of(c):
+    start = j * block_k + c * page_size
+    return jnp.where(start < kv_len, table_ref[j * per_block + c], 0)
+
+  return [(lambda i, cols, page=page_of(c): (page, whole, i, cols),
            cols_of(j * block_k + c * page_size, page_size), None)
           for c in range(per_block)]
 
