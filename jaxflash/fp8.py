@@ -18,6 +18,7 @@ outlier over every channel and leaves the logits exact, ``(q R)(k R)ᵀ = q kᵀ
 from __future__ import annotations
 
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -76,8 +77,9 @@ def random_rotation(key: jax.Array, head_dim: int, dtype=jnp.float32) -> jax.Arr
     head_dim: the query/key head dim H.
     dtype: the matrix's dtype (float32 by default).
   """
-  if not isinstance(head_dim, int) or head_dim <= 0:
+  if not isinstance(head_dim, numbers.Integral) or isinstance(head_dim, bool) or head_dim <= 0:
     raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+  head_dim = int(head_dim)  # (a NumPy integer, such as a shape's entry, is one too)
   if head_dim & (head_dim - 1) == 0:
     hadamard = np.ones((1, 1), np.float32)
     while hadamard.shape[0] < head_dim:  # Sylvester's construction

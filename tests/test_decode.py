@@ -543,6 +543,8 @@ def test_decode_under_jit_with_traced_lengths():
     (dict(query=jnp.zeros((2, 11, 2, 8))), "more than the cache holds"),
     (dict(page_table=jnp.zeros((2, 3)), ), "page_table must be an integer"),
     (dict(page_table=jnp.zeros((3, 3), jnp.int32)), "page_table must have shape"),
+    (dict(page_table=jnp.zeros((2, 3), jnp.int32), key_cache=jnp.zeros((0, 4, 1, 8)),
+          value_cache=jnp.zeros((0, 4, 1, 8))), "key_cache .the pages, with page_table. must hold"),
     (dict(kv_lengths=jnp.zeros((2,))), "kv_lengths must be an integer"),
     (dict(key_cache=jnp.zeros((2, 10, 1, 8), BF16), value_cache=jnp.zeros((2, 10, 1, 8), BF16)),
      "dtype"),

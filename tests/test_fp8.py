@@ -81,6 +81,10 @@ def test_rotation_is_orthogonal_and_keeps_logits(head_dim):
   np.testing.assert_allclose((q @ r) @ (k @ r).T, q @ k.T, atol=1e-4)
   with pytest.raises(ValueError, match="head_dim"):
     fp8.random_rotation(jax.random.key(1), 0)
+  with pytest.raises(ValueError, match="head_dim"):
+    fp8.random_rotation(jax.random.key(1), True)
+  # A NumPy integer (an array's shape entry) is an int too.
+  np.testing.assert_array_equal(fp8.random_rotation(jax.random.key(1), np.int64(head_dim)), r)
   # Another key gives another rotation as quantising sees it: the FP8 logits differ. (Random
   # signs on a Hadamard matrix's columns would flip the rotated features' signs only, and
   # every key would give the same FP8 logits.)
