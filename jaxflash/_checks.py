@@ -86,7 +86,9 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   split = None if block_mask is None else block_mask.split
   mask_consts = None
   if split is not None and split.kernel_reason is not None:
-    mask_consts = tuple(split.closed.consts)
+    # (From the mask's leaves: its static split may hold another mask's arrays, or tracers of
+    # the jit that made it.)
+    mask_consts = block_mask.mask_consts or tuple(split.closed.consts)  # (or a hand-made one)
 
   inputs = Inputs(
       query=query, key=key, value=value, lengths=_lengths(q_lens, kv_lens, b, t, s),

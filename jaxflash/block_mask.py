@@ -57,9 +57,13 @@ class BlockMask:
       `PARTIAL` or `FULL` per block.
     q_features, kv_features: the mask_mod's row and column features (int32 [F, B or 1, N or 1,
       q_len] and [F', ..., kv_len], see `jaxflash.mask_mod`), or None.
-    split: the traced mask_mod (static), or None for a table without one (every visible block
-      is full).
+    split: the traced mask_mod (static; two masks of one function body are one static value,
+      so a mask made again per batch reuses what jit compiled), or None for a table without
+      one (every visible block is full).
     block_q, block_k, q_len, kv_len: the block sizes and the lengths it was made for (static).
+    mask_consts: the arrays the mask_mod closes over where the kernels cannot run its rule
+      (the XLA backend then evaluates it on them: a gather from a captured array at both
+      indices), else empty.
   """
 
   table: jax.Array
@@ -70,10 +74,12 @@ class BlockMask:
   block_k: int = dataclasses.field(metadata=dict(static=True))
   q_len: int = dataclasses.field(metadata=dict(static=True))
   kv_len: int = dataclasses.field(metadata=dict(static=True))
+  mask_consts: tuple = ()
 
   @property
   def mask_mod(self) -> Callable | None:
-    """The mask_mod it was made from (None for `from_blocks`)."""
+    """The mask_mod it was made from (for `from_blocks`, the rule that reads its table's bits,
+    named ``from_blocks``), or None for a table made without one."""
     return None if self.split is None else self.split.mask_mod
 
   @property
@@ -91,7 +97,7 @@ class BlockMask:
     return self.table != EMPTY
 
   def __repr__(self) -> str:
-    made = "from_blocks" if self.split is None else getattr(self.mask_mod, "__name__", "mask_mod")
+    made = None if self.split is None else getattr(self.mask_mod, "__name__", "mask_mod")
     return (f"BlockMask(shape={self.shape}, block_size=({self.block_q}, {self.block_k}), "
             f"blocks={tuple(self.table.shape[2:])}, mask_mod={made})")
 
@@ -118,7 +124,8 @@ class BlockMask:
     b, n = visible.shape[:2]
     q_features = split.features(split.row_vars, b, n, q_len, mask_mod_lib.Q)
     kv_features = split.features(split.col_vars, b, n, kv_len, mask_mod_lib.KV)
-    return cls(table, q_features, kv_features, split, block_q, block_k, q_len, kv_len)
+    return cls(table, q_features, kv_features, split, block_q, block_k, q_len, kv_len,
+               consts_for_xla(split))
 
 
 def pack_bits(visible: jax.Array) -> jax.Array:
@@ -151,6 +158,7 @@ def _block_rule(packed: jax.Array, block_q: int, block_k: int):
       chosen = jnp.where(word == w, row[..., w], chosen)
     return jax.lax.shift_right_logical(chosen, column % 32) & 1 == 1
 
+  rule.__name__ = "from_blocks"
   return rule
 
 
@@ -228,7 +236,15 @@ def create_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, 
   block_q, block_k = _block_sizes(block_size)
   split = mask_mod_lib.split(mask_mod)
   made = mask_mod_blocks(split, batch, heads, q_len, kv_len, block_q, block_k)
-  return BlockMask(*made, split, block_q, block_k, q_len, kv_len)
+  return BlockMask(*made, split, block_q, block_k, q_len, kv_len, consts_for_xla(split))
+
+
+def consts_for_xla(split) -> tuple:
+  """The arrays a split mask_mod closes over where only the XLA backend can run its rule (it
+  evaluates the whole function on them), else (): a `BlockMask` carries them as leaves, not in
+  its static split, so that one made inside jit or vmap leaks no tracer and a call compiled for
+  one mask serves another of the same structure."""
+  return tuple(split.closed.consts) if split.kernel_reason is not None else ()
 
 
 def mask_mod_blocks(split, batch: int | None, heads: int | None, q_len: int, kv_len: int,

@@ -67,7 +67,7 @@ def signature_error(mask_mod) -> str | None:
   return None
 
 
-@dataclasses.dataclass(frozen=True, eq=False)  # static (hashed by identity) in jit and vjp
+@dataclasses.dataclass(frozen=True, eq=False)  # static in jit and vjp: equal by `structure`
 class Split:
   """A traced mask_mod, split into row features, column features and a tile rule.
 
@@ -97,6 +97,22 @@ class Split:
   # (`tile_fn`'s ``lookup``); Mosaic GPU has no gather (`lookup_reason`).
   lookups: tuple = ()
   tables: tuple = ()
+
+  @functools.cached_property
+  def structure(self) -> tuple:
+    """What a compiled call depends on: the jaxpr as text (its equations, literals and the
+    shapes and dtypes of the arrays it closes over) and whether it is a score_mod. Two splits
+    of one structure are one static value (`__eq__`), so that a block mask made again, or by
+    another function object with the same body, reuses what jit compiled for the first: the
+    values of the captured arrays reach the kernels as arrays (features, tables, and
+    `jaxflash.BlockMask.mask_consts`), never as constants of a trace."""
+    return (self.takes_score, str(self.closed.jaxpr))
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, Split) and (self is other or self.structure == other.structure)
+
+  def __hash__(self) -> int:
+    return hash(self.structure)
 
   @property
   def lookup_reason(self) -> str | None:

@@ -345,6 +345,81 @@ def test_mask_mod_on_a_sharded_batch():
                               atol=2e-5, rtol=2e-5)
 
 
+def _dense_reference(q, mask):
+  return reference_attention(q, q, q, mask=jnp.broadcast_to(mask, (1, 1) + mask.shape[-2:]))[0]
+
+
+def test_block_mask_of_a_gather_made_inside_jit_and_vmap():
+  """A mask_mod that only the XLA backend runs (a gather from a captured array at both
+  indices) made into a BlockMask inside jax.jit, or stacked by jax.vmap: its captured arrays
+  travel as the mask's leaves. (Its static split held them before, and a mask made inside a
+  jit leaked that trace's tracers into every call.)"""
+  t = 96
+  q = jax.random.normal(jax.random.key(0), (1, t, 2, 16))
+  patterns = jnp.asarray(_rng.rand(3, 3, 3) < 0.5) | jnp.eye(3, dtype=bool)
+
+  def make(pattern):
+    return jaxflash.create_block_mask(lambda b, h, i, j: pattern[i // 32, j // 32], None, None,
+                                      t, t, block_size=32)
+
+  def dense(pattern):
+    return jnp.repeat(jnp.repeat(pattern, 32, axis=0), 32, axis=1)
+
+  made = jax.jit(make)(patterns[0])
+  want = _dense_reference(q, dense(patterns[0]))
+  for got in (jaxflash.flash_attention(q, q, q, block_mask=made),
+              jax.jit(lambda q, m: jaxflash.flash_attention(q, q, q, block_mask=m))(q, made)):
+    assert rel_err(got, want) < F32_TOLERANCE
+  stacked = jax.vmap(make)(patterns)
+  got = jax.vmap(lambda m: jaxflash.flash_attention(q, q, q, block_mask=m))(stacked)
+  for i in range(3):
+    assert rel_err(got[i], _dense_reference(q, dense(patterns[i]))) < F32_TOLERANCE
+
+
+@pytest.mark.parametrize("kind", ["same_function", "same_body", "from_blocks", "gather"])
+def test_a_block_mask_made_again_reuses_the_compiled_call(kind):
+  """A training loop that makes its block mask per batch (outside its jitted step) traces the
+  step once, and each call still sees its own mask's values: two masks whose functions have
+  one body (their captured arrays' shapes included) are one static value. A function with
+  another body traces again. (Each BlockMask traced and compiled anew before.)"""
+  t = 96
+  q = jax.random.normal(jax.random.key(1), (1, t, 2, 16))
+  traces = []
+
+  @jax.jit
+  def step(q, mask):
+    traces.append(None)
+    return jaxflash.flash_attention(q, q, q, block_mask=mask)
+
+  causal = lambda b, h, i, j: i >= j  # noqa: E731
+  masks = []
+  for seed in range(3):
+    docs = jnp.asarray(np.sort(np.random.RandomState(seed).randint(0, 3, t)), jnp.int32)
+    blocks = jnp.asarray(np.random.RandomState(seed).rand(3, 3) < 0.5) | jnp.eye(3, dtype=bool)
+    if kind == "same_function":
+      made = jaxflash.create_block_mask(causal, None, None, t, t, block_size=32)
+      dense = causal(*_indices(1, 1, t, t))
+    elif kind == "same_body":  # a new closure over new document ids each batch
+      made = jaxflash.create_block_mask(lambda b, h, i, j: docs[i] == docs[j], None, None, t, t,
+                                        block_size=32)
+      dense = docs[:, None] == docs[None, :]
+    elif kind == "from_blocks":
+      made = jaxflash.BlockMask.from_blocks(blocks, t, t, 32)
+      dense = jnp.repeat(jnp.repeat(blocks, 32, axis=0), 32, axis=1)
+    else:  # the XLA backend's whole function, on the captured arrays the mask carries
+      made = jaxflash.create_block_mask(lambda b, h, i, j: blocks[i // 32, j // 32], None,
+                                        None, t, t, block_size=32)
+      dense = jnp.repeat(jnp.repeat(blocks, 32, axis=0), 32, axis=1)
+    masks.append(made)
+    assert rel_err(step(q, made), _dense_reference(q, dense)) < F32_TOLERANCE, seed
+  assert len(traces) == 1
+  assert masks[0].split == masks[1].split and hash(masks[0].split) == hash(masks[1].split)
+  other = jaxflash.create_block_mask(lambda b, h, i, j: i > j, None, None, t, t, block_size=32)
+  assert other.split != masks[0].split
+  step(q, other)
+  assert len(traces) == 2
+
+
 @pytest.mark.parametrize("implementation", ["xla", "triton"])
 def test_reused_block_mask_and_from_blocks(implementation):
   made = jaxflash.create_block_mask(MASK_MODS["documents"], B, None, 64, 64, block_size=32)
@@ -585,3 +660,8 @@ def test_block_mask_to_dense_and_repr():
   np.testing.assert_array_equal(blocks, want)
   assert repr(mask) == ("BlockMask(shape=(1, 1, 100, 130), block_size=(32, 32), "
                         "blocks=(4, 5), mask_mod=<lambda>)")
+  blocks = jaxflash.BlockMask.from_blocks(jnp.eye(4, 5, dtype=bool), 100, 130, 32)
+  assert blocks.mask_mod.__name__ == "from_blocks"
+  assert repr(blocks).endswith("mask_mod=from_blocks)")
+  by_hand = jaxflash.BlockMask(blocks.table, None, None, None, 32, 32, 100, 130)
+  assert by_hand.mask_mod is None and repr(by_hand).endswith("mask_mod=None)")
