@@ -11,6 +11,7 @@ for the calls the Mosaic one does not serve).
 """
 
 import dataclasses
+import contextlib
 import functools
 import os
 
@@ -497,13 +498,26 @@ def test_block_masks_lower(h, masking):
   assert _mosaic_kernels(text) >= 3 and "jaxflash_backward_dq" not in text
 
 
-@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU's interpreter (jax 0.11.2) cannot run under "
-                    "jax_enable_x64: its own while loops mix i32 and i64 carries")
+@contextlib.contextmanager
+def x64_everywhere():
+  """jax_enable_x64 for every thread, as a user's ``jax.config.update`` sets it: Mosaic GPU's
+  interpreter lowers its warpgroups' programs on threads of its own, which do not see the
+  thread-local ``jax.enable_x64(True)`` (under which the traced and lowered types disagreed:
+  i32 loop carries against i64 block arguments)."""
+  before = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_x64", before)
+
+
 def test_x64_numerics():
-  """Under jax_enable_x64 the compiled kernels (forward and the Mosaic backward) still match
-  the reference."""
+  """Under jax_enable_x64 the kernels (forward and the Mosaic backward) still match the
+  reference. (In Mosaic GPU's interpreter a consumer's turn once mixed an int64 count with
+  int32 ids: a TypeError on every interpreted call.)"""
   b, t, s, n, k, h = OPTION_SHAPE
-  with jax.enable_x64(True):
+  with x64_everywhere():
     check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=BF16, is_causal=True,
           **random_lengths(b, t, s, n, 0))
 

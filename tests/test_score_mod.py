@@ -210,7 +210,7 @@ def _x64_alibi():
 def test_mosaic_kernels_under_x64_lower_for_cuda(cuda_plugin):
   """With jax_enable_x64 the Mosaic kernels load a float64 slope's column (converted to float32
   outside) rather than compute it in 64 bits, still move the row term to the LSE, and lower.
-  (Mosaic GPU's interpreter cannot run under x64: the numbers are checked on the GPU.)"""
+  (Its numbers under x64 are checked on the GPU.)"""
   with jax.enable_x64(True):
     rule = _x64_alibi()
     split = mask_mod_lib.split_score(rule)

@@ -715,7 +715,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
   def pass_turn():  # to the next consumer: its matmuls may go after the ones just issued
     if params.interpret:
-      plgpu.barrier_arrive(turns.at[lax.rem(wg + 1, consumers)])
+      plgpu.barrier_arrive(turns.at[lax.rem(wg + 1, jnp.asarray(consumers, wg.dtype))])
     else:
       _named_barrier("bar.arrive", other=True, consumers=consumers)
 
