@@ -316,6 +316,15 @@ def _is_int(x) -> bool:
 def _check_scale(scale, head_dim: int) -> float:
   if scale is None:
     return float(head_dim) ** -0.5
+  if isinstance(scale, (jax.Array, np.ndarray)) and scale.shape == () and jnp.issubdtype(
+      scale.dtype, jnp.floating):
+    # A concrete scalar array (``1 / jnp.sqrt(d)``, as jax.nn takes it) is its number; the
+    # kernels compile the scale in, so a traced one cannot be.
+    try:
+      scale = float(scale)
+    except jax.errors.ConcretizationTypeError:
+      raise ValueError("scale must be a number known when the call is traced (the kernels "
+                       "compile it in), got a traced array") from None
   if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not np.isfinite(scale):
     raise ValueError(f"scale must be a finite Python number, got {scale!r}")
   return float(scale)
@@ -376,6 +385,8 @@ def _check_dense(x, name: str, full: tuple[int, int, int, int], unbatched: bool,
     raise ValueError(f"mask must be boolean (True = attend), got dtype {x.dtype}")
   if not want_bool and x.dtype not in _FLOAT_DTYPES:
     raise ValueError(f"bias must be float16, bfloat16 or float32, got dtype {x.dtype}")
+  if unbatched and x.ndim == 4 and x.shape[0] == 1:
+    x = x[0]  # (jax.nn gives unbatched inputs a batch axis of 1: a rank-4 mask of one fits)
   target = full[1:] if unbatched else full
   what = "[N, T, S]" if unbatched else "[B, N, T, S]"
   if x.ndim > len(target) or any(d not in (1, f) for d, f in
@@ -395,7 +406,10 @@ def _check_lengths(lengths, name: str, batch: int, unbatched: bool) -> jax.Array
     lengths = lengths[None]
   if lengths.shape != (batch,):
     raise ValueError(f"{name} must have shape (B,) = ({batch},), got {lengths.shape}")
-  return lengths.astype(jnp.int32)
+  # (Clipped before the cast: an int64 length past int32's range, under jax_enable_x64, would
+  # wrap; every length is clipped to [0, T or S] later anyway.)
+  big = jnp.iinfo(jnp.int32).max
+  return (jnp.clip(lengths, 0, big) if lengths.dtype.itemsize > 4 else lengths).astype(jnp.int32)
 
 
 def _check_score_mod(score_mod, b: int, n: int, t: int, s: int):

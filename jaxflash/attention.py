@@ -80,7 +80,9 @@ def flash_attention(
     bias: optional additive bias, broadcastable to [B, N, T, S] (or [N, T, S] when unbatched),
       added to the scaled (and soft-capped) logits. Differentiable: its gradient is summed over
       the axes it is broadcast along, and is computed only when asked for (a bias that is not
-      differentiated costs no extra time or memory in the backward pass).
+      differentiated costs no extra time or memory in the backward pass). A logit below about
+      -2.3e38 (float32's ``finfo.min`` as a bias) counts as -inf, as a mask would: a row
+      biased so entirely sees no key and gives zeros (jax.nn averages its values).
     mask: optional boolean mask broadcastable to [B, N, T, S]; True means "may attend".
     scale: multiplier of ``query @ key``; defaults to ``1 / sqrt(H)`` (query's head dim).
     is_causal: top-left aligned causal mask (query ``t`` sees keys ``s <= t``).
@@ -89,7 +91,8 @@ def flash_attention(
     local_window_size: ``w`` or ``(left, right)``: query ``t`` sees keys
       ``t - left <= s <= t + right``; combines with ``is_causal``.
     segment_ids: int [B, T] for self-attention (T == S), or a pair ``(q_segment_ids [B, T],
-      kv_segment_ids [B, S])``; a query sees only keys with the same segment id.
+      kv_segment_ids [B, S])``; a query sees only keys with the same segment id. Ids are
+      compared as int32 (under jax_enable_x64, int64 ids must fit in it).
     logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` after scaling and before
       the bias.
     dropout_rate: attention dropout probability in [0, 1): entries of the normalised attention

@@ -45,39 +45,50 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
     logits = score_mod(logits, index(b, 0), index(n, 1), index(t, 2), index(s, 3))
     logits = jnp.asarray(logits, jnp.float32)
   if bias is not None:
-    logits = logits + jnp.asarray(bias, jnp.float32)
+    logits = logits + jnp.broadcast_to(jnp.asarray(bias, jnp.float32), logits.shape)
 
-  q_pos = jnp.arange(t)[:, None]
-  k_pos = jnp.arange(s)[None, :]
+  # (Every broadcast spelled out: the reference runs under strict rank promotion too.)
+  q_pos = jnp.arange(t).reshape(1, 1, t, 1)
+  k_pos = jnp.arange(s).reshape(1, 1, 1, s)
   ok = jnp.ones((b, n, t, s), bool)
   if mask is not None:
-    ok = ok & mask
+    ok = ok & jnp.broadcast_to(mask, ok.shape)
   if is_causal:
     ok = ok & (k_pos <= q_pos)
   if local_window_size is not None:
     left, right = ((local_window_size, local_window_size) if isinstance(local_window_size, int)
                    else local_window_size)
-    ok = ok & (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
+    # (Sides past T + S see everything: capped, so that int32 positions cannot overflow.)
+    left, right = (min(int(x), t + s) for x in (left, right))
+    ok = ok & (k_pos - q_pos >= -left) & (k_pos - q_pos <= right)
   if query_seq_lengths is not None:
-    ok = ok & (q_pos < jnp.asarray(query_seq_lengths)[:, None, None, None])
+    ok = ok & (q_pos < jnp.asarray(query_seq_lengths).reshape(b, 1, 1, 1))
   if key_value_seq_lengths is not None:
-    ok = ok & (k_pos < jnp.asarray(key_value_seq_lengths)[:, None, None, None])
+    ok = ok & (k_pos < jnp.asarray(key_value_seq_lengths).reshape(b, 1, 1, 1))
   if segment_ids is not None:
     q_seg, kv_seg = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
-    ok = ok & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
+    ok = ok & (jnp.asarray(q_seg).reshape(b, 1, t, 1) == jnp.asarray(kv_seg).reshape(b, 1, 1, s))
 
   logits = jnp.where(ok, logits, -jnp.inf)
   # A row sees a key where a logit is above -inf: an entry that the score_mod or the bias makes
   # -inf is hidden as a masked one is (FlexAttention's way to mask from a score_mod). (NaN is
   # not -inf: a NaN row stays NaN.)
-  any_visible = jnp.max(logits, axis=-1) != -jnp.inf
-  # (The LSE of a row that sees nothing is taken of zeros: its gradient would be NaN.)
-  lse = jax.nn.logsumexp(jnp.where(any_visible[..., None], logits, 0.0), axis=-1)
-  lse = jnp.where(any_visible, lse, -jnp.inf)
+  row_max = jnp.max(logits, axis=-1)
+  any_visible = row_max != -jnp.inf
+  # The softmax shifted by the row's largest logit (the sink's where larger), as jax.nn's: an
+  # LSE of logits near -1e9 loses log(S) in float32, and exp(logits - lse) would not sum to 1.
+  # (The shift cancels in the result and in every derivative: no gradient through it.)
+  shift = row_max
   if sinks is not None:  # a column of the sink's logit, dropped again after the softmax
-    sink = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[None, :, None], lse.shape)
-    lse = jnp.where(any_visible, jnp.logaddexp(lse, sink), -jnp.inf)
-  probs = jnp.where(ok, jnp.exp(logits - jnp.where(any_visible, lse, 0.0)[..., None]), 0.0)
+    sink = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32).reshape(1, n, 1), row_max.shape)
+    shift = jnp.maximum(shift, sink)
+  shift = jax.lax.stop_gradient(jnp.where(any_visible, shift, 0.0))
+  weights = jnp.where(ok, jnp.exp(logits - shift[..., None]), 0.0)
+  total = jnp.sum(weights, axis=-1)
+  if sinks is not None:
+    total = total + jnp.exp(sink - shift)
+  lse = jnp.where(any_visible, shift + jnp.log(jnp.where(any_visible, total, 1.0)), -jnp.inf)
+  probs = weights / jnp.where(any_visible, total, 1.0)[..., None]
   if dropout_keep is not None:
     probs = jnp.where(dropout_keep, probs / (1.0 - dropout_rate), 0.0)
   out = jnp.einsum("bnts,bsnh->btnh", probs, v, precision=jax.lax.Precision.HIGHEST)

@@ -241,12 +241,22 @@ def test_backends_agree_with_jax_nn():
            dict(key_value_seq_lengths=jnp.array([17, 40])),
            dict(mask=random_array(5, (b, 1, t, s), "bool")),
            dict(bias=random_array(6, (1, n, t, s), "float"), scale=0.5)]
+  # A padding bias of -1e9 on whole rows (the reference once normalised by its LSE, which at
+  # that magnitude loses log S in float32: such a row's probabilities summed to S).
+  padded_rows = jnp.zeros((t, s)).at[3:6].set(-1e9)
+  cases.append(dict(bias=padded_rows, is_causal=True))
   for kw in cases:
     want = jax.nn.dot_product_attention(q, kk, v, implementation="xla", **kw)
     got = jaxflash.flash_attention(q, kk, v, implementation="xla", **kw)
     ref, _ = reference_attention(q, kk, v, **kw)
     assert rel_err(ref, want) < F32_TOLERANCE, kw
     assert rel_err(got, want) < F32_TOLERANCE, kw
+    # Strict rank promotion and windows of 2**31 - 1 (unbounded) in the reference too.
+    with jax.numpy_rank_promotion("raise"):
+      again, _ = reference_attention(q, kk, v, **kw)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(ref))
+  unbounded, _ = reference_attention(q, kk, v, local_window_size=2**31 - 1, is_causal=True)
+  assert rel_err(unbounded, reference_attention(q, kk, v, is_causal=True)[0]) < F32_TOLERANCE
   # Padded query rows: jax.nn leaves them undefined-but-finite; we return zeros. Compare the rest.
   kw = dict(query_seq_lengths=jnp.array([10, 24]))
   want = jax.nn.dot_product_attention(q, kk, v, implementation="xla", **kw)

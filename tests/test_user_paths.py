@@ -348,3 +348,41 @@ def test_gpt_example_without_the_flax_extra_says_what_to_install():
   assert f"missing: {missing}" in out.stderr and 'pip install -e ".[flax]"' in out.stderr, (
       out.stderr)
   assert "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs jax.nn takes that a probe of user paths (2026-12-04) found refused or misread
+
+
+def test_int64_lengths_past_int32_under_x64():
+  """Lengths are clipped to [0, S] before anything narrows them: under jax_enable_x64 a length
+  of 2**32 + 2 once wrapped to 2 in the cast to int32."""
+  with jax.enable_x64(True):
+    q, k, v = _qkv(4)
+    got = jaxflash.flash_attention(q, k, v, key_value_seq_lengths=jnp.array([2**32 + 2, 7]),
+                                   implementation="xla")
+    want, _ = reference_attention(q, k, v, key_value_seq_lengths=jnp.array([S, 7]))
+  assert rel_err(got, want) < F32_TOLERANCE
+
+
+def test_scale_as_a_concrete_array():
+  """``scale=1 / jnp.sqrt(d)`` (a concrete 0-d array, which jax.nn takes) is its number; a traced
+  one is a ValueError naming scale (the kernels compile the scale in)."""
+  q, k, v = _qkv(5)
+  got = jaxflash.flash_attention(q, k, v, scale=1 / jnp.sqrt(4.0), implementation="xla")
+  want = jax.nn.dot_product_attention(q, k, v, scale=0.5, implementation="xla")
+  assert rel_err(got, want) < F32_TOLERANCE
+  with pytest.raises(ValueError, match="scale"):
+    jax.jit(lambda s: jaxflash.flash_attention(q, k, v, scale=s, implementation="xla"))(0.5)
+
+
+@pytest.mark.parametrize("which", ["mask", "bias"])
+def test_unbatched_inputs_take_a_rank_4_mask_or_bias_of_one_batch_row(which):
+  """jax.nn gives unbatched [T, N, H] inputs a batch axis, so a [1, N or 1, T, S] mask or bias
+  fits them there; it does here too."""
+  q, k, v = (x[0] for x in _qkv(6))
+  extra = (dict(mask=random_array(7, (1, 1, T, S), "bool")) if which == "mask" else
+           dict(bias=random_array(8, (1, N, T, S), "float")))
+  got = jaxflash.flash_attention(q, k, v, implementation="xla", **extra)
+  want = jax.nn.dot_product_attention(q, k, v, implementation="xla", **extra)
+  assert got.shape == (T, N, H) and rel_err(got, want) < F32_TOLERANCE
