@@ -190,7 +190,7 @@ def reference(q, kc, vc, lengths, table) -> np.ndarray:
   chunk of batch rows at a time (the reference repeats K and V to every query head in float32:
   the whole of B = 64, S = 32k at once would take 32 GiB)."""
   if table is not None:
-    kc, vc = (gather_pages(x, table) for x in (kc, vc))
+    kc, vc = (gather_pages(x, table, jnp.asarray(lengths, jnp.int32)) for x in (kc, vc))
   b, s = kc.shape[:2]
   n, d = q.shape[2:]
   rows = max(1, REFERENCE_BYTES // (3 * s * n * d * 4))

@@ -221,7 +221,8 @@ UNBATCHED_CASES = {
     "value_shape": (dict(v=_f32(S + 1, K, H)), "value"),
     "heads_not_divisible": (dict(q=_f32(T, 3, H)), "heads"),
     "head_dim": (dict(q=_f32(T, N, H + 2)), "head dim"),
-    "mask_rank4": (dict(mask=jnp.ones((1, 1, T, S), bool)), "mask"),
+    # (A [1, ...] rank-4 mask fits unbatched inputs, as in jax.nn: test_user_paths.py.)
+    "mask_rank4": (dict(mask=jnp.ones((2, 1, T, S), bool)), "mask"),
     "mask_bad_heads": (dict(mask=jnp.ones((3, T, S), bool)), "mask"),
     "bias_bad_t": (dict(bias=_f32(N, 2, S)), "bias"),
     "q_lengths_shape": (dict(query_seq_lengths=jnp.full((2,), 3)), "query_seq_lengths"),
