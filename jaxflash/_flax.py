@@ -252,33 +252,44 @@ def ring_attention_fn(axis_name: str, *, layout: str = "contiguous", is_causal: 
   ``axis_name``: pass it to a module whose call runs inside `jax.shard_map` with the sequence
   split along that axis, and each device attends its chunk of queries to the whole sequence.
 
-  ``layout``, ``is_causal`` and ``mask_mod`` (`jaxflash.ring_attention`'s: positions in the
-  whole sequence; its batch index runs over the module's batch dims flattened) are fixed here
-  (the module has no such arguments); a module's sinks (``sinks=True``) are passed on. A
-  ``mask`` or ``bias`` is refused (a dense [T, S] array is what the ring exists to avoid; use
-  ``is_causal``, a ``mask_mod``, or `jaxflash.ring_attention`'s ``segment_ids`` and
-  ``local_window_size`` directly). Dropout is Flax's: ``dropout_rate``, ``dropout_rng``,
-  ``deterministic`` and ``broadcast_dropout``.
+  ``layout`` and ``mask_mod`` (`jaxflash.ring_attention`'s: positions in the whole sequence;
+  its batch index runs over the module's batch dims flattened) are fixed here; the attention
+  is causal where ``is_causal`` here or the module's (a field, or nnx's call argument) says so.
+  A module's ``implementation`` and sinks (``sinks=True``) are passed on; its
+  ``deterministic_backward=False`` changes nothing (the ring's backward is deterministic), and
+  ``fp8`` is refused (the ring takes FP8 chunks only from `jaxflash.ring_attention`'s own
+  descales). A ``mask`` or ``bias`` is refused (a dense [T, S] array is what the ring exists
+  to avoid; use ``is_causal``, a ``mask_mod``, or `jaxflash.ring_attention`'s ``segment_ids``
+  and ``local_window_size`` directly). Dropout is Flax's: ``dropout_rate``, ``dropout_rng``,
+  ``deterministic`` and ``broadcast_dropout``. Other keywords are a TypeError (until
+  2026-12-04 they were dropped, a module's ``is_causal`` among them: its ring ran unmasked).
   """
   from jaxflash.attention import ring_attention
+  ring_causal = is_causal
 
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                    dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
-                   precision=None, module=None, **unused):
-    del precision, module, unused  # the kernels' own precision; no weights to sow
+                   precision=None, module=None, promote_dtype=None, is_causal=False,
+                   implementation=None, fp8=False, deterministic_backward=True):
+    # (The kernels' own precision and dtypes; no weights to sow; a deterministic backward.)
+    del precision, module, promote_dtype, deterministic_backward
     if bias is not None or mask is not None:
       raise ValueError("ring_attention_fn takes no mask or bias: build it with is_causal=True "
                        "for a causal mask, or call jaxflash.ring_attention directly")
+    if fp8:
+      raise ValueError("ring_attention_fn runs no FP8 forward of a module's (fp8=...): pass "
+                       "FP8 chunks and their descales to jaxflash.ring_attention directly")
     if dtype is not None:
       query, key, value = (x.astype(dtype) for x in (query, key, value))
     batch_shape = query.shape[:-3]
     b = math.prod(batch_shape)
     q, k, v = (x.reshape((b,) + x.shape[-3:]) for x in (query, key, value))
     rate = 0.0 if deterministic else float(dropout_rate)
-    out = ring_attention(q, k, v, axis_name=axis_name, layout=layout, is_causal=is_causal,
-                         mask_mod=mask_mod, dropout_rate=rate,
-                         dropout_rng=dropout_rng if rate > 0.0 else None,
-                         broadcast_dropout=broadcast_dropout, sinks=sinks_for_call(None))
+    out = ring_attention(q, k, v, axis_name=axis_name, layout=layout,
+                         is_causal=bool(ring_causal or is_causal), mask_mod=mask_mod,
+                         dropout_rate=rate, dropout_rng=dropout_rng if rate > 0.0 else None,
+                         broadcast_dropout=broadcast_dropout, sinks=sinks_for_call(None),
+                         implementation=implementation)
     return out.reshape(query.shape[:-1] + value.shape[-1:])
 
   attention_fn.takes_module_sinks = True

@@ -452,3 +452,41 @@ def test_flax_ring_attention_fn_with_a_mask_mod():
   with jax.set_mesh(mesh):
     got = fn(jax.device_put(x, NamedSharding(mesh, P(None, "sp"))))
   assert rel_err(got, want) < F32_TOLERANCE * 5
+
+
+@pytest.mark.parametrize("flavour", ["linen", "nnx"])
+def test_ring_attention_fn_takes_the_modules_options(flavour):
+  """jaxflash's modules pass their options to the ring's attention_fn: is_causal (linen's field,
+  nnx's call argument) makes the ring causal, implementation reaches it, fp8 is refused. (It
+  took any keyword and dropped it: a causal module's ring ran unmasked, 2.6 off.)"""
+  pytest.importorskip("flax")
+  x = jax.random.normal(jax.random.key(5), (1, 64, 32))
+  mesh = _mesh()
+  if flavour == "linen":
+    import jaxflash.linen
+    ring_fn = jaxflash.linen.ring_attention_fn("sp")
+    make = lambda **kw: jaxflash.linen.MultiHeadDotProductAttention(  # noqa: E731
+        num_heads=4, is_causal=True, **kw)
+    params = make().init(jax.random.key(0), x)
+    whole = lambda: make().apply(params, x)  # noqa: E731
+    ringed = lambda: make(attention_fn=ring_fn, implementation="xla").apply  # noqa: E731
+    call = lambda module, xs: module(params, xs)  # noqa: E731
+    fp8 = lambda: make(attention_fn=ring_fn, fp8=True).apply(params, x)  # noqa: E731
+  else:
+    from flax import nnx
+    import jaxflash.nnx
+    ring_fn = jaxflash.nnx.ring_attention_fn("sp")
+    make = lambda **kw: jaxflash.nnx.MultiHeadAttention(  # noqa: E731
+        4, 32, decode=False, rngs=nnx.Rngs(0), **kw)
+    whole = lambda: make()(x, is_causal=True)  # noqa: E731
+    ringed = lambda: make(attention_fn=ring_fn, implementation="xla")  # noqa: E731
+    call = lambda module, xs: module(xs, is_causal=True)  # noqa: E731
+    fp8 = lambda: make(attention_fn=ring_fn, fp8=True)(x, is_causal=True)  # noqa: E731
+  module = ringed()
+  fn = jax.jit(jax.shard_map(lambda xs: call(module, xs), mesh=mesh, in_specs=P(None, "sp"),
+                             out_specs=P(None, "sp")))
+  with jax.set_mesh(mesh):
+    got = fn(jax.device_put(x, NamedSharding(mesh, P(None, "sp"))))
+  assert rel_err(got, whole()) < F32_TOLERANCE * 5
+  with pytest.raises(ValueError, match="fp8"):
+    fp8()
