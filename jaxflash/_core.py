@@ -309,10 +309,11 @@ def dropout_stream(params: Params, seed, batch, head):
 def explicit_spec(x) -> tuple | None:
   """``x``'s partition spec, one entry per dim, where Explicit mesh axes shard it; else None
   (no mesh, Auto axes, or replicated): ops whose sharding rule must be spelled out then."""
-  sharding = jax.typeof(x).sharding
+  aval = jax.typeof(x)  # (x may be a Python scalar a score_mod closed over: no .ndim)
+  sharding = aval.sharding
   explicit = any(t == jax.sharding.AxisType.Explicit
                  for t in getattr(sharding.mesh, "axis_types", ()))
-  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+  spec = tuple(sharding.spec) + (None,) * (len(aval.shape) - len(sharding.spec))
   return spec if explicit and any(e is not None for e in spec) else None
 
 

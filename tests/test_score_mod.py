@@ -18,6 +18,7 @@ import pytest
 
 import jaxflash
 from jaxflash import mask_mod as mask_mod_lib
+from jaxflash.reference import reference_attention
 from checks import (F32_TOLERANCE, attention, check, interpret_for, lower_for_cuda, random_array,
                     random_qkv, rel_err, variant_if)
 
@@ -469,6 +470,24 @@ def test_gradients_of_captured_arrays(implementation, kind, monkeypatch):
   for g, w in zip(got, want):
     assert rel_err(g, w) < tolerance
   assert float(jnp.max(jnp.abs(got[0]))) > 0  # (the test can fail: zeros were the bug)
+
+
+def test_gradient_of_a_captured_python_float():
+  """jax.grad of a Python float the score_mod closes over (a temperature, an ALiBi slope), run
+  eagerly: its tracer has no ``.ndim``, which the captured arrays' cotangents once read (an
+  AttributeError; under jit it ran). Equal to the jitted gradient and the reference's."""
+  q, kk, v, d_out = random_qkv(29, 1, 40, 40, 2, 2, 16)
+
+  def loss(attend):
+    def fn(alpha):
+      rule = lambda s, b, h, i, j: s + alpha * (j - i)  # noqa: E731
+      return jnp.sum(attend(q, kk, v, rule)[0] * d_out)
+    return fn
+
+  ours = loss(lambda *a: (attention("xla", *a[:3], score_mod=a[3]),))
+  want = jax.grad(loss(lambda *a: reference_attention(*a[:3], score_mod=a[3])))(0.1)
+  for got in (jax.grad(ours)(0.1), jax.jit(jax.grad(ours))(0.1)):
+    assert rel_err(got, want) < F32_TOLERANCE
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
