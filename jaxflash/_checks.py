@@ -137,7 +137,13 @@ def _check_block_mask(mask_mod, block_mask, b: int, n: int, t: int, s: int,
   if not (t and s):  # nothing to mask (the call's result is empty or zeros): checked only
     mask_mod_lib.split(mask_mod)
     return None
-  return block_mask_lib.create_block_mask(mask_mod, None if unbatched else b, n, t, s)
+  batch = None if unbatched else b
+  if not _is_int(batch) and batch is not None:  # a symbolic batch (jax.export)
+    if mask_mod_lib.split(mask_mod).depends_on(mask_mod_lib.BATCH):
+      raise ValueError(f"mask_mod reads the batch index, which needs a known batch size; this "
+                       f"call's is symbolic ({b}): export it with a concrete one")
+    batch = None  # (the same mask for every row: the table's batch axis is 1)
+  return block_mask_lib.create_block_mask(mask_mod, batch, n, t, s)
 
 
 def _block_table(block_mask, packed, segments, t: int, s: int):

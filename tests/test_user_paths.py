@@ -386,3 +386,21 @@ def test_unbatched_inputs_take_a_rank_4_mask_or_bias_of_one_batch_row(which):
   got = jaxflash.flash_attention(q, k, v, implementation="xla", **extra)
   want = jax.nn.dot_product_attention(q, k, v, implementation="xla", **extra)
   assert got.shape == (T, N, H) and rel_err(got, want) < F32_TOLERANCE
+
+
+def test_export_with_a_symbolic_batch_and_a_mask_mod():
+  """jax.export of a call with a mask_mod at a symbolic batch size: a mask the same for every
+  row exports (its table's batch axis is 1) and runs at any batch; one that reads the batch
+  index is a ValueError naming mask_mod. (Both were "batch must be a positive int".)"""
+  from jax import export
+  b, = export.symbolic_shape("b")
+  spec = jax.ShapeDtypeStruct((b, T, N, H), jnp.float32)
+  causal = lambda b_, h, i, j: i >= j  # noqa: E731
+  exported = export.export(jax.jit(lambda q: jaxflash.flash_attention(
+      q, q, q, mask_mod=causal, implementation="xla")))(spec)
+  q = jax.random.normal(jax.random.key(9), (3, T, N, H))
+  want, _ = reference_attention(q, q, q, is_causal=True)
+  assert rel_err(exported.call(q), want) < F32_TOLERANCE
+  with pytest.raises(ValueError, match="mask_mod reads the batch index"):
+    export.export(jax.jit(lambda q: jaxflash.flash_attention(
+        q, q, q, mask_mod=lambda b_, h, i, j: i >= j + b_, implementation="xla")))(spec)
