@@ -52,6 +52,10 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     query, key, value = query[None], key[None], value[None]
   b, t, n, h = query.shape
   s = key.shape[1]
+  for name, size in (("query", t), ("key", s)):
+    if not _is_int(size):  # (jax.export's symbolic dims: a batch size may be one)
+      raise ValueError(f"{name}'s sequence length must be known when the call is traced (the "
+                       f"kernels and blocks are tiled by it), got the symbolic {size}")
 
   is_causal, broadcast_dropout, interpret, deterministic = (
       check_flag(flag, name) for flag, name in ((is_causal, "is_causal"),

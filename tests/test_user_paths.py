@@ -391,7 +391,8 @@ def test_unbatched_inputs_take_a_rank_4_mask_or_bias_of_one_batch_row(which):
 def test_export_with_a_symbolic_batch_and_a_mask_mod():
   """jax.export of a call with a mask_mod at a symbolic batch size: a mask the same for every
   row exports (its table's batch axis is 1) and runs at any batch; one that reads the batch
-  index is a ValueError naming mask_mod. (Both were "batch must be a positive int".)"""
+  index is a ValueError naming mask_mod. (Both were "batch must be a positive int".) A symbolic
+  sequence length is a ValueError saying so (it was an inconclusive comparison deep inside)."""
   from jax import export
   b, = export.symbolic_shape("b")
   spec = jax.ShapeDtypeStruct((b, T, N, H), jnp.float32)
@@ -404,3 +405,7 @@ def test_export_with_a_symbolic_batch_and_a_mask_mod():
   with pytest.raises(ValueError, match="mask_mod reads the batch index"):
     export.export(jax.jit(lambda q: jaxflash.flash_attention(
         q, q, q, mask_mod=lambda b_, h, i, j: i >= j + b_, implementation="xla")))(spec)
+  t, = export.symbolic_shape("t")
+  with pytest.raises(ValueError, match="query's sequence length must be known"):
+    export.export(jax.jit(lambda q: jaxflash.dot_product_attention(q, q, q, is_causal=True)))(
+        jax.ShapeDtypeStruct((2, t, N, H), jnp.float32))
