@@ -9,7 +9,7 @@ import pytest
 import jaxflash
 from jaxflash.reference import reference_attention
 from checks import (BACKENDS, BACKENDS_TRITON_VARIANT, F32_TOLERANCE, ON_GPU, OPTIONS, attention,
-                    check, random_array, random_qkv, rel_err, variant_if)
+                    TOLERANCE, check, random_array, random_qkv, rel_err, variant_if)
 
 # The options that "everything" holds, on both backends (each alone runs on the GPU and with
 # JAXFLASH_ALL_VARIANTS=1): Triton's interpreter costs CI 2-4 s a case, the XLA backend 1.6-3.5
@@ -264,3 +264,22 @@ def test_backends_agree_with_jax_nn():
   assert rel_err(got[0, :10], want[0, :10]) < F32_TOLERANCE
   assert rel_err(got[1], want[1]) < F32_TOLERANCE
   np.testing.assert_array_equal(np.asarray(got[0, 10:]), 0.0)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_float16_gradients_where_ds_passes_its_range(implementation):
+  """A large loss scale in float16: dS = P (dP - delta) reaches 9e4, past float16's 65504,
+  while scale * dS K stays near 400. dS is scaled before its 16-bit cast, so dQ and dK are
+  finite and right (they were all inf). (Mosaic's backward still casts dS unscaled:
+  docs/mosaic_backward.md, "Open".)"""
+  rng = np.random.default_rng(2)
+  shapes = dict(q=(1, 16, 1, 64), k=(1, 4, 1, 64), v=(1, 4, 1, 64), do=(1, 16, 1, 64))
+  factors = dict(q=0.01, k=0.01, v=60.0, do=300.0)
+  q, k, v, do = (jnp.asarray(rng.standard_normal(shapes[n]) * factors[n], jnp.float16)
+                 for n in ("q", "k", "v", "do"))
+  _, vjp = jax.vjp(lambda q, k, v: attention(implementation, q, k, v), q, k, v)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  _, want_vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v)[0], *f32)
+  for got, want in zip(vjp(do), want_vjp(do.astype(jnp.float32))):
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    assert rel_err(got, want) < TOLERANCE[jnp.float16]

@@ -43,11 +43,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, ls
     keep = tiles.keep(qt.stream, qt.rows, kt.k_start, schedule.block_k, params, qt.pos)
     dp = _core.dropped(plgpu.dot(do, v, trans_b=True), keep, params)
     ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), chain)
-    return dq + plgpu.dot(ds.astype(kt.k.dtype), kt.k)
+    # (dS scaled before its 16-bit cast: scale * dS K may be moderate where dS is past
+    # float16's range, with a large loss scale.)
+    return dq + plgpu.dot((ds * params.scale).astype(kt.k.dtype), kt.k)
 
   dq = jnp.zeros((schedule.block_q, st.head_dim_p), jnp.float32)
   dq = schedule.visit_kv(qt.q_start, qt.pos, body, dq, spans=qt.spans)
-  plgpu.store(dq_ref, (dq * params.scale).astype(dq_ref.dtype),
+  plgpu.store(dq_ref, dq.astype(dq_ref.dtype),
               mask=tiles.tile_ok(qt.row_ok, st.dim_ok))
 
 
@@ -113,7 +115,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, l
     dv = dv + plgpu.dot(_core.dropped(p, keep, params).astype(do.dtype), do, trans_a=True)
     dp = _core.dropped(plgpu.dot(do, v, trans_b=True), keep, params)
     ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), chain)
-    dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True)
+    dk = dk + plgpu.dot((ds * params.scale).astype(q.dtype), q, trans_a=True)
     return dk, dv
 
   zeros = (jnp.zeros((block_k, st.head_dim_p), jnp.float32),
@@ -124,7 +126,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, l
     spans_of = lambda g: tiles.list_spans(opt.lists, blocks, head_of(opt.lists, g))  # noqa: E731
   dk, dv = schedule.visit_q(k_start, pos, body, zeros, repeat=st.groups,
                             spans_of=spans_of)
-  plgpu.store(dk_ref, (dk * params.scale).astype(dk_ref.dtype), mask=kv_ok)
+  plgpu.store(dk_ref, dk.astype(dk_ref.dtype), mask=kv_ok)
   plgpu.store(dv_ref, dv.astype(dv_ref.dtype), mask=v_ok)
 
 

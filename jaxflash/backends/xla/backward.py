@@ -60,7 +60,9 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
       k_blk = blocks.rows(blk.k, k_start, bk)
       _, dz, ds = tile_grads(q_start, k_start, q_blk, k_blk, blocks.rows(blk.v, k_start, bk),
                              do_blk)
-      dq = dq + jnp.einsum("bkgqs,bskh->bqkgh", ds.astype(k_blk.dtype), k_blk,
+      # (dS scaled before its 16-bit cast: scale * dS K may be moderate where dS is past
+      # float16's range, with a large loss scale.)
+      dq = dq + jnp.einsum("bkgqs,bskh->bqkgh", (ds * params.scale).astype(k_blk.dtype), k_blk,
                            preferred_element_type=jnp.float32)
       if want_dbias:
         dbias = lax.dynamic_update_slice_in_dim(dbias, bias_tile(dz), k_start, axis=3)
@@ -72,7 +74,7 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
     dq, dbias = blk.schedule.visit_kv(q_start, blk.pos, body,
                                       blk.carry((jnp.zeros(q_blk.shape, jnp.float32), dbias)),
                                       spans=blk.kv_spans(i))
-    return (dq * params.scale).astype(out_dtype), dbias
+    return dq.astype(out_dtype), dbias
 
   def dkv_block(j):
     k_start = j * bk
@@ -86,14 +88,14 @@ def backward(inputs: Inputs, params: Params, config: Config, lse2, d_out, delta,
       p_dropped, _, ds = tile_grads(q_start, k_start, q_blk, k_blk, v_blk, do_blk)
       dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p_dropped.astype(do_blk.dtype), do_blk,
                            preferred_element_type=jnp.float32)
-      dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds.astype(q_blk.dtype), q_blk,
+      dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", (ds * params.scale).astype(q_blk.dtype), q_blk,
                            preferred_element_type=jnp.float32)
       return dk, dv
 
     zeros = jnp.zeros(k_blk.shape, jnp.float32), jnp.zeros(v_blk.shape, jnp.float32)
     dk, dv = blk.schedule.visit_q(k_start, blk.pos, body, blk.carry(zeros),
                                   spans=blk.q_spans(j))
-    return (dk * params.scale).astype(out_dtype), dv.astype(out_dtype)
+    return dk.astype(out_dtype), dv.astype(out_dtype)
 
   dq, dbias = lax.map(dq_block, jnp.arange(lay.t_pad // bq, dtype=jnp.int32))
   dq = ungroup_rows(dq, lay)
