@@ -281,7 +281,9 @@ class Split:
 
   def depends_on(self, index: str) -> bool:
     """Whether the mask depends on ``index`` (one of `INDICES`) at all."""
-    return index in self.deps[self.closed.jaxpr.outvars[0]]
+    out = self.closed.jaxpr.outvars[0]
+    # (A constant result, such as and_masks() of nothing, is a literal: it depends on none.)
+    return isinstance(out, jcore.Var) and index in self.deps[out]
 
   # --- Features, outside the kernels ---------------------------------------------------------
 
@@ -385,6 +387,8 @@ class Split:
     entries."""
     jaxpr = self.closed.jaxpr
     out = jaxpr.outvars[0]
+    if not isinstance(out, jcore.Var):  # a literal result: every entry alike (and unhashable)
+      return jnp.full(shape, out.val, jnp.float32 if self.takes_score else bool)
     place, eqns = self._banded if bands is not None else ({}, self.tile_eqns)
     if out in place:  # the looked-up value itself
       return bands[place[out]].astype(jnp.float32)
@@ -393,8 +397,6 @@ class Split:
       keys = self.row_vars if out in self.row_vars else self.col_vars
       value = values[keys.index(out)]
       return value.astype(jnp.float32) if self.takes_score else value != 0
-    if not isinstance(out, jcore.Var):  # a literal result: every entry alike
-      return jnp.full(shape, out.val, jnp.float32 if self.takes_score else bool)
     if self.takes_score and out is jaxpr.invars[0]:  # the score itself
       return score
     read = {v for eqn in eqns for v in eqn.invars if isinstance(v, jcore.Var)}

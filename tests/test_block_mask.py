@@ -665,6 +665,14 @@ def test_and_masks_and_or_masks(implementation):
   every = dense_mask_of(jaxflash.and_masks(), b=1, t=5, s=7, n=1)
   none = dense_mask_of(jaxflash.or_masks(), b=1, t=5, s=7, n=1)
   assert bool(jnp.all(every)) and not bool(jnp.any(none))
+  # As mask_mods: a constant result is a literal of the traced function, which the split's
+  # dependencies and the tile rule once hashed (TypeError: unhashable type: 'Literal').
+  q = jax.random.normal(jax.random.key(3), (1, 40, 2, 16))
+  plain = attention(implementation, q, q, q)
+  for constant, want in ((jaxflash.and_masks(), plain), (jaxflash.or_masks(), 0 * plain),
+                         (lambda b, h, i, j: True, plain)):
+    got = attention(implementation, q, q, q, mask_mod=constant)
+    assert rel_err(got, want) < F32_TOLERANCE
   with pytest.raises(ValueError, match="and_masks"):
     jaxflash.and_masks(causal, "causal")
 
