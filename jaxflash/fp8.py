@@ -149,7 +149,9 @@ def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
       raise ValueError(f"rotation must be [D, D] = {(x.shape[-1],) * 2} for x {x.shape}, got "
                        f"{rotation.shape}")
     x = rotated(x, rotation)
-  amax = jnp.max(jnp.abs(x), axis=-1)  # [B, L, heads]
+  # (A NaN entry stays NaN but sets no scale: a NaN block maximum set its block's factor to 1,
+  # which clipped or flushed every other value of the block.)
+  amax = jnp.max(jnp.where(jnp.isnan(x), 0.0, jnp.abs(x)), axis=-1)  # [B, L, heads]
   if block_size is None:
     amax = jnp.max(amax, axis=1)  # [B, heads]
   else:
@@ -160,7 +162,9 @@ def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
     amax = jnp.repeat(amax, block_size, axis=1)[:, :length]
   descale = jnp.where(amax > 0, amax / largest(dtype), 1.0)
   if power_of_two:
-    descale = jnp.exp2(jnp.ceil(jnp.log2(descale)))
+    # (ldexp, not exp2: XLA's exp2 of an integer need not be an exact power of two.)
+    exponent = jnp.ceil(jnp.log2(descale)).astype(jnp.int32)
+    descale = jnp.ldexp(jnp.ones_like(descale), exponent)
   if bfloat16_exact:
     descale = jnp.where(amax > 0, _bfloat16_exact_descales(amax, dtype), 1.0)
   # NaN stays NaN (a NaN input is visible in the output); the clip keeps rounding from

@@ -64,6 +64,19 @@ def test_quantize_edge_values():
   assert np.isnan(np.asarray(x8, np.float32)[0, 1, 0]).any()  # NaN stays visible
   x8, _ = fp8.quantize_fp8(jnp.ones((3, 2, 8)))  # unbatched
   assert x8.shape == (3, 2, 8)
+  # A NaN sets no scale: the rest of its block keeps the factor it would have without it (a
+  # NaN maximum once gave the block a factor of 1, clipping values past 448).
+  big = jax.random.normal(jax.random.key(0), (1, 8, 1, 16)) * 1000.0
+  _, clean = fp8.quantize_fp8(big)
+  x8, with_nan = fp8.quantize_fp8(big.at[0, 5, 0, 0].set(jnp.nan))
+  np.testing.assert_array_equal(np.asarray(with_nan), np.asarray(clean))
+  assert np.isnan(np.asarray(x8, np.float32)[0, 5, 0, 0])
+  # power_of_two factors are exact powers of two (XLA's exp2 of an integer was not always:
+  # 2**-17 came out 7.6293904e-06), so a value times its factor is exact in bfloat16.
+  small = jnp.full((1, 4, 1, 8), 0.003).at[0, 1].set(3e-5).at[0, 2].set(7.0)
+  _, factors = fp8.quantize_fp8(small, block_size=1, power_of_two=True)
+  mantissas, _ = np.frexp(np.asarray(factors, np.float64))
+  np.testing.assert_array_equal(mantissas, 0.5)
   with pytest.raises(ValueError, match="block_size"):
     fp8.quantize_fp8(x, block_size=0)
   with pytest.raises(ValueError, match="dtype"):
