@@ -87,6 +87,7 @@ def _fp8_forward(inputs, rotation, params, plan):
 
 def _forward(inputs, rotation, params, plan):
   want_dbias = inputs.bias is not None and inputs.bias.perturbed
+  want_dconsts = flash.consts_perturbed(inputs)
   inputs = flash.primal_values(inputs)
   rotation = None if rotation is None else rotation.value
   out, lse2, x8s = _fp8_forward(inputs, rotation, params, plan)
@@ -94,11 +95,11 @@ def _forward(inputs, rotation, params, plan):
   # them back, rather than quantising (and rotating) the 16-bit ones again; the mixed one keeps
   # the caller's. (``out`` has the inputs' dtype: `fp8_params`.)
   kept = x8s if plan.backward == "straight_through" else inputs
-  return (out, _core.user_lse(lse2)), (kept, rotation, out, lse2, want_dbias)
+  return (out, _core.user_lse(lse2)), (kept, rotation, out, lse2, want_dbias, want_dconsts)
 
 
 def _backward(params, plan, residuals, cotangents):
-  kept, rotation, out, lse2, want_dbias = residuals
+  kept, rotation, out, lse2, want_dbias, want_dconsts = residuals
   d_out, delta = flash.output_cotangents(out, cotangents)
   if plan.backward == "straight_through":
     operands = fp8.dequantized(kept, out.dtype)  # (query and key left rotated)
@@ -110,8 +111,12 @@ def _backward(params, plan, residuals, cotangents):
     operands = kept
     grads = flash.backward(plan.backward_backend, flash.without_sinks(operands), params,
                            plan.backward_config, lse2, d_out, delta, want_dbias)
-  # The rotation gets no gradient: it is a fixed random matrix, not a parameter.
-  return flash.cotangents_of(operands, *grads, lse2=lse2, delta=delta), None
+  # The rotation gets no gradient: it is a fixed random matrix, not a parameter. The arrays a
+  # score_mod closes over get theirs as the 16-bit call's do (rotated q and k give the same
+  # logits); they came back as zeros before 2026-12-05.
+  consts = flash.const_cotangents(operands, params, lse2, d_out, delta, want_dconsts)
+  return (flash.cotangents_of(operands, *grads, lse2=lse2, delta=delta)._replace(
+      score_consts=consts), None)
 
 
 attention.defvjp(_forward, _backward, symbolic_zeros=True)
