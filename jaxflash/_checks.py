@@ -433,14 +433,16 @@ def _check_score_mod(score_mod, b: int, n: int, t: int, s: int):
   if score_mod is None:
     return None, (None,) * 4, None, None
   rule = mask_mod_lib.split_score(score_mod)
-  consts = tuple(rule.closed.consts) or None
+  # (Whole on every device under Explicit mesh axes: the rule indexes them with index grids of
+  # its own, which a batch-sharded array refused.)
+  consts = tuple(_core.replicated(c) for c in rule.closed.consts) or None
   if rule.kernel_reason is not None:
     return rule, (None,) * 4, consts, None
-  features = (rule.features(rule.row_vars, b, n, t, mask_mod_lib.Q),
-              rule.features(rule.col_vars, b, n, s, mask_mod_lib.KV),
-              rule.features(rule.col_scalars, b, n, 1, mask_mod_lib.KV),
-              rule.band_values(b, n, t, s))
-  return rule, features, consts, (rule.table_arrays() if rule.lookups else None)
+  features = (rule.features(rule.row_vars, b, n, t, mask_mod_lib.Q, consts),
+              rule.features(rule.col_vars, b, n, s, mask_mod_lib.KV, consts),
+              rule.features(rule.col_scalars, b, n, 1, mask_mod_lib.KV, consts),
+              rule.band_values(b, n, t, s, consts))
+  return rule, features, consts, (rule.table_arrays(consts) if rule.lookups else None)
 
 
 def _check_fp8(query, key, descales, out_dtype, unbatched: bool):

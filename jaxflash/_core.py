@@ -318,6 +318,13 @@ def explicit_spec(x) -> tuple | None:
 
 
 
+def replicated(x):
+  """``x`` whole on every device where Explicit mesh axes shard it, else ``x``: what a traced
+  function indexes with index grids of its own (a mask_mod's or score_mod's captured arrays,
+  which Explicit sharding would ask to gather with an out_sharding)."""
+  return x if explicit_spec(x) is None else jax.reshard(x, jax.sharding.PartitionSpec())
+
+
 def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
   """A kernel output's shape and dtype, varying over the manual mesh axes ``like`` varies over
   (what `pallas_call` asks of its outputs inside `jax.shard_map` with ``check_vma``)."""

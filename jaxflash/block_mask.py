@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxflash import _core
 from jaxflash import mask_mod as mask_mod_lib
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -236,9 +237,12 @@ def create_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, 
                        f"got {value!r}")
   block_q, block_k = _block_sizes(block_size)
   split = mask_mod_lib.split(mask_mod)
-  made = _mask_mod_blocks_jitted(split, tuple(split.closed.consts), batch, heads, q_len, kv_len,
-                                 block_q, block_k)
-  return BlockMask(*made, split, block_q, block_k, q_len, kv_len, consts_for_xla(split))
+  # (The captured arrays whole on every device under Explicit mesh axes: the function indexes
+  # them with index grids of its own, which a batch-sharded array refused.)
+  consts = tuple(_core.replicated(c) for c in split.closed.consts)
+  made = _mask_mod_blocks_jitted(split, consts, batch, heads, q_len, kv_len, block_q, block_k)
+  return BlockMask(*made, split, block_q, block_k, q_len, kv_len,
+                   consts if split.kernel_reason is not None else ())
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 3, 4, 5, 6, 7))

@@ -358,3 +358,28 @@ def test_fp8_decode_sharded(paged):
     assert _collectives(fn.lower(*args).compile().as_text()) == []
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                              rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("axis_type", (AxisType.Auto, AxisType.Explicit), ids=("auto", "explicit"))
+def test_mods_reading_a_batch_sharded_array(axis_type):
+  """A mask_mod over per-row document ids and a score_mod over a per-row key bonus, both arrays
+  sharded with the batch: equal to the unsharded call, gradients of the bonus too. (Under
+  Explicit axes the functions' gathers from a sharded array failed: ShardingTypeError.)"""
+  b, t, n = 4, 48, 2
+  q, kk, v, d_out = random_qkv(5, b, t, t, n, n, 16)
+  docs = jnp.asarray(np.sort(np.random.RandomState(1).randint(0, 3, (b, t)), axis=1), jnp.int32)
+  bonus = random_array(6, (b, t), "float")
+
+  def fn(q, k, v, docs, bonus, d_out):
+    def call(q, k, v, bonus):
+      return attention("xla", q, k, v, mask_mod=lambda b_, h, i, j: docs[b_, i] == docs[b_, j],
+                       score_mod=lambda s, b_, h, i, j: s + bonus[b_, j])
+    out, vjp = jax.vjp(call, q, k, v, bonus)
+    return (out,) + vjp(d_out)
+
+  fn = jax.jit(fn)
+  want = fn(q, kk, v, docs, bonus, d_out)
+  mesh = _mesh(axis_type, (4,), ("b",))
+  with jax.set_mesh(mesh):
+    got = fn(*_put(mesh, P("b"), q, kk, v, docs, bonus, d_out))
+  _close(got, want)

@@ -61,9 +61,7 @@ def const_cotangents(inputs: Inputs, params: Params, lse2, d_out, delta, wanted:
   axes it runs on whole arrays: its products would otherwise mix operands sharded unlike.)"""
   if not wanted:
     return None
-  whole = lambda x: x if _core.explicit_spec(x) is None else jax.reshard(  # noqa: E731
-      x, jax.sharding.PartitionSpec())
-  args = jax.tree.map(whole, (without_sinks(inputs), lse2, d_out, delta))
+  args = jax.tree.map(_core.replicated, (without_sinks(inputs), lse2, d_out, delta))
   return score_const_gradients(args[0], params, *args[1:])
 
 
