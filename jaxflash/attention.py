@@ -8,6 +8,7 @@ Nothing here computes attention. `jaxflash._checks` validates and normalises the
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -246,9 +247,11 @@ def fp8_attention(
     rotation = _checks.as_array(rotation, "rotation")
     if rotation.shape != (h, h):
       raise ValueError(f"rotation must be [H, H] = {(h, h)}, got {rotation.shape}")
-  if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
+  if block_size is not None and (isinstance(block_size, bool)
+                                 or not isinstance(block_size, numbers.Integral)
                                  or block_size <= 0):
     raise ValueError(f"block_size must be None or a positive int, got {block_size!r}")
+  block_size = None if block_size is None else int(block_size)  # (a NumPy integer too)
   backend = backends.select(implementation, call.inputs, call.params)
   empty = _empty(call.inputs, call.params)
   if empty is not None:

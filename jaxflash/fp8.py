@@ -136,8 +136,10 @@ def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
   if not is_fp8(dtype):
     raise ValueError(f"dtype must be jnp.float8_e4m3fn or jnp.float8_e5m2, got {dtype!r}")
   if block_size is not None and (isinstance(block_size, bool)
-                                 or not isinstance(block_size, int) or block_size <= 0):
+                                 or not isinstance(block_size, numbers.Integral)
+                                 or block_size <= 0):
     raise ValueError(f"block_size must be None or a positive int, got {block_size!r}")
+  block_size = None if block_size is None else int(block_size)  # (a NumPy integer too)
   if power_of_two and bfloat16_exact:
     raise ValueError("power_of_two and bfloat16_exact are two ways of choosing the scales; "
                      "pass one")

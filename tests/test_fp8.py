@@ -79,6 +79,14 @@ def test_quantize_edge_values():
   np.testing.assert_array_equal(mantissas, 0.5)
   with pytest.raises(ValueError, match="block_size"):
     fp8.quantize_fp8(x, block_size=0)
+  # A NumPy integer block size (an array's shape entry) is an int too.
+  for got, want in zip(fp8.quantize_fp8(x, block_size=np.int64(2)),
+                       fp8.quantize_fp8(x, block_size=2)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  q = jax.random.normal(jax.random.key(1), (1, 8, 2, 16))
+  np.testing.assert_array_equal(
+      jaxflash.fp8_attention(q, q, q, block_size=np.int64(4), implementation="xla"),
+      jaxflash.fp8_attention(q, q, q, block_size=4, implementation="xla"))
   with pytest.raises(ValueError, match="dtype"):
     fp8.quantize_fp8(x, dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="rotation"):
