@@ -69,7 +69,8 @@ def threshold(rate: float) -> int:
 
 
 def keep_probability(rate: float) -> float:
-  """The exact probability that an entry is kept (``1 - rate`` to within 2**-17)."""
+  """The exact probability that an entry is kept (``1 - rate`` to within 2**-17; at least
+  2**-16, where a rate above 1 - 2**-17 would round to keeping none)."""
   return 1.0 - threshold(rate) / 2.0**16
 
 
