@@ -126,8 +126,9 @@ class BlockMask:
     b, n = visible.shape[:2]
     q_features = split.features(split.row_vars, b, n, q_len, mask_mod_lib.Q)
     kv_features = split.features(split.col_vars, b, n, kv_len, mask_mod_lib.KV)
-    return cls(table, q_features, kv_features, split, block_q, block_k, q_len, kv_len,
-               consts_for_xla(split))
+    # (No mask_consts: the packed-bits rule is elementwise, so every backend runs it from the
+    # features.)
+    return cls(table, q_features, kv_features, split, block_q, block_k, q_len, kv_len)
 
 
 def pack_bits(visible: jax.Array) -> jax.Array:
@@ -251,14 +252,6 @@ def _mask_mod_blocks_jitted(split, consts, batch, heads, q_len, kv_len, block_q,
   arguments: a mask made again, eagerly (a call with ``mask_mod=``, which makes one each time),
   ran its classification op by op (0.2 s a call on a CPU, 2026-12-04)."""
   return mask_mod_blocks(split, batch, heads, q_len, kv_len, block_q, block_k, consts=consts)
-
-
-def consts_for_xla(split) -> tuple:
-  """The arrays a split mask_mod closes over where only the XLA backend can run its rule (it
-  evaluates the whole function on them), else (): a `BlockMask` carries them as leaves, not in
-  its static split, so that one made inside jit or vmap leaks no tracer and a call compiled for
-  one mask serves another of the same structure."""
-  return tuple(split.closed.consts) if split.kernel_reason is not None else ()
 
 
 def mask_mod_blocks(split, batch: int | None, heads: int | None, q_len: int, kv_len: int,
