@@ -149,11 +149,30 @@ def _probabilities(s, lse2, params: Params, visible, make_score=None):
   return jnp.exp2(s2 - lse2), chain
 
 
+def _early_scale(params: Params, dtype) -> float:
+  """The factor dS takes before its cast to the operand ``dtype``: the softmax scale for
+  float16, whose |dS| can pass 65504 with a large loss scale where scale · dS K is moderate;
+  1 for bfloat16 (float32's range), whose sums take the scale once at the end instead
+  (`_late_scale`), one multiply a row rather than one an entry."""
+  return params.scale if jnp.dtype(dtype) == jnp.float16 else 1.0
+
+
+def _late_scale(params: Params, dtype) -> float:
+  """The factor the float32 dK and dQ sums take at the end: what `_early_scale` left out."""
+  return 1.0 if jnp.dtype(dtype) == jnp.float16 else params.scale
+
+
+def _times(x, factor: float):
+  """``x * factor``, with no multiply when the factor is 1."""
+  return x if factor == 1.0 else x * factor
+
+
 def _dscores(p, dp, delta, keep, chain, params: Params, dtype):
   """dS = P ∘ (dP − delta) (dP after dropout), through the soft cap's and score_mod's chain
-  factor, in ``dtype`` for the next wgmma (transposed tiles give dSᵀ the same way)."""
-  return _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta),
-                              chain).astype(dtype)
+  factor (and `_early_scale`), in ``dtype`` for the next wgmma (transposed tiles give dSᵀ the
+  same way)."""
+  ds = _core.dlogits_to_dqk(p * (_core.dropped(dp, keep, params) - delta), chain)
+  return _times(ds, _early_scale(params, dtype)).astype(dtype)
 
 
 def _visible(k_idx, first_key, last_key, q_ids, kv_ids):
@@ -402,7 +421,8 @@ class _SharedKeyRoles:
                                 dict(dk=zeros(hp), ds16=tile16, visits=fwd._i32(0))))
       else:
         dk = walk(self.dscores, dict(dk=zeros(hp)))["dk"]
-      self._finish(k_tile, dk * self.params.scale, place(out["dk"]))
+      self._finish(k_tile, _times(dk, _late_scale(self.params, k_tile.dtype)),
+                   place(out["dk"]))
 
   def _finish(self, tile, value, target):
     plgpu.barrier_arrive(self.smem["k_done"])  # both walks done: the resident tiles are free
@@ -687,7 +707,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     if want_dq:  # the other consumer's dQ products read this one's K tile until its last one
       plgpu.barrier_arrive(smem["k_done"])
       plgpu.barrier_wait(smem["k_done"])
-    results = {"dk": sums["dk"] * params.scale} if want_dk else {}
+    results = {"dk": _times(sums["dk"], _late_scale(params, k_tile.dtype))} if want_dk else {}
     # (Where this CTA's sums go: its part's slice of the outputs when the group is split.)
     place = ((lambda ref: ref.at[part, batch, keys, kv_head]) if parts > 1
              else (lambda ref: ref.at[batch, keys, kv_head]))
@@ -1110,14 +1130,15 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   if atomic:
     grads_out = _with_zeroed_sum(run, operands, dq_shape, out_type)
     dq = grads_out["dq"].transpose(0, 3, 1, 2) if transposed else grads_out["dq"]
-    grads_out["dq"] = (dq * params.scale).astype(q.dtype)
+    grads_out["dq"] = _times(dq, _late_scale(params, q.dtype)).astype(q.dtype)
     return _added_parts(grads_out, parts)
   grads_out = _added_parts(run(*operands, None), parts)
   if want_dq:
     # Scaled, and zero in the query blocks that no key tile visits: their rows see no key, and
     # the kernel never writes them.
     visited = jnp.repeat(first < k_tiles, block_q, axis=1)[:, :, None, None]
-    grads_out["dq"] = (jnp.where(visited, grads_out["dq"], 0.0) * params.scale).astype(q.dtype)
+    grads_out["dq"] = _times(jnp.where(visited, grads_out["dq"], 0.0),
+                              _late_scale(params, q.dtype)).astype(q.dtype)
   return grads_out
 
 
@@ -1322,7 +1343,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, off
     # Q is read no more: dQ goes out through its tile, or a float32 tile of its own in a partial
     # call (rows past T are clipped by TMA).
     out_tile = q_tile if dq32_smem is None else dq32_smem.at[wg]
-    out_tile[...] = (dq * params.scale).astype(out_tile.dtype)
+    out_tile[...] = _times(dq, _late_scale(params, q_tile.dtype)).astype(out_tile.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_tile, dq_ref.at[batch, rows, head])
     plgpu.wait_smem_to_gmem(0)
