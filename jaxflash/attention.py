@@ -8,6 +8,7 @@ Nothing here computes attention. `jaxflash._checks` validates and normalises the
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import numbers
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -232,6 +233,9 @@ def fp8_attention(
   for name in ("q_descale", "k_descale", "v_descale", "out_dtype"):
     if name in options:
       raise ValueError(f"fp8_attention quantises its inputs itself and takes no {name}")
+  unknown = sorted(set(options) - _FLASH_OPTIONS)
+  if unknown:  # (as Python words it, naming this function rather than the checker it feeds)
+    raise TypeError(f"fp8_attention() got an unexpected keyword argument {unknown[0]!r}")
   if backward not in ("straight_through", "mixed"):
     raise ValueError(f"backward must be 'straight_through' or 'mixed', got {backward!r}")
   if not fp8.is_fp8(fp8_dtype):
@@ -271,6 +275,11 @@ def fp8_attention(
                         backend.default_config(call.inputs, call.params, device))
   out, lse = quantized.attention(call.inputs, rotation, call.params, plan)
   return _results(out, lse, call, return_residual)
+
+
+# `flash_attention`'s keyword-only arguments, which `fp8_attention` passes on through **options.
+_FLASH_OPTIONS = frozenset(name for name, p in inspect.signature(flash_attention).parameters.items()
+                           if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 # The implementations that jaxflash's drop-in passes to `jax.nn.dot_product_attention` itself.

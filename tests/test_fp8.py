@@ -399,6 +399,8 @@ def test_errors_name_the_argument():
     jaxflash.fp8_attention(q, kk, v, fp8_dtype=jnp.float16)
   with pytest.raises(ValueError, match="backward"):
     jaxflash.fp8_attention(q, kk, v, backward="fp8")
+  with pytest.raises(TypeError, match=r"^fp8_attention\(\) got an unexpected keyword"):
+    jaxflash.fp8_attention(q, kk, v, foo=1)
   with pytest.raises(ValueError, match="implementation 'triton'|triton"):
     jaxflash.flash_attention(q8, k8, v8, implementation="triton")
   # Per-tensor factors as plain Python floats, and every call with no descale at all.
