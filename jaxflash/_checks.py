@@ -90,9 +90,15 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   split = None if block_mask is None else block_mask.split
   mask_consts = None
   if split is not None and split.kernel_reason is not None:
-    # (From the mask's leaves: its static split may hold another mask's arrays, or tracers of
-    # the jit that made it.)
-    mask_consts = block_mask.mask_consts or tuple(split.closed.consts)  # (or a hand-made one)
+    # From the mask's leaves only: its static split is equal to any other of the same structure
+    # (so jit reuses a trace across masks), and may hold another mask's arrays, or tracers of
+    # the jit that made it; reading them here would bake the first mask's arrays into a trace.
+    if not block_mask.mask_consts and split.closed.consts:
+      raise ValueError(
+          "block_mask's mask_mod closes over arrays that only the XLA backend reads, and the "
+          "BlockMask does not carry them (mask_consts is empty): make it with "
+          "jaxflash.create_block_mask, or pass mask_consts=the mask_mod's captured arrays")
+    mask_consts = block_mask.mask_consts
 
   inputs = Inputs(
       query=query, key=key, value=value, lengths=_lengths(q_lens, kv_lens, b, t, s),

@@ -5,6 +5,7 @@ CPU tests run the xla backend and the Triton kernels in interpret mode; the `gpu
 Mosaic and Triton kernels compiled, in bf16, with the shipped tiles.
 """
 
+import dataclasses
 import functools
 
 import chex
@@ -460,6 +461,12 @@ def test_gather_on_both_indices_falls_back_to_xla():
     attention("triton", q, q, q, mask_mod=GATHER_BOTH)
   assert jaxflash.implementation_for(q, q, q, mask_mod=GATHER_BOTH) == "xla"
   check("xla", b=1, t=70, s=70, n=2, k=2, h=16, mask_mod=_maker(GATHER_BOTH))
+  # A BlockMask rebuilt by hand without the captured arrays it must carry is refused (it read
+  # them from the static mask_mod, which jit shares between masks of one structure).
+  made = jaxflash.create_block_mask(GATHER_BOTH, 1, 2, 70, 70)
+  by_hand = dataclasses.replace(made, mask_consts=())
+  with pytest.raises(ValueError, match="block_mask.*mask_consts"):
+    jaxflash.flash_attention(q, q, q, block_mask=by_hand, implementation="xla")
 
 
 def _few_rows_case(kind: str, t: int, s: int):
