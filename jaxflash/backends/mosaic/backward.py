@@ -152,8 +152,8 @@ def _probabilities(s, lse2, params: Params, visible, make_score=None):
 def _early_scale(params: Params, dtype) -> float:
   """The factor dS takes before its cast to the operand ``dtype``: the softmax scale for
   float16, whose |dS| can pass 65504 with a large loss scale where scale · dS K is moderate;
-  1 for bfloat16 (float32's range), whose sums take the scale once at the end instead
-  (`_late_scale`), one multiply a row rather than one an entry."""
+  1 for bfloat16 (float32's range), whose float32 sums take the scale once at the end instead
+  (`_late_scale`): one multiply an output entry rather than one a score entry."""
   return params.scale if jnp.dtype(dtype) == jnp.float16 else 1.0
 
 
