@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jaxflash import dropout
 from jaxflash import mask_mod
 from jaxflash import masking
-from jaxflash._vma import varying_axes, varying_like  # noqa: F401 (ops and backends use them here)
+from jaxflash._vma import summed_like, varying_axes, varying_like  # noqa: F401 (ops, backends use them)
 
 LOG2_E = math.log2(math.e)
 

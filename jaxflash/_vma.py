@@ -18,3 +18,12 @@ def varying_like(x, axes: frozenset):
   started from constants must have the type of what its body returns under ``check_vma``."""
   missing = tuple(sorted(axes - varying_axes(x)))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def summed_like(cotangent, primal):
+  """``cotangent``, summed over the manual axes it varies over and ``primal`` does not: the
+  transpose of the implicit cast that made ``primal`` vary alike with the other operands (an
+  MQA key head shared by query heads split over devices, a bias broadcast over a split batch,
+  a table a score_mod closes over). A VJP must return its primal's type under ``check_vma``."""
+  extra = tuple(sorted(varying_axes(cotangent) - varying_axes(primal)))
+  return jax.lax.psum(cotangent, extra) if extra else cotangent

@@ -47,8 +47,10 @@ _ELEMENTWISE = frozenset("""
   select_n shift_left shift_right_arithmetic shift_right_logical sign sin sqrt square sub tan tanh
   xor logistic copy copy_p
 """.split())
-# Shape operations that are no-ops on the scalars the rule was traced with.
-_SCALAR_SHAPE_OPS = frozenset(("broadcast_in_dim", "reshape", "squeeze", "expand_dims"))
+# Shape operations that are no-ops on the scalars the rule was traced with; and ``pvary``, the
+# cast `jax.shard_map` (check_vma) records where an index meets a per-device captured array:
+# on a kernel's tile it is the identity (`_run` makes operands vary alike outside kernels).
+_SCALAR_SHAPE_OPS = frozenset(("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "pvary"))
 _CALLS = frozenset(("pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
                     "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint"))
 
@@ -871,6 +873,9 @@ def _run(eqn, env, args=None):
     subfuns, params = params
   if args is None:
     args = [_read(env, v) for v in eqn.invars]
+  if eqn.primitive.name == "pvary":  # (its operand may vary already here: `varying_like`)
+    env[eqn.outvars[0]] = varying_like(args[0], frozenset(eqn.params["axes"]))
+    return
   # Inside `jax.shard_map` some operands may vary over manual axes (indices that start at a
   # device's chunk) and others not: a primitive bound directly takes them only alike.
   axes = frozenset().union(*(varying_axes(x) for x in args))

@@ -211,6 +211,57 @@ def test_inside_shard_map_with_check_vma(implementation):
   _close(got, want)
 
 
+@pytest.mark.parametrize("case", ["documents", "mqa_heads", "bias", "score_table",
+                                  "score_gather"])
+def test_inside_shard_map_operands_the_devices_share(case):
+  """Inside `jax.shard_map` (``check_vma=True``), operands that do not vary over an axis the
+  query is split on: a mask_mod over per-device document ids (its trace records `pvary`
+  casts, which failed to run again on ids that vary already), MQA's one K/V head shared by
+  head-split queries, a bias broadcast over the split batch, and arrays a score_mod closes over
+  (through its features, and per entry). Gradients equal the unsharded call's: each device's
+  part of a shared operand's cotangent summed once (before: a type error, then for score_mod
+  tables the sum taken twice)."""
+  b, t, n, h = 4, 24, 2, 16
+  k_heads = 1 if case == "mqa_heads" else n
+  q, kk, v, _ = random_qkv(9, b, t, t, n, k_heads, h)
+  i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+  extra = {"documents": jnp.array([[0] * 12 + [1] * 12, [0] * 24, [0] * 5 + [1] * 19,
+                                   [0] * 8 + [1] * 8 + [2] * 8]),
+           "bias": random_array(10, (1, n, t, t), "float"),
+           "score_table": 0.3 * random_array(11, (n, 2 * t), "float"),
+           "score_gather": 0.3 * random_array(12, (t, t), "float")}.get(case, jnp.zeros(()))
+
+  def flash(q, k, v, x):
+    options = {
+        "documents": dict(mask_mod=lambda b, h, qi, ki: (x[b, qi] == x[b, ki]) & (qi >= ki)),
+        "mqa_heads": dict(is_causal=True), "bias": dict(bias=x),
+        "score_table": dict(score_mod=lambda s, b, h, qi, ki: s + x[h, qi - ki + t]),
+        "score_gather": dict(score_mod=lambda s, b, h, qi, ki: s + x[qi, ki])}[case]
+    return jaxflash.flash_attention(q, k, v, implementation="xla", **options)
+
+  def reference(q, k, v, x):
+    k, v = jnp.repeat(k, n // k_heads, axis=2), jnp.repeat(v, n // k_heads, axis=2)
+    options = {  # (made for this case only: the others' expressions need other shapes)
+        "documents": lambda: dict(mask=((x[:, :, None] == x[:, None, :]) & (i >= j))[:, None]),
+        "mqa_heads": lambda: dict(is_causal=True), "bias": lambda: dict(bias=x),
+        "score_table": lambda: dict(bias=x[:, i - j + t][None]),
+        "score_gather": lambda: dict(bias=x[None, None])}[case]()
+    return jax.nn.dot_product_attention(q, k, v, implementation="xla", **options)
+
+  floating = case != "documents"
+  argnums = (0, 1, 2, 3) if floating else (0, 1, 2)
+  loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)))  # noqa: E731
+  want = jax.grad(loss(reference), argnums)(q, kk, v, extra)
+  mesh = _mesh(AxisType.Auto)  # ("b", "h")
+  q_spec = P("b", None, "h") if case == "mqa_heads" else P("b")
+  x_spec = P("b") if case == "documents" else P()
+  sharded = jax.shard_map(flash, mesh=mesh, in_specs=(q_spec, P("b"), P("b"), x_spec),
+                          out_specs=q_spec)
+  assert rel_err(jax.jit(sharded)(q, kk, v, extra), reference(q, kk, v, extra)) < TOL
+  got = jax.jit(jax.grad(loss(sharded), argnums))(q, kk, v, extra)
+  _close(got, want)
+
+
 def test_dropout_is_the_same_however_the_call_is_sharded():
   """The keep mask depends on global (batch, head) coordinates: batch-sharded, head-sharded
   and unsharded calls drop the same entries (outputs equal to rounding)."""

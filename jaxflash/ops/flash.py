@@ -62,7 +62,9 @@ def const_cotangents(inputs: Inputs, params: Params, lse2, d_out, delta, wanted:
   if not wanted:
     return None
   args = jax.tree.map(_core.replicated, (without_sinks(inputs), lse2, d_out, delta))
-  return score_const_gradients(args[0], params, *args[1:])
+  grads = score_const_gradients(args[0], params, *args[1:])
+  return tuple(g if g is None else _core.summed_like(g, c)  # (None: an integer array's)
+               for g, c in zip(grads, inputs.score_consts))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -137,7 +139,8 @@ def cotangents_of(inputs: Inputs, dq, dk, dv, dbias, lse2=None, delta=None) -> I
   """The `Inputs`-shaped cotangent: integer inputs, the mask and the dropout seed get none.
   Attention sinks, if any, get theirs from the final ``lse2`` and ``delta``
   (`jaxflash._core.sink_gradient`)."""
-  cast = lambda g, x: None if g is None else g.astype(x.dtype)  # noqa: E731
+  # (In the primal's dtype, and under `jax.shard_map` summed over the devices that shared it.)
+  cast = lambda g, x: None if g is None else _core.summed_like(g, x).astype(x.dtype)  # noqa: E731
   d_sinks = None
   if inputs.sinks is not None:
     d_sinks = cast(_core.sink_gradient(inputs.sinks, lse2, delta), inputs.sinks)
