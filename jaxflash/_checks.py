@@ -332,8 +332,8 @@ def _is_int(x) -> bool:
 def _check_scale(scale, head_dim: int) -> float:
   if scale is None:
     return float(head_dim) ** -0.5
-  if isinstance(scale, (jax.Array, np.ndarray)) and scale.shape == () and jnp.issubdtype(
-      scale.dtype, jnp.floating):
+  if isinstance(scale, (jax.Array, np.ndarray)) and scale.shape == () and (
+      jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
     # A concrete scalar array (``1 / jnp.sqrt(d)``, as jax.nn takes it) is its number; the
     # kernels compile the scale in, so a traced one cannot be.
     try:
@@ -422,10 +422,11 @@ def _check_lengths(lengths, name: str, batch: int, unbatched: bool) -> jax.Array
     lengths = lengths[None]
   if lengths.shape != (batch,):
     raise ValueError(f"{name} must have shape (B,) = ({batch},), got {lengths.shape}")
-  # (Clipped before the cast: an int64 length past int32's range, under jax_enable_x64, would
-  # wrap; every length is clipped to [0, T or S] later anyway.)
-  big = jnp.iinfo(jnp.int32).max
-  return (jnp.clip(lengths, 0, big) if lengths.dtype.itemsize > 4 else lengths).astype(jnp.int32)
+  # (Clipped before the cast: an int64 length past int32's range, under jax_enable_x64, or a
+  # uint32 one from 2**31 on, would wrap; every length is clipped to [0, T or S] later anyway.)
+  if jnp.iinfo(lengths.dtype).max > jnp.iinfo(jnp.int32).max:
+    lengths = jnp.clip(lengths, 0, jnp.iinfo(jnp.int32).max)
+  return lengths.astype(jnp.int32)
 
 
 def _check_score_mod(score_mod, b: int, n: int, t: int, s: int):

@@ -84,7 +84,10 @@ def flash_attention(
       the axes it is broadcast along, and is computed only when asked for (a bias that is not
       differentiated costs no extra time or memory in the backward pass). A logit below about
       -2.3e38 (float32's ``finfo.min`` as a bias) counts as -inf, as a mask would: a row
-      biased so entirely sees no key and gives zeros (jax.nn averages its values).
+      biased so entirely sees no key and gives zeros (jax.nn averages its values). A logit
+      above about +2.3e38 overflows the kernels' base-2 logits (log2(e) times it) and gives
+      NaN, where jax.nn still picks that key. float16, bfloat16 or float32 (jax.nn also
+      takes an integer bias).
     mask: optional boolean mask broadcastable to [B, N, T, S]; True means "may attend".
     scale: multiplier of ``query @ key``; defaults to ``1 / sqrt(H)`` (query's head dim).
     is_causal: top-left aligned causal mask (query ``t`` sees keys ``s <= t``).
@@ -325,6 +328,11 @@ def dot_product_attention(
     raise ValueError(f"implementation={tuple(implementation)!r}: dot_product_attention passes "
                      "'cudnn' and 'xla' to jax.nn.dot_product_attention, which takes one name; "
                      "for jaxflash's blockwise XLA backend in a sequence call flash_attention")
+  if isinstance(implementation, str) and implementation not in backends.names():
+    # (Named here: `flash_attention`'s message would leave out the names passed to jax.nn.)
+    raise ValueError(f"implementation must be None, one of "
+                     f"{JAX_NN_IMPLEMENTATIONS + tuple(n for n in backends.names() if n != 'xla')}"
+                     f" or a sequence of jaxflash's {backends.names()}, got {implementation!r}")
   return flash_attention(query, key, value, bias, mask, implementation=implementation,
                          **options)
 

@@ -258,6 +258,10 @@ class DropIn(chex.TestCase):
     with pytest.raises(ValueError, match="implementation"):
       self.variant(lambda *args: jaxflash.dot_product_attention(
           *args, implementation=("triton", "xla")))(q, k, v)
+    # An unknown name: the message lists what the drop-in takes, jax.nn's 'cudnn' included.
+    with pytest.raises(ValueError, match=r"implementation must be None, one of \('cudnn'"):
+      self.variant(lambda *args: jaxflash.dot_product_attention(
+          *args, implementation="cuDNN"))(q, k, v)
 
 
 def test_inputs_jax_nn_accepts():
@@ -363,6 +367,15 @@ def test_int64_lengths_past_int32_under_x64():
                                    implementation="xla")
     want, _ = reference_attention(q, k, v, key_value_seq_lengths=jnp.array([S, 7]))
   assert rel_err(got, want) < F32_TOLERANCE
+  # uint32 lengths from 2**31 on wrapped as well, without x64; a negative int64 stays below 0.
+  got = jaxflash.flash_attention(q, k, v, implementation="xla",
+                                 query_seq_lengths=jnp.array([2**31, 2**32 - 1], jnp.uint32),
+                                 key_value_seq_lengths=jnp.array([3_000_000_000, 7], jnp.uint32))
+  assert rel_err(got, want) < F32_TOLERANCE
+  with jax.enable_x64(True):
+    got = jaxflash.flash_attention(q, k, v, key_value_seq_lengths=jnp.array([S, -2**32 + 5]),
+                                   implementation="xla")
+  np.testing.assert_array_equal(np.asarray(got[1]), 0.0)  # (a length below 0 sees nothing)
 
 
 def test_scale_as_a_concrete_array():
@@ -372,6 +385,10 @@ def test_scale_as_a_concrete_array():
   got = jaxflash.flash_attention(q, k, v, scale=1 / jnp.sqrt(4.0), implementation="xla")
   want = jax.nn.dot_product_attention(q, k, v, scale=0.5, implementation="xla")
   assert rel_err(got, want) < F32_TOLERANCE
+  for integer in (jnp.array(2), np.array(2)):  # (jax.nn takes integer ones too)
+    got = jaxflash.flash_attention(q, k, v, scale=integer, implementation="xla")
+    want = jax.nn.dot_product_attention(q, k, v, scale=2.0, implementation="xla")
+    assert rel_err(got, want) < F32_TOLERANCE
   with pytest.raises(ValueError, match="scale"):
     jax.jit(lambda s: jaxflash.flash_attention(q, k, v, scale=s, implementation="xla"))(0.5)
 
