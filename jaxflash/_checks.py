@@ -134,7 +134,22 @@ def _check_block_mask(mask_mod, block_mask, b: int, n: int, t: int, s: int,
     if (block_mask.q_len, block_mask.kv_len) != (t, s):
       raise ValueError(f"block_mask was made for q_len = {block_mask.q_len}, kv_len = "
                        f"{block_mask.kv_len}; this call has T = {t}, S = {s}")
+    if jnp.ndim(block_mask.table) != 4:
+      raise ValueError(f"block_mask.table must be [B or 1, N or 1, query blocks, key blocks], "
+                       f"got shape {jnp.shape(block_mask.table)}")
     tb, tn = block_mask.table.shape[:2]
+    for name, features, length in (("q_features", block_mask.q_features, t),
+                                   ("kv_features", block_mask.kv_features, s)):
+      # (Their batch axis is the second: sliced, stacked or sharded like the table's first, a
+      # mask's leaves stay in step; each along its own axis 0 they do not.)
+      shape = None if features is None else jnp.shape(features)
+      if shape is not None and (len(shape) != 4 or shape[3] != length or any(
+          d not in (1, want) for d, want in zip(shape[1:3], (tb, tn)))):
+        raise ValueError(
+            f"block_mask.{name} has shape {shape}, out of step with its table "
+            f"{block_mask.table.shape}: a BlockMask's features are [F, B or 1, N or 1, "
+            f"{length}] beside its table's [B or 1, N or 1, ...], so its batch is axis 1 of "
+            f"the features and axis 0 of the table (slice or shard each leaf along its own)")
     if tb not in (1, b) or tn not in (1, n) or (unbatched and tb != 1):
       raise ValueError(f"block_mask was made for batch {tb} and {tn} heads; this call has "
                        f"batch {b} and {n} query heads (a mask for all is made with None)")

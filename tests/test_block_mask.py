@@ -455,6 +455,28 @@ def test_reused_block_mask_and_from_blocks(implementation):
   check(implementation, b=1, t=30, s=80, n=2, k=1, h=16, block_mask=_maker(fine))
 
 
+def test_leaves_out_of_step_are_a_value_error():
+  """A BlockMask's batch is axis 0 of its table and axis 1 of its features: sliced along axis 0
+  leaf by leaf (``jax.tree.map(lambda x: x[1:], mask)``), or rebuilt with another row's table,
+  its leaves disagree. That was a KeyError or a broadcasting error deep inside, or a silently
+  different mask; it is a ValueError naming the leaf. Sliced along each leaf's own axis, it is
+  that row's mask."""
+  b, t = 2, 64
+  docs = jnp.stack([jnp.repeat(jnp.arange(2), 32), jnp.repeat(jnp.arange(4), 16)])
+  made = jaxflash.create_block_mask(lambda b, h, q, k: docs[b, q] == docs[b, k], b, None, t, t)
+  q, kk, v, _ = random_qkv(3, 1, t, t, 2, 2, 16)
+  call = lambda mask: jaxflash.flash_attention(  # noqa: E731
+      q, kk, v, block_mask=mask, implementation="xla")
+  with pytest.raises(ValueError, match="block_mask.q_features"):
+    call(jax.tree.map(lambda x: x[1:], made))
+  with pytest.raises(ValueError, match="block_mask.q_features"):
+    call(dataclasses.replace(made, table=made.table[1:]))
+  row = dataclasses.replace(made, table=made.table[1:], q_features=made.q_features[:, 1:],
+                            kv_features=made.kv_features[:, 1:])
+  want = reference_attention(q, kk, v, mask=(docs[1][:, None] == docs[1][None, :]))[0]
+  assert rel_err(call(row), want) < F32_TOLERANCE
+
+
 def test_gather_on_both_indices_falls_back_to_xla():
   q = jax.random.normal(jax.random.key(0), (1, 70, 2, 16))
   with pytest.raises(UnsupportedCallError, match="dynamic_slice"):
