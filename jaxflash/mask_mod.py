@@ -550,7 +550,8 @@ class _Sum:
 def _separated(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
   """``closed`` (a score_mod's jaxpr) traced again with sums of a query term, a key term and a
   term of both kept apart for as long as the arithmetic allows (sums, differences, negation,
-  products and quotients by values of neither index, conversions to a float), so that the
+  products and quotients by values of neither index, conversions to a float of 32 bits or
+  more), so that the
   query and key terms become row and column features computed outside the kernels, and the
   tile rule adds them once, the row term last.
 
@@ -612,8 +613,10 @@ def _separated(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
         return each(args[i], lambda p: jax.lax.div(p, factor))
       return each(args[i], (lambda p: jax.lax.mul(p, factor)) if i == 0 else
                   (lambda p: jax.lax.mul(factor, p)))
-    if name == "convert_element_type" and jnp.issubdtype(eqn.params["new_dtype"],
-                                                         jnp.floating):
+    if (name == "convert_element_type" and jnp.issubdtype(eqn.params["new_dtype"], jnp.floating)
+        and jnp.finfo(eqn.params["new_dtype"]).bits >= 32):
+      # (Not to 16 bits: each term rounded there, or past float16's range, where their sum is
+      # not, would lose far more than the sum's own rounding: inf - inf once made NaN rows.)
       dtype = eqn.params["new_dtype"]
       return each(args[0], lambda p: jax.lax.convert_element_type(p, dtype))
     return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxflash
@@ -411,6 +412,22 @@ def test_the_split_separates_query_and_key_terms(rule, separated):
     got = split.reference(b, h, i, j, score=score)
     want = rule(score, b, h, i, j)
     assert float(jnp.max(jnp.abs(got - want))) <= 1e-6 * float(jnp.max(jnp.abs(want)))
+
+
+def test_a_score_mod_cast_to_16_bits():
+  """A score_mod whose result is cast to bfloat16 or float16: the cast was pushed into each
+  separated term (the score, the query's and the key's), each rounded on its own (5.9e-2
+  relative error in bfloat16) or past float16's range (600 * 119 is inf there, while every
+  visible 600 * (j - i) is not: NaN rows)."""
+  q, kk, v, _ = random_qkv(4, 1, 120, 120, 1, 1, 16)
+  near = lambda b, h, i, j: jnp.abs(i - j) <= 50  # noqa: E731
+  for rule in (lambda s, b, h, i, j: (s + 0.3 * (j - i)).astype(jnp.bfloat16),
+               lambda s, b, h, i, j: (s + 600.0 * (j - i)).astype(jnp.float16) / 600.0):
+    got = jaxflash.flash_attention(q, kk, v, mask_mod=near, score_mod=rule, implementation="xla")
+    want, _ = reference_attention(q, kk, v, score_mod=rule,
+                                  mask=jnp.abs(jnp.arange(120)[:, None] - jnp.arange(120)) <= 50)
+    assert np.isfinite(np.asarray(got)).all()
+    assert rel_err(got, want) < 5e-3
 
 
 def _learned(table, slopes, n_table, gathered=False):
