@@ -45,7 +45,7 @@ CLASSIFY_BLOCK = 64
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # (no field-wise ==/hash: its leaves are arrays)
 class BlockMask:
   """Which blocks of the (query, key) plane hold visible entries, reusable across calls.
 
@@ -114,6 +114,10 @@ class BlockMask:
     Kernels with coarser tiles see partial tiles, and evaluate the pattern per entry from each
     query block's row of the table packed into 32-bit words (`_block_rule`): the same mask at
     any tile size, and no T x S array."""
+    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+      if not _is_positive_int(value):
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    q_len, kv_len = int(q_len), int(kv_len)  # (a NumPy integer too: static fields print plain)
     block_q, block_k = _block_sizes(block_size)
     visible = jnp.asarray(visible)
     want = (-(-q_len // block_q), -(-kv_len // block_k))
@@ -217,8 +221,11 @@ def create_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, 
 
   Args:
     mask_mod: the mask function.
-    batch: the batch size, or None if the mask is the same for every batch row.
-    heads: the number of query heads, or None if the mask is the same for every head.
+    batch: the batch size, or None if the mask is the same for every batch row (it is then
+      evaluated at batch index 0 only, as FlexAttention's ``B=None``: a mask_mod that reads
+      the batch index needs the size).
+    heads: the number of query heads, or None if the mask is the same for every head (then
+      evaluated at head 0 only, likewise).
     q_len, kv_len: the query and key lengths of the calls it is for.
     block_size: the block size (or (query block, key block)); a multiple of 64 suits every
       kernel's tiles (finer tiles refine it exactly; coarser ones see partial blocks).
@@ -236,6 +243,7 @@ def create_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, 
     if value is not None and not _is_positive_int(value):
       raise ValueError(f"{name} must be a positive int or None (the same mask for all), "
                        f"got {value!r}")
+  q_len, kv_len = int(q_len), int(kv_len)  # (a NumPy integer too: static fields print plain)
   block_q, block_k = _block_sizes(block_size)
   split = mask_mod_lib.split(mask_mod)
   # (The captured arrays whole on every device under Explicit mesh axes: the function indexes

@@ -455,6 +455,23 @@ def test_reused_block_mask_and_from_blocks(implementation):
   check(implementation, b=1, t=30, s=80, n=2, k=1, h=16, block_mask=_maker(fine))
 
 
+def test_from_blocks_checks_its_lengths_and_masks_compare_by_identity():
+  """`BlockMask.from_blocks` checks q_len and kv_len as create_block_mask does (0 blamed the
+  mask_mod, -5 the table, 37.0 was taken, a string was a TypeError); NumPy integers are taken
+  and kept as ints. A BlockMask compares and hashes by identity: its generated field-wise ==
+  raised on masks with features, and hash() always failed."""
+  visible = jnp.ones((1, 1, 1, 1), bool)
+  for name, lengths in (("q_len", (0, 53)), ("q_len", (-5, 53)), ("q_len", (37.0, 53)),
+                        ("kv_len", (37, "53"))):
+    with pytest.raises(ValueError, match=name):
+      jaxflash.BlockMask.from_blocks(visible, *lengths)
+  made = jaxflash.BlockMask.from_blocks(visible, np.int32(37), 53)
+  assert type(made.q_len) is int and "np.int" not in repr(made)
+  a = jaxflash.create_block_mask(lambda b, h, i, j: j <= i + 16, None, None, 64, 64)
+  b = jaxflash.create_block_mask(lambda b, h, i, j: j <= i + 16, None, None, 64, 64)
+  assert a == a and a != b and len({a, b}) == 2
+
+
 def test_leaves_out_of_step_are_a_value_error():
   """A BlockMask's batch is axis 0 of its table and axis 1 of its features: sliced along axis 0
   leaf by leaf (``jax.tree.map(lambda x: x[1:], mask)``), or rebuilt with another row's table,
