@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from jaxflash import dropout
 from jaxflash import mask_mod
 from jaxflash import masking
-from jaxflash._vma import summed_like, varying_axes, varying_like  # noqa: F401 (ops, backends use them)
+# (Re-exported: ops and backends use them from here.)
+from jaxflash._vma import summed_like, varying_as, varying_axes, varying_like  # noqa: F401
 
 LOG2_E = math.log2(math.e)
 

@@ -20,6 +20,13 @@ def varying_like(x, axes: frozenset):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def varying_as(arrays, *like) -> list:
+  """``arrays``, each made varying over every manual axis any of ``like`` varies over (a
+  no-op outside `jax.shard_map`)."""
+  axes = frozenset().union(*(varying_axes(x) for x in like))
+  return [varying_like(x, axes) for x in arrays]
+
+
 def summed_like(cotangent, primal):
   """``cotangent``, summed over the manual axes it varies over and ``primal`` does not: the
   transpose of the implicit cast that made ``primal`` vary alike with the other operands (an

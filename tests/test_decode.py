@@ -32,6 +32,11 @@ def _decode_mask(kv_lengths, t: int, s: int, left: int | None):
   return ok[:, None]
 
 
+def _input_dtype(implementation: str):
+  """float32 but for Mosaic, which serves 16-bit inputs only."""
+  return BF16 if implementation == "mosaic" else jnp.float32
+
+
 def _want(q, k, v, kv_lengths, left=None, **options):
   mask = _decode_mask(kv_lengths, q.shape[1], k.shape[1], left)
   return reference_attention(q, k, v, mask=mask, **options)
@@ -369,7 +374,7 @@ def test_nan_in_the_cache_or_query_gives_nan_rows(implementation, splits, merge,
 
 def _check_against_reference(implementation, t, window, cap):
   b, s, n, k, h = 4, 80, 4, 2, 40
-  dtype = BF16 if implementation == "mosaic" else jnp.float32  # (Mosaic: 16-bit inputs only)
+  dtype = _input_dtype(implementation)
   q, kk, v, _ = random_qkv(1, b, t, s, n, k, h, dtype)
   kv_lengths = jnp.array([0, 3, 37, s], jnp.int32)
   got, lse = jaxflash.decode_attention(
@@ -482,7 +487,7 @@ def test_unused_page_table_entries_may_hold_anything(implementation, monkeypatch
   monkeypatch.setattr(decode, "default_config", lambda *a, **kw: dataclasses.replace(
       default(*a, **kw), block_k=64))
   b, t, n, k, h, page_size, per_row = 3, 2, 4, 2, 32, 16, 8
-  dtype = BF16 if implementation == "mosaic" else jnp.float32  # (Mosaic: 16-bit inputs only)
+  dtype = _input_dtype(implementation)
   q, kk, v, d_out = random_qkv(11, b, t, per_row * page_size, n, k, h, dtype)
   kv_lengths = jnp.array([per_row * page_size, 37, 0], jnp.int32)
   (k_pages, table), (v_pages, _) = _paged(kk, page_size, 9), _paged(v, page_size, 9)
@@ -574,7 +579,7 @@ def test_decode_with_x64_and_strict_rank_promotion(implementation, paged):
   bounds once mixed int32 with int64 there), and no implicit rank promotion (sinks joined to
   the split-KV kernels' merged result once broadcast [N] against [B, T, N])."""
   b, s, n, h, t = 2, 32, 2, 16, 2
-  dtype = BF16 if implementation == "mosaic" else jnp.float32  # (Mosaic: 16-bit inputs only)
+  dtype = _input_dtype(implementation)
   q, kk, v, _ = random_qkv(6, b, t, s, n, n, h, dtype)
   sinks = jnp.array([0.5, -1.0])
   with jax.enable_x64(True), jax.numpy_rank_promotion("raise"):

@@ -357,7 +357,7 @@ def _varying(operands) -> tuple[tuple, frozenset]:
   """The operands, each varying over every manual axis any of them varies over (a kernel's
   outputs and a loop's carries then have one type under `check_vma`), and those axes."""
   axes = frozenset().union(*(_core.varying_axes(x) for x in operands))
-  return tuple(_core.varying_like(x, axes) for x in operands), axes
+  return tuple(_core.varying_as(operands, *operands)), axes
 
 
 # --- Attention's forward and backward as `Local`s ----------------------------------------------

@@ -221,7 +221,10 @@ def _per_entry(rule, consts, blk: blocks.Blocks, over_tiles) -> tuple:
     k_idx = (k_start + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, bk)
     scores = lambda *arrays: blk.whole_function(  # noqa: E731
         rule, arrays, *blk.absolute(q_idx, k_idx), z)
-    _, vjp = jax.vjp(scores, *_varying_as(consts, dz, z))
+    # (Differentiated as copies varying like the tile, inside `jax.shard_map`: each device's
+    # own part of an invariant array's cotangent, summed once at the end by `summed_like`; of
+    # the array itself JAX would sum over the devices on every tile, a collective a tile.)
+    _, vjp = jax.vjp(scores, *_core.varying_as(consts, dz, z))
     return tuple(g if g is None else g + d.astype(jnp.float32)
                  for g, d in zip(grads, vjp(dz)))
 
@@ -268,7 +271,8 @@ def _through_features(rule, consts, lay, over_tiles) -> tuple:
                        list(rows), list(cols), score=z,
                        bands=list(bands) if rule.lookups else None)
 
-    _, vjp = jax.vjp(scores, *(_varying_as(x, dz, z) for x in (rows, cols, bands)))
+    # (Varying copies, as in `_per_entry`: each device's own part, summed once below.)
+    _, vjp = jax.vjp(scores, *(_core.varying_as(x, dz, z) for x in (rows, cols, bands)))
     d_rows, d_cols, d_bands = vjp(dz)
     # Each sum's window: the tile's rows, its keys, and its diagonals (from q - k = q_start -
     # k_start - (bk - 1) on, at q - k + S_pad).
@@ -290,15 +294,6 @@ def _through_features(rule, consts, lay, over_tiles) -> tuple:
             _core.summed_like(acc[..., lo:hi], x).astype(x.dtype) for acc, x in zip(kind, xs))
       for kind, xs, (lo, hi) in zip(sums, values, windows))
   return tuple(g if _floating(c) else None for g, c in zip(vjp_derived(cotangents), consts))
-
-
-def _varying_as(arrays, *like) -> list:
-  """``arrays`` varying over the manual axes (inside `jax.shard_map`) that any of ``like``
-  varies over. A tile's `jax.vjp` then gives each device's own part of an invariant array's
-  cotangent, summed once at the end (`_core.summed_like`): of an array that does not vary, it
-  would sum over the devices on every tile, a collective a tile."""
-  axes = frozenset().union(*(_core.varying_axes(x) for x in like))
-  return [_core.varying_like(x, axes) for x in arrays]
 
 
 def _add_at(acc, part, start):
