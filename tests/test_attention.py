@@ -233,6 +233,21 @@ def test_vmap_and_jit(implementation):
     assert rel_err(g[i], per_slice(q[i], k[i], v[i])) < F32_TOLERANCE
 
 
+@pytest.mark.parametrize("implementation", BACKENDS_TRITON_VARIANT)
+@pytest.mark.parametrize("option", ["none", "lengths"])
+def test_jit_of_the_gradient_of_a_scaled_sum(implementation, option):
+  """jit(grad) of ``c * out.sum()`` with K and V closed over: the output's cotangent is a
+  broadcast scalar, which XLA CPU's YNNPACK fusion took into the XLA backend's dO V^T - delta
+  and computed from uninitialised memory (errors of 2 to 7e30 with jax 0.11-0.12, where the
+  eager gradient was right); `flash.output_cotangents` hides it from XLA."""
+  q, k, v, _ = random_qkv(11, 4, 40, 40, 2, 2, 16)
+  kw = dict(key_value_seq_lengths=jnp.array([40, 30, 20, 10])) if option == "lengths" else {}
+  loss = lambda q, c: jnp.sum(c * attention(implementation, q, k, v, small=False, **kw))  # noqa: E731
+  got = jax.jit(jax.grad(loss))(q, 1.0)
+  want = jax.grad(lambda q: jnp.sum(reference_attention(q, k, v, **kw)[0]))(q)
+  assert rel_err(got, want) < F32_TOLERANCE
+
+
 def test_backends_agree_with_jax_nn():
   """Our reference (and hence both backends) means what jax.nn.dot_product_attention means."""
   b, t, s, n, k, h = 2, 24, 40, 4, 2, 16

@@ -126,6 +126,11 @@ def output_cotangents(out, cotangents):
   d_out, d_lse = cotangents
   if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
     d_out = jnp.zeros(out.shape, out.dtype)
+  # XLA sees no further than this: a d_out that is a broadcast scalar (the gradient of
+  # ``c * out.sum()`` under jit) let XLA CPU's YNNPACK fusion take dO V^T - delta as one op,
+  # which read uninitialised memory (jax 0.11-0.12; gradients of 1e16-1e36). The kernels read
+  # a materialised d_out anyway.
+  d_out = jax.lax.optimization_barrier(d_out)
   return d_out, _core.delta(out, d_out, d_lse)
 
 
