@@ -226,8 +226,11 @@ def check_cache(query, key_cache, value_cache, kv_lengths, page_table, value_hea
   if query.ndim != 4:
     raise ValueError(f"query must be [B, T, N, H], got shape {query.shape}")
   b, t = query.shape[:2]
-  if (key_cache.ndim != 4 or value_cache.ndim != 4
-      or value_cache.shape[:-1] != key_cache.shape[:-1]):
+  for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+    if cache.ndim != 4:
+      raise ValueError(f"{name} must be [B, S_max, K, H] (or pages [num_pages, page_size, K, H] "
+                       f"with page_table), got shape {cache.shape}")
+  if value_cache.shape[:-1] != key_cache.shape[:-1]:
     raise ValueError(f"key_cache and value_cache must have one shape but for the head dim, "
                      f"[B, S_max, K, Dqk] and [B, S_max, K, Dv] (or [num_pages, page_size, K, "
                      f"Dqk] and [..., Dv] with page_table), got key_cache {key_cache.shape} and "
@@ -251,7 +254,29 @@ def check_cache(query, key_cache, value_cache, kv_lengths, page_table, value_hea
   if t > s_max:
     raise ValueError(f"query has T = {t} new tokens, more than the cache holds (S_max = "
                      f"{s_max})")
-  return key_cache, value_cache, _check_lengths(kv_lengths, "kv_lengths", b, False)
+  kv_lengths = _check_lengths(kv_lengths, "kv_lengths", b, False)
+  if page_table is not None:
+    _check_page_ids(page_table, kv_lengths, key_cache.shape[1], key_cache.shape[0])
+  return key_cache, value_cache, kv_lengths
+
+
+def _check_page_ids(page_table, kv_lengths, page_size: int, num_pages: int) -> None:
+  """Where the table and lengths are known (an eager call), the pages a row's length reaches
+  must exist: an id past the pool gave NaN rows on the XLA backend (a read outside it on the
+  GPU) and a negative one wrapped to another page. Under jit they are the caller's promise."""
+  if any(isinstance(x, jax.core.Tracer) for x in (page_table, kv_lengths)):
+    return
+  table = np.asarray(page_table)
+  lengths = (np.full(table.shape[0], table.shape[1] * page_size) if kv_lengths is None
+             else np.clip(np.asarray(kv_lengths), 0, table.shape[1] * page_size))
+  used = np.arange(table.shape[1])[None, :] * page_size < lengths[:, None]
+  bad = used & ((table < 0) | (table >= num_pages))
+  if bad.any():
+    row, col = (int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"page_table[{row}, {col}] = {table[row, col]} is not a page id in [0, "
+                     f"{num_pages}) (key_cache holds {num_pages} pages), and row {row}'s length "
+                     f"{int(lengths[row])} reaches that page; entries past a row's length may "
+                     f"be anything")
 
 
 def check_cache_descales(key_cache, values_in_keys: bool, paged: bool, k_descale, v_descale):

@@ -514,7 +514,9 @@ def decode_attention(
     page_table: optional int [B, pages_per_row]: row ``b`` of the cache is pages
       ``page_table[b, 0], page_table[b, 1], ...`` in order (S_max = pages_per_row * page_size).
       Only a row's first ``ceil(kv_lengths[b] / page_size)`` entries are read, and must be
-      page ids in ``[0, num_pages)``; the rest may hold anything (padding such as -1).
+      page ids in ``[0, num_pages)`` (checked where the table and lengths are concrete, an
+      eager call: a ValueError; under jit, unchecked); the rest may hold anything (padding
+      such as -1).
     scale: multiplier of ``query @ key``; defaults to ``1 / sqrt(H)`` (query's head dim).
     local_window_size: ``w`` or ``(left, right)``: a token sees at most ``left`` tokens before
       its own (``right`` has no effect: nothing after it is visible).

@@ -560,6 +560,14 @@ def test_decode_under_jit_with_traced_lengths():
     (dict(value_cache=None, value_head_dim=4, key_cache=jnp.zeros((2, 10, 8))),
      "key_cache must be"),
     (dict(value_head_dim=4), "value_head_dim is for value_cache=None"),
+    (dict(key_cache=jnp.zeros((10, 1, 8)), value_cache=jnp.zeros((10, 1, 8))),
+     r"key_cache must be \[B, S_max"),
+    # (A page that a row's length reaches must exist: 2 pages of 10 here, and row 1's length
+    # 12 reaches its second entry; row 0's second entry is past its length, so anything.)
+    (dict(page_table=jnp.array([[0, -1], [1, 2]]), kv_lengths=jnp.array([1, 12])),
+     r"page_table\[1, 1\] = 2 is not a page id in \[0, 2\)"),
+    (dict(page_table=jnp.array([[0, -1], [1, -2]]), kv_lengths=jnp.array([1, 12])),
+     r"page_table\[1, 1\] = -2"),
 ])
 def test_decode_refuses_bad_input(args, match):
   base = dict(query=jnp.zeros((2, 1, 2, 8)), key_cache=jnp.zeros((2, 10, 1, 8)),
