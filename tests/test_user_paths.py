@@ -109,14 +109,16 @@ def test_enable_x64(implementation):
 
 
 @pytest.mark.parametrize("implementation", BACKENDS)
-def test_strict_rank_promotion(implementation):
-  """jax_numpy_rank_promotion="raise": nothing inside broadcasts arrays of different ranks."""
+def test_strict_rank_and_dtype_promotion(implementation):
+  """jax_numpy_rank_promotion="raise": nothing inside broadcasts arrays of different ranks;
+  jax_numpy_dtype_promotion="strict": nothing mixes dtypes implicitly (the XLA backend compared
+  the boolean mask with 0, an error there, and so were Flax's modules with a mask)."""
   q, k, v = _qkv(3)
   kw = dict(is_causal=True, mask=jnp.ones((B, 1, T, S), bool), bias=jnp.zeros((T, S)),
             key_value_seq_lengths=jnp.array([20, 24]), dropout_rate=0.1,
             dropout_rng=jax.random.key(1), segment_ids=(jnp.zeros((B, T), jnp.int32),
                                                         jnp.zeros((B, S), jnp.int32)))
-  with jax.numpy_rank_promotion("raise"):
+  with jax.numpy_rank_promotion("raise"), jax.numpy_dtype_promotion("strict"):
     out = attention(implementation, q, k, v, **kw)
     grads = jax.grad(lambda q, k, v: jnp.sum(attention(implementation, q, k, v, **kw)),
                      argnums=(0, 1, 2))(q, k, v)
@@ -125,7 +127,7 @@ def test_strict_rank_promotion(implementation):
 
 
 # (Triton's case runs on the GPU and with JAXFLASH_ALL_VARIANTS=1: 11 s of a CPU; on a CPU
-# test_strict_rank_promotion holds Triton's kernels, and the XLA case the block mask paths.)
+# test_strict_rank_and_dtype_promotion holds Triton's kernels, and the XLA case the block mask paths.)
 @pytest.mark.parametrize("implementation", BACKENDS_TRITON_VARIANT)
 def test_strict_rank_promotion_with_block_masks(implementation):
   """The block mask paths under jax_numpy_rank_promotion="raise": a mask_mod closing over

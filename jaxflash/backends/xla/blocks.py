@@ -116,7 +116,7 @@ class Blocks:
     self.score_tables = inputs.score_tables
     self.q_seg = pad_axis(inputs.q_segment_ids, 1, lay.t_pad)
     self.kv_seg = pad_axis(inputs.kv_segment_ids, 1, lay.s_pad)
-    self.mask = self._dense(None if inputs.mask is None else inputs.mask != 0)
+    self.mask = self._dense(None if inputs.mask is None else inputs.mask.astype(jnp.bool_))
     self.bias = self._dense(inputs.bias)
     self.manual_axes = _core.varying_axes(inputs.query)
     self.stream = None
