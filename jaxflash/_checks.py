@@ -369,18 +369,24 @@ def _is_int(x) -> bool:
   return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def _static_number(x, name: str, workaround: str):
+  """A concrete scalar array (``1 / jnp.sqrt(d)``, as jax.nn takes a scale) as its number; the
+  kernels compile ``name`` in, so a traced one is a ValueError saying ``workaround``."""
+  if isinstance(x, (jax.Array, np.ndarray)) and x.shape == () and (
+      jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+    try:
+      return float(x)
+    except jax.errors.ConcretizationTypeError:
+      raise ValueError(f"{name} must be a number known when the call is traced (the kernels "
+                       f"compile it in), got a traced array; {workaround}") from None
+  return x
+
+
 def _check_scale(scale, head_dim: int) -> float:
   if scale is None:
     return float(head_dim) ** -0.5
-  if isinstance(scale, (jax.Array, np.ndarray)) and scale.shape == () and (
-      jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
-    # A concrete scalar array (``1 / jnp.sqrt(d)``, as jax.nn takes it) is its number; the
-    # kernels compile the scale in, so a traced one cannot be.
-    try:
-      scale = float(scale)
-    except jax.errors.ConcretizationTypeError:
-      raise ValueError("scale must be a number known when the call is traced (the kernels "
-                       "compile it in), got a traced array") from None
+  scale = _static_number(scale, "scale", "for a learned temperature, multiply query by it "
+                         "and pass scale=1.0")
   if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not np.isfinite(scale):
     raise ValueError(f"scale must be a finite Python number, got {scale!r}")
   return float(scale)
@@ -405,6 +411,8 @@ def _check_window(window) -> tuple[int, int] | None:
 def _check_soft_cap(cap) -> float | None:
   if cap is None:
     return None
+  cap = _static_number(cap, "logits_soft_cap", "a learned cap can be a score_mod, "
+                       "lambda s, b, h, i, j: cap * jnp.tanh(s / cap)")
   if (not isinstance(cap, numbers.Real) or isinstance(cap, bool) or not np.isfinite(cap)
       or cap <= 0):
     raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {cap!r}")
@@ -439,6 +447,8 @@ def _check_dense(x, name: str, full: tuple[int, int, int, int], unbatched: bool,
   x = as_array(x, name)
   if want_bool and x.dtype != jnp.bool_:
     raise ValueError(f"mask must be boolean (True = attend), got dtype {x.dtype}")
+  if not want_bool and x.dtype == jnp.float64:
+    x = x.astype(jnp.float32)  # (x64's float literals: jnp.where(mask, 0.0, -1e9), as jax.nn)
   if not want_bool and x.dtype not in _FLOAT_DTYPES:
     raise ValueError(f"bias must be float16, bfloat16 or float32, got dtype {x.dtype}")
   if unbatched and x.ndim == 4 and x.shape[0] == 1:

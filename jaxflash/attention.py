@@ -86,10 +86,12 @@ def flash_attention(
       -2.3e38 (float32's ``finfo.min`` as a bias) counts as -inf, as a mask would: a row
       biased so entirely sees no key and gives zeros (jax.nn averages its values). A logit
       above about +2.3e38 overflows the kernels' base-2 logits (log2(e) times it) and gives
-      NaN, where jax.nn still picks that key. float16, bfloat16 or float32 (jax.nn also
-      takes an integer bias).
+      NaN, where jax.nn still picks that key. float16, bfloat16 or float32; float64 (Python
+      floats under jax_enable_x64) is taken as float32 (jax.nn also takes an integer bias).
     mask: optional boolean mask broadcastable to [B, N, T, S]; True means "may attend".
-    scale: multiplier of ``query @ key``; defaults to ``1 / sqrt(H)`` (query's head dim).
+    scale: multiplier of ``query @ key``; defaults to ``1 / sqrt(H)`` (query's head dim). A
+      number known when the call is traced (the kernels compile it in; jax.nn also takes a
+      traced one): for a learned temperature, multiply ``query`` by it and pass 1.0.
     is_causal: top-left aligned causal mask (query ``t`` sees keys ``s <= t``).
     query_seq_lengths: int [B]; query rows at or past the length are padding and give zeros.
     key_value_seq_lengths: int [B]; keys at or past the length are ignored.

@@ -446,7 +446,8 @@ def test_lowers_with_x64_and_strict_rank_promotion(ctas, with_dense):
           config, **options, **dict(zip(dense, arrays)))(q, k, v).astype(jnp.float32)),
           argnums=(0, 1, 2))(q, k, v)
 
-    # (x64 makes the test's float bias float64, which jaxflash refuses: pass it as bfloat16.)
+    # (x64 makes the test's float bias float64, which jaxflash takes as float32: lower the
+    # kernels with the bfloat16 bias the test means.)
     abstract = [jax.ShapeDtypeStruct(x.shape, BF16 if x.dtype == jnp.float64 else x.dtype)
                 for x in dense.values()]
     text = _lower(fn, q, kv, kv, *abstract)

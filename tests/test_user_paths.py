@@ -391,8 +391,31 @@ def test_scale_as_a_concrete_array():
     got = jaxflash.flash_attention(q, k, v, scale=integer, implementation="xla")
     want = jax.nn.dot_product_attention(q, k, v, scale=2.0, implementation="xla")
     assert rel_err(got, want) < F32_TOLERANCE
-  with pytest.raises(ValueError, match="scale"):
+  with pytest.raises(ValueError, match="scale must be a number known.*multiply query by it"):
     jax.jit(lambda s: jaxflash.flash_attention(q, k, v, scale=s, implementation="xla"))(0.5)
+  # The same for the soft cap: a concrete array is its number, a traced one says what to do.
+  got = jaxflash.flash_attention(q, k, v, logits_soft_cap=jnp.float32(3.0), implementation="xla")
+  want = jaxflash.flash_attention(q, k, v, logits_soft_cap=3.0, implementation="xla")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  with pytest.raises(ValueError, match="logits_soft_cap must be a number known.*score_mod"):
+    jax.grad(lambda c: jnp.sum(jaxflash.flash_attention(q, k, v, logits_soft_cap=c,
+                                                        implementation="xla")))(3.0)
+
+
+def test_a_float64_bias_under_x64():
+  """Under jax_enable_x64 a bias made from Python floats (``jnp.where(mask, 0.0, -1e9)``) is
+  float64: jax.nn takes it, and so does jaxflash (as float32; it was refused); its gradient
+  is float64 like the bias."""
+  q, k, v = _qkv(6)
+  with jax.enable_x64(True):
+    bias = jnp.where(jnp.arange(T)[:, None] >= jnp.arange(S), 0.0, -1e9)
+    assert bias.dtype == jnp.float64
+    got = jaxflash.flash_attention(q, k, v, bias=bias, implementation="xla")
+    want = jax.nn.dot_product_attention(q, k, v, bias=bias, implementation="xla")
+    assert got.dtype == jnp.float32 and rel_err(got, want) < F32_TOLERANCE
+    grad = jax.grad(lambda b: jnp.sum(jaxflash.flash_attention(q, k, v, bias=b,
+                                                               implementation="xla")))(bias)
+    assert grad.dtype == jnp.float64 and np.isfinite(np.asarray(grad)).all()
 
 
 @pytest.mark.parametrize("which", ["mask", "bias"])
