@@ -98,8 +98,45 @@ class BlockMask:
     (FlexAttention's ``BlockMask.to_dense``)."""
     return self.table != EMPTY
 
+  def partition_spec(self, batch: str | tuple[str, ...] | None = None,
+                     heads: str | tuple[str, ...] | None = None) -> "BlockMask":
+    """This mask's leaves' `jax.sharding.PartitionSpec`s with its batch split over mesh axis
+    ``batch`` and its heads over ``heads``: a BlockMask of specs, the mask's entry of
+    `jax.shard_map`'s ``in_specs`` beside a query split the same way (each device then gets
+    its rows' and heads' table and features), or its shardings through
+    ``jax.tree.map(lambda p: NamedSharding(mesh, p), spec)``. The leaves do not share one
+    batch axis (the table's is axis 0, the features' axis 1); an axis the mask broadcasts
+    (size 1) is never split.
+
+    Raises:
+      ValueError: if the mask's rule reads the arrays it closes over at the batch row or head
+        it is given (``mask_consts``: a gather only the XLA backend runs) and an axis it varies
+        along is split: inside `jax.shard_map` those indices are the device's own, the arrays
+        the whole call's.
+    """
+    P = jax.sharding.PartitionSpec
+    b_axis = batch if self.table.shape[0] > 1 else None
+    n_axis = heads if self.table.shape[1] > 1 else None
+    if self.mask_consts and (b_axis is not None or n_axis is not None):
+      raise ValueError(
+          "this BlockMask's mask_mod runs on its captured arrays (mask_consts: a gather at both "
+          "indices, which only the XLA backend evaluates) at the batch row and head it is "
+          "given, so its batch or heads cannot be split: inside shard_map those would be the "
+          "device's own indices. Make the mask inside the shard_map from the device's own "
+          "arrays, or pass it (whole) to a call under jax.jit with sharded inputs")
+
+    def features(x):
+      return None if x is None else P(None, b_axis if x.shape[1] > 1 else None,
+                                      n_axis if x.shape[2] > 1 else None, None)
+    return dataclasses.replace(
+        self, table=P(b_axis, n_axis, None, None), q_features=features(self.q_features),
+        kv_features=features(self.kv_features), mask_consts=tuple(P() for _ in self.mask_consts))
+
   def __repr__(self) -> str:
     made = None if self.split is None else getattr(self.mask_mod, "__name__", "mask_mod")
+    if not hasattr(self.table, "shape"):  # a tree of other leaves (`partition_spec`'s, in_axes)
+      return (f"BlockMask(table={self.table!r}, q_features={self.q_features!r}, kv_features="
+              f"{self.kv_features!r}, mask_consts={self.mask_consts!r}, mask_mod={made})")
     return (f"BlockMask(shape={self.shape}, block_size=({self.block_q}, {self.block_k}), "
             f"blocks={tuple(self.table.shape[2:])}, mask_mod={made})")
 

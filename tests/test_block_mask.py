@@ -346,6 +346,39 @@ def test_mask_mod_on_a_sharded_batch():
                               atol=2e-5, rtol=2e-5)
 
 
+def test_partition_spec_splits_a_mask_with_its_batch_inside_shard_map():
+  """`BlockMask.partition_spec`: a mask whose features depend on the batch row, split with the
+  query over four (CPU) devices inside shard_map (the table along axis 0, the features along
+  axis 1), gives the unsharded call's result and gradient; as shardings it places the mask. A
+  mask whose rule reads its captured arrays at the indices it is given cannot be split."""
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices (tests/conftest.py fakes them on a CPU)")
+  P = jax.sharding.PartitionSpec
+  mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  docs = jnp.asarray(np.sort(_rng.randint(0, 3, (4, 48)), axis=1))
+  mask = jaxflash.create_block_mask(lambda b, h, q, k: (docs[b, q] == docs[b, k]) & (q >= k),
+                                    4, None, 48, 48, block_size=16)
+  spec = mask.partition_spec("data")
+  assert spec.table == P("data", None, None, None) and spec.q_features[1] == "data"
+  assert mask.partition_spec(heads="heads").table == P(None, None, None, None)  # (broadcast)
+  q = jax.random.normal(jax.random.key(8), (4, 48, 2, 16))
+  call = lambda x, m: jaxflash.flash_attention(x, x, x, block_mask=m,  # noqa: E731
+                                               implementation="xla")
+  split = jax.shard_map(call, mesh=mesh, in_specs=(P("data"), spec), out_specs=P("data"))
+  chex.assert_trees_all_close(jax.jit(split)(q, mask), call(q, mask), atol=1e-6, rtol=1e-6)
+  chex.assert_trees_all_close(jax.jit(jax.grad(lambda x: jnp.sum(split(x, mask))))(q),
+                              jax.grad(lambda x: jnp.sum(call(x, mask)))(q), atol=1e-5, rtol=1e-5)
+  placed = jax.device_put(mask, jax.tree.map(lambda p: jax.sharding.NamedSharding(mesh, p), spec))
+  assert placed.q_features.sharding.spec == P(None, "data", None, None)
+  chex.assert_trees_all_close(jax.jit(call)(q, placed), call(q, mask), atol=1e-6, rtol=1e-6)
+  allowed = jnp.asarray(_rng.rand(4, 3, 3) < 0.6)
+  gather = jaxflash.create_block_mask(lambda b, h, q, k: allowed[b, docs[b, q], docs[b, k]],
+                                      4, None, 48, 48)
+  assert gather.mask_consts and gather.partition_spec().mask_consts == (P(),) * 2
+  with pytest.raises(ValueError, match="cannot be split"):
+    gather.partition_spec("data")
+
+
 def _dense_reference(q, mask):
   return reference_attention(q, q, q, mask=jnp.broadcast_to(mask, (1, 1) + mask.shape[-2:]))[0]
 
