@@ -511,7 +511,10 @@ def _check_fp8(query, key, descales, out_dtype, unbatched: bool):
       if x is not None:
         raise ValueError(f"{name} is for float8 query, key and value; got {query.dtype} inputs")
     return (None,) * 3, None
-  out = jnp.dtype(jnp.bfloat16 if out_dtype is None else out_dtype)
+  try:
+    out = jnp.dtype(jnp.bfloat16 if out_dtype is None else out_dtype)
+  except TypeError:
+    out = None
   if out not in _FLOAT_DTYPES:
     raise ValueError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype!r}")
   b, t, n, _ = query.shape
@@ -529,8 +532,10 @@ def _check_fp8(query, key, descales, out_dtype, unbatched: bool):
       result.append(None)
       continue
     x = as_array(x, name)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise ValueError(f"{name} must be a float array, got dtype {x.dtype}")
+    # (float32 or wider: a 16-bit or FP8 factor would round the scales it carries.)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.finfo(x.dtype).bits < 32:
+      raise ValueError(f"{name} must be a float32 array (or a Python float), got dtype "
+                       f"{x.dtype}")
     if x.shape not in allowed:
       raise ValueError(f"{name} must have one of the shapes {sorted(allowed, key=len)} (per "
                        f"tensor, per batch row and head{_PER_TOKEN if len(allowed) > 2 else ''}"

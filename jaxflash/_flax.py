@@ -172,7 +172,8 @@ def fp8_options(fp8) -> dict | None:
       raise ValueError(f"fp8 takes the options {FP8_OPTIONS} of jaxflash.fp8_attention, got "
                        f"{unknown}")
     seed = fp8.get("rotation_seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+    if seed is not None and (isinstance(seed, (bool, np.bool_))
+                             or not isinstance(seed, (int, np.integer))):
       raise ValueError(f"fp8's rotation_seed must be an int (a PRNG key's seed), got {seed!r}")
     return dict(fp8)
   if not isinstance(fp8, (bool, np.bool_)):

@@ -151,11 +151,12 @@ def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
       raise ValueError(f"rotation must be [D, D] = {(x.shape[-1],) * 2} for x {x.shape}, got "
                        f"{rotation.shape}")
     x = rotated(x, rotation)
-  # (A NaN entry stays NaN but sets no scale: a NaN block maximum set its block's factor to 1,
-  # which clipped or flushed every other value of the block.)
-  amax = jnp.max(jnp.where(jnp.isnan(x), 0.0, jnp.abs(x)), axis=-1)  # [B, L, heads]
+  # (A NaN or infinite entry stays NaN or infinite but sets no scale: a NaN block maximum set
+  # its block's factor to 1, which clipped or flushed every other value of the block, and an
+  # infinite one made it inf, every other value 0 and their dequantised values 0 * inf.)
+  amax = jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), axis=-1)  # [B, L, heads]
   if block_size is None:
-    amax = jnp.max(amax, axis=1)  # [B, heads]
+    amax = jnp.max(amax, axis=1, initial=0.0)  # [B, heads] (L = 0 too)
   else:
     b, length, heads = amax.shape
     blocks = -(-length // block_size)
@@ -169,10 +170,14 @@ def quantize_fp8(x: jax.Array, *, block_size: int | None = None,
     descale = jnp.ldexp(jnp.ones_like(descale), exponent)
   if bfloat16_exact:
     descale = jnp.where(amax > 0, _bfloat16_exact_descales(amax, dtype), 1.0)
-  # NaN stays NaN (a NaN input is visible in the output); the clip keeps rounding from
-  # overflowing to NaN in e4m3fn, which has no infinity.
+  # (Blocks of magnitudes below about 5e-36 took subnormal factors, which flush to 0 and made
+  # NaN of the block; the least normal float32, a power of two, suits every kind of factor.)
+  descale = jnp.maximum(descale, jnp.finfo(jnp.float32).tiny)
+  # NaN stays NaN and an infinity an infinity, or NaN in e4m3fn, which has none (a NaN or inf
+  # input is visible in the output); the clip keeps rounding from overflowing to NaN there.
   scaled = x / (descale[:, None] if block_size is None else descale)[..., None]
-  x8 = jnp.clip(scaled, -largest(dtype), largest(dtype)).astype(dtype)
+  clipped = jnp.clip(scaled, -largest(dtype), largest(dtype))
+  x8 = jnp.where(jnp.isinf(scaled), scaled, clipped).astype(dtype)
   if unbatched:
     x8, descale = x8[0], descale[0]
   return x8, descale

@@ -886,7 +886,7 @@ def test_fp8_cache_with_sinks_and_a_soft_cap(implementation):
     (dict(value_cache=None, value_head_dim=4, k_descale=jnp.ones((2, 10, 1))),
      "k_descale per token"),
     (dict(k_descale=jnp.ones((3, 1))), "k_descale must have one of the shapes"),
-    (dict(v_descale=jnp.ones((2,), jnp.int32)), "v_descale must be a float array"),
+    (dict(v_descale=jnp.ones((2,), jnp.int32)), "v_descale must be a float32 array"),
     (dict(out_dtype=jnp.int8), "out_dtype must be"),
 ])
 def test_fp8_cache_refuses_bad_factors(args, match):

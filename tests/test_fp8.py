@@ -385,6 +385,11 @@ def test_errors_name_the_argument():
     call(q_descale=jnp.ones((2, 4), jnp.int32))
   with pytest.raises(ValueError, match="out_dtype"):
     call(out_dtype=jnp.int8)
+  with pytest.raises(ValueError, match="out_dtype must be"):  # (not numpy's TypeError)
+    call(out_dtype="nonsense")
+  for narrow in (jnp.bfloat16, jnp.float8_e4m3fn):  # (they would round the scales)
+    with pytest.raises(ValueError, match="k_descale must be a float32 array"):
+      call(k_descale=jnp.ones((2, 2), narrow))
   with pytest.raises(ValueError, match="q_descale"):
     jaxflash.flash_attention(q, kk, v, q_descale=descales["q_descale"])
   with pytest.raises(ValueError, match="one dtype"):
@@ -417,6 +422,23 @@ def test_empty_and_nan():
   out = jaxflash.fp8_attention(nan_q, kk, v, block_size=1, implementation="xla")
   bad = np.isnan(np.asarray(out, np.float32)).any(axis=-1)[0]
   assert bad[3, 1] and bad.sum() == 1
+  # An infinity is visible in its own row only, with a scale per head too: it set its head's
+  # factor to inf, every other entry to 0 and their dequantised values to 0 * inf = NaN.
+  inf_q = q.at[0, 3, 0, 2].set(jnp.inf)
+  for block_size in (None, 1):
+    out = jaxflash.fp8_attention(inf_q, kk, v, block_size=block_size, implementation="xla")
+    bad = np.isnan(np.asarray(out, np.float32)).any(axis=-1)[0]
+    assert bad[3, 0] and bad.sum() == 1, block_size
+  # Valid but tiny inputs (magnitudes below about 5e-36) took subnormal factors that flushed
+  # to 0: NaN values. They now take the least normal float32 and quantise.
+  for options in (dict(), dict(power_of_two=True), dict(bfloat16_exact=True)):
+    x8, descale = fp8.quantize_fp8(q * 1e-37, **options)
+    assert np.isfinite(np.asarray(x8, np.float32)).all() and (np.asarray(descale) > 0).all()
+  out = jaxflash.fp8_attention(q * 1e-37, kk, v, implementation="xla")
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  # No tokens: one factor per (batch row, head) of an empty sequence.
+  x8, descale = fp8.quantize_fp8(q[:, :0])
+  assert x8.shape == (1, 0, 2, 16) and descale.shape == (1, 2)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the GPU's FP8 forward")
@@ -549,6 +571,9 @@ def test_flax_hooks_run_the_fp8_forward(flavour):
     hooks.dot_product_attention(q, kk, v, fp8={"block_size": 0})
   with pytest.raises(ValueError, match="rotation_seed must be an int"):
     hooks.dot_product_attention(q, kk, v, fp8={"rotation_seed": 0.5})
+  np.testing.assert_array_equal(  # (a NumPy integer seed is an int too)
+      hooks.dot_product_attention(q, kk, v, fp8={"rotation_seed": np.int64(3)}),
+      hooks.dot_product_attention(q, kk, v, fp8={"rotation_seed": 3}))
   with pytest.raises(ValueError, match="fp8=.*rotation_seed"):
     hooks.dot_product_attention(q, kk[..., :8], v, fp8={"rotation_seed": 0})
 
