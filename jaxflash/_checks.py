@@ -612,6 +612,8 @@ def _lengths(q_lens, kv_lens, batch: int, t: int, s: int) -> jax.Array:
     q_lens = jnp.full((batch,), t, jnp.int32) if like is None else jnp.full_like(like, t)
   if kv_lens is None:
     kv_lens = jnp.full((batch,), s, jnp.int32) if like is None else jnp.full_like(like, s)
-  if jax.typeof(q_lens).sharding != jax.typeof(kv_lens).sharding:
+  # (Explicit shardings only: under jit with Auto axes a committed array's type and
+  # full_like's compare unequal, and reshard without a mesh set is an error.)
+  if _core.explicit_spec(q_lens) != _core.explicit_spec(kv_lens):
     kv_lens = jax.reshard(kv_lens, jax.typeof(q_lens).sharding)
   return jnp.stack([q_lens, kv_lens], axis=1)

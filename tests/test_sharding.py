@@ -305,6 +305,28 @@ def test_decode_attention_batch_sharded():
   assert rel_err(got, want) < TOL
 
 
+def test_sharded_lengths_under_jit_without_a_mesh_set():
+  """A data loader's pattern: arrays put on the devices with a NamedSharding, then plain
+  jax.jit (no set_mesh). Given one of the two length arrays (decode_attention always gives
+  only the keys'), the other was made like it and resharded to it, which without a mesh set
+  is an error."""
+  b, t = 4, 24
+  q, kk, v, _ = random_qkv(9, b, t, t, 2, 2, 16)
+  lengths = jnp.array([24, 5, 17, 12])
+  mesh = _mesh(AxisType.Auto, (4,), ("b",))
+  calls = (lambda q, k, v, l: jaxflash.flash_attention(q, k, v, key_value_seq_lengths=l,
+                                                       implementation="xla"),
+           lambda q, k, v, l: jaxflash.flash_attention(q, k, v, query_seq_lengths=l,
+                                                       implementation="xla"),
+           lambda q, k, v, l: jaxflash.decode_attention(q[:, :1], k, v, l,
+                                                        implementation="xla"))
+  for call in calls:
+    want = call(q, kk, v, lengths)
+    for spec in (P("b"), P()):
+      got = jax.jit(call)(*_put(mesh, P("b"), q, kk, v), *_put(mesh, spec, lengths))
+      assert rel_err(got, want) < TOL
+
+
 @pytest.mark.parametrize("axis_type", (AxisType.Auto, AxisType.Explicit), ids=("auto", "explicit"))
 def test_paged_decode_sharded(axis_type):
   """Decoding on a paged cache (the split-KV kernel reading the pages where they lie) with the
