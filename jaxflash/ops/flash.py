@@ -149,6 +149,12 @@ def cotangents_of(inputs: Inputs, dq, dk, dv, dbias, lse2=None, delta=None) -> I
   d_sinks = None
   if inputs.sinks is not None:
     d_sinks = cast(_core.sink_gradient(inputs.sinks, lse2, delta), inputs.sinks)
+    # (Summed from the LSE, whose heads Explicit mesh axes may split where the sinks' do not:
+    # a VJP returns its primal's sharding too, where the primal has one.)
+    sharding = jax.typeof(inputs.sinks).sharding
+    if (not sharding.mesh.empty
+        and _core.explicit_spec(d_sinks) != _core.explicit_spec(inputs.sinks)):
+      d_sinks = jax.reshard(d_sinks, sharding)
   return Inputs(query=cast(dq, inputs.query), key=cast(dk, inputs.key),
                 value=cast(dv, inputs.value), lengths=None, bias=cast(dbias, inputs.bias),
                 sinks=d_sinks)
