@@ -305,6 +305,27 @@ def test_decode_attention_batch_sharded():
   assert rel_err(got, want) < TOL
 
 
+@pytest.mark.parametrize("axis_type", (AxisType.Auto, AxisType.Explicit), ids=("auto", "explicit"))
+def test_inside_a_shard_map_over_some_of_the_axes(axis_type):
+  """A shard_map over the batch axis of a 2 x 2 mesh (``axis_names={"b"}``, check_vma), the
+  heads split over the other under set_mesh: the other axis's route (the primitive under
+  Auto, a nested shard_map under Explicit) dropped the results' varying type, and gradients
+  were a custom_vjp type error; forward and gradients are the unsharded call's."""
+  if DEVICES < 4:
+    pytest.skip("needs 4 devices (tests/conftest.py fakes them on a CPU)")
+  q, kk, v, _ = random_qkv(10, 4, 16, 16, 4, 4, 16)
+  call = lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=True,  # noqa: E731
+                                                  implementation="xla")
+  mesh = _mesh(axis_type)
+  split = jax.shard_map(call, mesh=mesh, in_specs=P("b"), out_specs=P("b"), axis_names={"b"})
+  loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+  want = (call(q, kk, v),) + jax.grad(loss(call), (0, 1, 2))(q, kk, v)
+  with jax.set_mesh(mesh):
+    args = _put(mesh, P("b", None, "h"), q, kk, v)
+    got = (jax.jit(split)(*args),) + jax.jit(jax.grad(loss(split), (0, 1, 2)))(*args)
+  _close(got, want)
+
+
 def test_sharded_lengths_under_jit_without_a_mesh_set():
   """A data loader's pattern: arrays put on the devices with a NamedSharding, then plain
   jax.jit (no set_mesh). Given one of the two length arrays (decode_attention always gives

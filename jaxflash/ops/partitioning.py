@@ -181,6 +181,16 @@ def run(local: Local, operands: tuple) -> tuple:
   """``local`` on ``operands`` (a tuple of arrays), per device wherever they are sharded."""
   mesh = jax.sharding.get_abstract_mesh()
   types = () if mesh.empty else tuple(mesh.axis_types)
+  if AxisType.Manual in types and not all(t == AxisType.Manual for t in types):
+    # Inside a shard_map over some of the mesh's axes: the routes of the others (the
+    # primitive's abstract evaluation, a shard_map without check_vma) drop the manual axes'
+    # varying type, which a VJP's cotangents must keep.
+    axes = frozenset().union(*(_core.varying_axes(x) for x in operands))
+    return tuple(_core.varying_like(r, axes) for r in _route(local, operands, mesh, types))
+  return _route(local, operands, mesh, types)
+
+
+def _route(local: Local, operands: tuple, mesh, types: tuple) -> tuple:
   if local.direct:
     if AxisType.Explicit in types:  # (the loops' carries would not match sharded tiles)
       return _run_replicated(local, operands)
