@@ -326,6 +326,20 @@ def test_inside_a_shard_map_over_some_of_the_axes(axis_type):
   _close(got, want)
 
 
+def test_heads_the_mesh_cannot_divide_warn_and_run_whole():
+  """Query heads split four ways with two key/value heads (GQA 4/2): no device can take a
+  share of the K/V heads, so every device computes all heads (right, but not split): a
+  warning says so, as one does for a sharded sequence."""
+  if DEVICES < 4:
+    pytest.skip("needs 4 devices (tests/conftest.py fakes them on a CPU)")
+  q, kk, v, _ = random_qkv(12, 2, 16, 16, 4, 2, 16)
+  mesh = _mesh(AxisType.Auto, (4,), ("h",))
+  call = jax.jit(lambda q, k, v: jaxflash.flash_attention(q, k, v, implementation="xla"))
+  with pytest.warns(UserWarning, match="sharded along its heads .4 query and 2 key/value"):
+    got = call(*_put(mesh, P(None, None, "h"), q), kk, v)
+  assert rel_err(got, call(q, kk, v)) < TOL
+
+
 def test_sharded_lengths_under_jit_without_a_mesh_set():
   """A data loader's pattern: arrays put on the devices with a NamedSharding, then plain
   jax.jit (no set_mesh). Given one of the two length arrays (decode_attention always gives

@@ -131,9 +131,11 @@ class Local:
     b, n = q_shape[q_roles.index(BATCH)], q_shape[q_roles.index(HEADS)]
     k = k_shape[k_roles.index(KV_HEADS)]
     if b % _size(batch, sizes):
+      _warn_whole("batch", b, batch, sizes)
       batch = ()
     d = _size(heads, sizes)
     if n % d or (k % d and k != 1):
+      _warn_whole("heads", f"{n} query and {k} key/value", heads, sizes)
       heads = ()
     others = [e for i, e in enumerate(spec) if i < len(q_roles) and q_roles[i] is None and e]
     if others:
@@ -344,6 +346,14 @@ def _rule(local: Local) -> str:
 
 
 # --- Helpers ------------------------------------------------------------------------------------
+
+def _warn_whole(what: str, count, axes, sizes) -> None:
+  warnings.warn(
+      f"jaxflash: the query is sharded along its {what} ({count}) over mesh axes {axes}, "
+      f"{_size(axes, sizes)} devices, which do not divide them (key/value heads must be "
+      f"divided too, or be one); every device computes all of them, as if unsplit",
+      stacklevel=3)
+
 
 def _axes(entry) -> tuple[str, ...]:
   if entry is None:
