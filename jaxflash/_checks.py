@@ -614,6 +614,5 @@ def _lengths(q_lens, kv_lens, batch: int, t: int, s: int) -> jax.Array:
     kv_lens = jnp.full((batch,), s, jnp.int32) if like is None else jnp.full_like(like, s)
   # (Explicit shardings only: under jit with Auto axes a committed array's type and
   # full_like's compare unequal, and reshard without a mesh set is an error.)
-  if _core.explicit_spec(q_lens) != _core.explicit_spec(kv_lens):
-    kv_lens = jax.reshard(kv_lens, jax.typeof(q_lens).sharding)
+  kv_lens = _core.resharded_like(kv_lens, q_lens)
   return jnp.stack([q_lens, kv_lens], axis=1)

@@ -319,6 +319,16 @@ def explicit_spec(x) -> tuple | None:
 
 
 
+def resharded_like(x, like):
+  """``x`` with ``like``'s sharding where Explicit mesh axes give the two different ones (a
+  VJP's cotangent must have its primal's; `jnp.stack` asks its operands for one), else ``x``.
+  Nothing where ``like`` has no mesh (an uncommitted array): there is none to reshard to."""
+  sharding = jax.typeof(like).sharding
+  if sharding.mesh.empty or explicit_spec(x) == explicit_spec(like):
+    return x
+  return jax.reshard(x, sharding)
+
+
 def replicated(x):
   """``x`` whole on every device where Explicit mesh axes shard it, else ``x``: what a traced
   function indexes with index grids of its own (a mask_mod's or score_mod's captured arrays,

@@ -144,17 +144,16 @@ def cotangents_of(inputs: Inputs, dq, dk, dv, dbias, lse2=None, delta=None) -> I
   """The `Inputs`-shaped cotangent: integer inputs, the mask and the dropout seed get none.
   Attention sinks, if any, get theirs from the final ``lse2`` and ``delta``
   (`jaxflash._core.sink_gradient`)."""
-  # (In the primal's dtype, and under `jax.shard_map` summed over the devices that shared it.)
-  cast = lambda g, x: None if g is None else _core.summed_like(g, x).astype(x.dtype)  # noqa: E731
+  # (In the primal's dtype; under `jax.shard_map` summed over the devices that shared it; and
+  # with its Explicit sharding: the sinks' gradient, summed from the LSE, is split over the
+  # heads where replicated sinks are not.)
+  def cast(g, x):
+    if g is None:
+      return None
+    return _core.resharded_like(_core.summed_like(g, x), x).astype(x.dtype)
   d_sinks = None
   if inputs.sinks is not None:
     d_sinks = cast(_core.sink_gradient(inputs.sinks, lse2, delta), inputs.sinks)
-    # (Summed from the LSE, whose heads Explicit mesh axes may split where the sinks' do not:
-    # a VJP returns its primal's sharding too, where the primal has one.)
-    sharding = jax.typeof(inputs.sinks).sharding
-    if (not sharding.mesh.empty
-        and _core.explicit_spec(d_sinks) != _core.explicit_spec(inputs.sinks)):
-      d_sinks = jax.reshard(d_sinks, sharding)
   return Inputs(query=cast(dq, inputs.query), key=cast(dk, inputs.key),
                 value=cast(dv, inputs.value), lengths=None, bias=cast(dbias, inputs.bias),
                 sinks=d_sinks)

@@ -183,26 +183,26 @@ def run(local: Local, operands: tuple) -> tuple:
   """``local`` on ``operands`` (a tuple of arrays), per device wherever they are sharded."""
   mesh = jax.sharding.get_abstract_mesh()
   types = () if mesh.empty else tuple(mesh.axis_types)
-  if AxisType.Manual in types and not all(t == AxisType.Manual for t in types):
-    # Inside a shard_map over some of the mesh's axes: the routes of the others (the
-    # primitive's abstract evaluation, a shard_map without check_vma) drop the manual axes'
-    # varying type, which a VJP's cotangents must keep.
-    axes = frozenset().union(*(_core.varying_axes(x) for x in operands))
-    return tuple(_core.varying_like(r, axes) for r in _route(local, operands, mesh, types))
-  return _route(local, operands, mesh, types)
+  if AxisType.Manual not in types:
+    return _route(local, operands, mesh, types)
+  # Inside shard_map: results vary like the operands even where a kernel's launcher (Mosaic
+  # GPU's `plgpu.kernel`) or the route of the mesh's other axes (the primitive's abstract
+  # evaluation, a shard_map without check_vma) drops the type: a VJP wants the cotangent's
+  # type to be its output's.
+  operands, axes = _varying(operands)
+  if all(t == AxisType.Manual for t in types):  # this device's share is the call
+    results = local.whole(*operands)
+  else:  # a shard_map over some of the axes: the others split it further
+    results = _route(local, operands, mesh, types)
+  return tuple(_core.varying_like(r, axes) for r in results)
 
 
 def _route(local: Local, operands: tuple, mesh, types: tuple) -> tuple:
+  """``run`` over the mesh's Auto and Explicit axes."""
   if local.direct:
     if AxisType.Explicit in types:  # (the loops' carries would not match sharded tiles)
       return _run_replicated(local, operands)
     return local.whole(*operands)
-  if types and all(t == AxisType.Manual for t in types):
-    # Inside shard_map: this device's share is the call. Results vary like the operands even
-    # where a kernel's launcher drops the type (Mosaic GPU's `plgpu.kernel` does): a VJP wants
-    # the cotangent's type to be its output's.
-    operands, axes = _varying(operands)
-    return tuple(_core.varying_like(r, axes) for r in local.whole(*operands))
   if AxisType.Explicit in types:
     return _run_explicit(local, operands, mesh)
   if jax.device_count() == 1:  # nothing can be sharded: no primitive, no second trace
