@@ -164,8 +164,9 @@ def flash_attention(
       lowered through Triton, NVIDIA GPUs), ``"xla"`` (jaxflash's blockwise pure JAX, any
       device; `dot_product_attention` passes ``"xla"`` and ``"cudnn"`` to jax.nn instead), a
       sequence of those in order of preference, or ``None``: the first registered backend that
-      supports the call on this device and is the faster one there by measurement (Triton on an
-      NVIDIA GPU when the head dim allows it, XLA elsewhere; see `jaxflash.backends`).
+      supports the call on this device and is the faster one there by measurement (Mosaic on
+      Hopper where it measured faster, else Triton on an NVIDIA GPU when the head dim allows
+      it, XLA elsewhere; see `jaxflash.backends` and docs/api.md, "Choosing a backend").
     interpret: run the Pallas kernels in interpret mode (works on a CPU; for testing).
 
   Returns:

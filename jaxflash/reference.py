@@ -15,11 +15,17 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
                         query_seq_lengths=None, key_value_seq_lengths=None,
                         local_window_size=None, segment_ids=None, logits_soft_cap=None,
                         dropout_rate=0.0, dropout_keep=None, sinks=None, score_mod=None):
-  """Attention in float32 with dense masks. Arguments as `jaxflash.flash_attention` (BTNH only).
+  """Attention in float32 with dense [B, N, T, S] logits: what the tests compare jaxflash with.
 
-  Dropout takes the keep mask itself (``dropout_keep``, bool broadcastable to [B, N, T, S]) rather
-  than a key, so a test can hand it the mask that `jaxflash.dropout.dense_keep_mask` says the
-  kernels use: kept probabilities are scaled by ``1 / (1 - dropout_rate)``. ``sinks`` [N] are
+  O(T·S) memory, no kernels, no argument checks. The arguments shown mean what they mean in
+  `jaxflash.flash_attention` (BTNH only); it has no ``mask_mod``/``block_mask`` (pass
+  ``mask=BlockMask.to_dense``'s entries or the mask_mod evaluated on index grids), FP8,
+  ``implementation`` or ``interpret``. Dropout takes the keep mask itself (``dropout_keep``, bool
+  broadcastable to [B, N, T, S]) rather than a key, so a test can hand it the mask that
+  `jaxflash.dropout.dense_keep_mask` says the kernels use: kept probabilities are scaled by
+  ``1 / (1 - dropout_rate)``; the kernels scale by the exact ``1 / P(keep)``, whose
+  ``jaxflash.dropout.keep_probability(rate)`` is within 2⁻¹⁷ of ``1 - rate`` (pass
+  ``dropout_rate=1 - keep_probability(rate)`` where the last bits matter). ``sinks`` [N] are
   one more logit per head, in every row that sees a key, whose value is zero. ``score_mod`` is
   called once on the whole [B, N, T, S] logits and broadcasting index arrays.
 

@@ -1,6 +1,7 @@
-"""The README a user reads works: every ```python block of README.md runs verbatim (fresh
-namespace each; blocks that only show a signature are fenced as ```text), its results table is
-the one the committed benchmark results make, and its links lead to files of the repository."""
+"""The README a user reads works: every ```python block of README.md and docs/*.md runs
+verbatim (fresh namespace each, so each block defines what it uses; blocks that only show a
+signature are fenced as ```text), its results table is the one the committed benchmark results
+make, and its links lead to files of the repository."""
 
 import json
 import re
@@ -13,6 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 TEXT = README.read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", TEXT, flags=re.S)
+DOC_BLOCKS = [(page.name, number, code)
+              for page in sorted((ROOT / "docs").glob("*.md"))
+              for number, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(),
+                                                       flags=re.S))]
 
 
 def test_readme_has_python_blocks():
@@ -25,6 +30,17 @@ def test_readme_block_runs(index):
   if "flax" in code:
     pytest.importorskip("flax")
   exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "readme"})
+
+
+def test_docs_have_python_blocks():
+  assert len(DOC_BLOCKS) >= 5
+
+
+@pytest.mark.parametrize("page, number, code", DOC_BLOCKS,
+                         ids=[f"{page}-{number}" for page, number, _ in DOC_BLOCKS])
+def test_docs_block_runs(page, number, code):
+  """A snippet in docs/ runs as pasted on any device count (multi_gpu.md's ring too)."""
+  exec(compile(code, f"docs/{page} python block {number}", "exec"), {"__name__": "docs"})
 
 
 def test_readme_table_is_the_committed_results():
