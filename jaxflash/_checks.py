@@ -117,7 +117,8 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   params = Params(scale=scale, window=window, logits_soft_cap=logits_soft_cap,
                   dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
                   interpret=interpret, table_block=table_block, mask_rule=split,
-                  score_rule=score_rule, out_dtype=out_dtype, deterministic=deterministic)
+                  score_rule=score_rule, out_dtype=out_dtype, deterministic=deterministic,
+                  query_padding=query_seq_lengths is not None)
   return Call(inputs, params, unbatched)
 
 

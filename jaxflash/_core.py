@@ -136,6 +136,9 @@ class Params:
   # cache, `jaxflash.decode_attention` with ``value_cache=None``): ``Inputs.value`` is that
   # slice of the keys, and a kernel may read the values from its key tiles instead.
   values_in_keys: bool = False
+  # The call has query lengths (``query_seq_lengths``): rows past them are padding, whose inputs
+  # the backward zeroes first (`padding_rows_zeroed`).
+  query_padding: bool = False
 
   @property
   def kernel_mask_reason(self) -> str | None:
@@ -238,6 +241,22 @@ def user_lse(lse2: jax.Array) -> jax.Array:
 def base2_lse(lse: jax.Array) -> jax.Array:
   """The inverse of `user_lse`: natural-log LSE (-inf on empty rows) -> internal base-2 LSE."""
   return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2_E)
+
+
+def padding_rows_zeroed(inputs: Inputs, d_out: jax.Array, delta: jax.Array):
+  """``(inputs, d_out, delta)`` with the query rows past ``q_len`` zero in all three (one
+  device's arrays, before a backward).
+
+  Such a row sees no key: its LSE is +inf, so its P = exp2(s - lse) is 0 in every kernel. But a
+  NaN or Inf of the caller's in its query makes s NaN, P NaN, and 0 · NaN in dK = dSᵀQ and
+  dV = PᵀdO reaches every key of the batch row (jax.nn's masking keeps dQ and dV finite there).
+  Its gradients are zeros either way."""
+  valid = jnp.arange(inputs.query.shape[1])[None, :] < inputs.lengths[:, :1]  # [B, T]
+  rows = valid[:, :, None, None]
+  query = jnp.where(rows, inputs.query, jnp.zeros((), inputs.query.dtype))
+  d_out = jnp.where(rows, d_out, jnp.zeros((), d_out.dtype))
+  delta = jnp.where(valid[:, None, :], delta, jnp.zeros((), delta.dtype))
+  return inputs._replace(query=query), d_out, delta
 
 
 def delta(out: jax.Array, d_out: jax.Array, d_lse) -> jax.Array:

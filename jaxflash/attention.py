@@ -681,7 +681,8 @@ def ring_attention(
   total = chunk * jax.lax.axis_size(axis_name)
   # (Every pair makes its own block table: the chunk's against itself is of no use.)
   call = call._replace(inputs=call.inputs._replace(lengths=_checks.global_lengths(
-      query_seq_lengths, key_value_seq_lengths, b, total), block_table=None))
+      query_seq_lengths, key_value_seq_lengths, b, total), block_table=None),
+      params=dataclasses.replace(call.params, query_padding=query_seq_lengths is not None))
   empty = _empty(call.inputs, call.params)
   if empty is not None:
     return _results(*empty, call, return_residual)

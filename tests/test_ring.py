@@ -100,11 +100,13 @@ def test_ring_matches_the_whole_sequence(layout, causal, implementation):
 def test_ring_with_lengths(layout, causal):
   """Query and key lengths of the whole sequence (cut inside a chunk, at a chunk
   boundary, one row empty): padded query rows give zeros and an LSE of -inf, padded keys
-  are masked, wherever the layout puts them."""
+  are masked, wherever the layout puts them; NaN and Inf in padded query rows reach no
+  gradient."""
   q, k, v, d_out = random_qkv(4, 3, 64, 64, 4, 2, 16)
   lengths = dict(query_seq_lengths=jnp.array([64, 37, 0]),
                  key_value_seq_lengths=jnp.array([48, 64, 9]))
-  got = _ring_call(layout, is_causal=causal, **lengths)(q, k, v, d_out)
+  q_bad = q.at[1, 50].set(jnp.nan).at[2, 3, 0, 0].set(jnp.inf)
+  got = _ring_call(layout, is_causal=causal, **lengths)(q_bad, k, v, d_out)
   want = _reference(q, k, v, d_out, is_causal=causal, **lengths)
   empty = ~np.isfinite(np.asarray(want[1]))
   assert empty[1, 37:].all() and empty[2].all() and not empty[0].any()

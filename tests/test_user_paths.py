@@ -72,6 +72,27 @@ def test_nan_in_query_key_or_bias_gives_nan_rows(implementation):
   assert (out[1, 4, 1] == 0).all() and lse[1, 4, 1] == -np.inf
 
 
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_nan_in_query_padding_stays_out_of_the_gradients(implementation):
+  """Query rows past ``query_seq_lengths`` are padding: a NaN or Inf there (garbage in a padded
+  batch) gives zeros in the forward and zero gradients, and reaches no other row's or key's
+  gradient (jax.nn's dK is NaN here; ours was NaN in dQ, dK and dV of the whole batch row)."""
+  q, k, v = _qkv(2)
+  q_lens = jnp.array([12, 20])
+  q_bad = q.at[0, 15, 1, 3].set(jnp.nan).at[0, 17, 0].set(jnp.inf)
+
+  def loss(q, k, v):
+    out = attention(implementation, q, k, v, query_seq_lengths=q_lens, is_causal=True)
+    return (out * jnp.cos(jnp.arange(T))[None, :, None, None]).sum()
+
+  got = jax.grad(loss, argnums=(0, 1, 2))(q_bad, k, v)
+  want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  for g, w in zip(got, want):
+    assert np.isfinite(np.asarray(g)).all()
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  assert not np.asarray(got[0])[0, 12:].any()
+
+
 # ---------------------------------------------------------------------------------------------
 # Windows, x64, rank promotion, empty batches
 

@@ -533,7 +533,9 @@ class _Backward(_Forward):
 
   def __call__(self, origin, *arrays):
     *arrays, lse2, d_out, delta = arrays
-    dq, dk, dv, dbias = self.backend.backward(
-        _inputs(self.names, arrays, origin), self.params, self.config, lse2, d_out, delta,
-        self.want_dbias)
+    inputs = _inputs(self.names, arrays, origin)
+    if self.params.query_padding:
+      inputs, d_out, delta = _core.padding_rows_zeroed(inputs, d_out, delta)
+    dq, dk, dv, dbias = self.backend.backward(inputs, self.params, self.config, lse2, d_out,
+                                              delta, self.want_dbias)
     return (dq, dk, dv) + ((dbias,) if self.want_dbias else ())
