@@ -205,8 +205,9 @@ def global_lengths(query_seq_lengths, key_value_seq_lengths, batch: int,
 
 def check_cache(query, key_cache, value_cache, kv_lengths, page_table, value_head_dim=None):
   """Checks `jaxflash.decode_attention`'s query, cache and lengths (the rest goes through
-  `normalise`); returns the caches as arrays (pages unchanged: the caller gathers them) and the
-  lengths as int32 [B] (not clipped). With ``value_cache`` None the values are the first
+  `normalise`); returns the caches as arrays (pages unchanged: the caller gathers them), the
+  lengths as int32 [B] (not clipped; None: full rows, which a paged cache spells out) and the
+  page table as an array. With ``value_cache`` None the values are the first
   ``value_head_dim`` features of the keys (a slice of ``key_cache``)."""
   query = as_array(query, "query")
   key_cache = as_array(key_cache, "key_cache")
@@ -258,7 +259,9 @@ def check_cache(query, key_cache, value_cache, kv_lengths, page_table, value_hea
   kv_lengths = _check_lengths(kv_lengths, "kv_lengths", b, False)
   if page_table is not None:
     _check_page_ids(page_table, kv_lengths, key_cache.shape[1], key_cache.shape[0])
-  return key_cache, value_cache, kv_lengths
+    if kv_lengths is None:  # (gathering the pages reads the lengths)
+      kv_lengths = jnp.full_like(page_table[:, 0], s_max, jnp.int32)  # (its rows' sharding)
+  return key_cache, value_cache, kv_lengths, page_table
 
 
 def _check_page_ids(page_table, kv_lengths, page_size: int, num_pages: int) -> None:

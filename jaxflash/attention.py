@@ -548,8 +548,9 @@ def decode_attention(
   """
   backends.preferences(implementation)
   return_residual = _checks.check_flag(return_residual, "return_residual")
-  key, value, kv_lengths = _checks.check_cache(query, key_cache, value_cache, kv_lengths,
-                                               page_table, value_head_dim)
+  key, value, kv_lengths, page_table = _checks.check_cache(query, key_cache, value_cache,
+                                                           kv_lengths, page_table,
+                                                           value_head_dim)
   k_descale, v_descale = _checks.check_cache_descales(
       key, value_cache is None, page_table is not None, k_descale, v_descale)
   pages = None

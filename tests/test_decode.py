@@ -508,6 +508,23 @@ def test_unused_page_table_entries_may_hold_anything(implementation, monkeypatch
     assert np.isfinite(np.asarray(got, np.float32)).all() and rel_err(got, want) < TOLERANCE[dtype]
 
 
+def test_page_table_as_a_list_and_lengths_left_out():
+  """A page table given as nested lists is converted as jax.nn converts lists (it crashed on
+  ``.astype``), and kv_lengths=None means full rows on pages as on a contiguous cache (it
+  crashed gathering the pages)."""
+  b, t, n, k, h, page_size, per_row = 2, 1, 4, 2, 16, 8, 4
+  q, kk, v, _ = random_qkv(12, b, t, per_row * page_size, n, k, h)
+  (k_pages, table), (v_pages, _) = _paged(kk, page_size, 3), _paged(v, page_size, 3)
+  full = jnp.full((b,), per_row * page_size, jnp.int32)
+  want = jaxflash.decode_attention(q, k_pages, v_pages, full, page_table=table)
+  chex.assert_trees_all_equal(jaxflash.decode_attention(
+      q, k_pages, v_pages, full.tolist(), page_table=np.asarray(table).tolist()), want)
+  chex.assert_trees_all_equal(jaxflash.decode_attention(q, k_pages, v_pages, None,
+                                                        page_table=table), want)
+  chex.assert_trees_all_equal(jaxflash.decode_attention(q, kk, v, None),
+                              jaxflash.decode_attention(q, kk, v, full))
+
+
 def test_decode_is_flash_attention_with_shifted_positions():
   """A full cache (every row holds S tokens): the last T rows of causal self-attention over the
   cache; and the gradients match the reference's."""
