@@ -160,7 +160,8 @@ def _check_block_mask(mask_mod, block_mask, b: int, n: int, t: int, s: int,
   reason = mask_mod_lib.signature_error(mask_mod)
   if reason is not None:
     raise ValueError(reason)
-  if not (t and s):  # nothing to mask (the call's result is empty or zeros): checked only
+  if not (t and s) or (_is_int(b) and b == 0):
+    # Nothing to mask (the call's result is empty or zeros): the mask_mod is checked only.
     mask_mod_lib.split(mask_mod)
     return None
   batch = None if unbatched else b

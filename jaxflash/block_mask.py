@@ -410,8 +410,9 @@ def _block_range(ids, block: int):
   b, length = ids.shape
   lp = _round_up(length, block)
   big = jnp.iinfo(jnp.int32).max
-  lo = jnp.pad(ids, [(0, 0), (0, lp - length)], constant_values=big).reshape(b, -1, block)
-  hi = jnp.pad(ids, [(0, 0), (0, lp - length)], constant_values=-big).reshape(b, -1, block)
+  blocks = (b, lp // block, block)  # (not -1: B may be 0)
+  lo = jnp.pad(ids, [(0, 0), (0, lp - length)], constant_values=big).reshape(blocks)
+  hi = jnp.pad(ids, [(0, 0), (0, lp - length)], constant_values=-big).reshape(blocks)
   return lo.min(axis=-1), hi.max(axis=-1)
 
 

@@ -198,6 +198,21 @@ class EmptyInputs(chex.TestCase):
     chex.assert_trees_all_close(got, want)  # (zeros, and -inf LSEs where S = 0)
 
 
+@pytest.mark.parametrize("shape", [(0, T, S), (B, 0, S), (B, T, 0)], ids=str)
+def test_empty_calls_with_segments_or_a_mask_mod(shape):
+  """B = 0 (or T or S) with segment ids or a mask_mod: B = 0 crashed classifying the segments'
+  blocks (a reshape by -1 of nothing) and gave a mask_mod a "batch must be positive" error."""
+  b, t, s = shape
+  q, k, v, _ = random_qkv(6, b, t, s, N, K, H)
+  options = [dict(segment_ids=(jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32))),
+             dict(mask_mod=lambda b_, h, q_idx, kv_idx: q_idx >= kv_idx)]
+  for kw in options:
+    out, grads = jax.value_and_grad(
+        lambda q, k, v: jaxflash.flash_attention(q, k, v, **kw).sum(), argnums=(0, 1, 2))(q, k, v)
+    assert out == 0
+    chex.assert_trees_all_equal_shapes_and_dtypes(grads, (q, k, v))
+
+
 # ---------------------------------------------------------------------------------------------
 # Arguments
 
