@@ -426,6 +426,7 @@ def _check_soft_cap(cap) -> float | None:
 
 def _check_dropout(rate, rng) -> tuple[float, jax.Array | None]:
   """Returns ``(rate, seed words uint32[2] or None)``; no seed (and no cost) when rate is 0."""
+  rate = _static_number(rate, "dropout_rate", "pass a Python float")
   if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or not 0.0 <= rate < 1.0:
     raise ValueError(f"dropout_rate must be a Python number in [0, 1), got {rate!r}")
   if rate == 0.0:
@@ -433,10 +434,15 @@ def _check_dropout(rate, rng) -> tuple[float, jax.Array | None]:
   if rng is None:
     raise ValueError("dropout_rate > 0 needs a dropout_rng key")
   rng = as_array(rng, "dropout_rng")
-  typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
-  if not ((typed and rng.shape == ()) or (rng.dtype == jnp.uint32 and rng.shape == (2,))):
-    raise ValueError(f"dropout_rng must be a single PRNG key (jax.random.key(...) or a raw "
-                     f"uint32[2] key), got {rng.dtype}{list(rng.shape)}")
+  if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.dtype == jnp.uint32:
+    try:  # a raw key of the default implementation: threefry's uint32[2], rbg's uint32[4]
+      rng = jax.random.wrap_key_data(rng)
+    except (TypeError, ValueError):
+      pass
+  if not (jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.shape == ()):
+    raise ValueError(f"dropout_rng must be a single PRNG key (jax.random.key(...), or a raw "
+                     f"key of the default implementation such as jax.random.PRNGKey(...)), "
+                     f"got {rng.dtype}{list(rng.shape)}")
   return float(rate), dropout.seed_words(rng)
 
 

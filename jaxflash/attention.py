@@ -110,7 +110,8 @@ def flash_attention(
       ``dropout_rng`` and each entry's (batch, head, query, key) coordinates (see
       `jaxflash.dropout`), identically in every backend. The LSE returned by
       ``return_residual`` is that of the undropped weights.
-    dropout_rng: PRNG key (typed, or a raw uint32 key) for dropout; required when
+    dropout_rng: PRNG key (typed, or a raw uint32 key of the default implementation:
+      ``jax.random.PRNGKey``'s, uint32[2], or uint32[4] under rbg) for dropout; required when
       ``dropout_rate > 0``. The same key gives the same mask.
     broadcast_dropout: share one [T, S] dropout mask across the batch and heads (Flax's
       ``broadcast_dropout=True``); by default every batch row and head has its own.

@@ -139,8 +139,8 @@ OPTION_CASES = {
     "dropout_one": (dict(dropout_rate=1.0), "dropout_rate"),
     "dropout_nan": (dict(dropout_rate=float("nan")), "dropout_rate"),
     "dropout_no_rng": (dict(dropout_rate=0.1), "dropout_rng"),
-    "dropout_traced_rate": (dict(dropout_rate=jnp.float32(0.1),
-                                 dropout_rng=jax.random.key(0)), "dropout_rate"),
+    "dropout_rate_array": (dict(dropout_rate=jnp.array([0.1]),
+                                dropout_rng=jax.random.key(0)), "dropout_rate"),
     "dropout_rng_float": (dict(dropout_rate=0.1, dropout_rng=jnp.zeros((2,))), "dropout_rng"),
     "dropout_rng_batched": (dict(dropout_rate=0.1, dropout_rng=jax.random.split(
         jax.random.key(0), 3)), "dropout_rng"),
@@ -203,6 +203,25 @@ def test_dropout_accepts_typed_and_raw_keys():
   typed = _xla(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(3))
   raw = _xla(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.PRNGKey(3))
   np.testing.assert_array_equal(typed, raw)
+  # Under the rbg generators (TPU users' setting) a raw key is uint32[4]; it was refused.
+  with jax.default_prng_impl("rbg"):
+    raw = jax.random.PRNGKey(3)
+    assert raw.shape == (4,)
+    np.testing.assert_array_equal(
+        _xla(q, k, v, dropout_rate=0.5, dropout_rng=raw),
+        _xla(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.wrap_key_data(raw)))
+  with pytest.raises(ValueError, match="dropout_rng"):
+    _xla(q, k, v, dropout_rate=0.5, dropout_rng=jnp.zeros(3, jnp.uint32))
+
+
+def test_dropout_rate_may_be_a_concrete_scalar_array():
+  """As ``scale`` may (jax.nn's and Flax's code computes such numbers with jnp)."""
+  q, k, v = _arrays()
+  key = jax.random.key(3)
+  np.testing.assert_array_equal(_xla(q, k, v, dropout_rate=jnp.float32(0.25), dropout_rng=key),
+                                _xla(q, k, v, dropout_rate=0.25, dropout_rng=key))
+  with pytest.raises(ValueError, match="dropout_rate.*Python float"):
+    jax.jit(lambda rate: _xla(q, k, v, dropout_rate=rate, dropout_rng=key))(0.25)
 
 
 def test_zero_dropout_with_rng_is_fine():
