@@ -116,6 +116,18 @@ class Split:
   def __hash__(self) -> int:
     return hash(self.structure)
 
+  # Immutable, and its jaxpr holds tracebacks that cannot be copied: a deep copy (of a config
+  # or a Flax module holding a BlockMask) shares it, and pickling keeps the function, which
+  # is split again when loaded (a module-level one; a lambda cannot be pickled).
+  def __copy__(self) -> "Split":
+    return self
+
+  def __deepcopy__(self, memo) -> "Split":
+    return self
+
+  def __reduce__(self):
+    return (split_score if self.takes_score else split), (self.mask_mod,)
+
   @property
   def lookup_reason(self) -> str | None:
     """Why kernels without a gather from memory cannot run the rule, or None: they can where

@@ -346,6 +346,27 @@ def test_mask_mod_on_a_sharded_batch():
                               atol=2e-5, rtol=2e-5)
 
 
+def _banded(b, h, q_idx, kv_idx):  # (module level: pickle finds it by name)
+  return (q_idx >= kv_idx) & (q_idx - kv_idx < 40)
+
+
+def test_a_block_mask_deep_copies_and_pickles():
+  """copy.deepcopy (of a config or a Flax module holding a mask) and pickle round trips give
+  a mask that masks the same; both failed on the traced mask_mod's tracebacks."""
+  import copy
+  import pickle
+  q, k, v, _ = random_qkv(8, 1, 96, 96, 2, 2, 16)
+  mask = jaxflash.create_block_mask(_banded, None, None, 96, 96, block_size=32)
+  blocks = jaxflash.BlockMask.from_blocks(jnp.eye(3, dtype=bool), 96, 96, block_size=32)
+  want = jaxflash.flash_attention(q, k, v, block_mask=mask)
+  for again in (copy.deepcopy({"mask": mask})["mask"], pickle.loads(pickle.dumps(mask))):
+    assert again.split == mask.split
+    chex.assert_trees_all_equal(jaxflash.flash_attention(q, k, v, block_mask=again), want)
+  chex.assert_trees_all_equal(
+      jaxflash.flash_attention(q, k, v, block_mask=copy.deepcopy(blocks)),
+      jaxflash.flash_attention(q, k, v, block_mask=blocks))
+
+
 def test_partition_spec_splits_a_mask_with_its_batch_inside_shard_map():
   """`BlockMask.partition_spec`: a mask whose features depend on the batch row, split with the
   query over four (CPU) devices inside shard_map (the table along axis 0, the features along
