@@ -45,6 +45,10 @@ def normalise(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               v_descale=None, out_dtype=None, deterministic=True) -> Call:
   """Checks every argument of `jaxflash.flash_attention` (but ``implementation`` and
   ``return_residual``) and returns the call as backends see it."""
+  check_devices(query=query, key=key, value=value, bias=bias, mask=mask,
+                query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+                segment_ids=segment_ids, dropout_rng=dropout_rng, sinks=sinks,
+                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
   query, key, value = (as_array(x, name) for x, name in
                        ((query, "query"), (key, "key"), (value, "value")))
   unbatched = _check_qkv(query, key, value)
@@ -304,6 +308,24 @@ def check_cache_descales(key_cache, values_in_keys: bool, paged: bool, k_descale
   if values_in_keys and fp8.is_fp8(key_cache.dtype):
     v_descale = k_descale
   return k_descale, v_descale
+
+
+def check_devices(**arrays) -> None:
+  """Arrays committed to different devices (``jax.device_put(x, device)``) cannot meet in one
+  call, as in `jax.jit`: a ValueError naming two of them, before JAX's error about the
+  arguments of an internal primitive."""
+  placed = {}
+  for name, x in arrays.items():
+    for i, leaf in enumerate(jax.tree.leaves(x)):
+      if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and (
+          leaf.committed):
+        placed.setdefault(frozenset(leaf.sharding.device_set),
+                          name if i == 0 and not isinstance(x, (tuple, list)) else f"{name}[{i}]")
+  if len(placed) > 1:
+    (first, a), (second, b) = list(placed.items())[:2]
+    show = lambda devices: ", ".join(sorted(str(d) for d in devices))  # noqa: E731
+    raise ValueError(f"{a} is committed to {show(first)} and {b} to {show(second)}: the arrays "
+                     f"of one call must be on the same devices (jax.device_put them there)")
 
 
 # Each check raises ValueError naming the argument and returns the normalised value.

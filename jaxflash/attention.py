@@ -549,6 +549,9 @@ def decode_attention(
   """
   backends.preferences(implementation)
   return_residual = _checks.check_flag(return_residual, "return_residual")
+  _checks.check_devices(query=query, key_cache=key_cache, value_cache=value_cache,
+                        kv_lengths=kv_lengths, page_table=page_table, sinks=sinks,
+                        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
   key, value, kv_lengths, page_table = _checks.check_cache(query, key_cache, value_cache,
                                                            kv_lengths, page_table,
                                                            value_head_dim)

@@ -340,6 +340,21 @@ def test_heads_the_mesh_cannot_divide_warn_and_run_whole():
   assert rel_err(got, call(q, kk, v)) < TOL
 
 
+def test_arrays_committed_to_different_devices_are_named():
+  """As jax.jit refuses them, but naming the arguments (JAX's error showed 1.7 kB of an
+  internal primitive's parameters and called the key args[0]); an uncommitted array joins
+  any device."""
+  d0, d1 = jax.devices()[:2]
+  q, k, v, _ = random_qkv(3, 2, 16, 16, 4, 2, 16)
+  with pytest.raises(ValueError, match="query is committed to .* and value to"):
+    jaxflash.flash_attention(jax.device_put(q, d1), k, jax.device_put(v, d0))
+  with pytest.raises(ValueError, match="query is committed to .* and sinks to"):
+    jaxflash.decode_attention(jax.device_put(q[:, :1], d1), k, v, jnp.array([16, 9]),
+                              sinks=jax.device_put(jnp.zeros(4), d0))
+  out = jaxflash.flash_attention(jax.device_put(q, d1), k, jax.device_put(v, d1))
+  assert out.sharding.device_set == {d1}
+
+
 def test_sharded_lengths_under_jit_without_a_mesh_set():
   """A data loader's pattern: arrays put on the devices with a NamedSharding, then plain
   jax.jit (no set_mesh). Given one of the two length arrays (decode_attention always gives
