@@ -494,6 +494,30 @@ def test_gradients_of_captured_arrays(implementation, kind, monkeypatch):
   assert float(jnp.max(jnp.abs(got[0]))) > 0  # (the test can fail: zeros were the bug)
 
 
+def test_a_nan_derivative_where_the_mask_hides_gives_no_nan_gradient():
+  """A learned slope times log(q_idx - kv_idx + 1) under is_causal: NaN (log of a negative)
+  only on entries the band hides. The forward and dQ, dK, dV were finite but the slopes'
+  gradient NaN (0 * NaN in the sum over the tile); it equals the reference's with the rule
+  written safe. (A rule the kernels cannot run takes the per-entry way, which stays NaN as
+  JAX's where would be: see docs/api.md.)"""
+  q, kk, v, d_out = random_qkv(30, 2, 40, 40, 2, 1, 16)
+
+  def loss(attend, safe):
+    def fn(slopes):
+      def rule(s, b, h, i, j):
+        distance = (jnp.maximum(i - j, 0) if safe else i - j).astype(jnp.float32)
+        return s - slopes[h] * jnp.log(distance + 1.0)
+      return jnp.sum(attend(q, kk, v, rule) * d_out)
+    return fn
+
+  slopes = jnp.array([0.7, 0.3])
+  got = jax.grad(loss(lambda *a: attention("xla", *a[:3], score_mod=a[3], is_causal=True),
+                      safe=False))(slopes)
+  want = jax.grad(loss(lambda *a: reference_attention(*a[:3], score_mod=a[3],
+                                                      is_causal=True)[0], safe=True))(slopes)
+  assert rel_err(got, want) < F32_TOLERANCE
+
+
 def test_gradient_of_a_captured_python_float():
   """jax.grad of a Python float the score_mod closes over (a temperature, an ALiBi slope), run
   eagerly: its tracer has no ``.ndim``, which the captured arrays' cotangents once read (an

@@ -271,9 +271,15 @@ def _through_features(rule, consts, lay, over_tiles) -> tuple:
                        list(rows), list(cols), score=z,
                        bands=list(bands) if rule.lookups else None)
 
-    # (Varying copies, as in `_per_entry`: each device's own part, summed once below.)
-    _, vjp = jax.vjp(scores, *(_core.varying_as(x, dz, z) for x in (rows, cols, bands)))
-    d_rows, d_cols, d_bands = vjp(dz)
+    # (Varying copies, as in `_per_entry`: each device's own part, summed once below.) The
+    # features enter per entry, and their terms are summed where something is seen: a rule
+    # whose derivative is NaN or inf where the mask hides it (``log(q_idx - kv_idx + 1)``
+    # under is_causal) then adds 0 there, not 0 * NaN (JAX's where would give NaN).
+    entries = lambda xs: [jnp.broadcast_to(x, dz.shape) for x in xs]  # noqa: E731
+    _, vjp = jax.vjp(scores, *(_core.varying_as(entries(x), dz, z) for x in (rows, cols, bands)))
+    seen = dz != 0
+    d_rows, d_cols, d_bands = ([_summed_like(_where_seen(seen, d), x) for d, x in zip(ds, xs)]
+                               for ds, xs in zip(vjp(dz), (rows, cols, bands)))
     # Each sum's window: the tile's rows, its keys, and its diagonals (from q - k = q_start -
     # k_start - (bk - 1) on, at q - k + S_pad).
     starts = (q_start, k_start, q_start - k_start - (bk - 1) + lay.s_pad)
@@ -294,6 +300,19 @@ def _through_features(rule, consts, lay, over_tiles) -> tuple:
             _core.summed_like(acc[..., lo:hi], x).astype(x.dtype) for acc, x in zip(kind, xs))
       for kind, xs, (lo, hi) in zip(sums, values, windows))
   return tuple(g if _floating(c) else None for g, c in zip(vjp_derived(cotangents), consts))
+
+
+def _where_seen(seen, d):
+  return d if d.dtype == jax.dtypes.float0 else jnp.where(seen, d, jnp.zeros((), d.dtype))
+
+
+def _summed_like(d, x):
+  """``d`` summed over the axes that ``x`` broadcasts (size 1 there), keeping them (an
+  integer feature's float0 cotangent shaped like ``x``)."""
+  if d.dtype == jax.dtypes.float0:
+    return np.zeros(x.shape, jax.dtypes.float0)
+  return jnp.sum(d, axis=tuple(i for i, (a, b) in enumerate(zip(x.shape, d.shape))
+                                if a == 1 and b != 1), keepdims=True)
 
 
 def _add_at(acc, part, start):
