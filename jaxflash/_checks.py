@@ -388,7 +388,11 @@ def _check_qkv(query, key, value) -> bool:
 def check_flag(flag, name: str) -> bool:
   """A bool (or NumPy bool): a string such as "no" would be truthy and silently flip it on."""
   if not isinstance(flag, (bool, np.bool_)):
-    raise ValueError(f"{name} must be a bool, got {flag!r}")
+    hint = ""
+    if isinstance(flag, jax.core.Tracer):  # jax.jit(flash_attention)(q, k, v, is_causal=True)
+      hint = (f" (a traced one: under jax.jit make it static, e.g. "
+              f"jax.jit(f, static_argnames=\"{name}\"))")
+    raise ValueError(f"{name} must be a bool, got {flag!r}{hint}")
   return bool(flag)
 
 

@@ -226,6 +226,13 @@ def test_non_bool_flags_are_refused(name, value):
     jaxflash.flash_attention(q, k, v, **{name: value})
 
 
+def test_a_traced_flag_says_to_make_it_static():
+  """``jax.jit(jaxflash.flash_attention)(q, k, v, is_causal=True)`` traces the flag."""
+  q, k, v = _qkv(5)
+  with pytest.raises(ValueError, match='is_causal.*static_argnames="is_causal"'):
+    jax.jit(jaxflash.flash_attention)(q, k, v, is_causal=True)
+
+
 def test_numpy_bool_flags_are_accepted():
   q, k, v = _qkv(5)
   got = jaxflash.flash_attention(q, k, v, is_causal=np.bool_(True), implementation="xla")
