@@ -18,8 +18,8 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
   """Attention in float32 with dense [B, N, T, S] logits: what the tests compare jaxflash with.
 
   O(T·S) memory, no kernels, no argument checks. The arguments shown mean what they mean in
-  `jaxflash.flash_attention` (BTNH only); it has no ``mask_mod``/``block_mask`` (pass
-  ``mask=BlockMask.to_dense``'s entries or the mask_mod evaluated on index grids), FP8,
+  `jaxflash.flash_attention` (BTNH only); it has no ``mask_mod``/``block_mask`` (pass the
+  mask_mod evaluated on broadcasting index grids as ``mask``), FP8,
   ``implementation`` or ``interpret``. Dropout takes the keep mask itself (``dropout_keep``, bool
   broadcastable to [B, N, T, S]) rather than a key, so a test can hand it the mask that
   `jaxflash.dropout.dense_keep_mask` says the kernels use: kept probabilities are scaled by
