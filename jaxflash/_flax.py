@@ -182,6 +182,35 @@ def fp8_options(fp8) -> dict | None:
   return {} if fp8 else None
 
 
+class FrozenOptions(Mapping):
+  """A module's ``fp8`` mapping as it keeps it: read-only and hashable, as Flax's static
+  fields must be (an nnx module's are its GraphDef, which ``jax.jit(static_argnums=...)``
+  hashes; a dict made that a TypeError)."""
+
+  def __init__(self, options: Mapping[str, Any]):
+    self._options = dict(options)
+
+  def __getitem__(self, name: str) -> Any:
+    return self._options[name]
+
+  def __iter__(self):
+    return iter(self._options)
+
+  def __len__(self) -> int:
+    return len(self._options)
+
+  def __hash__(self) -> int:
+    return hash(tuple(sorted(self._options.items())))
+
+  def __repr__(self) -> str:
+    return repr(self._options)
+
+
+def frozen_fp8(fp8):
+  """A module's ``fp8`` field as it keeps it: a mapping frozen (`FrozenOptions`), else as is."""
+  return FrozenOptions(fp8) if isinstance(fp8, Mapping) else fp8
+
+
 def fp8_field(fp8):
   """What a module binds into its ``attention_fn`` for its ``fp8`` field: None where off (the
   hook's default), else the field as given (checked)."""
@@ -242,6 +271,8 @@ def kernel_can_serve(query: jax.Array, key: jax.Array, value: jax.Array) -> bool
     return False
   if query.dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
     return False
+  if not all(isinstance(d, int) for d in query.shape[-3:] + key.shape[-3:]):
+    return False  # a symbolic length or head count (jax.export): kernels are tiled by them
   if query.shape[-1] != key.shape[-1] or key.shape[:-1] != value.shape[:-1]:
     return False
   return query.shape[-2] % key.shape[-2] == 0

@@ -133,7 +133,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         deterministic_backward=None if deterministic_backward else False)
     super().__init__(*args, attention_fn=attention_fn, **kwargs)
     self.implementation = implementation
-    self.fp8 = fp8
+    self.fp8 = _flax.frozen_fp8(fp8)
     self.deterministic_backward = deterministic_backward
     self.sinks = nnx.Param(jnp.zeros((self.num_heads,), jnp.float32)) if sinks else None
 

@@ -188,6 +188,20 @@ def test_linen_falls_back_for_what_kernels_cannot_serve():
   assert rel_err(precise.apply(params, x), ours.apply(params, x)) < TOL
 
 
+def test_hooks_fall_back_for_a_symbolic_length():
+  """jax.export with a symbolic sequence length: the kernels are tiled by it, so Flax's code
+  answers (the hook raised), and the exported function equals Flax's module."""
+  from jax import export
+  x, _ = _inputs()
+  spec = jax.ShapeDtypeStruct(export.symbolic_shape(f"b, t, {x.shape[-1]}"), x.dtype)
+  ours = nn.MultiHeadDotProductAttention(num_heads=HEADS,
+                                         attention_fn=jaxflash.linen.dot_product_attention)
+  theirs = nn.MultiHeadDotProductAttention(num_heads=HEADS)
+  params = ours.init(jax.random.key(0), x)
+  exported = export.export(jax.jit(lambda x: ours.apply(params, x)))(spec)
+  assert rel_err(exported.call(x), theirs.apply(params, x)) < TOL
+
+
 # ---------------------------------------------------------------------------------------------
 # nnx
 

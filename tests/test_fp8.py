@@ -685,6 +685,11 @@ def test_flax_modules_take_fp8():
   want, got = plain.apply(params, x), quant.apply(params, x)
   rotated = quant_rotated.apply(params, x)
   assert 0 < rel_err(rotated, want) <= 0.08 and rel_err(rotated, got) > 1e-3
+  # nnx's functional API hashes the GraphDef, which holds the field: a dict was a TypeError.
+  graphdef, state = nnx.split(make(fp8={"rotation_seed": 0}))
+  apply = jax.jit(lambda g, s, x: nnx.merge(g, s)(x, is_causal=True), static_argnums=0)
+  assert rel_err(apply(graphdef, state, x), make(fp8={"rotation_seed": 0})(x, is_causal=True)
+                 ) < 1e-6
 
 
 @pytest.mark.parametrize("backward,rotated", [("straight_through", False), ("mixed", False),
