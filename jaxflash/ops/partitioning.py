@@ -175,8 +175,12 @@ def _compiled_once(run_: Callable[..., tuple]) -> Callable[..., tuple]:
   (frozen dataclasses: equal calls give equal keys). JAX caches a jitted function's trace per
   argument types and reuses the lowering of a traced jaxpr within one program, which a plain
   Python call at each site would trace, lower and compile again (a Mosaic GPU kernel is named
-  by a per-lowering counter, so even its compiled binary was not shared)."""
-  return jax.jit(functools.partial(run_, None))
+  by a per-lowering counter, so even its compiled binary was not shared). Named for what it
+  runs (``jaxflash_forward``, ``jaxflash_backward``, ...) in compile logs and profiles."""
+  def whole(*operands):
+    return run_(None, *operands)
+  whole.__name__ = whole.__qualname__ = "jaxflash" + type(run_).__name__.lower()
+  return jax.jit(whole)
 
 
 def run(local: Local, operands: tuple) -> tuple:
