@@ -62,7 +62,10 @@ def pack(mask: jax.Array) -> Packed:
   visible = mask if mask.dtype == jnp.bool_ else mask != 0
   mesh = jax.sharding.get_abstract_mesh()
   types = () if mesh.empty else tuple(mesh.axis_types)
-  table_only = Packed(None, None, block_mask_lib.classify_dense(visible, _BLOCK))
+
+  def table_only():  # (made where returned: an eager call on one device classified it twice)
+    return Packed(None, None, block_mask_lib.classify_dense(visible, _BLOCK))
+
   if types and all(t == AxisType.Manual for t in types):
     return pack_local(visible)  # (inside shard_map: this device's share)
   if AxisType.Explicit in types:
@@ -75,11 +78,11 @@ def pack(mask: jax.Array) -> Packed:
       return jax.shard_map(pack_local, mesh=mesh, in_specs=share,
                            out_specs=Packed(share, share, share), axis_names=axes,
                            check_vma=False)(visible)
-    return table_only
+    return table_only()
   if jax.device_count() > 1:
     # Under jit with Auto axes the mask may be sharded, and XLA's partitioner cannot split a
     # Pallas call (it would gather the mask to every device).
-    return table_only
+    return table_only()
   return pack_local(visible)
 
 
