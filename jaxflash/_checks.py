@@ -238,6 +238,21 @@ def check_cache(query, key_cache, value_cache, kv_lengths, page_table, value_hea
     if cache.ndim != 4:
       raise ValueError(f"{name} must be [B, S_max, K, H] (or pages [num_pages, page_size, K, H] "
                        f"with page_table), got shape {cache.shape}")
+  # (Checked here on the caches as given: `normalise` sees a paged cache's gathered rows.)
+  n, h = query.shape[2:]
+  for name, x in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+    if x.dtype not in _FLOAT_DTYPES and not fp8.is_fp8(x.dtype):
+      raise ValueError(f"{name} must be float16, bfloat16, float32 or float8 (e4m3fn, e5m2), "
+                       f"got {x.dtype}")
+  if not query.dtype == key_cache.dtype == value_cache.dtype:
+    raise ValueError(f"query, key_cache and value_cache must share one dtype, got "
+                     f"{query.dtype}, {key_cache.dtype} and {value_cache.dtype}")
+  if key_cache.shape[-1] != h:
+    raise ValueError(f"key_cache must have the query's head dim {h} (last axis), got "
+                     f"key_cache {key_cache.shape} for query {query.shape}")
+  if key_cache.shape[2] == 0 or n % key_cache.shape[2]:
+    raise ValueError(f"the query's {n} heads must be a multiple of key_cache's K/V heads "
+                     f"(axis 2), got query {query.shape} and key_cache {key_cache.shape}")
   if value_cache.shape[:-1] != key_cache.shape[:-1]:
     raise ValueError(f"key_cache and value_cache must have one shape but for the head dim, "
                      f"[B, S_max, K, Dqk] and [B, S_max, K, Dv] (or [num_pages, page_size, K, "

@@ -585,6 +585,15 @@ def test_decode_under_jit_with_traced_lengths():
      r"page_table\[1, 1\] = 2 is not a page id in \[0, 2\)"),
     (dict(page_table=jnp.array([[0, -1], [1, -2]]), kv_lengths=jnp.array([1, 12])),
      r"page_table\[1, 1\] = -2"),
+    # Pages' heads, head dims and dtypes are named as given (the messages showed the rows
+    # gathered from the pages, as "key").
+    (dict(query=jnp.zeros((2, 1, 3, 8)), key_cache=jnp.zeros((2, 10, 2, 8)),
+          page_table=jnp.zeros((2, 1), jnp.int32)),
+     r"query's 3 heads must be a multiple of key_cache's K/V heads .* key_cache \(2, 10, 2, 8\)"),
+    (dict(query=jnp.zeros((2, 1, 2, 16)), page_table=jnp.zeros((2, 1), jnp.int32)),
+     r"key_cache must have the query's head dim 16"),
+    (dict(query=jnp.zeros((2, 1, 2, 8), BF16), page_table=jnp.zeros((2, 1), jnp.int32)),
+     r"query, key_cache and value_cache must share one dtype, got bfloat16, float32"),
 ])
 def test_decode_refuses_bad_input(args, match):
   base = dict(query=jnp.zeros((2, 1, 2, 8)), key_cache=jnp.zeros((2, 10, 1, 8)),
