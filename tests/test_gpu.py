@@ -126,6 +126,32 @@ def test_key_split_on_gpu(implementation):
     assert rel_err(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("implementation", ["mosaic", "triton", "xla"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_rows_masked_by_a_huge_finite_bias_on_gpu(implementation, dtype):
+  """Rows whose every key a bias of -1e10 or -1e30 hides (``(1 - mask) * -1e10``), forward and
+  backward under jit: finite, and jax.nn's rows. On a CPU, XLA rounded such logits apart in
+  two fusions and exp2 overflowed (fixed in the XLA backend, 2026-12-05); the compiled kernels
+  compute a tile's logits once, but their backward recomputes them against the forward's
+  LSE. Written 2026-12-05, not yet run on a GPU."""
+  q, k, v, d_out = random_qkv(12, 1, 256, 256, 8, 2, 128, dtype)
+  for value in (-1e10, -1e30):
+    bias = jnp.zeros((1, 1, 256, 256)).at[:, :, :5].set(value)
+
+    @jax.jit
+    def forward_and_back(q, k, v, bias, d_out):
+      out, vjp = jax.vjp(lambda *a: jaxflash.flash_attention(*a, implementation=implementation),
+                         q, k, v, bias)
+      return out, vjp(d_out)
+
+    out, grads = forward_and_back(q, k, v, bias, d_out)
+    for x in (out,) + grads:
+      assert np.isfinite(np.asarray(x, np.float32)).all()
+    want = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), bias=bias,
+                                        implementation="xla")
+    assert rel_err(out.astype(jnp.float32), want) < 2e-2
+
+
 @pytest.mark.parametrize("implementation", ["triton", "xla"])
 def test_nan_rows_and_huge_windows_on_gpu(implementation):
   """The compiled kernels with the shipped tiles: a NaN query entry makes its row NaN and a NaN

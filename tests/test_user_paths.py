@@ -72,6 +72,49 @@ def test_nan_in_query_key_or_bias_gives_nan_rows(implementation):
   assert (out[1, 4, 1] == 0).all() and lse[1, 4, 1] == -np.inf
 
 
+_HUGE_BIAS_ROWS = """
+import jax, jax.numpy as jnp, numpy as np, jaxflash
+rng = np.random.default_rng(5)
+for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+  q, k, v, d_out = (jnp.asarray(rng.standard_normal((1, 64, 2, 32)), jnp.float32).astype(dtype)
+                    for _ in range(4))
+  for value in (-1e10, -1e30):
+    bias = jnp.zeros((1, 1, 64, 64)).at[:, :, :2].set(value)
+
+    @jax.jit
+    def forward_and_back(q, k, v, bias, d_out):
+      out, vjp = jax.vjp(lambda *a: jaxflash.flash_attention(*a, implementation="xla"),
+                         q, k, v, bias)
+      return out, vjp(d_out)
+
+    out, grads = forward_and_back(q, k, v, bias, d_out)
+    want = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), bias=bias)
+    err = float(jnp.linalg.norm(out.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+    finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (out,) + grads)
+    print(jnp.dtype(dtype).name, value, finite, err)
+"""
+
+
+def test_rows_masked_by_a_huge_finite_bias_stay_finite():
+  """A mask written as a bias, ``(1 - mask) * -1e10``, hiding every key of some rows: under
+  jit XLA CPU computed the logits twice (the row max and exp2's argument), rounded apart by
+  an ulp of 1e10, and exp2 overflowed: NaN rows, NaN dK of the whole batch row. Now they are
+  jax.nn's rows (at that magnitude every logit of a row rounds alike: the mean of the
+  values). Run at XLA's default optimisation level: this suite's -O0 (conftest.py) rounds
+  both alike."""
+  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                   if "optimization_level" not in f)
+  out = subprocess.run([sys.executable, "-c", _HUGE_BIAS_ROWS], capture_output=True,
+                       text=True, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags))
+  assert out.returncode == 0, out.stderr
+  lines = out.stdout.split("\n")[:-1]
+  assert len(lines) == 6, out.stdout
+  for line in lines:
+    dtype, _, finite, err = line.split()
+    assert finite == "True", line
+    assert float(err) < (1e-5 if dtype == "float32" else 2e-2), line
+
+
 @pytest.mark.parametrize("implementation", BACKENDS)
 def test_nan_in_query_padding_stays_out_of_the_gradients(implementation):
   """Query rows past ``query_seq_lengths`` are padding: a NaN or Inf there (garbage in a padded

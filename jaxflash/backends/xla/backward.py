@@ -142,7 +142,9 @@ def _tile_dz(blk: blocks.Blocks, params: Params, lse2, delta, q_start, k_start, 
   logits (`_padded_rows`' statistics; ``qk`` as `Blocks.logits` takes it)."""
   bq = q_blk.shape[1]
   s2, chain = blk.logits(q_blk, k_blk, q_start, k_start, derivative=derivative, qk=qk)
-  p = jnp.exp2(s2 - blocks.rows(lse2, q_start, bq, axis=3)[..., None])
+  # (s2 <= lse2 exactly; the minimum keeps a recomputation that rounds s2 up at |s2| ~ 1e10,
+  # a row masked by a huge finite bias, from overflowing, as in the forward.)
+  p = jnp.exp2(jnp.minimum(s2 - blocks.rows(lse2, q_start, bq, axis=3)[..., None], 0.0))
   dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
   keep = blk.keep(q_start, k_start)
   dz = p * (_core.dropped(dp, keep, params) - blocks.rows(delta, q_start, bq, axis=3)[..., None])

@@ -45,7 +45,9 @@ def forward(inputs: Inputs, params: Params, config: Config):
       # Online softmax; rows with nothing visible yet shift by 0 so exp2 stays NaN-free.
       m_new = jnp.maximum(m, jnp.max(s2, axis=-1))
       m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      p = jnp.exp2(s2 - m_shift[..., None])
+      # (s2 <= m exactly, but XLA may compute s2 in two fusions that round it differently:
+      # at |s2| ~ 1e10, a row masked by a bias of -1e10, exp2 of the difference overflowed.)
+      p = jnp.exp2(jnp.minimum(s2 - m_shift[..., None], 0.0))
       alpha = jnp.exp2(m - m_shift)
       v_blk = blocks.rows(blk.v, k_start, bk)
       # Dropout zeroes entries of P for the product with V only: the normaliser l is the sum
