@@ -268,7 +268,9 @@ def test_fp8_attention_gradients_on_outlier_features(rotated, implementation):
   forward's logsumexp is off by units. The default backward recomputes the forward's own
   logits (power-of-two scales make the round trip exact in 16 bits), so its gradients stay
   finite and within the forward's error (measured 12-16% for dQ and dV); the mixed one pairs
-  the 16-bit logits with that logsumexp and diverges (above 1e23 per head, 30x rotated).
+  the 16-bit logits with that logsumexp and is wrong by more than the gradient (above 1e23 per
+  head, 30x rotated, before the XLA backend held exp2's argument at or below 0 on 2026-12-05;
+  now each P is at most 1 there and the errors are 0.7-2.6, dQ's 20x the default's).
   On a GPU this also checks that the FP8 round trip survives XLA (which folds f32 -> e4m3 ->
   f32 chains unless something stands between them: `fp8.dequantize`): without it both
   backwards ran the same unquantised inputs there (H200, 2026-11-28)."""
@@ -291,7 +293,9 @@ def test_fp8_attention_gradients_on_outlier_features(rotated, implementation):
             for backward in ("straight_through", "mixed")}
   straight = errors["straight_through"]
   assert np.isfinite(straight).all() and straight[0] <= 0.3 and straight[2] <= 0.3, errors
-  assert min(errors["mixed"]) >= 10 * max(straight), errors
+  mixed = errors["mixed"]
+  assert all(m > s for m, s in zip(mixed, straight)) and max(mixed) >= 1, errors
+  assert mixed[0] >= 10 * straight[0], errors
 
 
 def test_fp8_attention_per_token_scales_keep_outlier_features_closer():

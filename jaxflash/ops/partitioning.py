@@ -176,10 +176,11 @@ def _compiled_once(run_: Callable[..., tuple]) -> Callable[..., tuple]:
   argument types and reuses the lowering of a traced jaxpr within one program, which a plain
   Python call at each site would trace, lower and compile again (a Mosaic GPU kernel is named
   by a per-lowering counter, so even its compiled binary was not shared). Named for what it
-  runs (``jaxflash_forward``, ``jaxflash_backward``, ...) in compile logs and profiles."""
+  runs (``jaxflash_attention_forward``, ``..._backward``, ...) in compile logs and profiles
+  (not the kernels' own names, which tests look for in lowered programs)."""
   def whole(*operands):
     return run_(None, *operands)
-  whole.__name__ = whole.__qualname__ = "jaxflash" + type(run_).__name__.lower()
+  whole.__name__ = whole.__qualname__ = "jaxflash_attention" + type(run_).__name__.lower()
   return jax.jit(whole)
 
 
