@@ -175,13 +175,11 @@ def _compiled_once(run_: Callable[..., tuple]) -> Callable[..., tuple]:
   (frozen dataclasses: equal calls give equal keys). JAX caches a jitted function's trace per
   argument types and reuses the lowering of a traced jaxpr within one program, which a plain
   Python call at each site would trace, lower and compile again (a Mosaic GPU kernel is named
-  by a per-lowering counter, so even its compiled binary was not shared). Named for what it
-  runs (``jaxflash_attention_forward``, ``..._backward``, ...) in compile logs and profiles
-  (not the kernels' own names, which tests look for in lowered programs)."""
-  def whole(*operands):
-    return run_(None, *operands)
-  whole.__name__ = whole.__qualname__ = "jaxflash_attention" + type(run_).__name__.lower()
-  return jax.jit(whole)
+  by a per-lowering counter, so even its compiled binary was not shared). (Left unnamed, as
+  `jit(<unnamed function>)` in compile logs: a name with ``jaxflash_`` in it lands in every
+  op's metadata, where the lowering tests and `benchmarks/dev/glue_audit.py` look for the
+  kernels' names.)"""
+  return jax.jit(functools.partial(run_, None))
 
 
 def run(local: Local, operands: tuple) -> tuple:
