@@ -240,13 +240,7 @@ def check_cache(query, key_cache, value_cache, kv_lengths, page_table, value_hea
                        f"with page_table), got shape {cache.shape}")
   # (Checked here on the caches as given: `normalise` sees a paged cache's gathered rows.)
   n, h = query.shape[2:]
-  for name, x in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-    if x.dtype not in _FLOAT_DTYPES and not fp8.is_fp8(x.dtype):
-      raise ValueError(f"{name} must be float16, bfloat16, float32 or float8 (e4m3fn, e5m2), "
-                       f"got {x.dtype}")
-  if not query.dtype == key_cache.dtype == value_cache.dtype:
-    raise ValueError(f"query, key_cache and value_cache must share one dtype, got "
-                     f"{query.dtype}, {key_cache.dtype} and {value_cache.dtype}")
+  _check_operand_dtypes(query=query, key_cache=key_cache, value_cache=value_cache)
   if key_cache.shape[-1] != h:
     raise ValueError(f"key_cache must have the query's head dim {h} (last axis), got "
                      f"key_cache {key_cache.shape} for query {query.shape}")
@@ -360,6 +354,18 @@ def as_array(x, name: str) -> jax.Array:
                      f"{type(x).__name__}: {e}") from None
 
 
+def _check_operand_dtypes(**operands) -> None:
+  """Query, key and value (or a decoding call's caches) in one dtype the kernels take."""
+  for name, x in operands.items():
+    if x.dtype not in _FLOAT_DTYPES and not fp8.is_fp8(x.dtype):
+      raise ValueError(f"{name} must be float16, bfloat16, float32 or float8 (e4m3fn, e5m2), "
+                       f"got {x.dtype}")
+  if len({x.dtype for x in operands.values()}) > 1:
+    names = list(operands)
+    raise ValueError(f"{', '.join(names[:-1])} and {names[-1]} must share one dtype, got "
+                     f"{', '.join(str(x.dtype) for x in operands.values())}")
+
+
 def _check_qkv(query, key, value) -> bool:
   """Checks ranks, dtypes and shapes of query/key/value; returns True for unbatched inputs."""
   if query.ndim not in (3, 4):
@@ -369,13 +375,7 @@ def _check_qkv(query, key, value) -> bool:
     if x.ndim != query.ndim:
       raise ValueError(f"{name} must have the same rank as query ({query.ndim}), "
                        f"got shape {x.shape} for query shape {query.shape}")
-  for name, x in (("query", query), ("key", key), ("value", value)):
-    if x.dtype not in _FLOAT_DTYPES and not fp8.is_fp8(x.dtype):
-      raise ValueError(f"{name} must be float16, bfloat16, float32 or float8 (e4m3fn, e5m2), "
-                       f"got {x.dtype}")
-  if not key.dtype == value.dtype == query.dtype:
-    raise ValueError(f"query, key and value must share one dtype, got "
-                     f"{query.dtype}, {key.dtype}, {value.dtype}")
+  _check_operand_dtypes(query=query, key=key, value=value)
   # value's head dim Dv may differ from the query/key one (DeepSeek's MLA: Dqk 192, Dv 128);
   # the output then has Dv. Batch, key length and key/value heads must agree.
   if key.shape[:-1] != value.shape[:-1]:
