@@ -271,6 +271,29 @@ def delta(out: jax.Array, d_out: jax.Array, d_lse) -> jax.Array:
   return result - jnp.where(jnp.isfinite(d_lse), d_lse, 0.0)
 
 
+def capped_exponent(z: jax.Array, capped: bool, by_select: bool = False) -> jax.Array:
+  """``z``, an exp2 argument that is <= 0 in exact arithmetic (base-2 logits less their row max,
+  or less their LSE in a backward), capped at 0 when ``capped`` (static).
+
+  A bias or a score_mod can make logits huge and finite: ``(1 - mask) * -1e10`` hides keys with
+  -1e10, not -inf. A compiler may then fuse the logits' last multiply into z's subtraction
+  (one FMA, as NVPTX and XLA's CPU backend do) or compute them twice, rounding apart, and z
+  becomes the rounding error of a number near 1.4e10: up to 512, where 2**z overflows float32
+  and the row turns NaN. Capped, such a row gets a finite (if meaningless, as jax.nn's is at
+  that size) softmax. Without a bias or a score_mod the logits are ``scale * q.k`` and such
+  errors need |logits| > 2**31, so the kernels leave that path alone.
+
+  NaN stays NaN: `jnp.minimum` propagates it in XLA and in Mosaic GPU (``min.NaN.f32``);
+  Triton lowers it to ``minnum``, which would turn NaN into 0, so Triton asks for a select
+  (``by_select``).
+  """
+  if not capped:
+    return z
+  if by_select:
+    return jnp.where(z > 0.0, 0.0, z)
+  return jnp.minimum(z, 0.0)
+
+
 def logits_base2(qk: jax.Array, params: Params, bias: jax.Array | None, score=None,
                  derivative: bool = False):
   """Raw ``q @ k.T`` tile (float32) -> base-2 logits, and the chain factor of the backward.

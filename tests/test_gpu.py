@@ -132,8 +132,11 @@ def test_rows_masked_by_a_huge_finite_bias_on_gpu(implementation, dtype):
   """Rows whose every key a bias of -1e10 or -1e30 hides (``(1 - mask) * -1e10``), forward and
   backward under jit: finite, and jax.nn's rows. On a CPU, XLA rounded such logits apart in
   two fusions and exp2 overflowed (fixed in the XLA backend, 2026-12-05); the compiled kernels
-  compute a tile's logits once, but their backward recomputes them against the forward's
-  LSE. Written 2026-12-05, not yet run on a GPU."""
+  compute a tile's logits once, but fuse their last multiply into exp2's argument (an FMA)
+  and their backward recomputes them against the forward's LSE: the interpreted Triton and
+  Mosaic kernels gave NaN there on a CPU, and all three now cap exp2's argument at 0 when a
+  bias or score_mod is present (`_core.capped_exponent`). Written 2026-12-05, not yet run on
+  a GPU."""
   q, k, v, d_out = random_qkv(12, 1, 256, 256, 8, 2, 128, dtype)
   for value in (-1e10, -1e30):
     bias = jnp.zeros((1, 1, 256, 256)).at[:, :, :5].set(value)

@@ -115,6 +115,49 @@ def test_rows_masked_by_a_huge_finite_bias_stay_finite():
     assert float(err) < (1e-5 if dtype == "float32" else 2e-2), line
 
 
+@pytest.mark.parametrize("implementation,rule",
+                         [("triton", "bias"), ("triton", "score_mod"), ("mosaic", "score_mod")])
+def test_rows_hidden_by_a_huge_finite_logit_in_the_kernels(implementation, rule):
+  """The same rows through the Pallas kernels (interpreted here), by a bias or a score_mod that
+  adds -1e10: their forward took the row max of the logits, and the logits' last multiply
+  fused into exp2's argument (one FMA, as NVPTX does too) left the rounding error of a logit
+  near -1.4e10 there, up to 512: exp2 overflowed, and the rows and every gradient came out
+  NaN (`jaxflash._core.capped_exponent`; Mosaic's backward takes no bias, so it is checked
+  through the score_mod). The forward's rows are jax.nn's, the mean of V. The gradients are
+  finite, and jax.nn's where those rows' cotangent is zero (padding): an LSE of -1.4e10 has
+  lost log(number of keys), so their own P in the backward is not 1/S (docs/api.md,
+  Precision)."""
+  dtype = jnp.bfloat16 if implementation == "mosaic" else jnp.float32
+  q, k, v, d_out = random_qkv(21, 1, 64, 64, 2, 1, 64, dtype)
+  hidden = jnp.arange(64) < 3
+  bias = jnp.where(hidden[:, None], -1e10, 0.0)[None, None]
+
+  def score_mod(score, b, h, q_idx, kv_idx):
+    return jnp.where(q_idx < 3, score - 1e10, score)
+
+  options = dict(bias=bias.astype(dtype)) if rule == "bias" else dict(score_mod=score_mod)
+
+  @jax.jit
+  def run(q, k, v, d_out):
+    out, vjp = jax.vjp(lambda *a: attention(implementation, *a, **options), q, k, v)
+    return (out,) + vjp(d_out)
+
+  def want(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, bias=bias)
+
+  tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+  for cotangent in (d_out, jnp.where(hidden[None, :, None, None], 0.0, d_out)):
+    cotangent = cotangent.astype(dtype)
+    got = run(q, k, v, cotangent)
+    out, vjp = jax.vjp(want, *(x.astype(jnp.float32) for x in (q, k, v)))
+    expected = (out,) + vjp(cotangent.astype(jnp.float32))
+    for g in got:
+      assert np.isfinite(np.asarray(g, np.float32)).all()
+    assert rel_err(got[0], expected[0]) < tolerance
+  for g, w in zip(got[1:], expected[1:]):
+    assert rel_err(g, w) < tolerance
+
+
 @pytest.mark.parametrize("implementation", BACKENDS)
 def test_nan_in_query_padding_stays_out_of_the_gradients(implementation):
   """Query rows past ``query_seq_lengths`` are padding: a NaN or Inf there (garbage in a padded

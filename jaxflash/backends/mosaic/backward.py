@@ -146,7 +146,8 @@ def _probabilities(s, lse2, params: Params, visible, make_score=None):
   s2, chain = _core.logits_base2(s, params, None, score, derivative=True)
   if visible is not None:
     s2 = jnp.where(visible, s2, -jnp.inf)
-  return jnp.exp2(s2 - lse2), chain
+  # (This backward takes no bias: a score_mod is what can make logits huge.)
+  return jnp.exp2(_core.capped_exponent(s2 - lse2, score is not None)), chain
 
 
 def _early_scale(params: Params, dtype) -> float:

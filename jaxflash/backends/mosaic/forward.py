@@ -911,8 +911,9 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_shift)
         scaled = x * (_rows(c, x.shape) if jnp.ndim(c) else c)
-        p = exp2_mixed(scaled - _rows(m_shift, x.shape), config.exp2_poly_cols,
-                       params.interpret)
+        z = _core.capped_exponent(scaled - _rows(m_shift, x.shape),
+                                  bias is not None or score is not None)
+        p = exp2_mixed(z, config.exp2_poly_cols, params.interpret)
         # The undropped sum: dropout leaves the LSE alone. (With `mma_row_sums` the tensor
         # cores add P's sum where P V runs: `pv_turn`, `overlapped`.)
         l = l * _rows(alpha, l.shape) if row_sums else l * alpha + p.sum(axis=1)

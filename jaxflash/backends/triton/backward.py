@@ -39,7 +39,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, ls
     kt = tiles.key_tile(j, k_ref, opt, st, schedule.block_k, masked, params)
     v = tiles.load(v_ref.at[kt.keys, :], mask=kt.v_ok, other=0.0)
     s2, chain = tiles.tile_logits(qt, kt, opt, params, masked, derivative=True)
-    p = jnp.exp2(s2 - lse2[:, None])
+    p = jnp.exp2(_core.capped_exponent(s2 - lse2[:, None], tiles.huge_logits(opt, params),
+                                       by_select=True))
     keep = tiles.keep(qt.stream, qt.rows, kt.k_start, schedule.block_k, params, qt.pos)
     dp = _core.dropped(plgpu.dot(do, v, trans_b=True), keep, params)
     ds = _core.dlogits_to_dqk(p * (dp - delta[:, None]), chain)
@@ -109,7 +110,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref, l
                                     q_seg, kv_seg, dense_tile(opt.bias), dense_tile(opt.mask),
                                     features=features, score_features=score_features,
                                     derivative=True, tables=opt.score_tables)
-    p = jnp.exp2(s2 - lse2[:, None])
+    p = jnp.exp2(_core.capped_exponent(s2 - lse2[:, None], tiles.huge_logits(opt, params),
+                                       by_select=True))
     keep = tiles.keep(tiles.dropout_stream(opt, params, batch, first_head + g), rows, k_start,
                       block_k, params, pos)
     dv = dv + plgpu.dot(_core.dropped(p, keep, params).astype(do.dtype), do, trans_a=True)

@@ -88,7 +88,8 @@ def _dbias_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, do_ref,
           features=features_of(opt.q_feat, opt.kv_feat, params.mask_rule),
           score_features=features_of(opt.score_q_feat, opt.score_kv_feat, params.score_rule),
           tables=opt.score_tables)
-      p = jnp.exp2(s2 - lse2[:, None])
+      p = jnp.exp2(_core.capped_exponent(s2 - lse2[:, None], tiles.huge_logits(opt, params),
+                                       by_select=True))
       keep = tiles.keep(tiles.dropout_stream(opt, params, b, n), rows, k_start, block_k, params,
                         pos)
       dp = _core.dropped(plgpu.dot(do, v, trans_b=True), keep, params)

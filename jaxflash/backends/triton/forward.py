@@ -30,6 +30,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, sink_
   # multiply per logit on the forward's critical path.
   fold = tiles.folds_scale(params, opt)
   c = params.scale * _core.LOG2_E if fold else 1.0
+  huge_logits = tiles.huge_logits(opt, params)
 
   def body(j, carry, masked: bool):
     acc, m, l = carry
@@ -43,7 +44,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, sink_
     finite = not masked and opt.bias is None and params.score_rule is None
     m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_shift)
-    p = jnp.exp2((s2 * c if fold else s2) - m_shift[:, None])
+    p = jnp.exp2(_core.capped_exponent((s2 * c if fold else s2) - m_shift[:, None],
+                                       huge_logits, by_select=True))
     v = tiles.load(v_ref.at[kt.keys, :], mask=kt.v_ok, other=0.0)
     # Dropout removes entries of P from the product with V only; l sums the undropped P, and
     # 1 / P(keep) is applied once, to the output.

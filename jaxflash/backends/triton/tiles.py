@@ -279,6 +279,12 @@ def folds_scale(params: Params, opt: Optional) -> bool:
           and params.scale > 0)
 
 
+def huge_logits(opt: Optional, params: Params) -> bool:
+  """Whether logits may be huge and finite (a bias or a score_mod), so that exp2's argument is
+  capped (`jaxflash._core.capped_exponent`)."""
+  return opt.bias is not None or params.score_rule is not None
+
+
 def masked_logits(q, k, rows, cols, ok, pos: Positions, params: Params, q_seg, kv_seg, bias_ref,
                   mask_ref, masked: bool = True, raw: bool = False, features=((), ()),
                   score_features=((), ()), derivative: bool = False, tables=None):
