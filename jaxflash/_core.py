@@ -277,7 +277,7 @@ def capped_exponent(z: jax.Array, capped: bool, by_select: bool = False) -> jax.
 
   A bias or a score_mod can make logits huge and finite: ``(1 - mask) * -1e10`` hides keys with
   -1e10, not -inf. A compiler may then fuse the logits' last multiply into z's subtraction
-  (one FMA, as NVPTX and XLA's CPU backend do) or compute them twice, rounding apart, and z
+  (one FMA, which NVPTX emits by default) or compute them twice, rounding apart, and z
   becomes the rounding error of a number near 1.4e10: up to 512, where 2**z overflows float32
   and the row turns NaN. Capped, such a row gets a finite (if meaningless, as jax.nn's is at
   that size) softmax. Without a bias or a score_mod the logits are ``scale * q.k`` and such
