@@ -907,12 +907,12 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         # NaN: the row comes out NaN, as in jax.nn. (A bias or a score_mod may give -inf
         # anywhere.)
         m_new = jnp.maximum(m, x.max(axis=1) * c)
-        finite = not masked and bias is None and score is None
+        huge_logits = bias is not None or score is not None  # (`_core.capped_exponent`)
+        finite = not masked and not huge_logits
         m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_shift)
         scaled = x * (_rows(c, x.shape) if jnp.ndim(c) else c)
-        z = _core.capped_exponent(scaled - _rows(m_shift, x.shape),
-                                  bias is not None or score is not None)
+        z = _core.capped_exponent(scaled - _rows(m_shift, x.shape), huge_logits)
         p = exp2_mixed(z, config.exp2_poly_cols, params.interpret)
         # The undropped sum: dropout leaves the LSE alone. (With `mma_row_sums` the tensor
         # cores add P's sum where P V runs: `pv_turn`, `overlapped`.)

@@ -41,7 +41,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, lengths_ref, opt: tiles.Optional, sink_
     # full (unmasked) tile without a bias or score_mod every entry is finite, so m_new is too;
     # a bias or a score_mod may give -inf anywhere.
     m_new = jnp.maximum(m, jnp.max(s2, axis=1) * c if fold else jnp.max(s2, axis=1))
-    finite = not masked and opt.bias is None and params.score_rule is None
+    finite = not masked and not huge_logits
     m_shift = m_new if finite else jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_shift)
     p = jnp.exp2(_core.capped_exponent((s2 * c if fold else s2) - m_shift[:, None],

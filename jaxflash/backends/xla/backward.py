@@ -144,7 +144,8 @@ def _tile_dz(blk: blocks.Blocks, params: Params, lse2, delta, q_start, k_start, 
   s2, chain = blk.logits(q_blk, k_blk, q_start, k_start, derivative=derivative, qk=qk)
   # (s2 <= lse2 exactly; the minimum keeps a recomputation that rounds s2 up at |s2| ~ 1e10,
   # a row masked by a huge finite bias, from overflowing, as in the forward.)
-  p = jnp.exp2(jnp.minimum(s2 - blocks.rows(lse2, q_start, bq, axis=3)[..., None], 0.0))
+  p = jnp.exp2(_core.capped_exponent(s2 - blocks.rows(lse2, q_start, bq, axis=3)[..., None],
+                                     True))
   dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
   keep = blk.keep(q_start, k_start)
   dz = p * (_core.dropped(dp, keep, params) - blocks.rows(delta, q_start, bq, axis=3)[..., None])

@@ -46,8 +46,9 @@ def forward(inputs: Inputs, params: Params, config: Config):
       m_new = jnp.maximum(m, jnp.max(s2, axis=-1))
       m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       # (s2 <= m exactly, but XLA may compute s2 in two fusions that round it differently:
-      # at |s2| ~ 1e10, a row masked by a bias of -1e10, exp2 of the difference overflowed.)
-      p = jnp.exp2(jnp.minimum(s2 - m_shift[..., None], 0.0))
+      # at |s2| ~ 1e10, a row masked by a bias of -1e10, exp2 of the difference overflowed.
+      # Capped on every call here: XLA's fusions, not the call's options, decide it.)
+      p = jnp.exp2(_core.capped_exponent(s2 - m_shift[..., None], True))
       alpha = jnp.exp2(m - m_shift)
       v_blk = blocks.rows(blk.v, k_start, bk)
       # Dropout zeroes entries of P for the product with V only: the normaliser l is the sum
