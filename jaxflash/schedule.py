@@ -310,6 +310,14 @@ class Schedule:
   block_k: int
   elementwise: bool = False
 
+  @classmethod
+  def of(cls, window: Window, block_q: int, block_k: int, *, mask=None,
+         q_segment_ids=None) -> Schedule:
+    """The schedule of a kernel's call: `elementwise` wherever a dense mask or segment ids
+    are present (every kernel asks here, so that a forward and its backward agree on which
+    blocks need the element mask; one that forgot the mask skipped it on full blocks)."""
+    return cls(window, block_q, block_k, mask is not None or q_segment_ids is not None)
+
   def kv_blocks(self, q_start, pos: Positions):
     """``(lo, full_lo, full_hi, hi)``: the query block at ``q_start`` visits key blocks
     ``[lo, hi)``; those in ``[full_lo, full_hi)`` need no element mask. With ``pos`` fields

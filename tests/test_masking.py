@@ -507,3 +507,39 @@ def test_staggered_q_walk_and_its_producer_order(stagger):
   want = [(1, 1)] + [(2 + (m + stagger) % 3, 0) for m in range(3)]
   assert [tuple(int(x) for x in row) for row in log] == want
   assert [int(block_at(spans, jnp.int32(p))) for p in range(4)] == [i for i, _ in want]
+
+
+@pytest.mark.parametrize("name", ["triton", "mosaic"])
+def test_a_dense_mask_without_a_block_table_masks_every_block(name):
+  """Kernels handed a dense mask but no block table visit every key block masked (Triton's
+  `tiles.schedule`, Mosaic's forward): no attention here is causal or windowed, so every block
+  counts as full and only that guard applies the mask. `_checks.normalise` always adds the
+  table today, so no call through the API reaches the guard; a mutant that dropped it passed
+  every other test (2026-12-05)."""
+  from jaxflash import _checks
+  from jaxflash.backends import mosaic, triton
+  from jaxflash.ops import flash
+  from jaxflash.reference import reference_attention
+  from checks import ON_GPU, SMALL_CONFIGS, TOLERANCE, random_qkv, rel_err
+  backend = {"triton": triton, "mosaic": mosaic}[name].BACKEND
+  b, t, s, n, k, h = 2, 70, 133, 2, 1, 64
+  q, kk, v, d_out = random_qkv(3, b, t, s, n, k, h, jnp.bfloat16)
+  mask = jax.random.bernoulli(jax.random.key(1), 0.6, (b, 1, t, s))
+  call = _checks.normalise(q, kk, v, mask=mask, interpret=not ON_GPU)
+  inputs = call.inputs._replace(block_table=None)
+
+  def kernel(q, kk, v):
+    return flash.attention(inputs._replace(query=q, key=kk, value=v), call.params, backend,
+                           SMALL_CONFIGS[name])[0]
+
+  def reference(q, kk, v):
+    return reference_attention(q, kk, v, mask=mask)[0]
+
+  def out_and_grads(fn, *args):
+    out, vjp = jax.vjp(fn, *args)
+    return (out, *vjp(d_out.astype(out.dtype)))
+
+  got = jax.jit(lambda *x: out_and_grads(kernel, *x))(q, kk, v)
+  want = out_and_grads(reference, *(x.astype(jnp.float32) for x in (q, kk, v)))
+  for what, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    assert rel_err(g, w) < TOLERANCE[jnp.bfloat16], what

@@ -932,8 +932,11 @@ def test_partial_backward(h, monkeypatch):
   monkeypatch.setattr(triton_backward, "backward", no_triton)
   b, t, s, n, k, _ = OPTION_SHAPE
   q, kk, v, d_out = random_qkv(6, b, t, s, n, k, h, BF16)
-  options = dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3),
-                 **random_lengths(b, t, s, n, 2))
+  # Lengths that leave keys past the split visible in both rows (random ones once hid all of
+  # the second range, and a dQ that dropped its entries at the wrong key offset passed).
+  lengths = dict(query_seq_lengths=jnp.array([t, 3 * t // 4], jnp.int32),
+                 key_value_seq_lengths=jnp.array([s - 10, s // 2], jnp.int32))
+  options = dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3), **lengths)
   config = SMALL_CONFIGS["mosaic"]
 
   def split(q, kk, v):

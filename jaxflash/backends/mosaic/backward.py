@@ -1029,7 +1029,8 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   block_q, stages = config.dkv_block_q, config.dkv_stages
   keys_per_cta = _KEYS if shared_keys else _CONSUMERS * _KEYS
   k_tiles = pl.cdiv(inputs.key.shape[1], keys_per_cta)
-  schedule = Schedule(params.window, block_q, keys_per_cta, extras.q_segment_ids is not None)
+  schedule = Schedule.of(params.window, block_q, keys_per_cta, mask=extras.mask,
+                         q_segment_ids=extras.q_segment_ids)
   # A block table's visits per key tile, and the dense mask packed along the queries: this
   # kernel's tiles are [keys, queries].
   extras = fwd.with_lists(extras, inputs, params, block_q, keys_per_cta, transpose=True)
@@ -1381,7 +1382,8 @@ def _dq(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Bac
   hv = v.shape[-1]  # (V's and dO's padded head dim)
   rows_per_cta = _CONSUMERS * _KEYS
   q_tiles = pl.cdiv(inputs.query.shape[1], rows_per_cta)
-  schedule = Schedule(params.window, rows_per_cta, block_kv, extras.q_segment_ids is not None)
+  schedule = Schedule.of(params.window, rows_per_cta, block_kv, mask=extras.mask,
+                         q_segment_ids=extras.q_segment_ids)
   extras = fwd.with_order(fwd.with_lists(extras, inputs, params, rows_per_cta, block_kv),
                           inputs)
   if inputs.score_bands is not None:

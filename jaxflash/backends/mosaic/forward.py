@@ -1398,8 +1398,8 @@ def forward(inputs: Inputs, params: Params, config: Config):
   if quantized:
     extras = extras._replace(**_descales(inputs, q_tiles * rows_per_cta,
                                          _round_up(k.shape[1], config.block_kv)))
-  elementwise = extras.mask is not None or extras.q_segment_ids is not None
-  schedule = Schedule(params.window, rows_per_cta, config.block_kv, elementwise)
+  schedule = Schedule.of(params.window, rows_per_cta, config.block_kv, mask=extras.mask,
+                         q_segment_ids=extras.q_segment_ids)
   stages = config.num_stages
   # An FP8 call's row sums on the tensor cores (`Config.mma_row_sums`), but where P V reads
   # the dropped P.

@@ -185,8 +185,8 @@ def blocks(tiles: Tiles, inputs: Inputs) -> tuple[int, int]:
 
 
 def schedule(inputs: Inputs, params: Params, block_q: int, block_k: int) -> Schedule:
-  elementwise = inputs.q_segment_ids is not None or inputs.mask is not None
-  return Schedule(params.window, block_q, block_k, elementwise)
+  return Schedule.of(params.window, block_q, block_k, mask=inputs.mask,
+                     q_segment_ids=inputs.q_segment_ids)
 
 
 def feature_rows(ref, index, length_ok, count: int) -> list:

@@ -101,7 +101,8 @@ class Blocks:
     self.v = pad_axis(inputs.value, 1, lay.s_pad)
     offsets = (0, 0) if inputs.offsets is None else (inputs.offsets[:, 0], inputs.offsets[:, 1])
     self.pos = Positions(inputs.lengths[:, 0], inputs.lengths[:, 1], *offsets)
-    self.schedule = Schedule(params.window, lay.block_q, lay.block_k)
+    self.schedule = Schedule.of(params.window, lay.block_q, lay.block_k, mask=inputs.mask,
+                                q_segment_ids=inputs.q_segment_ids)
     # With a block table, the blocks that any batch row or head visits (all rows are computed
     # together), per query block and per key block.
     self.lists = self.lists_t = None
