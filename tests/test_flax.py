@@ -275,6 +275,23 @@ def test_nnx_dropout_and_decode():
   assert rel_err(jnp.concatenate(outs, axis=1), full(x, is_causal=True)) < TOL
 
 
+@pytest.mark.parametrize("hook", ["linen", "nnx"])
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_hooks_pass_broadcast_dropout_on(hook, broadcast):
+  """A hook's ``broadcast_dropout`` reaches the kernels: with the same data in every batch row
+  and head, Flax's default (True: one keep mask for all of them) gives equal slices, and the
+  hook's output is `jaxflash.flash_attention`'s with the same flag; False gives each row and
+  head a mask of its own (a hook that dropped the flag passed every other test)."""
+  x = jax.random.normal(jax.random.key(0), (1, 16, 1, 32))
+  q = jnp.tile(x, (2, 1, 4, 1))  # identical batch rows and heads
+  options = dict(dropout_rate=0.5, dropout_rng=jax.random.key(1), broadcast_dropout=broadcast)
+  out = getattr(jaxflash, hook).dot_product_attention(q, q, q, deterministic=False, **options)
+  want = jaxflash.flash_attention(q, q, q, **options)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+  spread = float(jnp.max(jnp.abs(out - out[:1, :, :1])))
+  assert (spread == 0.0) == broadcast, spread
+
+
 def test_nnx_decode_ignores_is_causal_whatever_flax_does(monkeypatch):
   """A decode step called with is_causal=True reaches Flax's module with is_causal=False: some
   Flax versions pass it on to the attention function, where a causal band for one query row
