@@ -12,10 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxflash import _checks
 from jaxflash import masking
 from jaxflash import schedule
+from jaxflash.backends import mosaic, triton
 from jaxflash.masking import Positions, Window, make_window
+from jaxflash.ops import flash
+from jaxflash.reference import reference_attention
 from jaxflash.schedule import Schedule, block_at, walk
+from checks import ON_GPU, SMALL_CONFIGS, TOLERANCE, random_qkv, rel_err
 
 BLOCKS = (1, 3, 8, 16)
 NUM_CASES = 200
@@ -511,16 +516,11 @@ def test_staggered_q_walk_and_its_producer_order(stagger):
 
 @pytest.mark.parametrize("name", ["triton", "mosaic"])
 def test_a_dense_mask_without_a_block_table_masks_every_block(name):
-  """Kernels handed a dense mask but no block table visit every key block masked (Triton's
-  `tiles.schedule`, Mosaic's forward): no attention here is causal or windowed, so every block
-  counts as full and only that guard applies the mask. `_checks.normalise` always adds the
-  table today, so no call through the API reaches the guard; a mutant that dropped it passed
-  every other test (2026-12-05)."""
-  from jaxflash import _checks
-  from jaxflash.backends import mosaic, triton
-  from jaxflash.ops import flash
-  from jaxflash.reference import reference_attention
-  from checks import ON_GPU, SMALL_CONFIGS, TOLERANCE, random_qkv, rel_err
+  """Kernels handed a dense mask but no block table visit every key block masked, forward and
+  backward (`Schedule.of`): no attention here is causal or windowed, so every block counts as
+  full and only that guard applies the mask. `_checks.normalise` always adds the table today,
+  so no call through the API reaches the guard: a mutant of Triton's that dropped it passed
+  every other test, and Mosaic's backward had left it out, its dQ wrong (2026-12-05)."""
   backend = {"triton": triton, "mosaic": mosaic}[name].BACKEND
   b, t, s, n, k, h = 2, 70, 133, 2, 1, 64
   q, kk, v, d_out = random_qkv(3, b, t, s, n, k, h, jnp.bfloat16)
