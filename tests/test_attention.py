@@ -16,17 +16,12 @@ from checks import (BACKENDS, BACKENDS_TRITON_VARIANT, F32_TOLERANCE, ON_GPU, OP
 # (2026-12-04). XLA's cases of them are held by test_option[xla-everything] as Triton's are by
 # test_option[triton-everything] (and by test_bias.py's cases: bias, causal, soft cap, lengths,
 # dropout).
-HELD_BY_EVERYTHING = ("causal", "causal_window", "lengths", "segments_pair", "bias_full",
-                      "dropout", "soft_cap", "scale", "sinks")
-# ...except where "everything"'s segment ids take another path: they give the call a block
-# table, and with one the XLA backend walks its lists and never joins the batch rows' block
-# ranges (`schedule._union`), which only lengths without a table reach (a mutant intersecting
-# them passed test_attention.py, 2026-12-05).
-NOT_HELD_BY_EVERYTHING = (("xla", "lengths"),)
+HELD_BY_EVERYTHING = ("causal", "causal_window", "segments_pair", "bias_full", "dropout",
+                      "soft_cap", "scale", "sinks")
 # Other cases whose path another CPU case holds (the GPU runs them, and a CPU with
 # JAXFLASH_ALL_VARIANTS=1). What stays on a CPU: masks per head (mask_full), broadcast dropout
 # (test_dropout.py's Triton cases lean on Triton's), a negative scale, and XLA's cases of a
-# window to the right, a key mask and a zero scale.
+# window to the right, a key mask, a zero scale and lengths.
 HELD_ELSEWHERE = (
     # No option: test_head_dims[triton-40] and [xla-40] (no option, T != S, partial blocks
     # both ways) and every test_odd_shapes case.
@@ -41,12 +36,17 @@ HELD_ELSEWHERE = (
     # A window to the right: test_score_mod.py::test_combines_with_everything[triton-
     # mask_mod_window] (window (20, 5), forward and gradients in Triton's kernels).
     ("triton", "window_pair"),
+    # Lengths without a block table: test_bias.py's Triton cases (key lengths, no table).
+    # Not "everything", whose segment ids give the call a table; XLA's case stays, the only
+    # one here that joins the batch rows' block ranges (`schedule._union`: a mutant that
+    # intersected them passed this file while it was a variant, 2026-12-05).
+    ("triton", "lengths"),
 )
 
 
 @pytest.mark.parametrize("implementation,option", [
-    variant_if((option in HELD_BY_EVERYTHING and (name, option) not in NOT_HELD_BY_EVERYTHING)
-               or (name, option) in HELD_ELSEWHERE, name, option, id=f"{name}-{option}")
+    variant_if(option in HELD_BY_EVERYTHING or (name, option) in HELD_ELSEWHERE, name, option,
+               id=f"{name}-{option}")
     for name in BACKENDS for option in OPTIONS])
 def test_option(implementation, option):
   made = OPTIONS[option](2, 37, 53, 4, 0)
