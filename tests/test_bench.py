@@ -853,3 +853,31 @@ def test_decode_steps_time_calls_inside_one_executable(tmp_path, monkeypatch):
     assert "failed" not in row and row["steps"] == 2 and row["us"] > 0
     assert row["kernels"] == [dict(name="kernel", us=20.0, count=1),
                               dict(name="fusion", us=2.0, count=1)]
+
+
+def test_ab_trees_runs_each_arm_against_its_own_tree(tmp_path):
+  """benchmarks/dev/ab_trees.py: the old arm imports the old tree and the new arm this one, even
+  though the script lives in this tree (the trap of 2026-12-05's A/B); rounds alternate."""
+  import ab_trees
+  old = tmp_path / "old_tree"
+  (old / "jaxflash").mkdir(parents=True)
+  (old / "jaxflash" / "__init__.py").write_text("VERSION = 'old'\n")
+  script = tmp_path / "which.py"
+  script.write_text("import sys, jaxflash\n"
+                    "print(getattr(jaxflash, 'VERSION', 'new'), sys.argv[1:], jaxflash.__file__)\n")
+  runs = ab_trees.main(["--old", str(old), "--rounds", "2", "--logs", str(tmp_path / "logs"),
+                        str(script), "--", "--out", "x_{arm}_{round}.json"])
+  assert [(r["round"], r["arm"]) for r in runs] == [(1, "old"), (1, "new"), (2, "new"), (2, "old")]
+  for r in runs:
+    assert r["exit"] == 0
+    words = Path(r["log"]).read_text().split()
+    assert words[0] == r["arm"], words
+    assert f"'x_{r['arm']}_{r['round']}.json']" in words, words
+    tree = old if r["arm"] == "old" else BENCHMARKS.parent
+    assert Path(words[-1]).resolve().is_relative_to(tree.resolve()), words
+
+
+def test_ab_trees_unpacks_a_revision(tmp_path):
+  import ab_trees
+  root = ab_trees.unpack("HEAD", tmp_path)
+  assert (root / "jaxflash" / "attention.py").read_text().startswith('"""')
