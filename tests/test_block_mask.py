@@ -269,6 +269,22 @@ def test_from_blocks_is_exact_at_every_tile_size():
     jaxflash.BlockMask.from_blocks(visible[..., :3], 300, 250, 64)
 
 
+def test_from_blocks_rule_reads_every_word_of_a_long_row():
+  """More than 32 key blocks: a row of the table is packed into several words (here 3), and the
+  rule picks each key's word. Against the pattern itself, not the mask's own rule (which
+  `check`'s reference evaluates, so a wrong rule agrees with itself there); and the XLA
+  backend's call against the reference given that pattern densely."""
+  visible = jnp.asarray(_rng.rand(1, 2, 3, 70) < 0.5) | jnp.eye(3, 70, dtype=bool)
+  t, s = 40, 139  # (the last block of each axis partial)
+  made = jaxflash.BlockMask.from_blocks(visible, t, s, (16, 2))
+  dense = jnp.repeat(jnp.repeat(visible, 16, 2), 2, 3)[:, :, :t, :s]
+  chex.assert_trees_all_equal(dense_mask_of(block_mask=made, b=1, t=t, s=s, n=2), dense)
+  q, kk, v, _ = random_qkv(9, 1, t, s, 2, 1, 16)
+  got = jaxflash.flash_attention(q, kk, v, block_mask=made, implementation="xla")
+  want, _ = reference_attention(q, kk, v, mask=dense)
+  assert rel_err(got, want) < F32_TOLERANCE
+
+
 # --- attention with block masks (CPU) --------------------------------------------------------
 
 
@@ -319,6 +335,16 @@ def test_mask_mod_with_a_differentiated_bias(implementation):
   """The bias gradient (Triton's own kernel) evaluates the mask_mod too."""
   check(implementation, b=B, t=50, s=50, n=N, k=2, h=32, mask_mod=_maker(MASK_MODS["documents"]),
         bias=lambda b, t, s, n, seed: jax.random.normal(jax.random.key(seed), (1, n, t, s)))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_mask_mod_reading_the_query_index_with_more_queries_than_keys(implementation):
+  """T > S with a tile rule that reads the query index itself (a band of 24 keys, no row
+  feature): rows past S see the keys their own index picks. (A mutation pass clamped the XLA
+  backend's rows at S - 1 instead of T - 1 before the rule saw them; every other CPU test
+  passed, since a causal rule or a row feature hides it.)"""
+  check(implementation, b=B, t=70, s=45, n=N, k=2, h=32,
+        mask_mod=_maker(MASK_MODS["sliding_window"]))
 
 
 # (A variant: test_block_mask_on_few_query_rows_on_a_sharded_batch holds a per-row mask_mod's
