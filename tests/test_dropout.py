@@ -203,3 +203,19 @@ def test_zero_rate_costs_nothing(implementation):
   plain = traced()
   assert traced(dropout_rate=0.0, dropout_rng=jax.random.key(0)) == plain
   assert traced(dropout_rate=0.1, dropout_rng=jax.random.key(0)) != plain  # the check can fail
+
+
+def test_rates_next_to_one_keep_one_entry_in_2_16():
+  """A rate above 1 - 2**-17 rounds to a threshold past every 16-bit value: it is held at
+  2**16 - 1, so that P(keep) is 2**-16, not 0, and a call keeps a finite scale (2**16) and
+  finite outputs, its rare kept entries `dense_keep_mask`'s."""
+  rate = 1.0 - 2.0**-18
+  assert dropout.threshold(rate) == 2**16 - 1
+  assert dropout.keep_probability(rate) == 2.0**-16
+  dropped = dropped_weights("xla", dropout_rate=rate, dropout_rng=jax.random.key(16))
+  plain = dropped_weights("xla")
+  assert np.isfinite(dropped).all()
+  keep = np.asarray(dropout.dense_keep_mask(dropout.seed_words(jax.random.key(16)),
+                                            dropped.shape, rate))
+  np.testing.assert_array_equal(dropped != 0, keep)
+  np.testing.assert_allclose(dropped[keep], plain[keep] * 2.0**16, rtol=2e-5)

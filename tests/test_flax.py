@@ -494,6 +494,26 @@ def test_nnx_decode_runs_the_decoding_op_like_flax(monkeypatch):
   assert len(calls) == 1  # traced once: one compiled step for every token
 
 
+def test_nnx_decode_asked_for_by_the_call(monkeypatch):
+  """A module made with ``decode=False`` and called with ``decode=True`` (nnx's per-call
+  switch) decodes as one made with ``decode=True`` does: `jaxflash.decode_attention` on the
+  cache, ``is_causal`` dropped before Flax's module (which some Flax versions pass on:
+  test_nnx_decode_ignores_is_causal_whatever_flax_does), its steps those of a whole causal
+  call."""
+  calls = _spy_decode(monkeypatch)
+  seen = []
+  parent = nnx.MultiHeadAttention.__call__
+  monkeypatch.setattr(nnx.MultiHeadAttention, "__call__", lambda self, *a, **kw: seen.append(
+      kw.get("is_causal")) or parent(self, *a, **kw))
+  x, _ = _inputs()
+  step = jaxflash.nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=nnx.Rngs(3))
+  step.init_cache(x.shape)
+  outs = [step(x[:, t:t + 1], decode=True, is_causal=True) for t in range(4)]
+  assert len(calls) == 4 and seen == [False] * 4, (len(calls), seen)
+  full = jaxflash.nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=nnx.Rngs(3))
+  assert rel_err(jnp.concatenate(outs, axis=1), full(x[:, :4], is_causal=True)) < TOL
+
+
 def _sinks_reference(module_out_fn, sinks):
   """The module's output with the hook replaced by the dense reference with ``sinks``."""
   from jaxflash.reference import reference_attention
@@ -545,6 +565,8 @@ def test_nnx_sinks_are_a_param_that_trains():
                                            decode=False, sinks=True, rngs=nnx.Rngs(0))
   assert isinstance(module.sinks, nnx.Param)
   chex.assert_shape(module.sinks[...], (HEADS,))
+  np.testing.assert_array_equal(module.sinks[...], 0.0)  # zeros at first
+  chex.assert_type(module.sinks[...], jnp.float32)
   module.sinks[...] = jnp.array([1.0, -2.0, 0.5, 3.0])
 
   def loss(m):
@@ -584,3 +606,28 @@ def test_sinks_need_jaxflash_hooks():
     # does.)
     jaxflash.linen.dot_product_attention(q, q, q, precision=jax.lax.Precision.HIGHEST,
                                          sinks=jnp.zeros(2))
+
+
+@pytest.mark.parametrize("name", ["MultiHeadDotProductAttention", "MultiHeadAttention",
+                                  "SelfAttention"])
+def test_linen_modules_defaults(name, monkeypatch):
+  """Each linen class as constructed with its defaults: the documented fields (no causal band,
+  jaxflash's choice of backend, no sinks, a 16-bit forward, a deterministic backward), which
+  reach `jaxflash.flash_attention` so, and Flax's own class's output on the same parameters."""
+  from jaxflash import _flax
+  seen = []
+  real = _flax.flash_attention
+  monkeypatch.setattr(_flax, "flash_attention", lambda *a, **kw: seen.append(kw) or real(*a,
+                                                                                         **kw))
+  x, _ = _inputs()
+  ours = getattr(jaxflash.linen, name)(num_heads=HEADS)
+  assert (ours.is_causal, ours.implementation, ours.sinks, ours.fp8,
+          ours.deterministic_backward) == (False, None, False, False, True)
+  params = ours.init(jax.random.key(0), x)
+  assert "sinks" not in params["params"]
+  got = ours.apply(params, x)
+  want = getattr(nn, name)(num_heads=HEADS).apply(params, x)
+  assert rel_err(got, want) < TOL
+  assert seen and all(
+      (kw["deterministic"], kw["is_causal"], kw["sinks"], kw["implementation"])
+      == (True, False, None, None) for kw in seen), seen

@@ -445,6 +445,29 @@ def test_empty_and_nan():
   assert x8.shape == (1, 0, 2, 16) and descale.shape == (1, 2)
 
 
+def test_unbatched_fp8_calls_take_every_form_of_descale():
+  """[T, N, H] FP8 inputs with per-tensor factors (Python floats) or per-head ones ([N] for the
+  query, [K] for key and value): the batched call's only row, under strict rank promotion (the
+  canonical [1, 1, heads] factors broadcast with no implicit rank change), and per tensor in
+  the Mosaic interpreter too (whose kernel reads [B, heads] factors)."""
+  from jaxflash.attention import attention_with_config
+  q, kk, v, _ = random_qkv(11, 1, 40, 40, 4, 2, 64)
+  (q8, k8, v8), descales = _quantized(q, kk, v)
+  per_head = (descales, {name: d[0] for name, d in descales.items()})  # (batched, unbatched)
+  per_tensor = ({name: float(jnp.max(d)) for name, d in descales.items()},) * 2
+  for (batched, unbatched), implementations in ((per_head, ("xla",)),
+                                                (per_tensor, ("xla", "mosaic"))):
+    for implementation in implementations:
+      call = functools.partial(attention_with_config, implementation=implementation,
+                               interpret=implementation == "mosaic" and not ON_GPU,
+                               is_causal=True)
+      want = call(q8, k8, v8, **batched)[0]
+      with jax.numpy_rank_promotion("raise"):
+        got = call(q8[0], k8[0], v8[0], **unbatched)
+      assert got.shape == want.shape
+      assert rel_err(got, want) <= 1e-6, (implementation, unbatched)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the GPU's FP8 forward")
 def test_mosaic_fp8_matches_the_reference_on_gpu():
   for t, s, n, k, h, options, form in CASES:
@@ -719,3 +742,28 @@ def test_fp8_attention_differentiates_what_a_score_mod_closes_over(backward, rot
   want = grads(jaxflash.flash_attention)
   for got, w in zip(grads(jaxflash.fp8_attention, **options), want):
     assert rel_err(got, w) < 0.1
+
+
+@pytest.mark.parametrize("block_size", [None, 1])
+def test_mosaic_fp8_takes_each_kv_heads_factors(block_size):
+  """GQA 4/2 over two batch rows whose K/V heads and rows differ in magnitude (keys 4-fold,
+  values 16-fold between K/V heads, values 3-fold between rows): the Mosaic FP8 forward
+  (Mosaic GPU's interpreter on a CPU) scales each query head's logits and output by the key
+  and value factors of its own batch row and K/V head (per head, or per key and head), as the
+  XLA one does on the same FP8 inputs (factors that are nearly equal across heads, as normal
+  inputs give, and one K/V head, as test_mosaic_fp8_kernel has, hide a factor read from
+  another head)."""
+  from jaxflash.attention import attention_with_config
+  from jaxflash.backends import mosaic
+  q, kk, v, _ = random_qkv(7, 2, 64, 100, 4, 2, 64)
+  kk = kk * jnp.array([1.0, 4.0])[None, None, :, None]
+  v = v * jnp.array([1.0, 16.0])[None, None, :, None] * jnp.array([1.0, 3.0])[:, None, None,
+                                                                              None]
+  (q8, k8, v8), descales = _quantized(q, kk, v, block_size=block_size)
+  options = dict(is_causal=True, **descales)
+  config = None if ON_GPU else mosaic.Config(block_kv=64)
+  out = attention_with_config(q8, k8, v8, config=config, implementation="mosaic",
+                              interpret=not ON_GPU, **options)
+  want = jaxflash.flash_attention(q8, k8, v8, implementation="xla", out_dtype=jnp.float32,
+                                  **options)
+  assert rel_err(out, want) <= 0.03  # P in e4m3

@@ -506,3 +506,36 @@ def test_mods_reading_a_batch_sharded_array(axis_type):
   with jax.set_mesh(mesh):
     got = fn(*_put(mesh, P("b"), q, kk, v, docs, bonus, d_out))
   _close(got, want)
+
+
+@pytest.mark.parametrize("axis_type,bias_shape", [
+    (AxisType.Auto, "B1TS"), (AxisType.Explicit, "B1TS"), (AxisType.Auto, "1NTS")],
+    ids=("auto-B1TS", "explicit-B1TS", "auto-1NTS"))
+def test_biases_and_sinks_with_sharded_heads(axis_type, bias_shape):
+  """Batch and heads (GQA 4/2) sharded over a 2 x 2 mesh, with sinks (split with the heads:
+  each device's share takes its own heads' sinks) and a bias broadcast over the sharded heads
+  ([B, 1, T, S]: its gradient is summed over the devices of the heads axis) or over the sharded
+  batch with a bias per head ([1, N, T, S]: split with the heads, summed over the batch axis).
+  Outputs and gradients (the bias's and the sinks' included) are the unsharded call's."""
+  if DEVICES < 4:
+    pytest.skip("needs 4 devices (tests/conftest.py fakes them on a CPU)")
+  b, t, s, n, k = 2, 20, 28, 4, 2
+  q, kk, v, d_out = random_qkv(13, b, t, s, n, k, 16)
+  sizes = dict(B=b, N=n, T=t, S=s, **{"1": 1})
+  bias = random_array(13, tuple(sizes[c] for c in bias_shape), "float")
+  sinks = jnp.array([2.0, -1.0, 0.5, 3.0])
+
+  def fn(q, k, v, bias, sinks, d_out):
+    out, vjp = jax.vjp(lambda q, k, v, bias, sinks: attention(
+        "xla", q, k, v, bias, is_causal=True, sinks=sinks), q, k, v, bias, sinks)
+    return (out,) + vjp(d_out)
+
+  fn = jax.jit(fn)
+  want = fn(q, kk, v, bias, sinks, d_out)
+  mesh = _mesh(axis_type)
+  with jax.set_mesh(mesh):
+    q_s, k_s, v_s, d_s = _put(mesh, P("b", None, "h"), q, kk, v, d_out)
+    bias_s, = _put(mesh, P("b") if bias_shape == "B1TS" else P(None, "h"), bias)
+    sinks_s, = _put(mesh, P("h"), sinks)
+    got = fn(q_s, k_s, v_s, bias_s, sinks_s, d_s)
+  _close(got, want)
