@@ -292,14 +292,20 @@ def test_hooks_pass_broadcast_dropout_on(hook, broadcast):
   assert (spread == 0.0) == broadcast, spread
 
 
-def test_nnx_decode_ignores_is_causal_whatever_flax_does(monkeypatch):
-  """A decode step called with is_causal=True reaches Flax's module with is_causal=False: some
-  Flax versions pass it on to the attention function, where a causal band for one query row
-  against the cache keeps key 0 alone (seen on the GPU machine's Flax)."""
+def _spy_flax_is_causal(monkeypatch) -> list:
+  """The ``is_causal`` of each call that reaches Flax's own nnx.MultiHeadAttention."""
   seen = []
   parent = nnx.MultiHeadAttention.__call__
   monkeypatch.setattr(nnx.MultiHeadAttention, "__call__", lambda self, *a, **kw: seen.append(
       kw.get("is_causal")) or parent(self, *a, **kw))
+  return seen
+
+
+def test_nnx_decode_ignores_is_causal_whatever_flax_does(monkeypatch):
+  """A decode step called with is_causal=True reaches Flax's module with is_causal=False: some
+  Flax versions pass it on to the attention function, where a causal band for one query row
+  against the cache keeps key 0 alone (seen on the GPU machine's Flax)."""
+  seen = _spy_flax_is_causal(monkeypatch)
   x, _ = _inputs()
   step = jaxflash.nnx.MultiHeadAttention(HEADS, D, decode=True, rngs=nnx.Rngs(3))
   step.init_cache(x.shape)
@@ -501,10 +507,7 @@ def test_nnx_decode_asked_for_by_the_call(monkeypatch):
   test_nnx_decode_ignores_is_causal_whatever_flax_does), its steps those of a whole causal
   call."""
   calls = _spy_decode(monkeypatch)
-  seen = []
-  parent = nnx.MultiHeadAttention.__call__
-  monkeypatch.setattr(nnx.MultiHeadAttention, "__call__", lambda self, *a, **kw: seen.append(
-      kw.get("is_causal")) or parent(self, *a, **kw))
+  seen = _spy_flax_is_causal(monkeypatch)
   x, _ = _inputs()
   step = jaxflash.nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=nnx.Rngs(3))
   step.init_cache(x.shape)
