@@ -78,14 +78,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
   parser.add_argument("script", help="the benchmark script, relative to the repository")
   parser.add_argument("args", nargs=argparse.REMAINDER)
   opts = parser.parse_args(argv)
-  args = [a for a in opts.args if a != "--"]
+  args = opts.args[1:] if opts.args[:1] == ["--"] else opts.args
   logs = Path(opts.logs)
   logs.mkdir(parents=True, exist_ok=True)
   runs = []
   with tempfile.TemporaryDirectory() as scratch:
     scratch = Path(scratch)
     old = Path(opts.old)
-    old_root = old.resolve() if (old / "jaxflash").is_dir() else unpack(opts.old, scratch)
+    if (old / "jaxflash").is_dir():
+      old_root = old.resolve()
+    else:
+      (scratch / "old").mkdir()
+      old_root = unpack(opts.old, scratch / "old")
     roots = {"old": old_root, "new": REPO}
     workdir = scratch / "run"  # outside both trees: no tree leads sys.path by accident
     workdir.mkdir()
