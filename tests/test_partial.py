@@ -91,6 +91,27 @@ def test_key_split_equals_whole_call(implementation, option):
     assert rel_err(got_grads[name], grads[name]) < F32_TOLERANCE, name
 
 
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_key_split_bias_gradient_in_a_window(implementation):
+  """A bias's gradient over key ranges at an offset, with a narrow window and no mask or
+  segments (which give the call a block table): the Triton dbias kernel's band of key blocks
+  must come from the range's absolute key positions. (A mutation pass that dropped the offsets
+  there passed every other CPU test: "everything" has a table, and the range-free band of a
+  wide window covered the missed blocks.)"""
+  q, k, v, d_out = random_qkv(0, B, T, S, N, K, H)
+  d_lse = jax.random.normal(jax.random.key(1), (B, N, T))
+  options = dict(local_window_size=(5, 5), bias=random_array(6, (1, N, T, S), "float"))
+  inputs, params, backend, config = _call(implementation, q, k, v, options)
+  whole = _grads_and_values(lambda x: flash.attention(x, params, backend, config), inputs,
+                            d_out, d_lse)
+  split = _grads_and_values(
+      lambda x: partial.split_keys_attention(x, params, backend, config, (21,)), inputs,
+      d_out, d_lse)
+  assert rel_err(split[0], whole[0]) < F32_TOLERANCE
+  for name in whole[2]:
+    assert rel_err(split[2][name], whole[2][name]) < F32_TOLERANCE, name
+
+
 _DOCS = jnp.asarray(np.random.RandomState(11).randint(0, 2, (B, 150)))
 # Rules that read the indices themselves (the kernels add the call's offsets to them) and
 # arrays at them (features sliced with the keys); a block table of 128-key blocks that key
