@@ -618,10 +618,9 @@ def test_linen_modules_defaults(name, monkeypatch):
   jaxflash's choice of backend, no sinks, a 16-bit forward, a deterministic backward), which
   reach `jaxflash.flash_attention` so, and Flax's own class's output on the same parameters."""
   from jaxflash import _flax
-  seen = []
-  real = _flax.flash_attention
-  monkeypatch.setattr(_flax, "flash_attention", lambda *a, **kw: seen.append(kw) or real(*a,
-                                                                                         **kw))
+  seen, real = [], _flax.flash_attention
+  monkeypatch.setattr(_flax, "flash_attention",
+                      lambda *a, **kw: seen.append(kw) or real(*a, **kw))
   x, _ = _inputs()
   ours = getattr(jaxflash.linen, name)(num_heads=HEADS)
   assert (ours.is_causal, ours.implementation, ours.sinks, ours.fp8,

@@ -756,9 +756,10 @@ def test_mosaic_fp8_takes_each_kv_heads_factors(block_size):
   from jaxflash.attention import attention_with_config
   from jaxflash.backends import mosaic
   q, kk, v, _ = random_qkv(7, 2, 64, 100, 4, 2, 64)
-  kk = kk * jnp.array([1.0, 4.0])[None, None, :, None]
-  v = v * jnp.array([1.0, 16.0])[None, None, :, None] * jnp.array([1.0, 3.0])[:, None, None,
-                                                                              None]
+  per_kv_head = lambda *f: jnp.array(f)[None, None, :, None]  # [B, S, K, H] factors
+  per_row = lambda *f: jnp.array(f)[:, None, None, None]
+  kk = kk * per_kv_head(1.0, 4.0)
+  v = v * per_kv_head(1.0, 16.0) * per_row(1.0, 3.0)
   (q8, k8, v8), descales = _quantized(q, kk, v, block_size=block_size)
   options = dict(is_causal=True, **descales)
   config = None if ON_GPU else mosaic.Config(block_kv=64)

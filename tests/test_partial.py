@@ -71,10 +71,15 @@ def test_key_split_equals_whole_call(implementation, option):
   partials: test_merge_is_exact_with_empty_partials)."""
   if implementation == "triton" and option != "everything" and not ON_GPU:
     pytest.skip("the interpreter is slow: 'everything' holds these options (CI time)")
-  boundaries = (21,)
+  _check_key_split(implementation, SPLIT_OPTIONS[option])
+
+
+def _check_key_split(implementation, options, boundaries=(21,)):
+  """The call with ``options`` split into key ranges at ``boundaries`` and merged equals the
+  whole call: output, LSE and gradients."""
   q, k, v, d_out = random_qkv(0, B, T, S, N, K, H)
   d_lse = jax.random.normal(jax.random.key(1), (B, N, T))
-  inputs, params, backend, config = _call(implementation, q, k, v, SPLIT_OPTIONS[option])
+  inputs, params, backend, config = _call(implementation, q, k, v, options)
   whole = _grads_and_values(lambda x: flash.attention(x, params, backend, config), inputs,
                             d_out, d_lse)
   split = _grads_and_values(
@@ -98,18 +103,8 @@ def test_key_split_bias_gradient_in_a_window(implementation):
   must come from the range's absolute key positions. (A mutation pass that dropped the offsets
   there passed every other CPU test: "everything" has a table, and the range-free band of a
   wide window covered the missed blocks.)"""
-  q, k, v, d_out = random_qkv(0, B, T, S, N, K, H)
-  d_lse = jax.random.normal(jax.random.key(1), (B, N, T))
-  options = dict(local_window_size=(5, 5), bias=random_array(6, (1, N, T, S), "float"))
-  inputs, params, backend, config = _call(implementation, q, k, v, options)
-  whole = _grads_and_values(lambda x: flash.attention(x, params, backend, config), inputs,
-                            d_out, d_lse)
-  split = _grads_and_values(
-      lambda x: partial.split_keys_attention(x, params, backend, config, (21,)), inputs,
-      d_out, d_lse)
-  assert rel_err(split[0], whole[0]) < F32_TOLERANCE
-  for name in whole[2]:
-    assert rel_err(split[2][name], whole[2][name]) < F32_TOLERANCE, name
+  _check_key_split(implementation, dict(local_window_size=(5, 5),
+                                        bias=random_array(6, (1, N, T, S), "float")))
 
 
 _DOCS = jnp.asarray(np.random.RandomState(11).randint(0, 2, (B, 150)))

@@ -521,8 +521,8 @@ def test_biases_and_sinks_with_sharded_heads(axis_type, bias_shape):
     pytest.skip("needs 4 devices (tests/conftest.py fakes them on a CPU)")
   b, t, s, n, k = 2, 20, 28, 4, 2
   q, kk, v, d_out = random_qkv(13, b, t, s, n, k, 16)
-  sizes = dict(B=b, N=n, T=t, S=s, **{"1": 1})
-  bias = random_array(13, tuple(sizes[c] for c in bias_shape), "float")
+  sizes = dict(B=b, N=n, T=t, S=s)
+  bias = random_array(13, tuple(sizes.get(c, 1) for c in bias_shape), "float")
   sinks = jnp.array([2.0, -1.0, 0.5, 3.0])
 
   def fn(q, k, v, bias, sinks, d_out):
