@@ -484,6 +484,41 @@ def test_committed_results():
       "NVIDIA H100 80GB HBM3"}
 
 
+def test_value_dim_choices_follow_the_committed_measurement():
+  """Each H100 entry of `FASTER_THAN_TRITON_VALUE_DIM` (and its D = 192 cells of
+  `FASTER_THAN_TRITON`) is a cell family where the committed run had Mosaic's forward+backward
+  ahead of Triton's at every measured shape, and right."""
+  from jaxflash.backends.mosaic.config import (FASTER_THAN_TRITON, FASTER_THAN_TRITON_VALUE_DIM,
+                                               padded_head_dim)
+  data = json.loads((BENCHMARKS / "results" / "h100" / "value_dims.json").read_text())
+  assert {r["run"] for r in data["rows"]} == set(data["runs"])
+  assert not any(r.get("error") or r["wrong"] for r in data["rows"])
+  ms = {(r["Dqk"], r["Dv"], r["B"], r["S"], r["N"], r["causal"], r["mode"], r["impl"]): r["ms"]
+        for r in data["rows"]}
+  kind = "H100 80GB HBM3"
+  entries = [key for key in FASTER_THAN_TRITON_VALUE_DIM[kind]]
+  entries += [(h, h, causal) for (h, causal) in FASTER_THAN_TRITON[kind] if h == 192]
+  for hp, hvp, causal in entries:
+    cells = [key for key in ms if key[-1] == "mosaic" and key[-2] == "fwdbwd"
+             and (padded_head_dim(key[0]), padded_head_dim(key[1]), key[5]) == (hp, hvp, causal)]
+    assert cells, (hp, hvp, causal)
+    for key in cells:
+      assert ms[key] < ms[key[:-1] + ("triton",)], key
+
+
+@slow_probe
+def test_value_dim_choice_smoke(tmp_path):
+  """benchmarks/dev/value_dim_choice.py on the CPU: every cell checked against the reference
+  and timed, written in the results files' format."""
+  import value_dim_choice
+  out = tmp_path / "value_dims.json"
+  value_dim_choice.main(["--smoke", "--dims", "192/128", "64/96", "--out", str(out)])
+  data = json.loads(out.read_text())
+  assert data["config"]["dims"] == ["192/128", "64/96"] and data["environment"]["device"]
+  assert len(data["rows"]) == 2 * 2 * 2 * 2  # dims x bands x (xla, triton) x modes
+  assert all(r["ms"] > 0 and r["relerr"] < 2e-2 and not r["wrong"] for r in data["rows"])
+
+
 @slow_probe
 def test_masks_smoke(tmp_path):
   """benchmarks/masks.py on tiny shapes (XLA backend, jax.nn's XLA path standing in for cuDNN):

@@ -96,19 +96,20 @@ H100_PCIE = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.Abstr
     device_kind="NVIDIA H100 PCIe", platform="gpu", num_cores=114))
 
 
-def _pick(mesh, h, s=4096, dtype=BF16, causal=False):
+def _pick(mesh, h, s=4096, dtype=BF16, causal=False, hv=None):
   q = jax.ShapeDtypeStruct((2, 300, 8, h), dtype)
-  kv = jax.ShapeDtypeStruct((2, s, 8, h), dtype)
-  return _in(mesh, lambda: jaxflash.implementation_for(q, kv, kv, is_causal=causal))
+  k = jax.ShapeDtypeStruct((2, s, 8, h), dtype)
+  v = jax.ShapeDtypeStruct((2, s, 8, hv or h), dtype)
+  return _in(mesh, lambda: jaxflash.implementation_for(q, k, v, is_causal=causal))
 
 
 def test_none_takes_it_where_it_measured_faster():
   """``implementation=None`` follows the measured table per device kind, head dim, band and
   key length: on an H200 every measured cell (D = 40 is padded to 64); on an H100 causal D = 64
-  from 2048 keys and causal D = 128 at every length; at D = 192 (not measured), for float32 and
-  on an H100 PCIe (not measured) Triton serves."""
+  from 2048 keys and causal D = 128 at every length; for float32 and on an H100 PCIe (not
+  measured) Triton serves."""
   pick = functools.partial(_pick, H200)
-  assert [pick(h) for h in (40, 64, 128, 192, 256)] == ["mosaic"] * 3 + ["triton", "mosaic"]
+  assert [pick(h) for h in (40, 64, 128, 192, 256)] == ["mosaic"] * 5
   assert [pick(h, s=512) for h in (64, 128, 256)] == ["mosaic", "mosaic", "mosaic"]
   assert [pick(64, s=s) for s in (1024, 2048)] == ["mosaic", "mosaic"]
   assert [pick(h, s=512, causal=True) for h in (64, 128, 256)] == ["mosaic"] * 3
@@ -118,8 +119,21 @@ def test_none_takes_it_where_it_measured_faster():
   assert [pick(64, s=s, causal=True) for s in (1024, 2048)] == ["triton", "mosaic"]
   assert [pick(128, s=s, causal=True) for s in (512, 1024, 2048)] == ["mosaic"] * 3
   assert pick(256, s=512, causal=True) == "mosaic"
-  assert pick(192) == "triton"
+  assert pick(192, s=1024, causal=True) == "mosaic"
   assert _pick(H100_PCIE, 128) == "triton"
+
+
+@pytest.mark.parametrize("mesh", [H200, H100], ids=["h200", "h100"])
+def test_none_takes_it_for_the_measured_value_head_dims(mesh):
+  """A value head dim of its own reads its own table (padded Dqk, padded Dv, band): MLA's
+  192/128 and 128/64 (96/64 padded the same) were measured faster on Mosaic at every length, an
+  unmeasured pair (64/128) keeps Triton, and an H100 PCIe (not measured) Triton for all."""
+  pick = functools.partial(_pick, mesh)
+  for h, hv in [(192, 128), (128, 64), (96, 64)]:
+    assert [pick(h, hv=hv, s=s, causal=c) for s in (512, 8192) for c in (False, True)] == \
+        ["mosaic"] * 4, (h, hv)
+  assert pick(64, hv=128) == pick(64, hv=128, causal=True) == "triton"
+  assert _pick(H100_PCIE, 192, hv=128) == "triton"
 
 
 def test_device_kinds_match_whole_words():

@@ -891,12 +891,18 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
 # - H100 80GB HBM3, 2026-11-24, after `TUNED_FROM_LENGTH` (`bench.py --tune --head-dims 64
 #   --causal y --seqs 1024 2048`): at D = 64 causal, one CTA per 128-key tile ran 334 against
 #   Triton's best 301 at 2k (cuDNN 347) and 251 against 252 at 1k (cuDNN 276): Mosaic from 2k.
-# Not measured at D = 192, nor on other Hopper parts (H100 PCIe, H20, GH200): Triton serves there.
+# - H100 80GB HBM3, 2026-12-05 (benchmarks/results/h100/value_dims.json, `benchmarks/dev/
+#   value_dim_choice.py --dims 192/192`): at D = 192 Mosaic ran 3.1-4.0x Triton, forward and
+#   forward+backward, causal or not, B x S x N = 4 x 4k x 16 and 16 x 1k x 16 (4k causal
+#   forward 595 against 171 TFLOP/s). The H200's D = 192 entries are inferred from that run,
+#   not measured on one: it runs the same kernels with more memory bandwidth, and at every
+#   measured head dim its Mosaic lead was at least the H100's.
+# Not measured on other Hopper parts (H100 PCIe, H20, GH200): Triton serves there.
 FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
     "H200": {(64, False): 0, (64, True): 0, (128, False): 0, (128, True): 0,
-             (256, False): 0, (256, True): 0},
+             (192, False): 0, (192, True): 0, (256, False): 0, (256, True): 0},
     "H100 80GB HBM3": {(64, False): 0, (64, True): 2048, (128, False): 0, (128, True): 0,
-                       (256, False): 0, (256, True): 0}}
+                       (192, False): 0, (192, True): 0, (256, False): 0, (256, True): 0}}
 
 
 # The same with a value head dim of its own: device kind -> {(padded head dim, padded value head
@@ -909,8 +915,18 @@ FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
 #   128 heads): fwd+bwd 1.85 against 5.54 ms with the Triton backward at 2k causal, 46.9
 #   against 147.5 ms at 8k without a causal band. The forward alone was not measured against
 #   Triton's below 4k; for training the backward decides.
+# - H100 80GB HBM3, 2026-12-05 (benchmarks/results/h100/value_dims.json, `benchmarks/dev/
+#   value_dim_choice.py`): 192/128 ran 3.2-4.5x Triton, forward and forward+backward, causal
+#   or not, at 1 x 8k x 128, 4 x 4k x 16 and 16 x 1k x 16 (B x S x N; 8k causal forward 646
+#   against 170 TFLOP/s; without this entry such calls had run Triton's kernels on an H100).
+#   128/64 ran 1.25-1.42x Triton everywhere; 96/64 (padded the same) 1.04-1.38x
+#   forward+backward everywhere, but its forward alone trailed at 1k (causal 177 against 201,
+#   non-causal 290 against 315): forward+backward decides, as above. The H200's (128, 64) entries
+#   are inferred from this run (see `FASTER_THAN_TRITON`'s D = 192).
 FASTER_THAN_TRITON_VALUE_DIM: dict[str, dict[tuple[int, int, bool], int]] = {
-    "H200": {(192, 128, True): 0, (192, 128, False): 0}}
+    "H200": {(192, 128, True): 0, (192, 128, False): 0, (128, 64, True): 0, (128, 64, False): 0},
+    "H100 80GB HBM3": {(192, 128, True): 0, (192, 128, False): 0, (128, 64, True): 0,
+                       (128, 64, False): 0}}
 
 
 def faster_than_triton(device_kind: str, head_dim: int, kv_len: int, causal: bool,
