@@ -106,7 +106,7 @@ def _pick(mesh, h, s=4096, dtype=BF16, causal=False, hv=None):
 def test_none_takes_it_where_it_measured_faster():
   """``implementation=None`` follows the measured table per device kind, head dim, band and
   key length: on an H200 every measured cell (D = 40 is padded to 64); on an H100 causal D = 64
-  from 2048 keys and causal D = 128 at every length; for float32 and on an H100 PCIe (not
+  from 512 keys and causal D = 128 at every length; for float32 and on an H100 PCIe (not
   measured) Triton serves."""
   pick = functools.partial(_pick, H200)
   assert [pick(h) for h in (40, 64, 128, 192, 256)] == ["mosaic"] * 5
@@ -116,7 +116,7 @@ def test_none_takes_it_where_it_measured_faster():
   assert pick(128, dtype=jnp.float32) == "triton"
   pick = functools.partial(_pick, H100)
   assert [pick(h, s=512) for h in (64, 128, 256)] == ["mosaic", "mosaic", "mosaic"]
-  assert [pick(64, s=s, causal=True) for s in (1024, 2048)] == ["triton", "mosaic"]
+  assert [pick(64, s=s, causal=True) for s in (256, 512, 1024)] == ["triton"] + ["mosaic"] * 2
   assert [pick(128, s=s, causal=True) for s in (512, 1024, 2048)] == ["mosaic"] * 3
   assert pick(256, s=512, causal=True) == "mosaic"
   assert pick(192, s=1024, causal=True) == "mosaic"
@@ -1275,32 +1275,32 @@ def test_atomic_backward_under_vmap(h):
                                np.asarray(single, np.float32), rtol=2e-2, atol=2e-2)
 
 
-def test_h100_short_causal_d64_takes_one_cta_per_tile():
-  """On an H100 the causal D = 64 forward takes `TUNED`'s persistent grid with two Q buffers
-  from 8k query rows only (`TUNED_FROM_LENGTH`: it measured slower at 4k); shorter calls, and
-  other cards at every length, are as `TUNED` says."""
+def test_h100_causal_d64_takes_the_paired_grid_at_every_length():
+  """`TUNED_FROM_LENGTH` is empty since the paired persistent grid measured faster than one CTA
+  per tile on an H100 from 1k rows (2026-12-05; before, it took one CTA per tile below 8k):
+  the causal D = 64 forward below three consumers' 8k runs `TUNED`'s grid on both cards."""
   config = mosaic.config.default_config
-  short = config(64, BF16, True, 4096, "NVIDIA H100 80GB HBM3")
-  assert (short.persistent_ctas, short.q_buffers, short.block_kv) == (None, 1, 128)
-  assert config(64, BF16, True, 8192, "NVIDIA H100 80GB HBM3").persistent_ctas == 132
-  assert config(64, BF16, True, 4096, "NVIDIA H200").persistent_ctas == 132
-  assert config(64, BF16, False, 4096, "NVIDIA H100 80GB HBM3").persistent_ctas == 132
+  for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+    for rows in (1024, 4096):
+      chosen = config(64, BF16, True, rows, kind)
+      assert (chosen.persistent_ctas, chosen.q_buffers, chosen.paired_tiles) == (132, 2, True)
+  assert config(64, BF16, False, 1024, "NVIDIA H100 80GB HBM3").persistent_ctas == 132
 
 
-def test_long_d64_calls_take_three_consumers_on_an_h200():
-  """`THREE_CONSUMERS_FROM_LENGTH`: on an H200 the bf16 D = 64 forward runs three consumer
-  warpgroups from 2k query rows without a causal band and from 8k with one (where they
-  measured faster); shorter calls, other head dims, FP8 and the unmeasured H100 keep two."""
+@pytest.mark.parametrize("kind", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_long_d64_calls_take_three_consumers(kind):
+  """`THREE_CONSUMERS_FROM_LENGTH`: on an H200 and an H100 the bf16 D = 64 forward runs three
+  consumer warpgroups from 2k query rows without a causal band and from 8k with one (where they
+  measured faster); shorter calls, other head dims, FP8 and an unmeasured card keep two."""
   config = mosaic.config.default_config
-  h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
   three = lambda *args: config(*args).consumers == 3  # noqa: E731
-  assert three(64, BF16, False, 2048, h200) and three(64, BF16, True, 8192, h200)
-  assert three(40, BF16, False, 8192, h200)  # (padded to 64)
-  assert not three(64, BF16, False, 1024, h200) and not three(64, BF16, True, 4096, h200)
-  assert not three(128, BF16, False, 16384, h200)
-  assert not three(64, jnp.float8_e4m3fn, False, 16384, h200)
-  assert not three(64, BF16, False, 16384, h100)
-  chosen = config(64, BF16, False, 4096, h200)
+  assert three(64, BF16, False, 2048, kind) and three(64, BF16, True, 8192, kind)
+  assert three(40, BF16, False, 8192, kind)  # (padded to 64)
+  assert not three(64, BF16, False, 1024, kind) and not three(64, BF16, True, 4096, kind)
+  assert not three(128, BF16, False, 16384, kind)
+  assert not three(64, jnp.float8_e4m3fn, False, 16384, kind)
+  assert not three(64, BF16, False, 16384, "NVIDIA H100 PCIe")
+  chosen = config(64, BF16, False, 4096, kind)
   assert (chosen.registers, chosen.producer_registers, chosen.rows_per_cta) == (160, 24, 192)
   assert mosaic.config.fits(chosen, 64)
 
@@ -1315,9 +1315,8 @@ def test_short_causal_calls_launch_in_natural_order(kind):
   assert not config(128, BF16, True, rows, kind).heavy_first
   assert config(128, BF16, True, rows + 1, kind).heavy_first
   assert config(128, BF16, False, rows, kind).heavy_first
-  d64 = config(64, BF16, True, rows, kind)
-  assert d64.heavy_first == (d64.persistent_ctas is not None)
-  assert d64.persistent_ctas == (132 if "H200" in kind else None)
+  d64 = config(64, BF16, True, rows, kind)  # (a persistent grid: 512 at `TUNED`'s tiles)
+  assert d64.heavy_first and d64.persistent_ctas == 132
 
 
 @pytest.mark.parametrize("h,t,causal,deterministic,partial_call,want", [

@@ -570,9 +570,15 @@ TUNED: dict[tuple[int, bool], dict] = {
 # against 457. Not at D = 128 (O's 64 registers, S's and P's leave no room under 160), for FP8
 # at D = 128 (128-key tiles: 948 against 957, causal 896 against 966) or MLA's 192/128 (64-key
 # tiles, causal 8k: 587 against 623).
+# H100 80GB HBM3, 2026-12-05 (the same probe and shape, two rounds, against the tiles it ran
+# then): without a band 1k 363/369 against 410/408, 2k 454/458 against 434/437, 4k 484/481
+# against 457/445, 16k 513/513 against 473/473; with one (against the paired persistent grid)
+# 4k 411/404 against 434/424, 8k 477/459 against 449/464, 16k 468/472 against 459/454: the
+# H200's lengths.
 THREE_CONSUMERS = dict(consumers=3, registers=160, block_kv=128)
 THREE_CONSUMERS_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {
-    "H200": {(64, False): 2048, (64, True): 8192}}
+    "H200": {(64, False): 2048, (64, True): 8192},
+    "H100 80GB HBM3": {(64, False): 2048, (64, True): 8192}}
 
 
 # The FP8 forward's config fields by (padded head dim, causal), measured as `TUNED` was, with
@@ -781,12 +787,15 @@ ATOMIC_TUNED: dict[tuple[int, bool], dict] = {
 
 # Where a device kind measured `TUNED`'s forward slower at short lengths: kind -> {(padded head
 # dim, causal): the shortest query length from which `TUNED` applies}; shorter calls take one
-# CTA per 128-key tile. H100 80GB HBM3, 2026-11-24 (`bench.py --tune --head-dims 64 --causal y`),
-# D = 64 causal forward, TUNED's persistent grid with two Q buffers against one CTA per tile:
-# 4k 352 vs 399 TFLOP/s (cuDNN 400), 8k 456 vs 449, 16k 484 vs 454 (1k: 237 vs 255, where
-# `FASTER_THAN_TRITON` gives the call to Triton).
-TUNED_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {
-    "H100 80GB HBM3": {(64, True): 8192}}
+# CTA per 128-key tile. No kind has an entry now. The H100's (D = 64 causal from 8k) came from
+# 2026-11-24 (`bench.py --tune --head-dims 64 --causal y`: TUNED's persistent grid then, with
+# two Q buffers and no pairs, against one CTA per tile: 4k 352 vs 399 TFLOP/s, 8k 456 vs 449,
+# 16k 484 vs 454). Since the grid takes query tiles in pairs (`paired_tiles`, 2026-11-28) it won
+# at every length (H100, 2026-12-05, `benchmarks/dev/forward_tiles.py --h 64 --dv 64 --heads 32`,
+# B · S = 16k, two rounds, `kv128_persistent_q2_paired` against `kv128`): 1k 336/335 against
+# 269/264, 2k 396/387 against 353/343, 4k 434/424 against 399/404, 8k 449/464 against 431/431,
+# 16k 459/454 against 446/445 (cuDNN 1k 286-295, 2k 352-357 in the grid's runs).
+TUNED_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {}
 
 
 # Causal calls of at most this many query rows on one CTA per query tile launch their tiles in
@@ -891,6 +900,11 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
 # - H100 80GB HBM3, 2026-11-24, after `TUNED_FROM_LENGTH` (`bench.py --tune --head-dims 64
 #   --causal y --seqs 1024 2048`): at D = 64 causal, one CTA per 128-key tile ran 334 against
 #   Triton's best 301 at 2k (cuDNN 347) and 251 against 252 at 1k (cuDNN 276): Mosaic from 2k.
+# - H100 80GB HBM3, 2026-12-05 (benchmarks/results/h100/grid.json, `d64_causal_fwd_2026-12-05`:
+#   `bench.py --impls jaxflash_mosaic jaxflash_triton cudnn --head-dims 64 --seqs 512 ... 16384
+#   --causal y --modes fwd --no-gqa`), once `TUNED_FROM_LENGTH` let the paired persistent grid
+#   serve short causal calls: Mosaic 256, 336, 398 TFLOP/s at 512, 1k, 2k against Triton's 210,
+#   270, 315 (cuDNN 216, 302, 362), so Mosaic from 512 keys (shorter ones were not measured).
 # - H100 80GB HBM3, 2026-12-05 (benchmarks/results/h100/value_dims.json, `benchmarks/dev/
 #   value_dim_choice.py --dims 192/192`): at D = 192 Mosaic ran 3.1-4.0x Triton, forward and
 #   forward+backward, causal or not, B x S x N = 4 x 4k x 16 and 16 x 1k x 16 (4k causal
@@ -901,7 +915,7 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
 FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
     "H200": {(64, False): 0, (64, True): 0, (128, False): 0, (128, True): 0,
              (192, False): 0, (192, True): 0, (256, False): 0, (256, True): 0},
-    "H100 80GB HBM3": {(64, False): 0, (64, True): 2048, (128, False): 0, (128, True): 0,
+    "H100 80GB HBM3": {(64, False): 0, (64, True): 512, (128, False): 0, (128, True): 0,
                        (192, False): 0, (192, True): 0, (256, False): 0, (256, True): 0}}
 
 
