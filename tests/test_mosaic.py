@@ -138,7 +138,7 @@ def test_none_takes_it_for_the_measured_value_head_dims(mesh):
 
 def test_device_kinds_match_whole_words():
   """An H200 is neither an H20 (78 SMs: a persistent grid of 78 CTAs on an H200 left 54 SMs
-  idle) nor a GH200 (not measured)."""
+  idle) nor a GH200 (not measured: it reads the H100's entries, `STAND_INS`)."""
   from jaxflash.devices import kind_is
   assert mosaic.config.sm_count("NVIDIA H200") == 132
   assert mosaic.config.sm_count("NVIDIA H20") == 78
@@ -147,7 +147,22 @@ def test_device_kinds_match_whole_words():
   assert kind_is("NVIDIA H200", "H200") and not kind_is("NVIDIA H200", "H20")
   assert not kind_is("NVIDIA GH200 480GB", "H200") and kind_is("NVIDIA GH200 480GB", "GH200")
   assert mosaic.config.faster_than_triton("NVIDIA H200", 128, 4096, False)
-  assert not mosaic.config.faster_than_triton("NVIDIA GH200 480GB", 128, 4096, False)
+  assert mosaic.config.faster_than_triton("NVIDIA GH200 480GB", 128, 4096, False)
+  assert mosaic.config.sm_count("NVIDIA GH200 480GB") == 132
+
+
+def test_a_gh200_reads_the_h100s_entries():
+  """A GH200 (the H100's die; no table names it) takes the H100 SXM's measured choices: Mosaic
+  where the H100 measured it faster, Triton for causal D = 64 below 512 keys (where the H200
+  has Mosaic too), Mosaic for MLA's 192/128; and the H100's three-consumer lengths. A kind
+  with neither an entry nor a stand-in (an H100 PCIe) keeps Triton."""
+  gh200 = "NVIDIA GH200 480GB"
+  faster = mosaic.config.faster_than_triton
+  assert faster(gh200, 64, 512, True) and not faster(gh200, 64, 256, True)
+  assert faster("NVIDIA H200", 64, 256, True)
+  assert faster(gh200, 192, 1024, True, value_dim=128)
+  assert not faster("NVIDIA H100 PCIe", 128, 4096, False)
+  assert mosaic.config.default_config(64, BF16, False, 4096, gh200).consumers == 3
 
 
 @pytest.mark.parametrize("batch,heads,q_tiles,ctas",

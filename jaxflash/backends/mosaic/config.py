@@ -808,11 +808,23 @@ TUNED_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {}
 NATURAL_ORDER_ROWS = 512
 
 
+# Device kinds that no table names and that read another kind's entries: a GH200's GPU is the
+# H100's die (132 SMs at the same clocks, HBM3 or HBM3e beside a Grace CPU), so it takes the
+# H100 SXM's measured choices, the more conservative of the two measured cards (Triton keeps
+# causal D = 64 below 512 keys). Not measured on a GH200. Other Hopper parts (H100 PCIe and
+# NVL, H800, H20: other SM counts or power limits) have no stand-in: Triton serves them.
+STAND_INS: dict[str, str] = {"GH200": "H100 80GB HBM3"}
+
+
 def _for_kind(table: dict[str, dict], device_kind: str) -> dict | None:
-  """``table``'s entry for ``device_kind`` (names matched as whole words), or None."""
+  """``table``'s entry for ``device_kind`` (names matched as whole words), else its stand-in's
+  (`STAND_INS`), or None."""
   for kind, entry in table.items():
     if kind_is(device_kind, kind):
       return entry
+  for name, stand_in in STAND_INS.items():
+    if kind_is(device_kind, name):
+      return table.get(stand_in)
   return None
 
 
@@ -911,7 +923,8 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
 #   forward 595 against 171 TFLOP/s). The H200's D = 192 entries are inferred from that run,
 #   not measured on one: it runs the same kernels with more memory bandwidth, and at every
 #   measured head dim its Mosaic lead was at least the H100's.
-# Not measured on other Hopper parts (H100 PCIe, H20, GH200): Triton serves there.
+# Not measured on other Hopper parts (H100 PCIe, H20, GH200): Triton serves there, but a GH200
+# reads the H100's entries (`STAND_INS`).
 FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
     "H200": {(64, False): 0, (64, True): 0, (128, False): 0, (128, True): 0,
              (192, False): 0, (192, True): 0, (256, False): 0, (256, True): 0},
