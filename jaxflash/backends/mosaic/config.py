@@ -923,8 +923,8 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
 #   forward 595 against 171 TFLOP/s). The H200's D = 192 entries are inferred from that run,
 #   not measured on one: it runs the same kernels with more memory bandwidth, and at every
 #   measured head dim its Mosaic lead was at least the H100's.
-# Not measured on other Hopper parts (H100 PCIe, H20, GH200): Triton serves there, but a GH200
-# reads the H100's entries (`STAND_INS`).
+# Not measured on other Hopper parts (H100 PCIe, H20, GH200): Triton serves them, but for a
+# GH200, which reads the H100's entries (`STAND_INS`).
 FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
     "H200": {(64, False): 0, (64, True): 0, (128, False): 0, (128, True): 0,
              (192, False): 0, (192, True): 0, (256, False): 0, (256, True): 0},
