@@ -85,15 +85,20 @@ def _check_key_split(implementation, options, boundaries=(21,)):
   split = _grads_and_values(
       lambda x: partial.split_keys_attention(x, params, backend, config, boundaries), inputs,
       d_out, d_lse)
-  out, lse, grads = whole
-  got_out, got_lse, got_grads = split
-  assert rel_err(got_out, out) < F32_TOLERANCE
-  np.testing.assert_array_equal(np.isfinite(got_lse), np.isfinite(lse))
-  finite = np.isfinite(lse)
-  assert rel_err(np.where(finite, got_lse, 0), np.where(finite, lse, 0)) < F32_TOLERANCE
-  assert set(got_grads) == set(grads)
-  for name in grads:
-    assert rel_err(got_grads[name], grads[name]) < F32_TOLERANCE, name
+  _assert_same_results(split, whole)
+
+
+def _assert_same_results(got, want):
+  """Two calls' (output, LSE, gradients) of `_grads_and_values` agree: the non-finite LSE rows
+  (rows that see no key) at the same places, the rest within the float32 tolerance."""
+  for name, got_value, want_value in zip(("out", "lse"), got[:2], want[:2]):
+    finite = np.isfinite(want_value)
+    np.testing.assert_array_equal(np.isfinite(got_value), finite)
+    assert rel_err(np.where(finite, got_value, 0), np.where(finite, want_value, 0)) \
+        < F32_TOLERANCE, name
+  assert set(got[2]) == set(want[2])
+  for name in want[2]:
+    assert rel_err(got[2][name], want[2][name]) < F32_TOLERANCE, name
 
 
 @pytest.mark.parametrize("implementation", ["xla", "triton"])
@@ -134,12 +139,7 @@ def test_key_split_with_mask_and_score_mods_equals_whole_call(implementation):
   split = _grads_and_values(
       lambda x: partial.split_keys_attention(x, params, backend, config, (22, 100)), inputs,
       d_out, d_lse)
-  for name, got, want in zip(("out", "lse"), split[:2], whole[:2]):
-    finite = np.isfinite(want)
-    np.testing.assert_array_equal(np.isfinite(got), finite)
-    assert rel_err(np.where(finite, got, 0), np.where(finite, want, 0)) < F32_TOLERANCE, name
-  for name in whole[2]:
-    assert rel_err(split[2][name], whole[2][name]) < F32_TOLERANCE, name
+  _assert_same_results(split, whole)
 
 
 def test_block_table_key_range():
