@@ -5,7 +5,8 @@ the backend `implementation=None` takes for such calls on each device kind.
 
 Each case and backend is first checked against a float32 reference (batch row 0, the first and
 last query heads, up to 256 query rows: the output, and dQ for forward+backward), then timed
-(`cases.time_calls`). Prints one JSON line per cell and a table; ``--out`` writes the rows.
+(`cases.time_calls`). Prints one JSON line per cell and a table; ``--out`` writes the rows in
+the results files' format (environment, config, rows).
 
   python benchmarks/dev/value_dim_choice.py --out $OUT/value_dim.json
   python benchmarks/dev/value_dim_choice.py --dims 192/192 128/64 --shapes 4x4096x16
