@@ -153,9 +153,9 @@ def test_device_kinds_match_whole_words():
 
 def test_a_gh200_reads_the_h100s_entries():
   """A GH200 (the H100's die; no table names it) takes the H100 SXM's measured choices: Mosaic
-  where the H100 measured it faster, Triton for causal D = 64 below 512 keys (where the H200
-  has Mosaic too), Mosaic for MLA's 192/128; and the H100's three-consumer lengths. A kind
-  with neither an entry nor a stand-in (an H100 PCIe) keeps Triton."""
+  where the H100 measured it faster, Triton for causal D = 64 below 512 keys (an H200's entry
+  would give Mosaic there), Mosaic for MLA's 192/128; and the H100's three-consumer lengths.
+  A kind with neither an entry nor a stand-in (an H100 PCIe) keeps Triton."""
   gh200 = "NVIDIA GH200 480GB"
   faster = mosaic.config.faster_than_triton
   assert faster(gh200, 64, 512, True) and not faster(gh200, 64, 256, True)
