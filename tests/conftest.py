@@ -33,6 +33,20 @@ if shutil.which("nvidia-smi") is None:
 if shutil.which("nvidia-smi") is None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# Inline dispatch on the CPU. A kernel in Mosaic GPU's interpreter runs each warpgroup as a
+# computation of its own, started from the kernel call's callback, and XLA's CPU device admits
+# 32 computations in flight (its `max_inflight_computations` semaphore, taken at dispatch).
+# With asynchronous dispatch the rest of a test's computations can fill those slots while the
+# kernel runs, and then neither side moves: `.ci/run` hung once that way (2026-12-05,
+# test_user_paths.py::test_rows_hidden_by_a_huge_finite_logit_in_the_kernels on Mosaic: three
+# warpgroup threads and the test's own thread all waiting for the semaphore, the kernel's
+# callback waiting for the warpgroups), after four runs of the same code had passed. Inline,
+# each thread holds at most the computation it runs. (Sharded computations stay asynchronous.)
+if shutil.which("nvidia-smi") is None:
+  import jax  # noqa: E402
+
+  jax.config.update("jax_cpu_enable_async_dispatch", False)
+
 import pytest  # noqa: E402
 
 from jaxflash import devices  # noqa: E402
