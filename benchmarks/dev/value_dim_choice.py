@@ -33,7 +33,6 @@ import jaxflash  # noqa: E402
 # (B, S, query heads) with K/V heads = query heads: the MLA shape and two shorter ones.
 SHAPES = ((1, 8192, 128), (4, 4096, 16), (16, 1024, 16))
 SMOKE_SHAPES = ((1, 160, 2),)
-TOLERANCE = 2e-2
 
 
 def flops(b: int, s: int, n: int, d_qk: int, d_v: int, causal: bool, mode: str) -> float:
@@ -102,7 +101,7 @@ def measure(inputs, impl: str, causal: bool, mode: str, smoke: bool, seed: int, 
     ms = time_calls(fn, inputs, calls=2 if smoke else 20, repeats=1 if smoke else 5)[0]
     rate = flops(row["B"], row["S"], row["N"], row["Dqk"], row["Dv"], causal, mode) / ms / 1e9
     return dict(row, ms=round(ms, 4), tflops=round(rate, 1), relerr=err,
-                wrong=not err <= TOLERANCE)
+                wrong=not err <= report.TOLERANCE)
   except Exception as e:  # noqa: BLE001 (a failed cell says why; the others go on)
     return dict(row, error=f"{type(e).__name__}: {str(e)[:300]}")
 
