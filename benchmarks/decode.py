@@ -129,14 +129,13 @@ def folded_decode(q, kc, vc, lengths, backend_name: str, splits: int | None = No
   LSE. Splits: the largest divisor of S up to ``wave_splits``'s count for 128-key blocks."""
   from jax.experimental import pallas as pl
   from jaxflash import _core, backends, devices, masking
-  from jaxflash.backends.mosaic.config import sm_count
   from jaxflash.backends.triton.decode import wave_splits
   from jaxflash.ops import partial
   b, t, n, h = q.shape
   s, kh = kc.shape[1], kc.shape[2]
   g = n // kh
   if splits is None:
-    want = wave_splits(pl.cdiv(s, 128), b * kh, sm_count(devices.current().kind))
+    want = wave_splits(pl.cdiv(s, 128), b * kh, devices.current().sm_count)
     splits = max(d for d in range(1, want + 1) if s % d == 0)
   sp = s // splits
   qf = q.reshape(b, kh, g, h).transpose(0, 2, 1, 3)  # [B, G, K, H]: heads of a group as rows
@@ -410,7 +409,6 @@ def _tune(base: dict, make_fn, args, want, cfg: dict) -> list:
   compiles), to be timed with the cell's other rows. ``make_fn`` makes a new function each
   time: jit would reuse the trace of one it has seen."""
   from jaxflash import devices
-  from jaxflash.backends.mosaic.config import sm_count
   from jaxflash.backends.mosaic import decode as mosaic_kernel
   from jaxflash.backends.triton import decode as kernel
   shipped, mosaic_shipped = kernel.default_config, mosaic_kernel.default_config
@@ -419,7 +417,7 @@ def _tune(base: dict, make_fn, args, want, cfg: dict) -> list:
   try:
     candidates = (_given_candidates(cfg["candidates"]) if cfg.get("candidates") else
                   _split_candidates if cfg.get("tune_splits") else _tune_candidates)
-    for fields in candidates(cell, sm_count(devices.current().kind)):
+    for fields in candidates(cell, devices.current().sm_count):
       if cfg.get("candidates"):  # given fields change the shipped config, and nothing else
         # (of the kernel the call routes to: each takes the fields that are its own)
         def own(config_type, f=fields) -> dict:

@@ -151,6 +151,33 @@ def test_device_kinds_match_whole_words():
   assert mosaic.config.sm_count("NVIDIA GH200 480GB") == 132
 
 
+def test_the_sm_count_is_jaxs_where_it_gives_one():
+  """Persistent grids and split-KV waves fill the SMs JAX reports (a GPU's ``core_count``, an
+  abstract device's ``num_cores``), whatever the device kind; the table of kinds serves only
+  where JAX gives no count."""
+  with jax.sharding.use_abstract_mesh(H100_PCIE):
+    device = devices.current()
+  assert (device.cores, device.sm_count) == (114, 114)
+  unknown = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+      device_kind="NVIDIA H200", platform="gpu", num_cores=None))
+  with jax.sharding.use_abstract_mesh(unknown):
+    assert (devices.current().cores, devices.current().sm_count) == (None, 132)
+  assert devices.sm_count("NVIDIA A100-SXM4-80GB") == 108
+  assert devices.sm_count("NVIDIA H200", cores=120) == 120
+  # The forward's persistent grid (D = 128 without a band, `TUNED`) takes the count given.
+  config = lambda sms: mosaic.config.default_config(  # noqa: E731
+      128, jnp.bfloat16, False, 16384, "NVIDIA H200", sms=sms)
+  assert config(None).persistent_ctas == 132 and config(120).persistent_ctas == 120
+  # So does MLA decoding's split count: one wave of (row group, split) CTAs.
+  from jaxflash.backends.mosaic import decode
+  q = jax.ShapeDtypeStruct((4, 1, 16, 576), jnp.bfloat16)
+  cache = jax.ShapeDtypeStruct((4, 65536, 1, 576), jnp.bfloat16)
+  inputs = _core.Inputs(q, cache, cache, jax.ShapeDtypeStruct((4, 2), jnp.int32))
+  splits = lambda cores: decode.default_config(  # noqa: E731
+      inputs, None, devices.Device("gpu", "NVIDIA H200", True, cores=cores)).splits
+  assert (splits(None), splits(132), splits(64)) == (32, 32, 16)
+
+
 def test_a_gh200_reads_the_h100s_entries():
   """A GH200 (the H100's die; no table names it) takes the H100 SXM's measured choices: Mosaic
   where the H100 measured it faster, Triton for causal D = 64 below 512 keys (an H200's entry

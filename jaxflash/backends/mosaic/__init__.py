@@ -73,7 +73,7 @@ def _default_config(inputs: Inputs, params: Params, device: Device) -> Config | 
                         params.partial, inputs.value.shape[-1],
                         block_table=inputs.block_table is not None,
                         groups=q.shape[2] // inputs.key.shape[2],
-                        lookups=inputs.score_bands is not None)
+                        lookups=inputs.score_bands is not None, sms=device.sm_count)
 
 
 def _preferred(inputs: Inputs, params: Params, device: Device) -> bool:

@@ -14,7 +14,7 @@ import math
 
 from jaxflash import fp8
 from jaxflash.backends.triton import config as triton_config
-from jaxflash.devices import kind_is
+from jaxflash.devices import kind_is, sm_count
 
 # Shared memory a CTA of the backward's kernels may use on sm90 (227 KiB), less what Mosaic GPU
 # adds to the tiles counted in `backward_smem_bytes`: 2 KiB of reduction scratch plus barriers
@@ -435,19 +435,6 @@ def smem_bytes(config: Config, head_dim: int, partial: bool = False,
           + key_factors)
 
 
-# Streaming multiprocessors of the Hopper parts (SXM and GH200: 132), for persistent grids.
-_SM_COUNTS = (("H100 PCIe", 114), ("H20", 78))
-
-
-def sm_count(device_kind: str) -> int:
-  # Whole words: a substring test took "NVIDIA H200" for an H20 (78 SMs), which left 54 of
-  # its 132 SMs idle under a persistent grid.
-  for name, count in _SM_COUNTS:
-    if kind_is(device_kind, name):
-      return count
-  return 132
-
-
 # Above this padded head dim the dK and dV accumulators (64 x D float32 each, per consumer) do not
 # fit one warpgroup's registers together: dK/dV runs as two passes, dV then dK. With a value
 # head dim of its own, where the two are wider than 2 x 128 columns together
@@ -855,8 +842,8 @@ def _backward_tiles(hp: int, causal: bool, hv: int, waits_on_loads: bool,
 def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: str,
                    partial: bool = False, value_dim: int | None = None,
                    block_table: bool = False, groups: int = 1,
-                   lookups: bool = False) -> Config | None:
-  """`TUNED`'s config (persistent on this device's SM count; with one Q tile per consumer where
+                   lookups: bool = False, sms: int | None = None) -> Config | None:
+  """`TUNED`'s config (persistent on this device's SM count, ``sms`` or the kind's; with one Q tile per consumer where
   its two do not fit), else it on one CTA per tile, else the 128-key tile, else the 64-key one,
   whichever first fits in shared memory (a float32 partial result, or a value head dim
   ``value_dim`` unlike ``head_dim``, needs O tiles of its own); None if none fits (partial
@@ -879,7 +866,7 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
   if tuned:
     candidates.insert(0, dict(tuned, persistent_ctas=None, q_buffers=1))
     if tuned.get("persistent_ctas"):
-      persistent = dict(tuned, persistent_ctas=sm_count(device_kind))
+      persistent = dict(tuned, persistent_ctas=sm_count(device_kind, sms))
       candidates[:0] = [persistent, dict(persistent, q_buffers=1)]  # (the second Q if it fits)
   mosaic_backward = _backward_tiles(hp, causal, padded_head_dim(value_dim or head_dim),
                                     block_table or lookups, partial, groups)

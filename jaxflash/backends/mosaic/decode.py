@@ -61,7 +61,7 @@ from jaxflash import merge
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.mosaic import backward as bwd
 from jaxflash.backends.mosaic import forward as fwd
-from jaxflash.backends.mosaic.config import producer_registers, sm_count
+from jaxflash.backends.mosaic.config import producer_registers
 from jaxflash.devices import Device
 from jaxflash.schedule import Span, split_range, used_splits, walk
 
@@ -153,7 +153,7 @@ def default_config(inputs: Inputs, training, device: Device, page_size: int | No
   t, n = inputs.query.shape[1:3]
   groups = b * kv_heads * pl.cdiv(t * n // kv_heads, ROWS)  # (row blocks of G·T rows each)
   blocks = pl.cdiv(s, BLOCK_K)
-  splits = max(1, round(sm_count(device.kind) / groups))
+  splits = max(1, round(device.sm_count / groups))
   return MlaDecodeConfig(splits=used_splits(blocks, splits), training=training,
                          transposed=transposed_serves(_group_rows(inputs)))
 

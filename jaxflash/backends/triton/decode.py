@@ -215,8 +215,7 @@ def default_config(inputs: Inputs, training: Config, device: Device,
   cache; ``values_in_keys``: `Params.values_in_keys`): two K/V heads per program where that is
   faster (`paired_config`), else one (`single_config`); heads wider than `MAX_PIECE` their own
   (`wide_config`)."""
-  from jaxflash.backends.mosaic.config import sm_count  # (a table of device kinds)
-  sms = sm_count(device.kind)
+  sms = device.sm_count
   if is_wide(inputs):
     return wide_config(inputs, training, sms, page_size, values_in_keys)
   hp = padded_head_dim(inputs.query.shape[-1])
