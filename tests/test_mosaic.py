@@ -155,9 +155,11 @@ def test_the_sm_count_is_jaxs_where_it_gives_one():
   """Persistent grids and split-KV waves fill the SMs JAX reports (a GPU's ``core_count``, an
   abstract device's ``num_cores``), whatever the device kind; the table of kinds serves only
   where JAX gives no count."""
-  with jax.sharding.use_abstract_mesh(H100_PCIE):
+  fewer = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+      device_kind="NVIDIA H200", platform="gpu", num_cores=120))  # (a part of the GPU, say)
+  with jax.sharding.use_abstract_mesh(fewer):
     device = devices.current()
-  assert (device.cores, device.sm_count) == (114, 114)
+  assert (device.cores, device.sm_count) == (120, 120)
   unknown = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
       device_kind="NVIDIA H200", platform="gpu", num_cores=None))
   with jax.sharding.use_abstract_mesh(unknown):

@@ -843,14 +843,14 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
                    partial: bool = False, value_dim: int | None = None,
                    block_table: bool = False, groups: int = 1,
                    lookups: bool = False, sms: int | None = None) -> Config | None:
-  """`TUNED`'s config (persistent on this device's SM count, ``sms`` or the kind's; with one Q tile per consumer where
-  its two do not fit), else it on one CTA per tile, else the 128-key tile, else the 64-key one,
-  whichever first fits in shared memory (a float32 partial result, or a value head dim
-  ``value_dim`` unlike ``head_dim``, needs O tiles of its own); None if none fits (partial
-  results at D = 256). Causal CTAs are launched heaviest
-  first, but for short calls on one CTA per tile (`NATURAL_ORDER_ROWS`). ``block_table``: the
-  call walks a block table, ``lookups``: its score_mod reads values per diagonal (both
-  `LOADS_BACKWARD`); ``groups``: query heads per K/V head (`GQA_BACKWARD` above 1)."""
+  """`TUNED`'s config (persistent on this device's SM count: ``sms``, else the kind's; with one
+  Q tile per consumer where its two do not fit), else it on one CTA per tile, else the 128-key
+  tile, else the 64-key one, whichever first fits in shared memory (a float32 partial result,
+  or a value head dim ``value_dim`` unlike ``head_dim``, needs O tiles of its own); None if
+  none fits (partial results at D = 256). Causal CTAs are launched heaviest first, but for
+  short calls on one CTA per tile (`NATURAL_ORDER_ROWS`). ``block_table``: the call walks a
+  block table, ``lookups``: its score_mod reads values per diagonal (both `LOADS_BACKWARD`);
+  ``groups``: query heads per K/V head (`GQA_BACKWARD` above 1)."""
   # (The Triton backward's tiles for the wider of the two head dims: it serves Dv != H.)
   backward = triton_config.default_config(max(head_dim, value_dim or 0), dtype, causal, q_len,
                                           device_kind)
