@@ -907,9 +907,10 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
 # - H100 80GB HBM3, 2026-12-05 (benchmarks/results/h100/value_dims.json, `benchmarks/dev/
 #   value_dim_choice.py --dims 192/192`): at D = 192 Mosaic ran 3.1-4.0x Triton, forward and
 #   forward+backward, causal or not, B x S x N = 4 x 4k x 16 and 16 x 1k x 16 (4k causal
-#   forward 595 against 171 TFLOP/s). The H200's D = 192 entries are inferred from that run,
-#   not measured on one: it runs the same kernels with more memory bandwidth, and at every
-#   measured head dim its Mosaic lead was at least the H100's.
+#   forward 595 against 171 TFLOP/s).
+# - H200, 2026-12-06 (benchmarks/results/h200/value_dims.json, the same command): at D = 192
+#   Mosaic ran 3.1-4.1x Triton in the same cells (4k causal forward 598 against 169), which
+#   confirmed the D = 192 entries first inferred from the H100's run.
 # Not measured on other Hopper parts (H100 PCIe, H20, GH200): Triton serves them, but for a
 # GH200, which reads the H100's entries (`STAND_INS`).
 FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
@@ -935,8 +936,10 @@ FASTER_THAN_TRITON: dict[str, dict[tuple[int, bool], int]] = {
 #   against 170 TFLOP/s; without this entry such calls had run Triton's kernels on an H100).
 #   128/64 ran 1.25-1.42x Triton everywhere; 96/64 (padded the same) 1.04-1.38x
 #   forward+backward everywhere, but its forward alone trailed at 1k (causal 177 against 201,
-#   non-causal 290 against 315): forward+backward decides, as above. The H200's (128, 64) entries
-#   are inferred from this run (see `FASTER_THAN_TRITON`'s D = 192).
+#   non-causal 290 against 315): forward+backward decides, as above.
+# - H200, 2026-12-06 (benchmarks/results/h200/value_dims.json): 128/64 ran 1.25-1.46x Triton,
+#   forward and forward+backward, causal or not, at 4 x 4k x 16 and 16 x 1k x 16, which
+#   confirmed the (128, 64) entries first inferred from the H100's run.
 FASTER_THAN_TRITON_VALUE_DIM: dict[str, dict[tuple[int, int, bool], int]] = {
     "H200": {(192, 128, True): 0, (192, 128, False): 0, (128, 64, True): 0, (128, 64, False): 0},
     "H100 80GB HBM3": {(192, 128, True): 0, (192, 128, False): 0, (128, 64, True): 0,
