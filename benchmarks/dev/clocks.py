@@ -13,11 +13,19 @@ fwdbwd``: a training step's forward and backward; ``--kv-heads`` for GQA), so th
 cuDNN can be compared in clock and power at the same shape:
 
     python3 benchmarks/dev/clocks.py --impls jaxflash_mosaic_atomic cudnn --mode fwdbwd --rounds 2
+
+``--dv`` gives V a head dim of its own (``--impls jaxflash`` only: jax.nn's cuDNN path takes none),
+with `benchmarks/model_features.py`'s FLOPs (visible entries, 2 (D + Dv) forward and 2 (3 D + 2
+Dv) backward), e.g. MLA's 192/128 at that table's shape:
+
+    python3 benchmarks/dev/clocks.py --impls jaxflash --d 192 --dv 128 --s 8192 --heads 128 \
+        --causal --mode fwdbwd --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -28,6 +36,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jaxflash  # noqa: E402
 
 import fp8  # noqa: E402  (benchmarks/fp8.py)
 from cases import Case, attention_fn, flops, grad_fn, make_inputs  # noqa: E402
@@ -81,6 +92,23 @@ def _step_calls(args) -> tuple[dict, float]:
   return calls, flops(case.b, case.n, case.s, case.d, case.causal, args.mode)
 
 
+def _value_dim_calls(args) -> tuple[dict, float]:
+  """The same for `jaxflash.flash_attention` with V's head dim ``args.dv`` (``implementation``
+  left to jaxflash), on random normal bf16 inputs."""
+  if set(args.impls) != {"jaxflash"}:
+    raise ValueError(f"--dv runs --impls jaxflash only, got {args.impls}")
+  kv_heads = args.kv_heads or args.heads
+  keys = jax.random.split(jax.random.key(0), 4)
+  shapes = [(args.b, args.s, args.heads, args.d), (args.b, args.s, kv_heads, args.d),
+            (args.b, args.s, kv_heads, args.dv), (args.b, args.s, args.heads, args.dv)]
+  inputs = tuple(jax.random.normal(key, shape, jnp.bfloat16) for key, shape in zip(keys, shapes))
+  fn = functools.partial(jaxflash.flash_attention, is_causal=args.causal)
+  call = (jax.jit(grad_fn(fn)), inputs) if args.mode == "fwdbwd" else (jax.jit(fn), inputs[:3])
+  entries = args.b * args.heads * (args.s * (args.s + 1) // 2 if args.causal else args.s ** 2)
+  per_entry = {"fwd": 2 * (args.d + args.dv), "fwdbwd": 2 * (4 * args.d + 3 * args.dv)}
+  return {"jaxflash": call}, float(entries * per_entry[args.mode])
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--configs", nargs="+", default=["tuned"])
@@ -92,11 +120,15 @@ def main() -> None:
   parser.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
   parser.add_argument("--b", type=int, default=1, help="batch rows (with --impls)")
   parser.add_argument("--kv-heads", type=int, help="K/V heads (GQA); default: --heads")
+  parser.add_argument("--dv", type=int, help="V's head dim (with --impls jaxflash); default: --d")
   parser.add_argument("--seconds", type=float, default=4.0)
   parser.add_argument("--rounds", type=int, default=1, help="configs in turn, this many times")
   parser.add_argument("--out", type=Path, default=None)
   args = parser.parse_args()
-  calls, work = _step_calls(args) if args.impls else _fp8_calls(args)
+  if args.dv is not None and args.dv != args.d:
+    calls, work = _value_dim_calls(args)
+  else:
+    calls, work = _step_calls(args) if args.impls else _fp8_calls(args)
   rows = []
   for round_ in range(args.rounds):
     for name, (fn, inputs) in calls.items():
