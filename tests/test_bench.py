@@ -842,6 +842,27 @@ def test_forward_trace_calls_run_in_the_interpreter():
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < (3e-2 if fp8 else 1e-2)
 
 
+def test_clocks_value_dim_calls_count_mla_flops():
+  """benchmarks/dev/clocks.py --dv (the sampling itself needs nvidia-smi): the call's outputs
+  have V's head dim, and its FLOPs are model_features.py's, causal band included."""
+  import argparse
+
+  import clocks
+  args = argparse.Namespace(impls=["jaxflash"], b=1, s=40, heads=4, kv_heads=2, d=24, dv=16,
+                            causal=True, mode="fwd")
+  calls, work = clocks._value_dim_calls(args)
+  fn, inputs = calls["jaxflash"]
+  assert fn(*inputs).shape == (1, 40, 4, 16)
+  entries = 4 * 40 * 41 // 2
+  assert work == entries * 2 * (24 + 16)
+  calls, work = clocks._value_dim_calls(argparse.Namespace(**{**vars(args), "mode": "fwdbwd"}))
+  fn, inputs = calls["jaxflash"]
+  assert [g.shape for g in fn(*inputs)] == [(1, 40, 4, 24), (1, 40, 2, 24), (1, 40, 2, 16)]
+  assert work == entries * (2 * (24 + 16) + 2 * (3 * 24 + 2 * 16))
+  with pytest.raises(ValueError, match="--dv"):
+    clocks._value_dim_calls(argparse.Namespace(**{**vars(args), "impls": ["cudnn"]}))
+
+
 def test_forward_tiles_smoke():
   """benchmarks/dev/forward_tiles.py on a tiny shape in Mosaic GPU's interpreter."""
   import forward_tiles
