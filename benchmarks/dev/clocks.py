@@ -14,9 +14,9 @@ cuDNN can be compared in clock and power at the same shape:
 
     python3 benchmarks/dev/clocks.py --impls jaxflash_mosaic_atomic cudnn --mode fwdbwd --rounds 2
 
-``--dv`` gives V a head dim of its own (``--impls jaxflash`` only: jax.nn's cuDNN path takes none),
-with `benchmarks/model_features.py`'s FLOPs (visible entries, 2 (D + Dv) forward and 2 (3 D + 2
-Dv) backward), e.g. MLA's 192/128 at that table's shape:
+``--dv`` gives V a head dim of its own: `benchmarks/model_features.py`'s causal jaxflash call and
+FLOPs (``--impls jaxflash --causal`` only: jax.nn's cuDNN path takes no such V), e.g. MLA's
+192/128 at that table's shape:
 
     python3 benchmarks/dev/clocks.py --impls jaxflash --d 192 --dv 128 --s 8192 --heads 128 \
         --causal --mode fwdbwd --rounds 2
@@ -25,7 +25,6 @@ Dv) backward), e.g. MLA's 192/128 at that table's shape:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import subprocess
@@ -36,11 +35,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-import jaxflash  # noqa: E402
 
 import fp8  # noqa: E402  (benchmarks/fp8.py)
+import model_features  # noqa: E402  (benchmarks/model_features.py)
 from cases import Case, attention_fn, flops, grad_fn, make_inputs  # noqa: E402
 from jaxflash.backends import mosaic  # noqa: E402
 
@@ -93,20 +90,17 @@ def _step_calls(args) -> tuple[dict, float]:
 
 
 def _value_dim_calls(args) -> tuple[dict, float]:
-  """The same for `jaxflash.flash_attention` with V's head dim ``args.dv`` (``implementation``
-  left to jaxflash), on random normal bf16 inputs."""
-  if set(args.impls) != {"jaxflash"}:
-    raise ValueError(f"--dv runs --impls jaxflash only, got {args.impls}")
-  kv_heads = args.kv_heads or args.heads
-  keys = jax.random.split(jax.random.key(0), 4)
-  shapes = [(args.b, args.s, args.heads, args.d), (args.b, args.s, kv_heads, args.d),
-            (args.b, args.s, kv_heads, args.dv), (args.b, args.s, args.heads, args.dv)]
-  inputs = tuple(jax.random.normal(key, shape, jnp.bfloat16) for key, shape in zip(keys, shapes))
-  fn = functools.partial(jaxflash.flash_attention, is_causal=args.causal)
-  call = (jax.jit(grad_fn(fn)), inputs) if args.mode == "fwdbwd" else (jax.jit(fn), inputs[:3])
-  entries = args.b * args.heads * (args.s * (args.s + 1) // 2 if args.causal else args.s ** 2)
-  per_entry = {"fwd": 2 * (args.d + args.dv), "fwdbwd": 2 * (4 * args.d + 3 * args.dv)}
-  return {"jaxflash": call}, float(entries * per_entry[args.mode])
+  """The same for a call with V's head dim ``args.dv``: `benchmarks/model_features.py`'s jaxflash
+  call, inputs and FLOPs at this shape (its shapes are causal)."""
+  if set(args.impls) != {"jaxflash"} or not args.causal:
+    raise ValueError(f"--dv runs --impls jaxflash with --causal only, got {args.impls}, "
+                     f"causal={args.causal}")
+  shape = model_features.Shape(args.b, args.s, args.heads, args.kv_heads or args.heads, args.d,
+                               args.dv, window=None)
+  inputs = model_features.inputs(shape, 0) + (None,)  # q, k, v, d_out, sinks, bias
+  fn = model_features.attention("jaxflash", shape, None)
+  call = model_features.executable(fn, args.mode, inputs, None)
+  return {"jaxflash": (call, inputs)}, model_features.flops(shape, args.mode)
 
 
 def main() -> None:
