@@ -863,6 +863,22 @@ def test_clocks_value_dim_calls_count_mla_flops():
     clocks._value_dim_calls(argparse.Namespace(**{**vars(args), "impls": ["cudnn"]}))
 
 
+def test_clocks_summary_reads_clock_events():
+  """benchmarks/dev/clocks.py's reading of nvidia-smi's samples: the first quarter dropped,
+  medians of the rest, and each clock event reason's share of them (a sample that could not be
+  read, such as "[N/A]", counts as none)."""
+  import clocks
+  lines = ["1980, 100.0, 0x0000000000000000",  # dropped: the clock settling
+           "1755, 690.5, 0x0000000000000004",
+           "1740, 699.0, 0x000000000000000C",
+           "1770, 695.0, [N/A]",
+           "garbage"]
+  got = clocks.summary(lines)
+  assert got["mhz"] == 1755 and got["watts"] == 695.0
+  assert got["events"] == {"sw_power_cap": 2 / 3, "hw_slowdown": 1 / 3}
+  assert clocks.summary([]) == dict(mhz=None, watts=None, events={})
+
+
 def test_forward_tiles_smoke():
   """benchmarks/dev/forward_tiles.py on a tiny shape in Mosaic GPU's interpreter."""
   import forward_tiles

@@ -4,7 +4,10 @@ A kernel near the card's power cap runs at a lower clock, so two kernels can dif
 without differing in cycles: this runs each named FP8 config (``benchmarks/fp8.py``'s
 ``CONFIGS``, or the tuned tiles for ``tuned``) for a few seconds, in turn, with
 ``nvidia-smi`` sampling the clock and the power meanwhile, and prints per config the time a
-call, TFLOP/s, the median clock and power, and TFLOP/s per GHz (which compares the cycles).
+call, TFLOP/s, the median clock and power, why the clock is below its top (nvidia-smi's
+clock event reasons, with the share of samples each was active in) and TFLOP/s per GHz (which
+compares the cycles on one card: the reported clocks of an H100 and an H200 at the power cap do
+not compare, docs/benchmarks.md, forty-fourth session).
 
     python3 benchmarks/dev/clocks.py --configs tuned kv256_sums --rounds 2
 
@@ -42,11 +45,35 @@ from cases import Case, attention_fn, flops, grad_fn, make_inputs  # noqa: E402
 from jaxflash.backends import mosaic  # noqa: E402
 
 
+# nvidia-smi's fields a sample reads; the last is a bit mask of why the clock is below its top
+# (`clocks_event_reasons.active`). Under "hw_slowdown" or "hw_power_brake" the card also skips
+# clock pulses, so the reported clock overstates the one the kernels run at.
+SMI_FIELDS = "clocks.sm,power.draw,clocks_event_reasons.active"
+CLOCK_EVENTS = {0x1: "idle", 0x2: "app_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal",
+                0x80: "hw_power_brake", 0x100: "display_clocks"}
+
+
+def summary(lines: list[str]) -> dict:
+  """nvidia-smi's CSV lines (``SMI_FIELDS``, no header or units) as the median clock (MHz) and
+  power (W) of the samples after the first quarter (the clock settling), and each clock event
+  reason with the share of those samples it was active in."""
+  samples = [[f.strip() for f in line.split(",")] for line in lines if line.count(",") == 2]
+  samples = samples[len(samples) // 4:]
+  if not samples:
+    return dict(mhz=None, watts=None, events={})
+  masks = [int(mask, 16) if mask.startswith("0x") else 0 for _, _, mask in samples]
+  events = {name: sum(bool(m & bit) for m in masks) / len(masks)
+            for bit, name in CLOCK_EVENTS.items() if any(m & bit for m in masks)}
+  return dict(mhz=statistics.median(float(c) for c, _, _ in samples),
+              watts=statistics.median(float(w) for _, w, _ in samples), events=events)
+
+
 def sampled(fn, args, seconds: float) -> dict:
   """Calls ``fn(*args)`` back to back for about ``seconds`` while nvidia-smi samples every
-  100 ms; returns the calls' mean time and the samples' median clock (MHz) and power (W)."""
+  100 ms; returns the calls' mean time with the samples' `summary`."""
   jax.block_until_ready(fn(*args))
-  smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+  smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}",
                           "--format=csv,noheader,nounits", "-lms", "100"],
                          stdout=subprocess.PIPE, text=True)
   calls, start = 0, time.perf_counter()
@@ -57,11 +84,7 @@ def sampled(fn, args, seconds: float) -> dict:
     calls += 10
   elapsed = time.perf_counter() - start
   smi.terminate()
-  samples = [line.split(",") for line in smi.communicate()[0].splitlines() if "," in line]
-  samples = samples[len(samples) // 4:]  # (the first quarter: the clock settling)
-  return dict(ms=1e3 * elapsed / calls,
-              mhz=statistics.median(float(c) for c, _ in samples) if samples else None,
-              watts=statistics.median(float(w) for _, w in samples) if samples else None)
+  return dict(ms=1e3 * elapsed / calls, **summary(smi.communicate()[0].splitlines()))
 
 
 def _fp8_calls(args) -> tuple[dict, float]:
@@ -131,11 +154,12 @@ def main() -> None:
       row["tflops_per_ghz"] = row["tflops"] / (row["mhz"] / 1e3) if row["mhz"] else None
       rows.append(row)
       print(json.dumps(row), flush=True)
-  print("\n| config | round | ms | TFLOP/s | MHz | W | TFLOP/s per GHz |\n"
-        "|---|---|---|---|---|---|---|")
+  print("\n| config | round | ms | TFLOP/s | MHz | W | TFLOP/s per GHz | clock events |\n"
+        "|---|---|---|---|---|---|---|---|")
   for r in rows:
+    events = ", ".join(f"{name} {share:.0%}" for name, share in r["events"].items())
     print(f"| {r['config']} | {r['round']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['mhz']} | "
-          f"{r['watts']} | {r['tflops_per_ghz'] or 0:.0f} |")
+          f"{r['watts']} | {r['tflops_per_ghz'] or 0:.0f} | {events} |")
   if args.out:
     args.out.write_text(json.dumps(dict(device=jax.devices()[0].device_kind, shape=vars(args),
                                          rows=rows), indent=1, default=str))
