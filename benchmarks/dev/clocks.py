@@ -6,8 +6,8 @@ without differing in cycles: this runs each named FP8 config (``benchmarks/fp8.p
 ``nvidia-smi`` sampling the clock and the power meanwhile, and prints per config the time a
 call, TFLOP/s, the median clock and power, why the clock is below its top (nvidia-smi's
 clock event reasons, with the share of samples each was active in) and TFLOP/s per GHz (which
-compares the cycles on one card: the reported clocks of an H100 and an H200 at the power cap do
-not compare, docs/benchmarks.md, forty-fourth session).
+compares the cycles on one card: an H100 and an H200 differ by 8-10% in it with the same
+kernels, unexplained; docs/benchmarks.md, forty-fourth session).
 
     python3 benchmarks/dev/clocks.py --configs tuned kv256_sums --rounds 2
 
