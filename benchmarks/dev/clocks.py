@@ -46,8 +46,8 @@ from jaxflash.backends import mosaic  # noqa: E402
 
 
 # nvidia-smi's fields a sample reads; the last is a bit mask of why the clock is below its top
-# (`clocks_event_reasons.active`). Under "hw_slowdown" or "hw_power_brake" the card also skips
-# clock pulses, so the reported clock overstates the one the kernels run at.
+# (`clocks_event_reasons.active`). Under "hw_slowdown" or "hw_power_brake" the card may also
+# skip clock pulses, and the reported clock then overstate the one the kernels run at.
 SMI_FIELDS = "clocks.sm,power.draw,clocks_event_reasons.active"
 CLOCK_EVENTS = {0x1: "idle", 0x2: "app_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
                 0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal",
@@ -63,8 +63,9 @@ def summary(lines: list[str]) -> dict:
   if not samples:
     return dict(mhz=None, watts=None, events={})
   masks = [int(mask, 16) if mask.startswith("0x") else 0 for _, _, mask in samples]
-  events = {name: sum(bool(m & bit) for m in masks) / len(masks)
-            for bit, name in CLOCK_EVENTS.items() if any(m & bit for m in masks)}
+  shares = {name: sum(bool(m & bit) for m in masks) / len(masks)
+            for bit, name in CLOCK_EVENTS.items()}
+  events = {name: share for name, share in shares.items() if share}
   return dict(mhz=statistics.median(float(c) for c, _, _ in samples),
               watts=statistics.median(float(w) for _, w, _ in samples), events=events)
 
