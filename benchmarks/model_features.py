@@ -18,7 +18,9 @@ Cases (bf16):
 - ``gpt_oss_sinks``: the same call with ``sinks=`` [64] (random normal), jaxflash only (jax.nn
   takes no sinks).
 - ``mla_192_128``: DeepSeek's MLA training shape, B = 1, S = 8192, 128 heads, query/key head dim
-  192 and value head dim 128, causal: jaxflash, and cuDNN where jax.nn takes it.
+  192 and value head dim 128, causal: jaxflash, cuDNN and cuDNN deterministic (jax.nn asks V
+  for the query's head dim, so cuDNN is reached through JAX's private path under it,
+  `cudnn_value_dim`; needs cuDNN 9.10 or newer on Hopper).
 - ``plain_4k``: B = 4, S = 4096, 16 heads, D = 128, causal (16k tokens, hidden 2048): the rate
   the score_mod cases are compared with. jaxflash and cuDNN.
 - ``alibi``: the same call with ALiBi as a ``score_mod`` (``score + slope[h] * (kv - q)``, the
@@ -131,15 +133,30 @@ def options(shape: Shape) -> dict:
   return dict(is_causal=True, local_window_size=window)
 
 
+def cudnn_value_dim(q, k, v, shape: Shape):
+  """cuDNN's causal attention with V's head dim of its own (MLA), through JAX's private cuDNN
+  path: jax.nn.dot_product_attention asks V for the query's head dim, but the function under it
+  takes ``Dv != Dqk`` on Hopper with cuDNN 9.10 or newer (JAX 0.11.2's check), so the MLA rows
+  can have cuDNN beside jaxflash in the same process. The scale is jax.nn's, 1/sqrt(Dqk)."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  if shape.window is not None or shape.score is not None or shape.sinks:
+    raise ValueError(f"cuDNN's value-dim path takes a plain causal shape, got {shape}")
+  return cudnn.dot_product_attention(q, k, v, scale=shape.d_qk ** -0.5,
+                                     mask_type=cudnn.MaskType.CAUSAL)
+
+
 def attention(impl: str, shape: Shape, implementation):
   """attention(q, k, v, sinks, bias) for ``impl``: jaxflash (with the case's score_mod), or
-  jax.nn's cuDNN (no sinks; the score_mod as the dense ``bias``)."""
+  jax.nn's cuDNN (no sinks; the score_mod as the dense ``bias``; with ``Dv != Dqk``, the
+  private path under it, `cudnn_value_dim`)."""
   mod = score_mod(shape)
 
   def fn(q, k, v, sinks, bias):
     if impl == "jaxflash":
       return jaxflash.flash_attention(q, k, v, sinks=sinks, score_mod=mod,
                                       implementation=implementation, **options(shape))
+    if shape.d_v != shape.d_qk:
+      return cudnn_value_dim(q, k, v, shape)
     return jax.nn.dot_product_attention(q, k, v, bias, implementation="cudnn", **options(shape))
   return fn
 

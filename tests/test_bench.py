@@ -859,8 +859,39 @@ def test_clocks_value_dim_calls_count_mla_flops():
   fn, inputs = calls["jaxflash"]
   assert [g.shape for g in fn(*inputs)] == [(1, 40, 4, 24), (1, 40, 2, 24), (1, 40, 2, 16)]
   assert work == entries * (2 * (24 + 16) + 2 * (3 * 24 + 2 * 16))
-  with pytest.raises(ValueError, match="--dv"):
-    clocks._value_dim_calls(argparse.Namespace(**{**vars(args), "impls": ["cudnn"]}))
+  for bad in ({"impls": ["jaxflash_triton"]}, {"causal": False}):
+    with pytest.raises(ValueError, match="--dv"):
+      clocks._value_dim_calls(argparse.Namespace(**{**vars(args), **bad}))
+
+
+def test_model_features_reaches_cudnn_value_dim_through_the_private_path(monkeypatch):
+  """model_features.py's cuDNN MLA rows: jax.nn asks V for the query's head dim, so a shape
+  with its own Dv calls JAX's private cuDNN function (causal, jax.nn's 1/sqrt(Dqk) scale) and
+  a shape with the same head dims keeps jax.nn's path."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+  import model_features
+  seen = {}
+
+  def fake(q, k, v, *, scale, mask_type):
+    seen.update(scale=scale, mask_type=mask_type)
+    return jnp.zeros(q.shape[:3] + v.shape[-1:], q.dtype)
+  monkeypatch.setattr(cudnn, "dot_product_attention", fake)
+  shape = model_features.Shape(1, 16, 2, 2, 24, 16, None)
+  q, k, v, _, _ = model_features.inputs(shape, 0)
+  out = model_features.attention("cudnn", shape, None)(q, k, v, None, None)
+  assert out.shape == (1, 16, 2, 16)
+  assert seen == dict(scale=24 ** -0.5, mask_type=cudnn.MaskType.CAUSAL)
+  with pytest.raises(ValueError, match="plain causal"):
+    model_features.cudnn_value_dim(q, k, v, model_features.Shape(1, 16, 2, 2, 24, 16, 8))
+  seen.clear()
+  monkeypatch.setattr(jax.nn, "dot_product_attention",
+                      lambda q, k, v, bias, **kw: seen.update(jax_nn=kw) or q)
+  same = model_features.Shape(1, 16, 2, 2, 16, 16, None)
+  q, k, v, _, _ = model_features.inputs(same, 0)
+  model_features.attention("cudnn", same, None)(q, k, v, None, None)
+  assert seen == dict(jax_nn=dict(implementation="cudnn", is_causal=True,
+                                  local_window_size=None))
 
 
 def test_clocks_summary_reads_clock_events():

@@ -17,12 +17,12 @@ cuDNN can be compared in clock and power at the same shape:
 
     python3 benchmarks/dev/clocks.py --impls jaxflash_mosaic_atomic cudnn --mode fwdbwd --rounds 2
 
-``--dv`` gives V a head dim of its own: `benchmarks/model_features.py`'s causal jaxflash call and
-FLOPs (``--impls jaxflash --causal`` only: jax.nn's cuDNN path takes no such V), e.g. MLA's
-192/128 at that table's shape:
+``--dv`` gives V a head dim of its own: `benchmarks/model_features.py`'s causal calls and FLOPs
+(``--impls`` among jaxflash, cudnn and cudnn_det, ``--causal`` only; cuDNN through JAX's
+private path, `model_features.cudnn_value_dim`), e.g. MLA's 192/128 at that table's shape:
 
-    python3 benchmarks/dev/clocks.py --impls jaxflash --d 192 --dv 128 --s 8192 --heads 128 \
-        --causal --mode fwdbwd --rounds 2
+    python3 benchmarks/dev/clocks.py --impls jaxflash cudnn --d 192 --dv 128 --s 8192 \
+        --heads 128 --causal --mode fwdbwd --rounds 2
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import jax  # noqa: E402
 
 import fp8  # noqa: E402  (benchmarks/fp8.py)
 import model_features  # noqa: E402  (benchmarks/model_features.py)
-from cases import Case, attention_fn, flops, grad_fn, make_inputs  # noqa: E402
+from cases import IMPL_OPTIONS, Case, attention_fn, flops, grad_fn, make_inputs  # noqa: E402
 from jaxflash.backends import mosaic  # noqa: E402
 
 
@@ -108,23 +108,29 @@ def _step_calls(args) -> tuple[dict, float]:
   calls = {}
   for name in args.impls:
     fn = attention_fn(name, args.causal)
-    calls[name] = ((jax.jit(grad_fn(fn)), inputs) if args.mode == "fwdbwd"
-                   else (jax.jit(fn), inputs[:3]))
+    fn, args_ = (grad_fn(fn), inputs) if args.mode == "fwdbwd" else (fn, inputs[:3])
+    # compiled with the implementation's options: cudnn_det's deterministic backward
+    calls[name] = (jax.jit(fn).lower(*args_).compile(IMPL_OPTIONS.get(name)), args_)
   return calls, flops(case.b, case.n, case.s, case.d, case.causal, args.mode)
 
 
 def _value_dim_calls(args) -> tuple[dict, float]:
-  """The same for a call with V's head dim ``args.dv``: `benchmarks/model_features.py`'s jaxflash
-  call, inputs and FLOPs at this shape (its shapes are causal)."""
-  if set(args.impls) != {"jaxflash"} or not args.causal:
-    raise ValueError(f"--dv runs --impls jaxflash with --causal only, got {args.impls}, "
-                     f"causal={args.causal}")
+  """The same for calls with V's head dim ``args.dv``: `benchmarks/model_features.py`'s jaxflash
+  and cuDNN calls (``cudnn``, ``cudnn_det``), inputs and FLOPs at this shape (its shapes are
+  causal)."""
+  known = {"jaxflash", "cudnn", "cudnn_det"}
+  if not set(args.impls) <= known or not args.causal:
+    raise ValueError(f"--dv runs --impls among {sorted(known)} with --causal only, got "
+                     f"{args.impls}, causal={args.causal}")
   shape = model_features.Shape(args.b, args.s, args.heads, args.kv_heads or args.heads, args.d,
                                args.dv, window=None)
   inputs = model_features.inputs(shape, 0) + (None,)  # q, k, v, d_out, sinks, bias
-  fn = model_features.attention("jaxflash", shape, None)
-  call = model_features.executable(fn, args.mode, inputs, None)
-  return {"jaxflash": (call, inputs)}, model_features.flops(shape, args.mode)
+  calls = {}
+  for name in args.impls:
+    fn = model_features.attention(name, shape, None)
+    calls[name] = (model_features.executable(fn, args.mode, inputs, IMPL_OPTIONS.get(name)),
+                   inputs)
+  return calls, model_features.flops(shape, args.mode)
 
 
 def main() -> None:
@@ -138,7 +144,8 @@ def main() -> None:
   parser.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
   parser.add_argument("--b", type=int, default=1, help="batch rows (with --impls)")
   parser.add_argument("--kv-heads", type=int, help="K/V heads (GQA); default: --heads")
-  parser.add_argument("--dv", type=int, help="V's head dim (with --impls jaxflash); default: --d")
+  parser.add_argument("--dv", type=int,
+                      help="V's head dim (--impls among jaxflash, cudnn, cudnn_det); default: --d")
   parser.add_argument("--seconds", type=float, default=4.0)
   parser.add_argument("--rounds", type=int, default=1, help="configs in turn, this many times")
   parser.add_argument("--out", type=Path, default=None)
