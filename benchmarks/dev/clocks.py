@@ -108,9 +108,9 @@ def _step_calls(args) -> tuple[dict, float]:
   calls = {}
   for name in args.impls:
     fn = attention_fn(name, args.causal)
-    fn, args_ = (grad_fn(fn), inputs) if args.mode == "fwdbwd" else (fn, inputs[:3])
+    fn, call_args = (grad_fn(fn), inputs) if args.mode == "fwdbwd" else (fn, inputs[:3])
     # compiled with the implementation's options: cudnn_det's deterministic backward
-    calls[name] = (jax.jit(fn).lower(*args_).compile(IMPL_OPTIONS.get(name)), args_)
+    calls[name] = (jax.jit(fn).lower(*call_args).compile(IMPL_OPTIONS.get(name)), call_args)
   return calls, flops(case.b, case.n, case.s, case.d, case.causal, args.mode)
 
 
