@@ -268,7 +268,14 @@ def markdown(result: dict) -> str:
            "| case | impl | backend | mode | ms | TFLOP/s | relerr |",
            "|---|---|---|---|---|---|---|"]
   cell = lambda r: (r["case"], r["impl"], r.get("backend"), r["mode"])  # noqa: E731
-  for r in report.current_rows(result, key=cell):  # (a cell two runs measured: the later)
+  rows = report.current_rows(result, key=cell)  # (a cell two runs measured: the later)
+  # Each case's rows together, whichever run added them: by case, implementation and mode (a
+  # stable sort, so a cell's backends keep the order the runs gave them).
+  place = lambda order, value: order.index(value) if value in order else len(order)  # noqa: E731
+  rows.sort(key=lambda r: (place(CASES, r["case"]),
+                           place(("jaxflash", "cudnn", "cudnn_det"), r["impl"]),
+                           place(("fwd", "fwdbwd", "bwd"), r["mode"])))
+  for r in rows:
     if "error" in r:
       lines.append(f"| {r['case']} | {r['impl']} | {r.get('backend', '')} | {r['mode']} | "
                    f"error: {r['error'][:80]} | | |")
