@@ -1350,6 +1350,25 @@ def test_long_d64_calls_take_three_consumers(kind):
 
 
 @pytest.mark.parametrize("kind", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_narrow_windows_keep_two_consumers(kind):
+  """A local window bounds every key walk, so `THREE_CONSUMERS_FROM_LENGTH` is read at the keys a
+  row sees: gpt-oss's call (16k, GQA 64/8, D = 64, causal, 128 keys back) keeps `TUNED`'s paired
+  persistent grid, which ran its forward 1.6x faster on an H100; a window as wide as the length
+  rule still takes three consumers. The backend hands the window's width to the choice."""
+  from jaxflash import masking
+  config = mosaic.config.default_config
+  gpt_oss = config(64, BF16, True, 16384, kind, groups=8, window_keys=129)
+  assert gpt_oss.consumers == 2 and gpt_oss.paired_tiles and gpt_oss.persistent_ctas == 132
+  assert config(64, BF16, True, 16384, kind, groups=8, window_keys=8192).consumers == 3
+  assert config(64, BF16, True, 16384, kind, groups=8).consumers == 3
+  window = lambda *args: _core.Params(scale=1.0, window=masking.make_window(*args))  # noqa: E731
+  assert mosaic._window_keys(window(True, (128, 0))) == 129
+  assert mosaic._window_keys(window(False, (3, 5))) == 9
+  assert mosaic._window_keys(window(True, None)) is None
+  assert mosaic._window_keys(window(False, (128, None))) is None
+
+
+@pytest.mark.parametrize("kind", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
 def test_short_causal_calls_launch_in_natural_order(kind):
   """Causal calls of at most `NATURAL_ORDER_ROWS` query rows on one CTA per tile launch their
   tiles in natural order (measured faster at 512); longer ones, persistent grids and calls

@@ -562,6 +562,12 @@ TUNED: dict[tuple[int, bool], dict] = {
 # against 457/445, 16k 513/513 against 473/473; with one (against the paired persistent grid)
 # 4k 411/404 against 434/424, 8k 477/459 against 449/464, 16k 468/472 against 459/454: the
 # H200's lengths.
+# The lengths are read at the most keys a query row sees where a local window bounds it
+# (`default_config`'s ``window_keys``): gpt-oss's shape (16k, GQA 64/8, D = 64, causal, 128 keys
+# back) took three consumers on both cards once they applied from 8k causal, and its forward ran
+# 0.409 ms on an H100 (2026-12-06, model_features.json, cuDNN 0.397) against 0.256 on the
+# paired persistent grid the day before (cuDNN 0.386): a walk of two or three key blocks does
+# not fill three consumers' pipeline.
 THREE_CONSUMERS = dict(consumers=3, registers=160, block_kv=128)
 THREE_CONSUMERS_FROM_LENGTH: dict[str, dict[tuple[int, bool], int]] = {
     "H200": {(64, False): 2048, (64, True): 8192},
@@ -842,7 +848,8 @@ def _backward_tiles(hp: int, causal: bool, hv: int, waits_on_loads: bool,
 def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: str,
                    partial: bool = False, value_dim: int | None = None,
                    block_table: bool = False, groups: int = 1,
-                   lookups: bool = False, sms: int | None = None) -> Config | None:
+                   lookups: bool = False, sms: int | None = None,
+                   window_keys: int | None = None) -> Config | None:
   """`TUNED`'s config (persistent on this device's SM count: ``sms``, else the kind's; with one
   Q tile per consumer where its two do not fit), else it on one CTA per tile, else the 128-key
   tile, else the 64-key one, whichever first fits in shared memory (a float32 partial result,
@@ -850,7 +857,9 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
   none fits (partial results at D = 256). Causal CTAs are launched heaviest first, but for
   short calls on one CTA per tile (`NATURAL_ORDER_ROWS`). ``block_table``: the call walks a
   block table, ``lookups``: its score_mod reads values per diagonal (both `LOADS_BACKWARD`);
-  ``groups``: query heads per K/V head (`GQA_BACKWARD` above 1)."""
+  ``groups``: query heads per K/V head (`GQA_BACKWARD` above 1). ``window_keys``: the most keys
+  a query row sees under a local window (None: no bound), which caps the length that
+  `THREE_CONSUMERS_FROM_LENGTH` is read at."""
   # (The Triton backward's tiles for the wider of the two head dims: it serves Dv != H.)
   backward = triton_config.default_config(max(head_dim, value_dim or 0), dtype, causal, q_len,
                                           device_kind)
@@ -858,7 +867,10 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
   tuned = TUNED.get((hp, causal))
   if q_len < _from_length(TUNED_FROM_LENGTH, device_kind, hp, causal, 0):
     tuned = None
-  if q_len >= _from_length(THREE_CONSUMERS_FROM_LENGTH, device_kind, hp, causal, math.inf):
+  # (Three consumers pay off on long walks over the keys; a narrow window makes every walk a
+  # few blocks long however long the call: `THREE_CONSUMERS_FROM_LENGTH`'s note.)
+  walk = q_len if window_keys is None else min(q_len, window_keys)
+  if walk >= _from_length(THREE_CONSUMERS_FROM_LENGTH, device_kind, hp, causal, math.inf):
     tuned = THREE_CONSUMERS
   candidates = [dict(block_kv=128), dict(block_kv=64)]
   if fp8.is_fp8(dtype):  # (no backward: an FP8 call has no gradient)
