@@ -421,7 +421,10 @@ def test_a_score_mod_cast_to_16_bits():
   visible 600 * (j - i) is not: NaN rows).
 
   Under full float32 matmuls: on a GPU the XLA backend's default is TF32, and a logit a TF32
-  ulp away from the reference's rounds to the next 16-bit value (7.4e-3 on an H200)."""
+  ulp away from the reference's rounds to the next 16-bit value (7.4e-3 on an H200). Even in
+  float32 a logit one ulp from the reference's can land on the other side of a 16-bit rounding
+  step: 7.3e-3 on the CPU in one order of CI's tests (2026-12-06; 5e-3 alone), so the bound is
+  1.5e-2, still a quarter of the pushed cast's error."""
   q, kk, v, _ = random_qkv(4, 1, 120, 120, 1, 1, 16)
   near = lambda b, h, i, j: jnp.abs(i - j) <= 50  # noqa: E731
   for rule in (lambda s, b, h, i, j: (s + 0.3 * (j - i)).astype(jnp.bfloat16),
@@ -429,10 +432,10 @@ def test_a_score_mod_cast_to_16_bits():
     with jax.default_matmul_precision("highest"):
       got = jaxflash.flash_attention(q, kk, v, mask_mod=near, score_mod=rule,
                                      implementation="xla")
-    want, _ = reference_attention(q, kk, v, score_mod=rule,
-                                  mask=jnp.abs(jnp.arange(120)[:, None] - jnp.arange(120)) <= 50)
+      want, _ = reference_attention(
+          q, kk, v, score_mod=rule, mask=jnp.abs(jnp.arange(120)[:, None] - jnp.arange(120)) <= 50)
     assert np.isfinite(np.asarray(got)).all()
-    assert rel_err(got, want) < 5e-3
+    assert rel_err(got, want) < 1.5e-2
 
 
 def _learned(table, slopes, n_table, gathered=False):
