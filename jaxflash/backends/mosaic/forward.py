@@ -231,6 +231,16 @@ def band_tiles(ref, batch, head, rows, keys, transposed: bool, dtypes,
       interpret), dtype) for f, dtype in enumerate(dtypes)]
 
 
+def _read_only_ref():
+  """`plgpu.RefType` of a ref the inline code only reads. From jax 0.12.1 a kernel may not write
+  to an input passed as an array, and an inline ref counts as written unless it says
+  ``write=False``; older jax has no such flag (nor the check)."""
+  try:
+    return plgpu.RefType(write=False)
+  except TypeError:
+    return plgpu.RefType()
+
+
 def _diagonal_tile(window_ref, shape, transposed: bool, interpret: bool):
   """int32 tile ``shape`` in the wgmma layout whose entry (r, c) is ``window_ref[r - c + C - 1]``
   (C columns), or ``window_ref[c - r + R - 1]`` (R rows) where ``transposed``.
@@ -246,7 +256,7 @@ def _diagonal_tile(window_ref, shape, transposed: bool, interpret: bool):
     c = lax.broadcasted_iota(jnp.int32, shape, 1)
     return window_ref[...][c - r + rows - 1 if transposed else r - c + cols - 1]
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+  @plgpu.inline_mgpu(arg_types=(_read_only_ref(),),
                      return_type=plgpu.ShapeDtypeStruct(shape, jnp.int32,
                                                         layout=plgpu.Layout.WGMMA))
   def load(ctx, window):
