@@ -53,6 +53,13 @@ class Window:
     """Whether no query sees a key past its own position (the band ends at the diagonal)."""
     return self.right is not None and self.right <= 0
 
+  @property
+  def keys_per_row(self) -> int | None:
+    """The most keys a query row sees in the band (None where a side is unbounded)."""
+    if self.left is None or self.right is None:
+      return None
+    return self.left + self.right + 1
+
 
 def make_window(is_causal: bool, local_window_size: int | tuple[int, int] | None) -> Window:
   """Merges ``is_causal`` and ``local_window_size`` into one `Window` (already validated)."""

@@ -1361,11 +1361,17 @@ def test_narrow_windows_keep_two_consumers(kind):
   assert gpt_oss.consumers == 2 and gpt_oss.paired_tiles and gpt_oss.persistent_ctas == 132
   assert config(64, BF16, True, 16384, kind, groups=8, window_keys=8192).consumers == 3
   assert config(64, BF16, True, 16384, kind, groups=8).consumers == 3
-  window = lambda *args: _core.Params(scale=1.0, window=masking.make_window(*args))  # noqa: E731
-  assert mosaic._window_keys(window(True, (128, 0))) == 129
-  assert mosaic._window_keys(window(False, (3, 5))) == 9
-  assert mosaic._window_keys(window(True, None)) is None
-  assert mosaic._window_keys(window(False, (128, None))) is None
+  window = lambda *args: masking.make_window(*args).keys_per_row  # noqa: E731
+  assert window(True, (128, 0)) == 129
+  assert window(False, (3, 5)) == 9
+  assert window(True, None) is None
+  assert window(False, (128, None)) is None
+  q = jax.ShapeDtypeStruct((1, 16384, 8, 64), BF16)
+  kv = jax.ShapeDtypeStruct((1, 16384, 1, 64), BF16)
+  device = devices.Device("gpu", kind, True, cores=132)
+  for size, want in (((128, 0), 2), (None, 3)):
+    call = _checks.normalise(q, kv, kv, is_causal=True, local_window_size=size)
+    assert mosaic.BACKEND.default_config(call.inputs, call.params, device).consumers == want
 
 
 @pytest.mark.parametrize("kind", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])

@@ -74,15 +74,7 @@ def _default_config(inputs: Inputs, params: Params, device: Device) -> Config | 
                         block_table=inputs.block_table is not None,
                         groups=q.shape[2] // inputs.key.shape[2],
                         lookups=inputs.score_bands is not None, sms=device.sm_count,
-                        window_keys=_window_keys(params))
-
-
-def _window_keys(params: Params) -> int | None:
-  """The most keys a query row sees under the call's local window (None: no bound)."""
-  left, right = params.window.left, params.window.right
-  if left is None or right is None:
-    return None
-  return left + right + 1
+                        window_keys=params.window.keys_per_row)
 
 
 def _preferred(inputs: Inputs, params: Params, device: Device) -> bool:

@@ -241,6 +241,9 @@ def _read_only_ref():
     return plgpu.RefType()
 
 
+_READ_ONLY_REF = _read_only_ref()  # (once, not at every tile's trace)
+
+
 def _diagonal_tile(window_ref, shape, transposed: bool, interpret: bool):
   """int32 tile ``shape`` in the wgmma layout whose entry (r, c) is ``window_ref[r - c + C - 1]``
   (C columns), or ``window_ref[c - r + R - 1]`` (R rows) where ``transposed``.
@@ -256,7 +259,7 @@ def _diagonal_tile(window_ref, shape, transposed: bool, interpret: bool):
     c = lax.broadcasted_iota(jnp.int32, shape, 1)
     return window_ref[...][c - r + rows - 1 if transposed else r - c + cols - 1]
 
-  @plgpu.inline_mgpu(arg_types=(_read_only_ref(),),
+  @plgpu.inline_mgpu(arg_types=(_READ_ONLY_REF,),
                      return_type=plgpu.ShapeDtypeStruct(shape, jnp.int32,
                                                         layout=plgpu.Layout.WGMMA))
   def load(ctx, window):
