@@ -107,14 +107,6 @@ CONFIGS = {
                                     mma_row_sums=True),
     "kv256_stages3_sums": dict(block_kv=256, num_stages=3, mma_row_sums=True),
     "kv256_persistent_sums": dict(block_kv=256, persistent_ctas=132, mma_row_sums=True),
-    # The same (the shipped D = 128 tiles without a band) with Q K^T's A operand in registers
-    # (`Config.q_in_registers`), and the causal tiles so.
-    "kv256_persistent_sums_qr": dict(block_kv=256, persistent_ctas=132, mma_row_sums=True,
-                                     q_in_registers=True),
-    "kv256_persistent_sums_qr_r240": dict(block_kv=256, persistent_ctas=132, mma_row_sums=True,
-                                          q_in_registers=True, registers=240),
-    "kv256_sums_qr_r240": dict(block_kv=256, mma_row_sums=True, q_in_registers=True,
-                               registers=240),
     # The shipped D = 128 tiles without a band, and D = 256's, in clusters of two CTAs sharing
     # each K/V tile's load (`Config.kv_multicast`).
     "kv256_persistent_sums_mc": dict(block_kv=256, persistent_ctas=132, mma_row_sums=True,

@@ -104,17 +104,6 @@ VARIANTS = {
                                            persistent_ctas=132, kv_multicast=True, q_buffers=2),
     # D = 64's 256-key persistent tiles without a band (`TUNED` below 2k rows), the same way.
     "kv256_persistent_q2": dict(block_kv=256, persistent_ctas=132, q_buffers=2),
-    # Q K^T's A operand from registers (`Config.q_in_registers`), beside the shipped tiles
-    # (MLA causal: kv128_overlap; D = 128 causal: overlap; D = 128 without a band:
-    # kv128_overlap_persistent_mc_q2).
-    "kv128_overlap_qr": dict(block_kv=128, intra_wg_overlap=True, q_in_registers=True),
-    "kv128_overlap_r240": dict(block_kv=128, intra_wg_overlap=True, registers=240),
-    "kv128_overlap_qr_r240": dict(block_kv=128, intra_wg_overlap=True, q_in_registers=True,
-                                  registers=240),
-    "kv128_qr": dict(block_kv=128, q_in_registers=True),
-    "kv128_overlap_persistent_mc_q2_qr": dict(block_kv=128, intra_wg_overlap=True,
-                                              persistent_ctas=132, kv_multicast=True,
-                                              q_buffers=2, q_in_registers=True),
 }
 
 

@@ -320,12 +320,6 @@ class Config:
   # P V and runs block j's softmax while that P V is in flight. It holds two P tiles and S in
   # registers next to O, so it needs smaller key tiles at large head dims.
   intra_wg_overlap: bool = False
-  # Each consumer reads its Q tile into registers once per item, and every Q Kᵀ takes Q as the
-  # wgmma's A operand from there instead of from shared memory: a block's matmuls then read K
-  # and V alone from shared memory (at MLA's 192/128 on 128-key tiles, 80 of 104 KiB a
-  # consumer), at the cost of Q's registers (48 a thread at 192, 32 at 128). A probe of the
-  # power cap's energy per FLOP (docs/mosaic.md).
-  q_in_registers: bool = False
   # Key columns of each block (a multiple of 8, from the first) whose exponentials the forward
   # computes by a polynomial on the FMA units (`forward.exp2_polynomial`) instead of the SM's
   # 16-a-clock exp units, which the softmax of an FP8 or a D = 64 block keeps as busy as the

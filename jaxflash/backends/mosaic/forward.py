@@ -792,12 +792,6 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
 
       q_smem, q_loaded = q_buffer(i)
       plgpu.barrier_wait(q_loaded)
-      # Q K^T's A operand: the Q tile, or its values in registers (`Config.q_in_registers`;
-      # the interpreter has no wgmma with a register operand).
-      q_operand = q_smem
-      if config.q_in_registers and not params.interpret:
-        q_operand = plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA_8BIT if quantized
-                               else plgpu.Layout.WGMMA)
       if q_buffers == 2:  # the next item's Q goes to the other buffer, free since the last item
         pl.when(i + 1 < count)(lambda: load_q(i + 1))
 
@@ -861,7 +855,7 @@ def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_
         loads the block's inputs while the matmuls run, and waits for S alone."""
 
         def qk(s_ref):
-          plgpu.wgmma(s_ref, q_operand, k_smem.at[slot].T)
+          plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
           if also is not None:
             also()
           pass_turn()
