@@ -316,6 +316,14 @@ class Config:
   # table, an odd number of query tiles) run unpaired; an odd persistent CTA count leaves one
   # CTA out.
   kv_multicast: bool = False
+  # Stream-K for a persistent grid's last round: where the items do not fill whole rounds
+  # (2048 query tiles of 16 heads x 16k on 132 SMs are 15.5 rounds), the last round's items are
+  # cut by key blocks into one even run per CTA (`schedule.tail_pieces`), each piece leaves as
+  # a float32 partial result with its LSE, and XLA merges them into those rows of O
+  # (`forward.merge_tail`). So no SM idles for half a round. Calls it cannot serve run as
+  # before: a band or window, a block table, clusters (`kv_multicast`), O through the Q tiles,
+  # partial calls, sinks and a score_mod's row term (`forward.stream_k_applies`).
+  stream_k_tail: bool = False
   # FlashAttention-3's intra-warpgroup overlap: step j issues block j's Q Kᵀ with block j-1's
   # P V and runs block j's softmax while that P V is in flight. It holds two P tiles and S in
   # registers next to O, so it needs smaller key tiles at large head dims.
@@ -368,6 +376,8 @@ class Config:
     if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and self.persistent_ctas is None):
       raise ValueError("q_buffers must be 1, or 2 on a persistent grid (persistent_ctas), got "
                        f"{self.q_buffers}")
+    if self.stream_k_tail and self.persistent_ctas is None:
+      raise ValueError("stream_k_tail needs a persistent grid (persistent_ctas)")
     if self.o_through_q and self.q_buffers != 1:
       raise ValueError("o_through_q needs q_buffers=1 (O leaves through the one Q tile before "
                        f"the next item's Q loads there), got q_buffers={self.q_buffers}")
