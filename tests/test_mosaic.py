@@ -712,6 +712,11 @@ def test_short_d64_calls_without_a_band_take_two_q_buffers():
   for partial in (False, True):
     chosen = config(64, BF16, False, 1024, "NVIDIA H200", partial=partial)
     assert (chosen.block_kv, chosen.persistent_ctas, chosen.q_buffers) == (256, 132, 2)
+    assert chosen.stream_k_tail  # (a partial call runs the plain grid: `stream_k_tail`)
+  # Where the persistent grid does not fit (a value head dim of 256 beside 256-key tiles), one
+  # CTA a tile, which has no last round to share out.
+  wide = config(64, BF16, False, 1024, "NVIDIA H200", value_dim=256)
+  assert wide.persistent_ctas is None and not wide.stream_k_tail
   long = config(64, BF16, False, 4096, "NVIDIA H200")
   assert (long.consumers, long.persistent_ctas, long.q_buffers) == (3, None, 1)
 

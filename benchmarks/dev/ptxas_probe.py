@@ -95,6 +95,8 @@ CONFIGS = {
     # bf16 D = 64 and D = 128 (two Q buffers; D = 128 unpaired, with the overlap).
     "fp8_d128_shipped_tail": Probe(128, False, dict(block_kv=256, mma_row_sums=True,
                                                      persistent_ctas=132, stream_k_tail=True)),
+    "fp8_d128_shipped_tail_r240": Probe(128, False, dict(
+        block_kv=256, mma_row_sums=True, persistent_ctas=132, stream_k_tail=True, registers=240)),
     "d64_kv256_persistent_q2_tail": Probe(64, False, dict(block_kv=256, persistent_ctas=132,
                                                           q_buffers=2, stream_k_tail=True)),
     "d128_overlap_persistent_q2_tail": Probe(128, False, dict(

@@ -543,8 +543,18 @@ def fits(config: Config, head_dim: int, partial: bool = False,
 #   2k rows; H200, 2026-12-03, forward_tiles.py, one Q buffer against two alternating twice in
 #   one process, B = 16, 32 heads, 1k): 399.8/404.1 against 418.2/419.4 TFLOP/s. (The H100,
 #   which runs these tiles at every length, has not measured it.)
+# - Stream-K for the last round of D = 64's persistent grid (`Config.stream_k_tail`; H100,
+#   2026-12-06, forward_tiles.py, without and with it alternating three times in one process,
+#   32 heads, no band; B * S = 16k is 4096 query tiles, 31.03 rounds on 132 SMs, so the last
+#   round ran 4 tiles while 128 SMs idled): B = 16 1k 415.8/407.6/409.9 against
+#   419.4/416.7/422.4 TFLOP/s, B = 4 4k 466.8/467.6/467.3 against 469.2/475.7/472.1, B = 1
+#   16k 477.5/478.1/477.2 against 487.0/484.0/485.0. Not for FP8 at D = 128 (16k, 16 heads:
+#   965/986 against 1002/983; 64 heads 993/995 against 1014/1006; ptxas spills 132 bytes
+#   there, 76 at 240 registers) nor where D = 64 runs three consumers (519/523 against
+#   523/525 on one CTA a tile); bf16 D = 128 unpaired 642/647 against 642/641, below the
+#   clusters it cannot serve (656/656). The H200 has not run it.
 TUNED: dict[tuple[int, bool], dict] = {
-    (64, False): dict(block_kv=256, persistent_ctas=True, q_buffers=2),
+    (64, False): dict(block_kv=256, persistent_ctas=True, q_buffers=2, stream_k_tail=True),
     (64, True): dict(persistent_ctas=True, q_buffers=2, paired_tiles=True),
     (128, False): dict(intra_wg_overlap=True, persistent_ctas=True, kv_multicast=True,
                        q_buffers=2),
@@ -886,7 +896,7 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
   if fp8.is_fp8(dtype):  # (no backward: an FP8 call has no gradient)
     tuned = FP8_TUNED.get((hp, causal))
   if tuned:
-    candidates.insert(0, dict(tuned, persistent_ctas=None, q_buffers=1))
+    candidates.insert(0, dict(tuned, persistent_ctas=None, q_buffers=1, stream_k_tail=False))
     if tuned.get("persistent_ctas"):
       persistent = dict(tuned, persistent_ctas=sm_count(device_kind, sms))
       candidates[:0] = [persistent, dict(persistent, q_buffers=1)]  # (the second Q if it fits)

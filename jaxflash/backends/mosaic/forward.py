@@ -4,7 +4,9 @@ Grid (N, query tiles, B), one CTA per ``consumers * block_q`` query rows of one 
 head); with a causal band the tiles that see the most keys launch first. With
 ``Config.persistent_ctas`` the grid is that many CTAs instead (one per SM by default at D = 64,
 and at D = 128 without a causal band), each running a share of the tiles (`_items`, evenly by
-causal work) with its K/V ring, turns and Q/O tiles carried from one tile to the next. A CTA is
+causal work) with its K/V ring, turns and Q/O tiles carried from one tile to the next; with
+``Config.stream_k_tail`` the last round's tiles are cut into pieces by key blocks, one run of
+them a CTA, whose float32 partial results XLA merges (`merge_tail`). A CTA is
 ``Config.consumers`` + 1 warpgroups (two consumers, or three as FlashAttention-3 runs D = 64):
 
 - ``wg`` 0 .. consumers - 1 are consumers. Each owns ``block_q`` query rows (one TMA copy into
