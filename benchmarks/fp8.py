@@ -107,9 +107,6 @@ CONFIGS = {
                                     mma_row_sums=True),
     "kv256_stages3_sums": dict(block_kv=256, num_stages=3, mma_row_sums=True),
     "kv256_persistent_sums": dict(block_kv=256, persistent_ctas=132, mma_row_sums=True),
-    # The same with the last round cut into pieces by key blocks (`Config.stream_k_tail`).
-    "kv256_persistent_sums_tail": dict(block_kv=256, persistent_ctas=132, mma_row_sums=True,
-                                       stream_k_tail=True),
     # The shipped D = 128 tiles without a band, and D = 256's, in clusters of two CTAs sharing
     # each K/V tile's load (`Config.kv_multicast`).
     "kv256_persistent_sums_mc": dict(block_kv=256, persistent_ctas=132, mma_row_sums=True,

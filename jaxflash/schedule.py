@@ -202,19 +202,6 @@ def block_at(spans: Sequence[Span], place):
   return block
 
 
-def clipped(spans: Sequence[Span], lo, hi) -> tuple[Span, ...]:
-  """``spans`` of consecutive key blocks in increasing order (`Schedule.kv_spans` without a
-  block table: span blocks ``start + m``) cut to the blocks in ``[lo, hi)``: a stream-K
-  piece's share of its item's walk (`tail_pieces`)."""
-  out = []
-  for span in spans:
-    start = _i32(span.block(_i32(0)))
-    first = jnp.maximum(start, lo)
-    stop = jnp.minimum(start + jnp.maximum(span.count, 0), hi)
-    out.append(Span(span.masked, jnp.maximum(stop - first, 0), lambda m, f=first: f + m))
-  return tuple(out)
-
-
 class BlockLists(NamedTuple):
   """The blocks each row of blocks visits: for every (batch row, head, row of blocks), the
   partial blocks (element mask) and the full ones, each ascending, packed in one int32 row
@@ -491,33 +478,3 @@ def split_range(split, splits: int, first, last):
   per = lax.div(span + (count - 1), count)
   lo = first + split * per
   return lo, jnp.maximum(jnp.minimum(lo + per, last), lo)
-
-
-# Stream-K (`jaxflash.backends.mosaic.Config.stream_k_tail`): a persistent grid's last round,
-# fewer items than CTAs, shared out by key blocks over every CTA.
-
-
-def tail_run(cta, ctas: int, items: int, blocks: int):
-  """CTA ``cta``'s run ``[start, stop)`` of the last round's visits: the round's ``items``
-  items (fewer than ``ctas``) of ``blocks`` key blocks each, item after item, cut into
-  ``ctas`` runs of ``floor`` or ``ceil`` of an even share, run ``c`` for CTA ``c``. A run is at
-  most ``blocks`` long, so it holds pieces of at most two items (`tail_piece`). Python ints
-  or traced int32."""
-  work = items * blocks
-  return _floordiv(cta * work, ctas), _floordiv((cta + 1) * work, ctas)
-
-
-def tail_piece(start, stop, index, blocks: int):
-  """``(item, lo, hi)`` of piece ``index`` (0 or 1) of the run ``[start, stop)``
-  (`tail_run`): its item, counted from the round's first, and the item's key blocks
-  ``[lo, hi)`` it walks (empty where the run has no such piece)."""
-  item = _floordiv(start, blocks) + index
-  return item, _max(start - item * blocks, 0), _min(stop - item * blocks, blocks)
-
-
-def tail_pieces(cta, ctas: int, items: int, blocks: int):
-  """The pieces of CTA ``cta``'s run (`tail_run`) as Python ints: ``[(item, lo, hi), ...]``,
-  one or two, none for an empty run."""
-  start, stop = tail_run(cta, ctas, items, blocks)
-  pieces = [tail_piece(start, stop, index, blocks) for index in (0, 1)]
-  return [(item, lo, hi) for item, lo, hi in pieces if hi > lo]

@@ -234,46 +234,6 @@ def test_persistent_ctas_share_out_every_tile_once(batch, heads, q_tiles, ctas, 
     assert len(first_round) == (5 if paired else 128), first_round
 
 
-@pytest.mark.parametrize("batch,heads,q_tiles,ctas,blocks", [
-    (1, 16, 128, 132, 64), (2, 2, 2, 5, 3), (1, 1, 7, 3, 1), (2, 3, 7, 5, 4), (1, 4, 9, 8, 2)])
-def test_stream_k_pieces_cover_every_block_once(batch, heads, q_tiles, ctas, blocks):
-  """`Config.stream_k_tail`: the full rounds' items walk all their key blocks and the last
-  round's are cut into pieces, so every (batch row, head, tile, key block) is visited by
-  exactly one CTA; each CTA has at most two pieces, and `merge_tail`'s map (the pure
-  `schedule.tail_pieces`) names the same pieces as the kernel's traced items. At 16 heads x
-  16k on 132 SMs the 68 items left for the last round take 33 blocks a CTA instead of 64."""
-  from jaxflash.backends.mosaic import forward
-  from jaxflash.schedule import tail_pieces
-  total = batch * heads * q_tiles
-  rounds, left = divmod(total, ctas)
-  grid = forward._Grid(batch, heads, q_tiles, ctas, tail=(rounds, left, blocks))
-
-  def items_of(cta, i):
-    count, item = forward._persistent_items(grid, False, cta)
-    index, lo, hi = forward._piece(grid, cta, i)
-    return count, jnp.stack(item(i) + (index, lo, hi))
-
-  most = rounds + 2
-  counts, items = jax.jit(jax.vmap(jax.vmap(items_of, (None, 0)), (0, None)))(
-      jnp.arange(ctas, dtype=jnp.int32), jnp.arange(most, dtype=jnp.int32))
-  counts, items = np.asarray(counts)[:, 0], np.asarray(items)
-  seen = []
-  for cta in range(ctas):
-    assert rounds <= counts[cta] <= rounds + 2, (cta, counts[cta])
-    pieces = []
-    for i, (b, h, tile, index, lo, hi) in enumerate(items[cta, :counts[cta]].tolist()):
-      assert index == (-1 if i < rounds else i - rounds), (cta, i, index)
-      seen += [(b, h, tile, j) for j in range(lo, hi)]
-      if index >= 0:
-        pieces.append(((b * heads + h) * q_tiles + tile - rounds * ctas, lo, hi))
-    assert pieces == tail_pieces(cta, ctas, left, blocks), cta
-    if (heads, ctas, blocks) == (16, 132, 64):
-      assert sum(hi - lo for _, lo, hi in pieces) in (32, 33)
-  everything = [(b, h, t, j) for b in range(batch) for h in range(heads)
-                for t in range(q_tiles) for j in range(blocks)]
-  assert sorted(seen) == everything
-
-
 @pytest.mark.parametrize("batch,heads,q_tiles,ctas", [(1, 1, 2, 2), (2, 3, 4, 6), (1, 16, 128, 132),
                                                     (2, 2, 6, 132)])
 def test_clusters_share_out_every_tile_once(batch, heads, q_tiles, ctas):
@@ -329,7 +289,6 @@ def test_configs_are_checked():
       (lambda: mosaic.Config(persistent_ctas=True), "persistent_ctas"),  # (one CTA, silently)
       (lambda: mosaic.Config(q_buffers=2), "q_buffers"),  # only a persistent grid has a next item
       (lambda: mosaic.Config(persistent_ctas=132, q_buffers=2, o_through_q=True), "o_through_q"),
-      (lambda: mosaic.Config(stream_k_tail=True), "stream_k_tail"),  # (a persistent grid's)
       (lambda: mosaic.Config(exp2_poly_cols=12), "exp2_poly_cols"),  # whole 8-column groups
       (lambda: mosaic.Config(block_kv=64, exp2_poly_cols=128), "exp2_poly_cols"),
       (lambda: mosaic.Config(consumers=4), "consumers"),
@@ -712,11 +671,6 @@ def test_short_d64_calls_without_a_band_take_two_q_buffers():
   for partial in (False, True):
     chosen = config(64, BF16, False, 1024, "NVIDIA H200", partial=partial)
     assert (chosen.block_kv, chosen.persistent_ctas, chosen.q_buffers) == (256, 132, 2)
-    assert chosen.stream_k_tail  # (a partial call runs the plain grid: `stream_k_tail`)
-  # Where the persistent grid does not fit (a value head dim of 256 beside 256-key tiles), one
-  # CTA a tile, which has no last round to share out.
-  wide = config(64, BF16, False, 1024, "NVIDIA H200", value_dim=256)
-  assert wide.persistent_ctas is None and not wide.stream_k_tail
   long = config(64, BF16, False, 4096, "NVIDIA H200")
   assert (long.consumers, long.persistent_ctas, long.q_buffers) == (3, None, 1)
 
@@ -954,10 +908,7 @@ def test_forward_cells_on_gpu(t, s, n, k, causal):
                  mosaic.Config(intra_wg_overlap=True, persistent_ctas=8, kv_multicast=True,
                                q_buffers=2),
                  mosaic.Config(persistent_ctas=7, paired_tiles=True, o_through_q=True,
-                               intra_wg_overlap=True),
-                 mosaic.Config(persistent_ctas=7, stream_k_tail=True),
-                 mosaic.Config(intra_wg_overlap=True, persistent_ctas=132, q_buffers=2,
-                               stream_k_tail=True)):
+                               intra_wg_overlap=True)):
     got = _run(q, kk, v, config, is_causal=causal)
     want, _ = reference_attention(q, kk, v, is_causal=causal)
     bad = _bad_cells(np.asarray(got, np.float32), np.asarray(want))
@@ -1951,42 +1902,6 @@ def test_fp8_row_sums_on_the_tensor_cores(fields, long):
 needs_four_threads = pytest.mark.skipif(
     not (ON_GPU or int(os.environ.get("NPROC") or os.cpu_count() or 1) >= 4),
     reason="the interpreter deadlocks four warpgroups on fewer than 4 threads")
-
-
-@pytest.mark.parametrize("dtype,h,fields", [
-    (BF16, 64, {}),
-    pytest.param(BF16, 96, dict(q_buffers=2, intra_wg_overlap=True), marks=variant),
-    pytest.param(jnp.float8_e4m3fn, 128, dict(block_kv=128, mma_row_sums=True), marks=variant)])
-def test_stream_k_tail(dtype, h, fields):
-  """`Config.stream_k_tail`: a persistent grid of 5 CTAs whose last round's items are cut
-  into pieces by key blocks, each leaving as a float32 partial result merged in XLA
-  (`forward.merge_tail`), gives the reference's output, LSE and gradients (FP8: its output),
-  with GQA, a row that sees no key and one whose second tile is all padding. The tail is in
-  effect at this shape (else the test would prove nothing), and the same call with a causal
-  band runs the plain grid."""
-  from jaxflash.backends.mosaic import forward
-  b, t, s, n, k = (3, 300, 333, 4, 2) if ON_GPU else (2, 200, 133, 2, 1)
-  config = dataclasses.replace(PERSISTENT, persistent_ctas=5, stream_k_tail=True, **fields)
-  tiles, blocks = -(-t // config.rows_per_cta), -(-s // config.block_kv)
-  for causal in (False, True):
-    params = _checks.normalise(*(jnp.zeros((1, t, x, h), BF16) for x in (n, k, k)),
-                               is_causal=causal).params
-    tail = forward.stream_k_tail(config, params, forward._Extras(), b * n * tiles, blocks,
-                                 o_tile_own=True)
-    assert (tail is None) == causal, tail
-  lengths = _short_rows(b, t, s, n, 0)
-  if dtype == BF16:
-    check("mosaic", b=b, t=t, s=s, n=n, k=k, h=h, dtype=dtype, small=config, **lengths)
-    return
-  keys = jax.random.split(jax.random.key(7), 3)
-  q, kk, v = (jax.random.normal(key, (b, x, heads, h), jnp.float32).astype(dtype)
-              for key, x, heads in zip(keys, (t, s, s), (n, k, k)))
-  got = np.asarray(_run(q, kk, v, config, **lengths), np.float32)
-  want = np.asarray(attention_with_config(q, kk, v, implementation="xla", **lengths),
-                    np.float32)
-  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 4e-2
-  np.testing.assert_array_equal(got[1, 40:], 0.0)  # past row 1's query length
-  np.testing.assert_array_equal(got[1, :40], 0.0)  # row 1 sees no key
 
 
 # (bf16 on 128-key tiles in the variants: three bf16 consumers run in

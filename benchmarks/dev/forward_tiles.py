@@ -104,14 +104,6 @@ VARIANTS = {
                                            persistent_ctas=132, kv_multicast=True, q_buffers=2),
     # D = 64's 256-key persistent tiles without a band (`TUNED` below 2k rows), the same way.
     "kv256_persistent_q2": dict(block_kv=256, persistent_ctas=132, q_buffers=2),
-    # Persistent grids whose last round is cut into pieces by key blocks (`Config.stream_k_tail`):
-    # D = 64's tiles above and D = 128's without clusters (stream-K does not serve those).
-    "kv256_persistent_q2_tail": dict(block_kv=256, persistent_ctas=132, q_buffers=2,
-                                     stream_k_tail=True),
-    "kv128_overlap_persistent_q2_tail": dict(block_kv=128, intra_wg_overlap=True,
-                                             persistent_ctas=132, q_buffers=2, stream_k_tail=True),
-    "c3_kv128_persistent_q2_tail": dict(consumers=3, registers=160, block_kv=128,
-                                        persistent_ctas=132, q_buffers=2, stream_k_tail=True),
 }
 
 

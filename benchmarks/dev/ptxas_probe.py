@@ -91,16 +91,6 @@ CONFIGS = {
     "fp8_d128_shipped": Probe(128, False, dict(block_kv=256, mma_row_sums=True,
                                                 persistent_ctas=132)),
     "fp8_d128_shipped_causal": Probe(128, True, dict(block_kv=256, mma_row_sums=True)),
-    # Stream-K for the persistent grids' last round (`Config.stream_k_tail`): FP8 D = 128,
-    # bf16 D = 64 and D = 128 (two Q buffers; D = 128 unpaired, with the overlap).
-    "fp8_d128_shipped_tail": Probe(128, False, dict(block_kv=256, mma_row_sums=True,
-                                                     persistent_ctas=132, stream_k_tail=True)),
-    "fp8_d128_shipped_tail_r240": Probe(128, False, dict(
-        block_kv=256, mma_row_sums=True, persistent_ctas=132, stream_k_tail=True, registers=240)),
-    "d64_kv256_persistent_q2_tail": Probe(64, False, dict(block_kv=256, persistent_ctas=132,
-                                                          q_buffers=2, stream_k_tail=True)),
-    "d128_overlap_persistent_q2_tail": Probe(128, False, dict(
-        intra_wg_overlap=True, persistent_ctas=132, q_buffers=2, stream_k_tail=True)),
     "fp8_d128_shipped_token": Probe(128, False, dict(block_kv=256, mma_row_sums=True,
                                                       persistent_ctas=132), per_token=True),
     # Three consumer warpgroups (`Config.consumers`) at 160 registers: FP8 at D = 128 and bf16

@@ -316,14 +316,6 @@ class Config:
   # table, an odd number of query tiles) run unpaired; an odd persistent CTA count leaves one
   # CTA out.
   kv_multicast: bool = False
-  # Stream-K for a persistent grid's last round: where the items do not fill whole rounds
-  # (2048 query tiles of 16 heads x 16k on 132 SMs are 15.5 rounds), the last round's items are
-  # cut by key blocks into one even run per CTA (`schedule.tail_pieces`), each piece leaves as
-  # a float32 partial result with its LSE, and XLA merges them into those rows of O
-  # (`forward.merge_tail`). So no SM idles for half a round. Calls it cannot serve run as
-  # before: a band or window, a block table, clusters (`kv_multicast`), O through the Q tiles,
-  # partial calls, sinks and a score_mod's row term (`forward.stream_k_applies`).
-  stream_k_tail: bool = False
   # FlashAttention-3's intra-warpgroup overlap: step j issues block j's Q Kᵀ with block j-1's
   # P V and runs block j's softmax while that P V is in flight. It holds two P tiles and S in
   # registers next to O, so it needs smaller key tiles at large head dims.
@@ -376,8 +368,6 @@ class Config:
     if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and self.persistent_ctas is None):
       raise ValueError("q_buffers must be 1, or 2 on a persistent grid (persistent_ctas), got "
                        f"{self.q_buffers}")
-    if self.stream_k_tail and self.persistent_ctas is None:
-      raise ValueError("stream_k_tail needs a persistent grid (persistent_ctas)")
     if self.o_through_q and self.q_buffers != 1:
       raise ValueError("o_through_q needs q_buffers=1 (O leaves through the one Q tile before "
                        f"the next item's Q loads there), got q_buffers={self.q_buffers}")
@@ -543,18 +533,8 @@ def fits(config: Config, head_dim: int, partial: bool = False,
 #   2k rows; H200, 2026-12-03, forward_tiles.py, one Q buffer against two alternating twice in
 #   one process, B = 16, 32 heads, 1k): 399.8/404.1 against 418.2/419.4 TFLOP/s. (The H100,
 #   which runs these tiles at every length, has not measured it.)
-# - Stream-K for the last round of D = 64's persistent grid (`Config.stream_k_tail`; H100,
-#   2026-12-06, forward_tiles.py, without and with it alternating three times in one process,
-#   32 heads, no band; B * S = 16k is 4096 query tiles, 31.03 rounds on 132 SMs, so the last
-#   round ran 4 tiles while 128 SMs idled): B = 16 1k 415.8/407.6/409.9 against
-#   419.4/416.7/422.4 TFLOP/s, B = 4 4k 466.8/467.6/467.3 against 469.2/475.7/472.1, B = 1
-#   16k 477.5/478.1/477.2 against 487.0/484.0/485.0. Not for FP8 at D = 128 (16k, 16 heads:
-#   965/986 against 1002/983; 64 heads 993/995 against 1014/1006; ptxas spills 132 bytes
-#   there, 76 at 240 registers) nor where D = 64 runs three consumers (519/523 against
-#   523/525 on one CTA a tile); bf16 D = 128 unpaired 642/647 against 642/641, below the
-#   clusters it cannot serve (656/656). The H200 has not run it.
 TUNED: dict[tuple[int, bool], dict] = {
-    (64, False): dict(block_kv=256, persistent_ctas=True, q_buffers=2, stream_k_tail=True),
+    (64, False): dict(block_kv=256, persistent_ctas=True, q_buffers=2),
     (64, True): dict(persistent_ctas=True, q_buffers=2, paired_tiles=True),
     (128, False): dict(intra_wg_overlap=True, persistent_ctas=True, kv_multicast=True,
                        q_buffers=2),
@@ -896,7 +876,7 @@ def default_config(head_dim: int, dtype, causal: bool, q_len: int, device_kind: 
   if fp8.is_fp8(dtype):  # (no backward: an FP8 call has no gradient)
     tuned = FP8_TUNED.get((hp, causal))
   if tuned:
-    candidates.insert(0, dict(tuned, persistent_ctas=None, q_buffers=1, stream_k_tail=False))
+    candidates.insert(0, dict(tuned, persistent_ctas=None, q_buffers=1))
     if tuned.get("persistent_ctas"):
       persistent = dict(tuned, persistent_ctas=sm_count(device_kind, sms))
       candidates[:0] = [persistent, dict(persistent, q_buffers=1)]  # (the second Q if it fits)

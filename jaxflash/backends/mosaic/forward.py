@@ -4,9 +4,7 @@ Grid (N, query tiles, B), one CTA per ``consumers * block_q`` query rows of one 
 head); with a causal band the tiles that see the most keys launch first. With
 ``Config.persistent_ctas`` the grid is that many CTAs instead (one per SM by default at D = 64,
 and at D = 128 without a causal band), each running a share of the tiles (`_items`, evenly by
-causal work) with its K/V ring, turns and Q/O tiles carried from one tile to the next; with
-``Config.stream_k_tail`` the last round's tiles are cut into pieces by key blocks, one run of
-them a CTA, whose float32 partial results XLA merges (`merge_tail`). A CTA is
+causal work) with its K/V ring, turns and Q/O tiles carried from one tile to the next. A CTA is
 ``Config.consumers`` + 1 warpgroups (two consumers, or three as FlashAttention-3 runs D = 64):
 
 - ``wg`` 0 .. consumers - 1 are consumers. Each owns ``block_q`` query rows (one TMA copy into
@@ -82,12 +80,10 @@ from jaxflash import dropout
 from jaxflash import fp8
 from jaxflash import mask_mod as mask_mod_lib
 from jaxflash import masking
-from jaxflash import merge
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.mosaic.config import Config, o_view, padded_head_dim
 from jaxflash.masking import Positions
-from jaxflash.schedule import (BlockLists, Schedule, Span, block_lists, clipped, tail_piece,
-                               tail_pieces, tail_run, total, walk)
+from jaxflash.schedule import BlockLists, Schedule, Span, block_lists, total, walk
 
 _ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma accumulator
 _COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
@@ -501,10 +497,6 @@ class _Grid(NamedTuple):
   # `Config.kv_multicast`: CTAs run in clusters of two, one pair of query tiles of a (batch row,
   # head) each (an even ``q_tiles``; ``ctas`` even, two a cluster).
   paired_ctas: bool = False
-  # `Config.stream_k_tail`: ``(rounds, items, blocks)``, the full rounds, the items left for the
-  # last one (fewer than ``ctas``) and an item's key blocks, which `schedule.tail_pieces` shares
-  # out over every CTA; None: the last round runs whole items.
-  tail: tuple[int, int, int] | None = None
 
 
 def by_cost(lists: jax.Array, batch: int, heads: int, groups: int = 1) -> jax.Array:
@@ -609,23 +601,13 @@ def _persistent_items(grid: _Grid, heavy_first: bool, cta, order_ref=None,
     return _i32(rounds) + tail, lambda i: ordered(order_ref, i * ctas + place(i), grid.heads,
                                                   grid.q_tiles)
   if not heavy_first:
-    def coords(w):
+    def item(i):
+      w = cta + i * ctas
       tile = lax.rem(w, _i32(grid.q_tiles))
       head = lax.rem(lax.div(w, _i32(grid.q_tiles)), _i32(grid.heads))
       return lax.div(w, _i32(grid.q_tiles * grid.heads)), head, tile
 
-    if grid.tail is None:
-      return lax.div(total - cta + (ctas - 1), ctas), lambda i: coords(cta + i * ctas)
-    # Stream-K: the full rounds' items, then this CTA's pieces of the last round's (`_piece`).
-    rounds, _, blocks = grid.tail
-    start, stop = tail_run(cta, grid.ctas, *grid.tail[1:])
-    first = lax.div(start, _i32(blocks))
-    pieces = jnp.where(stop > start, lax.div(stop - 1, _i32(blocks)) - first + 1, 0)
-
-    def tail_item(i):
-      return coords(jnp.where(i < rounds, cta + i * ctas, rounds * ctas + first + i - rounds))
-
-    return _i32(rounds) + pieces, tail_item
+    return lax.div(total - cta + (ctas - 1), ctas), item
 
   def place(i):  # this CTA's place in round i
     return jnp.where(lax.rem(i, _i32(2)) == 0, cta, ctas - 1 - cta)
@@ -640,71 +622,6 @@ def _persistent_items(grid: _Grid, heavy_first: bool, cta, order_ref=None,
   rounds = total // grid.ctas  # full rounds; the last one holds total % ctas items
   tail = (place(_i32(rounds)) < total % grid.ctas).astype(jnp.int32)
   return _i32(rounds) + tail, item
-
-
-def _piece(grid: _Grid, cta, i):
-  """``(index, lo, hi)`` of a stream-K CTA's item ``i`` (`_Grid.tail`): its piece's index
-  (-1 for an item of a full round, which runs whole) and the key blocks ``[lo, hi)`` it walks
-  of its item's (all of them in a full round)."""
-  rounds, items, blocks = grid.tail
-  start, stop = tail_run(cta, grid.ctas, items, blocks)
-  index = jnp.maximum(i - rounds, -1)
-  _, lo, hi = tail_piece(start, stop, index, blocks)
-  return index, jnp.where(index < 0, 0, lo), jnp.where(index < 0, blocks, hi)
-
-
-def stream_k_tail(config: Config, params: Params, extras: _Extras, items: int,
-                  blocks: int, o_tile_own: bool) -> tuple[int, int, int] | None:
-  """`_Grid.tail` of a call (``items`` query tiles, ``blocks`` key blocks each), or None where
-  `Config.stream_k_tail` is off, the items fill whole rounds, there is no full round (a
-  single round gains nothing), or the call is one that it does not serve: a band or window
-  (items of unequal cost), a block table, clusters, O through the Q tiles (``o_tile_own``
-  False), a partial call (its results are partial already), sinks or a score_mod's row term
-  (joined to the whole row, not to a piece)."""
-  ctas = config.persistent_ctas
-  if not config.stream_k_tail or ctas is None or not o_tile_own or config.kv_multicast:
-    return None
-  if params.window.left is not None or params.window.right is not None:
-    return None
-  if extras.lists is not None or params.partial or extras.sinks is not None:
-    return None
-  if extras.score_row_term is not None:
-    return None
-  rounds, left = divmod(items, ctas)
-  if not left or not rounds:
-    return None
-  return rounds, left, blocks
-
-
-def merge_tail(out, lse2, piece_out, piece_lse2, grid: _Grid, rows_per_cta: int):
-  """O and its LSE rows with the stream-K pieces' rows merged in (`Config.stream_k_tail`):
-  ``out`` [B, T, N, Dv] and base-2 ``lse2`` [B, N, rows] as the kernel left them (the last
-  round's rows unwritten), ``piece_out`` [ctas, 2, rows_per_cta, Dv] float32 and
-  ``piece_lse2`` [ctas, 2, rows_per_cta] (+inf on rows a piece saw nothing of). Which pieces
-  hold an item is static (`schedule.tail_pieces`), so the merge is gathers at fixed indices,
-  `merge.merge_splits`, and a scatter of whole tiles."""
-  rounds, items, blocks = grid.tail
-  holders = [[] for _ in range(items)]  # (cta, piece) of each item of the last round
-  for cta in range(grid.ctas):
-    for index, (item, _, _) in enumerate(tail_pieces(cta, grid.ctas, items, blocks)):
-      holders[item].append(cta * 2 + index)
-  most = max(len(h) for h in holders)
-  # Items held by fewer pieces repeat a real one with its LSE made -inf (weight 0).
-  take = np.array([h + h[:1] * (most - len(h)) for h in holders], np.int32)  # [items, most]
-  real = np.array([[k < len(h) for k in range(most)] for h in holders])
-  part = piece_out.reshape((-1,) + piece_out.shape[2:])[take]  # [items, most, rows, Dv]
-  part_lse2 = piece_lse2.reshape((-1, rows_per_cta))[take]
-  part_lse2 = jnp.where(jnp.logical_and(real[..., None], part_lse2 != jnp.inf), part_lse2,
-                        -jnp.inf)
-  merged, merged_lse2 = merge.merge_splits(part[None], part_lse2[None])
-  w = rounds * grid.ctas + np.arange(items)  # the items' places in `_persistent_items`'s order
-  tile, head = w % grid.q_tiles, (w // grid.q_tiles) % grid.heads
-  batch = w // (grid.q_tiles * grid.heads)
-  rows = tile[:, None] * rows_per_cta + np.arange(rows_per_cta)  # [items, rows]
-  out = out.at[batch[:, None], rows, head[:, None]].set(merged[0].astype(out.dtype),
-                                                        mode="drop")
-  lse2 = lse2.at[batch[:, None], head[:, None], rows].set(merged_lse2[0], mode="drop")
-  return out, lse2
 
 
 def _cluster_items(grid: _Grid, cluster, rank):
@@ -767,31 +684,13 @@ def _for_items(count, run_item):
 
 
 def _kernel(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref, lse_ref,
-            *refs, params: Params, config: Config, schedule: Schedule, groups: int, grid: _Grid,
-            o_union: bool):
-  if grid.tail is None:
-    _kernel_body(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras, out_ref, lse_ref, None,
-                 None, *refs, params=params, config=config, schedule=schedule, groups=groups,
-                 grid=grid, o_union=o_union)
-  else:  # (the stream-K pieces' outputs follow O's and the LSE's)
-    _kernel_body(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras, out_ref, lse_ref,
-                 *refs, params=params, config=config, schedule=schedule, groups=groups,
-                 grid=grid, o_union=o_union)
-
-
-def _kernel_body(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras, out_ref,
-                 lse_ref, piece_out_ref, piece_lse_ref, q_smems, k_smem, v_smem, lse_smem, o_smems, q_ready, k_ready, v_ready, k_free, v_free,
+            q_smems, k_smem, v_smem, lse_smem, o_smems, q_ready, k_ready, v_ready, k_free, v_free,
             turns, ones_smem, ones_ready, kf_smem, kf_ready, *, params: Params, config: Config,
             schedule: Schedule, groups: int, grid: _Grid, o_union: bool):
   block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
   consumers = config.consumers
   if o_union:  # one memory, two views: the Q tiles, and O's tiles over the same bytes
     q_smems, o_smems = q_smems
-  # A stream-K piece's float32 O leaves through a float32 view of O's own tiles (the tiles
-  # themselves where O is float32), in column pieces.
-  o32_smems = o_smems
-  if grid.tail is not None and jnp.dtype(out_ref.dtype).itemsize != 4:
-    o_smems, o32_smems = o_smems
   # An FP8 call's V tiles are stored transposed, [Dv, keys] (`_transposed_values`), and its P
   # is rounded to e4m3 (`_fp8_operand`).
   quantized = fp8.is_fp8(q_smems.dtype)
@@ -820,8 +719,6 @@ def _kernel_body(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras,
       spans = BlockLists(extras.lists).spans(batch, head, tile)
     else:
       spans = schedule.kv_spans(blocks_of, pos)
-    if grid.tail is not None:  # a stream-K piece walks its share of the item's blocks
-      spans = clipped(spans, *_piece(grid, lax.axis_index("ctas"), i)[1:])
     return batch, head, cta_start, pos, spans, blocks_of
 
   # The K/V ring runs on across items: the n-th block the CTA visits (n counts from 0 over all
@@ -860,6 +757,7 @@ def _kernel_body(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras,
     else:
       o_smem = q_smems.at[wg] if o_smems is None else o_smems.at[wg]
     o_in_q = o_union or o_smems is None
+    o_cols = o_smem.shape[-1]  # (O's columns per piece: all of them but in an FP8 call)
 
     def load_q(i):
       i = _i32(i)  # (a literal 0 is int64 under jax_enable_x64)
@@ -1235,38 +1133,21 @@ def _kernel_body(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if not params.interpret:  # the interpreter runs a warpgroup as one thread
           _emit(mgpu.utils.warpgroup_barrier)  # bar.sync of this warpgroup's 128 threads
-      def store(tile, o_rows, lse_rows):
-        """O (in column pieces the width of ``tile``) and the LSE rows to global memory."""
-        lse_smem.at[wg][...] = lse2
-        cols = tile.shape[-1]
-        whole = cols == value_dim
-        for piece in range(value_dim // cols):
-          if piece:  # the last piece has left the tile (see above)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            if not params.interpret:
-              _emit(mgpu.utils.warpgroup_barrier)
-          first = piece * cols
-          tile[...] = (out if whole else out[:, first:first + cols]).astype(tile.dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(tile, o_rows if whole else o_rows.at[:, pl.ds(first, cols)])
-          if not piece:
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_rows)
-
-      def store_final():
-        store(o_smem, out_ref.at[batch, pl.ds(q_start, block_q), head],
-              lse_ref.at[batch, head, pl.ds(q_start, block_q)])
-
-      if grid.tail is None:
-        store_final()
-      else:  # a piece's O leaves unrounded, with its LSE, for `merge_tail`
-        piece = i - grid.tail[0]  # (`_piece`'s index)
-        pl.when(piece < 0)(store_final)
-
-        @pl.when(piece >= 0)
-        def _():
-          cta, rows = lax.axis_index("ctas"), pl.ds(wg * block_q, block_q)
-          store(o32_smems.at[wg], piece_out_ref.at[cta, piece, rows],
-                piece_lse_ref.at[cta, piece, rows])
+      lse_smem.at[wg][...] = lse2
+      o_rows = out_ref.at[batch, pl.ds(q_start, block_q), head]
+      whole = o_cols == value_dim
+      for piece in range(value_dim // o_cols):
+        if piece:  # the last piece has left the tile (see above)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          if not params.interpret:
+            _emit(mgpu.utils.warpgroup_barrier)
+        first = piece * o_cols
+        o_smem[...] = (out if whole else out[:, first:first + o_cols]).astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_rows if whole else o_rows.at[:, pl.ds(first, o_cols)])
+        if not piece:
+          plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                  lse_ref.at[batch, head, pl.ds(q_start, block_q)])
       if grid.ctas is not None and o_in_q:
         # O left through the Q tile: the next item's Q loads there once the stores read it.
         @pl.when(i + 1 < count)
@@ -1299,8 +1180,6 @@ def _kernel_body(q_ref, k_ref, v_ref, lengths_ref, offsets_ref, extras: _Extras,
       if extras.lists is None:  # one flat loop over the consumers' runs of blocks
         lo, _, _, hi = schedule.kv_blocks(blocks_of, pos)
         spans = (Span(False, hi - lo, lambda m: lo + m),)
-        if grid.tail is not None:
-          spans = clipped(spans, *_piece(grid, lax.axis_index("ctas"), i)[1:])
 
       def load(ref, smem, ready, j, slot):
         keys = pl.ds(j * block_kv, block_kv)
@@ -1564,14 +1443,6 @@ def forward(inputs: Inputs, params: Params, config: Config):
     q_smem = plgpu.RefUnion(q_smem, _smem_tile((consumers, rows, cols), out_dtype,
                                                min(128, cols * out_bytes)))
   paired = paired_ctas(config, params, extras, q_tiles)
-  tail = None
-  if config.persistent_ctas is not None and not paired:
-    tail = stream_k_tail(config, params, extras, b * n * q_tiles,
-                         pl.cdiv(k.shape[1], config.block_kv), o_tile_own=view is None)
-  o_tile = _smem_tile((consumers, config.block_q, hvp), out_dtype)
-  if tail is not None and out_bytes != 4:  # a float32 view for the pieces (`stream_k_tail`)
-    o_tile = plgpu.RefUnion(o_tile, _smem_tile(
-        (consumers, config.block_q, hvp * out_bytes // 4), jnp.float32))
 
   def free_barrier():  # a ring slot's release: in a cluster, by the consumers of both CTAs
     if paired:
@@ -1587,7 +1458,7 @@ def forward(inputs: Inputs, params: Params, config: Config):
       # O on the way out where it cannot leave through the Q tiles' memory (`o_view`): a
       # partial result's (float32), or a persistent CTA's (Q's tile is then loading the next
       # item).
-      o_tile if view is None else None,
+      _smem_tile((consumers, config.block_q, hvp), out_dtype) if view is None else None,
       plgpu.Barrier(num_barriers=config.q_buffers * consumers),  # q_ready
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_barriers=stages),  # v_ready
@@ -1609,20 +1480,16 @@ def forward(inputs: Inputs, params: Params, config: Config):
   grid, names = (n, q_tiles // 2 if paired else q_tiles, b), ("heads", "q_tiles", "batch")
   if config.persistent_ctas is not None:
     ctas = min(config.persistent_ctas, b * n * q_tiles)
-    items = _Grid(b, n, q_tiles, ctas - ctas % 2 if paired else ctas, paired, tail)
+    items = _Grid(b, n, q_tiles, ctas - ctas % 2 if paired else ctas, paired)
     grid, names = (items.ctas // 2 if paired else items.ctas,), ("ctas",)
   cluster = dict(cluster=(2,), cluster_names=("cluster",)) if paired else {}
   kernel = functools.partial(_kernel, params=params, config=config, schedule=schedule,
                              groups=groups, grid=items, o_union=union)
   # The LSE rows are written a whole tile at a time, so its buffer is padded to whole tiles.
-  out_type = (_core.out_struct(q.shape[:3] + (hvp,), out_dtype, q),
-              _core.out_struct((b, n, q_tiles * rows_per_cta), jnp.float32, q))
-  if tail is not None:  # each CTA's two stream-K pieces: float32 O, base-2 LSE
-    out_type += (_core.out_struct((items.ctas, 2, rows_per_cta, hvp), jnp.float32, q),
-                 _core.out_struct((items.ctas, 2, rows_per_cta), jnp.float32, q))
-  results = plgpu.kernel(
+  out, lse2 = plgpu.kernel(
       kernel,
-      out_type=out_type,
+      out_type=(_core.out_struct(q.shape[:3] + (hvp,), out_dtype, q),
+                _core.out_struct((b, n, q_tiles * rows_per_cta), jnp.float32, q)),
       scratch_types=scratch,
       grid=grid,
       grid_names=names,
@@ -1638,7 +1505,4 @@ def forward(inputs: Inputs, params: Params, config: Config):
                                            reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if params.interpret else None,
   )(q, k, v, inputs.lengths, inputs.offsets, extras)
-  out, lse2 = results[:2]
-  if tail is not None:
-    out, lse2 = merge_tail(out, lse2, *results[2:], items, rows_per_cta)
   return out[:, :t, :, :hv], lse2[..., :t]
