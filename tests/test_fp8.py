@@ -270,7 +270,8 @@ def test_fp8_attention_gradients_on_outlier_features(rotated, implementation):
   finite and within the forward's error (measured 12-16% for dQ and dV); the mixed one pairs
   the 16-bit logits with that logsumexp and is wrong by more than the gradient (above 1e23 per
   head, 30x rotated, before the XLA backend held exp2's argument at or below 0 on 2026-12-05;
-  now each P is at most 1 there and the errors are 0.7-2.6, dQ's 20x the default's).
+  now each P is at most 1 there and the errors are 0.7-2.6, dQ's 20x the default's; rotated
+  0.4-0.7, dQ's 8x).
   On a GPU this also checks that the FP8 round trip survives XLA (which folds f32 -> e4m3 ->
   f32 chains unless something stands between them: `fp8.dequantize`): without it both
   backwards ran the same unquantised inputs there (H200, 2026-11-28)."""
@@ -294,8 +295,11 @@ def test_fp8_attention_gradients_on_outlier_features(rotated, implementation):
   straight = errors["straight_through"]
   assert np.isfinite(straight).all() and straight[0] <= 0.3 and straight[2] <= 0.3, errors
   mixed = errors["mixed"]
-  assert all(m > s for m, s in zip(mixed, straight)) and max(mixed) >= 1, errors
-  assert mixed[0] >= 10 * straight[0], errors
+  # (Rotated, the outlier channel is spread over all 64, the logits' error is smaller and so
+  # is the gap: 2026-12-06, 0.70/0.67/0.38 against 0.089/0.24/0.033, dQ's 8x.)
+  floor, ratio = (0.5, 5) if rotated else (1, 10)
+  assert all(m > s for m, s in zip(mixed, straight)) and max(mixed) >= floor, errors
+  assert mixed[0] >= ratio * straight[0], errors
 
 
 def test_fp8_attention_per_token_scales_keep_outlier_features_closer():
