@@ -24,6 +24,7 @@ import numpy as np
 import jaxflash
 from jaxflash import _checks
 from jaxflash.backends.mosaic import decode as mla
+from jaxflash.backends.mosaic import decode_transposed as mla_transposed
 from jaxflash.backends.triton import decode as triton_decode
 from jaxflash.ops.decode import decode_inputs
 
@@ -51,6 +52,11 @@ VARIANTS["rows_as_m"] = (mla, "default_config", lambda *a, _shipped=mla.default_
 # (with `rows_as_m`) it measured what a kernel with fewer products could gain at most (5-7%);
 # the transposed kernel took 2-4% of it (docs/decoding.md).
 VARIANTS["no_products"] = (mla.plgpu, "wgmma", lambda *a, **k: None)
+
+
+# The partial results in bf16 (the transposed kernel's, 16 heads): half the bytes that the
+# kernel writes at its end and the merge reads, at a rounding of up to 2^-8 per split.
+VARIANTS["partials_bf16"] = (mla_transposed, "PARTIAL_DTYPE", jnp.bfloat16)
 
 
 # The splits' merge another way: at T = 2 XLA runs the shipped one as two fusions on an H200, at

@@ -48,6 +48,10 @@ from jaxflash.schedule import Span, split_range, used_splits, walk
 BLOCK_K = 64  # keys a block: the M of the products
 # Mosaic GPU's cross-warp reductions (a column's max) go through this much shared memory.
 REDUCTION_SCRATCH = 1024
+# The partial results' dtype in global memory. (At issue 34's cell, B = 8, 32k, T = 2, they are
+# 8.4 MB written and read again against a 302 MB cache; `benchmarks/dev/decode_parts.py
+# --variants partials_bf16` times them in bf16, which the merge reads as it reads float32.)
+PARTIAL_DTYPE = jnp.float32
 
 
 def _column_stops(bounds, group: int, rows: int, window):
@@ -179,7 +183,8 @@ def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, out_ref, lse_ref, q_tiles, 
       # merge's fusion took 2.4-4.6 µs against 2.6-2.8 for the merge alone; H200, 2026-12-03).
       out = jnp.where(_cols(seen, acc.shape),
                       acc * _cols(jnp.where(seen, 1.0 / safe_l, 0.0), acc.shape), 0.0)
-      o_stage.T[...] = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
+      o_stage.T[...] = plgpu.layout_cast(out.astype(o_stage.dtype),
+                                         plgpu.Layout.WGMMA_TRANSPOSED)
       plgpu.commit_smem()
       if not params.interpret:
         fwd._emit(mgpu.utils.warpgroup_barrier)
@@ -211,7 +216,7 @@ def partial_results(inputs: Inputs, params: Params, splits: int, stages: int, pa
   scratch = (
       fwd._smem_tile((1, rows, h), q.dtype),  # Q
       plgpu.RefUnion(fwd._smem_tile((stages, BLOCK_K, h), cache.dtype),  # the key ring, then
-                     fwd._smem_tile((rows, hv), jnp.float32)),  # then O's way out
+                     fwd._smem_tile((rows, hv), PARTIAL_DTYPE)),  # then O's way out
       fwd._smem_tile((rows, BLOCK_K), q.dtype),  # P
       plgpu.SMEM((rows,), jnp.float32),  # the LSEs
       plgpu.SMEM((1,), jnp.int32),  # 0 (`backward._opaque_zero`)
@@ -224,7 +229,7 @@ def partial_results(inputs: Inputs, params: Params, splits: int, stages: int, pa
                              kv_rows=inputs.key.shape[1])
   return plgpu.kernel(
       kernel,
-      out_type=(_core.out_struct((b, kv_heads, splits, rows, hv), jnp.float32, q),
+      out_type=(_core.out_struct((b, kv_heads, splits, rows, hv), PARTIAL_DTYPE, q),
                 _core.out_struct((b, kv_heads, splits, rows), jnp.float32, q)),
       scratch_types=scratch,
       grid=(b * kv_heads, splits),  # splits fastest: the CTAs running together share a row
