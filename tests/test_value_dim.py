@@ -967,6 +967,28 @@ def test_mosaic_decode_mla_nan_and_empty_rows(monkeypatch):
   assert not np.asarray(out[1], np.float32).any()
 
 
+@pytest.mark.parametrize("magnitude", [3e5, 1e-6])
+def test_mosaic_decode_mla_transposed_partials_any_magnitude(magnitude, monkeypatch):
+  """The transposed kernel's float16 partial results hold values past float16's range (a
+  cache of magnitude 3e5, whose outputs would overflow to inf unscaled) and far below it (1e-6,
+  whose outputs would be float16 subnormals or zero): each row leaves scaled to a common peak.
+  The query is divided by as much, so the logits stay as they were."""
+  from jaxflash.backends.mosaic import decode_transposed
+  monkeypatch.setattr(decode_transposed, "PARTIAL_DTYPE", jnp.float16)
+  ran = _mosaic_mla(monkeypatch)
+  ran_transposed = _transposed(monkeypatch, True)
+  q, latent, _, _ = _qkv(23, 2, 2, 200, 16, 1, 576, 512)
+  q, latent = (q / magnitude).astype(jnp.bfloat16), (latent * magnitude).astype(jnp.bfloat16)
+  lengths = jnp.array([200, 77], jnp.int32)
+  out = jaxflash.decode_attention(q, latent, None, lengths, value_head_dim=512, interpret=True)
+  assert ran and ran_transposed and set(ran_transposed) == {True}
+  f32 = [x.astype(F32) for x in (q, latent)]
+  want = jaxflash.decode_attention(f32[0], f32[1], f32[1][..., :512], lengths,
+                                   implementation="xla")
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  assert rel_err(out.astype(F32), want) <= 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,t,s,page_size,options", [
     (2, 1, 3000, None, {}),  # 16 columns, 47 splits, a partial last block

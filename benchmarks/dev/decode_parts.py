@@ -54,8 +54,9 @@ VARIANTS["rows_as_m"] = (mla, "default_config", lambda *a, _shipped=mla.default_
 VARIANTS["no_products"] = (mla.plgpu, "wgmma", lambda *a, **k: None)
 
 
-# The partial results in bf16 (the transposed kernel's, 16 heads): half the bytes that the
-# kernel writes at its end and the merge reads, at a rounding of up to 2^-8 per split.
+# The transposed kernel's partial results (16 heads) in float32, as before 2026-12-06 (they
+# ship in float16, scaled by row), and in bf16, unscaled, at a rounding of up to 2^-9 a split.
+VARIANTS["partials_f32"] = (mla_transposed, "PARTIAL_DTYPE", jnp.float32)
 VARIANTS["partials_bf16"] = (mla_transposed, "PARTIAL_DTYPE", jnp.bfloat16)
 
 
@@ -123,6 +124,26 @@ def call(q, cache, kv_lengths):
   return jaxflash.decode_attention(q, cache, None, kv_lengths, value_head_dim=VALUE_DIM)
 
 
+def kernel_alone(inputs, params, config):
+  """The Mosaic GPU kernel's own outputs, with no XLA op after it (the transposed kernel's
+  scaled float16 partials are multiplied back by `partial_results`, in the merge's fusion)."""
+  if mla.runs_transposed(inputs, config):
+    return mla_transposed.kernel_results(inputs, params, config.splits, config.num_stages)
+  return mla.partial_results(inputs, params, config)
+
+
+def reference(q, cache, kv_lengths) -> np.ndarray:
+  """The call in float32 through the XLA backend."""
+  q, cache = q.astype(jnp.float32), cache.astype(jnp.float32)
+  return np.asarray(jaxflash.decode_attention(q, cache, cache[..., :VALUE_DIM], kv_lengths,
+                                              implementation="xla"), np.float64)
+
+
+def relative_error(got, want) -> float:
+  """|got - want| / |want| over the whole output."""
+  return float(np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want))
+
+
 def parts(b: int, s: int, t: int, heads: int, variants=(), seed: int = 0):
   """``{name: (compiled fn, args)}`` for one cell, and the cache's bytes."""
   q, cache, kv_lengths = random_call_args(b, s, t, heads, seed)
@@ -142,7 +163,7 @@ def parts(b: int, s: int, t: int, heads: int, variants=(), seed: int = 0):
 
   fns = {
       "call": (call, (q, cache, kv_lengths)),
-      "kernel": (lambda *a: mla.partial_results(made(*a), params, config),
+      "kernel": (lambda *a: kernel_alone(made(*a), params, config),
                  (q, cache, kv_lengths)),
       "kernel+merge": (lambda *a: mla.forward(made(*a), params, config),
                        (q, cache, kv_lengths)),
@@ -153,13 +174,19 @@ def parts(b: int, s: int, t: int, heads: int, variants=(), seed: int = 0):
                          compiled["kernel+merge"][1])))
   if not np.allclose(got, want, atol=1e-2, rtol=1e-2):
     raise SystemExit("the kernel and merge differ from the call")
+  exact = reference(q, cache, kv_lengths)
+  errors = {"call": relative_error(want, exact)}
   for variant in variants:
     for name in ("call", "kernel"):
       fn, fn_args = fns[name]
       compiled[f"{name}_{variant}"] = (compile_with(fn, fn_args, VARIANTS[variant]), fn_args)
     fn, fn_args = compiled[f"call_{variant}"]
-    if not np.allclose(np.asarray(fn(*fn_args), np.float32), want, atol=1e-2, rtol=1e-2):
+    got = np.asarray(fn(*fn_args), np.float32)
+    errors[f"call_{variant}"] = relative_error(got, exact)
+    if not np.allclose(got, want, atol=1e-2, rtol=1e-2):
       print(f"  (call_{variant} differs from the call: a probe's wrong results)", flush=True)
+  print("  error against the float32 reference (norm-wise): "
+        + ", ".join(f"{name} {err:.3e}" for name, err in errors.items()), flush=True)
   nbytes = b * s * HEAD_DIM * 2
   x = jnp.arange(nbytes // 4, dtype=jnp.uint32)
   compiled["copy"] = (jax.jit(lambda x: x ^ 1).lower(x).compile(), (x,))
