@@ -54,8 +54,9 @@ VARIANTS["rows_as_m"] = (mla, "default_config", lambda *a, _shipped=mla.default_
 VARIANTS["no_products"] = (mla.plgpu, "wgmma", lambda *a, **k: None)
 
 
-# The transposed kernel's partial results (16 heads) in float32, in float16 scaled by row
-# (`decode_transposed.PARTIAL_DTYPE`), and in bf16, unscaled, at a rounding of up to 2^-9 a split.
+# The transposed kernel's partial results (16 heads) in float32 (before 2026-12-06), in float16
+# scaled by row (`decode_transposed.PARTIAL_DTYPE`, shipped), and in bf16, unscaled, at a
+# rounding of up to 2^-9 a split.
 VARIANTS["partials_f32"] = (mla_transposed, "PARTIAL_DTYPE", jnp.float32)
 VARIANTS["partials_f16"] = (mla_transposed, "PARTIAL_DTYPE", jnp.float16)
 VARIANTS["partials_bf16"] = (mla_transposed, "PARTIAL_DTYPE", jnp.bfloat16)
