@@ -147,7 +147,8 @@ def relative_error(got, want) -> float:
 
 
 def parts(b: int, s: int, t: int, heads: int, variants=(), seed: int = 0):
-  """``{name: (compiled fn, args)}`` for one cell, and the cache's bytes."""
+  """``{name: (compiled fn, args)}`` for one cell, the cache's bytes, and ``{name: error}``
+  of the call and its variants against a float32 reference (norm-wise)."""
   q, cache, kv_lengths = random_call_args(b, s, t, heads, seed)
   inputs, params, config = captured_call(q, cache, kv_lengths)
   others = {k: v for k, v in inputs._asdict().items()
@@ -187,12 +188,10 @@ def parts(b: int, s: int, t: int, heads: int, variants=(), seed: int = 0):
     errors[f"call_{variant}"] = relative_error(got, exact)
     if not np.allclose(got, want, atol=1e-2, rtol=1e-2):
       print(f"  (call_{variant} differs from the call: a probe's wrong results)", flush=True)
-  print("  error against the float32 reference (norm-wise): "
-        + ", ".join(f"{name} {err:.3e}" for name, err in errors.items()), flush=True)
   nbytes = b * s * HEAD_DIM * 2
   x = jnp.arange(nbytes // 4, dtype=jnp.uint32)
   compiled["copy"] = (jax.jit(lambda x: x ^ 1).lower(x).compile(), (x,))
-  return compiled, nbytes
+  return compiled, nbytes, errors
 
 
 def main(argv=None) -> None:
@@ -214,7 +213,7 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   for cell in args.cells:
     b, s, t = map(int, cell.split("x"))
-    compiled, nbytes = parts(b, s, t, args.heads, args.variants)
+    compiled, nbytes, errors = parts(b, s, t, args.heads, args.variants)
     timed = [(name, fn, fn_args, 20) for name, (fn, fn_args) in compiled.items()]
     if args.long_calls:
       timed += [(f"{name}@{args.long_calls}", *compiled[name], args.long_calls)
@@ -233,6 +232,8 @@ def main(argv=None) -> None:
       lines.append(f"{name} {v:6.1f} us ({copy / (2 * v):.3f})")
     print(f"B={b} S={s} T={t} N={args.heads}: copy {us['copy']:.1f} us "
           f"({2 * nbytes / us['copy'] / 1e6:.2f} TB/s)\n  " + "\n  ".join(lines), flush=True)
+    print("  error against the float32 reference (norm-wise): "
+          + ", ".join(f"{name} {err:.3e}" for name, err in errors.items()), flush=True)
     if args.ops:  # what XLA launches for each: its fusions, custom calls and copies
       for name, (fn, _) in compiled.items():
         entry = fn.as_text().split("ENTRY", 1)[1].split("\n}", 1)[0]

@@ -57,8 +57,8 @@ REDUCTION_SCRATCH = 1024
 # of the row's largest (then subnormal), and no overflow whatever the cache holds. H100,
 # 2026-12-06 (`decode_parts.py --variants partials_f32 partials_bf16`, one process): a call at
 # 256k tokens 1.1-2.1% faster than float32 at T = 2 and level at T = 1, its error against a
-# float32 reference the same (1.694e-3 against 1.693e-3); bf16, unscaled, was 0.3-0.6% faster
-# still and 5-15% less accurate (docs/decoding.md).
+# float32 reference within 0.3% of float32's (1.694-1.769e-3); bf16, unscaled, was 0.3-0.6%
+# faster still and 5-15% less accurate (docs/decoding.md).
 PARTIAL_DTYPE = jnp.float16
 PARTIAL_PEAK = 2.0**15  # (float16's largest finite value is 65504)
 
