@@ -29,7 +29,8 @@ from jaxflash.backends.triton import decode as triton_decode
 from jaxflash.ops.decode import decode_inputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cases import gpu_events, kernel_totals, time_call  # noqa: E402
+from cases import gpu_events, kernel_totals, relerr, time_call  # noqa: E402
+from decode import reference as decode_reference  # noqa: E402
 
 HEAD_DIM, VALUE_DIM = 576, 512
 
@@ -54,9 +55,9 @@ VARIANTS["rows_as_m"] = (mla, "default_config", lambda *a, _shipped=mla.default_
 VARIANTS["no_products"] = (mla.plgpu, "wgmma", lambda *a, **k: None)
 
 
-# The transposed kernel's partial results (16 heads) in float32 (before 2026-12-06), in float16
-# scaled by row (`decode_transposed.PARTIAL_DTYPE`, shipped), and in bf16, unscaled, at a
-# rounding of up to 2^-9 a split.
+# The transposed kernel's partial results (16 heads) in float32 (unscaled before 2026-12-06),
+# float16 (`decode_transposed.PARTIAL_DTYPE`, shipped) and bf16, each row scaled to a common
+# peak (bf16 rounds to 2^-9 a split; its 2026-12-06 timing in docs/decoding.md was unscaled).
 VARIANTS["partials_f32"] = (mla_transposed, "PARTIAL_DTYPE", jnp.float32)
 VARIANTS["partials_f16"] = (mla_transposed, "PARTIAL_DTYPE", jnp.float16)
 VARIANTS["partials_bf16"] = (mla_transposed, "PARTIAL_DTYPE", jnp.bfloat16)
@@ -134,18 +135,6 @@ def kernel_alone(inputs, params, config):
   return mla.partial_results(inputs, params, config)
 
 
-def reference(q, cache, kv_lengths) -> np.ndarray:
-  """The call in float32 through the XLA backend."""
-  q, cache = q.astype(jnp.float32), cache.astype(jnp.float32)
-  return np.asarray(jaxflash.decode_attention(q, cache, cache[..., :VALUE_DIM], kv_lengths,
-                                              implementation="xla"), np.float64)
-
-
-def relative_error(got, want) -> float:
-  """|got - want| / |want| over the whole output."""
-  return float(np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want))
-
-
 def parts(b: int, s: int, t: int, heads: int, variants=(), seed: int = 0):
   """``{name: (compiled fn, args)}`` for one cell, the cache's bytes, and ``{name: error}``
   of the call and its variants against a float32 reference (norm-wise)."""
@@ -177,15 +166,15 @@ def parts(b: int, s: int, t: int, heads: int, variants=(), seed: int = 0):
                          compiled["kernel+merge"][1])))
   if not np.allclose(got, want, atol=1e-2, rtol=1e-2):
     raise SystemExit("the kernel and merge differ from the call")
-  exact = reference(q, cache, kv_lengths)
-  errors = {"call": relative_error(want, exact)}
+  exact = decode_reference(q, cache, cache[..., :VALUE_DIM], kv_lengths, None)
+  errors = {"call": relerr(want, exact)}
   for variant in variants:
     for name in ("call", "kernel"):
       fn, fn_args = fns[name]
       compiled[f"{name}_{variant}"] = (compile_with(fn, fn_args, VARIANTS[variant]), fn_args)
     fn, fn_args = compiled[f"call_{variant}"]
     got = np.asarray(fn(*fn_args), np.float32)
-    errors[f"call_{variant}"] = relative_error(got, exact)
+    errors[f"call_{variant}"] = relerr(got, exact)
     if not np.allclose(got, want, atol=1e-2, rtol=1e-2):
       print(f"  (call_{variant} differs from the call: a probe's wrong results)", flush=True)
   nbytes = b * s * HEAD_DIM * 2

@@ -19,9 +19,9 @@ end. Pᵀ goes to shared memory as P ([R, 64], 16-bit), the second product's B.
 A CTA is two warpgroups (the producer streaming [64, H] key blocks, one TMA copy each, through
 a ring of ``num_stages`` slots; one consumer), one per (batch row, K/V head, split). O leaves
 as partial results [B, K, splits, R, Dv] in `PARTIAL_DTYPE` through the free key ring
-(transposed back on its way into shared memory), with the LSEs [B, K, splits, R] beside them;
-in float16 (half the bytes of float32 that the kernel writes and the merge reads) each row goes
-out scaled to a common peak, with its factor. XLA merges the splits after the kernel
+(transposed back on its way into shared memory): float16 (half the bytes of float32 that the
+kernel writes and the merge reads), each row scaled to a common peak, with the rows' factors
+and the LSEs [B, K, splits, R] beside them. XLA merges the splits after the kernel
 (`decode.forward`), as it merges `decode`'s.
 
 Rows, positions and masking are `decode`'s: query row ``r`` is (token ``r // G``, head ``r %
@@ -53,12 +53,13 @@ REDUCTION_SCRATCH = 1024
 # The partial results' dtype in global memory. In float32 they were 8.4 MB written and read
 # again at issue 34's cell (B = 8, 32k, T = 2) against a 302 MB cache. In float16 each row of a
 # split's O goes out scaled so that its largest magnitude is `PARTIAL_PEAK`, with the inverse
-# factor beside its LSE (`_scaled_partials`): float16's 11 bits for every value down to 2^-24
+# factor beside its LSE: float16's 11 bits for every value down to 2^-24
 # of the row's largest (then subnormal), and no overflow whatever the cache holds. H100,
 # 2026-12-06 (`decode_parts.py --variants partials_f32 partials_bf16`, one process): a call at
 # 256k tokens 1.1-2.1% faster than float32 at T = 2 and level at T = 1, its error against a
 # float32 reference within 0.3% of float32's (1.694-1.769e-3); bf16, unscaled, was 0.3-0.6%
-# faster still and 5-15% less accurate (docs/decoding.md).
+# faster still and 5-15% less accurate (docs/decoding.md). (Other dtypes, probes only, are
+# scaled the same way: harmless, as float32 and bf16 have float32's exponent range.)
 PARTIAL_DTYPE = jnp.float16
 PARTIAL_PEAK = 2.0**15  # (float16's largest finite value is 65504)
 
@@ -75,24 +76,12 @@ def _cols(x, shape):
   return lax.broadcast_in_dim(x, shape, [1])
 
 
-def _scaled_partials(dtype) -> bool:
-  """Whether partial results of ``dtype`` leave scaled by row, with their factors (float16)."""
-  return jnp.dtype(dtype) == jnp.float16
-
-
-def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, *refs, params: Params, t: int,
-            group: int, kv_heads: int, splits: int, page_size: int | None, value_dim: int,
-            stages: int, kv_rows: int):
+def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, out_ref, factor_ref, lse_ref, q_tiles,
+            k_union, p_smem, lse_smem, factor_smem, zero_smem, q_ready, k_ready, k_free, *,
+            params: Params, t: int, group: int, kv_heads: int, splits: int,
+            page_size: int | None, value_dim: int, stages: int, kv_rows: int):
   """One CTA (batch row x K/V head ``bk``, ``split``): the consumer (``wg`` 0) and the
-  producer (``wg`` 1). ``refs`` are the outputs (O, its rows' factors where `_scaled_partials`,
-  the LSEs) and the scratch of `kernel_results`."""
-  scaled = _scaled_partials(PARTIAL_DTYPE)
-  if scaled:
-    (out_ref, factor_ref, lse_ref, q_tiles, k_union, p_smem, lse_smem, factor_smem, zero_smem,
-     q_ready, k_ready, k_free) = refs
-  else:
-    (out_ref, lse_ref, q_tiles, k_union, p_smem, lse_smem, zero_smem, q_ready, k_ready,
-     k_free) = refs
+  producer (``wg`` 1)."""
   k_smem, o_stage = k_union
   rows = group * t
   wg = lax.axis_index("wg")
@@ -204,13 +193,13 @@ def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, *refs, params: Params, t: i
       # merge's fusion took 2.4-4.6 µs against 2.6-2.8 for the merge alone; H200, 2026-12-03).
       out = jnp.where(_cols(seen, acc.shape),
                       acc * _cols(jnp.where(seen, 1.0 / safe_l, 0.0), acc.shape), 0.0)
-      if scaled:  # each row's largest magnitude to PARTIAL_PEAK (a column of Oᵀ: across warps)
-        top = jnp.abs(out).max(axis=0)
-        # Empty rows (0) and NaN rows keep a factor of 1; the cap keeps a row of tiny values
-        # from an infinite factor.
-        grow = jnp.where(top > 0.0, jnp.minimum(PARTIAL_PEAK / top, 2.0**100), 1.0)
-        out = out * _cols(grow, out.shape)
-        factor_smem[...] = 1.0 / grow
+      # Each row's largest magnitude to PARTIAL_PEAK (a column of Oᵀ: across warps). Empty
+      # rows (0) and NaN rows keep a factor of 1; the cap keeps a row of tiny values from an
+      # infinite factor.
+      top = jnp.abs(out).max(axis=0)
+      grow = jnp.where(top > 0.0, jnp.minimum(PARTIAL_PEAK / top, 2.0**100), 1.0)
+      out = out * _cols(grow, out.shape)
+      factor_smem[...] = 1.0 / grow
       o_stage.T[...] = plgpu.layout_cast(out.astype(o_stage.dtype),
                                          plgpu.Layout.WGMMA_TRANSPOSED)
       plgpu.commit_smem()
@@ -218,8 +207,7 @@ def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, *refs, params: Params, t: i
         fwd._emit(mgpu.utils.warpgroup_barrier)
       plgpu.copy_smem_to_gmem(o_stage, out_ref.at[batch, kv_head, split])
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, kv_head, split])
-      if scaled:
-        plgpu.copy_smem_to_gmem(factor_smem, factor_ref.at[batch, kv_head, split])
+      plgpu.copy_smem_to_gmem(factor_smem, factor_ref.at[batch, kv_head, split])
       plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 1)
@@ -234,18 +222,13 @@ def partial_results(inputs: Inputs, params: Params, splits: int, stages: int, pa
   K, splits, G·T, Dv] float32, lse2 [B, K, splits, G·T])``, query rows token-major. (Scaled
   float16 partials are multiplied back here: XLA fuses that into the merge, which then reads
   the 16-bit values.)"""
-  results = kernel_results(inputs, params, splits, stages, pages)
-  if len(results) == 2:
-    out, lse2 = results
-    return out.astype(jnp.float32), lse2
-  out, factors, lse2 = results
+  out, factors, lse2 = kernel_results(inputs, params, splits, stages, pages)
   return out.astype(jnp.float32) * factors[..., None], lse2
 
 
 def kernel_results(inputs: Inputs, params: Params, splits: int, stages: int, pages=None):
-  """The kernel's own outputs: ``(out, lse2)`` with ``out`` [B, K, splits, G·T, Dv] in
-  `PARTIAL_DTYPE`, or for float16 ``(out, factors [B, K, splits, G·T], lse2)``, a row's
-  values being ``out * factors[..., None]`` (`_scaled_partials`)."""
+  """The kernel's own outputs ``(out [B, K, splits, G·T, Dv] in `PARTIAL_DTYPE`, factors [B,
+  K, splits, G·T], lse2)``, a row's values being ``out * factors[..., None]``."""
   q = inputs.query
   b, t, n, h = q.shape
   kv_heads, hv = inputs.key.shape[2], inputs.value.shape[-1]
@@ -257,7 +240,6 @@ def kernel_results(inputs: Inputs, params: Params, splits: int, stages: int, pag
     cache, _, table = pages
     page_size = cache.shape[1]
   splits = used_splits(pl.cdiv(inputs.key.shape[1], BLOCK_K), splits)
-  scaled = _scaled_partials(PARTIAL_DTYPE)
   row_struct = _core.out_struct((b, kv_heads, splits, rows), jnp.float32, q)
   scratch = (
       fwd._smem_tile((1, rows, h), q.dtype),  # Q
@@ -265,7 +247,7 @@ def kernel_results(inputs: Inputs, params: Params, splits: int, stages: int, pag
                      fwd._smem_tile((rows, hv), PARTIAL_DTYPE)),  # then O's way out
       fwd._smem_tile((rows, BLOCK_K), q.dtype),  # P
       plgpu.SMEM((rows,), jnp.float32),  # the LSEs
-      *([plgpu.SMEM((rows,), jnp.float32)] if scaled else []),  # the rows' factors
+      plgpu.SMEM((rows,), jnp.float32),  # the rows' factors
       plgpu.SMEM((1,), jnp.int32),  # 0 (`backward._opaque_zero`)
       plgpu.Barrier(num_arrivals=t, num_barriers=1),  # q_ready: one copy per token
       plgpu.Barrier(num_barriers=stages),  # k_ready
@@ -277,7 +259,7 @@ def kernel_results(inputs: Inputs, params: Params, splits: int, stages: int, pag
   return plgpu.kernel(
       kernel,
       out_type=(_core.out_struct((b, kv_heads, splits, rows, hv), PARTIAL_DTYPE, q),
-                *([row_struct] if scaled else []), row_struct),
+                row_struct, row_struct),
       scratch_types=scratch,
       grid=(b * kv_heads, splits),  # splits fastest: the CTAs running together share a row
       grid_names=("bk", "split"),
