@@ -53,8 +53,8 @@ REDUCTION_SCRATCH = 1024
 # The partial results' dtype in global memory. In float32 they were 8.4 MB written and read
 # again at issue 34's cell (B = 8, 32k, T = 2) against a 302 MB cache. In float16 each row of a
 # split's O goes out scaled so that its largest magnitude is `PARTIAL_PEAK`, with the inverse
-# factor beside its LSE: float16's 11 bits for every value down to 2^-24
-# of the row's largest (then subnormal), and no overflow whatever the cache holds. H100,
+# factor beside its LSE: float16's 11 bits for every value down to 2^-24 of the row's largest
+# (then subnormal), and no overflow whatever the cache holds. H100,
 # 2026-12-06 (`decode_parts.py --variants partials_f32 partials_bf16`, one process): a call at
 # 256k tokens 1.1-2.1% faster than float32 at T = 2 and level at T = 1, its error against a
 # float32 reference within 0.3% of float32's (1.694-1.769e-3); bf16, unscaled, was 0.3-0.6%
@@ -219,9 +219,9 @@ def _kernel(q_ref, k_ref, kv_lengths_ref, table_ref, out_ref, factor_ref, lse_re
 
 def partial_results(inputs: Inputs, params: Params, splits: int, stages: int, pages=None):
   """The kernel's results before the merge, as `decode.partial_results` gives them: ``(out [B,
-  K, splits, G·T, Dv] float32, lse2 [B, K, splits, G·T])``, query rows token-major. (Scaled
-  float16 partials are multiplied back here: XLA fuses that into the merge, which then reads
-  the 16-bit values.)"""
+  K, splits, G·T, Dv] float32, lse2 [B, K, splits, G·T])``, query rows token-major. (The rows'
+  factors are multiplied back here: XLA fuses that into the merge, which then reads the 16-bit
+  values.)"""
   out, factors, lse2 = kernel_results(inputs, params, splits, stages, pages)
   return out.astype(jnp.float32) * factors[..., None], lse2
 
