@@ -79,12 +79,14 @@ VARIANTS = {
     "no_overlap": dict(shared_keys=True, shared_keys_overlap=False),
     # MLA's 192/128 tiles of 2026-11-28: the usual layout, 64-row query tiles, dPᵀ after Pᵀ.
     "usual_q64": dict(shared_keys=False, shared_keys_overlap=False, dkv_block_q=64),
-    # The roles on 64-row tiles without the overlap, deterministic (two kernels) and in the
-    # atomic one pass with a third consumer forming dQ (`Backward.shared_keys_dq`).
+    # The roles on 64-row tiles without the overlap: two kernels, and one pass with a third
+    # consumer forming dQ (`Backward.shared_keys_dq`), its parts unordered or in order.
     # ``deterministic`` is the call's, not a `mosaic.Backward` field.
     "roles_q64": dict(shared_keys=True, shared_keys_overlap=False, dkv_block_q=64),
     "roles_dq": dict(shared_keys=True, shared_keys_overlap=False, dkv_block_q=64, atomic=True,
                      shared_keys_dq=True, deterministic=False),
+    "roles_dq_ordered": dict(shared_keys=True, shared_keys_overlap=False, dkv_block_q=64,
+                             one_pass=True, shared_keys_dq=True),
     "triton": None,
 }
 

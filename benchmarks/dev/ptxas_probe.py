@@ -252,6 +252,9 @@ CONFIGS = {
     "bwd_mla_shared_keys_dq": Probe(192, True, dict(block_kv=64, backward=dict(
         split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True, shared_keys=True,
         atomic=True, shared_keys_dq=True)), 128, deterministic=False),
+    "bwd_mla_shared_keys_dq_ordered": Probe(192, True, dict(block_kv=64, backward=dict(
+        split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True, shared_keys=True,
+        one_pass=True, shared_keys_dq=True)), 128),
     "bwd_mla_shared_keys_dq_overlap": Probe(192, True, dict(block_kv=64, backward=dict(
         split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True, shared_keys=True,
         atomic=True, shared_keys_dq=True, shared_keys_overlap=True)), 128, deterministic=False),

@@ -284,16 +284,17 @@ class _SharedKeyRoles:
   dscores role issues each visit's dK product with the next visit's dPᵀ
   (`overlapped_dscores`).
 
-  With ``dq_sum`` (``Backward.shared_keys_dq``, the atomic one pass) the dscores role also hands
-  each visit's 16-bit dSᵀ over in shared memory (`_hand_ds`) to a third consumer, the **dq**
-  role, which forms the query block's part of dQ, dS K over the CTA's 64 keys ([rows, Dqk]
-  float32), and reduce-adds it into ``dq_sum`` (`dq`)."""
+  With ``dq_part`` (``Backward.shared_keys_dq``: the one pass) the dscores role also hands each
+  visit's 16-bit dSᵀ over in shared memory (`_hand_ds`) to a third consumer, the **dq** role,
+  which forms the query block's part of dQ, dS K over the CTA's 64 keys ([rows, Dqk] float32),
+  and adds it into dQ through ``dq_part`` (a `_DqPart` of one consumer: in a fixed order of key
+  tiles, or with unordered reduce-adds; `dq`)."""
 
   def __init__(self, smem, params: Params, shape, slot_of, wg, tile_masks, lse_rows_of,
-               overlap: bool = False, dq_sum=None, batch=None):
+               overlap: bool = False, dq_part: _DqPart | None = None, reverse: bool = False):
     self.smem, self.params, self.shape, self.slot_of = smem, params, shape, slot_of
     self.wg, self.tile_masks, self.lse_rows_of = wg, tile_masks, lse_rows_of
-    self.overlap, self.dq_sum, self.batch = overlap, dq_sum, batch
+    self.overlap, self.dq_part, self.reverse = overlap, dq_part, reverse
 
   def _inputs(self, slot):
     """Waits for the visit's streamed tiles: (Q, dO)."""
@@ -398,7 +399,7 @@ class _SharedKeyRoles:
   def _hand_ds(self, n, ds16):
     """With the dq role: this visit's dSᵀ to its slot, once the dq role has read the slot's
     last (the slots are `_p_slots` many, as Pᵀ's)."""
-    if self.dq_sum is None:
+    if self.dq_part is None:
       return
     slot = lax.rem(n, jnp.asarray(self._p_slots, n.dtype))
     pl.when(n >= self._p_slots)(lambda: plgpu.barrier_wait(self.smem["ds_free"].at[slot]))
@@ -408,34 +409,23 @@ class _SharedKeyRoles:
 
   def dq(self, n, first_head, g, i, carry, masked):
     """The dq role's visit: dQ's part of query block ``i`` (dS K over the CTA's keys, from the
-    handed dSᵀ and the resident K), reduce-added into ``dq_sum`` through the staging tile."""
+    handed dSᵀ and the resident K), sent through ``dq_part`` (the ordered form's signal for
+    the last visit's part goes with it: ``carry["pending"]``)."""
     del masked  # (dSᵀ comes masked)
     slot = lax.rem(n, jnp.asarray(self._p_slots, n.dtype))
     plgpu.barrier_wait(self.smem["ds_ready"].at[slot])
     ds_t, k = self.smem["ds"].at[slot], self._resident("k")
-    rows = self.shape[1]
-    target = self.dq_sum.at[self.batch, pl.ds(i * rows, rows), first_head + g]
-    if self.params.interpret:  # (CTAs run one at a time there: the part is added in place)
+    if self.params.interpret:
       part = jnp.dot(ds_t[...].T, k[...], preferred_element_type=jnp.float32)
-      plgpu.barrier_arrive(self.smem["ds_free"].at[slot])
-      target[...] = target[...] + part
-      return dict(visits=n + 1)
+    else:
+      def product(acc_ref):
+        plgpu.wgmma(acc_ref, ds_t.T, k)
+        return plgpu.wgmma_accumulator_load(acc_ref)
 
-    def product(acc_ref):
-      plgpu.wgmma(acc_ref, ds_t.T, k)
-      return plgpu.wgmma_accumulator_load(acc_ref)
-
-    part = pl.run_scoped(product, plgpu.ACC((rows, k.shape[-1]), jnp.float32))
+      part = pl.run_scoped(product, plgpu.ACC((self.shape[1], k.shape[-1]), jnp.float32))
     plgpu.barrier_arrive(self.smem["ds_free"].at[slot])
-    # The last part has left the staging tile (only its issuing thread waits: the warpgroup
-    # meets before anyone overwrites it).
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    fwd._emit(mgpu.utils.warpgroup_barrier)
-    stage = self.smem["dq"]
-    stage[...] = part
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(stage, target, reduction_op="add")
-    return dict(visits=n + 1)
+    pending = self.dq_part.send([part], first_head + g, i, carry.get("pending"))
+    return dict(carry, visits=n + 1, **({} if pending is None else dict(pending=pending)))
 
   def _last_dk(self, sums):
     """dK after an overlapped walk: its last visit's product, and Q's tile released."""
@@ -456,7 +446,7 @@ class _SharedKeyRoles:
     def walk(body, carry):
       return schedule.visit_q_split(
           cta_start, pos, lambda n, g, i, c, masked: body(n, first_head, g, i, c, masked),
-          carry, repeat=heads_here, spans_of=spans_of)
+          carry, repeat=heads_here, spans_of=spans_of, reverse=self.reverse)
 
     @pl.when(self.wg == 0)
     def _scores():
@@ -474,16 +464,21 @@ class _SharedKeyRoles:
       else:
         sums = walk(self.dscores, dict(dk=zeros(hp), visits=fwd._i32(0)))
         dk = sums["dk"]
-      if self.dq_sum is not None:
+      if self.dq_part is not None:
         fwd.observe_last_releases(sums["visits"], self._p_slots, self.smem["ds_free"])
       self._finish(k_tile, _times(dk, _late_scale(self.params, k_tile.dtype)),
                    place(out["dk"]))
 
-    if self.dq_sum is not None:
+    if self.dq_part is not None:
       @pl.when(self.wg == 2)
       def _dq():
-        walk(self.dq, dict(visits=fwd._i32(0)))
+        carry = dict(visits=fwd._i32(0))
+        if not self.dq_part.atomic:  # (the ordered form's signal, one visit late)
+          carry["pending"] = _DqPart.nothing_pending()
+        sums = walk(self.dq, carry)
         plgpu.wait_smem_to_gmem(0)  # (the last part has landed before the CTA ends)
+        if "pending" in sums:
+          self.dq_part.release(sums["pending"])
         plgpu.barrier_arrive(self.smem["k_done"])  # K is read no more: dK may go out through it
         plgpu.barrier_wait(self.smem["k_done"])
 
@@ -600,9 +595,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         plgpu.barrier_wait(kv_ready.at[_CONSUMERS + wg])
     smem["zero"][wg] = jnp.int32(0)  # (`_opaque_zero`)
     dq_part = None
-    if want_dq and not shared_keys:
+    if want_dq:  # (the roles' one dq consumer takes the first consumer's place in `_DqPart`)
       dq_part = _DqPart(dq_sum_ref if atomic else out["dq"], smem, sems, params,
-                        split=split, block_q=block_q, hp=hp, wg=wg,
+                        split=split, block_q=block_q, hp=hp, wg=0 if shared_keys else wg,
                         batch=batch, k_tile=k_tile_index, first_ref=first_ref)
 
     def tile_masks(head, i, masked: bool):
@@ -753,8 +748,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     if shared_keys:
       _SharedKeyRoles(smem, params, shape, slot_of, wg, tile_masks, lse_rows_of=lambda slot: (
           _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape)),
-                      overlap=config.shared_keys_overlap,
-                      dq_sum=dq_sum_ref if roles_dq else None, batch=batch).run(
+                      overlap=config.shared_keys_overlap, dq_part=dq_part,
+                      reverse=reverse).run(
               schedule, cta_start, pos, first_head, heads_here, spans_of, hp, hv, k_tile, v_tile,
               lambda ref: ref.at[part, batch, keys, kv_head] if parts > 1
               else ref.at[batch, keys, kv_head], out)
@@ -1086,7 +1081,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     config = config.dv_pass()
   if atomic:
     config = config.atomic_pass()
-  if grads == ("dk", "dv") or (atomic and config.shared_keys_dq and "dv" in grads):
+  if grads == ("dk", "dv") or (config.shared_keys_dq and grads == ("dk", "dv", "dq")):
     config, shared_keys = dkv_tiles(config, params, hp, v.shape[-1])
   else:
     shared_keys = False
@@ -1161,10 +1156,9 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
         ds=tile((p_slots, _KEYS, block_q), q.dtype),
         ds_ready=plgpu.Barrier(num_barriers=p_slots),
         ds_free=plgpu.Barrier(num_barriers=p_slots),
-        dq=fwd._smem_tile((block_q, hp), jnp.float32),
+        dq=fwd._smem_tile((1, block_q, hp), jnp.float32),  # (`_DqPart`'s staging tile)
     )
-    dq_shape = (b, lse2.shape[-1], q.shape[2], hp)
-  elif want_dq:
+  if want_dq and not roles_dq:
     transposed = dq_split(block_q, hp) == "transposed"
     slots, part = dq_part_tiles(block_q, hp)
     smem.update(
@@ -1178,6 +1172,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     )
     if slots == 1:
       smem["ds_free"] = plgpu.Barrier(num_arrivals=_CONSUMERS)
+  if want_dq:
     # Rows padded to whole query blocks, like the LSE's: the interpreter's stores do not clip.
     # (Transposed parts add into dQᵀ, [B, N, head dim, rows].)
     t_pad = lse2.shape[-1]
@@ -1185,7 +1180,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     if not atomic:
       out_type["dq"] = _core.out_struct(dq_shape, jnp.float32, q)
       if not params.interpret:  # (the interpreter has no semaphores; it needs none)
-        sem_shape = (b, q.shape[2], t_pad // block_q, _CONSUMERS)
+        sem_shape = (b, q.shape[2], t_pad // block_q, 1 if roles_dq else _CONSUMERS)
       first = _first_visitors(schedule, inputs, t_pad // block_q)
   kernel = functools.partial(_dkv_kernel, params=params, config=config, schedule=schedule,
                              groups=groups, grads=grads, sem_shape=sem_shape, parts=parts,
@@ -1533,12 +1528,13 @@ def _padded_dims(inputs: Inputs) -> tuple[int, int]:
 def _one_pass_mode(inputs: Inputs, params: Params, config: Backward) -> str | None:
   """How dQ comes out: ``"atomic"`` or ``"ordered"`` from the dK/dV kernel, or None (the dQ
   kernel). A call that allows nondeterministic gradients but that the atomic kernel cannot
-  serve (a partial call, one whose tiles do not fit, or one that `Backward.shared_keys_dq`'s
-  roles cannot serve) takes the deterministic kernels."""
+  serve (a partial call, or one whose tiles do not fit) takes the deterministic kernels, and so
+  does a call that `Backward.shared_keys_dq`'s roles cannot serve."""
   q_len, (hp, hv) = inputs.query.shape[1], _padded_dims(inputs)
+  if config.shared_keys_dq and not dkv_tiles(config, params, hp, hv)[1]:
+    return None  # (its dq consumer is one of the roles')
   mode = config.one_pass_mode(hp, params.deterministic, q_len, hv)
-  no_roles = config.shared_keys_dq and not dkv_tiles(config, params, hp, hv)[1]
-  if mode == "atomic" and (params.partial or no_roles or backward_smem_bytes(
+  if mode == "atomic" and (params.partial or backward_smem_bytes(
       config, inputs.query.shape[-1], deterministic=False,
       value_dim=inputs.value.shape[-1]) > SMEM_BUDGET):
     return config.one_pass_mode(hp, True, q_len, hv)

@@ -154,12 +154,13 @@ class Backward:
   # The same for the other role (dV += Pᵀ dO with the next Sᵀ) made MLA's dK/dV kernel 3-20%
   # slower on an H200 in two orders (2026-12-02, docs/mosaic_backward.md), so it has no field.
   shared_keys_overlap: bool = False
-  # With `shared_keys`, in the atomic one pass only (a ValueError without it): a third consumer
-  # forms each visit's dQ part, dS K over the CTA's 64 keys, from the dSᵀ tile that the dK role
-  # hands it in shared memory, and reduce-adds it into the float32 dQ
-  # (`backward._SharedKeyRoles.dq`), so that MLA's calls that allow nondeterministic gradients
-  # run no dQ kernel. Its registers are `SHARED_KEYS_DQ_REGISTERS`; 64-row query tiles only
-  # (on 128 the staged part does not fit in shared memory).
+  # With `shared_keys` (a ValueError without it), where a one pass runs (`one_pass`, or `atomic`
+  # for calls that allow it): a third consumer forms each visit's dQ part, dS K over the CTA's
+  # 64 keys, from the dSᵀ tile that the dK role hands it in shared memory, and adds it into the
+  # float32 dQ in a fixed order of key tiles or with unordered reduce-adds
+  # (`backward._SharedKeyRoles.dq`), so that MLA's backward runs no dQ kernel. Its registers are
+  # `SHARED_KEYS_DQ_REGISTERS`; 64-row query tiles only (on 128 the staged part does not fit in
+  # shared memory).
   shared_keys_dq: bool = False
 
   def __post_init__(self):
@@ -232,8 +233,8 @@ class Backward:
     that allows them). Where dK/dV runs as two passes (`splits_dkv`), the dK pass forms dQ
     too, with unordered adds only and on 32-row query tiles (`dq_split`'s ``"transposed"``)."""
     wanted = self.one_pass if deterministic else self.atomic or self.one_pass
-    if self.shared_keys_dq:  # (the roles' third consumer: unordered adds, one pass only)
-      return wanted and not deterministic and not self.splits_dkv(hp, hv)
+    if self.shared_keys_dq:  # (the roles' third consumer, where dK and dV run in one pass)
+      return wanted and not self.splits_dkv(hp, hv)
     split = dq_split(self.dkv_block_q, hp)
     if not wanted or split is None or (deterministic and split == "transposed"):
       return False  # (transposed parts are added in no fixed order)
