@@ -575,6 +575,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         def _load(ref=ref, tile_ref=tile_ref, role=role):
           plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], tile_ref, kv_ready.at[role])
           plgpu.barrier_wait(kv_ready.at[role])
+      if roles_dq:  # (the dq consumer's products read K too)
+        pl.when(wg == _CONSUMERS)(lambda: plgpu.barrier_wait(kv_ready.at[0]))
     else:
       k_tile = k_smem.at[wg]
       plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_tile, kv_ready.at[wg])
