@@ -58,7 +58,7 @@ def _check(implementation, *, h, hv, b=2, t=77, s=130, n=4, k=2, seed=0, dtype=F
   out, lse, grads = run(lambda q, kk, v: attention(implementation, q, kk, v, small=small,
                                                    return_residual=True, **options), q, kk, v)
   want_out, want_lse, want_grads = run(
-      lambda q, kk, v: reference_attention(q, kk, v, **reference_options(options, b, t, s, n)),
+      lambda q, kk, v: reference_attention(q, kk, v, **options),
       *(x.astype(F32) for x in (q, kk, v)))
   chex.assert_shape(out, (b, t, n, hv))
   for g, x in zip(grads, (q, kk, v)):
@@ -720,82 +720,6 @@ def test_shared_key_roles_on_gpu(h, hv, n, k, is_causal, block_q, overlap, monke
   _check("mosaic", h=h, hv=hv, b=2, t=1000, s=1100, n=n, k=k, dtype=jnp.bfloat16,
          small=_with_backward(h, hv, is_causal, backward), is_causal=is_causal)
   assert runs
-
-
-# The one pass with the roles and a third consumer forming dQ (`Backward.shared_keys_dq`): its
-# parts added in a fixed order of key tiles, or (deterministic=False) unordered.
-ROLES_DQ = dataclasses.replace(SHARED_KEYS, one_pass=True, atomic=True, shared_keys_dq=True)
-
-
-def _count_dq_kernels(monkeypatch) -> list:
-  """A list that gains an entry each time the dQ kernel is built."""
-  from jaxflash.backends.mosaic import backward
-  runs = []
-  dq = backward._dq
-  monkeypatch.setattr(backward, "_dq", lambda *a, **kw: (runs.append(1), dq(*a, **kw))[1])
-  return runs
-
-
-@pytest.mark.parametrize("deterministic,options", [
-    (True, dict(is_causal=True, **random_lengths(2, 77, 130, 4, seed=3))),
-    (False, dict(is_causal=True, **random_lengths(2, 77, 130, 4, seed=3))),
-    (False, dict(logits_soft_cap=2.0, is_causal=True))])
-def test_shared_key_roles_form_dq(deterministic, options, monkeypatch):
-  """`Backward.shared_keys_dq` in Mosaic GPU's interpreter, against the float32 reference:
-  MLA's dims with a causal band and lengths of their own (GQA: 2 query heads a K/V head, 77
-  query rows, 130 keys in three 64-key tiles, the last one short), dQ from the dK/dV kernel's
-  third consumer and no dQ kernel (without the dq consumer's parts dQ is zero; the first key
-  tile to visit a block stores its part, the later ones add theirs), its parts added in order
-  or unordered; with a soft cap the roles cannot serve the call, and the two kernels run."""
-  from jaxflash.backends.mosaic import backward
-  roles = _count_role_runs(monkeypatch)
-  dq_kernels = _count_dq_kernels(monkeypatch)
-  config = _with_backward(192, 128, True, ROLES_DQ, t=77)
-  assert config.backward.one_pass_mode(192, False, 77, 128) == "atomic"
-  assert config.backward.one_pass_mode(192, True, 77, 128) == "ordered"
-  for det in (False, True):
-    assert mosaic.config.backward_smem_bytes(ROLES_DQ, 192, deterministic=det,
-                                             value_dim=128) <= mosaic.config.SMEM_BUDGET
-  call = _checks.normalise(jnp.zeros((2, 77, 4, 192), jnp.bfloat16),
-                           jnp.zeros((2, 130, 2, 192), jnp.bfloat16),
-                           jnp.zeros((2, 130, 2, 128), jnp.bfloat16),
-                           deterministic=deterministic, **options)
-  assert backward.unsupported(call.inputs, call.params, config) is None  # not Triton's
-  _check("mosaic", h=192, hv=128, dtype=jnp.bfloat16, small=config,
-         deterministic=deterministic, **options)
-  soft_cap = "logits_soft_cap" in options
-  assert (bool(roles), bool(dq_kernels)) == (not soft_cap, soft_cap)
-
-
-def test_shared_keys_dq_needs_the_roles():
-  """`Backward.shared_keys_dq` is a form of the roles on 64-row query tiles: a ValueError
-  otherwise."""
-  for fields in (dict(shared_keys=False), dict(dkv_block_q=128)):
-    with pytest.raises(ValueError, match="shared_keys_dq"):
-      dataclasses.replace(ROLES_DQ, **fields)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("n,k,is_causal", [(4, 2, True), (4, 4, False)])
-def test_shared_key_roles_form_dq_on_gpu(n, k, is_causal, deterministic, monkeypatch):
-  """`Backward.shared_keys_dq` compiled, its parts in order and unordered, against the float32
-  reference: MLA's 192/128 with and without a causal band, GQA, odd lengths (1000 query rows,
-  1100 keys: a short last key tile), and no dQ kernel; the ordered form's gradients the same
-  bits on a second call."""
-  roles = _count_role_runs(monkeypatch)
-  dq_kernels = _count_dq_kernels(monkeypatch)
-  config = _with_backward(192, 128, is_causal, ROLES_DQ)
-  _check("mosaic", h=192, hv=128, b=2, t=1000, s=1100, n=n, k=k, dtype=jnp.bfloat16,
-         small=config, is_causal=is_causal, deterministic=deterministic)
-  assert roles and not dq_kernels
-  if deterministic:
-    q, kk, v, d_out = _qkv(1, 2, 1000, 1100, n, k, 192, 128, jnp.bfloat16)
-    grad = jax.jit(jax.grad(lambda *x: jnp.sum(attention_with_config(
-        *x, config=config, implementation="mosaic", is_causal=is_causal).astype(F32)
-        * d_out), argnums=(0, 1, 2)))
-    for first, second in zip(grad(q, kk, v), grad(q, kk, v)):
-      np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
 
 
 @pytest.mark.usefixtures("cuda_plugin")

@@ -79,14 +79,6 @@ VARIANTS = {
     "no_overlap": dict(shared_keys=True, shared_keys_overlap=False),
     # MLA's 192/128 tiles of 2026-11-28: the usual layout, 64-row query tiles, dPᵀ after Pᵀ.
     "usual_q64": dict(shared_keys=False, shared_keys_overlap=False, dkv_block_q=64),
-    # The roles on 64-row tiles without the overlap: two kernels, and one pass with a third
-    # consumer forming dQ (`Backward.shared_keys_dq`), its parts unordered or in order.
-    # ``deterministic`` is the call's, not a `mosaic.Backward` field.
-    "roles_q64": dict(shared_keys=True, shared_keys_overlap=False, dkv_block_q=64),
-    "roles_dq": dict(shared_keys=True, shared_keys_overlap=False, dkv_block_q=64, atomic=True,
-                     shared_keys_dq=True, deterministic=False),
-    "roles_dq_ordered": dict(shared_keys=True, shared_keys_overlap=False, dkv_block_q=64,
-                             one_pass=True, shared_keys_dq=True),
     "triton": None,
 }
 
@@ -115,15 +107,10 @@ def main(argv=None) -> list[dict]:
     row = dict(variant=name, H=args.h, Dv=args.dv, N=n, K=args.kv_heads or n, S=s, B=b,
                causal=args.causal)
     try:
-      fields = VARIANTS[name]
-      deterministic = True if fields is None else fields.get("deterministic", True)
-      if fields is not None:
-        fields = {f: x for f, x in fields.items() if f != "deterministic"}
       config = mosaic_config(args.h, causal, s, groups=group, value_dim=args.dv,
-                             interpret=args.smoke, backward=fields)
-      fn = lambda q, k, v, config=config, det=deterministic: attention_with_config(  # noqa: E731
-          q, k, v, config=config, implementation="mosaic", interpret=args.smoke,
-          deterministic=det, **pattern)
+                             interpret=args.smoke, backward=VARIANTS[name])
+      fn = lambda q, k, v, config=config: attention_with_config(  # noqa: E731
+          q, k, v, config=config, implementation="mosaic", interpret=args.smoke, **pattern)
       grads = grad_fn(fn)
       grads = grads if args.smoke else jax.jit(grads)  # (the interpreter runs eagerly)
       got = grads(q, k, v, d_out)

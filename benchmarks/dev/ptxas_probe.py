@@ -248,16 +248,6 @@ CONFIGS = {
     "bwd_mla_shared_keys_overlap": Probe(192, True, dict(block_kv=64, backward=dict(
         split_dkv=False, dkv_block_q=128, registers=240, serial_scores=True, shared_keys=True,
         shared_keys_overlap=True)), 128),
-    # ... in the atomic one pass, a third consumer forming dQ's parts (`Backward.shared_keys_dq`).
-    "bwd_mla_shared_keys_dq": Probe(192, True, dict(block_kv=64, backward=dict(
-        split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True, shared_keys=True,
-        atomic=True, shared_keys_dq=True)), 128, deterministic=False),
-    "bwd_mla_shared_keys_dq_ordered": Probe(192, True, dict(block_kv=64, backward=dict(
-        split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True, shared_keys=True,
-        one_pass=True, shared_keys_dq=True)), 128),
-    "bwd_mla_shared_keys_dq_overlap": Probe(192, True, dict(block_kv=64, backward=dict(
-        split_dkv=False, dkv_block_q=64, registers=240, serial_scores=True, shared_keys=True,
-        atomic=True, shared_keys_dq=True, shared_keys_overlap=True)), 128, deterministic=False),
 }
 
 # A compile-only H100 for deviceless compilation: XLA's GPU target config (the device's

@@ -71,9 +71,8 @@ from jaxflash import masking
 from jaxflash._core import Inputs, Params
 from jaxflash.backends.mosaic import forward as fwd
 from jaxflash.backends.mosaic.config import (SMEM_BUDGET, Backward, Config,
-                                             SHARED_KEYS_DQ_REGISTERS, backward_smem_bytes,
-                                             dq_part_tiles, dq_split, padded_head_dim,
-                                             producer_registers, shared_key_p_slots)
+                                             backward_smem_bytes, dq_part_tiles, dq_split,
+                                             padded_head_dim, shared_key_p_slots)
 from jaxflash.backends.triton import backward as triton_backward
 from jaxflash.masking import Positions
 from jaxflash.schedule import BlockLists, Schedule, Span, block_at, total, walk
@@ -282,19 +281,13 @@ class _SharedKeyRoles:
   whose dSᵀ needs more than Pᵀ and dPᵀ (a soft cap's or score_mod's chain factor, dropout) and
   partial calls take the usual layout (`_dkv`). With ``Backward.shared_keys_overlap`` the
   dscores role issues each visit's dK product with the next visit's dPᵀ
-  (`overlapped_dscores`).
-
-  With ``dq_part`` (``Backward.shared_keys_dq``: the one pass) the dscores role also hands each
-  visit's 16-bit dSᵀ over in shared memory (`_hand_ds`) to a third consumer, the **dq** role,
-  which forms the query block's part of dQ, dS K over the CTA's 64 keys ([rows, Dqk] float32),
-  and adds it into dQ through ``dq_part`` (a `_DqPart` of one consumer: in a fixed order of key
-  tiles, or with unordered reduce-adds; `dq`)."""
+  (`overlapped_dscores`)."""
 
   def __init__(self, smem, params: Params, shape, slot_of, wg, tile_masks, lse_rows_of,
-               overlap: bool = False, dq_part: _DqPart | None = None, reverse: bool = False):
+               overlap: bool = False):
     self.smem, self.params, self.shape, self.slot_of = smem, params, shape, slot_of
     self.wg, self.tile_masks, self.lse_rows_of = wg, tile_masks, lse_rows_of
-    self.overlap, self.dq_part, self.reverse = overlap, dq_part, reverse
+    self.overlap = overlap
 
   def _inputs(self, slot):
     """Waits for the visit's streamed tiles: (Q, dO)."""
@@ -355,10 +348,9 @@ class _SharedKeyRoles:
                                  early=lambda: self._handed_p(p_slot))  # (dPᵀ in flight)
     delta = _cols(plgpu.load(self.smem["delta"].at[slot], layout=_COLS), self.shape)
     ds16 = _dscores(p16.astype(jnp.float32), dp, delta, None, None, self.params, q_tile.dtype)
-    self._hand_ds(n, ds16)
     dk = self._accumulate(carry["dk"], ds16, q_tile)
     self._done_with(slot)
-    return dict(dk=dk, visits=n + 1)
+    return dict(dk=dk)
 
   def overlapped_dscores(self, n, first_head, g, i, carry, masked):
     """The dscores role with ``Backward.shared_keys_overlap``: the last visit's dK += dSᵀ Q
@@ -393,39 +385,7 @@ class _SharedKeyRoles:
     plgpu.barrier_arrive(self.smem["do_free"].at[slot])  # (dPᵀ done, delta read)
     p16 = self._handed_p(p_slot)
     ds16 = _dscores(p16.astype(jnp.float32), dp, delta, None, None, self.params, p16.dtype)
-    self._hand_ds(n, ds16)
     return dict(dk=dk, ds16=ds16, visits=n + 1)
-
-  def _hand_ds(self, n, ds16):
-    """With the dq role: this visit's dSᵀ to its slot, once the dq role has read the slot's
-    last (the slots are `_p_slots` many, as Pᵀ's)."""
-    if self.dq_part is None:
-      return
-    slot = lax.rem(n, jnp.asarray(self._p_slots, n.dtype))
-    pl.when(n >= self._p_slots)(lambda: plgpu.barrier_wait(self.smem["ds_free"].at[slot]))
-    self.smem["ds"].at[slot][...] = ds16
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(self.smem["ds_ready"].at[slot])
-
-  def dq(self, n, first_head, g, i, carry, masked):
-    """The dq role's visit: dQ's part of query block ``i`` (dS K over the CTA's keys, from the
-    handed dSᵀ and the resident K), sent through ``dq_part`` (the ordered form's signal for
-    the last visit's part goes with it: ``carry["pending"]``)."""
-    del masked  # (dSᵀ comes masked)
-    slot = lax.rem(n, jnp.asarray(self._p_slots, n.dtype))
-    plgpu.barrier_wait(self.smem["ds_ready"].at[slot])
-    ds_t, k = self.smem["ds"].at[slot], self._resident("k")
-    if self.params.interpret:
-      part = jnp.dot(ds_t[...].T, k[...], preferred_element_type=jnp.float32)
-    else:
-      def product(acc_ref):
-        plgpu.wgmma(acc_ref, ds_t.T, k)
-        return plgpu.wgmma_accumulator_load(acc_ref)
-
-      part = pl.run_scoped(product, plgpu.ACC((self.shape[1], k.shape[-1]), jnp.float32))
-    plgpu.barrier_arrive(self.smem["ds_free"].at[slot])
-    pending = self.dq_part.send([part], first_head + g, i, carry.get("pending"))
-    return dict(carry, visits=n + 1, **({} if pending is None else dict(pending=pending)))
 
   def _last_dk(self, sums):
     """dK after an overlapped walk: its last visit's product, and Q's tile released."""
@@ -446,7 +406,7 @@ class _SharedKeyRoles:
     def walk(body, carry):
       return schedule.visit_q_split(
           cta_start, pos, lambda n, g, i, c, masked: body(n, first_head, g, i, c, masked),
-          carry, repeat=heads_here, spans_of=spans_of, reverse=self.reverse)
+          carry, repeat=heads_here, spans_of=spans_of)
 
     @pl.when(self.wg == 0)
     def _scores():
@@ -458,29 +418,12 @@ class _SharedKeyRoles:
     def _dscores():
       if self.overlap:
         tile16 = plgpu.layout_cast(jnp.zeros(self.shape, k_tile.dtype), plgpu.Layout.WGMMA)
-        sums = walk(self.overlapped_dscores,
-                    dict(dk=zeros(hp), ds16=tile16, visits=fwd._i32(0)))
-        dk = self._last_dk(sums)
+        dk = self._last_dk(walk(self.overlapped_dscores,
+                                dict(dk=zeros(hp), ds16=tile16, visits=fwd._i32(0))))
       else:
-        sums = walk(self.dscores, dict(dk=zeros(hp), visits=fwd._i32(0)))
-        dk = sums["dk"]
-      if self.dq_part is not None:
-        fwd.observe_last_releases(sums["visits"], self._p_slots, self.smem["ds_free"])
+        dk = walk(self.dscores, dict(dk=zeros(hp)))["dk"]
       self._finish(k_tile, _times(dk, _late_scale(self.params, k_tile.dtype)),
                    place(out["dk"]))
-
-    if self.dq_part is not None:
-      @pl.when(self.wg == 2)
-      def _dq():
-        carry = dict(visits=fwd._i32(0))
-        if not self.dq_part.atomic:  # (the ordered form's signal, one visit late)
-          carry["pending"] = _DqPart.nothing_pending()
-        sums = walk(self.dq, carry)
-        plgpu.wait_smem_to_gmem(0)  # (the last part has landed before the CTA ends)
-        if "pending" in sums:
-          self.dq_part.release(sums["pending"])
-        plgpu.barrier_arrive(self.smem["k_done"])  # K is read no more: dK may go out through it
-        plgpu.barrier_wait(self.smem["k_done"])
 
   def _finish(self, tile, value, target):
     plgpu.barrier_arrive(self.smem["k_done"])  # both walks done: the resident tiles are free
@@ -559,13 +502,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
   def slot_of(n):  # the ring slot of the n-th visit (over all heads of the group)
     return lax.rem(n, jnp.asarray(stages, n.dtype))
 
-  roles_dq = shared_keys and want_dq  # (`Backward.shared_keys_dq`: a third consumer forms dQ)
-  consumers = _CONSUMERS + 1 if roles_dq else _CONSUMERS
-  registers = SHARED_KEYS_DQ_REGISTERS if roles_dq else config.registers
-
-  @pl.when(wg < consumers)
+  @pl.when(wg < _CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(registers, action="increase")
+    plgpu.set_max_registers(config.registers, action="increase")
     k_start = cta_start if shared_keys else cta_start + wg * _KEYS
     keys = pl.ds(k_start, _KEYS)
     if shared_keys:  # one K and one V tile, each read by one role: its consumer loads it
@@ -575,8 +514,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         def _load(ref=ref, tile_ref=tile_ref, role=role):
           plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], tile_ref, kv_ready.at[role])
           plgpu.barrier_wait(kv_ready.at[role])
-      if roles_dq:  # (the dq consumer's products read K too)
-        pl.when(wg == _CONSUMERS)(lambda: plgpu.barrier_wait(kv_ready.at[0]))
     else:
       k_tile = k_smem.at[wg]
       plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_tile, kv_ready.at[wg])
@@ -597,9 +534,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
         plgpu.barrier_wait(kv_ready.at[_CONSUMERS + wg])
     smem["zero"][wg] = jnp.int32(0)  # (`_opaque_zero`)
     dq_part = None
-    if want_dq:  # (the roles' one dq consumer takes the first consumer's place in `_DqPart`)
+    if want_dq:
       dq_part = _DqPart(dq_sum_ref if atomic else out["dq"], smem, sems, params,
-                        split=split, block_q=block_q, hp=hp, wg=0 if shared_keys else wg,
+                        split=split, block_q=block_q, hp=hp, wg=wg,
                         batch=batch, k_tile=k_tile_index, first_ref=first_ref)
 
     def tile_masks(head, i, masked: bool):
@@ -750,8 +687,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     if shared_keys:
       _SharedKeyRoles(smem, params, shape, slot_of, wg, tile_masks, lse_rows_of=lambda slot: (
           _cols(plgpu.load(lse_smem.at[slot], layout=_COLS), shape)),
-                      overlap=config.shared_keys_overlap, dq_part=dq_part,
-                      reverse=reverse).run(
+                      overlap=config.shared_keys_overlap).run(
               schedule, cta_start, pos, first_head, heads_here, spans_of, hp, hv, k_tile, v_tile,
               lambda ref: ref.at[part, batch, keys, kv_head] if parts > 1
               else ref.at[batch, keys, kv_head], out)
@@ -807,9 +743,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lengths_ref, of
     if "pending" in sums:
       dq_part.release(sums["pending"])
 
-  @pl.when(wg == consumers)
+  @pl.when(wg == _CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(producer_registers(registers, consumers), action="decrease")
+    plgpu.set_max_registers(config.producer_registers, action="decrease")
 
     def load(n, g, i, carry, masked=None):
       del masked
@@ -1083,12 +1019,10 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     config = config.dv_pass()
   if atomic:
     config = config.atomic_pass()
-  if grads == ("dk", "dv") or (config.shared_keys_dq and grads == ("dk", "dv", "dq")):
+  if grads == ("dk", "dv"):
     config, shared_keys = dkv_tiles(config, params, hp, v.shape[-1])
   else:
     shared_keys = False
-  roles_dq = shared_keys and "dq" in grads
-  consumers = _CONSUMERS + 1 if roles_dq else _CONSUMERS
   b = q.shape[0]
   kv_heads = k.shape[2]
   groups = q.shape[2] // kv_heads
@@ -1116,7 +1050,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
   tiles_of = 1 if shared_keys else _CONSUMERS  # (resident tiles of each kind)
   tile = functools.partial(fwd._smem_tile, swizzle=_swizzle(block_q))
   smem = dict(
-      zero=plgpu.SMEM((consumers,), jnp.int32),  # (`_opaque_zero`)
+      zero=plgpu.SMEM((_CONSUMERS,), jnp.int32),  # (`_opaque_zero`)
       k=tile((tiles_of, _KEYS, hp), k.dtype),  # K, then dK (or dV) on the way out
       q=tile((stages, block_q, hp), q.dtype),
       do=tile((stages, block_q, hv), q.dtype),
@@ -1142,7 +1076,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
         p=tile((p_slots, _KEYS, block_q), q.dtype),
         p_ready=plgpu.Barrier(num_barriers=p_slots),
         p_free=plgpu.Barrier(num_barriers=p_slots),
-        k_done=plgpu.Barrier(num_arrivals=consumers),
+        k_done=plgpu.Barrier(num_arrivals=_CONSUMERS),
     )
   grad_dtype = jnp.float32 if params.partial else k.dtype
   part_axis = (parts,) if parts > 1 else ()  # (each part's sums, added up below)
@@ -1152,15 +1086,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     smem["out32"] = plgpu.SMEM((_CONSUMERS, _KEYS, hp), jnp.float32)
   sem_shape = first = None
   transposed = False
-  if roles_dq:  # the dK role's dSᵀ tiles for the dq role, and its staged part
-    p_slots = shared_key_p_slots(block_q)
-    smem.update(
-        ds=tile((p_slots, _KEYS, block_q), q.dtype),
-        ds_ready=plgpu.Barrier(num_barriers=p_slots),
-        ds_free=plgpu.Barrier(num_barriers=p_slots),
-        dq=fwd._smem_tile((1, block_q, hp), jnp.float32),  # (`_DqPart`'s staging tile)
-    )
-  if want_dq and not roles_dq:
+  if want_dq:
     transposed = dq_split(block_q, hp) == "transposed"
     slots, part = dq_part_tiles(block_q, hp)
     smem.update(
@@ -1174,7 +1100,6 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     )
     if slots == 1:
       smem["ds_free"] = plgpu.Barrier(num_arrivals=_CONSUMERS)
-  if want_dq:
     # Rows padded to whole query blocks, like the LSE's: the interpreter's stores do not clip.
     # (Transposed parts add into dQᵀ, [B, N, head dim, rows].)
     t_pad = lse2.shape[-1]
@@ -1182,7 +1107,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
     if not atomic:
       out_type["dq"] = _core.out_struct(dq_shape, jnp.float32, q)
       if not params.interpret:  # (the interpreter has no semaphores; it needs none)
-        sem_shape = (b, q.shape[2], t_pad // block_q, 1 if roles_dq else _CONSUMERS)
+        sem_shape = (b, q.shape[2], t_pad // block_q, _CONSUMERS)
       first = _first_visitors(schedule, inputs, t_pad // block_q)
   kernel = functools.partial(_dkv_kernel, params=params, config=config, schedule=schedule,
                              groups=groups, grads=grads, sem_shape=sem_shape, parts=parts,
@@ -1197,7 +1122,7 @@ def _dkv(q, k, v, d_out, lse2, delta, inputs: Inputs, params: Params, config: Ba
       scratch_types=(smem,),
       grid=(kv_heads * parts, k_tiles, b),
       grid_names=("heads", "k_tiles", "batch"),
-      num_threads=consumers + 1,
+      num_threads=_CONSUMERS + 1,
       thread_name="wg",
       kernel_name=_dkv_name(grads, atomic),
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
@@ -1530,11 +1455,8 @@ def _padded_dims(inputs: Inputs) -> tuple[int, int]:
 def _one_pass_mode(inputs: Inputs, params: Params, config: Backward) -> str | None:
   """How dQ comes out: ``"atomic"`` or ``"ordered"`` from the dK/dV kernel, or None (the dQ
   kernel). A call that allows nondeterministic gradients but that the atomic kernel cannot
-  serve (a partial call, or one whose tiles do not fit) takes the deterministic kernels, and so
-  does a call that `Backward.shared_keys_dq`'s roles cannot serve."""
+  serve (a partial call, or one whose tiles do not fit) takes the deterministic kernels."""
   q_len, (hp, hv) = inputs.query.shape[1], _padded_dims(inputs)
-  if config.shared_keys_dq and not dkv_tiles(config, params, hp, hv)[1]:
-    return None  # (its dq consumer is one of the roles')
   mode = config.one_pass_mode(hp, params.deterministic, q_len, hv)
   if mode == "atomic" and (params.partial or backward_smem_bytes(
       config, inputs.query.shape[-1], deterministic=False,

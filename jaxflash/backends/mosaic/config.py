@@ -31,11 +31,6 @@ FORWARD_SMEM_BUDGET = 227 * 1024 - 2048
 REGISTER_COUNTS = (232, 240)
 # The same with three consumers (the forward's `Config.consumers`): 160 leaves the producer 24.
 THREE_CONSUMER_REGISTERS = (152, 160)
-# `Backward.shared_keys_dq`'s three consumers (the two roles and the dQ consumer) take 160 each,
-# the producer 24. ptxas (`benchmarks/dev/ptxas_probe.py`, MLA's 192/128): 4 bytes spilled,
-# where roles of 168 beside a dQ consumer of 144 spilled 780 (its 64 x 192 float32 part is 96
-# a thread, beside the products' descriptors) and of 176 beside 128, 1216.
-SHARED_KEYS_DQ_REGISTERS = 160
 
 
 def producer_registers(consumer_registers: int, consumers: int = 2) -> int:
@@ -154,14 +149,6 @@ class Backward:
   # The same for the other role (dV += Pᵀ dO with the next Sᵀ) made MLA's dK/dV kernel 3-20%
   # slower on an H200 in two orders (2026-12-02, docs/mosaic_backward.md), so it has no field.
   shared_keys_overlap: bool = False
-  # With `shared_keys` (a ValueError without it), where a one pass runs (`one_pass`, or `atomic`
-  # for calls that allow it): a third consumer forms each visit's dQ part, dS K over the CTA's
-  # 64 keys, from the dSᵀ tile that the dK role hands it in shared memory, and adds it into the
-  # float32 dQ in a fixed order of key tiles or with unordered reduce-adds
-  # (`backward._SharedKeyRoles.dq`), so that MLA's backward runs no dQ kernel. Its registers are
-  # `SHARED_KEYS_DQ_REGISTERS`; 64-row query tiles only (on 128 the staged part does not fit in
-  # shared memory).
-  shared_keys_dq: bool = False
 
   def __post_init__(self):
     for name in ("dkv_block_q", "dq_block_kv", "dv_block_q"):
@@ -178,8 +165,6 @@ class Backward:
         raise ValueError(f"{name} must be 232 or 240, got {value}")
     if self.shared_keys_overlap and not self.shared_keys:  # (it is a form of the two roles)
       raise ValueError("shared_keys_overlap needs shared_keys=True")
-    if self.shared_keys_dq and not (self.shared_keys and self.dkv_block_q == 64):
-      raise ValueError("shared_keys_dq needs shared_keys=True and dkv_block_q=64")
     parts = {"group_parts": self.group_parts}
     if self.atomic_group_parts is not None:  # (None: the atomic pass takes ``group_parts``)
       parts["atomic_group_parts"] = self.atomic_group_parts
@@ -204,8 +189,7 @@ class Backward:
     """These tiles without `shared_keys`, for the calls its roles cannot serve: on 64-row query
     tiles where theirs do not fit the usual layout's shared memory at padded head dims ``hp``
     and ``hv``."""
-    usual = dataclasses.replace(self, shared_keys=False, shared_keys_overlap=False,
-                                shared_keys_dq=False)
+    usual = dataclasses.replace(self, shared_keys=False, shared_keys_overlap=False)
     if backward_smem_bytes(usual, hp, partial, value_dim=hv) > SMEM_BUDGET:
       usual = dataclasses.replace(usual, dkv_block_q=64)
     return usual
@@ -233,8 +217,6 @@ class Backward:
     that allows them). Where dK/dV runs as two passes (`splits_dkv`), the dK pass forms dQ
     too, with unordered adds only and on 32-row query tiles (`dq_split`'s ``"transposed"``)."""
     wanted = self.one_pass if deterministic else self.atomic or self.one_pass
-    if self.shared_keys_dq:  # (the roles' third consumer, where dK and dV run in one pass)
-      return wanted and not self.splits_dkv(hp, hv)
     split = dq_split(self.dkv_block_q, hp)
     if not wanted or split is None or (deterministic and split == "transposed"):
       return False  # (transposed parts are added in no fixed order)
@@ -475,20 +457,12 @@ def backward_smem_bytes(backward: Backward, head_dim: int, partial: bool = False
   streamed = lambda block: block * 2 * (hp + hv)  # noqa: E731  (a Q and a dO, or K and V)
   dkv = tile(hp) + tile(hv) + out32 + backward.dkv_stages * (streamed(backward.dkv_block_q)
                                                              + backward.dkv_block_q * 2 * 4)
-  one_pass = backward.runs_one_pass(hp, deterministic, hv)
-  # (The usual one pass runs the usual layout, `Backward.shared_keys_dq` the roles.)
-  roles = (backward.shared_keys and not backward.splits_dkv(hp, hv)
-           and (backward.shared_keys_dq or not one_pass))
-  if roles:
+  if backward.runs_one_pass(hp, deterministic, hv):  # both consumers' dSᵀ, staged dQ parts
+    dkv += dq_part_smem_bytes(backward.dkv_block_q, hp)
+  elif backward.shared_keys and not backward.splits_dkv(hp, hv):
     # One K and one V tile, and the Pᵀ tiles (`backward._SharedKeyRoles`; one at 128 rows).
     dkv += (-(tile(hp) + tile(hv)) // 2
             + shared_key_p_slots(backward.dkv_block_q) * 64 * backward.dkv_block_q * 2)
-  if roles and one_pass:
-    # (`Backward.shared_keys_dq`: the dK role's dSᵀ tiles, and the dQ role's staged part.)
-    dkv += (shared_key_p_slots(backward.dkv_block_q) * 64 * backward.dkv_block_q * 2
-            + backward.dkv_block_q * hp * 4)
-  elif one_pass:  # both consumers' dSᵀ, staged dQ parts
-    dkv += dq_part_smem_bytes(backward.dkv_block_q, hp)
   dq = tile(hp) + tile(hv) + out32 + backward.dq_stages * streamed(backward.dq_block_kv)
   dv = 0
   if backward.splits_dkv(hp, hv):
